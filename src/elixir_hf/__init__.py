@@ -1,0 +1,1 @@
+"""Hugging Face integration layer for the elixir runtime."""

@@ -1,0 +1,15 @@
+"""elixir_runtime: chunk-based ZeRO with an rCache and partial CPU offload (torch only).
+
+    model, optimizer = elixir_runtime.prepare(model, torch.optim.AdamW(model.parameters()), example_batch=batch)
+    loss = model(**batch).loss
+    optimizer.backward(loss)
+    optimizer.clip_grad_norm(1.0)
+    optimizer.step(); optimizer.zero_grad()
+"""
+
+from .api import ElixirState, prepare
+from .config import ElixirConfig, LossScaleConfig
+from .optim.optimizer import ElixirOptimizer
+from .plan import ElixirPlan, PlanError
+
+__all__ = ["prepare", "ElixirConfig", "LossScaleConfig", "ElixirOptimizer", "ElixirPlan", "PlanError", "ElixirState"]

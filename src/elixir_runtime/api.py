@@ -1,0 +1,169 @@
+"""``prepare``: turns a model and the user's Adam/AdamW into a chunked, sharded, offloadable pair.
+
+Order matters and is the whole point of the function: every check and the plan happen before
+any training memory is allocated; then the shards are filled from the live weights, the
+parameters become views into the rCache (placeholders of the right shape when not resident),
+and the hooks are installed on the same ``nn.Module`` object the user keeps calling.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpoint import ModelStateHooks
+from .chunk.collectives import Collectives
+from .chunk.layout import build_layout
+from .config import ElixirConfig
+from .optim.optimizer import ElixirOptimizer
+from .plan import ElixirPlan, resolve_plan
+from .profiler.trace import trace_unit_order
+from .runtime.chunks import ChunkRuntime
+from .runtime.hooks import install_hooks
+from .runtime.units import Unit, find_units, unit_owner_count
+
+__all__ = ["prepare", "ElixirState"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class ElixirState:
+    """What ``prepare`` attached to the model (``model._elixir``), for introspection and teardown."""
+
+    runtime: ChunkRuntime
+    plan: ElixirPlan
+    units: list[Unit]
+    optimizer: ElixirOptimizer
+    handles: list = field(default_factory=list)
+
+
+def prepare(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: ElixirConfig | None = None,
+    example_batch: Any | None = None,
+) -> tuple[nn.Module, ElixirOptimizer]:
+    """Installs the Elixir engine on ``model`` in place and returns ``(model, elixir_optimizer)``.
+
+    ``example_batch`` (what ``model(**batch)`` is called with) lets the engine trace the order in
+    which parameters are used, so chunks follow the forward pass; without it, registration order.
+    """
+    config = config or ElixirConfig()
+    _check_model(model)
+    decoupled = _check_optimizer(optimizer)
+    device = _resolve_device(config)
+    dtype = config.dtype or _model_dtype(model)
+    coll = Collectives(config.process_group)
+
+    units = find_units(model, config.unit_classes)
+    order, _ = trace_unit_order(model, units, example_batch)
+    params = list(dict.fromkeys(p for u in order for p in units[u].params))
+    index = {id(p): i for i, p in enumerate(params)}
+    names: list[list[str]] = [[] for _ in params]
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names[index[id(p)]].append(name)
+    groups = _param_groups(optimizer, params, names)
+    owners = unit_owner_count(units)
+    layout = build_layout(
+        params,
+        names,
+        groups,
+        [owners[id(p)] > 1 for p in params],
+        world_size=coll.world_size,
+        chunk_size=config.chunk_size,
+        alignment=config.alignment,
+    )
+    for u in units:
+        u.chunks = tuple(sorted({layout.param_chunk[index[id(p)]] for p in u.params}))
+    plan = resolve_plan(config, layout, units, device, dtype)
+    logger.info("Elixir plan:\n%s", plan.table())
+
+    orig_dtypes = [p.dtype for p in params]
+    _move_buffers(model, device)
+    runtime = ChunkRuntime(layout, plan.placement(), plan.n_blocks, coll, device, dtype, config.prefetch)
+    handles = install_hooks(model, units, runtime)
+    handles += ModelStateHooks(runtime, orig_dtypes).install(model)
+    elixir_optimizer = ElixirOptimizer(optimizer, runtime, decoupled=decoupled, loss_scale=config.loss_scale)
+    model._elixir = ElixirState(runtime, plan, units, elixir_optimizer, handles)
+    return model, elixir_optimizer
+
+
+def _check_model(model: nn.Module) -> None:
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if hasattr(model, "_elixir"):
+        raise ValueError("this model is already prepared by Elixir; call prepare once per model")
+    if isinstance(model, (DistributedDataParallel, DataParallel)):
+        raise TypeError(
+            f"model is wrapped in {type(model).__name__}; pass the bare module (model.module): Elixir shards and "
+            "reduces gradients itself"
+        )
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # torch without distributed
+        return
+    for m in model.modules():
+        if isinstance(m, (FSDPModule, FullyShardedDataParallel)):
+            raise TypeError(
+                "model is already sharded by FSDP; Elixir and FSDP cannot be combined: build the model without "
+                "fully_shard/FSDP and let Elixir shard it"
+            )
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("model has parameters on the meta device; materialize its weights before prepare")
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer) -> bool:
+    """Accepts Adam/AdamW only; returns whether weight decay is decoupled (AdamW)."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise TypeError(
+            f"Elixir runs Adam or AdamW over chunk shards, got {type(optimizer).__name__}: "
+            "create torch.optim.AdamW(model.parameters(), ...) (or Adam) and pass that"
+        )
+    for g in optimizer.param_groups:
+        for flag in ("amsgrad", "maximize"):
+            if g.get(flag):
+                raise ValueError(f"{flag}=True is not supported by the Elixir optimizer; create the optimizer without it")
+    return isinstance(optimizer, torch.optim.AdamW) or bool(optimizer.defaults.get("decoupled_weight_decay"))
+
+
+def _param_groups(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], names: list[list[str]]) -> list[int]:
+    """Group index of every model param (-1 if frozen); all trainable params must be in the optimizer."""
+    group_of: dict[int, int] = {}
+    for gi, g in enumerate(optimizer.param_groups):
+        for p in g["params"]:
+            group_of[id(p)] = gi
+    model_ids = {id(p) for p in params}
+    if any(pid not in model_ids for pid in group_of):
+        raise ValueError("the optimizer holds parameters that are not in the model; build it from model.parameters()")
+    missing = [names[i][0] for i, p in enumerate(params) if p.requires_grad and id(p) not in group_of]
+    if missing:
+        raise ValueError(
+            f"{len(missing)} trainable parameters are not in the optimizer (e.g. {missing[:3]}); pass all of "
+            "model.parameters() or set requires_grad=False on the ones to freeze"
+        )
+    return [group_of[id(p)] if p.requires_grad else -1 for p in params]
+
+
+def _resolve_device(config: ElixirConfig) -> torch.device:
+    if config.device is not None:
+        return torch.device(config.device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device("cpu")
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    for m in model.modules():
+        for k, b in m._buffers.items():
+            if b is not None:
+                m._buffers[k] = b.to(device)

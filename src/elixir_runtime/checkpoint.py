@@ -1,0 +1,96 @@
+"""Consolidated ``model.state_dict()`` / ``load_state_dict()`` for a chunked model, from any layout.
+
+``state_dict()`` gathers each chunk once (fp32 master for trainable chunks, so a bf16 run of an
+fp32 model saves its exact fp32 weights) and returns every parameter in its original dtype on the
+CPU, under every name it has (tied weights share one tensor, as in plain PyTorch; HF's
+``save_pretrained`` then writes them once). It is a collective: call it on every rank.
+``load_state_dict()`` writes each rank's part of the given full tensors into its shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from .chunk.store import write_param
+from .runtime.chunks import ChunkRuntime
+
+__all__ = ["ModelStateHooks", "layout_fingerprint"]
+
+
+class ModelStateHooks:
+    def __init__(self, runtime: ChunkRuntime, orig_dtypes: list[torch.dtype]) -> None:
+        self.runtime, self.orig_dtypes = runtime, orig_dtypes
+        self._loaded: set[str] = set()
+
+    def install(self, model: nn.Module) -> list:
+        # torch tags hook objects with attributes, which bound methods refuse: wrap them
+        return [
+            model.register_state_dict_post_hook(lambda *a: self._state_dict_post(*a)),
+            model.register_load_state_dict_pre_hook(lambda *a: self._load_pre(*a)),
+            model.register_load_state_dict_post_hook(lambda *a: self._load_post(*a)),
+        ]
+
+    @torch.no_grad()
+    def full_params(self) -> list[torch.Tensor]:
+        """Every parameter, consolidated, on the CPU in its original dtype (a collective)."""
+        rt, layout = self.runtime, self.runtime.layout
+        rt.wait_for_grads()
+        out: list[torch.Tensor] = [torch.empty(0)] * len(layout.params)
+        for c in rt.chunks:
+            src = c.arenas.master if c.spec.trainable else c.arenas.param
+            full = torch.empty(c.spec.numel, dtype=src.dtype, device=rt.device)
+            rt.coll.shard_of(full).copy_(src[c.offset : c.offset + c.shard_numel])
+            rt.coll.all_gather_(full)
+            host = full.cpu()
+            for s in c.spec.slots:
+                shape = layout.params[s.param].shape
+                out[s.param] = host[s.offset : s.offset + s.numel].view(shape).to(self.orig_dtypes[s.param]).clone()
+        return out
+
+    def _state_dict_post(self, _module: nn.Module, state_dict: dict, prefix: str, _meta: Any) -> None:
+        for i, tensor in enumerate(self.full_params()):
+            for name in self.runtime.layout.names[i]:
+                if prefix + name in state_dict:
+                    state_dict[prefix + name] = tensor
+
+    @torch.no_grad()
+    def _load_pre(self, _m, state_dict, prefix, _meta, _strict, _missing, _unexpected, error_msgs) -> None:
+        rt, layout = self.runtime, self.runtime.layout
+        self._loaded = set()
+        for i, names in enumerate(layout.names):
+            keys = [prefix + n for n in names if prefix + n in state_dict]
+            if not keys:
+                continue
+            value = state_dict[keys[0]]
+            shape = layout.params[i].shape
+            for k in keys:
+                del state_dict[k]
+            if value.shape != shape:
+                error_msgs.append(
+                    f"size mismatch for {keys[0]}: copying a param with shape {tuple(value.shape)} from "
+                    f"checkpoint, the shape in current model is {tuple(shape)}."
+                )
+                continue
+            c = rt.chunks[layout.param_chunk[i]]
+            write_param(layout, c.arenas, c.spec, layout.param_slot[i], value, rt.coll.rank)
+            self._loaded.update(prefix + n for n in names)
+        rt.reload_shards()
+
+    def _load_post(self, _module: nn.Module, incompatible) -> None:
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in self._loaded]
+
+
+def layout_fingerprint(runtime: ChunkRuntime) -> str:
+    """Identifies a chunk layout: a sharded optimizer state only loads into the same one."""
+    layout = runtime.layout
+    h = hashlib.sha256(f"{layout.world_size}|{layout.chunk_size}|{layout.alignment}".encode())
+    for c in layout.chunks:
+        h.update(f"|{c.numel}:{int(c.trainable)}".encode())
+        for s in c.slots:
+            h.update(f",{layout.names[s.param][0]}@{s.offset}+{s.numel}".encode())
+    return h.hexdigest()[:16]
+

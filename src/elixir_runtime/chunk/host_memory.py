@@ -1,0 +1,31 @@
+"""Pinned host memory allocated at its exact size.
+
+``torch.empty(..., pin_memory=True)`` goes through the caching host allocator, which rounds each
+block up to a power of two (a 40 GiB arena would take 64 GiB of RAM). We allocate ordinary
+pageable memory and page-lock it in place with ``cudaHostRegister`` instead.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+__all__ = ["empty_host"]
+
+
+def empty_host(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
+    """A zero-filled host tensor; page-locked (exact size) when ``pin`` and CUDA is available."""
+    t = torch.zeros(numel, dtype=dtype)
+    if pin and numel > 0 and torch.cuda.is_available():
+        _register(t)
+    return t
+
+
+def _register(t: torch.Tensor) -> None:
+    cudart = torch.cuda.cudart()
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    err = cudart.cudaHostRegister(ptr, nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed with CUDA error {int(err)}")
+    weakref.finalize(t, cudart.cudaHostUnregister, ptr)  # the engine keeps the arena tensor alive

@@ -1,0 +1,171 @@
+"""Where every parameter lives: chunks in use order, offsets inside them, and shard ranges.
+
+Pure bookkeeping (no tensors are allocated here), so an impossible plan can be rejected before a
+byte of memory is touched. Rules:
+
+* parameters are packed in first-use order into chunks of ``chunk_size`` elements; a parameter
+  never spans two chunks;
+* a parameter used by more than one unit (tied ``wte``/``lm_head``) gets a *private* chunk of its
+  own that is never evicted;
+* frozen parameters go to frozen chunks (no grad, no optimizer state);
+* inside a trainable chunk parameters are sorted by optimizer param group, so each rank's shard
+  meets every group in at most one contiguous segment (one kernel range per group, not per param).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from torch import nn
+
+__all__ = ["Slot", "ChunkSpec", "ChunkLayout", "build_layout", "round_up"]
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """Parameter ``param`` occupies ``[offset, offset + numel)`` of its chunk."""
+
+    param: int
+    offset: int
+    numel: int
+
+
+@dataclass(slots=True)
+class ChunkSpec:
+    index: int
+    numel: int
+    trainable: bool
+    private: bool
+    slots: list[Slot] = field(default_factory=list)
+    group_ranges: list[tuple[int, int, int]] = field(default_factory=list)
+    """``(start, end, group)`` covering ``[0, numel)`` for trainable chunks; empty for frozen ones."""
+
+    def shard_segments(self, rank: int, world_size: int) -> list[tuple[int, int, int]]:
+        """``(offset within the shard, length, group)`` of rank ``rank``'s shard, in order."""
+        size = self.numel // world_size
+        lo, hi = rank * size, (rank + 1) * size
+        out = []
+        for start, end, group in self.group_ranges:
+            a, b = max(start, lo), min(end, hi)
+            if a < b:
+                out.append((a - lo, b - a, group))
+        return out
+
+
+@dataclass(slots=True)
+class ChunkLayout:
+    chunk_size: int
+    world_size: int
+    alignment: int
+    params: list[nn.Parameter]
+    names: list[list[str]]
+    """Every name each parameter is reachable under (tied weights have several)."""
+    groups: list[int]
+    """Optimizer param-group index of each parameter (-1 for frozen ones)."""
+    chunks: list[ChunkSpec]
+    param_chunk: list[int] = field(default_factory=list)
+    param_slot: list[Slot] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.param_chunk = [0] * len(self.params)
+        self.param_slot = [Slot(0, 0, 0)] * len(self.params)
+        for c in self.chunks:
+            for s in c.slots:
+                self.param_chunk[s.param] = c.index
+                self.param_slot[s.param] = s
+
+    def shard_numel(self, chunk: ChunkSpec) -> int:
+        return chunk.numel // self.world_size
+
+    @property
+    def total_numel(self) -> int:
+        return sum(c.numel for c in self.chunks)
+
+
+def build_layout(
+    params: Sequence[nn.Parameter],
+    names: Sequence[list[str]],
+    groups: Sequence[int],
+    private: Sequence[bool],
+    *,
+    world_size: int,
+    chunk_size: int | None,
+    alignment: int,
+) -> ChunkLayout:
+    """Packs ``params`` (already in first-use order) into chunks.
+
+    ``groups[i] == -1`` marks a frozen parameter; ``private[i]`` a multi-use one.
+    """
+    quantum = world_size * alignment
+    numels = [p.numel() for p in params]
+    aligned = [round_up(n, alignment) for n in numels]
+    public = [a for a, priv in zip(aligned, private) if not priv]
+    largest = max(public, default=alignment)
+    if chunk_size is None:
+        chunk_size = default_chunk_size(sum(public), largest)
+    chunk_size = round_up(chunk_size, quantum)
+    if largest > chunk_size:
+        i = max((i for i in range(len(params)) if not private[i]), key=lambda i: aligned[i])
+        raise ValueError(
+            f"chunk_size {chunk_size} is smaller than parameter {names[i][0]!r} ({params[i].numel()} elements); "
+            f"a parameter never spans two chunks: use chunk_size >= {round_up(largest, quantum)}"
+        )
+
+    chunks: list[ChunkSpec] = []
+    open_chunk: dict[bool, tuple[ChunkSpec, list[int]] | None] = {True: None, False: None}
+
+    def close(trainable: bool) -> None:
+        entry = open_chunk[trainable]
+        if entry is not None:
+            _place(entry[0], entry[1], aligned, groups, numels)
+            open_chunk[trainable] = None
+
+    for i, p in enumerate(params):
+        trainable = groups[i] >= 0
+        if private[i]:
+            spec = ChunkSpec(len(chunks), round_up(aligned[i], quantum), trainable, private=True)
+            chunks.append(spec)
+            _place(spec, [i], aligned, groups, numels)
+            continue
+        entry = open_chunk[trainable]
+        if entry is not None and sum(aligned[j] for j in entry[1]) + aligned[i] > chunk_size:
+            close(trainable)
+            entry = None
+        if entry is None:
+            spec = ChunkSpec(len(chunks), chunk_size, trainable, private=False)
+            chunks.append(spec)
+            entry = open_chunk[trainable] = (spec, [])
+        entry[1].append(i)
+    close(True)
+    close(False)
+    return ChunkLayout(chunk_size, world_size, alignment, list(params), [list(n) for n in names], list(groups), chunks)
+
+
+def default_chunk_size(total: int, largest: int) -> int:
+    """About eight chunks for small models, 32 Mi elements (64 MiB in bf16) for large ones."""
+    return max(largest, min(32 * 2**20, -(-total // 8)))
+
+
+def _place(
+    spec: ChunkSpec, members: list[int], aligned: Sequence[int], groups: Sequence[int], numels: Sequence[int]
+) -> None:
+    """Assigns offsets sorted by group (stable in use order) and the group ranges."""
+    members = sorted(members, key=lambda i: groups[i])
+    offset = 0
+    ranges: list[tuple[int, int, int]] = []
+    for i in members:
+        if spec.trainable and (not ranges or ranges[-1][2] != groups[i]):
+            if ranges:
+                ranges[-1] = (ranges[-1][0], offset, ranges[-1][2])
+            ranges.append((offset, offset, groups[i]))
+        spec.slots.append(Slot(i, offset, numels[i]))
+        offset += aligned[i]
+    if ranges:
+        ranges[-1] = (ranges[-1][0], spec.numel, ranges[-1][2])
+        ranges[0] = (0, ranges[0][1], ranges[0][2])
+    spec.group_ranges = ranges

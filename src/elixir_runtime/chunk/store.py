@@ -1,0 +1,135 @@
+"""This rank's shards of every chunk, in flat arenas allocated once per placement.
+
+A placement is where a chunk's shard and optimizer states live: ``"device"`` (the compute
+device, updated there) or ``"host"`` (pinned host memory, updated on the CPU). Each placement
+holds five arenas laid out chunk after chunk, trainable chunks first:
+
+    param      compute dtype   gathered into the rCache before use
+    grad       compute dtype   reduce-scattered gradients (trainable chunks only)
+    master     fp32            the weights the optimizer updates (aliases ``param`` in fp32 runs)
+    exp_avg    fp32            Adam m
+    exp_avg_sq fp32            Adam v
+
+so one kernel call updates a placement, guided by a static list of per-group segments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..optim.kernel import Segment
+from .host_memory import empty_host
+from .layout import ChunkLayout, ChunkSpec, Slot
+
+__all__ = ["Placement", "ShardArenas", "build_arenas", "write_param", "shard_overlap"]
+
+Placement = str  # "device" | "host"
+
+
+@dataclass(eq=False)
+class ShardArenas:
+    placement: Placement
+    device: torch.device
+    param: torch.Tensor
+    grad: torch.Tensor
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    trainable_numel: int
+    segments: list[Segment] = field(default_factory=list)
+    offsets: dict[int, int] = field(default_factory=dict)
+    """Chunk index → offset of its shard in every arena of this placement."""
+
+    @property
+    def master_is_param(self) -> bool:
+        return self.master.data_ptr() == self.param.data_ptr() and self.param.numel() > 0
+
+    def nbytes(self) -> int:
+        tensors = [self.param, self.grad, self.exp_avg, self.exp_avg_sq]
+        if not self.master_is_param:
+            tensors.append(self.master)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def build_arenas(
+    layout: ChunkLayout,
+    placement: list[Placement],
+    rank: int,
+    compute_device: torch.device,
+    dtype: torch.dtype,
+) -> dict[Placement, ShardArenas]:
+    """Allocates the arenas and fills them from the parameters' current values.
+
+    The master weights are filled from the parameters in their original precision, the
+    compute-dtype copy is cast from the master: a bf16 run of an fp32 model starts from the exact
+    fp32 weights.
+    """
+    out: dict[Placement, ShardArenas] = {}
+    for where in ("device", "host"):
+        members = [c for c in layout.chunks if placement[c.index] == where]
+        members.sort(key=lambda c: not c.trainable)  # trainable first: state arenas are a prefix
+        shard = [layout.shard_numel(c) for c in members]
+        total = sum(shard)
+        trainable = sum(s for c, s in zip(members, shard) if c.trainable)
+        device = compute_device if where == "device" else torch.device("cpu")
+        pin = where == "host" and compute_device.type == "cuda"
+
+        def alloc(numel: int, dt: torch.dtype) -> torch.Tensor:
+            if device.type == "cpu":
+                return empty_host(numel, dt, pin=pin)
+            return torch.zeros(numel, dtype=dt, device=device)
+
+        param = alloc(total, dtype)
+        master = param[:trainable] if dtype == torch.float32 else alloc(trainable, torch.float32)
+        arenas = ShardArenas(
+            where,
+            device,
+            param=param,
+            grad=alloc(trainable, dtype),
+            master=master,
+            exp_avg=alloc(trainable, torch.float32),
+            exp_avg_sq=alloc(trainable, torch.float32),
+            trainable_numel=trainable,
+        )
+        offset = 0
+        for c, size in zip(members, shard):
+            arenas.offsets[c.index] = offset
+            if c.trainable:
+                arenas.segments += [Segment(offset + o, n, g) for o, n, g in c.shard_segments(rank, layout.world_size)]
+            offset += size
+        _fill(layout, members, arenas, rank)
+        out[where] = arenas
+    return out
+
+
+@torch.no_grad()
+def _fill(layout: ChunkLayout, members, arenas: ShardArenas, rank: int) -> None:
+    for c in members:
+        for s in c.slots:
+            write_param(layout, arenas, c, s, layout.params[s.param].detach(), rank)
+    if not arenas.master_is_param and arenas.trainable_numel:
+        arenas.param[: arenas.trainable_numel].copy_(arenas.master)
+
+
+def shard_overlap(layout: ChunkLayout, chunk: ChunkSpec, slot: Slot, rank: int) -> tuple[int, int, int] | None:
+    """``(offset in the shard, offset in the param, length)`` of the part of ``slot`` this rank holds."""
+    size = layout.shard_numel(chunk)
+    lo = rank * size
+    a, b = max(slot.offset, lo), min(slot.offset + slot.numel, lo + size)
+    return (a - lo, a - slot.offset, b - a) if a < b else None
+
+
+@torch.no_grad()
+def write_param(
+    layout: ChunkLayout, arenas: ShardArenas, chunk: ChunkSpec, slot: Slot, value: torch.Tensor, rank: int
+) -> None:
+    """Copies this rank's part of a full parameter value into the master (or frozen param) shard."""
+    part = shard_overlap(layout, chunk, slot, rank)
+    if part is None:
+        return
+    shard_off, param_off, n = part
+    base = arenas.offsets[chunk.index]
+    target = arenas.master if chunk.trainable else arenas.param
+    target[base + shard_off : base + shard_off + n].copy_(value.reshape(-1)[param_off : param_off + n])

@@ -1,0 +1,89 @@
+"""The one interface every Adam kernel implements, and the torch reference behind it.
+
+The chunk optimizer keeps each placement's shards (GPU-resident or offloaded) in flat arenas:
+fp32 master, exp_avg, exp_avg_sq, a low-precision (or fp32) grad and the compute-dtype param copy.
+A static list of :class:`Segment` s says which arena range belongs to which param group, so a
+kernel updates a whole placement in one call with no per-parameter Python work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+__all__ = ["AdamHyper", "Segment", "AdamKernel", "TorchAdamKernel"]
+
+
+@dataclass(frozen=True, slots=True)
+class AdamHyper:
+    """Hyperparameters of one param group at one step (read from ``param_groups`` each step)."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+    """True for AdamW (decay applied to the weight), False for Adam (L2 added to the grad)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A contiguous arena range ``[offset, offset + length)`` updated with group ``group``'s hypers."""
+
+    offset: int
+    length: int
+    group: int
+
+
+class AdamKernel(Protocol):
+    """Updates master/exp_avg/exp_avg_sq in place and writes the new params into ``param_out``.
+
+    ``grad`` is divided by ``div_scale`` first (loss-scale unscaling and clipping fused);
+    ``step`` is the 1-based step number used for bias correction. ``param_out`` may be ``None``
+    when the compute dtype is fp32 and the master *is* the param (nothing to copy out).
+    """
+
+    def step(
+        self,
+        master: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        grad: torch.Tensor,
+        param_out: torch.Tensor | None,
+        segments: Sequence[Segment],
+        hypers: Sequence[AdamHyper],
+        step: int,
+        div_scale: float,
+    ) -> None: ...
+
+
+class TorchAdamKernel:
+    """Plain torch ops, the same math and order as ``torch.optim.AdamW``'s single-tensor path.
+
+    The reference and the fallback: correct on any device, slow (one pass per op per segment).
+    """
+
+    def step(self, master, exp_avg, exp_avg_sq, grad, param_out, segments, hypers, step, div_scale):
+        for seg in segments:
+            h = hypers[seg.group]
+            sl = slice(seg.offset, seg.offset + seg.length)
+            p, m, v = master[sl], exp_avg[sl], exp_avg_sq[sl]
+            g = grad[sl].to(torch.float32)
+            if div_scale != 1.0:
+                g = g / div_scale
+            if h.weight_decay != 0.0:
+                if h.decoupled:
+                    p.mul_(1.0 - h.lr * h.weight_decay)
+                else:
+                    g = g.add(p, alpha=h.weight_decay)
+            m.lerp_(g, 1.0 - h.beta1)
+            v.mul_(h.beta2).addcmul_(g, g, value=1.0 - h.beta2)
+            bias_correction1 = 1.0 - h.beta1**step
+            bias_correction2_sqrt = (1.0 - h.beta2**step) ** 0.5
+            denom = (v.sqrt() / bias_correction2_sqrt).add_(h.eps)
+            p.addcdiv_(m, denom, value=-h.lr / bias_correction1)
+            if param_out is not None:
+                param_out[sl].copy_(p)

@@ -1,0 +1,376 @@
+"""The chunk runtime: residency, gathers, gradient write-back and reduce-scatter.
+
+Everything that moves chunk data lives here; the module hooks (``hooks.py``) only say *when*:
+
+* ``acquire`` makes chunks resident in the rCache (gathering from shards, evicting the Belady
+  victim) and pins them while a unit runs; ``prefetch`` gathers the next chunks of the trace
+  early on a side stream;
+* ``on_grad`` copies a parameter's gradient over its own slot of the gathered chunk (its data is
+  no longer needed), and when every parameter of a chunk has its gradient the chunk is averaged
+  over ranks by reduce-scatter into this rank's gradient shard, and its block is freed;
+* ``finish_backward`` runs once at the end of each backward: it reduces what unused parameters
+  left incomplete (zero gradients, the same on every rank) so no rank ever waits on another.
+
+[Note: reduce order] Ranks must issue collectives in the same order. Chunks are reduced in a fixed
+order (reverse first use, which is the order a backward finishes them); a chunk finished early
+waits for its turn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..chunk.collectives import Collectives
+from ..chunk.layout import ChunkLayout, ChunkSpec
+from ..chunk.rcache import Block, RCache
+from ..chunk.schedule import AccessSchedule
+from ..chunk.store import Placement, ShardArenas, build_arenas
+
+__all__ = ["ChunkState", "ChunkRuntime", "RCacheExhausted"]
+
+
+class RCacheExhausted(RuntimeError):
+    """Every rCache block holds a chunk that is in use: the plan's rCache is too small."""
+
+
+@dataclass(eq=False)
+class ChunkState:
+    spec: ChunkSpec
+    arenas: ShardArenas
+    offset: int
+    shard_numel: int
+    block: Block | None = None
+    valid: bool = False
+    """The block holds the gathered params (some slots may already hold this backward's grads)."""
+    pins: int = 0
+    written: set[int] = field(default_factory=set)
+    """Params whose gradient is in the block in the current backward."""
+    reduced: bool = False
+    grad_fresh: bool = True
+    """The next reduce overwrites the grad shard (set by zero_grad) instead of accumulating."""
+    has_grad: bool = False
+    ready: torch.cuda.Event | None = None
+    n_grad_params: int = 0
+
+    @property
+    def index(self) -> int:
+        return self.spec.index
+
+    @property
+    def param_shard(self) -> torch.Tensor:
+        return self.arenas.param[self.offset : self.offset + self.shard_numel]
+
+    @property
+    def grad_shard(self) -> torch.Tensor:
+        return self.arenas.grad[self.offset : self.offset + self.shard_numel]
+
+    @property
+    def evictable(self) -> bool:
+        return not self.spec.private and self.pins == 0 and not self.written
+
+
+class ChunkRuntime:
+    def __init__(
+        self,
+        layout: ChunkLayout,
+        placement: list[Placement],
+        n_blocks: int,
+        coll: Collectives,
+        device: torch.device,
+        dtype: torch.dtype,
+        prefetch: int,
+    ) -> None:
+        self.layout, self.coll, self.device, self.dtype = layout, coll, device, dtype
+        self.prefetch_depth = prefetch
+        self.cuda = device.type == "cuda"
+        self.arenas = build_arenas(layout, placement, coll.rank, device, dtype)
+        self.rcache = RCache(n_blocks, layout.chunk_size, dtype, device)
+        self._block_by_ptr = {b.data.data_ptr(): b for b in self.rcache.blocks}
+        self.chunks = [
+            ChunkState(
+                spec,
+                self.arenas[placement[spec.index]],
+                self.arenas[placement[spec.index]].offsets[spec.index],
+                layout.shard_numel(spec),
+                n_grad_params=len(spec.slots) if spec.trainable else 0,
+            )
+            for spec in layout.chunks
+        ]
+        for c in self.chunks:
+            if c.spec.private:
+                c.block = self.rcache.private_block(c.spec.numel, dtype, device)
+        self.trainable = [c for c in self.chunks if c.spec.trainable]
+        self._reduce_order = list(reversed(self.trainable))
+        self._reduce_pos = 0
+        self.schedule = AccessSchedule()
+        self._resident: dict[int, ChunkState] = {}
+        self.fetch_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.reduce_stream = torch.cuda.Stream(device) if self.cuda else None
+        zero = torch.zeros((), dtype=dtype, device=device)
+        self._placeholders = [zero.expand(p.shape) for p in layout.params]
+        self.in_backward = False
+        self.backward_pending = False
+        """A grad-enabled forward ran whose backward has not been finished yet."""
+        self.on_finish_backward: list = []
+        for i, p in enumerate(layout.params):
+            p.data = self._placeholders[i]
+
+    # ------------------------------------------------------------------ residency
+    def acquire(self, ids: tuple[int, ...], pin: bool) -> None:
+        """Makes chunks ``ids`` resident for the current stream; pins them if ``pin``."""
+        for i in ids:
+            self.schedule.access(i)
+        for i in ids:
+            c = self.chunks[i]
+            c.pins += 1  # protects it while the others are gathered
+            if not c.valid:
+                self._gather(c)
+        for i in ids:
+            c = self.chunks[i]
+            if not pin:
+                c.pins -= 1
+            if c.ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(c.ready)
+                c.ready = None
+        self.prefetch()
+
+    def release(self, ids: tuple[int, ...]) -> None:
+        for i in ids:
+            c = self.chunks[i]
+            assert c.pins > 0, f"chunk {i} released more often than acquired"
+            c.pins -= 1
+
+    def ensure_resident(self, i: int) -> ChunkState:
+        c = self.chunks[i]
+        if not c.valid:
+            self.acquire((i,), pin=False)
+        return c
+
+    def block_of(self, t: torch.Tensor) -> Block | None:
+        """The rCache block ``t``'s storage belongs to (``None`` for anything else)."""
+        return self._block_by_ptr.get(t.untyped_storage().data_ptr())
+
+    def prefetch(self) -> None:
+        if self.prefetch_depth == 0:
+            return
+        fetched = scanned = 0
+        for i, distance in self.schedule.upcoming():
+            scanned += 1
+            if fetched >= self.prefetch_depth or scanned > self.prefetch_depth + 16:
+                return
+            c = self.chunks[i]
+            if c.valid:
+                continue
+            if not self._has_block_for(distance):
+                return
+            self._gather(c)
+            fetched += 1
+
+    def _has_block_for(self, distance: int) -> bool:
+        if self.rcache.free:
+            return True
+        victim = self._victim()
+        return victim is not None and self.schedule.eviction_score(victim.index) > distance
+
+    def _victim(self) -> ChunkState | None:
+        candidates = [c for c in self._resident.values() if c.evictable]
+        return max(candidates, key=lambda c: self.schedule.eviction_score(c.index), default=None)
+
+    def _take_block(self) -> Block:
+        if self.rcache.free:
+            return self.rcache.free.pop()
+        victim = self._victim()
+        if victim is None:
+            raise RCacheExhausted(
+                f"all {len(self.rcache.blocks)} rCache blocks hold chunks in use "
+                f"({sorted(self._resident)}); use a larger n_blocks"
+            )
+        self._drop(victim)
+        return self.rcache.free.pop()
+
+    def _gather(self, c: ChunkState) -> None:
+        if c.block is None:
+            c.block = self._take_block()
+            c.block.chunk = c.index
+            self._resident[c.index] = c
+        full = c.block.data[: c.spec.numel]
+        with self._on(self.fetch_stream, c.block):
+            self.coll.shard_of(full).copy_(c.param_shard, non_blocking=True)
+            self.coll.all_gather_(full)
+            if self.cuda:
+                c.ready = torch.cuda.Event()
+                c.ready.record(self.fetch_stream)
+        c.valid = True
+        for s in c.spec.slots:
+            self.layout.params[s.param].data = full[s.offset : s.offset + s.numel].view(self._placeholders[s.param].shape)
+
+    def _drop(self, c: ChunkState, event: torch.cuda.Event | None = None) -> None:
+        """Forgets the gathered params of ``c``; a public block goes back to the free list."""
+        for s in c.spec.slots:
+            self.layout.params[s.param].data = self._placeholders[s.param]
+        c.valid = False
+        block = c.block
+        assert block is not None
+        if self.cuda:
+            if event is None:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.device))
+            block.free_event = event
+        if not block.private:
+            block.chunk = None
+            c.block = None
+            del self._resident[c.index]
+            self.rcache.free.append(block)
+
+    @contextlib.contextmanager
+    def _on(self, stream: torch.cuda.Stream | None, block: Block):
+        """Runs on ``stream`` after the current stream's work and the block's last user."""
+        if stream is None:
+            yield
+            return
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        if block.free_event is not None:
+            stream.wait_event(block.free_event)
+        with torch.cuda.stream(stream):
+            yield
+
+    # ------------------------------------------------------------------ gradients
+    def begin_backward(self) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+    @torch.no_grad()
+    def on_grad(self, param_index: int, param: nn.Parameter) -> None:
+        """Post-accumulate-grad hook: the grad overwrites the param's slot in its chunk."""
+        self.begin_backward()
+        c = self.chunks[self.layout.param_chunk[param_index]]
+        if c.reduced:
+            raise RuntimeError(
+                f"parameter {self.layout.names[param_index][0]!r} received a gradient after its chunk was "
+                "reduced in this backward; is it used outside the module that owns it?"
+            )
+        self.ensure_resident(c.index)
+        s = self.layout.param_slot[param_index]
+        slot = c.block.data[s.offset : s.offset + s.numel]
+        grad = param.grad.reshape(-1)
+        if param_index in c.written:
+            slot.add_(grad)
+        else:
+            slot.copy_(grad)
+            c.written.add(param_index)
+        param.grad = None
+        if len(c.written) == c.n_grad_params:
+            self._reduce_ready()
+
+    def _reduce_ready(self) -> None:
+        if self.coll.world_size == 1:  # no collective order to keep
+            for c in self.trainable:
+                if not c.reduced and c.n_grad_params and len(c.written) == c.n_grad_params:
+                    self._reduce(c)
+            return
+        while self._reduce_pos < len(self._reduce_order):
+            c = self._reduce_order[self._reduce_pos]
+            if len(c.written) < c.n_grad_params:
+                return
+            self._reduce(c)
+            self._reduce_pos += 1
+
+    def _reduce(self, c: ChunkState) -> None:
+        assert c.block is not None
+        full = c.block.data[: c.spec.numel]
+        event = None
+        with self._on(self.reduce_stream, c.block):
+            shard = self.coll.reduce_scatter_avg_(full)
+            dst = c.grad_shard
+            if c.grad_fresh:
+                dst.copy_(shard, non_blocking=True)
+            else:
+                dst.add_(shard.to(dst.device))
+            if self.cuda:
+                event = torch.cuda.Event()
+                event.record(self.reduce_stream)
+        c.grad_fresh = False
+        c.has_grad = True
+        c.reduced = True
+        c.written.clear()
+        self._drop(c, event)
+
+    @torch.no_grad()
+    def finish_backward(self) -> None:
+        """End of backward: reduce every chunk not reduced yet, in the fixed order, on every rank."""
+        for hook in self.on_finish_backward:
+            hook()
+        for c in self._reduce_order:
+            if c.reduced:
+                continue
+            if c.written:  # some params got no grad this step: theirs is zero
+                for s in c.spec.slots:
+                    if s.param not in c.written:
+                        c.block.data[s.offset : s.offset + s.numel].zero_()
+                self._reduce(c)
+            elif self.coll.world_size > 1:  # collectives must match across ranks
+                if not c.valid:
+                    c.pins += 1
+                    self._gather(c)
+                    c.pins -= 1
+                c.block.data[: c.spec.numel].zero_()
+                self._reduce(c)
+            elif c.grad_fresh:
+                c.grad_shard.zero_()
+                c.grad_fresh = False
+                c.has_grad = True
+        for c in self.trainable:
+            c.reduced = False
+        self._reduce_pos = 0
+        self.in_backward = False
+        self.backward_pending = False
+
+    # ------------------------------------------------------------------ optimizer side
+    def wait_for_grads(self) -> None:
+        """Host-side wait for in-flight reductions and gathers (CPU updates read/write shards)."""
+        if self.cuda:
+            self.reduce_stream.synchronize()
+            self.fetch_stream.synchronize()
+
+    @property
+    def has_grads(self) -> bool:
+        return any(c.has_grad for c in self.trainable)
+
+    def zero_grad(self) -> None:
+        for c in self.trainable:
+            c.grad_fresh = True
+            c.has_grad = False
+
+    def invalidate_trainable(self) -> None:
+        """After an update the gathered copies of trainable chunks are stale."""
+        for c in self.trainable:
+            if c.valid:
+                assert c.pins == 0, "optimizer step while a chunk is in use"
+                self._drop(c)
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        """Sum of squared grads over all chunks and ranks, fp32, on the compute device."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for a in self.arenas.values():
+            if a.trainable_numel:
+                part = torch.linalg.vector_norm(a.grad, dtype=torch.float32).square()
+                total += part.to(self.device, non_blocking=True)
+        self.coll.all_reduce_sum_(total)
+        return total
+
+    @torch.no_grad()
+    def reload_shards(self) -> None:
+        """After master/frozen shards were overwritten (checkpoint load): recast and drop stale blocks."""
+        self.wait_for_grads()
+        for a in self.arenas.values():
+            if not a.master_is_param and a.trainable_numel:
+                a.param[: a.trainable_numel].copy_(a.master)
+        for c in self.chunks:
+            if c.valid:
+                assert c.pins == 0, "checkpoint load while a chunk is in use"
+                self._drop(c)

@@ -1,0 +1,142 @@
+"""Module and autograd hooks that tell the chunk runtime when each unit needs its chunks.
+
+Per unit (FSDP2 style, no per-op interception):
+
+* pre-forward: acquire + pin its chunks; wrap its grad-requiring inputs so that the backward
+  through them (= the unit's backward is done) unpins the chunks again (post-backward);
+* post-forward: unpin; hook the outputs so that the first gradient reaching them (= the unit's
+  backward is about to start) re-acquires and pins the chunks (pre-backward).
+
+[Note: saved tensors] Autograd saves views of parameters (``weight.t()`` for a matmul). Outside
+activation-checkpointed regions the root installs saved-tensor hooks that store such a view as
+(chunk, offset, size, stride) and rebuild it from wherever the chunk lives when backward needs it,
+so a chunk may be evicted between forward and backward. Inside a checkpointed region, saved
+tensors are recomputed in backward while the unit is pinned (from pre-backward to post-backward),
+which is why the rCache can never be smaller than the largest unit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .chunks import ChunkRuntime
+from .units import Unit
+
+__all__ = ["install_hooks"]
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once the unit's backward is done."""
+
+    @staticmethod
+    def forward(ctx, callback, *inputs):
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+class _Packed:
+    __slots__ = ("chunk", "offset", "size", "stride")
+
+    def __init__(self, chunk: int, t: torch.Tensor) -> None:
+        self.chunk, self.offset, self.size, self.stride = chunk, t.storage_offset(), t.size(), t.stride()
+
+
+class _UnitHooks:
+    def __init__(self, runtime: ChunkRuntime, unit: Unit) -> None:
+        self.runtime, self.unit = runtime, unit
+
+    def pre_forward(self, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.runtime.acquire(self.unit.chunks, pin=True)
+        if not torch.is_grad_enabled():
+            return args, kwargs
+        flat, spec = tree_flatten((args, kwargs))
+        where = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not where:
+            return args, kwargs
+        wrapped = _PostBackward.apply(self.post_backward, *(flat[i] for i in where))
+        for i, t in zip(where, wrapped):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
+
+    def post_forward(self, _module: nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
+        self.runtime.release(self.unit.chunks)
+        if not torch.is_grad_enabled():
+            return
+        self.runtime.backward_pending = True
+        outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outs:
+            torch.autograd.graph.register_multi_grad_hook(outs, self.pre_backward, mode="any")
+
+    def pre_backward(self, _grad: torch.Tensor) -> None:
+        self.runtime.begin_backward()
+        if not self.unit.bwd_pinned:
+            self.runtime.acquire(self.unit.chunks, pin=True)
+            self.unit.bwd_pinned = True
+
+    def post_backward(self) -> None:
+        if self.unit.bwd_pinned:
+            self.runtime.release(self.unit.chunks)
+            self.unit.bwd_pinned = False
+
+
+class _RootHooks:
+    """Iteration boundaries for the access schedule, and the saved-tensor hooks around forward."""
+
+    def __init__(self, runtime: ChunkRuntime, model: nn.Module) -> None:
+        self.runtime, self.model = runtime, model
+        self.depth = 0
+        self.saved_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+
+    def pre_forward(self, _module: nn.Module, _args: Any) -> None:
+        self.depth += 1
+        if self.depth > 1:
+            return
+        grad = torch.is_grad_enabled()
+        self.runtime.schedule.begin((grad, self.model.training))
+        if grad:
+            self.saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+            self.saved_hooks.__enter__()
+
+    def post_forward(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        self.depth -= 1
+        if self.depth == 0 and self.saved_hooks is not None:
+            self.saved_hooks.__exit__(None, None, None)
+            self.saved_hooks = None
+
+    def pack(self, t: torch.Tensor) -> Any:
+        block = self.runtime.block_of(t)
+        if block is None or block.chunk is None:
+            return t
+        return _Packed(block.chunk, t)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Packed):
+            return packed
+        chunk = self.runtime.ensure_resident(packed.chunk)
+        return chunk.block.data.as_strided(packed.size, packed.stride, packed.offset)
+
+
+def install_hooks(model: nn.Module, units: list[Unit], runtime: ChunkRuntime) -> list:
+    """Installs every hook; returns the handles (removing them detaches the engine)."""
+    handles = []
+    for unit in units:
+        h = _UnitHooks(runtime, unit)
+        handles.append(unit.module.register_forward_pre_hook(h.pre_forward, with_kwargs=True))
+        handles.append(unit.module.register_forward_hook(h.post_forward, with_kwargs=True, always_call=True))
+        runtime.on_finish_backward.append(h.post_backward)
+    root = _RootHooks(runtime, model)
+    handles.append(model.register_forward_pre_hook(root.pre_forward, prepend=True))
+    handles.append(model.register_forward_hook(root.post_forward, always_call=True))
+    for i, p in enumerate(runtime.layout.params):
+        if runtime.layout.groups[i] >= 0:
+            handles.append(p.register_post_accumulate_grad_hook(lambda p, i=i: runtime.on_grad(i, p)))
+    return handles

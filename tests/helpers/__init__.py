@@ -1,0 +1,1 @@
+"""Shared test helpers: tiny offline models and a multi-process gloo harness."""

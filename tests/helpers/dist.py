@@ -1,0 +1,169 @@
+"""Multi-process gloo harness for CPU tests of distributed code.
+
+``run_distributed`` spawns one process per rank, wires them into a gloo
+process group through a FileStore (no TCP port races between parallel test
+runs), and turns any rank's exception, crash or hang into a parent-side
+failure instead of a deadlocked test session.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue as queue_mod
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# After the first failure, how long to wait for other ranks' reports before
+# killing them (ranks blocked in a collective with the dead rank never report).
+_ERROR_GRACE_S = 2.0
+_POLL_S = 0.1
+
+
+class DistributedError(RuntimeError):
+    """One or more ranks raised, crashed, or the group timed out."""
+
+
+@contextmanager
+def _env(**overrides: str) -> Iterator[None]:
+    """Temporarily set env vars so spawned children inherit them at start()."""
+    saved = {k: os.environ.get(k) for k in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    store_path: str,
+    timeout: float,
+    results: Any,
+    args: tuple[Any, ...],
+) -> None:
+    """Child entry: join the group, run ``fn``, report a pickled result or traceback."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(
+            backend="gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        # Pickle here: a Queue pickles in a feeder thread, where errors vanish.
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:  # noqa: BLE001 - everything must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def _kill(procs: list[Any]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)
+
+
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
+
+    ``fn`` and ``args`` must be picklable (``fn`` defined at module level).
+    Returns the per-rank return values ordered by rank.  Raises
+    :class:`DistributedError` carrying every reported traceback if any rank
+    fails, exits without reporting, or the whole run exceeds ``timeout``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    tmpdir = tempfile.mkdtemp(prefix="elixir_dist_")
+    store_path = os.path.join(tmpdir, "store")
+    procs = []
+    try:
+        with _env(OMP_NUM_THREADS="1"):
+            for rank in range(world_size):
+                p = ctx.Process(
+                    target=_worker,
+                    args=(fn, rank, world_size, store_path, timeout, results, args),
+                    daemon=True,
+                )
+                p.start()
+                procs.append(p)
+
+        values: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        grace_deadline: float | None = None
+        while len(values) + len(errors) < world_size:
+            now = time.monotonic()
+            if grace_deadline is not None and now >= grace_deadline:
+                break
+            if now >= deadline:
+                missing = sorted(set(range(world_size)) - values.keys() - errors.keys())
+                errors.setdefault(-1, f"timed out after {timeout}s; ranks {missing} did not finish")
+                break
+            try:
+                rank, ok, payload = results.get(timeout=_POLL_S)
+            except queue_mod.Empty:
+                # A rank that died without reporting (segfault, os._exit) never will.
+                for r, p in enumerate(procs):
+                    if (
+                        r not in values
+                        and r not in errors
+                        and p.exitcode is not None
+                        and results.empty()
+                    ):
+                        errors[r] = f"exited with code {p.exitcode} without reporting"
+                if errors and grace_deadline is None:
+                    grace_deadline = time.monotonic() + _ERROR_GRACE_S
+                continue
+            if ok:
+                values[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
+                if grace_deadline is None:
+                    grace_deadline = time.monotonic() + _ERROR_GRACE_S
+
+        if errors:
+            _kill(procs)
+            report = "\n".join(
+                f"--- rank {r} ---\n{msg}" if r >= 0 else f"--- harness ---\n{msg}"
+                for r, msg in sorted(errors.items())
+            )
+            raise DistributedError(
+                f"{len(errors)} failure(s) in run_distributed(world_size={world_size}):\n{report}"
+            )
+        for p in procs:
+            p.join(timeout=30)
+        return [values[r] for r in range(world_size)]
+    finally:
+        _kill(procs)
+        results.close()
+        shutil.rmtree(tmpdir, ignore_errors=True)
