@@ -36,6 +36,7 @@ class ElixirPlan:
     world_size: int
     dtype: str
     min_blocks: int
+    max_blocks: int
     memory: dict[str, int] = field(default_factory=dict)
     """Predicted bytes per rank: ``rcache``, ``private``, ``device_shards``, ``host_shards``."""
 
@@ -55,7 +56,7 @@ class ElixirPlan:
         gib = 2**30
         rows = [
             ("chunks", f"{self.n_chunks} x {self.chunk_size:,} elements ({self.dtype})"),
-            ("rCache blocks", f"{self.n_blocks} (min {self.min_blocks}, max {self.n_chunks})"),
+            ("rCache blocks", f"{self.n_blocks} (min {self.min_blocks}, max {self.max_blocks})"),
             ("offloaded chunks", f"{len(self.offload)} of {self.n_chunks}"),
             ("world size", str(self.world_size)),
             ("device memory / rank", f"{self.device_bytes / gib:.3f} GiB (model states + rCache)"),
@@ -135,6 +136,7 @@ def resolve_plan(
         world_size=layout.world_size,
         dtype=str(dtype).removeprefix("torch."),
         min_blocks=lo,
+        max_blocks=hi,
         memory=_count_memory(layout, set(offload), n_blocks, dtype),
     )
     check_fits(plan, device)

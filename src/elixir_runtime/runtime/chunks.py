@@ -112,6 +112,8 @@ class ChunkRuntime:
         self.reduce_stream = torch.cuda.Stream(device) if self.cuda else None
         zero = torch.zeros((), dtype=dtype, device=device)
         self._placeholders = [zero.expand(p.shape) for p in layout.params]
+        self.stats = {"gathers": 0, "prefetches": 0, "evictions": 0, "reduces": 0}
+        """Counters since prepare, for logging and tests."""
         self.in_backward = False
         self.backward_pending = False
         """A grad-enabled forward ran whose backward has not been finished yet."""
@@ -168,6 +170,7 @@ class ChunkRuntime:
             if not self._has_block_for(distance):
                 return
             self._gather(c)
+            self.stats["prefetches"] += 1
             fetched += 1
 
     def _has_block_for(self, distance: int) -> bool:
@@ -190,6 +193,7 @@ class ChunkRuntime:
                 f"({sorted(self._resident)}); use a larger n_blocks"
             )
         self._drop(victim)
+        self.stats["evictions"] += 1
         return self.rcache.free.pop()
 
     def _gather(self, c: ChunkState) -> None:
@@ -198,6 +202,7 @@ class ChunkRuntime:
             c.block.chunk = c.index
             self._resident[c.index] = c
         full = c.block.data[: c.spec.numel]
+        self.stats["gathers"] += 1
         with self._on(self.fetch_stream, c.block):
             self.coll.shard_of(full).copy_(c.param_shard, non_blocking=True)
             self.coll.all_gather_(full)
@@ -298,6 +303,7 @@ class ChunkRuntime:
         c.has_grad = True
         c.reduced = True
         c.written.clear()
+        self.stats["reduces"] += 1
         self._drop(c, event)
 
     @torch.no_grad()
