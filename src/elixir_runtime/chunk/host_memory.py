@@ -7,6 +7,7 @@ pageable memory and page-lock it in place with ``cudaHostRegister`` instead.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -18,7 +19,11 @@ def empty_host(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
     """A zero-filled host tensor; page-locked (exact size) when ``pin`` and CUDA is available."""
     t = torch.zeros(numel, dtype=dtype)
     if pin and numel > 0 and torch.cuda.is_available():
-        _register(t)
+        try:
+            _register(t)
+        except (RuntimeError, AttributeError) as exc:
+            warnings.warn(f"cudaHostRegister unavailable ({exc}); falling back to the caching pinned allocator")
+            t = t.pin_memory()
     return t
 
 
