@@ -76,7 +76,7 @@ class ElixirPlan:
 
 def _count_memory(layout: ChunkLayout, offload: set[int], n_blocks: int, dtype: torch.dtype) -> dict[str, int]:
     elt = torch.empty((), dtype=dtype).element_size()
-    state = elt + (12 if dtype == torch.float32 else 16) - elt  # grad + m + v + master (aliased in fp32)
+    state = elt + 8 + (0 if dtype == torch.float32 else 4)  # grad, m, v, fp32 master (aliased in fp32 runs)
     mem = {"rcache": n_blocks * layout.chunk_size * elt, "private": 0, "device_shards": 0, "host_shards": 0}
     for c in layout.chunks:
         shard = layout.shard_numel(c)

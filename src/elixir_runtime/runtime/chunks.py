@@ -11,9 +11,10 @@ Everything that moves chunk data lives here; the module hooks (``hooks.py``) onl
 * ``finish_backward`` runs once at the end of each backward: it reduces what unused parameters
   left incomplete (zero gradients, the same on every rank) so no rank ever waits on another.
 
-[Note: reduce order] Ranks must issue collectives in the same order. Chunks are reduced in a fixed
-order (reverse first use, which is the order a backward finishes them); a chunk finished early
-waits for its turn.
+[Note: reduce order] Ranks must issue collectives in the same order. A chunk is reduced as soon as
+its last gradient arrives, so, as with FSDP, every rank must run the same modules in a step (the
+usual SPMD contract); chunks left incomplete by unused parameters are reduced at the end of
+backward in chunk order, identical on every rank.
 """
 
 from __future__ import annotations
@@ -104,8 +105,6 @@ class ChunkRuntime:
             if c.spec.private:
                 c.block = self.rcache.private_block(c.spec.numel, dtype, device)
         self.trainable = [c for c in self.chunks if c.spec.trainable]
-        self._reduce_order = list(reversed(self.trainable))
-        self._reduce_pos = 0
         self.schedule = AccessSchedule()
         self._resident: dict[int, ChunkState] = {}
         self.fetch_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -270,20 +269,7 @@ class ChunkRuntime:
             c.written.add(param_index)
         param.grad = None
         if len(c.written) == c.n_grad_params:
-            self._reduce_ready()
-
-    def _reduce_ready(self) -> None:
-        if self.coll.world_size == 1:  # no collective order to keep
-            for c in self.trainable:
-                if not c.reduced and c.n_grad_params and len(c.written) == c.n_grad_params:
-                    self._reduce(c)
-            return
-        while self._reduce_pos < len(self._reduce_order):
-            c = self._reduce_order[self._reduce_pos]
-            if len(c.written) < c.n_grad_params:
-                return
             self._reduce(c)
-            self._reduce_pos += 1
 
     def _reduce(self, c: ChunkState) -> None:
         assert c.block is not None
@@ -308,10 +294,10 @@ class ChunkRuntime:
 
     @torch.no_grad()
     def finish_backward(self) -> None:
-        """End of backward: reduce every chunk not reduced yet, in the fixed order, on every rank."""
+        """End of backward: reduce every chunk not reduced yet, in chunk order, on every rank."""
         for hook in self.on_finish_backward:
             hook()
-        for c in self._reduce_order:
+        for c in self.trainable:
             if c.reduced:
                 continue
             if c.written:  # some params got no grad this step: theirs is zero
@@ -332,7 +318,6 @@ class ChunkRuntime:
                 c.has_grad = True
         for c in self.trainable:
             c.reduced = False
-        self._reduce_pos = 0
         self.in_backward = False
         self.backward_pending = False
 

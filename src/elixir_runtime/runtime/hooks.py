@@ -53,15 +53,18 @@ class _Packed:
 class _UnitHooks:
     def __init__(self, runtime: ChunkRuntime, unit: Unit) -> None:
         self.runtime, self.unit = runtime, unit
+        self.post_backward_armed = False
 
     def pre_forward(self, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self.runtime.acquire(self.unit.chunks, pin=True)
+        self.post_backward_armed = False
         if not torch.is_grad_enabled():
             return args, kwargs
         flat, spec = tree_flatten((args, kwargs))
         where = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not where:
             return args, kwargs
+        self.post_backward_armed = True
         wrapped = _PostBackward.apply(self.post_backward, *(flat[i] for i in where))
         for i, t in zip(where, wrapped):
             flat[i] = t
@@ -74,13 +77,17 @@ class _UnitHooks:
         self.runtime.backward_pending = True
         outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if outs:
-            torch.autograd.graph.register_multi_grad_hook(outs, self.pre_backward, mode="any")
+            pin = self.post_backward_armed
+            torch.autograd.graph.register_multi_grad_hook(outs, lambda _g: self.pre_backward(pin), mode="any")
 
-    def pre_backward(self, _grad: torch.Tensor) -> None:
+    def pre_backward(self, pin: bool) -> None:
+        """Pins only calls whose post-backward will fire (their inputs need grad); a call without
+        one just gets its chunks made resident, and saved-tensor/grad hooks re-fetch on demand."""
         self.runtime.begin_backward()
-        if not self.unit.bwd_pinned:
-            self.runtime.acquire(self.unit.chunks, pin=True)
-            self.unit.bwd_pinned = True
+        if self.unit.bwd_pinned:
+            return
+        self.runtime.acquire(self.unit.chunks, pin=pin)
+        self.unit.bwd_pinned = pin
 
     def post_backward(self) -> None:
         if self.unit.bwd_pinned:

@@ -1,0 +1,256 @@
+"""Frozen parameters, parameters that get no gradient in a step, and eval forwards between
+training steps, each checked against plain PyTorch.
+
+Parity runs use Adam eps=1e-6: with eps=1e-8, Adam turns pure round-off gradients (e.g. GPT-2's
+attention key bias, whose true gradient is 0) into lr-sized steps, so two correct runs that only
+sum in a different order drift apart in those weights.
+
+Semantics for a trainable parameter that gets no gradient in a step are DDP's (and what the
+engine documents): its gradient is zero, so Adam's moments decay and AdamW's decoupled weight
+decay still shrinks it. The plain reference therefore sets such params' ``.grad`` to zeros.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import elixir_runtime as er
+from helpers.dist import run_distributed
+from helpers.models import MLPOutput, TinyMLP, make_batch, make_mlp_batch, tiny_gpt2, tiny_mlp
+
+LR, WD, EPS, CLIP = 1e-2, 0.1, 1e-6, 1.0
+CONFIG = dict(mode="static", n_blocks="min", offload=0.5)
+
+
+def _adamw(model: nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, eps=EPS)
+
+
+def _prepare(model: nn.Module, batch, **cfg):
+    return er.prepare(model, _adamw(model), config=er.ElixirConfig(**{**CONFIG, **cfg}), example_batch=batch)
+
+
+def _engine_step(model, opt, batch) -> float:
+    loss = model(**batch).loss
+    opt.backward(loss)
+    opt.clip_grad_norm(CLIP)
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _plain_step(model, opt, batches, zero_grad_params=()) -> list[float]:
+    """One step on the average loss of ``batches`` (one per simulated rank); per-batch losses."""
+    losses = []
+    for b in batches:
+        loss = model(**b).loss
+        (loss / len(batches)).backward()
+        losses.append(loss.item())
+    for p in zero_grad_params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], CLIP)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return losses
+
+
+def _assert_state_close(got: dict, want: dict, atol: float = 1e-5) -> None:
+    assert list(got) == list(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+# --------------------------------------------------------------------------- (a) frozen params
+
+
+def _freeze(model: nn.Module) -> list[str]:
+    model.transformer.wpe.requires_grad_(False)
+    model.transformer.h[0].requires_grad_(False)
+    return [n for n, p in model.named_parameters() if not p.requires_grad]
+
+
+def test_frozen_params_parity() -> None:
+    steps = 10
+    batches = [make_batch(128, seed=s) for s in range(steps)]
+
+    plain = tiny_gpt2(seed=0)
+    frozen_names = _freeze(plain)
+    assert len(frozen_names) > 5
+    init = {k: v.clone() for k, v in plain.state_dict().items()}
+    plain_opt = _adamw(plain)
+    want = [_plain_step(plain, plain_opt, [b])[0] for b in batches]
+
+    model = tiny_gpt2(seed=0)
+    _freeze(model)
+    model, opt = _prepare(model, batches[0])
+    assert any(not c.trainable for c in model._elixir.runtime.layout.chunks), "frozen chunks expected"
+    got = [_engine_step(model, opt, b) for b in batches]
+
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-6)
+    sd = model.state_dict()
+    _assert_state_close(sd, plain.state_dict())
+    for n in frozen_names:
+        assert torch.equal(sd[n], init[n]), f"frozen {n} changed"
+        assert not dict(model.named_parameters())[n].requires_grad
+    # trainable weights did move
+    assert not torch.equal(sd["transformer.h.1.mlp.c_fc.weight"], init["transformer.h.1.mlp.c_fc.weight"])
+
+
+# --------------------------------------------------------------------------- (b) unused params
+
+
+class SometimesMLP(TinyMLP):
+    """``TinyMLP`` whose extra branch (on the first hidden layer) runs only when ``use_extra`` is
+    set: dynamic control flow, so the recorded access trace is left and re-recorded."""
+
+    use_extra = False
+
+    def forward(self, x, labels=None):
+        h = torch.relu(self.layers[0](x))
+        extra = torch.tanh(self.unused(h)).square().mean() if self.use_extra else None
+        for layer in self.layers[1:]:
+            h = torch.relu(layer(h))
+        logits = self.head(h)
+        loss = nn.functional.cross_entropy(logits, labels)
+        return MLPOutput(loss=loss if extra is None else loss + extra, logits=logits)
+
+
+def _build_mlp(kind: str) -> TinyMLP:
+    if kind == "never":
+        return tiny_mlp(seed=0, unused_branch=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return SometimesMLP(unused_branch=True)
+
+
+def _uses_extra(kind: str, step: int) -> bool:
+    return kind == "sometimes" and step % 3 == 1
+
+
+MLP_STEPS = 8
+
+
+def _mlp_batches(step: int, world_size: int) -> list[dict]:
+    return [make_mlp_batch(seed=100 * step + r) for r in range(world_size)]
+
+
+def _plain_mlp_run(kind: str, world_size: int) -> tuple[list[list[float]], dict]:
+    model = _build_mlp(kind)
+    opt = _adamw(model)
+    losses = []
+    for step in range(MLP_STEPS):
+        model.use_extra = _uses_extra(kind, step)
+        unused = () if model.use_extra else tuple(model.unused.parameters())
+        losses.append(_plain_step(model, opt, _mlp_batches(step, world_size), unused))
+    return losses, model.state_dict()
+
+
+def _engine_mlp_run(rank: int, world_size: int, kind: str, n_blocks="min") -> tuple[list[float], dict]:
+    model = _build_mlp(kind)
+    model, opt = _prepare(model, _mlp_batches(0, world_size)[rank], n_blocks=n_blocks)
+    losses = []
+    for step in range(MLP_STEPS):
+        model.use_extra = _uses_extra(kind, step)
+        losses.append(_engine_step(model, opt, _mlp_batches(step, world_size)[rank]))
+    return losses, model.state_dict()
+
+
+def _check_mlp(kind: str, world_size: int, results: list[tuple[list[float], dict]]) -> None:
+    want_losses, want_state = _plain_mlp_run(kind, world_size)
+    init = _build_mlp(kind).state_dict()
+    for rank, (losses, state) in enumerate(results):
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor([s[rank] for s in want_losses]), rtol=0, atol=1e-6
+        )
+        _assert_state_close(state, want_state)
+    # the unused weights were decayed (zero grad + AdamW decay), not left alone
+    w0, w = init["unused.weight"], results[0][1]["unused.weight"]
+    if kind == "never":
+        torch.testing.assert_close(w, w0 * (1 - LR * WD) ** MLP_STEPS, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(w, w0)
+
+
+def test_unused_branch_world1() -> None:
+    for kind in ("never", "sometimes"):
+        _check_mlp(kind, 1, [_engine_mlp_run(0, 1, kind)])
+
+
+def _both_kinds(rank: int, world_size: int, n_blocks) -> dict:
+    return {kind: _engine_mlp_run(rank, world_size, kind, n_blocks) for kind in ("never", "sometimes")}
+
+
+@pytest.mark.parametrize("n_blocks", ["min", "max"])
+def test_unused_branch_world2(n_blocks) -> None:
+    # "min": the rCache holds only the largest unit, so chunks must be reduced (and their blocks
+    # freed) during the backward even though the unused branch's chunks never complete
+    results = run_distributed(_both_kinds, 2, n_blocks, timeout=180)
+    for kind in ("never", "sometimes"):
+        _check_mlp(kind, 2, [r[kind] for r in results])
+
+
+class ReuseMLP(TinyMLP):
+    """Calls ``layers[0]`` a second time, on the raw input (no grad-requiring input), for an extra
+    branch through ``unused``: a unit whose backward runs early and whose inputs need no grad."""
+
+    def forward(self, x, labels=None):
+        out = super().forward(x, labels)
+        extra = torch.tanh(self.unused(torch.relu(self.layers[0](x)))).square().mean()
+        return MLPOutput(loss=out.loss + extra, logits=out.logits)
+
+
+def _reuse_mlp() -> ReuseMLP:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return ReuseMLP(unused_branch=True)
+
+
+def test_unit_called_twice_trains_with_min_rcache() -> None:
+    batches = [make_mlp_batch(seed=s) for s in range(4)]
+    plain = _reuse_mlp()
+    plain_opt = _adamw(plain)
+    want = [_plain_step(plain, plain_opt, [b])[0] for b in batches]
+
+    model, opt = _prepare(_reuse_mlp(), batches[0], n_blocks="min")
+    got = [_engine_step(model, opt, b) for b in batches]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-6)
+    _assert_state_close(model.state_dict(), plain.state_dict())
+
+
+# --------------------------------------------------------------------------- (c) eval between steps
+
+
+def test_eval_forward_between_steps_keeps_parity() -> None:
+    steps = 10
+    batches = [make_batch(128, seed=s) for s in range(steps)]
+    eval_batch = make_batch(128, batch=3, seq=12, seed=999)
+
+    def evaluate(model) -> list[float]:
+        out = []
+        with torch.no_grad():
+            model.eval()
+            out.append(model(**eval_batch).loss.item())
+            model.train()
+            out.append(model(**eval_batch).loss.item())  # no-grad forward in train mode: another kind
+        return out
+
+    plain = tiny_gpt2(seed=0)
+    plain_opt = _adamw(plain)
+    want, want_eval = [], []
+    for s, b in enumerate(batches):
+        want += _plain_step(plain, plain_opt, [b])
+        if s % 3 == 0:
+            want_eval += evaluate(plain)
+
+    model, opt = _prepare(tiny_gpt2(seed=0), batches[0])
+    got, got_eval = [], []
+    for s, b in enumerate(batches):
+        got.append(_engine_step(model, opt, b))
+        if s % 3 == 0:
+            got_eval += evaluate(model)
+
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(got_eval), torch.tensor(want_eval), rtol=0, atol=1e-6)
+    _assert_state_close(model.state_dict(), plain.state_dict())
