@@ -12,9 +12,20 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
+import elixir_runtime as er
 from helpers.dist import run_distributed
-from helpers.training import Recipe, assert_close_losses, max_weight_diff, run_elixir, run_reference
+from helpers.training import (
+    Recipe,
+    assert_close_losses,
+    batch_for,
+    build,
+    lr_at,
+    max_weight_diff,
+    run_elixir,
+    run_reference,
+)
 
 # (n_blocks, offload): rCache min with everything offloaded, a middle point, rCache max on device.
 PLAN_SHAPES = [("min", 1.0), (None, 0.5), ("max", 0.0)]
@@ -61,3 +72,26 @@ def test_multi_rank_matches_pytorch(world_size):
         assert diff < WEIGHT_ATOL, (cases[i], diff)
         for other in results[1:]:  # every rank holds the same consolidated weights
             assert max_weight_diff(other[i].state, got.state) == 0.0
+
+
+def test_no_sync_accumulation_matches_pytorch():
+    """GA written the DDP way (no_sync on all but the last micro-step) gives the same numbers."""
+    recipe = Recipe(grad_accum=3, steps=5)
+    want = run_reference(recipe)
+    model, opt = build(recipe)
+    model, opt = er.prepare(model, opt, er.ElixirConfig(mode="static", n_blocks="min", offload=0.5))
+    losses = []
+    for step in range(recipe.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(recipe, step)
+        for micro in range(recipe.grad_accum):
+            ctx = opt.no_sync() if micro < recipe.grad_accum - 1 else torch.enable_grad()
+            with ctx:
+                loss = model(**batch_for(recipe, step, micro, 0)).loss / recipe.grad_accum
+                opt.backward(loss)
+            losses.append(loss.item())
+        opt.clip_grad_norm(1.0)
+        opt.step()
+        opt.zero_grad()
+    assert_close_losses(losses, want.losses, LOSS_RTOL)
+    assert max_weight_diff(model.state_dict(), want.state) < WEIGHT_ATOL

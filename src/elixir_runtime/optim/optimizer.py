@@ -8,8 +8,9 @@ call per placement with loss-unscaling and clipping fused into ``div_scale``.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -60,6 +61,17 @@ class ElixirOptimizer(torch.optim.Optimizer):
         (loss * self.scaler.scale if self.scaler.enabled else loss).backward(**kwargs)
         if self.runtime.backward_pending:
             self.runtime.finish_backward()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accepted where DDP/Accelerate code expects it; accumulation stays exact without it.
+
+        Each chunk's gradient is reduce-scattered into this rank's shard as soon as it is complete
+        and the next micro-step's gradient is added to that shard. Skipping the reduction would
+        need a full-size gradient buffer per chunk, the very memory sharding saves, so the
+        collectives run every micro-step (as DeepSpeed ZeRO-2/3 do).
+        """
+        yield
 
     def grad_norm(self) -> float:
         """Global L2 norm of the (unscaled) grads over all chunks and ranks; one host sync, cached."""
