@@ -9,6 +9,7 @@ call per placement with loss-unscaling and clipping fused into ``div_scale``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Any, Callable, Iterator
 
@@ -17,7 +18,8 @@ import torch
 from ..checkpoint import layout_fingerprint
 from ..config import LossScaleConfig
 from ..runtime.chunks import ChunkRuntime
-from .kernel import AdamHyper, AdamKernel, TorchAdamKernel
+from ..chunk.store import ShardArenas
+from .kernel import AdamHyper, AdamKernel, Segment, TorchAdamKernel
 from .loss_scaler import LossScaler
 
 __all__ = ["ElixirOptimizer"]
@@ -51,6 +53,12 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self._norm: float | None = None
         self._clip_coef = 1.0
         self.kernels = {name: _kernel_for(a.device) for name, a in runtime.arenas.items()}
+        host = runtime.arenas["host"]
+        self._chunk_segments = {
+            c.index: [s for s in host.segments if c.offset <= s.offset < c.offset + c.shard_numel]
+            for c in runtime.trainable
+            if c.arenas is host
+        }
 
     @property
     def loss_scale(self) -> float:
@@ -107,16 +115,25 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self.step_count += 1
         hypers = [self._hyper(g) for g in self.param_groups]
         div_scale = self.scaler.scale / self._clip_coef
-        for name, a in self.runtime.arenas.items():
-            if a.trainable_numel:
-                param_out = None if a.master_is_param else a.param[: a.trainable_numel]
-                self.kernels[name].step(
-                    a.master, a.exp_avg, a.exp_avg_sq, a.grad, param_out, a.segments, hypers, self.step_count, div_scale
+        device = self.runtime.arenas["device"]
+        if device.trainable_numel:
+            self._update(device, device.segments, hypers, self.step_count, div_scale)
+        host = self.runtime.arenas["host"]
+        for c in self.runtime.trainable:
+            if c.arenas is host:  # chunk order = the order the next forward needs them
+                self.runtime.host_updates.submit(
+                    c.index, functools.partial(self._update, host, self._chunk_segments[c.index], hypers, self.step_count, div_scale)
                 )
         self.scaler.update(overflow=False)
         self.runtime.invalidate_trainable()
         self._reset_norm()
         return loss
+
+    def _update(
+        self, a: ShardArenas, segments: list[Segment], hypers: list[AdamHyper], step: int, div_scale: float
+    ) -> None:
+        param_out = None if a.master_is_param else a.param
+        self.kernels[a.placement].step(a.master, a.exp_avg, a.exp_avg_sq, a.grad, param_out, segments, hypers, step, div_scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.runtime.zero_grad()

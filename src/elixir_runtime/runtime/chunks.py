@@ -30,6 +30,7 @@ from ..chunk.layout import ChunkLayout, ChunkSpec
 from ..chunk.rcache import Block, RCache
 from ..chunk.schedule import AccessSchedule
 from ..chunk.store import Placement, ShardArenas, build_arenas
+from ..optim.host_updates import HostUpdates
 
 __all__ = ["ChunkState", "ChunkRuntime", "RCacheExhausted"]
 
@@ -105,6 +106,7 @@ class ChunkRuntime:
             if c.spec.private:
                 c.block = self.rcache.private_block(c.spec.numel, dtype, device)
         self.trainable = [c for c in self.chunks if c.spec.trainable]
+        self.host_updates = HostUpdates()
         self.schedule = AccessSchedule()
         self._resident: dict[int, ChunkState] = {}
         self.fetch_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -202,6 +204,7 @@ class ChunkRuntime:
             self._resident[c.index] = c
         full = c.block.data[: c.spec.numel]
         self.stats["gathers"] += 1
+        self.host_updates.wait(c.index)
         with self._on(self.fetch_stream, c.block):
             self.coll.shard_of(full).copy_(c.param_shard, non_blocking=True)
             self.coll.all_gather_(full)
@@ -273,6 +276,7 @@ class ChunkRuntime:
 
     def _reduce(self, c: ChunkState) -> None:
         assert c.block is not None
+        self.host_updates.wait(c.index)  # its CPU update still reads the grad shard
         full = c.block.data[: c.spec.numel]
         event = None
         with self._on(self.reduce_stream, c.block):
@@ -323,7 +327,8 @@ class ChunkRuntime:
 
     # ------------------------------------------------------------------ optimizer side
     def wait_for_grads(self) -> None:
-        """Host-side wait for in-flight reductions and gathers (CPU updates read/write shards)."""
+        """Host-side wait for in-flight reductions, gathers and CPU updates."""
+        self.host_updates.wait_all()
         if self.cuda:
             self.reduce_stream.synchronize()
             self.fetch_stream.synchronize()

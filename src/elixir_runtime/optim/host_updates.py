@@ -1,0 +1,34 @@
+"""CPU Adam of offloaded chunks on a worker thread, overlapped with the next forward.
+
+Offloaded chunks are updated one by one in chunk (= next forward) order while the GPU already
+runs the next forward over the first, GPU-resident chunks. A gather or a gradient reduction of an
+offloaded chunk waits only for that chunk's own update. The C++ kernel releases the GIL (ctypes),
+so the update and the training loop's Python run in parallel.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+__all__ = ["HostUpdates"]
+
+
+class HostUpdates:
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elixir-cpu-adam")
+        self._pending: dict[int, Future] = {}
+
+    def submit(self, chunk: int, update: Callable[[], None]) -> None:
+        """Queues ``update`` for ``chunk``; updates run in submission order."""
+        self._pending[chunk] = self._pool.submit(update)
+
+    def wait(self, chunk: int) -> None:
+        """Blocks until ``chunk``'s update is done (re-raising its error, if any)."""
+        future = self._pending.pop(chunk, None)
+        if future is not None:
+            future.result()
+
+    def wait_all(self) -> None:
+        for chunk in list(self._pending):
+            self.wait(chunk)
