@@ -17,7 +17,7 @@ import torch
 
 from ..checkpoint import layout_fingerprint
 from ..config import LossScaleConfig
-from ..runtime.chunks import ChunkRuntime
+from ..runtime.chunks import ChunkRuntime, ChunkState
 from ..chunk.store import ShardArenas
 from .kernel import AdamHyper, AdamKernel, Segment, TorchAdamKernel
 from .loss_scaler import LossScaler
@@ -84,7 +84,6 @@ class ElixirOptimizer(torch.optim.Optimizer):
     def grad_norm(self) -> float:
         """Global L2 norm of the (unscaled) grads over all chunks and ranks; one host sync, cached."""
         if self._norm is None:
-            self.runtime.wait_for_grads()
             self._norm = math.sqrt(self.runtime.grad_norm_sq().item()) / self.scaler.scale
         return self._norm
 
@@ -103,7 +102,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.runtime.wait_for_grads()
+        self.runtime.host_updates.wait_all()  # the previous step's CPU updates
+        self.runtime.device_grads_ready()
         self.step_was_skipped = False
         if not self.runtime.has_grads:
             return loss
@@ -122,12 +122,20 @@ class ElixirOptimizer(torch.optim.Optimizer):
         for c in self.runtime.trainable:
             if c.arenas is host:  # chunk order = the order the next forward needs them
                 self.runtime.host_updates.submit(
-                    c.index, functools.partial(self._update, host, self._chunk_segments[c.index], hypers, self.step_count, div_scale)
+                    c.index, functools.partial(
+                        self._update_host_chunk, c, self._chunk_segments[c.index], hypers, self.step_count, div_scale
+                    )
                 )
         self.scaler.update(overflow=False)
         self.runtime.invalidate_trainable()
         self._reset_norm()
         return loss
+
+    def _update_host_chunk(
+        self, c: ChunkState, segments: list[Segment], hypers: list[AdamHyper], step: int, div_scale: float
+    ) -> None:
+        self.runtime.wait_host_chunk(c)
+        self._update(c.arenas, segments, hypers, step, div_scale)
 
     def _update(
         self, a: ShardArenas, segments: list[Segment], hypers: list[AdamHyper], step: int, div_scale: float

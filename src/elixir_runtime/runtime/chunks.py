@@ -56,6 +56,11 @@ class ChunkState:
     """The next reduce overwrites the grad shard (set by zero_grad) instead of accumulating."""
     has_grad: bool = False
     ready: torch.cuda.Event | None = None
+    """Gather finished; consumed by the first use on the compute stream."""
+    gathered: torch.cuda.Event | None = None
+    """Last gather finished: the host shard may be rewritten after it."""
+    reduced_event: torch.cuda.Event | None = None
+    """Last reduction (and D2H copy) finished: the grad shard may be read after it."""
     n_grad_params: int = 0
 
     @property
@@ -107,6 +112,9 @@ class ChunkRuntime:
                 c.block = self.rcache.private_block(c.spec.numel, dtype, device)
         self.trainable = [c for c in self.chunks if c.spec.trainable]
         self.host_updates = HostUpdates()
+        self._norm_parts: list[torch.Tensor] = []
+        """Per-chunk grad norms taken on the device right after each fresh reduction."""
+        self._norm_from_shards = False
         self.schedule = AccessSchedule()
         self._resident: dict[int, ChunkState] = {}
         self.fetch_stream = torch.cuda.Stream(device) if self.cuda else None
@@ -211,6 +219,7 @@ class ChunkRuntime:
             if self.cuda:
                 c.ready = torch.cuda.Event()
                 c.ready.record(self.fetch_stream)
+                c.gathered = c.ready
         c.valid = True
         for s in c.spec.slots:
             self.layout.params[s.param].data = full[s.offset : s.offset + s.numel].view(self._placeholders[s.param].shape)
@@ -283,12 +292,15 @@ class ChunkRuntime:
             shard = self.coll.reduce_scatter_avg_(full)
             dst = c.grad_shard
             if c.grad_fresh:
+                self._norm_parts.append(torch.linalg.vector_norm(shard, dtype=torch.float32))
                 dst.copy_(shard, non_blocking=True)
-            else:
+            else:  # accumulated on its own device: the norm is taken from the shards at the end
+                self._norm_from_shards = True
                 dst.add_(shard.to(dst.device))
             if self.cuda:
                 event = torch.cuda.Event()
                 event.record(self.reduce_stream)
+                c.reduced_event = event
         c.grad_fresh = False
         c.has_grad = True
         c.reduced = True
@@ -327,11 +339,24 @@ class ChunkRuntime:
 
     # ------------------------------------------------------------------ optimizer side
     def wait_for_grads(self) -> None:
-        """Host-side wait for in-flight reductions, gathers and CPU updates."""
+        """Host-side wait for in-flight reductions, gathers and CPU updates (checkpoints, tests)."""
         self.host_updates.wait_all()
         if self.cuda:
             self.reduce_stream.synchronize()
             self.fetch_stream.synchronize()
+
+    def device_grads_ready(self) -> None:
+        """Makes the compute stream wait for reductions and gathers (no host sync): updates follow."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.reduce_stream)
+            torch.cuda.current_stream(self.device).wait_stream(self.fetch_stream)
+
+    @staticmethod
+    def wait_host_chunk(c: ChunkState) -> None:
+        """Before a CPU update of ``c``: its grads have landed and no gather still reads its shard."""
+        for event in (c.reduced_event, c.gathered):
+            if event is not None:
+                event.synchronize()
 
     @property
     def has_grads(self) -> bool:
@@ -341,6 +366,8 @@ class ChunkRuntime:
         for c in self.trainable:
             c.grad_fresh = True
             c.has_grad = False
+        self._norm_parts = []
+        self._norm_from_shards = False
 
     def invalidate_trainable(self) -> None:
         """After an update the gathered copies of trainable chunks are stale."""
@@ -350,12 +377,22 @@ class ChunkRuntime:
                 self._drop(c)
 
     def grad_norm_sq(self) -> torch.Tensor:
-        """Sum of squared grads over all chunks and ranks, fp32, on the compute device."""
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for a in self.arenas.values():
-            if a.trainable_numel:
-                part = torch.linalg.vector_norm(a.grad, dtype=torch.float32).square()
-                total += part.to(self.device, non_blocking=True)
+        """Sum of squared grads over all chunks and ranks, fp32, on the compute device.
+
+        Normally summed from the norms taken at each reduction (no pass over host memory, no
+        host sync here); after accumulating micro-steps, from the grad shards themselves.
+        """
+        if self._norm_from_shards:
+            self.wait_for_grads()
+            parts = [
+                torch.linalg.vector_norm(a.grad, dtype=torch.float32).to(self.device)
+                for a in self.arenas.values()
+                if a.trainable_numel
+            ]
+        else:
+            self.device_grads_ready()
+            parts = self._norm_parts
+        total = torch.stack(parts).square().sum() if parts else torch.zeros((), device=self.device)
         self.coll.all_reduce_sum_(total)
         return total
 
