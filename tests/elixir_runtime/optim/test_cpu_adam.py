@@ -1,0 +1,139 @@
+"""The C++ CPU Adam kernel: float64 parity for every dtype pair and ISA, bitwise agreement across
+ISAs/threads/tiles, exact 16-bit conversions, input checks and the no-compiler path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from adam_cases import (
+    DIV_SCALES,
+    GRAD_DTYPES,
+    OUT_DTYPES,
+    check_against_reference,
+    hypers_at,
+    make_arena,
+    make_segments,
+    run_kernel,
+)
+
+from elixir_runtime.optim import cpu_adam
+from elixir_runtime.optim.cpu_adam import CpuAdamKernel, CpuAdamUnavailable
+from elixir_runtime.optim.kernel import AdamHyper, Segment, TorchAdamKernel
+
+_FLAGS = set(cpu_adam._cpu_flags().split())
+ISAS = ["native", "scalar"] + (["avx2"] if "avx2" in _FLAGS else []) + (["avx512"] if "avx512f" in _FLAGS else [])
+# Odd lengths around the vector widths, plus long ones so two threads and several blocks run.
+LENGTHS = [1, 37, 15, 16, 17, 1000, 4097, 33, 70001, 3, 8, 9]
+BIG_LENGTHS = [300_001, 7, 262_145, 65, 129]
+
+
+def _kernel(isa: str, threads: int = 2) -> CpuAdamKernel:
+    return CpuAdamKernel(isa=isa, threads=threads)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
+def test_matches_float64_reference(isa: str, grad_dtype: torch.dtype, out_dtype: torch.dtype | None) -> None:
+    segments, numel = make_segments(LENGTHS)
+    start = make_arena(numel, grad_dtype, out_dtype)
+    result = start.clone()
+    run_kernel(_kernel(isa), result, segments)
+    check_against_reference(result, start, segments)
+
+
+def test_torch_reference_kernel_matches_float64_too() -> None:
+    """The tolerances are fair: torch's own fp32 math (TorchAdamKernel) passes the same check."""
+    segments, numel = make_segments(LENGTHS)
+    start = make_arena(numel, torch.bfloat16, torch.bfloat16)
+    result = start.clone()
+    run_kernel(TorchAdamKernel(), result, segments)
+    check_against_reference(result, start, segments)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
+def test_bitwise_same_across_isas_threads_and_tiles(grad_dtype: torch.dtype, out_dtype: torch.dtype) -> None:
+    segments, numel = make_segments(BIG_LENGTHS)
+    start = make_arena(numel, grad_dtype, out_dtype, seed=1)
+    expected = start.clone()
+    run_kernel(_kernel("native", threads=2), expected, segments)
+    for isa, threads in [(isa, 2) for isa in ISAS] + [("native", 1), ("native", 3)]:
+        got = start.clone()
+        run_kernel(_kernel(isa, threads), got, segments)
+        for name in ("master", "exp_avg", "exp_avg_sq", "out"):
+            assert torch.equal(getattr(got, name), getattr(expected, name)), (isa, threads, name)
+    t, kernel = start.clone(), _kernel("native")
+    for step, (grad, div) in enumerate(zip(t.grads, DIV_SCALES), start=1):
+        hypers = hypers_at(step)
+        tiles = list(kernel.step_tiles(t.master, t.exp_avg, t.exp_avg_sq, grad, t.out, segments, hypers, step, div, 99_999))
+        assert tiles[0] == (0, 99_999) and tiles[-1][1] == numel
+        assert all(a[1] == b[0] for a, b in zip(tiles, tiles[1:]))
+    assert torch.equal(t.master, expected.master) and torch.equal(t.out, expected.out)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_grad_decoding_is_exact_for_every_bit_pattern(isa: str, grad_dtype: torch.dtype) -> None:
+    """With beta1 = 0, exp_avg after one step is the decoded grad: check all 65536 patterns."""
+    grad = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(grad_dtype)
+    n = grad.numel()
+    master, exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+    hyper = AdamHyper(lr=0.0, beta1=0.0, beta2=0.5, eps=1e-8, weight_decay=0.0, decoupled=True)
+    _kernel(isa).step(master, exp_avg, exp_avg_sq, grad, None, [Segment(0, n, 0)], [hyper], 1, 1.0)
+    torch.testing.assert_close(exp_avg, grad.float(), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_param_out_rounds_like_torch(isa: str, out_dtype: torch.dtype) -> None:
+    """lr = 0 keeps the master as it is, so the output must be ``master.to(dtype)`` bit for bit:
+    random fp32 bit patterns (NaN, inf, subnormals, ties) plus fp16 overflow and subnormal values."""
+    gen = torch.Generator().manual_seed(3)
+    bits = torch.randint(-(1 << 31), 1 << 31, (1 << 20,), generator=gen, dtype=torch.int64).to(torch.int32)
+    special = torch.tensor(
+        [0.0, -0.0, 65504.0, 65519.0, 65520.0, 1e5, -1e5, 6e-8, 3e-8, 2.98e-8, 1e-40, 1.00390625, 1.01171875]
+    )
+    master = torch.cat([bits.view(torch.float32), special, torch.randn(4097, generator=gen) * 1e-5])
+    n = master.numel()
+    expected = master.to(out_dtype)
+    out = torch.empty(n, dtype=out_dtype)
+    hyper = AdamHyper(lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
+    _kernel(isa).step(master, torch.zeros(n), torch.zeros(n), torch.zeros(n), out, [Segment(0, n, 0)], [hyper], 1, 1.0)
+    nan = expected.isnan()
+    assert torch.equal(out.isnan(), nan)
+    assert torch.equal(out[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+
+
+def test_rejects_bad_inputs() -> None:
+    kernel, n = _kernel("native"), 64
+    f = lambda: torch.zeros(n)  # noqa: E731
+    hyper = [AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True)]
+    seg = [Segment(0, n, 0)]
+    with pytest.raises(ValueError, match="master"):
+        kernel.step(torch.zeros(n, dtype=torch.float64), f(), f(), f(), None, seg, hyper, 1, 1.0)
+    with pytest.raises(ValueError, match="grad"):
+        kernel.step(f(), f(), f(), torch.zeros(2 * n)[::2], None, seg, hyper, 1, 1.0)
+    with pytest.raises(ValueError, match="param_out"):
+        kernel.step(f(), f(), f(), f(), torch.zeros(n), seg, hyper, 1, 1.0)
+    with pytest.raises(ValueError, match="segments need"):
+        kernel.step(f(), f(), f(), f(), None, [Segment(1, n, 0)], hyper, 1, 1.0)
+    with pytest.raises(ValueError, match="segments need"):
+        kernel.step(f(), f(), f(), f(), None, [Segment(0, n, 1)], hyper, 1, 1.0)
+    with pytest.raises(ValueError, match="1-based"):
+        kernel.step(f(), f(), f(), f(), None, seg, hyper, 0, 1.0)
+
+
+def test_no_compiler_raises_unavailable(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("ELIXIR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler-elixir")
+    with pytest.raises(CpuAdamUnavailable, match="no C\\+\\+ compiler"):
+        cpu_adam.load_library.__wrapped__("native")
+
+
+def test_compile_error_raises_unavailable(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("ELIXIR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # on PATH, always fails
+    with pytest.raises(CpuAdamUnavailable, match="failed"):
+        cpu_adam.load_library.__wrapped__("native")
+    assert not list(tmp_path.rglob("*.so"))  # no half-written library left to load later
