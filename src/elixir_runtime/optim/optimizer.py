@@ -19,20 +19,13 @@ from ..checkpoint import layout_fingerprint
 from ..config import LossScaleConfig
 from ..runtime.chunks import ChunkRuntime, ChunkState
 from ..chunk.store import ShardArenas
-from .kernel import AdamHyper, AdamKernel, Segment, TorchAdamKernel
+from .kernel import AdamHyper, Segment
+from .select import select_kernel
 from .loss_scaler import LossScaler
 
 __all__ = ["ElixirOptimizer"]
 
 _FORMAT = "elixir-optimizer-shard/1"
-
-
-def _kernel_for(device: torch.device) -> AdamKernel:
-    try:
-        from .select import select_kernel
-    except ImportError:
-        return TorchAdamKernel()
-    return select_kernel(device)
 
 
 class ElixirOptimizer(torch.optim.Optimizer):
@@ -52,7 +45,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self.step_was_skipped = False
         self._norm: float | None = None
         self._clip_coef = 1.0
-        self.kernels = {name: _kernel_for(a.device) for name, a in runtime.arenas.items()}
+        self.kernels = {name: select_kernel(a.device) for name, a in runtime.arenas.items()}
         host = runtime.arenas["host"]
         self._chunk_segments = {
             c.index: [s for s in host.segments if c.offset <= s.offset < c.offset + c.shard_numel]
