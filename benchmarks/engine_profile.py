@@ -10,6 +10,7 @@ and with --trace writes a torch profiler trace of one Elixir step plus its top C
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 
@@ -73,6 +74,7 @@ def main() -> None:
         rows.append({"system": "plain", "step_s": dt, "tflops": 8 * n * a.bs * SEQ / dt / 1e12,
                      "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
         del model, opt
+        gc.collect()  # the engine's hooks form reference cycles
         torch.cuda.empty_cache()
     for off in [float(x) for x in a.offload.split(",")]:
         torch.cuda.reset_peak_memory_stats()
@@ -103,6 +105,7 @@ def main() -> None:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
             print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12))
         del model, opt
+        gc.collect()  # the engine's hooks form reference cycles
         torch.cuda.empty_cache()
     print(json.dumps({"card": torch.cuda.get_device_name(), "n_embd": a.n_embd, "n_layer": a.n_layer, "bs": a.bs, "rows": rows}, indent=1))
     for r in rows:

@@ -107,7 +107,7 @@ class TritonAdamKernel:
     ``block`` elements per program (a power of two); ``num_warps`` per program.
     """
 
-    def __init__(self, block: int = 4096, num_warps: int = 8) -> None:
+    def __init__(self, block: int = 1024, num_warps: int = 4) -> None:
         if block & (block - 1) or block < 128:
             raise ValueError("block must be a power of two >= 128")
         self.block, self.num_warps = block, num_warps
