@@ -1,0 +1,230 @@
+"""One system × one model × a list of batch sizes, in its own process (torchrun for several GPUs).
+
+A separate process per system keeps an OOM, a hang or a host OOM-kill from taking the other
+systems down, and gives each system a clean GPU and a clean host. Rank 0 prints one
+``RESULT {json}`` line per batch size, combined over ranks:
+
+    python -m benchmarks._worker --system plain --model 1.5b --batch-sizes 8,16 [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .hostmem import GIB, HostMemorySampler, host_total_bytes
+from .models import VOCAB, param_count, preset
+from .systems import SYSTEMS, Context, Trainer, Unavailable, build
+
+PG_TIMEOUT_S = 300
+_DIST_SYSTEMS = ("fsdp2", "fsdp2_offload", "ds2_offload", "ds3_offload")
+
+
+def log(msg: str) -> None:
+    rank = f"[r{os.environ['RANK']}]" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    print(f"[{time.strftime('%H:%M:%S')}]{rank} {msg}", flush=True)
+
+
+def setup(args: argparse.Namespace) -> Context:
+    """Threads, device and (where the system or the world size needs one) the process group."""
+    world, rank, local = (int(os.environ.get(k, d)) for k, d in (("WORLD_SIZE", 1), ("RANK", 0), ("LOCAL_RANK", 0)))
+    torch.set_num_threads(args.threads)
+    dev = torch.device("cuda", local) if args.device == "cuda" else torch.device(args.device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world > 1 or args.system in _DIST_SYSTEMS:
+        for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+            os.environ.setdefault(key, value)
+        timeout = datetime.timedelta(seconds=PG_TIMEOUT_S)
+        if dev.type == "cuda":
+            dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout, device_id=dev)
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+    return Context(dev, world, rank, seq=args.seq, ds_pin=bool(args.ds_pin))
+
+
+def gpu_peaks(dev: torch.device) -> dict[str, float]:
+    if dev.type != "cuda":
+        return {"gpu_alloc_peak_GiB": 0.0, "gpu_reserved_peak_GiB": 0.0}
+    return {
+        "gpu_alloc_peak_GiB": torch.cuda.max_memory_allocated(dev) / GIB,
+        "gpu_reserved_peak_GiB": torch.cuda.max_memory_reserved(dev) / GIB,
+    }
+
+
+def env_info(dev: torch.device) -> dict[str, Any]:
+    import transformers
+
+    info: dict[str, Any] = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads()}
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        info.update(card=props.name, gpu_total_GiB=props.total_memory / GIB, cuda=torch.version.cuda)
+    else:
+        info.update(card="cpu", gpu_total_GiB=0.0)
+    info["host_total_GiB"] = host_total_bytes() / GIB
+    return info
+
+
+def time_steps(trainer: Trainer, ids: torch.Tensor, warmup: int, steps: int, dev: torch.device, label: str) -> tuple[list[float], float]:
+    """Wall time of each timed step, synchronized at both ends; returns (times, last loss)."""
+    times, loss_value = [], float("nan")
+    for i in range(warmup + steps):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        loss = trainer.step(ids)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        dt = time.perf_counter() - t0
+        loss_value = float(loss.detach())
+        log(f"{label} step {i} {'warmup' if i < warmup else 'timed'} {dt:.3f}s loss {loss_value:.3f}")
+        if i >= warmup:
+            times.append(dt)
+    return times, loss_value
+
+
+def measure(trainer: Trainer, ctx: Context, bs: int, args: argparse.Namespace, sampler: HostMemorySampler) -> dict[str, Any]:
+    """One batch size on this rank: step times and peaks, or how it failed."""
+    gc.collect()
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    sampler.reset()
+    gen = torch.Generator(device=ctx.device)
+    gen.manual_seed(1000 * ctx.rank + bs)
+    ids = torch.randint(0, VOCAB, (bs, args.seq), device=ctx.device, generator=gen)
+    out: dict[str, Any] = {"status": "ok"}
+    try:
+        out["step_times_s"], out["loss"] = time_steps(trainer, ids, args.warmup, args.steps, ctx.device, f"{args.system} bs {bs}")
+    except torch.OutOfMemoryError as exc:
+        out.update(status="OOM", error=str(exc).splitlines()[0][:300])
+        trainer.after_oom()
+    except Exception as exc:  # noqa: BLE001 - any failure of a system is a result, not a crash of the harness
+        traceback.print_exc()
+        out.update(status="error", error=f"{type(exc).__name__}: {exc}"[:400])
+    sampler.sample()
+    out.update(gpu_peaks(ctx.device), host_rss_peak_GiB=sampler.peak_rss / GIB, host_used_peak_GiB=sampler.peak_used / GIB)
+    return out
+
+
+def combine(parts: list[dict[str, Any]], base: dict[str, Any], params: int) -> dict[str, Any]:
+    """Rank 0's record: the slowest rank's step times, GPU peaks of the worst rank, host RSS summed over ranks."""
+    rec = dict(base)
+    failed = [p for p in parts if p["status"] != "ok"]
+    if failed:
+        worst = next((p for p in failed if p["status"] == "OOM"), failed[0])
+        rec.update(status=worst["status"], error=worst.get("error"))
+    else:
+        per_step = [max(ts) for ts in zip(*(p["step_times_s"] for p in parts))]
+        step_s = statistics.median(per_step)
+        tokens = base["batch"] * base["seq"]
+        rec.update(
+            status="ok",
+            step_s=step_s,
+            step_times_s=per_step,
+            tflops=8 * params * tokens / step_s / 1e12,
+            tflops_aggregate=base["gpus"] * 8 * params * tokens / step_s / 1e12,
+            tokens_per_s=base["gpus"] * tokens / step_s,
+            loss=parts[0]["loss"],
+        )
+    for key in ("gpu_alloc_peak_GiB", "gpu_reserved_peak_GiB", "host_used_peak_GiB"):
+        rec[key] = max(p[key] for p in parts)
+    rec["host_rss_peak_GiB"] = sum(p["host_rss_peak_GiB"] for p in parts)
+    rec["host_rss_peak_per_rank_GiB"] = [p["host_rss_peak_GiB"] for p in parts]
+    predicted = (rec.get("info") or {}).get("plan", {}).get("predicted_step_s")
+    if predicted is not None and rec.get("step_s"):
+        rec.update(predicted_step_s=predicted, measured_over_predicted=rec["step_s"] / predicted)
+    return rec
+
+
+def gather(obj: Any, ctx: Context) -> list[Any]:
+    if ctx.world == 1:
+        return [obj]
+    out: list[Any] = [None] * ctx.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def emit(rec: dict[str, Any]) -> None:
+    print("RESULT " + json.dumps(rec), flush=True)
+
+
+def run(args: argparse.Namespace) -> None:
+    ctx = setup(args)
+    sampler = HostMemorySampler().start()
+    batch_sizes = sorted(args.batch_sizes)
+    params = param_count(preset(args.model))
+    env = env_info(ctx.device)
+    base = {"system": args.system, "model": args.model, "params": params, "gpus": ctx.world, "seq": args.seq,
+            "warmup": args.warmup, "steps": args.steps, **env}
+    log(f"{args.system} {args.model} ({params / 1e9:.2f} B params) on {env['card']} x{ctx.world}, batch sizes {batch_sizes}")
+
+    t0 = time.perf_counter()
+    example = torch.randint(0, VOCAB, (batch_sizes[0], args.seq), device=ctx.device)
+    try:
+        trainer: Trainer | None = build(args.system, preset(args.model), ctx, example)
+        build_error: dict[str, Any] = {}
+    except Unavailable as exc:
+        trainer, build_error = None, {"status": "unavailable", "error": str(exc)}
+    except torch.OutOfMemoryError as exc:
+        trainer, build_error = None, {"status": "OOM", "error": "build: " + str(exc).splitlines()[0][:300]}
+    except Exception as exc:  # noqa: BLE001
+        traceback.print_exc()
+        oom = type(exc).__name__ == "PlanError"  # Elixir refusing a plan that cannot fit
+        trainer, build_error = None, {"status": "OOM" if oom else "error", "error": f"build: {type(exc).__name__}: {exc}"[:400]}
+    base.update(build_s=time.perf_counter() - t0, host_rss_build_peak_GiB=sampler.peak_rss / GIB,
+                info=trainer.info if trainer else {})
+    log(f"built in {base['build_s']:.1f}s" if trainer else f"build failed: {build_error['error']}")
+
+    oom_at: int | None = None
+    for bs in batch_sizes:
+        if trainer is None:
+            part = dict(build_error, **gpu_peaks(ctx.device), host_rss_peak_GiB=sampler.peak_rss / GIB, host_used_peak_GiB=sampler.peak_used / GIB)
+        elif oom_at is not None:  # a larger batch cannot fit where a smaller one did not
+            part = dict(status="OOM", error=f"not run: OOM at batch {oom_at}", **gpu_peaks(ctx.device), host_rss_peak_GiB=0.0, host_used_peak_GiB=0.0)
+        else:
+            part = measure(trainer, ctx, bs, args, sampler)
+        parts = gather(part, ctx)
+        if any(p["status"] == "OOM" for p in parts) and oom_at is None and trainer is not None:
+            oom_at = bs
+        if ctx.rank == 0:
+            emit(combine(parts, dict(base, batch=bs), params))
+    sampler.stop()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--system", required=True, choices=SYSTEMS)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--batch-sizes", required=True, type=lambda s: [int(x) for x in s.split(",")], help="per GPU")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    ap.add_argument("--ds-pin", type=int, default=1, choices=(0, 1), help="DeepSpeed pin_memory for offloaded states")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(parse_args(argv))
+    # Every result is out: skip the interpreter's teardown (engine threads, NCCL, unregistering tens of
+    # GiB of pinned memory), which can take minutes or hang, while the parent waits for this exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,218 @@
+"""The systems compared in the throughput table, each built into a ``Trainer`` that runs full steps.
+
+Every system trains the same HF GPT-2 with the same AdamW hyper-parameters, bf16 compute,
+activation checkpointing and no gradient clipping (the baseline anchors clip nothing, and a
+clip costs Elixir and DeepSpeed an extra norm pass that plain/FSDP2 would not pay).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .models import Preset, build_meta, enable_checkpointing, fill_gpt2_init_, gpt2_config, materialize
+
+SYSTEMS = ("elixir", "plain", "fsdp2", "fsdp2_offload", "ds2_offload", "ds3_offload")
+LR, WEIGHT_DECAY = 1e-4, 0.01
+_PLAN_STEP_FIELDS = ("predicted_step_s", "predicted_step_time_s", "step_time_s", "step_s")
+
+
+class Unavailable(RuntimeError):
+    """The system cannot be built on this machine at all (e.g. DeepSpeed is not installed)."""
+
+
+@dataclass(frozen=True)
+class Context:
+    device: torch.device
+    world: int
+    rank: int
+    seq: int
+    ds_pin: bool = True
+
+
+@dataclass
+class Trainer:
+    step: Callable[[torch.Tensor], torch.Tensor]
+    """One optimizer step on ``input_ids`` (labels = inputs); returns the loss."""
+    info: dict[str, Any] = field(default_factory=dict)
+    after_oom: Callable[[], None] = lambda: None
+    """Frees what a step left behind when it ran out of memory, so a smaller retry is possible."""
+
+
+def build(system: str, p: Preset, ctx: Context, example_ids: torch.Tensor) -> Trainer:
+    builders: dict[str, Callable[[], Trainer]] = {
+        "elixir": lambda: _elixir(p, ctx, example_ids),
+        "plain": lambda: _plain(p, ctx),
+        "fsdp2": lambda: _fsdp2(p, ctx, offload=False),
+        "fsdp2_offload": lambda: _fsdp2(p, ctx, offload=True),
+        "ds2_offload": lambda: _deepspeed(p, ctx, stage=2),
+        "ds3_offload": lambda: _deepspeed(p, ctx, stage=3),
+    }
+    if system not in builders:
+        raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+    return builders[system]()
+
+
+def _adamw(params, fused: bool) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, fused=fused)
+
+
+def _elixir(p: Preset, ctx: Context, example_ids: torch.Tensor) -> Trainer:
+    """Auto plan for this batch: the planner sizes rCache and offload against the batch's activations."""
+    import elixir_runtime as er
+
+    # bf16 host weights: half the RAM and copy time of fp32; the engine keeps fp32 masters itself.
+    # Random values are drawn on the GPU (ctx.device) and copied: far faster than drawing on the CPU.
+    model = materialize(build_meta(p, ctx.seq, torch.bfloat16), "cpu", ctx.device)
+    if ctx.device.type == "cuda":
+        torch.cuda.empty_cache()  # the planner reads free GPU memory: return the fill's cached pieces
+    batch = {"input_ids": example_ids, "labels": example_ids}
+    config = er.ElixirConfig(mode="auto", dtype="bf16", device=ctx.device)
+    model, opt = er.prepare(model, _adamw(model.parameters(), fused=False), config, example_batch=batch)
+    plan = model._elixir.plan
+    print(plan.table(), flush=True)
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return Trainer(step, {"optimizer": "ElixirOptimizer(AdamW)", "plan": plan_summary(plan), "plan_batch": len(example_ids)})
+
+
+def plan_summary(plan: Any) -> dict[str, Any]:
+    """The plan's scalar fields and memory, read defensively: the planner's fields are still changing."""
+    out = {k: v for k, v in getattr(plan, "__dict__", {}).items() if v is None or isinstance(v, (bool, int, float, str))}
+    out["memory"] = dict(getattr(plan, "memory", {}))
+    out["n_offloaded"] = len(getattr(plan, "offload", []))
+    out["device_bytes"] = getattr(plan, "device_bytes", None)
+    out["host_bytes"] = getattr(plan, "host_bytes", None)
+    out["predicted_step_s"] = predicted_step_s(plan)
+    return out
+
+
+def predicted_step_s(plan: Any) -> float | None:
+    for holder in (plan, getattr(plan, "prediction", None), getattr(plan, "cost", None)):
+        for name in _PLAN_STEP_FIELDS:
+            value = getattr(holder, name, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+    return None
+
+
+def _plain(p: Preset, ctx: Context) -> Trainer:
+    """PyTorch AMP: fp32 params and fused AdamW on the GPU, bf16 autocast; DDP over several GPUs."""
+    model = materialize(build_meta(p, ctx.seq), ctx.device, ctx.device)
+    opt = _adamw(model.parameters(), fused=True)
+    wrapped: nn.Module = model
+    if ctx.world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        wrapped = DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
+            loss = wrapped(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    name = "AdamW(fused=True)" + (" + DDP(gradient_as_bucket_view)" if ctx.world > 1 else "")
+    return Trainer(step, {"optimizer": name}, after_oom=lambda: opt.zero_grad(set_to_none=True))
+
+
+def _fsdp2(p: Preset, ctx: Context, offload: bool) -> Trainer:
+    """``fully_shard`` per block and at the root on ``meta``, then each rank fills its own shard."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    model = build_meta(p, ctx.seq)
+    kwargs: dict[str, Any] = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
+    for block in model.transformer.h:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    model.to_empty(device="cpu" if offload else ctx.device)  # FSDP2 keeps the tied embedding tied
+    fill_gpt2_init_(model.named_parameters(), ctx.device, seed=ctx.rank)
+    try:
+        opt, name = _adamw(model.parameters(), fused=True), "AdamW(fused=True)"
+    except (RuntimeError, TypeError):  # fused needs every param on one supported device type
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, foreach=True)
+        name = "AdamW(foreach=True)"
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    where = "CPU" if offload else ctx.device.type.upper()
+    return Trainer(step, {"optimizer": f"{name} on {where} shards", "pin_memory": offload}, after_oom=lambda: opt.zero_grad(set_to_none=True))
+
+
+def ds_config(stage: int, pin: bool) -> dict[str, Any]:
+    """ZeRO-2 (optimizer offload) / ZeRO-3 (param + optimizer offload) to the CPU, bf16, no clipping."""
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "offload_optimizer": {"device": "cpu", "pin_memory": pin},
+        "contiguous_gradients": True,
+        "overlap_comm": True,
+        "reduce_bucket_size": 2e8,
+    }
+    if stage == 3:
+        zero.update({
+            "offload_param": {"device": "cpu", "pin_memory": pin},
+            "stage3_prefetch_bucket_size": 2e8,
+            "stage3_param_persistence_threshold": 1e5,
+            "stage3_max_live_parameters": 1e9,
+            "stage3_max_reuse_distance": 1e9,
+        })
+    else:
+        zero["allgather_bucket_size"] = 2e8
+    return {
+        "train_micro_batch_size_per_gpu": 1,  # not enforced on forward calls; keeps the batch check trivial
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "betas": [0.9, 0.999], "eps": 1e-8}},
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+    }
+
+
+def _deepspeed(p: Preset, ctx: Context, stage: int) -> Trainer:
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise Unavailable("deepspeed not installed") from exc
+    from transformers import GPT2LMHeadModel
+
+    config = ds_config(stage, ctx.ds_pin)
+    if stage == 3:
+        # Partitioned at construction; HF's init then sees empty params, so fill the partitions here.
+        with deepspeed.zero.Init(config_dict_or_path=config, remote_device="cpu", pin_memory=ctx.ds_pin, dtype=torch.bfloat16):
+            model = GPT2LMHeadModel(gpt2_config(p, ctx.seq))
+        enable_checkpointing(model)
+        fill_gpt2_init_(((n, q.ds_tensor) for n, q in model.named_parameters()), ctx.device, seed=ctx.rank)
+    else:
+        model = materialize(build_meta(p, ctx.seq, torch.bfloat16), ctx.device, ctx.device)
+    t0 = time.perf_counter()
+    engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    print(f"deepspeed.initialize {time.perf_counter() - t0:.1f}s", flush=True)
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    info = {"optimizer": type(opt).__name__, "pin_memory": ctx.ds_pin, "deepspeed": deepspeed.__version__}
+    return Trainer(step, info)

@@ -1,0 +1,143 @@
+"""CPU tests of the throughput harness: report merging and ratios, model presets, a real CPU run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import report
+from benchmarks._worker import combine
+from benchmarks.models import PRESETS, SEQ, VOCAB, build_meta, count_params
+from benchmarks.throughput import failure
+
+REPO = Path(__file__).resolve().parents[2]
+H100 = {"card": "NVIDIA H100 80GB HBM3", "gpu_total_GiB": 79.2, "torch": "2.11.0+cu130", "transformers": "5.17.0"}
+
+
+def _line(system: str, model: str, params: int, batch: int, status: str = "ok", tflops: float | None = None, **extra) -> str:
+    rec = {"system": system, "model": model, "params": params, "gpus": 1, "batch": batch, "seq": 1024, "status": status, **H100, **extra}
+    if tflops is not None:
+        rec.update(tflops=tflops, step_s=8 * params * batch * 1024 / tflops / 1e12)
+    return "[12:00:00] RESULT " + json.dumps(rec)
+
+
+def _log() -> str:
+    p65, p4 = 6_654_210_048, 3_775_340_544
+    plan = {"plan": {"host_bytes": 50 * 2**30, "predicted_step_s": 1.0}}
+    return "\n".join([
+        "some worker noise",
+        _line("elixir", "6.5b", p65, 4, tflops=200.0, info=plan, predicted_step_s=1.0, measured_over_predicted=1.08),
+        _line("plain", "6.5b", p65, 4, status="OOM", error="CUDA out of memory"),
+        _line("fsdp2", "6.5b", p65, 4, status="OOM", error="CUDA out of memory"),
+        _line("fsdp2_offload", "6.5b", p65, 4, tflops=84.4),
+        _line("ds2_offload", "6.5b", p65, 4, status="crashed", error="worker exit -9 (SIGKILL: likely the host's OOM killer)"),
+        _line("ds3_offload", "6.5b", p65, 4, status="unavailable", error="deepspeed not installed"),
+        _line("elixir", "gpt2-4b", p4, 8, tflops=295.0),
+        _line("plain", "gpt2-4b", p4, 8, tflops=302.0),
+        _line("fsdp2_offload", "gpt2-4b", p4, 8, tflops=138.7),
+    ])
+
+
+def test_report_regimes_and_ratio(tmp_path: Path) -> None:
+    runs = report.parse_results(_log())
+    assert len(runs) == 9
+    results = report.write(runs, tmp_path / "results.json")
+
+    (off,) = results["offload_regime"]
+    assert (off["model"], off["batch"], off["best_baseline"]) == ("6.5b", 4, "fsdp2_offload")
+    assert off["elixir_over_best_baseline"] == pytest.approx(200.0 / 84.4)
+    assert off["tflops"]["plain"] is None and off["status"]["plain"] == "OOM"
+    assert off["status"]["ds3_offload"] == "unavailable"
+    assert off["elixir_predicted_step_s"] == 1.0 and off["elixir_plan_host_GiB"] == pytest.approx(50.0)
+
+    (fit,) = results["in_gpu_regime"]
+    assert fit["model"] == "gpt2-4b" and fit["best_baseline"] == "plain"
+    assert fit["elixir_over_best_baseline"] == pytest.approx(295.0 / 302.0)
+
+    md = (tmp_path / "benchmarks.md").read_text()
+    assert "NVIDIA H100 80GB HBM3" in md and "deepspeed not installed" in md and "**2.37×** vs fsdp2_offload" in md
+    assert (tmp_path / "throughput.png").stat().st_size > 0
+
+
+def test_report_merge_replaces_same_run_keeps_others(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    report.write(report.parse_results(_log()), out, render=False)
+    rerun = report.parse_results(_line("elixir", "6.5b", 6_654_210_048, 4, tflops=250.0))
+    h200 = report.parse_results(_line("plain", "6.5b", 6_654_210_048, 4, tflops=357.0).replace("NVIDIA H100 80GB HBM3", "NVIDIA H200"))
+    results = report.write(rerun + h200, out, render=False)
+    assert len(results["runs"]) == 10
+    h100_row = next(r for r in results["offload_regime"] if r["card"].startswith("NVIDIA H100"))
+    assert h100_row["elixir_over_best_baseline"] == pytest.approx(250.0 / 84.4)
+    (h200_row,) = [r for r in results["in_gpu_regime"] if r["card"] == "NVIDIA H200"]
+    assert h200_row["elixir_over_best_baseline"] is None  # no Elixir run on that card: no cross-card ratio
+
+
+def test_regime_from_state_bytes_when_no_in_gpu_baseline_ran() -> None:
+    big = {"elixir": {"params": 6_654_210_048, "gpus": 1, "gpu_total_GiB": 79.2}}
+    small = {"elixir": {"params": 1_557_686_400, "gpus": 1, "gpu_total_GiB": 79.2}}
+    assert report.regime(big) == "offload" and report.regime(small) == "in_gpu"
+
+
+def test_combine_takes_slowest_rank_and_sums_host_rss() -> None:
+    part = {"status": "ok", "loss": 10.0, "gpu_alloc_peak_GiB": 5.0, "gpu_reserved_peak_GiB": 6.0, "host_used_peak_GiB": 90.0}
+    parts = [dict(part, step_times_s=[1.0, 2.0, 1.0], host_rss_peak_GiB=40.0),
+             dict(part, step_times_s=[1.5, 1.0, 1.2], host_rss_peak_GiB=41.0, gpu_alloc_peak_GiB=7.0)]
+    base = {"system": "fsdp2_offload", "batch": 4, "seq": 1024, "gpus": 2}
+    rec = combine(parts, base, params=10**9)
+    assert rec["step_times_s"] == [1.5, 2.0, 1.2] and rec["step_s"] == 1.5
+    assert rec["tflops"] == pytest.approx(8e9 * 4 * 1024 / 1.5 / 1e12)
+    assert rec["tokens_per_s"] == pytest.approx(2 * 4 * 1024 / 1.5)
+    assert rec["host_rss_peak_GiB"] == 81.0 and rec["gpu_alloc_peak_GiB"] == 7.0
+    parts[1] = dict(parts[1], status="OOM", error="CUDA out of memory")
+    assert combine(parts, base, params=10**9)["status"] == "OOM"
+
+
+def test_failure_names_timeouts_and_kills() -> None:
+    assert failure(None, [], 420)[0] == "timeout"
+    status, error = failure(-9, ["loading", ""], 420)
+    assert status == "crashed" and "OOM killer" in error
+
+
+def _expected_params(n_embd: int, n_layer: int) -> int:
+    """Tied GPT-2: embeddings, 12 d^2 + 13 d per block (2 LayerNorms, qkv, proj, 4x MLP), final LayerNorm."""
+    return VOCAB * n_embd + SEQ * n_embd + n_layer * (12 * n_embd**2 + 13 * n_embd) + 2 * n_embd
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if n != "tiny"])
+def test_preset_parameter_counts(name: str) -> None:
+    p = PRESETS[name]
+    model = build_meta(p)
+    assert count_params(model) == _expected_params(p.n_embd, p.n_layer)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.config._attn_implementation == "sdpa" and model.training
+
+
+def test_preset_sizes_match_the_anchors() -> None:
+    billions = {n: count_params(build_meta(PRESETS[n])) / 1e9 for n in ("1.5b", "gpt2-4b", "6.5b", "gpt2-10b")}
+    assert billions["gpt2-4b"] == pytest.approx(3.78, abs=0.01) and billions["6.5b"] == pytest.approx(6.65, abs=0.01)
+    assert 1.5 < billions["1.5b"] < 1.6 and 9.5 < billions["gpt2-10b"] < 10.5
+
+
+def test_cpu_run_of_elixir_and_plain(tmp_path: Path) -> None:
+    """The whole path on CPU: parent, one worker per system, RESULT lines, results.json, table and chart."""
+    out = tmp_path / "results.json"
+    cmd = [sys.executable, "-m", "benchmarks.throughput", "--model", "tiny", "--batch-sizes", "2", "--systems", "elixir,plain",
+           "--device", "cpu", "--seq", "64", "--steps", "2", "--warmup", "0", "--threads", "1", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO)]), HF_HUB_OFFLINE="1")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    runs = {r["system"]: r for r in results["runs"]}
+    assert set(runs) == {"elixir", "plain"}
+    for r in runs.values():
+        assert r["status"] == "ok" and r["tflops"] > 0 and len(r["step_times_s"]) == 2, r
+        assert r["host_rss_peak_GiB"] > 0 and r["command"].startswith("PYTHONPATH=src python -m benchmarks.throughput")
+    assert runs["elixir"]["info"]["plan"]["n_chunks"] > 0
+    (row,) = results["in_gpu_regime"]
+    assert row["best_baseline"] == "plain" and row["elixir_over_best_baseline"] > 0
+    assert (tmp_path / "benchmarks.md").exists() and (tmp_path / "throughput.png").exists()
