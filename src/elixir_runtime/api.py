@@ -26,6 +26,7 @@ from .profiler.trace import trace_unit_order
 from .runtime.chunks import ChunkRuntime
 from .runtime.hooks import install_hooks
 from .runtime.units import Unit, find_units, unit_owner_count
+from .search.auto import auto_plan
 
 __all__ = ["prepare", "ElixirState"]
 
@@ -53,6 +54,8 @@ def prepare(
 
     ``example_batch`` (what ``model(**batch)`` is called with) lets the engine trace the order in
     which parameters are used, so chunks follow the forward pass; without it, registration order.
+    With ``mode="auto"`` on a GPU it is also the batch whose training step is profiled (on fake
+    tensors) for the search, which picks chunk size, rCache size and offloaded chunks.
     """
     config = config or ElixirConfig()
     _check_model(model)
@@ -62,7 +65,11 @@ def prepare(
     coll = Collectives(config.process_group)
 
     units = find_units(model, config.unit_classes)
-    order, _ = trace_unit_order(model, units, example_batch)
+    search = None
+    if config.mode == "auto" and device.type == "cuda":
+        order, search = auto_plan(model, units, example_batch, config, device, dtype, coll)
+    else:
+        order, _ = trace_unit_order(model, units, example_batch)
     params = list(dict.fromkeys(p for u in order for p in units[u].params))
     index = {id(p): i for i, p in enumerate(params)}
     names: list[list[str]] = [[] for _ in params]
@@ -76,12 +83,12 @@ def prepare(
         groups,
         [owners[id(p)] > 1 for p in params],
         world_size=coll.world_size,
-        chunk_size=config.chunk_size,
+        chunk_size=config.chunk_size if search is None else search.chunk_size,
         alignment=config.alignment,
     )
     for u in units:
         u.chunks = tuple(sorted({layout.param_chunk[index[id(p)]] for p in u.params}))
-    plan = resolve_plan(config, layout, units, device, dtype)
+    plan = resolve_plan(config, layout, units, device, dtype, search)
     logger.info("Elixir plan:\n%s", plan.table())
 
     orig_dtypes = [p.dtype for p in params]

@@ -1,23 +1,29 @@
-"""``ElixirPlan``: chunk size, rCache size and where each chunk's shard lives, with its memory cost.
+"""``ElixirPlan``: chunk size, rCache size and where each chunk's shard lives, with its cost.
 
 A plan is resolved from the config and the chunk layout before any training memory is allocated,
-so an impossible plan fails early with the numbers. ``mode="auto"`` uses a simple greedy rule
-until the search engine (profiler + cost model) provides one.
+so an impossible plan fails early with the numbers. With ``mode="auto"`` on a GPU the search
+(``elixir_runtime.search``) has chosen the chunk size, the rCache size and the offloaded chunks
+from a profile of the step and of the machine; the plan then also carries the predicted memory,
+the predicted step time and the rigid alternatives it was compared with.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from .chunk.layout import ChunkLayout
 from .config import ElixirConfig
 from .runtime.units import Unit
+
+if TYPE_CHECKING:
+    from .search.engine import SearchResult
 
 __all__ = ["ElixirPlan", "resolve_plan", "PlanError"]
 
@@ -38,7 +44,18 @@ class ElixirPlan:
     min_blocks: int
     max_blocks: int
     memory: dict[str, int] = field(default_factory=dict)
-    """Predicted bytes per rank: ``rcache``, ``private``, ``device_shards``, ``host_shards``."""
+    """Predicted bytes per rank: ``rcache``, ``private``, ``device_shards``, ``host_shards``; from the
+    search also ``activations`` (the profiled peak) and ``buffers``."""
+    predicted: dict[str, float | None] = field(default_factory=dict)
+    """Predicted seconds per optimizer step and its parts (``search.cost.StepTime``); empty when
+    the plan was not searched."""
+    budget: dict[str, float] = field(default_factory=dict)
+    """The memory budget the search respected (``search.budget.Budget``)."""
+    search: dict[str, Any] = field(default_factory=dict)
+    """Why this plan: the chunk sizes simulated, I(n)/J(n) at the choice, hardware, timings."""
+    alternatives: list[dict[str, Any]] = field(default_factory=list)
+    """Rigid plans of the same layout (ZeRO-2/3-like offload-all, rCache max/min) with their
+    predicted memory and step time."""
 
     def placement(self) -> list[str]:
         off = set(self.offload)
@@ -52,6 +69,11 @@ class ElixirPlan:
     def host_bytes(self) -> int:
         return self.memory.get("host_shards", 0)
 
+    @property
+    def device_peak_bytes(self) -> int:
+        """Model states and rCache plus the profiled activation peak and buffers."""
+        return self.device_bytes + self.memory.get("activations", 0) + self.memory.get("buffers", 0)
+
     def table(self) -> str:
         gib = 2**30
         rows = [
@@ -62,6 +84,18 @@ class ElixirPlan:
             ("device memory / rank", f"{self.device_bytes / gib:.3f} GiB (model states + rCache)"),
             ("host memory / rank", f"{self.host_bytes / gib:.3f} GiB (pinned)"),
         ]
+        if "activations" in self.memory:
+            rows.append(("device peak / rank", f"{self.device_peak_bytes / gib:.3f} GiB (+ activations "
+                         f"{self.memory['activations'] / gib:.3f}, buffers {self.memory.get('buffers', 0) / gib:.3f})"))
+        if self.budget:
+            rows.append(("budget / rank", f"{self.budget['allowed'] / gib:.3f} GiB GPU (U_allowed), "
+                         f"{self.budget['host_allowed'] / gib:.3f} GiB host"))
+        if self.predicted:
+            rows.append(("predicted step", format_step_time(self.predicted)))
+        if "i_per_gib" in self.search:
+            i, j = (("-" if v is None else f"{v * 1e3:.2f}") for v in (self.search["i_per_gib"], self.search["j_per_gib"]))
+            rows.append(("I(n) / J(n)", f"{i} / {j} ms per GiB saved by one more rCache block / by the next upload "
+                         "(- : none left)"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -70,8 +104,21 @@ class ElixirPlan:
 
     @classmethod
     def from_json(cls, text_or_path: str | Path) -> "ElixirPlan":
-        text = Path(text_or_path).read_text() if Path(str(text_or_path)).exists() else str(text_or_path)
+        """A JSON text or the path of a file holding one (plans from before the search included)."""
+        text = str(text_or_path)
+        if not text.lstrip().startswith("{"):
+            text = Path(text_or_path).read_text()
         return cls(**json.loads(text))
+
+
+def format_step_time(t: dict[str, float | None]) -> str:
+    """``1.234 s = compute 1.0 + exposed transfers 0.1 + exposed CPU Adam 0.0 + GPU Adam 0.1`` etc."""
+    coll = "not measured" if t.get("collectives") is None else f"{t['collectives']:.3f}"
+    return (
+        f"{t['total']:.3f} s (compute {t['compute']:.3f}, exposed transfers {t['exposed_transfers']:.3f}, "
+        f"GPU Adam {t['gpu_adam']:.3f}, exposed CPU Adam {t['exposed_cpu_adam']:.3f}; moved: H2D {t['h2d']:.3f}, "
+        f"D2H {t['d2h']:.3f}, collectives {coll}, CPU Adam {t['cpu_adam']:.3f})"
+    )
 
 
 def _count_memory(layout: ChunkLayout, offload: set[int], n_blocks: int, dtype: torch.dtype) -> dict[str, int]:
@@ -95,8 +142,18 @@ def block_bounds(layout: ChunkLayout, units: Sequence[Unit]) -> tuple[int, int]:
 
 
 def resolve_plan(
-    config: ElixirConfig, layout: ChunkLayout, units: Sequence[Unit], device: torch.device, dtype: torch.dtype
+    config: ElixirConfig,
+    layout: ChunkLayout,
+    units: Sequence[Unit],
+    device: torch.device,
+    dtype: torch.dtype,
+    search: "SearchResult | None" = None,
+    *,
+    check: bool = True,
 ) -> ElixirPlan:
+    """The plan for ``layout``: the config's explicit choices, the search's for the rest (if it ran,
+    it already honoured the explicit ones), else the static defaults (rCache max, nothing offloaded).
+    ``check=False`` skips comparing it with this machine's free memory (planning for another one)."""
     lo, hi = block_bounds(layout, units)
     n = len(layout.chunks)
     if isinstance(config.n_blocks, int):
@@ -110,10 +167,10 @@ def resolve_plan(
         n_blocks = min(config.n_blocks, hi)
     elif config.n_blocks == "min":
         n_blocks = lo
-    elif config.n_blocks == "max" or config.mode == "static" or device.type != "cuda":
+    elif config.n_blocks == "max" or search is None:
         n_blocks = hi
     else:
-        n_blocks = None  # auto, below
+        n_blocks = min(max(search.n_blocks, lo), hi)
 
     if isinstance(config.offload, (float, int)) and not isinstance(config.offload, bool):
         k = round(float(config.offload) * n)
@@ -124,10 +181,9 @@ def resolve_plan(
         if bad:
             raise PlanError(f"offload names chunks {bad}, but the layout has chunks 0..{n - 1}")
     else:
-        offload = None
+        offload = list(search.offload) if search is not None else []
 
-    if n_blocks is None or offload is None:
-        n_blocks, offload = _auto(layout, lo, hi, n_blocks, offload, device, dtype, config.prefetch)
+    memory = _count_memory(layout, set(offload), n_blocks, dtype)
     plan = ElixirPlan(
         chunk_size=layout.chunk_size,
         n_blocks=n_blocks,
@@ -137,34 +193,28 @@ def resolve_plan(
         dtype=str(dtype).removeprefix("torch."),
         min_blocks=lo,
         max_blocks=hi,
-        memory=_count_memory(layout, set(offload), n_blocks, dtype),
+        memory=memory,
     )
-    check_fits(plan, device)
+    if search is not None:
+        _attach_search(plan, search)
+    if check:
+        check_fits(plan, device)
     return plan
 
 
-def _auto(layout, lo, hi, n_blocks, offload, device, dtype, prefetch) -> tuple[int, list[int]]:
-    """Greedy stand-in for the search: keep chunks resident from the front while 60 % of the free
-    device memory lasts (activations need the rest), then spend what is left on rCache blocks."""
-    n = len(layout.chunks)
-    if device.type != "cuda":
-        return (hi if n_blocks is None else n_blocks), ([] if offload is None else offload)
-    free, _ = torch.cuda.mem_get_info(device)
-    budget = int(0.6 * free)
-    blocks = n_blocks if n_blocks is not None else min(hi, lo + prefetch)
-    def device_bytes(offloaded: set[int], n_blocks: int) -> int:
-        mem = _count_memory(layout, offloaded, n_blocks, dtype)
-        return mem["rcache"] + mem["private"] + mem["device_shards"]
-
-    if offload is None:
-        resident = 0
-        while resident < n and device_bytes(set(range(resident + 1, n)), blocks) <= budget:
-            resident += 1
-        offload = list(range(resident, n))
-    if n_blocks is None:
-        while blocks < hi and device_bytes(set(offload), blocks + 1) <= budget:
-            blocks += 1
-    return blocks, offload
+def _attach_search(plan: ElixirPlan, search: "SearchResult") -> None:
+    plan.memory["activations"] = int(search.budget.activations)
+    plan.memory["buffers"] = int(search.budget.buffers)
+    plan.predicted = search.time.as_dict()
+    plan.budget = search.budget.as_dict()
+    plan.search = {
+        "i_per_gib": search.i_per_gib if math.isfinite(search.i_per_gib) else None,
+        "j_per_gib": search.j_per_gib if math.isfinite(search.j_per_gib) else None,
+        "candidates": search.candidates,
+        "notes": search.notes,
+        "seconds": search.seconds,
+    }
+    plan.alternatives = search.alternatives
 
 
 def check_fits(plan: ElixirPlan, device: torch.device) -> None:

@@ -1,0 +1,312 @@
+"""``elixir-plan``: the plan ``--elixir auto`` would make, without a GPU and without allocating.
+
+    elixir-plan --model gpt2-10b --seq-len 1024 --batch-size 8 --gpus 2 --gpu-mem 80GiB --host-mem 256GiB
+    elixir-plan --model path/to/config.json --hardware hw.json --json
+    elixir-plan --measure-hardware hw.json        # on the GPU machine: its profile, for planning elsewhere
+
+The model is built from its config on the meta device, one training step is profiled on fake
+tensors, and the search picks chunk size, rCache size and offloaded chunks for the given GPUs and
+memory. Printed: the profile and its time, the plan, and the rigid alternatives it beat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+import warnings
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from elixir_runtime.chunk.layout import build_layout
+from elixir_runtime.config import ElixirConfig, resolve_dtype
+from elixir_runtime.plan import ElixirPlan, PlanError, format_step_time, resolve_plan
+from elixir_runtime.profiler import ModelProfile, profile_model
+from elixir_runtime.runtime.units import find_units
+from elixir_runtime.search import Budget, HardwareProfile, SearchSettings, load_hardware, model_table, search
+
+__all__ = ["main", "PRESETS", "parse_size", "build_meta_model"]
+
+GIB = 2**30
+
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gpt2": ("gpt2", {"n_embd": 768, "n_layer": 12, "n_head": 12}),
+    "gpt2-medium": ("gpt2", {"n_embd": 1024, "n_layer": 24, "n_head": 16}),
+    "gpt2-large": ("gpt2", {"n_embd": 1280, "n_layer": 36, "n_head": 20}),
+    "gpt2-xl": ("gpt2", {"n_embd": 1600, "n_layer": 48, "n_head": 25}),
+    # the paper's models (appendix B.2), and the 6.5B that just overflows one 80 GB card
+    "gpt2-4b": ("gpt2", {"n_embd": 3072, "n_layer": 32, "n_head": 24}),
+    "gpt2-6.5b": ("gpt2", {"n_embd": 4096, "n_layer": 32, "n_head": 32}),
+    "gpt2-10b": ("gpt2", {"n_embd": 4096, "n_layer": 48, "n_head": 32}),
+    "gpt2-15b": ("gpt2", {"n_embd": 8192, "n_layer": 18, "n_head": 64}),
+    "gpt2-20b": ("gpt2", {"n_embd": 8192, "n_layer": 24, "n_head": 64}),
+    "opt-175b": (
+        "opt",
+        {
+            "hidden_size": 12288, "num_hidden_layers": 96, "num_attention_heads": 96, "ffn_dim": 49152,
+            "max_position_embeddings": 2048, "word_embed_proj_dim": 12288, "vocab_size": 50272,
+        },
+    ),
+    "llama2-7b": (
+        "llama",
+        {
+            "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+            "intermediate_size": 11008, "vocab_size": 32000, "max_position_embeddings": 4096,
+        },
+    ),
+}
+
+_UNITS = {"": GIB, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """``80GiB``, ``80G`` (binary), ``80GB`` (decimal), ``512MiB``; a bare number is GiB."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (e.g. 80GiB, 80GB, 512MiB)")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def model_config(name: str, seq_len: int):
+    """A preset, a ``config.json`` (or a directory holding one), or a Hub id (cached, or online)."""
+    from transformers import AutoConfig
+
+    if name.lower() in PRESETS:
+        family, kwargs = PRESETS[name.lower()]
+        if family == "gpt2":
+            kwargs = {**kwargs, "n_positions": max(1024, seq_len), "vocab_size": 50257}
+        return AutoConfig.for_model(family, **kwargs)
+    path = Path(name)
+    if path.is_file():
+        data = json.loads(path.read_text())
+        return AutoConfig.for_model(data.pop("model_type"), **data)
+    try:
+        return AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(
+            f"elixir-plan: {name!r} is not a preset ({', '.join(PRESETS)}), a config.json, or a Hub id that can be "
+            f"loaded here ({type(exc).__name__}: {exc}); without network, download its config.json and pass its path"
+        ) from exc
+
+
+def build_meta_model(config, dtype: torch.dtype, checkpointing: bool) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="elixir-plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", "--model_config", "--model-config", dest="model", help="preset, config.json or Hub id")
+    p.add_argument("--seq-len", "--seq_len", type=int, default=1024)
+    p.add_argument("--batch-size", "--batch_size", type=int, default=8, help="per GPU")
+    p.add_argument("--grad-accum", "--grad_accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs (ranks) on one host")
+    p.add_argument("--gpu-mem", "--gpu_mem", type=parse_size, help="memory per GPU (default: the hardware profile's)")
+    p.add_argument("--host-mem", "--host_mem", type=parse_size, help="host RAM (default: the hardware profile's)")
+    p.add_argument("--hardware", help="hardware profile JSON (default: this machine's, measured once and cached)")
+    p.add_argument("--dtype", default="bf16", help="compute dtype: bf16, fp16 or fp32")
+    p.add_argument("--no-ac", dest="ac", action="store_false", help="without activation checkpointing")
+    p.add_argument("--exact", action="store_true", help="trace every block instead of replaying identical ones")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    p.add_argument("--plot", help="write placement and memory budget as a PNG")
+    p.add_argument("--measure-hardware", metavar="PATH", help="measure this machine, write its profile to PATH, exit")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.measure_hardware:
+        return _measure(args.measure_hardware)
+    if not args.model:
+        _parser().error("--model is required (or --measure-hardware)")
+    try:
+        report = plan_report(args)
+    except PlanError as exc:
+        if args.json:
+            print(json.dumps({"error": str(exc)}, indent=2))
+        else:
+            print(f"elixir-plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report["json"], indent=2))
+    else:
+        print(report["text"])
+    if args.plot:
+        plot_plan(report["plan"], report["budget"], args.plot, title=report["title"])
+    return 0
+
+
+def _measure(path: str) -> int:
+    from elixir_runtime.search.measure import measure_hardware
+
+    profile = measure_hardware()
+    profile.save(path)
+    print(profile.to_json())
+    print(f"written to {path} ({profile.source})", file=sys.stderr)
+    return 0
+
+
+def plan_report(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything ``main`` prints: the texts, the JSON document, the plan and its budget."""
+    dtype = resolve_dtype(args.dtype)
+    t0 = time.perf_counter()
+    config = model_config(args.model, args.seq_len)
+    model = build_meta_model(config, dtype, args.ac)
+    build_s = time.perf_counter() - t0
+    units = find_units(model, None)
+    ids = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long, device="meta")
+    profile = profile_model(model, {"input_ids": ids, "labels": ids}, dtype=dtype, device="cuda", units=units, exact=args.exact)
+
+    hardware, hw_note = _hardware(args.hardware)
+    budget = Budget(
+        capacity=args.gpu_mem or hardware.gpu_memory,
+        activations=profile.activation_peak,
+        buffers=profile.buffer_bytes,
+        host_capacity=args.host_mem or hardware.host_memory,
+        ranks_per_host=args.gpus,
+    )
+    t1 = time.perf_counter()
+    by_name = {u.name: u.index for u in units}
+    order = [by_name[n] for n in profile.unit_order() if n in by_name]
+    order += [u.index for u in units if u.index not in set(order)]
+    table = model_table(model, units, order)
+    settings = SearchSettings(world_size=args.gpus, dtype=dtype, micro_batches=args.grad_accum)
+    result = search(table, profile, hardware, budget, settings)
+    layout = build_layout(
+        table.params, table.names, table.groups, table.private,
+        world_size=args.gpus, chunk_size=result.chunk_size, alignment=settings.alignment,
+    )
+    for u in units:
+        u.chunks = tuple(sorted({layout.param_chunk[table.index[id(p)]] for p in u.params}))
+    plan = resolve_plan(ElixirConfig(), layout, units, torch.device("cuda"), dtype, result, check=False)
+    search_s = time.perf_counter() - t1
+
+    title = (f"{args.model}: batch {args.batch_size} x seq {args.seq_len} per GPU, {args.gpus} GPU(s) of "
+             f"{budget.capacity / GIB:.0f} GiB, host {budget.host_capacity / GIB:.0f} GiB, AC {'on' if args.ac else 'off'}")
+    timings = {"build_s": build_s, "profile_s": profile.seconds, "search_s": search_s}
+    text = "\n\n".join(
+        [
+            title,
+            "== profile ==\n" + profile.summary(),
+            f"== hardware ==\n{hardware.device}: {hardware.source}" + (f"\n{hw_note}" if hw_note else ""),
+            "== plan ==\n" + plan.table(),
+            "== alternatives (same chunks) ==\n" + _alternatives_table(plan, budget),
+            f"model built in {build_s:.2f} s, profiled in {profile.seconds:.2f} s, searched "
+            f"{len(result.candidates)} chunk sizes in {search_s:.2f} s" + "".join(f"\nnote: {n}" for n in result.notes),
+        ]
+    )
+    doc = {
+        "model": args.model,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "plot", "measure_hardware")},
+        "profile": _profile_json(profile),
+        "hardware": {"device": hardware.device, "source": hardware.source, "note": hw_note},
+        "plan": asdict(plan),
+        "timings": timings,
+    }
+    return {"text": text, "json": doc, "plan": plan, "budget": budget, "title": title}
+
+
+def _hardware(path: str | None) -> tuple[HardwareProfile, str]:
+    hardware = load_hardware(path)
+    note = ""
+    if hardware.cpu_only:
+        note = (
+            "no GPU here and no --hardware file: the times below take this machine's CPU as the device (the memory "
+            "plan does not depend on them). On the GPU machine run `elixir-plan --measure-hardware hw.json` and pass "
+            "--hardware hw.json for GPU times."
+        )
+    return hardware, note
+
+
+def _profile_json(profile: ModelProfile) -> dict[str, Any]:
+    return {
+        "parameters": profile.n_params,
+        "parameter_bytes": profile.param_bytes,
+        "buffer_bytes": profile.buffer_bytes,
+        "activation_peak": profile.activation_peak,
+        "peak_at": profile.peak_at,
+        "forward_peak": profile.forward_peak,
+        "saved_bytes": profile.saved_bytes,
+        "ac_regions": len(profile.ac_regions),
+        "ac_buffer_numel": profile.ac_buffer_numel(),
+        "tied": [p.name for p in profile.params if p.aliases],
+        "flops": {k: c.total_flops for k, c in profile.compute.items()},
+        "blocks": asdict(profile.blocks) if profile.blocks else None,
+        "device": profile.device,
+        "seconds": profile.seconds,
+    }
+
+
+def _alternatives_table(plan: ElixirPlan, budget: Budget) -> str:
+    rows = [("elixir (chosen)", plan.n_blocks, len(plan.offload), plan.device_bytes, plan.host_bytes, True, plan.predicted)]
+    rows += [(a["name"], a["n_blocks"], a["offloaded"], a["device_bytes"], a["host_bytes"], a["fits"], a["time"])
+             for a in plan.alternatives]
+    head = f"{'plan':<18} {'blocks':>6} {'offloaded':>9} {'GPU GiB':>8} {'host GiB':>8} {'fits':>5} {'step s':>8}  breakdown"
+    lines = [head]
+    for name, blocks, off, dev, host, fits, t in rows:
+        lines.append(
+            f"{name:<18} {blocks:>6} {off:>9} {dev / GIB:>8.2f} {host / GIB:>8.2f} {'yes' if fits else 'NO':>5} "
+            f"{t['total']:>8.3f}  {format_step_time(t)}"
+        )
+    lines.append(f"budget per rank: {budget.allowed / GIB:.2f} GiB GPU (U_allowed), {budget.host_allowed / GIB:.2f} GiB host")
+    return "\n".join(lines)
+
+
+def plot_plan(plan: ElixirPlan, budget: Budget, path: str, title: str = "") -> None:
+    """Two panels: the GPU memory budget of one rank, and where every chunk lives."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (mem_ax, chunk_ax) = plt.subplots(2, 1, figsize=(11, 5.5), gridspec_kw={"height_ratios": [1, 1]})
+    parts = [
+        ("rCache", plan.memory.get("rcache", 0), "tab:blue"),
+        ("private blocks", plan.memory.get("private", 0), "tab:purple"),
+        ("GPU-resident shards", plan.memory.get("device_shards", 0), "tab:green"),
+        (f"activations x {budget.f_frag}", budget.f_frag * plan.memory.get("activations", 0), "tab:orange"),
+        ("buffers", plan.memory.get("buffers", 0), "tab:gray"),
+    ]
+    left = 0.0
+    for label, size, color in parts:
+        mem_ax.barh(0, size / GIB, left=left, color=color, label=f"{label} {size / GIB:.1f}")
+        left += size / GIB
+    mem_ax.axvline(budget.capacity / GIB, color="black", label=f"capacity {budget.capacity / GIB:.1f}")
+    mem_ax.axvline(budget.allowed / GIB, color="red", linestyle="--",
+                   label=f"U_allowed {budget.allowed / GIB:.1f}: model states end before it")
+    mem_ax.set_yticks([])
+    mem_ax.set_xlabel("GiB per GPU")
+    mem_ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=4, fontsize=8)
+    mem_ax.set_title(title, fontsize=9)
+    off = set(plan.offload)
+    colors = ["tab:red" if i in off else "tab:green" for i in range(plan.n_chunks)]
+    chunk_ax.bar(range(plan.n_chunks), [1] * plan.n_chunks, width=1.0, color=colors, edgecolor="white", linewidth=0.3)
+    chunk_ax.set_yticks([])
+    chunk_ax.set_xlim(-0.5, plan.n_chunks - 0.5)
+    chunk_ax.set_xlabel(
+        f"chunk (forward order): green = shard + optimizer state on the GPU, red = offloaded to pinned host memory; "
+        f"rCache {plan.n_blocks} blocks of {plan.chunk_size / 2**20:.0f} Mi elements",
+        fontsize=8,
+    )
+    if plan.predicted:
+        chunk_ax.set_title(f"predicted step {plan.predicted['total']:.3f} s", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

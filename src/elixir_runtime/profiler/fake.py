@@ -1,0 +1,99 @@
+"""Running a model's training step on fake tensors: no real memory, no real compute.
+
+The model's own parameters and buffers are swapped for fake ones (in the compute dtype, on the
+compute device) for the duration of the step and restored afterwards, whatever happens; tied
+parameters stay tied (one fake per parameter object). Swapping in place, rather than
+``torch.func.functional_call``, keeps the fakes in place through backward, where activation
+checkpointing re-runs the forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
+
+__all__ = ["fake_state", "fake_batch", "loss_of", "train_mode"]
+
+
+@contextlib.contextmanager
+def fake_state(
+    model: nn.Module, dtype: torch.dtype | None, device: torch.device
+) -> Iterator[tuple[dict[int, torch.Tensor], list[torch.Tensor]]]:
+    """Yields ``({id(real param): fake param}, fake buffers)``; call inside the fake mode.
+
+    Floating-point parameters take ``dtype`` (the engine computes in it); buffers keep theirs.
+    A fake parameter drops its gradient as soon as it is accumulated, as the engine does when it
+    copies the gradient into its chunk.
+    """
+    fakes: dict[int, torch.Tensor] = {}
+    buffers: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+    try:
+        for module in model.modules():
+            for key, p in list(module._parameters.items()):
+                if p is None:
+                    continue
+                if id(p) not in fakes:
+                    fakes[id(p)] = _fake_param(p, dtype, device)
+                swapped.append((module._parameters, key, p))
+                module._parameters[key] = fakes[id(p)]
+            for key, b in list(module._buffers.items()):
+                if b is None:
+                    continue
+                if id(b) not in buffers:
+                    buffers[id(b)] = torch.empty(b.shape, dtype=b.dtype, device=device)
+                swapped.append((module._buffers, key, b))
+                module._buffers[key] = buffers[id(b)]
+        yield fakes, list(buffers.values())
+    finally:
+        for table, key, original in swapped:
+            table[key] = original
+
+
+def _fake_param(p: torch.Tensor, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
+    floating = p.is_floating_point()
+    fake = torch.empty(p.shape, dtype=dtype if floating and dtype is not None else p.dtype, device=device)
+    if floating and p.requires_grad:
+        fake.requires_grad_(True)
+        fake.register_post_accumulate_grad_hook(_drop_grad)
+    return fake
+
+
+def _drop_grad(t: torch.Tensor) -> None:
+    t.grad = None
+
+
+def fake_batch(batch: Any, device: torch.device) -> Any:
+    """The batch's structure with every tensor replaced by a fake one on ``device``."""
+    return tree_map(
+        lambda t: torch.empty(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t, batch
+    )
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The scalar a training loop calls ``backward`` on: ``output.loss`` (HF, or any object with a
+    ``loss``), ``output["loss"]``, or else the sum of every grad-requiring output."""
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not outs:
+        raise ValueError("the model's output holds no loss and no tensor that requires grad: nothing to backward")
+    return sum(t.float().sum() for t in outs)
+
+
+@contextlib.contextmanager
+def train_mode(model: nn.Module) -> Iterator[None]:
+    """Training mode for the trace (dropout on, HF checkpointing active); each module's own flag
+    is restored afterwards."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.train()
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag

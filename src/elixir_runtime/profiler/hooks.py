@@ -1,0 +1,124 @@
+"""Hooks that mark the traced step: block boundaries, fetch-unit events, checkpointed regions.
+
+* Blocks: a block's forward pre-hook opens its forward segment; the gradient reaching its output
+  opens its backward segment; the gradient reaching block 0's input opens the tail.
+* Units: the same two moments the engine acquires chunks at (``runtime/hooks.py``): every
+  forward call (also a recomputation inside a checkpointed region), and the first gradient
+  reaching the outputs of a call made with grad enabled.
+* Checkpointed regions: HF layers call ``self._gradient_checkpointing_func`` (set by
+  ``gradient_checkpointing_enable``); plain models call ``torch.utils.checkpoint.checkpoint``.
+  Both are wrapped for the duration of the trace so each call is recorded with the parameters
+  its forward touches.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from ..runtime.units import Unit
+from .blocks import BlockStack
+from .timeline import Timeline
+
+__all__ = ["Markers"]
+
+
+def _grad_tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+class Markers:
+    """Installs the hooks on construction; ``remove()`` undoes every one of them."""
+
+    def __init__(self, model: nn.Module, timeline: Timeline, units: list[Unit], stack: BlockStack | None) -> None:
+        self.tl = timeline
+        self._handles: list = []
+        self._restore: list[Callable[[], None]] = []
+        if stack is not None:
+            self._mark_blocks(list(stack.parent._modules[stack.attr]))
+        for unit in units:
+            self._mark_unit(unit)
+        self._wrap_checkpoints(model)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        for undo in reversed(self._restore):
+            undo()
+        self._handles.clear()
+        self._restore.clear()
+
+    # ------------------------------------------------------------------ blocks
+    def _mark_blocks(self, blocks: list[nn.Module]) -> None:
+        last = len(blocks) - 1
+        for i, block in enumerate(blocks):
+
+            def pre(_m, args, kwargs, i=i):
+                if self.tl.phase != "fwd":
+                    return
+                self.tl.mark("fwd", i)
+                if i == 0:
+                    for t in _grad_tensors((args, kwargs))[:1]:
+                        t.register_hook(lambda _g: self.tl.mark("post"))
+
+            def post(_m, _args, _kwargs, output, i=i):
+                if self.tl.phase != "fwd":
+                    return
+                for t in _grad_tensors(output)[:1]:
+                    t.register_hook(lambda _g, i=i: self.tl.mark("bwd", i))
+                if i == last:
+                    self.tl.mark("mid")
+
+            self._handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+            self._handles.append(block.register_forward_hook(post, with_kwargs=True))
+
+    # ------------------------------------------------------------------ units
+    def _mark_unit(self, unit: Unit) -> None:
+        def pre(_m, _args):
+            self.tl.unit_event(unit.name)
+
+        def post(_m, _args, output):
+            if torch.is_grad_enabled():
+                outs = _grad_tensors(output)
+                if outs:
+                    handle = torch.autograd.graph.register_multi_grad_hook(
+                        outs, lambda _g: self.tl.unit_event(unit.name), mode="any"
+                    )
+                    self._handles.append(handle)
+
+        self._handles.append(unit.module.register_forward_pre_hook(pre))
+        self._handles.append(unit.module.register_forward_hook(post))
+
+    # ------------------------------------------------------------------ checkpointed regions
+    def _wrap_checkpoints(self, model: nn.Module) -> None:
+        self._names = {id(m): n for n, m in model.named_modules()}
+        for name, module in model.named_modules():
+            fn = module.__dict__.get("_gradient_checkpointing_func")
+            if fn is not None:
+                module._gradient_checkpointing_func = self._region(fn, name or "<root>")
+                self._restore.append(functools.partial(setattr, module, "_gradient_checkpointing_func", fn))
+        original = torch.utils.checkpoint.checkpoint
+        torch.utils.checkpoint.checkpoint = self._region(original, None)
+        self._restore.append(functools.partial(setattr, torch.utils.checkpoint, "checkpoint", original))
+
+    def _region(self, checkpoint: Callable, name: str | None) -> Callable:
+        @functools.wraps(checkpoint)
+        def recorded(function, *args, **kwargs):
+            region = self.tl.region_begin(name or self._name_of(function))
+            try:
+                return checkpoint(function, *args, **kwargs)
+            finally:
+                self.tl.region_end(region)
+
+        return recorded
+
+    def _name_of(self, function: Callable) -> str:
+        owner = function if isinstance(function, nn.Module) else getattr(function, "__self__", None)
+        if owner is None and isinstance(function, functools.partial):
+            owner = function.args[0] if function.args else None
+        return self._names.get(id(owner), getattr(function, "__qualname__", "checkpoint"))

@@ -1,0 +1,54 @@
+"""Tracing a GPU step on a machine without a GPU: pick attention kernels as CUDA would.
+
+Fake tensors make every op's output shape known without a device, but
+``scaled_dot_product_attention`` chooses its kernel by device: on CPU it may fall back to the
+math path (e.g. with dropout), which materialises the ``seq x seq`` scores, where CUDA runs a
+fused kernel that saves only the output and a log-sum-exp. Profiling a GPU run on a CPU host
+therefore routes the call, for the duration of the trace, to the fused kernel CUDA's dispatcher
+would pick (flash for fp16/bf16 without a mask and head dim ≤ 256, else memory-efficient); their
+meta kernels give the exact shapes of what they allocate and save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["cuda_attention"]
+
+aten = torch.ops.aten
+
+
+def _as_cuda(original):
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if enable_gqa and key.size(-3) != query.size(-3):
+            repeat = query.size(-3) // key.size(-3)
+            key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+        head_dim = query.size(-1)
+        if query.dim() != 4 or head_dim > 256 or head_dim % 8:
+            return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale)
+        if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16):
+            return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~attn_mask, float("-inf")
+            )
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        return aten._scaled_dot_product_efficient_attention(
+            query, key, value, attn_mask, grad, dropout_p, is_causal, scale=scale
+        )[0]
+
+    return sdpa
+
+
+@contextlib.contextmanager
+def cuda_attention() -> Iterator[None]:
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = _as_cuda(original)
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original

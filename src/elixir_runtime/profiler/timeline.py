@@ -1,0 +1,183 @@
+"""The traced step as a sequence of segments, and how a few traced blocks stand for all of them.
+
+A segment is a stretch of the step between two markers (before the blocks, the forward of block
+``i``, the head and loss, the backward of block ``i``, after the blocks). Each keeps the live
+bytes at its start and its peak, its compute, the parameters first used in it, the fetch-unit
+events and the checkpointed regions that began in it. Everything is recorded by name, so a
+segment traced on block ``r`` can be replayed as block ``i`` by renaming.
+
+[Note: block extrapolation] For a stack of ``L`` identical blocks the profiler traces only the
+first ``k = 3``. Block 0 and the head/tail are traced exactly; block 1 stands for blocks
+``1 .. L-2`` and block 2 for block ``L-1``. The only thing that differs between copies is how
+much earlier blocks left alive (saved activations or checkpoint inputs): ``delta``, the growth of
+the live bytes from the start of block 1's forward to the start of block 2's. A segment replayed
+as block ``i`` is shifted by ``(i - r) * delta``; the head and loss by ``(L - k) * delta``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Cost", "UnitEvent", "Region", "Segment", "Timeline", "BlockPlan", "Replay", "replay"]
+
+
+@dataclass
+class Cost:
+    """Compute of a stretch of the step: FLOPs by size class (see ``costs.py``), bytes streamed
+    by the other ops, and the number of ops (each costs a dispatch and a kernel launch)."""
+
+    flops: dict[str, int] = field(default_factory=dict)
+    bytes: int = 0
+    ops: int = 0
+
+    @property
+    def total_flops(self) -> int:
+        return sum(self.flops.values())
+
+    def add(self, other: "Cost", times: int = 1) -> None:
+        for cls, f in other.flops.items():
+            self.flops[cls] = self.flops.get(cls, 0) + f * times
+        self.bytes += other.bytes * times
+        self.ops += other.ops * times
+
+
+@dataclass
+class UnitEvent:
+    """A fetch unit acquiring its chunks (the engine's pre-forward / pre-backward hook)."""
+
+    unit: str
+    phase: str
+    before: Cost
+    """Compute since the previous event of the same segment (or the segment's start)."""
+
+
+@dataclass
+class Region:
+    """An activation-checkpointed call and the parameters its forward touched."""
+
+    name: str
+    params: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Segment:
+    label: str
+    block: int | None
+    phase: str
+    start: int
+    peak: int
+    cost: Cost = field(default_factory=Cost)
+    params: list[str] = field(default_factory=list)
+    events: list[UnitEvent] = field(default_factory=list)
+    regions: list[Region] = field(default_factory=list)
+
+
+class Timeline:
+    """Live-byte accounting and per-segment records, fed by the recorder and the hooks."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.phase = "fwd"
+        self.segments: list[Segment] = [Segment("pre", None, "fwd", 0, 0)]
+        self._since_event = Cost()
+        self._used: set[str] = set()
+        self._open_regions: list[Region] = []
+
+    @property
+    def current(self) -> Segment:
+        return self.segments[-1]
+
+    def alloc(self, nbytes: int) -> None:
+        self.live += nbytes
+        if self.live > self.current.peak:
+            self.current.peak = self.live
+
+    def free(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def mark(self, label: str, block: int | None = None) -> None:
+        self.segments.append(Segment(label, block, self.phase, self.live, self.live))
+        self._since_event = Cost()
+
+    def add_cost(self, flops: int, size_class: str, moved: int) -> None:
+        for c in (self.current.cost, self._since_event):
+            if flops:
+                c.flops[size_class] = c.flops.get(size_class, 0) + flops
+            c.bytes += moved
+            c.ops += 1
+
+    def use_param(self, name: str) -> None:
+        if self.phase != "fwd":
+            return
+        if name not in self._used:
+            self._used.add(name)
+            self.current.params.append(name)
+        for region in self._open_regions:
+            if name not in region.params:
+                region.params.append(name)
+
+    def unit_event(self, unit: str) -> None:
+        self.current.events.append(UnitEvent(unit, self.phase, self._since_event))
+        self._since_event = Cost()
+
+    def region_begin(self, name: str) -> Region | None:
+        if self.phase != "fwd":
+            return None
+        region = Region(name)
+        self.current.regions.append(region)
+        self._open_regions.append(region)
+        return region
+
+    def region_end(self, region: Region | None) -> None:
+        if region is not None:
+            self._open_regions.remove(region)
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """``profiled`` of ``total`` identical blocks named ``{prefix}.{i}`` were traced."""
+
+    prefix: str
+    total: int
+    profiled: int
+
+    def rename(self, name: str, src: int | None, dst: int | None) -> str:
+        if src is None or src == dst:
+            return name
+        old = f"{self.prefix}.{src}"
+        if name == old or name.startswith(old + "."):
+            return f"{self.prefix}.{dst}{name[len(old):]}"
+        return name
+
+
+@dataclass
+class Replay:
+    """One traced segment standing for one segment of the full step."""
+
+    segment: Segment
+    block: int | None
+    shift: int
+
+    def rename(self, plan: BlockPlan | None, name: str) -> str:
+        return plan.rename(name, self.segment.block, self.block) if plan else name
+
+
+def replay(segments: list[Segment], plan: BlockPlan | None) -> list[Replay]:
+    """The full step's segments, in order (see [Note: block extrapolation])."""
+    if plan is None:
+        return [Replay(s, s.block, 0) for s in segments]
+    starts = {s.block: s.start for s in segments if s.label == "fwd"}
+    delta = starts[2] - starts[1]
+    total, extra = plan.total, plan.total - plan.profiled
+    out: list[Replay] = []
+    for s in segments:
+        if s.block is None:
+            out.append(Replay(s, None, extra * delta if s.label in ("mid", "head") else 0))
+        elif s.block == 0:
+            out.append(Replay(s, 0, 0))
+        elif s.block == 1:
+            order = range(1, total - 1) if s.phase == "fwd" else range(total - 2, 0, -1)
+            out += [Replay(s, i, (i - 1) * delta) for i in order]
+        elif s.block == plan.profiled - 1:
+            out.append(Replay(s, total - 1, extra * delta))
+    return out

@@ -1,0 +1,24 @@
+"""The search engine: hardware profile, Belady simulation, chunk size, placement, step time.
+
+``search(table, profile, hardware, budget, settings)`` turns a profiled step (``profiler``) and a
+measured machine (``hardware``) into the chunk size, rCache size and offloaded chunks with the
+fastest predicted step that fits the memory budget; ``auto_plan`` does it inside ``prepare``.
+"""
+
+from .budget import Budget
+from .cost import StepTime
+from .engine import ModelTable, SearchResult, SearchSettings, model_table, search
+from .hardware import HardwareProfile, LinkRates, load_hardware
+
+__all__ = [
+    "Budget",
+    "StepTime",
+    "ModelTable",
+    "SearchResult",
+    "SearchSettings",
+    "model_table",
+    "search",
+    "HardwareProfile",
+    "LinkRates",
+    "load_hardware",
+]

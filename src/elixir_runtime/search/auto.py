@@ -1,0 +1,102 @@
+"""``ElixirConfig(mode="auto")`` inside ``prepare``: profile, hardware, budget, search.
+
+Runs before any training memory exists. Rank 0 decides and broadcasts, so every rank builds the
+same layout: free memory differs a little from GPU to GPU, and a first-time hardware measurement
+must not run on every rank at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..chunk.collectives import Collectives
+from ..config import ElixirConfig
+from ..profiler.kernels import cuda_attention
+from ..profiler.profile import ModelProfile, profile_model, structural_profile
+from ..runtime.units import Unit
+from .budget import F_FRAG, device_budget, local_ranks
+from .engine import SearchResult, SearchSettings, model_table, search
+from .hardware import load_hardware
+
+__all__ = ["auto_plan", "UNPROFILED_ACTIVATION_SHARE"]
+
+logger = logging.getLogger(__name__)
+
+UNPROFILED_ACTIVATION_SHARE = 0.4
+"""Without an example batch the activations are unknown: this share of the GPU is kept for them."""
+
+
+def auto_plan(
+    model: nn.Module,
+    units: list[Unit],
+    example_batch: Any | None,
+    config: ElixirConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    coll: Collectives,
+) -> tuple[list[int], SearchResult]:
+    """(unit indices in first-use order, the search's choice), identical on every rank."""
+    decided: list[Any] = [None]
+    if coll.rank == 0:
+        decided[0] = _decide(model, units, example_batch, config, device, dtype, coll.world_size)
+    if coll.world_size > 1:
+        src = dist.get_global_rank(coll.group, 0) if coll.group is not None else 0
+        dist.broadcast_object_list(decided, src=src, group=coll.group, device=device)
+    return decided[0]
+
+
+def _decide(
+    model: nn.Module,
+    units: list[Unit],
+    batch: Any | None,
+    config: ElixirConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    world_size: int,
+) -> tuple[list[int], SearchResult]:
+    profile = _profile(model, units, batch, dtype, device)
+    by_name = {u.name: u.index for u in units}
+    order = [by_name[n] for n in profile.unit_order() if n in by_name]
+    order += [u.index for u in units if u.index not in set(order)]
+    budget = device_budget(device, profile.activation_peak, profile.buffer_bytes, local_ranks())
+    if batch is None:
+        budget.activations = int(UNPROFILED_ACTIVATION_SHARE * budget.capacity / F_FRAG)
+    hardware = load_hardware()
+    settings = SearchSettings(
+        world_size=world_size,
+        dtype=dtype,
+        alignment=config.alignment,
+        prefetch=config.prefetch,
+        chunk_size=config.chunk_size,
+        n_blocks=config.n_blocks,
+        offload=config.offload,  # type: ignore[arg-type]
+    )
+    result = search(model_table(model, units, order), profile, hardware, budget, settings)
+    result.notes.insert(0, f"hardware: {hardware.device}, {hardware.source}")
+    result.notes.insert(1, f"profile: {profile.seconds:.2f} s; activation peak at {profile.peak_at}")
+    return order, result
+
+
+def _profile(model: nn.Module, units: list[Unit], batch: Any | None, dtype: torch.dtype, device: torch.device) -> ModelProfile:
+    if batch is None:
+        logger.warning(
+            "elixir auto plan without an example batch: activations are unknown, so %.0f%% of the GPU is kept for "
+            "them; pass example_batch to prepare() for a plan from a profiled step",
+            100 * UNPROFILED_ACTIVATION_SHARE,
+        )
+        return structural_profile(model, units, dtype)
+    try:
+        return profile_model(model, batch, dtype=dtype, device=device, units=units)
+    except Exception as exc:
+        logger.info("elixir: profile on fake %s tensors failed (%s: %s); retrying on fake CPU ones", device, type(exc).__name__, exc)
+    try:
+        with cuda_attention():
+            return profile_model(model, batch, dtype=dtype, device="cpu", units=units)
+    except Exception as exc:  # model code that cannot run on fake tensors (data-dependent control flow)
+        logger.warning("elixir: the fake-tensor profile failed (%s: %s); planning without it", type(exc).__name__, exc)
+        return _profile(model, units, None, dtype, device)

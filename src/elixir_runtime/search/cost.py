@@ -1,0 +1,191 @@
+"""Predicted time of one optimizer step for a placement: what the engine overlaps and what not.
+
+Per rank and micro-batch (all rates measured, see ``hardware.py``):
+
+* compute: a roofline per traced op class: GEMM FLOPs at the measured rate of their size class,
+  fused attention at its measured rate, other ops' bytes at the device memory bandwidth; never
+  faster than one dispatch per op, the engine's own included (two per gather, two per reduction
+  plus one for an offloaded chunk's copy, one per CPU update submitted): the Python thread that
+  issues them is the same for all.
+* gathers: each rCache miss (Belady, ``belady.py``) copies the chunk's shard into a block (H2D
+  from pinned memory for an offloaded chunk, a device copy otherwise) and all-gathers it; they
+  run on the fetch stream, overlapped with compute when the rCache has a block to prefetch into
+  (more blocks than the largest unit needs), serialized with it otherwise. The first gather of
+  a step is always exposed.
+* reductions: each trainable chunk is reduce-scattered once per micro-batch and its gradient
+  shard copied to its arena (D2H for an offloaded chunk), on the reduce stream alongside
+  backward; the last one is exposed. While backward uploads and offloads at once, the links run
+  at their measured duplex rate.
+* optimizer: the GPU Adam of resident shards runs before the next forward; the CPU Adam of
+  offloaded shards runs on a host thread in chunk order, overlapped with the next forward, which
+  waits only when it reaches a chunk whose update is not done.
+
+The paper's comparison of I(n) and J(n) uses the *linear* total (every transfer and update
+counted as if nothing overlapped) — the time a block or an upload saves; the step itself is
+predicted with the overlaps above.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from ..chunk.layout import ChunkLayout
+from ..profiler.timeline import Cost
+from .access import BWD, FWD, AccessTrace
+from .belady import MissTable
+from .hardware import Rates
+
+__all__ = ["StepTime", "StepModel", "compute_time"]
+
+
+@dataclass
+class StepTime:
+    """Seconds per optimizer step, per rank."""
+
+    total: float
+    compute: float
+    h2d: float
+    d2h: float
+    collectives: float | None
+    """``None`` when the collective bandwidth was not measured for this many GPUs."""
+    gpu_adam: float
+    cpu_adam: float
+    exposed_transfers: float
+    """Transfer time not hidden under compute."""
+    exposed_cpu_adam: float
+    """CPU Adam time the next forward waits for."""
+    rcache_bytes: int
+    """Bytes gathered into the rCache per step (the paper's chunk-size criterion)."""
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {k: (None if v is None else float(v) if k != "rcache_bytes" else int(v)) for k, v in asdict(self).items()}
+
+
+def roofline(cost: Cost, rates: Rates) -> float:
+    return sum(f / rates.flop_rate(cls) for cls, f in cost.flops.items()) + cost.bytes / rates.memory_bandwidth
+
+
+def compute_time(cost: Cost, rates: Rates, extra_ops: float = 0.0) -> float:
+    return max(roofline(cost, rates), (cost.ops + extra_ops) * rates.op_overhead)
+
+
+class StepModel:
+    """Everything about a layout that does not depend on the placement, precomputed once."""
+
+    def __init__(
+        self,
+        layout: ChunkLayout,
+        trace: AccessTrace,
+        compute: dict[str, Cost],
+        rates: Rates,
+        dtype: torch.dtype,
+        *,
+        min_blocks: int,
+        prefetch: int,
+        micro_batches: int = 1,
+    ) -> None:
+        self.layout, self.rates = layout, rates
+        self.min_blocks, self.prefetch, self.micro = min_blocks, prefetch, micro_batches
+        n = layout.world_size
+        elt = torch.empty((), dtype=dtype).element_size()
+        chunks = layout.chunks
+        self.k = len(chunks)
+        self.shard = np.array([layout.shard_numel(c) * elt for c in chunks], dtype=np.float64)
+        self.full = np.array([c.numel * elt for c in chunks], dtype=np.float64)
+        self.trainable = np.array([c.trainable for c in chunks])
+        self.private = np.array([c.private for c in chunks])
+        self.elements = np.array([layout.shard_numel(c) if c.trainable else 0 for c in chunks], dtype=np.float64)
+        self.coll_known = n == 1 or rates.busbw is not None
+        self.coll = self.full * (n - 1) / n / rates.busbw if n > 1 and rates.busbw else np.zeros(self.k)
+        self.table = MissTable(trace.groups, trace.phases, self.k)
+        self.private_gathers = (self.private & self.trainable).astype(np.float64)
+        self.compute = compute
+        self.compute_fwd = compute_time(compute["fwd"], rates)
+        self.first_need, self.first, self.last = self._timeline(trace)
+
+    def _timeline(self, trace: AccessTrace) -> tuple[np.ndarray, int | None, int | None]:
+        """When forward first needs each chunk (compute seconds since it began), the first chunk
+        gathered in forward and the last chunk to finish backward."""
+        need = np.full(self.k, self.compute_fwd)
+        clock = 0.0
+        first = last = None
+        for chunks, phase, cost in zip(trace.touched, trace.phases, trace.costs):
+            if phase == FWD:
+                clock += compute_time(cost, self.rates)
+                for c in chunks:
+                    need[c] = min(need[c], clock)
+                if first is None and chunks:
+                    first = chunks[0]
+            elif phase == BWD and chunks:
+                last = chunks[0]
+        return need, first, last
+
+    def _transfer(self, on_device: np.ndarray, link: float) -> np.ndarray:
+        """Seconds to move each chunk's shard between its arena and the rCache."""
+        return np.where(on_device, 2 * self.shard / self.rates.memory_bandwidth, self.shard / link)
+
+    def misses(self, n_blocks: int) -> np.ndarray:
+        m = self.table.misses(n_blocks).astype(np.float64)
+        m[FWD] += self.private_gathers
+        return m
+
+    def linear(self, n_blocks: int, on_device: np.ndarray) -> float:
+        """Every transfer and update back to back: the total the I(n)/J(n) comparison reduces."""
+        m = self.misses(n_blocks)
+        r = self.rates
+        gather = self._transfer(on_device, r.h2d) + self.coll
+        reduce = (self._transfer(on_device, r.d2h) + self.coll) * self.trainable
+        host = ~on_device
+        adam = (self.elements[on_device].sum() / r.gpu_adam) + (self.elements[host].sum() / r.cpu_adam)
+        return self.micro * (float((m[FWD] + m[BWD]) @ gather) + float(reduce.sum())) + adam
+
+    def step(self, n_blocks: int, on_device: np.ndarray) -> StepTime:
+        r = self.rates
+        m = self.misses(n_blocks)
+        host = ~on_device
+        trainable_host = host & self.trainable
+        compute_fwd = compute_time(self.compute["fwd"], r, 2 * m[FWD].sum())
+        compute_bwd = compute_time(
+            self.compute["bwd"], r, 2 * m[BWD].sum() + 2 * self.trainable.sum() + trainable_host.sum()
+        )
+        up_b = r.duplex or r.h2d
+        down_b = r.duplex or r.d2h
+        gather_f = self._transfer(on_device, r.h2d) + self.coll
+        gather_b = self._transfer(on_device, up_b) + self.coll
+        reduce = (self._transfer(on_device, down_b) + self.coll) * self.trainable
+        fetch_f, fetch_b, reduced = float(m[FWD] @ gather_f), float(m[BWD] @ gather_b), float(reduce.sum())
+        overlap = self.prefetch > 0 and n_blocks > self.min_blocks
+        head = gather_f[self.first] if self.first is not None else 0.0
+        tail = reduce[self.last] if self.last is not None else 0.0
+        if overlap:
+            fwd = max(compute_fwd, fetch_f) + head
+            bwd = max(compute_bwd, fetch_b, reduced) + tail
+        else:
+            fwd = compute_fwd + fetch_f
+            bwd = max(compute_bwd + fetch_b, reduced) + tail
+        gpu_adam = float(self.elements[on_device].sum() / r.gpu_adam)
+        submit = float(trainable_host.sum() * r.op_overhead)  # one CPU update handed to the host thread per chunk
+        cpu_each = np.where(host, self.elements / r.cpu_adam, 0.0)
+        cpu_done = np.cumsum(cpu_each) + gather_f  # an offloaded chunk is usable once updated and uploaded
+        waits = cpu_done - (gpu_adam + submit + self.first_need)
+        exposed_cpu = submit + max(0.0, float(waits[trainable_host].max(initial=0.0)))
+        compute = self.micro * (compute_fwd + compute_bwd)
+        total = self.micro * (fwd + bwd) + gpu_adam + exposed_cpu
+        gathers = m[FWD] + m[BWD]
+        return StepTime(
+            total=total,
+            compute=compute,
+            h2d=self.micro * float(gathers[host] @ (self.shard[host] / r.h2d)),
+            d2h=self.micro * float((self.shard * (host & self.trainable)).sum() / r.d2h),
+            collectives=self.micro * float(gathers @ self.coll + (self.coll * self.trainable).sum())
+            if self.coll_known
+            else None,
+            gpu_adam=gpu_adam,
+            cpu_adam=float(cpu_each.sum()),
+            exposed_transfers=self.micro * (fwd + bwd) - compute,
+            exposed_cpu_adam=exposed_cpu,
+            rcache_bytes=int(self.micro * float(gathers @ self.full)),
+        )

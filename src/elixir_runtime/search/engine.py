@@ -1,0 +1,298 @@
+"""The search: chunk size, rCache size and placement that minimise the predicted step time.
+
+For every candidate chunk size the parameters are laid out exactly as the engine will
+(``build_layout``), the profiled unit events become a chunk trace, Belady is simulated for every
+rCache size at once, and the I(n)/J(n) placement picks blocks and GPU-resident chunks within the
+budget. The candidate with the fastest predicted step wins; on a tie, the one moving fewest bytes
+through the rCache (the paper's criterion, which the step time weighs by where the bytes come
+from). If no candidate fits, ``PlanError`` says by how much and what would make it fit.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..chunk.layout import ChunkLayout, build_layout, round_up
+from ..plan import PlanError
+from ..profiler.profile import ModelProfile
+from ..runtime.units import Unit
+from .access import access_trace
+from .budget import Budget
+from .candidates import chunk_size_candidates
+from .cost import StepModel, StepTime
+from .hardware import HardwareProfile
+from .memory import ArenaBytes
+from .placement import Placement, best_placement
+
+__all__ = ["ModelTable", "SearchSettings", "SearchResult", "search", "model_table"]
+
+GIB = 2**30
+
+
+@dataclass
+class ModelTable:
+    """The parameters in the order and with the flags the engine lays them out with."""
+
+    params: list[nn.Parameter]
+    names: list[list[str]]
+    groups: list[int]
+    private: list[bool]
+    units: list[Unit]
+
+    def __post_init__(self) -> None:
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.by_name = {n: i for i, names in enumerate(self.names) for n in names}
+
+
+def model_table(model: nn.Module, units: list[Unit], unit_order: Sequence[int]) -> ModelTable:
+    """The table for a model with one optimizer group (what the chunk counts depend on)."""
+    from ..runtime.units import unit_owner_count
+
+    params = list(dict.fromkeys(p for u in unit_order for p in units[u].params))
+    index = {id(p): i for i, p in enumerate(params)}
+    names: list[list[str]] = [[] for _ in params]
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in index:
+            names[index[id(p)]].append(name)
+    owners = unit_owner_count(units)
+    return ModelTable(
+        params, names, [0 if p.requires_grad else -1 for p in params], [owners[id(p)] > 1 for p in params], units
+    )
+
+
+@dataclass
+class SearchSettings:
+    world_size: int
+    dtype: torch.dtype
+    alignment: int = 64
+    prefetch: int = 1
+    micro_batches: int = 1
+    chunk_size: int | None = None
+    n_blocks: int | str | None = None
+    offload: float | list[int] | None = None
+
+
+@dataclass
+class SearchResult:
+    chunk_size: int
+    n_blocks: int
+    offload: list[int]
+    n_chunks: int
+    min_blocks: int
+    max_blocks: int
+    time: StepTime
+    device_bytes: int
+    host_bytes: int
+    i_per_gib: float
+    j_per_gib: float
+    budget: Budget
+    candidates: list[dict] = field(default_factory=list)
+    alternatives: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass
+class _Evaluated:
+    layout: ChunkLayout
+    model: StepModel
+    mem: ArenaBytes
+    min_blocks: int
+    max_blocks: int
+    placement: Placement | None
+
+
+def search(
+    table: ModelTable, profile: ModelProfile, hardware: HardwareProfile, budget: Budget, settings: SearchSettings
+) -> SearchResult:
+    start = time.perf_counter()
+    rates = hardware.rates(settings.world_size)
+    if settings.chunk_size is not None:
+        sizes = [settings.chunk_size]
+    else:
+        unit_numels = [sum(round_up(p.numel(), settings.alignment) for p in u.params) for u in table.units]
+        sizes = chunk_size_candidates(
+            [p.numel() for p in table.params],
+            table.private,
+            unit_numels,
+            world_size=settings.world_size,
+            alignment=settings.alignment,
+        )
+    evaluated = [_evaluate(c, table, profile, rates, budget, settings) for c in sizes]
+    fitting = [e for e in evaluated if e.placement is not None]
+    if not fitting:
+        fewest = min(e.min_blocks for e in evaluated)
+        if isinstance(settings.n_blocks, int) and settings.n_blocks < fewest:
+            raise PlanError(
+                f"rCache of {settings.n_blocks} blocks is smaller than the largest unit or checkpointed region, whose "
+                f"parameters span at least {fewest} chunks that must be resident together: use n_blocks >= {fewest}, "
+                "or a larger chunk_size"
+            )
+        raise PlanError(_no_fit_message(evaluated, profile, budget, settings))
+    best = min(fitting, key=lambda e: (e.placement.time.total, e.placement.time.rcache_bytes))
+    p = best.placement
+    return SearchResult(
+        chunk_size=best.layout.chunk_size,
+        n_blocks=p.n_blocks,
+        offload=p.offload,
+        n_chunks=len(best.layout.chunks),
+        min_blocks=best.min_blocks,
+        max_blocks=best.max_blocks,
+        time=p.time,
+        device_bytes=p.device_bytes,
+        host_bytes=p.host_bytes,
+        i_per_gib=p.i_per_byte * GIB,
+        j_per_gib=p.j_per_byte * GIB,
+        budget=budget,
+        candidates=[_row(e) for e in evaluated],
+        alternatives=_alternatives(best, budget),
+        notes=list(rates.notes),
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _evaluate(
+    chunk_size: int, table: ModelTable, profile: ModelProfile, rates, budget: Budget, settings: SearchSettings
+) -> _Evaluated:
+    layout = build_layout(
+        table.params,
+        table.names,
+        table.groups,
+        table.private,
+        world_size=settings.world_size,
+        chunk_size=chunk_size,
+        alignment=settings.alignment,
+    )
+    chunk_of = layout.param_chunk
+    unit_chunks = {u.name: tuple(sorted({chunk_of[table.index[id(p)]] for p in u.params})) for u in table.units}
+    private = {c.index for c in layout.chunks if c.private}
+    public = [c.index for c in layout.chunks if not c.private]
+    regions = [{chunk_of[table.by_name[n]] for n in r.params if n in table.by_name} - private for r in profile.ac_regions]
+    lo = max([len(set(cs) - private) for cs in unit_chunks.values()] + [len(r) for r in regions] + [1])
+    hi = max(lo, len(public))
+    trace = access_trace(profile.unit_events, unit_chunks, private)
+    model = StepModel(
+        layout, trace, profile.compute, rates, settings.dtype,
+        min_blocks=lo, prefetch=settings.prefetch, micro_batches=settings.micro_batches,
+    )
+    mem = ArenaBytes(layout, settings.dtype)
+    n_blocks = {"min": lo, "max": hi}.get(settings.n_blocks, settings.n_blocks)  # type: ignore[arg-type]
+    if isinstance(n_blocks, int):
+        n_blocks = min(n_blocks, hi)
+        if n_blocks < lo:
+            return _Evaluated(layout, model, mem, lo, hi, None)
+    offload, n = settings.offload, len(layout.chunks)
+    if isinstance(offload, (int, float)) and not isinstance(offload, bool):
+        offload = list(range(n - round(float(offload) * n), n))
+    elif offload is not None:
+        offload = sorted({int(i) for i in offload})
+        if any(not 0 <= i < n for i in offload):
+            raise PlanError(f"offload names chunks {offload}, but with chunks of {chunk_size:,} elements the layout "
+                            f"has chunks 0..{n - 1}: give chunk_size too, or offload as a fraction")
+    placement = best_placement(model, mem, budget, lo, hi, n_blocks=n_blocks, offload=offload)
+    return _Evaluated(layout, model, mem, lo, hi, placement)
+
+
+def _row(e: _Evaluated) -> dict:
+    p = e.placement
+    return {
+        "chunk_size": e.layout.chunk_size,
+        "n_chunks": len(e.layout.chunks),
+        "min_blocks": e.min_blocks,
+        "n_blocks": p.n_blocks if p else None,
+        "offloaded": len(p.offload) if p else None,
+        "rcache_gib_per_step": p.time.rcache_bytes / GIB if p else None,
+        "step_s": float(p.time.total) if p else None,
+    }
+
+
+def _alternatives(best: _Evaluated, budget: Budget) -> list[dict]:
+    """The rigid end points of the same layout: ZeRO-2/3-like with everything offloaded, and the
+    rCache extremes with nothing offloaded."""
+    k = len(best.layout.chunks)
+    none, every = np.zeros(k, dtype=bool), np.ones(k, dtype=bool)
+    out = []
+    for name, blocks, on_device in (
+        ("zero2-offload-all", best.max_blocks, none),
+        ("zero3-offload-all", best.min_blocks, none),
+        ("rcache-max", best.max_blocks, every),
+        ("rcache-min", best.min_blocks, every),
+    ):
+        device, host = best.mem.device(blocks, on_device), best.mem.host(on_device)
+        out.append(
+            {
+                "name": name,
+                "n_blocks": blocks,
+                "offloaded": int((~on_device).sum()),
+                "device_bytes": device,
+                "host_bytes": host,
+                "fits": device <= budget.allowed and host <= budget.host_allowed,
+                "time": best.model.step(blocks, on_device).as_dict(),
+            }
+        )
+    return out
+
+
+def _no_fit_message(evaluated: list[_Evaluated], profile: ModelProfile, budget: Budget, settings: SearchSettings) -> str:
+    def gib(x: float) -> str:
+        for unit, size in (("GiB", GIB), ("MiB", 2**20)):
+            if abs(x) >= size:
+                return f"{x / size:.2f} {unit}"
+        return f"{x / 2**10:.1f} KiB"
+
+    act, allowed, n = profile.activation_peak, budget.allowed, settings.world_size
+    formula = (
+        f"U_allowed = {budget.f_alloc} x ({gib(budget.capacity)} GPU - {gib(budget.buffers)} buffers - "
+        f"{budget.f_frag} x {gib(act)} activations) = {gib(allowed)} per rank"
+    )
+    # the smallest plan of each layout: rCache-min, and as few chunks on the GPU as the host allows
+    needs = []
+    for e in evaluated:
+        on_device = np.zeros(len(e.layout.chunks), dtype=bool)
+        for c in range(len(on_device)):
+            if e.mem.host(on_device) <= budget.host_allowed:
+                break
+            on_device[c] = True
+        needs.append((e.mem.device(e.min_blocks, on_device), e.mem.host(np.zeros_like(on_device)), e))
+    device_need, host_all, e = min(needs, key=lambda x: x[0])
+    host_bound = host_all > budget.host_allowed  # the host cannot take every chunk
+    fixed = e.min_blocks * e.mem.block + e.mem.private  # rCache-min and private blocks: do not shrink with N
+    states = int(e.mem.arena.sum()) * n  # every rank's arenas together
+    lines = [
+        f"no plan fits: the smallest one (chunks of {e.layout.chunk_size:,} elements, rCache of {e.min_blocks} "
+        f"blocks, as much offloaded as the host takes) needs {gib(device_need)} of GPU memory per rank for model "
+        f"states and rCache, but {formula}."
+    ]
+    if host_bound:
+        lines.append(
+            f"The model states take {gib(states)} in all ({n} rank(s)); the host takes at most {gib(budget.host_allowed)} "
+            f"per rank ({budget.f_alloc} x {gib(budget.host_capacity)} over {budget.ranks_per_host} rank(s))."
+        )
+    fixes = []
+    headroom = (budget.capacity - budget.buffers - device_need / budget.f_alloc) / budget.f_frag
+    if act > 0 and 0 < headroom < act:
+        fixes.append(
+            f"a smaller batch or sequence: activations must drop from {gib(act)} to below {gib(headroom)} "
+            f"(about {headroom / act:.0%} of this batch)"
+        )
+    if not profile.ac_regions:
+        fixes.append("activation checkpointing (model.gradient_checkpointing_enable())")
+    room = allowed - fixed
+    host_total = budget.f_alloc * budget.host_capacity * n / budget.ranks_per_host
+    if room > 0:
+        gpus = -(-(states - host_total) // room) if states > host_total else n + 1
+        fixes.append(f"at least {max(int(gpus), n + 1)} GPUs on this host (each rank holds 1/N of every chunk's states)")
+    else:
+        fixes.append(
+            f"GPUs with more memory: the rCache minimum and the private blocks alone need {gib(fixed)} per rank"
+        )
+    if host_bound or room > 0:
+        host_need_total = (states - max(room, 0) * n) / budget.f_alloc
+        fixes.append(f"host RAM of at least {gib(host_need_total)} for these {n} rank(s)")
+    return "\n".join(lines) + "\nTo make it fit: " + "; or ".join(fixes) + "."

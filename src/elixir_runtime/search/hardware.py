@@ -1,0 +1,178 @@
+"""The machine's speeds and sizes the cost model needs, measured once and cached as JSON.
+
+Everything here is measured (``measure.py``), never fitted or typed in: pinned-copy bandwidths
+B_c2g(n), B_g2c(n) for n GPUs copying at once, Adam update velocities V_g, V_c of this project's
+kernels, matmul rates per GEMM size class, attention and memory-stream rates, the per-op
+dispatch cost, GPU memory and host RAM. A profile is cached per machine under
+``~/.cache/elixir/`` (``$ELIXIR_CACHE_DIR``) and can be replaced by a file (``--hardware``,
+``$ELIXIR_HARDWARE``), e.g. one measured on the GPU machine a plan is made for.
+
+[Note: more GPUs than measured] A plan for n GPUs on a machine measured with fewer takes each
+GPU's own link as measured (every GPU has its own PCIe link), keeps the host's CPU Adam rate
+(the ranks share the cores), and has no collective bandwidth (reported as not measured).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = ["LinkRates", "HardwareProfile", "Rates", "cache_path", "load_hardware", "ENV_HARDWARE"]
+
+ENV_HARDWARE = "ELIXIR_HARDWARE"
+
+
+@dataclass
+class LinkRates:
+    """Aggregate rates of ``n`` GPUs working at once (bytes/s)."""
+
+    n: int
+    c2g: float
+    """Pinned host → GPU, all ``n`` copying at once."""
+    g2c: float
+    duplex: float | None = None
+    """Each direction while both run at once (backward uploads and offloads together)."""
+    g2g: float | None = None
+    """Collective bus bandwidth between the ``n`` GPUs (``None`` for one GPU or unmeasured)."""
+
+
+@dataclass
+class HardwareProfile:
+    device: str
+    gpus: int
+    gpu_memory: int
+    """Bytes per GPU (for a CPU-only profile: the host's RAM, the "device" being the host)."""
+    host_memory: int
+    cpu_cores: int
+    matmul: dict[str, float]
+    """FLOP/s of square GEMMs in the compute dtype, by size (``"1024"``: 1024³)."""
+    attention: float
+    """FLOP/s of fused causal attention, forward + backward."""
+    memory_bandwidth: float
+    """Device memory, bytes/s read + written by a large copy."""
+    op_overhead: float
+    """Seconds per op of eager dispatch and launch (the floor for tiny ops)."""
+    gpu_adam: float
+    """Parameters/s of the GPU Adam kernel on one GPU."""
+    cpu_adam: float
+    """Parameters/s of the CPU Adam kernel using every core of the host."""
+    links: dict[int, LinkRates] = field(default_factory=dict)
+    dtype: str = "bfloat16"
+    source: str = ""
+    torch: str = ""
+
+    @property
+    def cpu_only(self) -> bool:
+        return self.device == "cpu"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "HardwareProfile":
+        d = json.loads(text)
+        d["links"] = {int(k): LinkRates(**v) for k, v in d.get("links", {}).items()}
+        return cls(**d)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "HardwareProfile":
+        profile = cls.from_json(Path(path).read_text())
+        profile.source = profile.source or str(path)
+        return profile
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(f"{path}.tmp{os.getpid()}")
+        tmp.write_text(self.to_json())
+        tmp.replace(path)
+
+    def rates(self, n: int) -> "Rates":
+        """Per-rank rates for ``n`` ranks on this machine (see [Note: more GPUs than measured])."""
+        notes: list[str] = []
+        if n in self.links:
+            link = self.links[n]
+        else:
+            m = max((k for k in self.links if k <= n), default=min(self.links))
+            base = self.links[m]
+            link = LinkRates(n, base.c2g / m * n, base.g2c / m * n, base.duplex / m * n if base.duplex else None, None)
+            notes.append(f"links for {n} GPUs scaled from {m} measured (one PCIe link per GPU)")
+        busbw = link.g2g if n > 1 else None
+        if n > 1 and busbw is None:
+            notes.append(f"collective bandwidth for {n} GPUs not measured: collectives assumed hidden")
+        return Rates(
+            h2d=link.c2g / n,
+            d2h=link.g2c / n,
+            duplex=(link.duplex / n) if link.duplex else None,
+            busbw=busbw,
+            gpu_adam=self.gpu_adam,
+            cpu_adam=self.cpu_adam / n,
+            matmul={int(k): v for k, v in self.matmul.items()},
+            attention=self.attention,
+            memory_bandwidth=self.memory_bandwidth,
+            op_overhead=self.op_overhead,
+            notes=notes,
+        )
+
+
+@dataclass
+class Rates:
+    """What one of ``n`` ranks gets: its share of the host's links and CPU, its GPU's own rates."""
+
+    h2d: float
+    d2h: float
+    duplex: float | None
+    busbw: float | None
+    gpu_adam: float
+    cpu_adam: float
+    matmul: dict[int, float]
+    attention: float
+    memory_bandwidth: float
+    op_overhead: float
+    notes: list[str] = field(default_factory=list)
+
+    def flop_rate(self, size_class: str) -> float:
+        """The measured rate of the nearest measured GEMM size; attention and convolutions use
+        their own/the largest measured rate."""
+        if size_class == "attention":
+            return self.attention
+        if not size_class.isdigit():
+            return max(self.matmul.values())
+        size = int(size_class)
+        nearest = min(self.matmul, key=lambda s: abs(math.log2(s) - math.log2(size)))
+        return self.matmul[nearest]
+
+
+def cache_path(key: str | None = None) -> Path:
+    """``~/.cache/elixir/hardware-<machine>.json`` (``$ELIXIR_CACHE_DIR`` overrides the root)."""
+    root = Path(os.environ.get("ELIXIR_CACHE_DIR") or Path.home() / ".cache" / "elixir")
+    return root / f"hardware-{key or machine_key()}.json"
+
+
+def machine_key() -> str:
+    """Host name and GPU model/count: a profile is reused only on the same machine."""
+    import torch
+
+    gpus = "cpu"
+    if torch.cuda.is_available():
+        gpus = f"{torch.cuda.device_count()}x{torch.cuda.get_device_name(0)}"
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{platform.node()}-{gpus}")
+
+
+def load_hardware(path: str | Path | None = None, *, refresh: bool = False, quick: bool = False) -> HardwareProfile:
+    """A file (``path`` or ``$ELIXIR_HARDWARE``) if given, else this machine's cached profile,
+    measured (and cached) on first use."""
+    path = path or os.environ.get(ENV_HARDWARE)
+    if path:
+        return HardwareProfile.load(path)
+    cached = cache_path()
+    if cached.exists() and not refresh:
+        return HardwareProfile.load(cached)
+    from .measure import measure_hardware
+
+    profile = measure_hardware(quick=quick)
+    profile.save(cached)
+    return profile

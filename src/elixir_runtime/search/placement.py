@@ -1,0 +1,115 @@
+"""Which chunks live on the GPU and how many rCache blocks: the paper's I(n) vs J(n) (§6).
+
+Start from the rCache minimum (the largest unit or checkpointed region) with every chunk
+offloaded. Two ways to spend more GPU memory: one more rCache block, saving I per byte (here
+simulated: the Belady misses it removes, at what they cost), or uploading the next chunk with its
+optimizer state, saving J per byte (its uploads, gradient offload and CPU update, minus its GPU
+update). Chunks are uploaded in forward order: the first chunks are also the ones the rCache
+cannot keep from forward to backward, and offloading the last ones leaves their CPU updates the
+whole next forward to finish in. The greedy path takes the larger saving at each step.
+
+The plan is the best point of that path that fits, with any memory left over at that point
+given to rCache blocks. Taking the best point of a path that does not depend on the budget makes
+the prediction monotone: more memory never predicts a slower step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .budget import Budget
+from .cost import StepModel, StepTime
+from .memory import ArenaBytes
+
+__all__ = ["Placement", "greedy_path", "best_placement"]
+
+
+@dataclass
+class Placement:
+    n_blocks: int
+    on_device: np.ndarray
+    time: StepTime
+    device_bytes: int
+    host_bytes: int
+    i_per_byte: float
+    """Time one more rCache block would save, per byte, at this point (the paper's I(n))."""
+    j_per_byte: float
+    """Time uploading the next offloaded chunk would save, per byte (the paper's J(n))."""
+
+    @property
+    def offload(self) -> list[int]:
+        return [int(i) for i in np.flatnonzero(~self.on_device)]
+
+
+def _mask(k: int, uploaded: int) -> np.ndarray:
+    mask = np.zeros(k, dtype=bool)
+    mask[:uploaded] = True
+    return mask
+
+
+def _savings(model: StepModel, mem: ArenaBytes, blocks: int, uploaded: int, max_blocks: int) -> tuple[float, float]:
+    here = model.linear(blocks, _mask(model.k, uploaded))
+    i = (here - model.linear(blocks + 1, _mask(model.k, uploaded))) / mem.block if blocks < max_blocks else -np.inf
+    j = (
+        (here - model.linear(blocks, _mask(model.k, uploaded + 1))) / max(1, int(mem.arena[uploaded]))
+        if uploaded < model.k
+        else -np.inf
+    )
+    return float(i), float(j)
+
+
+def greedy_path(model: StepModel, mem: ArenaBytes, min_blocks: int, max_blocks: int) -> dict[int, int]:
+    """``{chunks uploaded: rCache blocks when that many were}`` along the I/J greedy path."""
+    blocks, uploaded = min_blocks, 0
+    path = {0: blocks}
+    while blocks < max_blocks or uploaded < model.k:
+        i, j = _savings(model, mem, blocks, uploaded, max_blocks)
+        if j >= i:
+            uploaded += 1
+            path[uploaded] = blocks
+        else:
+            blocks += 1
+    return path
+
+
+def best_placement(
+    model: StepModel,
+    mem: ArenaBytes,
+    budget: Budget,
+    min_blocks: int,
+    max_blocks: int,
+    *,
+    n_blocks: int | None = None,
+    offload: list[int] | None = None,
+) -> Placement | None:
+    """The fastest fitting point of the greedy path (``None`` if nothing fits); ``n_blocks`` and
+    ``offload`` pin those choices when the user made them."""
+    if offload is not None:
+        fixed = np.ones(model.k, dtype=bool)
+        fixed[offload] = False
+        options = [(fixed, n_blocks or min_blocks)]
+    else:
+        path = greedy_path(model, mem, min_blocks, max_blocks)
+        options = [(_mask(model.k, u), n_blocks or b) for u, b in path.items()]
+    best: Placement | None = None
+    for on_device, floor in options:
+        if mem.host(on_device) > budget.host_allowed:
+            continue
+        blocks = n_blocks if n_blocks is not None else _fill(mem, budget, on_device, max_blocks)
+        if blocks < floor or mem.device(blocks, on_device) > budget.allowed:
+            continue
+        time = model.step(blocks, on_device)
+        key = (time.total, time.rcache_bytes, int((~on_device).sum()))
+        if best is None or key < (best.time.total, best.time.rcache_bytes, len(best.offload)):
+            uploaded = int(on_device.sum())
+            i, j = _savings(model, mem, blocks, uploaded, max_blocks) if offload is None else (np.nan, np.nan)
+            best = Placement(blocks, on_device, time, mem.device(blocks, on_device), mem.host(on_device), i, j)
+    return best
+
+
+def _fill(mem: ArenaBytes, budget: Budget, on_device: np.ndarray, max_blocks: int) -> int:
+    """As many rCache blocks as the budget leaves room for (up to one per public chunk)."""
+    free = budget.allowed - mem.device(0, on_device)
+    return int(min(max_blocks, max(0, free // mem.block)))

@@ -1,0 +1,56 @@
+"""Shared inputs of the search tests: a synthetic GPU-like hardware profile and profiled models.
+
+The hardware numbers are test data (a made-up GPU host of the right orders of magnitude), never
+used by the library itself, which measures its machine.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from elixir_runtime.profiler import ModelProfile, profile_model
+from elixir_runtime.runtime.units import find_units
+from elixir_runtime.search import HardwareProfile, LinkRates, ModelTable, model_table
+from helpers.models import MODEL_BUILDERS, make_batch
+
+GIB = 2**30
+
+
+def gpu_host(gpus: int = 1, cpu_adam: float = 5e9) -> HardwareProfile:
+    return HardwareProfile(
+        device="test GPU",
+        gpus=gpus,
+        gpu_memory=80 * GIB,
+        host_memory=256 * GIB,
+        cpu_cores=16,
+        matmul={"256": 50e12, "1024": 300e12, "4096": 600e12},
+        attention=300e12,
+        memory_bandwidth=3e12,
+        op_overhead=1e-5,
+        gpu_adam=80e9,
+        cpu_adam=cpu_adam,
+        links={n: LinkRates(n, 50e9 * n, 50e9 * n, 35e9 * n, 200e9 if n > 1 else None) for n in range(1, gpus + 1)},
+        source="test data",
+    )
+
+
+def profiled(kind: str = "gpt2", n_layer: int = 6, ac: bool = True, batch: int = 2, seq: int = 16, **kw) -> tuple[
+    nn.Module, ModelTable, ModelProfile
+]:
+    model = MODEL_BUILDERS[kind](n_layer=n_layer, **kw)
+    if ac:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    units = find_units(model, None)
+    profile = profile_model(model, make_batch(128, batch=batch, seq=seq), device="cpu", units=units)
+    by_name = {u.name: u.index for u in units}
+    order = [by_name[n] for n in profile.unit_order()]
+    order += [u.index for u in units if u.index not in order]
+    return model, model_table(model, units, order), profile
+
+
+def model_state_bytes(model: nn.Module) -> int:
+    """bf16 param + grad, fp32 master, m, v: 16 bytes per parameter."""
+    return 16 * sum(p.numel() for p in model.parameters())
+
+
+__all__ = ["gpu_host", "profiled", "model_state_bytes", "GIB"]

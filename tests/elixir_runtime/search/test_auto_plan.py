@@ -1,0 +1,63 @@
+"""``mode="auto"``'s planning step as ``prepare`` runs it, with the GPU's budget and hardware faked.
+
+``prepare`` takes this path only on CUDA; here its two machine-facing inputs (free GPU memory,
+hardware profile) are replaced, and the plan is then run by the engine on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import elixir_runtime as er
+import elixir_runtime.search.auto as auto
+from elixir_runtime.chunk.collectives import Collectives
+from elixir_runtime.runtime.units import find_units
+from elixir_runtime.search import Budget
+from helpers.models import make_batch, tiny_gpt2
+from search_cases import GIB, gpu_host, model_state_bytes
+
+
+def _fake_machine(monkeypatch, model, share: float) -> None:
+    states = model_state_bytes(model)
+
+    def budget(device, activations, buffers, ranks):
+        return Budget(int(1.25 * activations) + buffers + int(share * states), activations, buffers, 64 * GIB, ranks)
+
+    monkeypatch.setattr(auto, "device_budget", budget)
+    monkeypatch.setattr(auto, "load_hardware", lambda: gpu_host())
+
+
+def _model():
+    model = tiny_gpt2(n_layer=4, n_embd=64)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def test_auto_plan_runs_in_the_engine(monkeypatch) -> None:
+    model = _model()
+    _fake_machine(monkeypatch, model, share=0.3)
+    batch = make_batch(128)
+    units = find_units(model, None)
+    config = er.ElixirConfig()
+    order, result = auto.auto_plan(model, units, batch, config, torch.device("cpu"), torch.float32, Collectives(None))
+    assert sorted(order) == [u.index for u in units] and result.offload
+    assert any("hardware: test GPU" in n for n in result.notes)
+
+    static = er.ElixirConfig(mode="static", chunk_size=result.chunk_size, n_blocks=result.n_blocks, offload=result.offload)
+    model, opt = er.prepare(model, torch.optim.AdamW(model.parameters()), config=static, example_batch=batch)
+    plan = model._elixir.plan
+    assert (plan.n_chunks, plan.chunk_size, plan.offload) == (result.n_chunks, result.chunk_size, result.offload)
+    assert plan.device_bytes == result.device_bytes and plan.host_bytes == result.host_bytes
+    for _ in range(2):
+        opt.backward(model(**batch).loss)
+        opt.step()
+        opt.zero_grad()
+
+
+def test_without_a_batch_the_activations_get_a_fixed_share(monkeypatch) -> None:
+    model = _model()
+    _fake_machine(monkeypatch, model, share=3.0)
+    units = find_units(model, None)
+    order, result = auto.auto_plan(model, units, None, er.ElixirConfig(), torch.device("cpu"), torch.float32, Collectives(None))
+    assert order == [u.index for u in units]
+    assert result.budget.activations == int(auto.UNPROFILED_ACTIVATION_SHARE * result.budget.capacity / 1.25)

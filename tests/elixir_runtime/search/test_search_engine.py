@@ -1,0 +1,177 @@
+"""The search: budgets respected, monotone in memory, consistent with the engine's layout."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from elixir_runtime.chunk.layout import build_layout
+from elixir_runtime.config import ElixirConfig
+from elixir_runtime.plan import ElixirPlan, PlanError, _count_memory, resolve_plan
+from elixir_runtime.search import Budget, SearchSettings, search
+from elixir_runtime.search.candidates import chunk_size_candidates
+from search_cases import GIB, gpu_host, model_state_bytes, profiled
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return profiled("gpt2", n_layer=6, n_embd=64)
+
+
+def _budget(profile, capacity: int, host: int = 64 * GIB, ranks: int = 1) -> Budget:
+    return Budget(capacity, profile.activation_peak, profile.buffer_bytes, host, ranks)
+
+
+def _settings(**kw) -> SearchSettings:
+    return SearchSettings(world_size=kw.pop("world_size", 1), dtype=BF16, **kw)
+
+
+def _capacities(model, profile) -> list[int]:
+    """From barely enough for the activations to far more than the whole model needs."""
+    states = model_state_bytes(model)
+    act = int(1.25 * profile.activation_peak) + profile.buffer_bytes
+    return [act + int(states * f) for f in (0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0, 1.3, 2.0, 4.0)]
+
+
+def test_never_exceeds_the_budget(gpt2) -> None:
+    model, table, profile = gpt2
+    for capacity in _capacities(model, profile):
+        for host in (int(0.2 * model_state_bytes(model)), 64 * GIB):
+            budget = _budget(profile, capacity, host)
+            try:
+                r = search(table, profile, gpu_host(), budget, _settings())
+            except PlanError:
+                continue
+            assert r.device_bytes <= budget.allowed and r.host_bytes <= budget.host_allowed
+            assert r.min_blocks <= r.n_blocks <= r.max_blocks
+            for c in r.candidates:
+                assert c["chunk_size"] >= max(p.numel() for p, priv in zip(table.params, table.private) if not priv)
+
+
+def test_more_gpu_memory_never_predicts_a_slower_step(gpt2) -> None:
+    model, table, profile = gpt2
+    for hw in (gpu_host(), gpu_host(cpu_adam=5e8), gpu_host(cpu_adam=5e11)):
+        times = []
+        for capacity in _capacities(model, profile):
+            try:
+                times.append(search(table, profile, hw, _budget(profile, capacity), _settings()).time.total)
+            except PlanError:
+                continue
+        assert len(times) >= 5
+        assert all(b <= a + 1e-12 for a, b in zip(times, times[1:])), times
+
+
+def test_little_memory_offloads_plenty_keeps_everything(gpt2) -> None:
+    model, table, profile = gpt2
+    caps = _capacities(model, profile)
+    tight = search(table, profile, gpu_host(), _budget(profile, caps[2]), _settings())
+    roomy = search(table, profile, gpu_host(), _budget(profile, caps[-1]), _settings())
+    assert tight.offload and not roomy.offload
+    assert roomy.n_blocks == roomy.max_blocks
+    assert roomy.time.total < tight.time.total
+    # the forward's first chunks stay on the GPU, the last ones are offloaded
+    assert tight.offload == list(range(tight.n_chunks - len(tight.offload), tight.n_chunks))
+    names = [a["name"] for a in tight.alternatives]
+    assert names == ["zero2-offload-all", "zero3-offload-all", "rcache-max", "rcache-min"]
+    assert all(tight.time.total <= a["time"]["total"] + 1e-12 for a in tight.alternatives if a["fits"])
+
+
+def test_plan_memory_is_what_the_engine_allocates(gpt2) -> None:
+    model, table, profile = gpt2
+    budget = _budget(profile, _capacities(model, profile)[3])
+    r = search(table, profile, gpu_host(), budget, _settings())
+    layout = build_layout(table.params, table.names, table.groups, table.private, world_size=1,
+                          chunk_size=r.chunk_size, alignment=64)
+    assert len(layout.chunks) == r.n_chunks
+    mem = _count_memory(layout, set(r.offload), r.n_blocks, BF16)
+    assert mem["rcache"] + mem["private"] + mem["device_shards"] == r.device_bytes
+    assert mem["host_shards"] == r.host_bytes
+    for u in table.units:
+        u.chunks = tuple(sorted({layout.param_chunk[table.index[id(p)]] for p in u.params}))
+    plan = resolve_plan(ElixirConfig(), layout, table.units, torch.device("cpu"), BF16, r, check=False)
+    assert (plan.n_blocks, plan.offload) == (r.n_blocks, r.offload)
+    assert plan.device_bytes == r.device_bytes and plan.predicted["total"] == pytest.approx(r.time.total)
+    again = ElixirPlan.from_json(plan.to_json())
+    assert again == plan and "predicted step" in again.table()
+
+
+def test_explicit_choices_are_honoured(gpt2) -> None:
+    model, table, profile = gpt2
+    budget = _budget(profile, _capacities(model, profile)[-1])
+    first = search(table, profile, gpu_host(), budget, _settings())
+    size = first.candidates[0]["chunk_size"]
+    fixed = search(table, profile, gpu_host(), budget, _settings(chunk_size=size, n_blocks="min", offload=0.5))
+    assert fixed.chunk_size == size and fixed.n_blocks == fixed.min_blocks
+    assert fixed.offload == list(range(fixed.n_chunks - round(0.5 * fixed.n_chunks), fixed.n_chunks))
+    assert len(fixed.candidates) == 1
+
+
+def test_two_ranks_shard_the_states(gpt2) -> None:
+    model, table, profile = gpt2
+    capacity = _capacities(model, profile)[2]
+    one = search(table, profile, gpu_host(2), _budget(profile, capacity), _settings())
+    two = search(table, profile, gpu_host(2), _budget(profile, capacity, ranks=2), _settings(world_size=2))
+    assert len(two.offload) / two.n_chunks <= len(one.offload) / one.n_chunks
+    assert two.time.collectives is not None and two.time.collectives > 0
+
+
+def test_nothing_fits_says_why_and_what_would_fit(gpt2) -> None:
+    model, table, profile = gpt2
+    budget = _budget(profile, int(1.25 * profile.activation_peak) + 1024, host=1024)
+    with pytest.raises(PlanError) as info:
+        search(table, profile, gpu_host(), budget, _settings())
+    text = str(info.value)
+    assert "no plan fits" in text and "U_allowed = 0.95 x" in text and "To make it fit" in text
+    assert "host RAM of at least" in text and "more memory" in text
+
+
+def test_activations_alone_too_large() -> None:
+    model, table, profile = profiled("gpt2", n_layer=4, n_embd=64, ac=False, batch=8, seq=64)
+    budget = _budget(profile, int(1.0 * profile.activation_peak))
+    with pytest.raises(PlanError, match="activation checkpointing"):
+        search(table, profile, gpu_host(), budget, _settings())
+
+
+def test_chunk_size_candidates() -> None:
+    numels = [1000, 64 * 1000, 500, 3000]
+    sizes = chunk_size_candidates(numels, [False, True, False, False], [4500, 4500], world_size=2, alignment=64)
+    assert sizes == sorted(set(sizes)) and all(s % 128 == 0 for s in sizes)
+    assert sizes[0] == 3072 and max(sizes) <= 8 * 3072
+    assert chunk_size_candidates([10], [True], [10], world_size=1, alignment=64) == [64]
+
+
+def test_search_is_fast_for_opt_175b() -> None:
+    import time
+
+    from transformers import AutoModelForCausalLM, OPTConfig
+
+    from elixir_runtime.profiler import profile_model
+    from elixir_runtime.runtime.units import find_units
+    from elixir_runtime.search import model_table
+
+    config = OPTConfig(hidden_size=12288, num_hidden_layers=96, num_attention_heads=96, ffn_dim=49152,
+                       max_position_embeddings=2048, word_embed_proj_dim=12288, vocab_size=50272)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=BF16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    units = find_units(model, None)
+    ids = torch.zeros(1, 2048, dtype=torch.long, device="meta")
+    profile = profile_model(model, {"input_ids": ids, "labels": ids}, device="cuda", units=units)
+    by_name = {u.name: u.index for u in units}
+    start = time.perf_counter()
+    table = model_table(model, units, [by_name[n] for n in profile.unit_order()])
+    r = search(table, profile, gpu_host(8), _budget(profile, 80 * GIB, 4096 * GIB, ranks=8), _settings(world_size=8))
+    assert time.perf_counter() - start < 10
+    assert np.isfinite(r.time.total) and r.offload
+
+
+def test_impossible_explicit_choices_fail_with_the_fix(gpt2) -> None:
+    model, table, profile = gpt2
+    budget = _budget(profile, _capacities(model, profile)[-1])
+    with pytest.raises(PlanError, match=r"use n_blocks >= \d+"):
+        search(table, profile, gpu_host(), budget, _settings(n_blocks=1))
+    with pytest.raises(PlanError, match="offload names chunks"):
+        search(table, profile, gpu_host(), budget, _settings(offload=[0, 10_000]))
