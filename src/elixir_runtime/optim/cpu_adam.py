@@ -23,7 +23,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .adam_consts import CONST_NAMES, step_constants
-from .kernel import AdamHyper, Segment
+from .kernel import AdamHyper, Segment, segment_extent
 
 __all__ = ["CpuAdamKernel", "CpuAdamUnavailable", "load_library"]
 
@@ -143,11 +143,8 @@ class CpuAdamKernel:
         key = tuple(segments)
         hit = self._tables.get(key)
         if hit is None:
-            if any(s.offset < 0 or s.length < 0 or s.group < 0 for s in key):
-                raise ValueError("segments need non-negative offsets, lengths and groups")
+            end, groups = segment_extent(key)
             table = (_Seg * len(key))(*[(s.offset, s.length, s.group) for s in key])
-            end = max((s.offset + s.length for s in key), default=0)
-            groups = max((s.group + 1 for s in key), default=0)
             hit = self._tables[key] = (table, end, groups)
         return hit
 

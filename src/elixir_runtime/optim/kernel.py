@@ -13,7 +13,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-__all__ = ["AdamHyper", "Segment", "AdamKernel", "TorchAdamKernel"]
+__all__ = ["AdamHyper", "Segment", "AdamKernel", "TorchAdamKernel", "segment_extent"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +36,15 @@ class Segment:
     offset: int
     length: int
     group: int
+
+
+def segment_extent(segments: Sequence[Segment]) -> tuple[int, int]:
+    """``(end of the last segment, number of groups)`` after checking the segments are well formed."""
+    if any(s.offset < 0 or s.length < 0 or s.group < 0 for s in segments):
+        raise ValueError("segments need non-negative offsets, lengths and groups")
+    end = max((s.offset + s.length for s in segments), default=0)
+    groups = max((s.group + 1 for s in segments), default=0)
+    return end, groups
 
 
 class AdamKernel(Protocol):

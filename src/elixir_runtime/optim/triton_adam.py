@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .adam_consts import CONST_NAMES, step_constants
-from .kernel import AdamHyper, Segment
+from .kernel import AdamHyper, Segment, segment_extent
 
 __all__ = ["TritonAdamKernel"]
 
@@ -118,10 +118,7 @@ class TritonAdamKernel:
         key = (tuple(segments), device)
         hit = self._tiles.get(key)
         if hit is None:
-            if any(s.offset < 0 or s.length < 0 or s.group < 0 for s in key[0]):
-                raise ValueError("segments need non-negative offsets, lengths and groups")
-            end = max((s.offset + s.length for s in key[0]), default=0)
-            groups = max((s.group + 1 for s in key[0]), default=0)
+            end, groups = segment_extent(key[0])
             hit = self._tiles[key] = (build_tiles(key[0], self.block).to(device), end, groups)
         return hit
 
