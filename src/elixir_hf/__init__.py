@@ -1,1 +1,23 @@
-"""Hugging Face integration layer for the elixir runtime."""
+"""Hugging Face integration of the Elixir engine: one argument for Trainer users, one class for
+Accelerate users. ``elixir_runtime`` does the work; this package only adapts it.
+
+    args = ElixirTrainingArguments(output_dir="out", elixir="auto", bf16=True)   # or --elixir auto
+    ElixirTrainer(model=model, args=args, train_dataset=ds).train()
+
+    accelerator = ElixirAccelerator()                                             # instead of Accelerator()
+"""
+
+from .accelerator import ElixirAccelerator
+from .arguments import ElixirTrainingArguments
+from .callback import ElixirCallback
+from .plugin import ElixirPlugin, ElixirSpecError
+from .trainer import ElixirTrainer
+
+__all__ = [
+    "ElixirAccelerator",
+    "ElixirCallback",
+    "ElixirPlugin",
+    "ElixirSpecError",
+    "ElixirTrainer",
+    "ElixirTrainingArguments",
+]

@@ -1,0 +1,181 @@
+"""``ElixirAccelerator``: an ``Accelerator`` whose ``prepare`` installs the Elixir engine.
+
+For a plain Accelerate script the change is one line::
+
+    accelerator = ElixirAccelerator()            # was Accelerator(); settings from ELIXIR_CONFIG or auto
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    accelerator.backward(loss); accelerator.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step(); scheduler.step(); optimizer.zero_grad()
+
+What changes underneath: the model is never moved, DDP-wrapped, autocast or compiled (the engine
+places, shards and reduces it, and owns the compute dtype: accelerate's ``mixed_precision``
+becomes the engine's dtype and Accelerate itself runs with ``"no"``); ``backward`` scales the loss
+for fp16 and reduces gradients into shards; ``clip_grad_norm_`` returns the engine's global norm
+and folds clipping into the next step; checkpoints keep one optimizer shard per rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+from typing import Any, Iterator
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import SAFE_WEIGHTS_NAME, DynamoBackend
+from safetensors.torch import load_file
+from torch import nn
+
+from elixir_runtime import ElixirOptimizer
+
+from .checkpoint import atomic_torch_save, load_shard, saved_world_size, shard_name
+from .engine import build_engine, example_batch, has_engine
+from .optimizer import ElixirAcceleratedOptimizer
+from .plugin import ENV_VAR, ElixirPlugin, ElixirSpecError, check_exclusive
+
+__all__ = ["ElixirAccelerator"]
+
+
+class ElixirAccelerator(Accelerator):
+    def __init__(self, *args: Any, elixir_plugin: ElixirPlugin | str | dict | None = None, **kwargs: Any) -> None:
+        """``elixir_plugin``: an ``ElixirPlugin`` or a spec (``auto``, ``off``, JSON, file); ``None``
+        reads ``ELIXIR_CONFIG`` and falls back to ``auto``."""
+        spec = elixir_plugin if elixir_plugin is not None else os.environ.get(ENV_VAR, "auto")
+        plugin = ElixirPlugin.from_spec(spec)
+        if plugin is not None:
+            plugin = dataclasses.replace(plugin)  # resolving the dtype must not change the caller's object
+            check_exclusive(
+                {
+                    "DeepSpeed": any(kwargs.get(k) is not None for k in ("deepspeed_plugin", "deepspeed_plugins")),
+                    "FSDP": kwargs.get("fsdp_plugin") is not None,
+                    "Megatron-LM": kwargs.get("megatron_lm_plugin") is not None,
+                }
+            )
+            mixed = kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+            plugin.resolve_dtype(str(mixed))
+            kwargs["mixed_precision"] = "no"
+        super().__init__(*args, **kwargs)
+        self.elixir_plugin = plugin
+        if plugin is not None:
+            if self.state.dynamo_plugin.backend != DynamoBackend.NO:
+                raise ElixirSpecError(
+                    "torch.compile (a dynamo backend) is not supported with Elixir yet: drop --torch_compile / the "
+                    "dynamo_config of the accelerate config, or pass --elixir off"
+                )
+            plugin.check_world_size(self.num_processes)
+
+    @property
+    def elixir_optimizer(self) -> ElixirAcceleratedOptimizer | None:
+        """The prepared engine optimizer, if ``prepare`` has built one."""
+        return next((o for o in self._optimizers if isinstance(o, ElixirAcceleratedOptimizer)), None)
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        if self.elixir_plugin is None:
+            return super().prepare(*args, device_placement=device_placement)
+        objs = list(args)
+        models = [i for i, o in enumerate(objs) if isinstance(o, nn.Module)]
+        optimizers = [i for i, o in enumerate(objs) if isinstance(o, torch.optim.Optimizer)]
+        if len(models) > 1 or len(optimizers) > 1:
+            raise ValueError("ElixirAccelerator trains one model with one optimizer; prepare the others separately")
+        if models and optimizers:
+            model, optimizer = objs[models[0]], objs[optimizers[0]]
+            if not isinstance(optimizer, (ElixirOptimizer, ElixirAcceleratedOptimizer)):
+                loader = next((o for o in objs if isinstance(o, torch.utils.data.DataLoader)), None)
+                batch = example_batch(loader.dataset, loader.collate_fn, loader.batch_size or 1) if loader else None
+                objs[optimizers[0]] = build_engine(model, optimizer, self.elixir_plugin, self.device, batch)
+                # a scheduler built on `optimizer` sees its steps run by the engine (same param_groups);
+                # tell torch it has stepped, or its "scheduler before optimizer" warning fires
+                optimizer._opt_called = True
+        return super().prepare(*objs, device_placement=device_placement)
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
+        if self.elixir_plugin is None:
+            return super().prepare_model(model, device_placement, evaluation_mode)
+        if not has_engine(model):
+            raise ValueError(
+                "ElixirAccelerator needs the model and its optimizer (torch.optim.AdamW or Adam) in the same "
+                "prepare() call: Elixir shards the optimizer states together with the parameters"
+            )
+        model._is_accelerate_prepared = True  # the engine places and reduces it: no .to(), DDP, autocast
+        return super().prepare_model(model, device_placement, evaluation_mode)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
+        if self.elixir_plugin is None or getattr(optimizer, "_is_accelerate_prepared", False):
+            return super().prepare_optimizer(optimizer, device_placement)
+        if not isinstance(optimizer, ElixirOptimizer):
+            raise ValueError(
+                "ElixirAccelerator prepares an optimizer only together with its model, in one prepare() call"
+            )
+        wrapped = ElixirAcceleratedOptimizer(optimizer)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    # ------------------------------------------------------------------ the step
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        opt = self.elixir_optimizer
+        if opt is None:
+            return super().backward(loss, **kwargs)
+        with opt.timer("backward"):
+            opt.engine.backward(loss / self.gradient_accumulation_steps, **kwargs)
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        """The engine's global grad norm (all chunks, all ranks); clipping is fused into ``step``."""
+        opt = self.elixir_optimizer
+        if opt is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        if math.isinf(max_norm):
+            return torch.tensor(opt.engine.grad_norm())
+        return opt.engine.clip_grad_norm(max_norm, norm_type)
+
+    def no_sync(self, model: nn.Module):
+        opt = self.elixir_optimizer
+        return super().no_sync(model) if opt is None else opt.engine.no_sync()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
+        """Accelerate's state plus this rank's ``elixir_optim_rank{r}.pt`` (Accelerate would save rank 0's only)."""
+        opt = self.elixir_optimizer
+        if opt is None:
+            return super().save_state(output_dir, safe_serialization, **kwargs)
+        with self._hidden(self._optimizers, opt):
+            location = super().save_state(output_dir, safe_serialization, **kwargs)
+        atomic_torch_save(opt.state_dict(), os.path.join(location, shard_name(self.process_index)))
+        self.wait_for_everyone()
+        return location
+
+    def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
+        """Accelerate's state, the weights through the engine's own ``load_state_dict`` (any layout,
+        tied weights stored once) and this rank's optimizer shard."""
+        opt = self.elixir_optimizer
+        if opt is None:
+            return super().load_state(input_dir, **kwargs)
+        if input_dir is None:
+            raise ValueError("ElixirAccelerator.load_state needs the checkpoint folder (input_dir)")
+        saved = saved_world_size(input_dir)
+        if saved not in (None, self.num_processes):
+            raise ValueError(
+                f"{input_dir} was saved by {saved} rank(s) and this run has {self.num_processes}: resume with "
+                f"{saved} processes, or load only the weights"
+            )
+        model = next(m for m in self._models if has_engine(m))
+        with self._hidden(self._optimizers, opt), self._hidden(self._models, model):
+            super().load_state(input_dir, **kwargs)
+        model.load_state_dict(load_file(os.path.join(input_dir, SAFE_WEIGHTS_NAME)))
+        shard = load_shard(input_dir, self.process_index)
+        if shard is not None:
+            opt.load_state_dict(shard)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _hidden(registry: list, obj: Any) -> Iterator[None]:
+        """Keeps Accelerate's own save/load (rank-0 optimizer state, plain-PyTorch weight loading)
+        away from an object the engine saves and loads itself."""
+        index = registry.index(obj)
+        registry.pop(index)
+        try:
+            yield
+        finally:
+            registry.insert(index, obj)

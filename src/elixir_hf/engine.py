@@ -1,0 +1,54 @@
+"""Builds the Elixir engine on an HF model in place, shared by the Trainer and Accelerate paths."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+import elixir_runtime
+from elixir_runtime import ElixirOptimizer
+
+from .plugin import ElixirPlugin
+
+__all__ = ["build_engine", "example_batch", "has_engine"]
+
+logger = logging.getLogger(__name__)
+
+
+def has_engine(model: Any) -> bool:
+    return hasattr(model, "_elixir")
+
+
+def build_engine(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    plugin: ElixirPlugin,
+    device: torch.device,
+    batch: Any | None = None,
+) -> ElixirOptimizer:
+    """Checks the plan file (if any), then ``elixir_runtime.prepare``s the model in place.
+
+    ``batch`` (one training batch) lets the engine order chunks by first use in forward.
+    """
+    plugin.check_model(model)
+    _, engine = elixir_runtime.prepare(model, optimizer, config=plugin.to_config(device), example_batch=batch)
+    plugin.check_plan(model._elixir.plan)
+    return engine
+
+
+def example_batch(dataset: Any, collate_fn: Callable[[list], Any] | None, batch_size: int) -> Any | None:
+    """The dataset's first ``batch_size`` examples, collated.
+
+    Read by index, not through a DataLoader: iterating a loader draws a seed from the global RNG,
+    which would change the data order and dropout masks compared with a run without Elixir.
+    """
+    try:
+        n = min(len(dataset), batch_size)
+        items: Sequence[Any] = [dataset[i] for i in range(n)]
+        return collate_fn(items) if collate_fn is not None else torch.utils.data.default_collate(items)
+    except Exception as exc:  # unknown dataset/collator shapes: the engine falls back to module order
+        logger.info("no example batch for the Elixir trace (%s: %s); module order is used", type(exc).__name__, exc)
+        return None

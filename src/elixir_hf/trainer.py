@@ -1,0 +1,127 @@
+"""``ElixirTrainer``: the HF ``Trainer`` with the Elixir engine underneath.
+
+With ``ElixirTrainingArguments(elixir=None/"off")`` (or plain ``TrainingArguments``) it *is* the
+stock Trainer. With Elixir on, it changes five things, each where the Trainer allows it:
+
+* the accelerator is an ``ElixirAccelerator`` (``backward``/``clip_grad_norm_``/``no_sync``/
+  skipped steps go to the engine; ``Accelerator(**args)`` is hard-coded in the Trainer, so the
+  class is substituted for the duration of that one call);
+* ``create_optimizer`` builds the engine on ``self.model``: it runs after the resume weights were
+  loaded into the plain model and before ``accelerator.prepare``, which then passes it through;
+* ``save_model`` gathers the full weights on every rank (a collective; the stock Trainer calls
+  ``state_dict()`` on rank 0 only and would deadlock) and writes them atomically on rank 0;
+* optimizer state is one ``elixir_optim_rank{r}.pt`` per rank, plus the scheduler on rank 0;
+* resuming checks the checkpoint against the model and the number of ranks before loading.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+from unittest import mock
+
+import torch
+import transformers.trainer
+from transformers import Trainer
+
+from .accelerator import ElixirAccelerator
+from .callback import ElixirCallback
+from .checkpoint import atomic_torch_save, check_resume, load_shard, saved_world_size, shard_name, staged_dir
+from .engine import build_engine, example_batch, has_engine
+from .plugin import ElixirPlugin
+
+__all__ = ["ElixirTrainer"]
+
+SCHEDULER_NAME = "scheduler.pt"
+
+
+class ElixirTrainer(Trainer):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.elixir_plugin is not None:
+            # first, so that the engine metrics it adds to each log reach every reporter after it
+            callback = self.pop_callback(ElixirCallback) or ElixirCallback()
+            self.callback_handler.callbacks.insert(0, callback)
+
+    @property
+    def elixir_plugin(self) -> ElixirPlugin | None:
+        return getattr(self.args, "elixir_plugin", None)
+
+    # ------------------------------------------------------------------ engine
+    def create_accelerator_and_postprocess(self) -> None:
+        if self.elixir_plugin is None:
+            return super().create_accelerator_and_postprocess()
+
+        def accelerator(**kwargs: Any) -> ElixirAccelerator:
+            return ElixirAccelerator(elixir_plugin=self.elixir_plugin, **kwargs)
+
+        with mock.patch.object(transformers.trainer, "Accelerator", accelerator):
+            super().create_accelerator_and_postprocess()
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        """The stock AdamW (HF's decay groups and hyperparameters), then the engine built from it."""
+        if self.elixir_plugin is None or self.optimizer is not None:
+            return super().create_optimizer(model)
+        optimizer = super().create_optimizer(model)
+        target = model if model is not None else self.model
+        batch = (
+            example_batch(self.train_dataset, self.data_collator, self._train_batch_size)
+            if self.train_dataset is not None
+            else None
+        )
+        self.optimizer = build_engine(target, optimizer, self.elixir_plugin, self.args.device, batch)
+        return self.optimizer
+
+    def _ensure_engine(self) -> None:
+        """Evaluation before training must run on the engine too (the model never went to the GPU)."""
+        if self.elixir_plugin is not None and not has_engine(self.model):
+            self.create_optimizer()
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        self._ensure_engine()
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any) -> Any:
+        self._ensure_engine()
+        return super().predict(*args, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not has_engine(self.model):
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state_dict = self.model.state_dict()  # collective: every rank takes part
+        if self.args.should_save:
+            with staged_dir(output_dir) as stage:
+                self._save(stage, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not has_engine(self.model):
+            return super()._save_optimizer_and_scheduler(output_dir)
+        os.makedirs(output_dir, exist_ok=True)
+        atomic_torch_save(self.optimizer.state_dict(), os.path.join(output_dir, shard_name(self.args.process_index)))
+        if self.args.should_save:
+            atomic_torch_save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        # rank 0 writes trainer_state.json next, which marks the checkpoint complete: all shards first
+        self.accelerator.wait_for_everyone()
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        if self.elixir_plugin is not None:
+            check_resume(resume_from_checkpoint, model if model is not None else self.model, self.args.world_size)
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None or not has_engine(self.model):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        if saved_world_size(checkpoint) is None:
+            return  # weights only (save_only_model): fresh optimizer state, as the stock Trainer does
+        rank = self.args.process_index
+        shard = load_shard(checkpoint, rank)
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if shard is None or not os.path.isfile(scheduler):
+            missing = shard_name(rank) if shard is None else SCHEDULER_NAME
+            raise ValueError(f"checkpoint {checkpoint} is incomplete ({missing} is missing): resume from an earlier")
+        self.optimizer.load_state_dict(shard)
+        self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))

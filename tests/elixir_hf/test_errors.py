@@ -1,0 +1,156 @@
+"""Bad input fails before training with a message that names the fix; the ``--elixir`` grammar
+parses as documented from the command line and from ``ELIXIR_CONFIG``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import HfArgumentParser
+
+from elixir_hf import ElixirAccelerator, ElixirPlugin, ElixirSpecError, ElixirTrainingArguments
+from helpers.models import tiny_gpt2
+from hf_cases import OFFLOAD_PLAN, make_trainer, training_args
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("ELIXIR_CONFIG", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _args(tmp_path, elixir, **kw):
+    return ElixirTrainingArguments(output_dir=str(tmp_path), elixir=elixir, use_cpu=True, report_to=[], **kw)
+
+
+# --------------------------------------------------------------------------- the grammar
+
+
+def _parse(argv: list[str]) -> ElixirTrainingArguments:
+    (args,) = HfArgumentParser(ElixirTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", "x", "--use_cpu", "--report_to", "none", *argv]
+    )
+    return args
+
+
+def test_cli_grammar(tmp_path, monkeypatch) -> None:
+    assert _parse(["--elixir", "auto"]).elixir_plugin == ElixirPlugin()
+    assert _parse(["--elixir"]).elixir_plugin == ElixirPlugin()  # a bare flag means auto
+    assert _parse(["--elixir", "off"]).elixir_plugin is None
+    assert _parse([]).elixir_plugin is None
+    assert _parse(["--elixir", '{"offload": 0.5, "n_blocks": "min"}']).elixir_plugin.offload == 0.5
+    settings = tmp_path / "elixir.json"
+    settings.write_text(json.dumps({"chunk_size": 4096, "prefetch": 2}))
+    plugin = _parse(["--elixir", str(settings)]).elixir_plugin
+    assert (plugin.chunk_size, plugin.prefetch) == (4096, 2)
+    monkeypatch.setenv("ELIXIR_CONFIG", '{"offload": 0.25}')
+    assert _parse([]).elixir_plugin.offload == 0.25
+    assert _parse(["--elixir", "off"]).elixir_plugin is None  # the flag wins over the environment
+
+
+def test_precision_goes_to_the_engine(tmp_path, monkeypatch) -> None:
+    args = _args(tmp_path, "auto", fp16=True)
+    assert (args.elixir_plugin.dtype, args.mixed_precision) == ("fp16", "no")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # what `accelerate launch` exports from the yaml
+    args = _args(tmp_path, "auto")
+    assert (args.elixir_plugin.dtype, args.mixed_precision) == ("bf16", "no")
+
+
+# --------------------------------------------------------------------------- bad values
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("aut", "'aut' is not understood: use 'auto', 'off', a JSON object"),
+        ("missing.json", "'missing.json' is not understood"),
+        ('{"ofload": 0.5}', "unknown --elixir key 'ofload' \\(did you mean 'offload'\\?\\)"),
+        ('{"loss_scale": {"init": 8}}', "unknown --elixir loss_scale key"),
+        ('{"offload": 2}', "offload as a fraction must lie in \\[0, 1\\]"),
+        ('{"mode": "fast"}', "mode must be 'auto' or 'static'"),
+        ('{"offload": 0.5', "not valid JSON"),
+        ('{"dtype": "bf16"}', "asks for dtype 'bf16' but mixed precision is 'fp16'"),
+    ],
+)
+def test_bad_elixir_values(tmp_path, spec: str, message: str) -> None:
+    with pytest.raises(ElixirSpecError, match=message):
+        _args(tmp_path, spec, fp16=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"deepspeed": "ds_config.json"}, "cannot be combined with DeepSpeed"),
+        ({"fsdp": "full_shard"}, "cannot be combined with FSDP"),
+        ({"optim": "sgd"}, "--optim sgd is not supported with Elixir.*--optim adamw_torch"),
+        ({"optim": "adafactor"}, "--optim adafactor is not supported"),
+        ({"torch_compile": True}, "--torch_compile is not supported"),
+        ({"bf16_full_eval": True}, "bf16_full_eval"),
+    ],
+)
+def test_incompatible_training_arguments(tmp_path, kwargs: dict, message: str) -> None:
+    with pytest.raises(ElixirSpecError, match=message):
+        _args(tmp_path, "auto", **kwargs)
+    _args(tmp_path, "off", **{k: v for k, v in kwargs.items() if k in ("optim", "bf16_full_eval")})  # fine without
+
+
+def test_deepspeed_from_the_launcher_environment(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ElixirSpecError, match="cannot be combined with DeepSpeed"):
+        _args(tmp_path, "auto")
+
+
+# --------------------------------------------------------------------------- plan files
+
+
+def _saved_plan(tmp_path) -> dict:
+    trainer = make_trainer(
+        "gpt2", training_args(str(tmp_path / "run"), OFFLOAD_PLAN, max_steps=1, save_strategy="steps", save_steps=1,
+                              eval_strategy="no")
+    )
+    trainer.train()
+    return json.loads((tmp_path / "run" / "checkpoint-1" / "elixir_plan.json").read_text())
+
+
+def test_plan_file_round_trip_and_mismatches(tmp_path) -> None:
+    plan = _saved_plan(tmp_path)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+
+    # the same model follows the saved plan exactly
+    trainer = make_trainer("gpt2", training_args(str(tmp_path / "again"), str(path), max_steps=1, eval_strategy="no"))
+    trainer.train()
+    assert trainer.model._elixir.plan.offload == plan["offload"]
+
+    # another model: refused before the engine is built
+    trainer = make_trainer("llama", training_args(str(tmp_path / "llama"), str(path), max_steps=1, eval_strategy="no"))
+    with pytest.raises(ElixirSpecError, match="made for another model"):
+        trainer.train()
+    assert not hasattr(trainer.model, "_elixir")
+
+    # a plan without the model record (e.g. from the planner) is checked against the layout instead
+    bare = {k: v for k, v in plan.items() if k != "model"}
+    path.write_text(json.dumps({**bare, "n_chunks": bare["n_chunks"] + 1, "offload": [0]}))
+    trainer = make_trainer("gpt2", training_args(str(tmp_path / "bare"), str(path), max_steps=1, eval_strategy="no"))
+    with pytest.raises(ElixirSpecError, match="does not fit this model"):
+        trainer.train()
+
+    # another world size: refused at argument parsing
+    path.write_text(json.dumps({**plan, "world_size": 2}))
+    with pytest.raises(ElixirSpecError, match=r"made for 2 rank\(s\) but this run has 1"):
+        _args(tmp_path, str(path))
+
+
+# --------------------------------------------------------------------------- plain Accelerate
+
+
+def test_accelerator_needs_model_and_optimizer_together() -> None:
+    accelerator = ElixirAccelerator(elixir_plugin="auto", cpu=True)
+    model = tiny_gpt2()
+    with pytest.raises(ValueError, match="model and its optimizer .* in the same\\s+prepare\\(\\) call"):
+        accelerator.prepare(model)
+    with pytest.raises(TypeError, match="Elixir runs Adam or AdamW"):
+        accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ElixirSpecError, match="unknown --elixir key"):
+        ElixirAccelerator(elixir_plugin={"chunks": 3}, cpu=True)
