@@ -70,6 +70,13 @@ class ElixirPlan:
         return self.memory.get("host_shards", 0)
 
     @property
+    def predicted_step_s(self) -> float | None:
+        """Predicted seconds per optimizer step (``predicted["total"]``); ``None`` when the plan was
+        not searched."""
+        total = self.predicted.get("total") if self.predicted else None
+        return None if total is None else float(total)
+
+    @property
     def device_peak_bytes(self) -> int:
         """Model states and rCache plus the profiled activation peak and buffers."""
         return self.device_bytes + self.memory.get("activations", 0) + self.memory.get("buffers", 0)
@@ -100,7 +107,8 @@ class ElixirPlan:
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
+        """The fields, plus ``predicted_step_s`` for readers of the file (derived: ignored on load)."""
+        return json.dumps({**asdict(self), "predicted_step_s": self.predicted_step_s}, indent=2)
 
     @classmethod
     def from_json(cls, text_or_path: str | Path) -> "ElixirPlan":
@@ -108,7 +116,9 @@ class ElixirPlan:
         text = str(text_or_path)
         if not text.lstrip().startswith("{"):
             text = Path(text_or_path).read_text()
-        return cls(**json.loads(text))
+        data = json.loads(text)
+        data.pop("predicted_step_s", None)
+        return cls(**data)
 
 
 def format_step_time(t: dict[str, float | None]) -> str:

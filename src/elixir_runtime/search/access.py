@@ -4,16 +4,24 @@ Each profiled event is a fetch unit acquiring its chunks (forward call, recomput
 pre-backward). Private chunks (tied parameters) keep a block of their own and never enter the
 rCache, so they are left out of the cache trace but kept in ``touched``, which the cost model
 uses to know when each chunk is first needed.
+
+The profiled compute before an event (``UnitEvent.before``) only runs back to the previous event
+*of the same traced segment*: the compute of a block that follows its own acquisition is in the
+step's totals but in no event's ``before``. ``work`` weighs each event's unit for sharing that
+remainder (see ``cost.StepModel``): the parameter elements it computes with, i.e. all of its
+parameters except embedding tables (a lookup reads one row per token, it does not multiply).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
+
+from torch import nn
 
 from ..profiler.timeline import Cost, UnitEvent
 
-__all__ = ["AccessTrace", "access_trace"]
+__all__ = ["AccessTrace", "access_trace", "unit_work"]
 
 FWD, BWD = 0, 1
 
@@ -26,18 +34,43 @@ class AccessTrace:
     """Every chunk of each event's unit, private ones included."""
     phases: list[int]
     costs: list[Cost]
-    """Compute between the previous event and this one."""
+    """Compute between the previous event of the same traced segment and this one."""
+    work: list[float] = field(default_factory=list)
+    """Parameter elements each event's unit computes with (see the module docstring); empty:
+    all events weigh the same."""
 
 
 def access_trace(
-    events: Sequence[UnitEvent], unit_chunks: dict[str, tuple[int, ...]], private: set[int]
+    events: Sequence[UnitEvent],
+    unit_chunks: dict[str, tuple[int, ...]],
+    private: set[int],
+    work: dict[str, float] | None = None,
 ) -> AccessTrace:
-    """``unit_chunks`` maps each unit name to the chunks its parameters live in."""
-    groups, touched, phases, costs = [], [], [], []
+    """``unit_chunks`` maps each unit name to the chunks its parameters live in, ``work`` (optional)
+    to the parameter elements it computes with (``unit_work``)."""
+    groups, touched, phases, costs, weights = [], [], [], [], []
     for e in events:
         chunks = unit_chunks.get(e.unit, ())
         touched.append(chunks)
         groups.append(tuple(c for c in chunks if c not in private))
         phases.append(FWD if e.phase == "fwd" else BWD)
         costs.append(e.before)
-    return AccessTrace(groups, touched, phases, costs)
+        weights.append(float(work.get(e.unit, 0.0)) if work is not None else 1.0)
+    return AccessTrace(groups, touched, phases, costs, weights)
+
+
+def unit_work(module: nn.Module, params: Sequence[nn.Parameter]) -> int:
+    """Elements of ``params`` (a unit's) held by submodules of ``module`` that are not embedding
+    tables: what the unit's forward multiplies with, up to a constant per token."""
+    mine = {id(p) for p in params}
+    seen: set[int] = set()
+    total = 0
+    for m in module.modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+            seen.update(id(p) for p in m.parameters(recurse=False))
+            continue
+        for p in m.parameters(recurse=False):
+            if id(p) in mine and id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+    return total

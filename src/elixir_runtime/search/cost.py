@@ -16,9 +16,22 @@ Per rank and micro-batch (all rates measured, see ``hardware.py``):
   shard copied to its arena (D2H for an offloaded chunk), on the reduce stream alongside
   backward; the last one is exposed. While backward uploads and offloads at once, the links run
   at their measured duplex rate.
-* optimizer: the GPU Adam of resident shards runs before the next forward; the CPU Adam of
-  offloaded shards runs on a host thread in chunk order, overlapped with the next forward, which
-  waits only when it reaches a chunk whose update is not done.
+* optimizer: the GPU Adam of resident shards runs on the compute stream before the next forward;
+  the CPU Adam of offloaded shards runs on one host thread, chunk after chunk in chunk order (=
+  the next forward's order, ``optim/host_updates.py``), from when the step's gradients are ready.
+  The next forward reaches each chunk at its compute rate, after the device Adam and the
+  submissions. The Python thread waits for a chunk's update where it issues the chunk's gather:
+  at the unit before the chunk's first user when the rCache has a block to prefetch into, at the
+  first user otherwise; meanwhile the GPU still runs the units queued before, and stalls only
+  once they are done. The upload that follows the update must land before the first user. A
+  chunk is late by ``update done - min(gather issued, first use - upload)``; the forward is
+  delayed by its latest chunk (a stall delays everything after it by the same amount, so the
+  delays do not add): ``exposed CPU Adam = submissions + max(0, max over offloaded chunks)``.
+
+The forward's timeline (when each unit starts, in compute seconds) comes from the profile: the
+compute the profile places before each unit event, plus the rest of the forward's compute (the
+units' own compute after their acquisition, which block replay does not place between events)
+shared over the units by the parameter elements they compute with (``access.unit_work``).
 
 The paper's comparison of I(n) and J(n) uses the *linear* total (every transfer and update
 counted as if nothing overlapped) — the time a block or an upload saves; the step itself is
@@ -56,7 +69,7 @@ class StepTime:
     exposed_transfers: float
     """Transfer time not hidden under compute."""
     exposed_cpu_adam: float
-    """CPU Adam time the next forward waits for."""
+    """CPU Adam time the next forward waits for (the submissions included)."""
     rcache_bytes: int
     """Bytes gathered into the rCache per step (the paper's chunk-size criterion)."""
 
@@ -104,24 +117,35 @@ class StepModel:
         self.private_gathers = (self.private & self.trainable).astype(np.float64)
         self.compute = compute
         self.compute_fwd = compute_time(compute["fwd"], rates)
-        self.first_need, self.first, self.last = self._timeline(trace)
+        self.unit_start, self.first_need, self.lead_need, self.first, self.last = self._timeline(trace)
 
-    def _timeline(self, trace: AccessTrace) -> tuple[np.ndarray, int | None, int | None]:
-        """When forward first needs each chunk (compute seconds since it began), the first chunk
-        gathered in forward and the last chunk to finish backward."""
+    def _timeline(self, trace: AccessTrace) -> tuple[np.ndarray, np.ndarray, np.ndarray, int | None, int | None]:
+        """In compute seconds since the forward began: when each forward unit event starts, when
+        the forward first needs each chunk, and when the unit before that one starts (where a
+        prefetching gather of the chunk is issued); the first chunk gathered in forward and the
+        last chunk to finish backward."""
+        fwd = [i for i, phase in enumerate(trace.phases) if phase == FWD]
+        before = np.array([compute_time(trace.costs[i], self.rates) for i in fwd], dtype=np.float64)
+        work = np.array([trace.work[i] for i in fwd] if trace.work else [1.0] * len(fwd), dtype=np.float64)
+        if len(fwd) and work.sum() <= 0:
+            work[:] = 1.0
+        share = work / work.sum() if len(fwd) else work
+        # The forward compute no event's ``before`` holds is the units' own, after their acquisition.
+        rest = max(0.0, self.compute_fwd - float(before.sum()))
+        start = np.cumsum(before) + rest * (np.cumsum(share) - share)
         need = np.full(self.k, self.compute_fwd)
-        clock = 0.0
+        lead = np.full(self.k, self.compute_fwd)
         first = last = None
-        for chunks, phase, cost in zip(trace.touched, trace.phases, trace.costs):
-            if phase == FWD:
-                clock += compute_time(cost, self.rates)
-                for c in chunks:
-                    need[c] = min(need[c], clock)
-                if first is None and chunks:
-                    first = chunks[0]
-            elif phase == BWD and chunks:
+        for e, i in enumerate(fwd):
+            for c in trace.touched[i]:
+                if start[e] < need[c]:
+                    need[c], lead[c] = start[e], start[max(e - 1, 0)]
+            if first is None and trace.touched[i]:
+                first = trace.touched[i][0]
+        for chunks, phase in zip(trace.touched, trace.phases):
+            if phase == BWD and chunks:
                 last = chunks[0]
-        return need, first, last
+        return start, need, lead, first, last
 
     def _transfer(self, on_device: np.ndarray, link: float) -> np.ndarray:
         """Seconds to move each chunk's shard between its arena and the rCache."""
@@ -168,10 +192,23 @@ class StepModel:
             bwd = max(compute_bwd + fetch_b, reduced) + tail
         gpu_adam = float(self.elements[on_device].sum() / r.gpu_adam)
         submit = float(trainable_host.sum() * r.op_overhead)  # one CPU update handed to the host thread per chunk
-        cpu_each = np.where(host, self.elements / r.cpu_adam, 0.0)
-        cpu_done = np.cumsum(cpu_each) + gather_f  # an offloaded chunk is usable once updated and uploaded
-        waits = cpu_done - (gpu_adam + submit + self.first_need)
-        exposed_cpu = submit + max(0.0, float(waits[trainable_host].max(initial=0.0)))
+        cpu_each = np.where(trainable_host, self.elements / r.cpu_adam, 0.0)
+        exposed_cpu = submit
+        if trainable_host.any():
+            # In seconds since the next forward could start (after the device Adam and the
+            # submissions): the host thread's updates run back to back from when the gradients
+            # are ready; the forward reaches each chunk at its compute rate.
+            done = np.cumsum(cpu_each) - (gpu_adam + submit)
+            # The Python thread blocks on a chunk's update where it issues the gather: one unit
+            # before the chunk's first user when the rCache has a block to prefetch into, at the
+            # first user otherwise (the GPU runs what was queued before meanwhile); the upload
+            # after the update must land before the first user. (The profiled forward, without
+            # the engine's own ops: never later than the real one, and the same for every rCache
+            # size that prefetches.)
+            issue = self.lead_need if overlap else self.first_need
+            needed = np.minimum(issue, self.first_need - gather_f)
+            late = (done - needed)[trainable_host]
+            exposed_cpu += max(0.0, float(late.max()))
         compute = self.micro * (compute_fwd + compute_bwd)
         total = self.micro * (fwd + bwd) + gpu_adam + exposed_cpu
         gathers = m[FWD] + m[BWD]

@@ -22,7 +22,7 @@ from ..chunk.layout import ChunkLayout, build_layout, round_up
 from ..plan import PlanError
 from ..profiler.profile import ModelProfile
 from ..runtime.units import Unit
-from .access import access_trace
+from .access import access_trace, unit_work
 from .budget import Budget
 from .candidates import chunk_size_candidates
 from .cost import StepModel, StepTime
@@ -48,6 +48,9 @@ class ModelTable:
     def __post_init__(self) -> None:
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.by_name = {n: i for i, names in enumerate(self.names) for n in names}
+        self.work = {u.name: float(unit_work(u.module, u.params)) for u in self.units}
+        """Parameter elements each unit computes with (``access.unit_work``): its share of the
+        forward compute the profile does not place between events."""
 
 
 def model_table(model: nn.Module, units: list[Unit], unit_order: Sequence[int]) -> ModelTable:
@@ -176,7 +179,7 @@ def _evaluate(
     regions = [{chunk_of[table.by_name[n]] for n in r.params if n in table.by_name} - private for r in profile.ac_regions]
     lo = max([len(set(cs) - private) for cs in unit_chunks.values()] + [len(r) for r in regions] + [1])
     hi = max(lo, len(public))
-    trace = access_trace(profile.unit_events, unit_chunks, private)
+    trace = access_trace(profile.unit_events, unit_chunks, private, table.work)
     model = StepModel(
         layout, trace, profile.compute, rates, settings.dtype,
         min_blocks=lo, prefetch=settings.prefetch, micro_batches=settings.micro_batches,

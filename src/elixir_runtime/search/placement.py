@@ -101,6 +101,13 @@ def best_placement(
         if blocks < floor or mem.device(blocks, on_device) > budget.allowed:
             continue
         time = model.step(blocks, on_device)
+        if n_blocks is None and floor == min_blocks < blocks:
+            # Beyond the minimum, a block more never predicts a slower step (fewer misses, the
+            # same overlaps); the first one past it starts prefetching, which can block the host
+            # on a CPU update one unit earlier: keep the minimum if it is faster (monotone in memory).
+            at_min = model.step(min_blocks, on_device)
+            if at_min.total < time.total:
+                blocks, time = min_blocks, at_min
         key = (time.total, time.rcache_bytes, int((~on_device).sum()))
         if best is None or key < (best.time.total, best.time.rcache_bytes, len(best.offload)):
             uploaded = int(on_device.sum())
