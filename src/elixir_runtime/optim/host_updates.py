@@ -23,6 +23,11 @@ class HostUpdates:
         """Queues ``update`` for ``chunk``; updates run in submission order."""
         self._pending[chunk] = self._pool.submit(update)
 
+    def busy(self, chunk: int) -> bool:
+        """Whether ``chunk``'s update is queued or running (a prefetch should not block on it)."""
+        future = self._pending.get(chunk)
+        return future is not None and not future.done()
+
     def wait(self, chunk: int) -> None:
         """Blocks until ``chunk``'s update is done (re-raising its error, if any)."""
         future = self._pending.pop(chunk, None)

@@ -176,8 +176,8 @@ class ChunkRuntime:
             c = self.chunks[i]
             if c.valid:
                 continue
-            if not self._has_block_for(distance):
-                return
+            if self.host_updates.busy(i) or not self._has_block_for(distance):
+                return  # never block the training loop on a prefetch
             self._gather(c)
             self.stats["prefetches"] += 1
             fetched += 1
