@@ -112,12 +112,14 @@ def test_gpu_matches_torch_fused_and_float64(grad_dtype, out_dtype) -> None:
     run_kernel(TritonAdamKernel(), ours, segments)
     check_against_reference(ours, start, segments)
 
-    # torch's fused CUDA AdamW/Adam on the same data (fp32 grads, as it requires).
+    # torch's fused CUDA AdamW/Adam on the same data (fp32 grads, as it requires). Ours was just
+    # held to the float64 reference; torch's fused kernel itself strays from it by up to ~1.3e-5
+    # relative in exp_avg_sq (measured on an H100), so the comparison with torch is looser there.
     master, exp_avg, exp_avg_sq = run_torch_adam(start, segments, torch.float32, "cuda", fused=True)
     covered, got = covered_mask(segments, numel), ours.to("cpu")
     torch.testing.assert_close(got.master[covered], master[covered], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got.exp_avg[covered], exp_avg[covered], rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(got.exp_avg_sq[covered], exp_avg_sq[covered], rtol=1e-5, atol=1e-10)
+    torch.testing.assert_close(got.exp_avg_sq[covered], exp_avg_sq[covered], rtol=5e-5, atol=1e-9)
 
 
 @pytest.mark.gpu
