@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable, Sequence
 
@@ -13,7 +14,7 @@ from elixir_runtime import ElixirOptimizer
 
 from .plugin import ElixirPlugin
 
-__all__ = ["build_engine", "example_batch", "has_engine"]
+__all__ = ["build_engine", "clips_grads", "example_batch", "has_engine"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,15 +29,31 @@ def build_engine(
     plugin: ElixirPlugin,
     device: torch.device,
     batch: Any | None = None,
+    *,
+    args: Any | None = None,
 ) -> ElixirOptimizer:
     """Checks the plan file (if any), then ``elixir_runtime.prepare``s the model in place.
 
     ``batch`` (one training batch) lets the engine order chunks by first use in forward.
+    ``args`` (the ``TrainingArguments``, if any) tells the planner whether the loop clips
+    gradients (``clips_grads``); without them it assumes it does.
     """
     plugin.check_model(model)
-    _, engine = elixir_runtime.prepare(model, optimizer, config=plugin.to_config(device), example_batch=batch)
+    config = plugin.to_config(device)
+    if args is not None:
+        config = dataclasses.replace(config, clips_grads=clips_grads(args))
+    _, engine = elixir_runtime.prepare(model, optimizer, config=config, example_batch=batch)
     plugin.check_plan(model._elixir.plan)
     return engine
+
+
+def clips_grads(args: Any) -> bool:
+    """Whether a Trainer with these ``TrainingArguments`` syncs the host before each update: it
+    clips gradients (``max_grad_norm > 0``, as the Trainer decides) or trains in fp16 (the
+    overflow check reads the gradient norm). ``ElixirConfig.clips_grads``: the planner then
+    predicts the CPU Adam of offloaded chunks to start after backward, else during it."""
+    max_norm = getattr(args, "max_grad_norm", None)
+    return bool(getattr(args, "fp16", False)) or (max_norm is not None and max_norm > 0)
 
 
 def example_batch(dataset: Any, collate_fn: Callable[[list], Any] | None, batch_size: int) -> Any | None:

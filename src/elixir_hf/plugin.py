@@ -26,7 +26,7 @@ __all__ = ["ElixirPlugin", "ElixirSpecError", "ENV_VAR", "describe_model", "chec
 
 ENV_VAR = "ELIXIR_CONFIG"
 
-_PLAN_KEYS = {f.name for f in fields(ElixirPlan)}
+_PLAN_KEYS = {f.name for f in fields(ElixirPlan)} | {"predicted_step_s"}  # the last: derived, written for readers
 _LOSS_SCALE_KEYS = {f.name for f in fields(LossScaleConfig)}
 _MIXED_PRECISION_DTYPES = {"no": None, "fp16": "fp16", "bf16": "bf16"}
 

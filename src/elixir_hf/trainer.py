@@ -69,7 +69,7 @@ class ElixirTrainer(Trainer):
             if self.train_dataset is not None
             else None
         )
-        self.optimizer = build_engine(target, optimizer, self.elixir_plugin, self.args.device, batch)
+        self.optimizer = build_engine(target, optimizer, self.elixir_plugin, self.args.device, batch, args=self.args)
         return self.optimizer
 
     def _ensure_engine(self) -> None:

@@ -68,6 +68,12 @@ class ElixirConfig:
     alignment: int = 64
     """Each parameter starts at a multiple of this many elements inside its chunk (fast kernels)."""
 
+    clips_grads: bool = True
+    """Whether the training loop calls ``clip_grad_norm`` (or trains in fp16): one host sync before
+    the update, so the CPU Adam of offloaded chunks starts only after backward; the planner
+    predicts the overlap accordingly. ``False`` (no clipping, bf16/fp32): the host runs ahead of
+    the GPU and those updates start during backward, as each chunk's gradients land."""
+
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "static"):
             raise ValueError(f"ElixirConfig.mode must be 'auto' or 'static', got {self.mode!r}")

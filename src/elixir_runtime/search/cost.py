@@ -18,20 +18,33 @@ Per rank and micro-batch (all rates measured, see ``hardware.py``):
   at their measured duplex rate.
 * optimizer: the GPU Adam of resident shards runs on the compute stream before the next forward;
   the CPU Adam of offloaded shards runs on one host thread, chunk after chunk in chunk order (=
-  the next forward's order, ``optim/host_updates.py``), from when the step's gradients are ready.
-  The next forward reaches each chunk at its compute rate, after the device Adam and the
-  submissions. The Python thread waits for a chunk's update where it issues the chunk's gather:
-  at the unit before the chunk's first user when the rCache has a block to prefetch into, at the
-  first user otherwise; meanwhile the GPU still runs the units queued before, and stalls only
-  once they are done. The upload that follows the update must land before the first user. A
-  chunk is late by ``update done - min(gather issued, first use - upload)``; the forward is
-  delayed by its latest chunk (a stall delays everything after it by the same amount, so the
-  delays do not add): ``exposed CPU Adam = submissions + max(0, max over offloaded chunks)``.
+  the next forward's order, ``optim/host_updates.py``), each chunk once its reduced gradient
+  shard has landed in host memory (``runtime.wait_host_chunk``). When the updates are handed to
+  that thread depends on the training loop (``clips_grads``):
 
-The forward's timeline (when each unit starts, in compute seconds) comes from the profile: the
-compute the profile places before each unit event, plus the rest of the forward's compute (the
-units' own compute after their acquisition, which block replay does not place between events)
-shared over the units by the parameter elements they compute with (``access.unit_work``).
+  - it clips gradients (or trains in fp16): ``clip_grad_norm``/the overflow check read the norm
+    with one host sync, so ``step()`` submits the updates only once the whole backward is done;
+  - it does not: nothing syncs the host, the Python thread runs ahead of the GPU through backward
+    and ``step()`` submits the updates while the GPU is still in backward. Offloaded chunks are
+    the *last* chunks, so their gradients are reduced *first* in backward: the updates run under
+    the rest of the backward (over the GPU-resident early chunks) already. A chunk's update starts
+    at ``max(its gradient shard landed, the previous update done)``.
+
+  The next forward reaches each chunk at its compute rate, after the device Adam (and, after a
+  host sync, the submissions). A prefetch never waits for an update (it stops prefetching
+  instead), so the Python thread waits for chunk ``k``'s update only at the demand acquire of its
+  first user; meanwhile the GPU still runs the units queued before, and stalls only once they
+  are done; the upload that follows the update must land before the first user. A chunk is late
+  by ``update done - (first use - upload)``; the forward is delayed by its latest chunk (a stall
+  delays everything after it by the same amount, so the delays do not add):
+  ``exposed CPU Adam = max(0, max over offloaded chunks)`` (+ the submissions after a host sync).
+
+The timelines (in compute seconds) come from the profile: when each forward unit event starts,
+and when each chunk's gradients are complete in backward (the end of the last backward unit that
+uses it: the start of the next backward event), both derived the same way: the compute the
+profile places before each unit event, plus the rest of the phase's compute (the units' own
+compute after their acquisition, which block replay does not place between events) shared over
+the units by the parameter elements they compute with (``access.unit_work``).
 
 The paper's comparison of I(n) and J(n) uses the *linear* total (every transfer and update
 counted as if nothing overlapped) — the time a block or an upload saves; the step itself is
@@ -99,9 +112,13 @@ class StepModel:
         min_blocks: int,
         prefetch: int,
         micro_batches: int = 1,
+        clips_grads: bool = True,
     ) -> None:
         self.layout, self.rates = layout, rates
         self.min_blocks, self.prefetch, self.micro = min_blocks, prefetch, micro_batches
+        self.clips_grads = clips_grads
+        """The training loop syncs the host (``clip_grad_norm``, fp16) before ``step()``: the CPU
+        updates start after backward; otherwise as each chunk's gradients land during backward."""
         n = layout.world_size
         elt = torch.empty((), dtype=dtype).element_size()
         chunks = layout.chunks
@@ -117,35 +134,57 @@ class StepModel:
         self.private_gathers = (self.private & self.trainable).astype(np.float64)
         self.compute = compute
         self.compute_fwd = compute_time(compute["fwd"], rates)
-        self.unit_start, self.first_need, self.lead_need, self.first, self.last = self._timeline(trace)
+        self.compute_bwd = compute_time(compute["bwd"], rates)
+        self.unit_start, self.first_need, self.first, self.last = self._forward(trace)
+        self.grad_ready = self._backward(trace)
+        order = np.argsort(self.grad_ready, kind="stable")
+        self._reduce_order = order[self.trainable[order]]  # the reduce stream's order in backward
 
-    def _timeline(self, trace: AccessTrace) -> tuple[np.ndarray, np.ndarray, np.ndarray, int | None, int | None]:
-        """In compute seconds since the forward began: when each forward unit event starts, when
-        the forward first needs each chunk, and when the unit before that one starts (where a
-        prefetching gather of the chunk is issued); the first chunk gathered in forward and the
-        last chunk to finish backward."""
-        fwd = [i for i, phase in enumerate(trace.phases) if phase == FWD]
-        before = np.array([compute_time(trace.costs[i], self.rates) for i in fwd], dtype=np.float64)
-        work = np.array([trace.work[i] for i in fwd] if trace.work else [1.0] * len(fwd), dtype=np.float64)
-        if len(fwd) and work.sum() <= 0:
+    def _starts(self, trace: AccessTrace, phase: int, total: float) -> tuple[list[int], np.ndarray]:
+        """The events of ``phase`` and when each starts, in compute seconds since the phase began:
+        the compute placed before each event, plus the rest of the phase's ``total`` (the units' own
+        compute after their acquisition, in no event's ``before``) shared by the units' work."""
+        events = [i for i, p in enumerate(trace.phases) if p == phase]
+        if not events:
+            return events, np.zeros(0)
+        before = np.array([compute_time(trace.costs[i], self.rates) for i in events], dtype=np.float64)
+        work = np.array([trace.work[i] for i in events] if trace.work else [1.0] * len(events), dtype=np.float64)
+        if work.sum() <= 0:
             work[:] = 1.0
-        share = work / work.sum() if len(fwd) else work
-        # The forward compute no event's ``before`` holds is the units' own, after their acquisition.
-        rest = max(0.0, self.compute_fwd - float(before.sum()))
-        start = np.cumsum(before) + rest * (np.cumsum(share) - share)
+        share = work / work.sum()
+        rest = max(0.0, total - float(before.sum()))
+        return events, np.cumsum(before) + rest * (np.cumsum(share) - share)
+
+    def _forward(self, trace: AccessTrace) -> tuple[np.ndarray, np.ndarray, int | None, int | None]:
+        """In compute seconds since the forward began: when each forward unit event starts and when
+        the forward first needs each chunk; the first chunk gathered in forward and the last chunk
+        to finish backward."""
+        fwd, start = self._starts(trace, FWD, self.compute_fwd)
         need = np.full(self.k, self.compute_fwd)
-        lead = np.full(self.k, self.compute_fwd)
         first = last = None
         for e, i in enumerate(fwd):
             for c in trace.touched[i]:
-                if start[e] < need[c]:
-                    need[c], lead[c] = start[e], start[max(e - 1, 0)]
+                need[c] = min(need[c], start[e])
             if first is None and trace.touched[i]:
                 first = trace.touched[i][0]
         for chunks, phase in zip(trace.touched, trace.phases):
             if phase == BWD and chunks:
                 last = chunks[0]
-        return start, need, lead, first, last
+        return start, need, first, last
+
+    def _backward(self, trace: AccessTrace) -> np.ndarray:
+        """In compute seconds since the backward began: when each chunk's gradients are complete,
+        i.e. the end of the last backward unit that uses it (the start of the next backward event,
+        or the end of backward). Chunks no backward unit uses: the end of backward."""
+        bwd, start = self._starts(trace, BWD, self.compute_bwd)
+        end = np.append(start[1:], self.compute_bwd) if len(bwd) else start
+        ready = np.full(self.k, self.compute_bwd)
+        seen = np.zeros(self.k, dtype=bool)
+        for e in range(len(bwd) - 1, -1, -1):  # the last use of a chunk in backward decides
+            for c in trace.touched[bwd[e]]:
+                if not seen[c]:
+                    seen[c], ready[c] = True, min(end[e], self.compute_bwd)
+        return ready
 
     def _transfer(self, on_device: np.ndarray, link: float) -> np.ndarray:
         """Seconds to move each chunk's shard between its arena and the rCache."""
@@ -193,22 +232,9 @@ class StepModel:
         gpu_adam = float(self.elements[on_device].sum() / r.gpu_adam)
         submit = float(trainable_host.sum() * r.op_overhead)  # one CPU update handed to the host thread per chunk
         cpu_each = np.where(trainable_host, self.elements / r.cpu_adam, 0.0)
-        exposed_cpu = submit
+        exposed_cpu = 0.0
         if trainable_host.any():
-            # In seconds since the next forward could start (after the device Adam and the
-            # submissions): the host thread's updates run back to back from when the gradients
-            # are ready; the forward reaches each chunk at its compute rate.
-            done = np.cumsum(cpu_each) - (gpu_adam + submit)
-            # The Python thread blocks on a chunk's update where it issues the gather: one unit
-            # before the chunk's first user when the rCache has a block to prefetch into, at the
-            # first user otherwise (the GPU runs what was queued before meanwhile); the upload
-            # after the update must land before the first user. (The profiled forward, without
-            # the engine's own ops: never later than the real one, and the same for every rCache
-            # size that prefetches.)
-            issue = self.lead_need if overlap else self.first_need
-            needed = np.minimum(issue, self.first_need - gather_f)
-            late = (done - needed)[trainable_host]
-            exposed_cpu += max(0.0, float(late.max()))
+            exposed_cpu = self._late_updates(trainable_host, cpu_each, reduce, gather_f, gpu_adam, submit)
         compute = self.micro * (compute_fwd + compute_bwd)
         total = self.micro * (fwd + bwd) + gpu_adam + exposed_cpu
         gathers = m[FWD] + m[BWD]
@@ -226,3 +252,52 @@ class StepModel:
             exposed_cpu_adam=exposed_cpu,
             rcache_bytes=int(self.micro * float(gathers @ self.full)),
         )
+
+    def update_start(self, trainable_host: np.ndarray, reduce: np.ndarray) -> np.ndarray:
+        """When each offloaded chunk's CPU update can start, in seconds relative to the end of
+        backward (negative: during backward): 0 after a host sync (``clips_grads``); otherwise when
+        its reduced gradient shard has landed in host memory: the reductions run on one stream in
+        the order the gradients complete, each taking ``reduce`` seconds."""
+        if self.clips_grads:
+            return np.zeros(self.k)
+        order = self._reduce_order
+        landed = np.zeros(self.k)
+        landed[order] = _queue(self.grad_ready[order], reduce[order])
+        end = max(self.compute_bwd, float(landed.max(initial=0.0)))  # the optimizer waits for the last one
+        return np.where(trainable_host, landed - end, 0.0)
+
+    def _late_updates(
+        self,
+        trainable_host: np.ndarray,
+        cpu_each: np.ndarray,
+        reduce: np.ndarray,
+        gather_f: np.ndarray,
+        gpu_adam: float,
+        submit: float,
+    ) -> float:
+        """How long the next forward waits for the CPU updates (see the module docstring)."""
+        # In seconds since the end of backward: the host thread takes the chunks in chunk order,
+        # each once its gradients are there and the previous update is done.
+        ready = self.update_start(trainable_host, reduce)
+        mine = np.flatnonzero(trainable_host)
+        done = np.zeros(self.k)
+        done[mine] = _queue(ready[mine], cpu_each[mine])
+        # The next forward starts after the device Adam; after a host sync also after the
+        # submissions (without one, they were made while the GPU was still in backward). The
+        # Python thread waits for a chunk's update only at the demand acquire of its first user
+        # (a prefetch skips a chunk whose update is running): the GPU runs what was queued before
+        # meanwhile, and the upload after the update must land before the first user. (The
+        # profiled forward, without the engine's own ops: never later than the real one.)
+        head = gpu_adam + (submit if self.clips_grads else 0.0)
+        needed = head + self.first_need - gather_f
+        late = (done - needed)[trainable_host]
+        return (submit if self.clips_grads else 0.0) + max(0.0, float(late.max()))
+
+
+def _queue(ready: np.ndarray, work: np.ndarray) -> np.ndarray:
+    """When each job of a one-worker queue finishes, taken in the given order, each starting at
+    ``max(ready, previous done)``: ``done_i = max_{j <= i} (ready_j + work_j + ... + work_i)``."""
+    if not len(ready):
+        return ready
+    total = np.cumsum(work)
+    return total + np.maximum.accumulate(ready - (total - work))

@@ -79,6 +79,9 @@ class SearchSettings:
     chunk_size: int | None = None
     n_blocks: int | str | None = None
     offload: float | list[int] | None = None
+    clips_grads: bool = True
+    """The training loop syncs the host before ``step()`` (``clip_grad_norm``, fp16): the CPU
+    updates start after backward; otherwise during it (``cost.StepModel``)."""
 
 
 @dataclass
@@ -155,7 +158,7 @@ def search(
         budget=budget,
         candidates=[_row(e) for e in evaluated],
         alternatives=_alternatives(best, budget),
-        notes=list(rates.notes),
+        notes=list(rates.notes) + _update_note(p.offload, settings.clips_grads),
         seconds=time.perf_counter() - start,
     )
 
@@ -183,6 +186,7 @@ def _evaluate(
     model = StepModel(
         layout, trace, profile.compute, rates, settings.dtype,
         min_blocks=lo, prefetch=settings.prefetch, micro_batches=settings.micro_batches,
+        clips_grads=settings.clips_grads,
     )
     mem = ArenaBytes(layout, settings.dtype)
     n_blocks = {"min": lo, "max": hi}.get(settings.n_blocks, settings.n_blocks)  # type: ignore[arg-type]
@@ -200,6 +204,16 @@ def _evaluate(
                             f"has chunks 0..{n - 1}: give chunk_size too, or offload as a fraction")
     placement = best_placement(model, mem, budget, lo, hi, n_blocks=n_blocks, offload=offload)
     return _Evaluated(layout, model, mem, lo, hi, placement)
+
+
+def _update_note(offload: list[int], clips_grads: bool) -> list[str]:
+    if not offload:
+        return []
+    if clips_grads:
+        return ["CPU Adam of offloaded chunks predicted to start after backward (the loop clips gradients or "
+                "trains in fp16: one host sync before the update; ElixirConfig(clips_grads=False) if it does not)"]
+    return ["CPU Adam of offloaded chunks predicted to start during backward, as their gradients land "
+            "(no host sync before the update: clips_grads=False)"]
 
 
 def _row(e: _Evaluated) -> dict:

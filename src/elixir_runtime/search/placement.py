@@ -103,8 +103,8 @@ def best_placement(
         time = model.step(blocks, on_device)
         if n_blocks is None and floor == min_blocks < blocks:
             # Beyond the minimum, a block more never predicts a slower step (fewer misses, the
-            # same overlaps); the first one past it starts prefetching, which can block the host
-            # on a CPU update one unit earlier: keep the minimum if it is faster (monotone in memory).
+            # same overlaps); the first one past it starts prefetching and so changes how the
+            # transfers overlap: keep the minimum if it is faster (monotone in memory).
             at_min = model.step(min_blocks, on_device)
             if at_min.total < time.total:
                 blocks, time = min_blocks, at_min

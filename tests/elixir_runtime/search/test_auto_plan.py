@@ -61,3 +61,23 @@ def test_without_a_batch_the_activations_get_a_fixed_share(monkeypatch) -> None:
     order, result = auto.auto_plan(model, units, None, er.ElixirConfig(), torch.device("cpu"), torch.float32, Collectives(None))
     assert order == [u.index for u in units]
     assert result.budget.activations == int(auto.UNPROFILED_ACTIVATION_SHARE * result.budget.capacity / 1.25)
+
+
+def test_clips_grads_reaches_the_search(monkeypatch) -> None:
+    """``ElixirConfig.clips_grads`` decides when the predicted CPU updates start; fp16 always syncs."""
+    model = _model()
+    _fake_machine(monkeypatch, model, share=0.3)
+    seen = []
+    real = auto.search
+
+    def spy(table, profile, hardware, budget, settings):
+        seen.append(settings.clips_grads)
+        return real(table, profile, hardware, budget, settings)
+
+    monkeypatch.setattr(auto, "search", spy)
+    units = find_units(model, None)
+    batch = make_batch(128)
+    cpu, coll = torch.device("cpu"), Collectives(None)
+    for clips, dtype in ((True, torch.float32), (False, torch.float32), (False, torch.bfloat16), (False, torch.float16)):
+        auto.auto_plan(model, units, batch, er.ElixirConfig(clips_grads=clips), cpu, dtype, coll)
+    assert seen == [True, False, False, True]

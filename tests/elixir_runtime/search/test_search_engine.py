@@ -36,13 +36,14 @@ def _capacities(model, profile) -> list[int]:
     return [act + int(states * f) for f in (0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0, 1.3, 2.0, 4.0)]
 
 
-def test_never_exceeds_the_budget(gpt2) -> None:
+@pytest.mark.parametrize("clips_grads", [True, False])
+def test_never_exceeds_the_budget(gpt2, clips_grads) -> None:
     model, table, profile = gpt2
     for capacity in _capacities(model, profile):
         for host in (int(0.2 * model_state_bytes(model)), 64 * GIB):
             budget = _budget(profile, capacity, host)
             try:
-                r = search(table, profile, gpu_host(), budget, _settings())
+                r = search(table, profile, gpu_host(), budget, _settings(clips_grads=clips_grads))
             except PlanError:
                 continue
             assert r.device_bytes <= budget.allowed and r.host_bytes <= budget.host_allowed
@@ -51,13 +52,15 @@ def test_never_exceeds_the_budget(gpt2) -> None:
                 assert c["chunk_size"] >= max(p.numel() for p, priv in zip(table.params, table.private) if not priv)
 
 
-def test_more_gpu_memory_never_predicts_a_slower_step(gpt2) -> None:
+@pytest.mark.parametrize("clips_grads", [True, False])
+def test_more_gpu_memory_never_predicts_a_slower_step(gpt2, clips_grads) -> None:
     model, table, profile = gpt2
     for hw in (gpu_host(), gpu_host(cpu_adam=5e8), gpu_host(cpu_adam=5e11)):
         times = []
         for capacity in _capacities(model, profile):
             try:
-                times.append(search(table, profile, hw, _budget(profile, capacity), _settings()).time.total)
+                settings = _settings(clips_grads=clips_grads)
+                times.append(search(table, profile, hw, _budget(profile, capacity), settings).time.total)
             except PlanError:
                 continue
         assert len(times) >= 5
