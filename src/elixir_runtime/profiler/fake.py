@@ -14,9 +14,11 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["fake_state", "fake_batch", "loss_of", "train_mode"]
+__all__ = ["fake_state", "fake_batch", "loss_of", "train_mode", "constant_scalar_draws"]
 
 
 @contextlib.contextmanager
@@ -97,3 +99,28 @@ def train_mode(model: nn.Module) -> Iterator[None]:
     finally:
         for m, flag in flags:
             m.training = flag
+
+
+@contextlib.contextmanager
+def constant_scalar_draws(mode: FakeTensorMode) -> Iterator[None]:
+    """Makes 0-dim ``torch.rand`` draws concrete (just below 1) while tracing in ``mode``.
+
+    Some models branch on a random scalar, e.g. LayerDrop in transformers' OPT (5.17):
+    ``if torch.rand([]) < self.layerdrop: continue``. Fake tensors cannot branch on data; a
+    constant draw just below 1 drops no layer, which is also the step's memory-worst case.
+    """
+    real_rand = torch.rand
+
+    def rand(*size: Any, **kwargs: Any) -> torch.Tensor:
+        shape = size[0] if len(size) == 1 and isinstance(size[0], (list, tuple, torch.Size)) else size
+        if len(shape) > 0:
+            return real_rand(*size, **kwargs)
+        with _disable_current_modes():
+            value = torch.full((), 1.0 - 2**-20, dtype=kwargs.get("dtype") or torch.get_default_dtype())
+        return mode.fake_tensor_converter.from_real_tensor(mode, value, make_constant=True)
+
+    torch.rand = rand
+    try:
+        yield
+    finally:
+        torch.rand = real_rand

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..runtime.units import Unit, find_units
 from .blocks import BlockStack, find_block_stack, truncated
-from .fake import fake_batch, fake_state, loss_of, train_mode
+from .fake import constant_scalar_draws, fake_batch, fake_state, loss_of, train_mode
 from .hooks import Markers
 from .kernels import cuda_attention
 from .recorder import Recorder
@@ -206,9 +206,10 @@ def _trace(
     timeline = Timeline()
     names = {id(p): n for n, p in model.named_parameters()}
     kernels = cuda_attention() if emulate else contextlib.nullcontext()
-    with FakeTensorMode(allow_non_fake_inputs=True), fake_state(model, dtype, device) as (fakes, buffers), train_mode(
-        model
-    ), kernels:
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, fake_state(model, dtype, device) as (
+        fakes,
+        buffers,
+    ), train_mode(model), constant_scalar_draws(mode), kernels:
         inputs = fake_batch(batch, device)
         recorder = Recorder(timeline, {id(f): names[pid] for pid, f in fakes.items()})
         recorder.preexisting([*fakes.values(), *buffers, *(t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor))])

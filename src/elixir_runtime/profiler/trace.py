@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..runtime.units import Unit
+from .fake import constant_scalar_draws
 
 __all__ = ["trace_unit_order", "call_model"]
 
@@ -51,7 +52,7 @@ def _fake_forward_calls(model: nn.Module, units: list[Unit], batch: Any) -> list
         u.module.register_forward_pre_hook(lambda _m, _a, i=u.index: calls.append(i)) for u in units
     ]
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, constant_scalar_draws(mode):
             state = {
                 name: mode.from_tensor(t)
                 for name, t in [
