@@ -28,6 +28,11 @@ class HostUpdates:
         future = self._pending.get(chunk)
         return future is not None and not future.done()
 
+    def pending(self, chunk: int) -> bool:
+        """Whether ``chunk`` has an update not yet waited for: unlike ``busy``, the same on every
+        rank at the same point of the step (it does not depend on how fast the worker is)."""
+        return chunk in self._pending
+
     def wait(self, chunk: int) -> None:
         """Blocks until ``chunk``'s update is done (re-raising its error, if any)."""
         future = self._pending.pop(chunk, None)

@@ -113,6 +113,8 @@ class Timeline:
             self._used.add(name)
             self.current.params.append(name)
         for region in self._open_regions:
+            if not region.params:  # a region belongs to the segment where it first touches a param
+                self.current.regions.append(region)
             if name not in region.params:
                 region.params.append(name)
 
@@ -124,13 +126,18 @@ class Timeline:
         if self.phase != "fwd":
             return None
         region = Region(name)
-        self.current.regions.append(region)
         self._open_regions.append(region)
         return region
 
     def region_end(self, region: Region | None) -> None:
+        """Closes ``region``. It was attached at its first parameter use, not at its start: HF
+        layers may enter the checkpoint before the block's own forward hook marks its segment
+        (transformers 5.17's ``GradientCheckpointingLayer``); one that used no parameter is
+        attached here."""
         if region is not None:
             self._open_regions.remove(region)
+            if not region.params:
+                self.current.regions.append(region)
 
 
 @dataclass(frozen=True)

@@ -176,11 +176,19 @@ class ChunkRuntime:
             c = self.chunks[i]
             if c.valid:
                 continue
-            if self.host_updates.busy(i) or not self._has_block_for(distance):
+            if self._update_in_the_way(i) or not self._has_block_for(distance):
                 return  # never block the training loop on a prefetch
             self._gather(c)
             self.stats["prefetches"] += 1
             fetched += 1
+
+    def _update_in_the_way(self, i: int) -> bool:
+        """Whether prefetching chunk ``i`` would wait on its CPU update. With several ranks a
+        prefetch is a collective, so the answer must not depend on timing: any update not yet
+        waited for counts. Alone, only one still running does."""
+        if self.coll.world_size > 1:
+            return self.host_updates.pending(i)
+        return self.host_updates.busy(i)
 
     def _has_block_for(self, distance: int) -> bool:
         if self.rcache.free:

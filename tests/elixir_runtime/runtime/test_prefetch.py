@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import elixir_runtime as er
+from helpers.dist import run_distributed
 from helpers.training import Recipe, batch_for, build
 
 
@@ -41,3 +42,25 @@ def test_prefetch_skips_chunks_still_being_updated(monkeypatch):
     monkeypatch.undo()
     _train_step(recipe, model, opt, 3)
     assert runtime.stats["prefetches"] > before
+
+
+def _ranks_with_different_worker_speeds(rank: int, world_size: int) -> list[float]:
+    recipe, model, opt = _prepared(offload=1.0)
+    losses = []
+    for step in range(4):
+        if step == 2 and rank == 0:  # rank 0's CPU updates now look slow, rank 1's fast
+            model._elixir.runtime.host_updates.busy = lambda chunk: True
+        loss = model(**batch_for(recipe, step, 0, 0)).loss
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_prefetch_decisions_agree_across_ranks():
+    """A prefetch is a collective: whether it happens must not depend on how fast each rank's CPU
+    updates run. Here one rank's updates look permanently slow; the ranks must still train in
+    lockstep to identical losses."""
+    results = run_distributed(_ranks_with_different_worker_speeds, 2, timeout=120)
+    assert results[0] == results[1]
