@@ -84,7 +84,9 @@ def _elixir(p: Preset, ctx: Context, example_ids: torch.Tensor) -> Trainer:
         opt.zero_grad()
         return loss
 
-    return Trainer(step, {"optimizer": "ElixirOptimizer(AdamW)", "plan": plan_summary(plan), "plan_batch": len(example_ids)})
+    info = {"optimizer": "ElixirOptimizer(AdamW)", "cpu_threads": opt.cpu_threads, "plan": plan_summary(plan),
+            "plan_batch": len(example_ids)}
+    return Trainer(step, info)
 
 
 def plan_summary(plan: Any) -> dict[str, Any]:

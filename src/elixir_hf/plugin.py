@@ -47,6 +47,8 @@ class ElixirPlugin:
     offload: float | list[int] | None = None
     prefetch: int = 1
     unit_classes: list[str] | None = None
+    cpu_threads: int | None = None
+    """Threads of the CPU Adam; ``None``: the rank's share of the host's cores less one."""
     loss_scale: dict[str, float] = field(default_factory=dict)
     """``LossScaleConfig`` fields, e.g. ``{"init_scale": 1024}`` (fp16 only)."""
     plan: dict[str, Any] | None = None
@@ -183,6 +185,7 @@ class ElixirPlugin:
             offload=self.offload,
             prefetch=self.prefetch,
             unit_classes=self.unit_classes,
+            cpu_threads=self.cpu_threads,
             device=device,
             loss_scale=LossScaleConfig(**self.loss_scale),
         )

@@ -21,12 +21,14 @@ from .chunk.collectives import Collectives
 from .chunk.layout import build_layout
 from .config import ElixirConfig
 from .optim.optimizer import ElixirOptimizer
+from .optim.threads import cpu_adam_threads
 from .plan import ElixirPlan, resolve_plan
 from .profiler.trace import trace_unit_order
 from .runtime.chunks import ChunkRuntime
 from .runtime.hooks import install_hooks
 from .runtime.units import Unit, find_units, unit_owner_count
 from .search.auto import auto_plan
+from .search.budget import local_ranks
 
 __all__ = ["prepare", "ElixirState"]
 
@@ -96,7 +98,10 @@ def prepare(
     runtime = ChunkRuntime(layout, plan.placement(), plan.n_blocks, coll, device, dtype, config.prefetch)
     handles = install_hooks(model, units, runtime)
     handles += ModelStateHooks(runtime, orig_dtypes).install(model)
-    elixir_optimizer = ElixirOptimizer(optimizer, runtime, decoupled=decoupled, loss_scale=config.loss_scale)
+    elixir_optimizer = ElixirOptimizer(
+        optimizer, runtime, decoupled=decoupled, loss_scale=config.loss_scale,
+        cpu_threads=cpu_adam_threads(local_ranks(), config.cpu_threads),
+    )
     model._elixir = ElixirState(runtime, plan, units, elixir_optimizer, handles)
     return model, elixir_optimizer
 

@@ -68,6 +68,10 @@ class ElixirConfig:
     alignment: int = 64
     """Each parameter starts at a multiple of this many elements inside its chunk (fast kernels)."""
 
+    cpu_threads: int | None = None
+    """Threads of the CPU Adam of offloaded chunks. ``None``: this rank's share of the host's cores
+    less one for the training loop (``optim/threads.py``), whatever ``OMP_NUM_THREADS`` says."""
+
     clips_grads: bool = True
     """Whether the training loop calls ``clip_grad_norm`` (or trains in fp16): one host sync before
     the update, so the CPU Adam of offloaded chunks starts only after backward; the planner
@@ -86,6 +90,8 @@ class ElixirConfig:
                 raise ValueError(f"ElixirConfig.offload as a fraction must lie in [0, 1], got {self.offload}")
         if self.chunk_size is not None and self.chunk_size < 1:
             raise ValueError(f"ElixirConfig.chunk_size must be positive, got {self.chunk_size}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"ElixirConfig.cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.prefetch < 0:
             raise ValueError(f"ElixirConfig.prefetch must be >= 0, got {self.prefetch}")
         self.dtype = resolve_dtype(self.dtype) if self.dtype is not None else None

@@ -7,8 +7,10 @@ compares to ``<out>/result.json``.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 
 import torch.distributed as dist
@@ -18,6 +20,7 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.
 from hf_cases import OFFLOAD_PLAN, history, make_trainer, training_args  # noqa: E402
 
 STEPS = 8
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's timeout asks for every stack
 
 
 def main(out: str) -> None:

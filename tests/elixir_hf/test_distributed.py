@@ -4,13 +4,17 @@ checkpoint on one rank fails with a clear message."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -29,12 +33,28 @@ def two_rank_run(tmp_path_factory) -> tuple[Path, dict]:
     env.pop("ELIXIR_CONFIG", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER)]
     cmd.append(str(out))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"2-rank run timed out:\n{exc.stdout}\n{exc.stderr}"[-8000:])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        stdout, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        stdout, stderr = _stop_with_stacks(proc)
+        pytest.fail(f"2-rank run timed out; the ranks' stacks:\n{stdout[-3000:]}\n{stderr[-12000:]}")
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
     return out, json.loads((out / "result.json").read_text())
+
+
+def _stop_with_stacks(proc: subprocess.Popen) -> tuple[str, str]:
+    """Asks every rank for its threads' stacks (the worker's faulthandler), then kills torchrun and
+    its ranks (which run in sessions of their own, out of reach of a process-group kill)."""
+    tree = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
+    for pid in tree[1:]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+    time.sleep(3)
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return proc.communicate()
 
 
 def _close(got: list[float], want: list[float], what: str) -> None:

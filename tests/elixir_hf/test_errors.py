@@ -41,9 +41,10 @@ def test_cli_grammar(tmp_path, monkeypatch) -> None:
     assert _parse([]).elixir_plugin is None
     assert _parse(["--elixir", '{"offload": 0.5, "n_blocks": "min"}']).elixir_plugin.offload == 0.5
     settings = tmp_path / "elixir.json"
-    settings.write_text(json.dumps({"chunk_size": 4096, "prefetch": 2}))
+    settings.write_text(json.dumps({"chunk_size": 4096, "prefetch": 2, "cpu_threads": 6}))
     plugin = _parse(["--elixir", str(settings)]).elixir_plugin
-    assert (plugin.chunk_size, plugin.prefetch) == (4096, 2)
+    assert (plugin.chunk_size, plugin.prefetch, plugin.cpu_threads) == (4096, 2, 6)
+    assert plugin.to_config().cpu_threads == 6
     monkeypatch.setenv("ELIXIR_CONFIG", '{"offload": 0.25}')
     assert _parse([]).elixir_plugin.offload == 0.25
     assert _parse(["--elixir", "off"]).elixir_plugin is None  # the flag wins over the environment

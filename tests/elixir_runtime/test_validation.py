@@ -235,6 +235,7 @@ def test_meta_params_are_rejected(no_allocation) -> None:
         (dict(n_blocks=0), r"n_blocks must be >= 1"),
         (dict(chunk_size=0), r"chunk_size must be positive"),
         (dict(prefetch=-1), r"prefetch must be >= 0"),
+        (dict(cpu_threads=0), r"cpu_threads must be >= 1"),
     ],
 )
 def test_bad_config_values(kwargs: dict, match: str) -> None:

@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
@@ -161,35 +161,6 @@ class CpuAdamKernel:
         div_scale: float,
     ) -> None:
         """Update all segments in one call (see ``AdamKernel``)."""
-        self._run(master, exp_avg, exp_avg_sq, grad, param_out, segments, hypers, step, div_scale, 0, master.numel())
-
-    def step_tiles(
-        self,
-        master: torch.Tensor,
-        exp_avg: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
-        grad: torch.Tensor,
-        param_out: torch.Tensor | None,
-        segments: Sequence[Segment],
-        hypers: Sequence[AdamHyper],
-        step: int,
-        div_scale: float,
-        tile_numel: int,
-    ) -> Iterator[tuple[int, int]]:
-        """Like ``step``, one arena tile ``[lo, hi)`` at a time, yielding each tile once it is done.
-
-        The caller starts the async copy of ``param_out[lo:hi]`` to the GPU before resuming, so
-        that copy overlaps the update of the next tile.
-        """
-        if tile_numel <= 0:
-            raise ValueError("tile_numel must be positive")
-        n = master.numel()
-        for lo in range(0, n, tile_numel):
-            hi = min(n, lo + tile_numel)
-            self._run(master, exp_avg, exp_avg_sq, grad, param_out, segments, hypers, step, div_scale, lo, hi)
-            yield lo, hi
-
-    def _run(self, master, exp_avg, exp_avg_sq, grad, param_out, segments, hypers, step, div_scale, lo, hi):
         n = master.numel()
         for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
             _check(name, t, (torch.float32,), n)
@@ -204,7 +175,7 @@ class CpuAdamKernel:
             master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(), _DTYPE_CODE[grad.dtype],
             None if param_out is None else param_out.data_ptr(),
             _NO_OUT if param_out is None else _DTYPE_CODE[param_out.dtype],
-            table, len(table), (_Group * len(consts))(*consts), lo, hi,
+            table, len(table), (_Group * len(consts))(*consts), 0, n,
             self._threads or torch.get_num_threads(),
         )
         if rc != 0:

@@ -36,6 +36,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         *,
         decoupled: bool,
         loss_scale: LossScaleConfig,
+        cpu_threads: int | None = None,
     ) -> None:
         super().__init__(user_optimizer.param_groups, user_optimizer.defaults)
         self.runtime = runtime
@@ -45,7 +46,9 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self.step_was_skipped = False
         self._norm: float | None = None
         self._clip_coef = 1.0
-        self.kernels = {name: select_kernel(a.device) for name, a in runtime.arenas.items()}
+        self.cpu_threads = cpu_threads
+        """OpenMP threads of the CPU Adam (``None``: ``torch.get_num_threads()``)."""
+        self.kernels = {name: select_kernel(a.device, cpu_threads) for name, a in runtime.arenas.items()}
         host = runtime.arenas["host"]
         self._chunk_segments = {
             c.index: [s for s in host.segments if c.offset <= s.offset < c.offset + c.shard_numel]

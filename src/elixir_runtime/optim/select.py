@@ -21,11 +21,11 @@ _CHOICES = ("auto", "torch")
 
 
 @cache
-def _cpu_kernel() -> AdamKernel:
+def _cpu_kernel(threads: int | None) -> AdamKernel:
     from .cpu_adam import CpuAdamKernel, CpuAdamUnavailable
 
     try:
-        return CpuAdamKernel()
+        return CpuAdamKernel(threads=threads)
     except CpuAdamUnavailable as err:
         warnings.warn(
             f"elixir: the C++ CPU Adam kernel is unavailable, using the slow torch reference for "
@@ -50,8 +50,9 @@ def _gpu_kernel() -> AdamKernel:
     return TritonAdamKernel()
 
 
-def select_kernel(device: torch.device) -> AdamKernel:
-    """The fastest working kernel for arenas on ``device`` (one shared instance per kind)."""
+def select_kernel(device: torch.device | str, threads: int | None = None) -> AdamKernel:
+    """The fastest working kernel for arenas on ``device`` (one shared instance per kind);
+    ``threads``: OpenMP threads of the CPU kernel (``None``: ``torch.get_num_threads()``)."""
     choice = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if choice not in _CHOICES:
         raise ValueError(f"{ENV} must be one of {_CHOICES}, got {choice!r}")
@@ -61,5 +62,5 @@ def select_kernel(device: torch.device) -> AdamKernel:
     if device.type == "cuda":
         return _gpu_kernel()
     if device.type == "cpu":
-        return _cpu_kernel()
+        return _cpu_kernel(threads)
     return TorchAdamKernel()

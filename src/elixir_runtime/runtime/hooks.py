@@ -17,6 +17,7 @@ which is why the rCache can never be smaller than the largest unit.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -143,7 +144,11 @@ def install_hooks(model: nn.Module, units: list[Unit], runtime: ChunkRuntime) ->
     root = _RootHooks(runtime, model)
     handles.append(model.register_forward_pre_hook(root.pre_forward, prepend=True))
     handles.append(model.register_forward_hook(root.post_forward, always_call=True))
+    # A tensor's grad hooks live in its C++ autograd meta, out of the garbage collector's sight: a
+    # hook holding the runtime (which holds the params) would keep the engine, its pinned arenas
+    # and its GPU memory alive after the model and optimizer are gone.
+    weak = weakref.proxy(runtime)
     for i, p in enumerate(runtime.layout.params):
         if runtime.layout.groups[i] >= 0:
-            handles.append(p.register_post_accumulate_grad_hook(lambda p, i=i: runtime.on_grad(i, p)))
+            handles.append(p.register_post_accumulate_grad_hook(lambda p, i=i: weak.on_grad(i, p)))
     return handles

@@ -1,11 +1,12 @@
-"""The search: chunk size, rCache size and placement that minimise the predicted step time.
+"""The search: chunk size, rCache size and placement that minimise the serial step time.
 
 For every candidate chunk size the parameters are laid out exactly as the engine will
 (``build_layout``), the profiled unit events become a chunk trace, Belady is simulated for every
 rCache size at once, and the I(n)/J(n) placement picks blocks and GPU-resident chunks within the
-budget. The candidate with the fastest predicted step wins; on a tie, the one moving fewest bytes
-through the rCache (the paper's criterion, which the step time weighs by where the bytes come
-from). If no candidate fits, ``PlanError`` says by how much and what would make it fit.
+budget. The candidate with the shortest serial step wins (compute plus every transfer and update
+back to back: ``cost.py`` says why not the overlapped one); on a tie, the fastest predicted step,
+then the one moving fewest bytes through the rCache (the paper's criterion). If no candidate
+fits, ``PlanError`` says by how much and what would make it fit.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def search(
                 "or a larger chunk_size"
             )
         raise PlanError(_no_fit_message(evaluated, profile, budget, settings))
-    best = min(fitting, key=lambda e: (e.placement.time.total, e.placement.time.rcache_bytes))
+    best = min(fitting, key=lambda e: (e.placement.time.serial, e.placement.time.total, e.placement.time.rcache_bytes))
     p = best.placement
     return SearchResult(
         chunk_size=best.layout.chunk_size,

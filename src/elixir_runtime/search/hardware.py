@@ -21,9 +21,11 @@ import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-__all__ = ["LinkRates", "HardwareProfile", "Rates", "cache_path", "load_hardware", "ENV_HARDWARE"]
+__all__ = ["LinkRates", "HardwareProfile", "Rates", "cache_path", "load_hardware", "ENV_HARDWARE", "PROFILE_VERSION"]
 
 ENV_HARDWARE = "ELIXIR_HARDWARE"
+PROFILE_VERSION = 2
+"""2: the CPU Adam measured under pinned copies with the engine's threads (1: alone, all cores)."""
 
 
 @dataclass
@@ -59,11 +61,16 @@ class HardwareProfile:
     gpu_adam: float
     """Parameters/s of the GPU Adam kernel on one GPU."""
     cpu_adam: float
-    """Parameters/s of the CPU Adam kernel using every core of the host."""
+    """Parameters/s of the CPU Adam kernel on the whole host with the engine's threads; on a GPU
+    host while pinned copies run both ways on every GPU's link, as they do whenever the engine's
+    CPU updates run (the copies take host memory bandwidth the update needs: it ran ~1/3 slower
+    under them on an H100 host than alone)."""
     links: dict[int, LinkRates] = field(default_factory=dict)
     dtype: str = "bfloat16"
     source: str = ""
     torch: str = ""
+    version: int = 0
+    """``PROFILE_VERSION`` of the measurement; a cached profile of an older one is measured again."""
 
     @property
     def cpu_only(self) -> bool:
@@ -170,7 +177,9 @@ def load_hardware(path: str | Path | None = None, *, refresh: bool = False, quic
         return HardwareProfile.load(path)
     cached = cache_path()
     if cached.exists() and not refresh:
-        return HardwareProfile.load(cached)
+        profile = HardwareProfile.load(cached)
+        if profile.version >= PROFILE_VERSION:
+            return profile
     from .measure import measure_hardware
 
     profile = measure_hardware(quick=quick)

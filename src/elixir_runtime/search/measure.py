@@ -20,7 +20,8 @@ import torch
 
 from ..chunk.host_memory import empty_host
 from ..optim.kernel import AdamHyper, AdamKernel, Segment, TorchAdamKernel
-from .hardware import HardwareProfile, LinkRates
+from ..optim.threads import cpu_adam_threads, usable_cores
+from .hardware import PROFILE_VERSION, HardwareProfile, LinkRates
 
 __all__ = ["measure_hardware"]
 
@@ -36,6 +37,7 @@ def measure_hardware(*, quick: bool = False, dtype: torch.dtype = torch.bfloat16
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
     profile.source = f"measured on {platform.node()} at {stamp} in {time.perf_counter() - start:.1f} s"
     profile.torch = torch.__version__
+    profile.version = PROFILE_VERSION
     return profile
 
 
@@ -53,13 +55,13 @@ def _measure_gpu(quick: bool, dtype: torch.dtype) -> HardwareProfile:
         gpus=gpus,
         gpu_memory=torch.cuda.get_device_properties(dev).total_memory,
         host_memory=_host_memory(),
-        cpu_cores=_cpu_cores(),
+        cpu_cores=usable_cores(),
         matmul={str(s): _matmul_rate(s, dtype, dev) for s in sizes},
         attention=_attention_rate(dtype, dev, quick),
         memory_bandwidth=_copy_rate(dev, size * (1 if quick else 4)) * 2,
         op_overhead=_op_overhead(dev),
         gpu_adam=_adam_rate(dev, 2**22 if quick else 2**26, dtype),
-        cpu_adam=_adam_rate(torch.device("cpu"), 2**21 if quick else 2**25, dtype),
+        cpu_adam=_cpu_adam_under_copies(links[gpus], 2**21 if quick else 2**25, dtype, size),
         links=links,
         dtype=str(dtype).removeprefix("torch."),
     )
@@ -135,19 +137,49 @@ def _op_overhead(device: torch.device) -> float:
 
 
 def _adam_rate(device: torch.device, numel: int, dtype: torch.dtype) -> float:
+    return numel / _adam_step(device, numel, dtype)[1]
+
+
+def _adam_step(device: torch.device, numel: int, dtype: torch.dtype) -> tuple[Callable[[], None], float]:
+    """One update of ``numel`` elements on ``device`` by the engine's kernel, and its time alone."""
     kernel = _kernel(device)
     alloc = (lambda n, dt: torch.zeros(n, dtype=dt, device=device)) if device.type == "cuda" else (
-        lambda n, dt: empty_host(n, dt, pin=False)
+        lambda n, dt: empty_host(n, dt, pin=False).zero_()
     )
     master, m, v = alloc(numel, torch.float32), alloc(numel, torch.float32), alloc(numel, torch.float32)
     grad, out = alloc(numel, dtype), alloc(numel, dtype)
-    segments = [Segment(0, numel, 0)]
-    steps = iter(range(1, 1000))
+    segments, steps = [Segment(0, numel, 0)], iter(range(1, 10**6))
 
     def step() -> None:
         kernel.step(master, m, v, grad, out, segments, _HYPER, next(steps), 1.0)
 
-    return numel / _median_time(step, sync=lambda: _sync(device))
+    return step, _median_time(step, sync=lambda: _sync(device))
+
+
+def _cpu_adam_under_copies(link: LinkRates, numel: int, dtype: torch.dtype, size: int) -> float:
+    """The CPU Adam rate while every GPU copies ``size`` bytes up and down, back to back, for
+    longer than the timed updates take (queued first, so they run through the whole window)."""
+    devs = [torch.device("cuda", i) for i in range(link.n)]
+    ups, downs = [torch.cuda.Stream(d) for d in devs], [torch.cuda.Stream(d) for d in devs]
+    bufs = [(torch.empty(size, dtype=torch.uint8, device=d), torch.empty(size, dtype=torch.uint8, device=d),
+             empty_host(size, torch.uint8, pin=True), empty_host(size, torch.uint8, pin=True)) for d in devs]
+    step, seconds = _adam_step(torch.device("cpu"), numel, dtype)
+    calls = max(5, int(0.3 / seconds))
+    per_copy = size / ((link.duplex or link.c2g) / link.n)
+    for (dev_a, dev_b, host_a, host_b), up, down in zip(bufs, ups, downs):
+        for _ in range(int(2 * calls * seconds / per_copy) + 2):
+            with torch.cuda.stream(up):
+                dev_a.copy_(host_a, non_blocking=True)
+            with torch.cuda.stream(down):
+                host_b.copy_(dev_b, non_blocking=True)
+    time.sleep(per_copy)  # the copies are under way
+    t = time.perf_counter()
+    for _ in range(calls):
+        step()
+    elapsed = (time.perf_counter() - t) / calls
+    for d in devs:
+        torch.cuda.synchronize(d)
+    return numel / elapsed
 
 
 def _kernel(device: torch.device) -> AdamKernel:
@@ -155,7 +187,9 @@ def _kernel(device: torch.device) -> AdamKernel:
         from ..optim.select import select_kernel
     except ImportError:  # a checkout without the optimized kernels
         return TorchAdamKernel()
-    return select_kernel(device)
+    # V_c is the whole host's rate (``Rates`` shares it among ranks) with the engine's threads,
+    # not the OMP_NUM_THREADS=1 that torchrun gives each rank.
+    return select_kernel(device, cpu_adam_threads(1) if device.type == "cpu" else None)
 
 
 # ---------------------------------------------------------------------------------------- CPU
@@ -171,7 +205,7 @@ def _measure_cpu(quick: bool) -> HardwareProfile:
         gpus=1,
         gpu_memory=host,
         host_memory=host,
-        cpu_cores=_cpu_cores(),
+        cpu_cores=usable_cores(),
         matmul={str(s): _matmul_rate(s, torch.float32, cpu) for s in ([128, 256] if quick else [256, 512, 1024])},
         attention=_attention_rate(torch.float32, cpu, quick),
         memory_bandwidth=copy * 2,
@@ -219,10 +253,3 @@ def _host_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def _cpu_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1

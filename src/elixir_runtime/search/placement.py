@@ -8,9 +8,10 @@ update). Chunks are uploaded in forward order: the first chunks are also the one
 cannot keep from forward to backward, and offloading the last ones leaves their CPU updates the
 whole next forward to finish in. The greedy path takes the larger saving at each step.
 
-The plan is the best point of that path that fits, with any memory left over at that point
-given to rCache blocks. Taking the best point of a path that does not depend on the budget makes
-the prediction monotone: more memory never predicts a slower step.
+The plan is the point of that path that fits with the shortest serial step (``cost.py``), with
+any memory left over at that point given to rCache blocks. Taking the best point of a path that
+does not depend on the budget makes the choice monotone: more memory never offloads more nor
+lengthens the serial step.
 """
 
 from __future__ import annotations
@@ -108,8 +109,8 @@ def best_placement(
             at_min = model.step(min_blocks, on_device)
             if at_min.total < time.total:
                 blocks, time = min_blocks, at_min
-        key = (time.total, time.rcache_bytes, int((~on_device).sum()))
-        if best is None or key < (best.time.total, best.time.rcache_bytes, len(best.offload)):
+        key = (time.serial, time.total, int((~on_device).sum()))
+        if best is None or key < (best.time.serial, best.time.total, len(best.offload)):
             uploaded = int(on_device.sum())
             i, j = _savings(model, mem, blocks, uploaded, max_blocks) if offload is None else (np.nan, np.nan)
             best = Placement(blocks, on_device, time, mem.device(blocks, on_device), mem.host(on_device), i, j)
