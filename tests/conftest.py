@@ -12,6 +12,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    import transformers
+
+    return f"elixir: torch {torch.__version__}, transformers {transformers.__version__}"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Honour the ``gpu`` marker: skip rather than fail on CPU-only machines."""
     if torch.cuda.is_available():
