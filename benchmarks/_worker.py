@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .hostmem import GIB, HostMemorySampler, host_total_bytes
+from .hostmem import GIB, HostMemorySampler, host_total_bytes, rss_bytes
 from .models import VOCAB, param_count, preset
 from .systems import SYSTEMS, Context, Trainer, Unavailable, build
 
@@ -142,6 +142,7 @@ def combine(parts: list[dict[str, Any]], base: dict[str, Any], params: int) -> d
         rec[key] = max(p[key] for p in parts)
     rec["host_rss_peak_GiB"] = sum(p["host_rss_peak_GiB"] for p in parts)
     rec["host_rss_peak_per_rank_GiB"] = [p["host_rss_peak_GiB"] for p in parts]
+    rec["host_rss_start_GiB"] = sum(p["host_rss_start_GiB"] for p in parts)
     predicted = (rec.get("info") or {}).get("plan", {}).get("predicted_step_s")
     if predicted is not None and rec.get("step_s"):
         rec.update(predicted_step_s=predicted, measured_over_predicted=rec["step_s"] / predicted)
@@ -172,6 +173,7 @@ def run(args: argparse.Namespace) -> None:
 
     t0 = time.perf_counter()
     example = torch.randint(0, VOCAB, (batch_sizes[0], args.seq), device=ctx.device)
+    rss_start = rss_bytes() / GIB  # the process before any model: torch, CUDA context, libraries
     try:
         trainer: Trainer | None = build(args.system, preset(args.model), ctx, example)
         build_error: dict[str, Any] = {}
@@ -195,6 +197,7 @@ def run(args: argparse.Namespace) -> None:
             part = dict(status="OOM", error=f"not run: OOM at batch {oom_at}", **gpu_peaks(ctx.device), host_rss_peak_GiB=0.0, host_used_peak_GiB=0.0)
         else:
             part = measure(trainer, ctx, bs, args, sampler)
+        part["host_rss_start_GiB"] = rss_start
         parts = gather(part, ctx)
         if any(p["status"] == "OOM" for p in parts) and oom_at is None and trainer is not None:
             oom_at = bs

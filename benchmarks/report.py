@@ -99,9 +99,17 @@ def summary_row(runs: dict[str, Run]) -> dict[str, Any]:
             elixir_predicted_step_s=elixir.get("predicted_step_s"),
             elixir_measured_over_predicted=elixir.get("measured_over_predicted"),
             elixir_host_rss_peak_GiB=elixir.get("host_rss_peak_GiB"),
+            elixir_host_rss_added_GiB=_added_rss(elixir),
             elixir_plan_host_GiB=host_bytes * first["gpus"] / 2**30 if host_bytes is not None else None,
         )
     return row
+
+
+def _added_rss(r: Run) -> float | None:
+    """Peak RSS less the process's before any model was built (torch, the CUDA context): what
+    the system itself holds in host memory, to set against a plan's pinned arenas."""
+    start = r.get("host_rss_start_GiB")
+    return None if start is None or r.get("host_rss_peak_GiB") is None else r["host_rss_peak_GiB"] - start
 
 
 def summarize(runs: list[Run]) -> dict[str, list[dict[str, Any]]]:
@@ -150,7 +158,7 @@ def _regime_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def _runs_table(runs: list[Run]) -> list[str]:
     head = ["card", "model", "GPUs", "bs", "system", "status", "TFLOPS/GPU", "tokens/s", "step s", "predicted s",
-            "GPU alloc GiB", "GPU reserved GiB", "host RSS GiB", "plan host GiB", "note"]
+            "GPU alloc GiB", "GPU reserved GiB", "host RSS GiB", "RSS added GiB", "plan host GiB", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in runs:
         plan = (r.get("info") or {}).get("plan") or {}
@@ -159,7 +167,8 @@ def _runs_table(runs: list[Run]) -> list[str]:
         cells = [r.get("card"), r["model"], r["gpus"], r["batch"], system, r.get("status"), _f(r.get("tflops"), ".1f"),
                  _f(r.get("tokens_per_s"), ".0f"), _f(r.get("step_s"), ".3f"), _f(r.get("predicted_step_s"), ".3f"),
                  _f(r.get("gpu_alloc_peak_GiB"), ".1f"), _f(r.get("gpu_reserved_peak_GiB"), ".1f"),
-                 _f(r.get("host_rss_peak_GiB"), ".1f"), _f(host * r["gpus"] / 2**30 if host is not None else None, ".1f"),
+                 _f(r.get("host_rss_peak_GiB"), ".1f"), _f(_added_rss(r), ".1f"),
+                 _f(host * r["gpus"] / 2**30 if host is not None else None, ".1f"),
                  (r.get("error") or "").replace("|", "/")[:120]]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
 from .models import Preset, build_meta, enable_checkpointing, fill_gpt2_init_, gpt2_config, materialize
 
+if TYPE_CHECKING:
+    from elixir_runtime import ElixirPlan
+
 SYSTEMS = ("elixir", "plain", "fsdp2", "fsdp2_offload", "ds2_offload", "ds3_offload")
 LR, WEIGHT_DECAY = 1e-4, 0.01
-_PLAN_STEP_FIELDS = ("predicted_step_s", "predicted_step_time_s", "step_time_s", "step_s")
 
 
 class Unavailable(RuntimeError):
@@ -89,24 +91,12 @@ def _elixir(p: Preset, ctx: Context, example_ids: torch.Tensor) -> Trainer:
     return Trainer(step, info)
 
 
-def plan_summary(plan: Any) -> dict[str, Any]:
-    """The plan's scalar fields and memory, read defensively: the planner's fields are still changing."""
-    out = {k: v for k, v in getattr(plan, "__dict__", {}).items() if v is None or isinstance(v, (bool, int, float, str))}
-    out["memory"] = dict(getattr(plan, "memory", {}))
-    out["n_offloaded"] = len(getattr(plan, "offload", []))
-    out["device_bytes"] = getattr(plan, "device_bytes", None)
-    out["host_bytes"] = getattr(plan, "host_bytes", None)
-    out["predicted_step_s"] = predicted_step_s(plan)
+def plan_summary(plan: "ElixirPlan") -> dict[str, Any]:
+    """The plan's scalar fields, memory and predicted step, for the results file."""
+    out = {k: v for k, v in vars(plan).items() if v is None or isinstance(v, (bool, int, float, str))}
+    out.update(memory=dict(plan.memory), n_offloaded=len(plan.offload), device_bytes=plan.device_bytes,
+               host_bytes=plan.host_bytes, predicted_step_s=plan.predicted_step_s)
     return out
-
-
-def predicted_step_s(plan: Any) -> float | None:
-    for holder in (plan, getattr(plan, "prediction", None), getattr(plan, "cost", None)):
-        for name in _PLAN_STEP_FIELDS:
-            value = getattr(holder, name, None)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
-    return None
 
 
 def _plain(p: Preset, ctx: Context) -> Trainer:
