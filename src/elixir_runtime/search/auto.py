@@ -1,8 +1,9 @@
 """``ElixirConfig(mode="auto")`` inside ``prepare``: profile, hardware, budget, search.
 
-Runs before any training memory exists. Rank 0 decides and broadcasts, so every rank builds the
-same layout: free memory differs a little from GPU to GPU, and a first-time hardware measurement
-must not run on every rank at once.
+Runs before any training memory exists. Every rank first times the engine's collectives on the
+job's own process group (the bandwidth the plan's gathers and reductions will get); then rank 0
+decides and broadcasts, so every rank builds the same layout: free memory differs a little from
+GPU to GPU, and a first-time hardware measurement must not run on every rank at once.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..runtime.units import Unit
 from .budget import F_FRAG, device_budget, local_ranks
 from .engine import SearchResult, SearchSettings, model_table, search
 from .hardware import load_hardware
+from .measure import collective_busbw
 
 __all__ = ["auto_plan", "UNPROFILED_ACTIVATION_SHARE"]
 
@@ -41,9 +43,10 @@ def auto_plan(
     coll: Collectives,
 ) -> tuple[list[int], SearchResult]:
     """(unit indices in first-use order, the search's choice), identical on every rank."""
+    busbw = collective_busbw(coll, device, dtype) if coll.world_size > 1 else None
     decided: list[Any] = [None]
     if coll.rank == 0:
-        decided[0] = _decide(model, units, example_batch, config, device, dtype, coll.world_size)
+        decided[0] = _decide(model, units, example_batch, config, device, dtype, coll.world_size, busbw)
     if coll.world_size > 1:
         src = dist.get_global_rank(coll.group, 0) if coll.group is not None else 0
         dist.broadcast_object_list(decided, src=src, group=coll.group, device=device)
@@ -58,6 +61,7 @@ def _decide(
     device: torch.device,
     dtype: torch.dtype,
     world_size: int,
+    busbw: float | None,
 ) -> tuple[list[int], SearchResult]:
     profile = _profile(model, units, batch, dtype, device)
     by_name = {u.name: u.index for u in units}
@@ -77,6 +81,7 @@ def _decide(
         offload=config.offload,  # type: ignore[arg-type]
         # fp16 reads the gradient norm for its overflow check: a host sync, as clipping is
         clips_grads=config.clips_grads or dtype == torch.float16,
+        busbw=busbw,
     )
     result = search(model_table(model, units, order), profile, hardware, budget, settings)
     result.notes.insert(0, f"hardware: {hardware.device}, {hardware.source}")

@@ -83,6 +83,8 @@ class SearchSettings:
     clips_grads: bool = True
     """The training loop syncs the host before ``step()`` (``clip_grad_norm``, fp16): the CPU
     updates start after backward; otherwise during it (``cost.StepModel``)."""
+    busbw: float | None = None
+    """Collective bus bandwidth measured on the job's process group (``measure.collective_busbw``)."""
 
 
 @dataclass
@@ -119,7 +121,7 @@ def search(
     table: ModelTable, profile: ModelProfile, hardware: HardwareProfile, budget: Budget, settings: SearchSettings
 ) -> SearchResult:
     start = time.perf_counter()
-    rates = hardware.rates(settings.world_size)
+    rates = hardware.rates(settings.world_size, settings.busbw)
     if settings.chunk_size is not None:
         sizes = [settings.chunk_size]
     else:

@@ -97,8 +97,10 @@ class HardwareProfile:
         tmp.write_text(self.to_json())
         tmp.replace(path)
 
-    def rates(self, n: int) -> "Rates":
-        """Per-rank rates for ``n`` ranks on this machine (see [Note: more GPUs than measured])."""
+    def rates(self, n: int, busbw: float | None = None) -> "Rates":
+        """Per-rank rates for ``n`` ranks on this machine (see [Note: more GPUs than measured]);
+        ``busbw``: the collective bus bandwidth measured on the job's own process group, which
+        replaces the profile's peer-copy proxy."""
         notes: list[str] = []
         if n in self.links:
             link = self.links[n]
@@ -107,7 +109,9 @@ class HardwareProfile:
             base = self.links[m]
             link = LinkRates(n, base.c2g / m * n, base.g2c / m * n, base.duplex / m * n if base.duplex else None, None)
             notes.append(f"links for {n} GPUs scaled from {m} measured (one PCIe link per GPU)")
-        busbw = link.g2g if n > 1 else None
+        if n > 1 and busbw is not None:
+            notes.append(f"collectives at {busbw / 1e9:.0f} GB/s bus bandwidth, measured on the job's process group")
+        busbw = (busbw or link.g2g) if n > 1 else None
         if n > 1 and busbw is None:
             notes.append(f"collective bandwidth for {n} GPUs not measured: collectives assumed hidden")
         return Rates(

@@ -17,7 +17,9 @@ import time
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
+from ..chunk.collectives import Collectives
 from ..chunk.host_memory import empty_host
 from ..optim.kernel import AdamHyper, AdamKernel, Segment, TorchAdamKernel
 from ..optim.threads import cpu_adam_threads, usable_cores
@@ -215,6 +217,33 @@ def _measure_cpu(quick: bool) -> HardwareProfile:
         links={1: LinkRates(1, copy, copy)},
         dtype="float32",
     )
+
+
+# ---------------------------------------------------------------------------------- collectives
+
+
+def collective_busbw(coll: Collectives, device: torch.device, dtype: torch.dtype, nbytes: int = 64 * 2**20) -> float:
+    """Bus bandwidth (bytes/s) of the engine's own all-gather + reduce-scatter of an ``nbytes``
+    chunk on the job's process group (NCCL over the real topology on GPUs), the slowest rank's.
+    Every rank of the group must call it."""
+    n = coll.world_size
+    elt = torch.empty((), dtype=dtype).element_size()
+    full = torch.zeros(max(n, nbytes // elt // n * n), dtype=dtype, device=device)
+
+    def both() -> None:
+        coll.all_gather_(full)
+        coll.reduce_scatter_avg_(full)
+
+    both()  # the first collective sets the communicator up
+    _sync(device)
+    calls = 5
+    start = time.perf_counter()
+    for _ in range(calls):
+        both()
+    _sync(device)
+    elapsed = torch.tensor([(time.perf_counter() - start) / calls], dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=coll.group)
+    return 2 * full.numel() * elt * (n - 1) / n / float(elapsed.item())
 
 
 # ---------------------------------------------------------------------------------------- helpers

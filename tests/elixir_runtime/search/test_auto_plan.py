@@ -13,6 +13,7 @@ import elixir_runtime.search.auto as auto
 from elixir_runtime.chunk.collectives import Collectives
 from elixir_runtime.runtime.units import find_units
 from elixir_runtime.search import Budget
+from helpers.dist import run_distributed
 from helpers.models import make_batch, tiny_gpt2
 from search_cases import GIB, gpu_host, model_state_bytes
 
@@ -81,3 +82,31 @@ def test_clips_grads_reaches_the_search(monkeypatch) -> None:
     for clips, dtype in ((True, torch.float32), (False, torch.float32), (False, torch.bfloat16), (False, torch.float16)):
         auto.auto_plan(model, units, batch, er.ElixirConfig(clips_grads=clips), cpu, dtype, coll)
     assert seen == [True, False, False, True]
+
+
+def _plan_on_two_ranks(rank: int, world: int) -> tuple:
+    model = _model()
+    states = model_state_bytes(model)
+    auto.device_budget = lambda device, act, buffers, ranks: Budget(
+        int(1.25 * act) + buffers + int(0.3 * states), act, buffers, 64 * GIB, ranks)
+    auto.load_hardware = lambda: gpu_host(gpus=2)
+    seen, real = [], auto.search
+
+    def spy(table, profile, hardware, budget, settings):
+        seen.append(settings.busbw)
+        return real(table, profile, hardware, budget, settings)
+
+    auto.search = spy
+    units = find_units(model, None)
+    coll = Collectives(torch.distributed.group.WORLD)
+    order, r = auto.auto_plan(model, units, make_batch(128), er.ElixirConfig(), torch.device("cpu"), torch.float32, coll)
+    return (order, r.chunk_size, r.offload, r.n_blocks), seen, r.notes
+
+
+def test_ranks_time_their_own_collectives_and_agree_on_the_plan() -> None:
+    """Every rank times the engine's all-gather + reduce-scatter on the job's group; rank 0 plans
+    with that bandwidth (not the profile's peer-copy proxy) and every rank gets its plan."""
+    (plan0, seen0, notes), (plan1, seen1, _) = run_distributed(_plan_on_two_ranks, 2, timeout=240)
+    assert plan0 == plan1
+    assert len(seen0) == 1 and seen0[0] > 0 and seen1 == []
+    assert any("measured on the job's process group" in n for n in notes)

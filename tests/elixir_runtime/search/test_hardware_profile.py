@@ -72,6 +72,8 @@ def test_rates_share_the_host_and_scale_beyond_what_was_measured() -> None:
     four = hw.rates(4)
     assert four.h2d == pytest.approx(50e9) and four.busbw is None
     assert any("scaled" in n for n in four.notes) and any("collective" in n for n in four.notes)
+    measured = hw.rates(4, busbw=90e9)  # timed on the job's own group: replaces the proxy
+    assert measured.busbw == 90e9 and not any("collective" in n and "not measured" in n for n in measured.notes)
     assert one.flop_rate("3000") == 600e12 and one.flop_rate("300") == 50e12 and one.flop_rate("attention") == 300e12
 
 
