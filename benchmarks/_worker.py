@@ -51,7 +51,7 @@ def setup(args: argparse.Namespace) -> Context:
             dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout, device_id=dev)
         else:
             dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
-    return Context(dev, world, rank, seq=args.seq, ds_pin=bool(args.ds_pin))
+    return Context(dev, world, rank, seq=args.seq, ds_pin=bool(args.ds_pin), threads=args.threads)
 
 
 def gpu_peaks(dev: torch.device) -> dict[str, float]:

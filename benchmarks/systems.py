@@ -34,6 +34,8 @@ class Context:
     rank: int
     seq: int
     ds_pin: bool = True
+    threads: int | None = None
+    """This rank's CPU threads (``--threads``); Elixir's CPU Adam keeps one of them for the loop."""
 
 
 @dataclass
@@ -66,6 +68,7 @@ def _adamw(params, fused: bool) -> torch.optim.AdamW:
 def _elixir(p: Preset, ctx: Context, example_ids: torch.Tensor) -> Trainer:
     """Auto plan for this batch: the planner sizes rCache and offload against the batch's activations."""
     import elixir_runtime as er
+    from elixir_runtime.optim.threads import cpu_adam_threads
 
     # bf16 host weights: half the RAM and copy time of fp32; the engine keeps fp32 masters itself.
     # Random values are drawn on the GPU (ctx.device) and copied: far faster than drawing on the CPU.
@@ -74,7 +77,9 @@ def _elixir(p: Preset, ctx: Context, example_ids: torch.Tensor) -> Trainer:
         torch.cuda.empty_cache()  # the planner reads free GPU memory: return the fill's cached pieces
     batch = {"input_ids": example_ids, "labels": example_ids}
     # the step below does not clip gradients: nothing syncs the host before the CPU updates
-    config = er.ElixirConfig(mode="auto", dtype="bf16", device=ctx.device, clips_grads=False)
+    # The share of the host the baselines get (--threads), less the core the engine keeps for the loop.
+    cpu_threads = cpu_adam_threads(1, cores=ctx.threads) if ctx.threads else None
+    config = er.ElixirConfig(mode="auto", dtype="bf16", device=ctx.device, clips_grads=False, cpu_threads=cpu_threads)
     model, opt = er.prepare(model, _adamw(model.parameters(), fused=False), config, example_batch=batch)
     plan = model._elixir.plan
     print(plan.table(), flush=True)

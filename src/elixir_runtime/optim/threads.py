@@ -23,12 +23,12 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def cpu_adam_threads(ranks_per_host: int, requested: int | None = None) -> int:
-    """``requested`` if given, else ``usable_cores() // ranks_per_host`` less one kept for the
-    training loop when that share has more than two cores."""
+def cpu_adam_threads(ranks_per_host: int, requested: int | None = None, cores: int | None = None) -> int:
+    """``requested`` if given, else ``cores`` (default ``usable_cores()``) // ``ranks_per_host``
+    less one kept for the training loop when that share has more than two cores."""
     if requested is not None:
         if requested < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {requested}")
         return requested
-    share = max(1, usable_cores() // max(1, ranks_per_host))
+    share = max(1, (cores or usable_cores()) // max(1, ranks_per_host))
     return share - 1 if share > 2 else share

@@ -20,6 +20,10 @@ def test_share_of_the_cores_less_one_for_the_training_loop(monkeypatch, cores, r
     assert cpu_adam_threads(ranks) == expected
 
 
+def test_a_given_core_count_is_shared_the_same_way() -> None:
+    assert cpu_adam_threads(2, cores=32) == 15 and cpu_adam_threads(1, cores=2) == 2
+
+
 def test_an_explicit_count_wins_and_must_be_positive() -> None:
     assert cpu_adam_threads(8, requested=5) == 5
     with pytest.raises(ValueError, match="cpu_threads must be >= 1"):
