@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from .adam_consts import CONST_NAMES, step_constants
-from .kernel import AdamHyper, Segment, segment_extent
+from .kernel import AdamHyper, Segment, check_arenas, segment_extent
 
 __all__ = ["CpuAdamKernel", "CpuAdamUnavailable", "load_library"]
 
@@ -115,15 +115,6 @@ def load_library(isa: str = "native") -> ctypes.CDLL:
     return lib
 
 
-def _check(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], n: int) -> None:
-    """The C code takes raw pointers: insist on contiguous, element-aligned CPU memory of size n."""
-    if t.dtype not in dtypes or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n or (
-        t.data_ptr() % t.element_size()
-    ):
-        kinds = "/".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise ValueError(f"{name} must be a contiguous, element-aligned {kinds} CPU tensor of {n} elements")
-
-
 class CpuAdamKernel:
     """AdamKernel for CPU arenas: one OpenMP-parallel C++ call per step covers every segment.
 
@@ -161,16 +152,12 @@ class CpuAdamKernel:
         div_scale: float,
     ) -> None:
         """Update all segments in one call (see ``AdamKernel``)."""
+        if master.device.type != "cpu":
+            raise ValueError(f"the CPU kernel needs CPU arenas, got {master.device}")
         n = master.numel()
-        for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-            _check(name, t, (torch.float32,), n)
-        _check("grad", grad, tuple(_DTYPE_CODE), n)
-        if param_out is not None:
-            _check("param_out", param_out, (torch.bfloat16, torch.float16), n)
         consts = step_constants(hypers, step, div_scale)
         table, end, groups = self._table(segments)
-        if end > n or groups > len(hypers):
-            raise ValueError(f"segments need {end} elements and {groups} groups; got {n} and {len(hypers)}")
+        check_arenas(master, exp_avg, exp_avg_sq, grad, param_out, end, groups, len(hypers))
         rc = self._lib.elixir_adam_step(
             master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(), _DTYPE_CODE[grad.dtype],
             None if param_out is None else param_out.data_ptr(),

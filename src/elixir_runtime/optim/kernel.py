@@ -13,7 +13,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-__all__ = ["AdamHyper", "Segment", "AdamKernel", "TorchAdamKernel", "segment_extent"]
+__all__ = ["AdamHyper", "Segment", "AdamKernel", "TorchAdamKernel", "segment_extent", "check_arenas"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +45,29 @@ def segment_extent(segments: Sequence[Segment]) -> tuple[int, int]:
     end = max((s.offset + s.length for s in segments), default=0)
     groups = max((s.group + 1 for s in segments), default=0)
     return end, groups
+
+
+_FP32 = (torch.float32,)
+_GRAD = (torch.float32, torch.bfloat16, torch.float16)
+_OUT = (torch.bfloat16, torch.float16)
+
+
+def check_arenas(master, exp_avg, exp_avg_sq, grad, param_out, end: int, groups: int, n_hypers: int) -> None:
+    """What the fused kernels assume of their arenas (they take raw pointers / flat offsets):
+    contiguous, element-aligned, all of ``master``'s size and device, fp32 state, a fp32/bf16/fp16
+    grad, a bf16/fp16 ``param_out`` (or none), and segments (``end``, ``groups`` from
+    ``segment_extent``) that fit the arena and the hyperparameters."""
+    n, dev = master.numel(), master.device
+    arenas = [("master", master, _FP32), ("exp_avg", exp_avg, _FP32), ("exp_avg_sq", exp_avg_sq, _FP32),
+              ("grad", grad, _GRAD)] + ([("param_out", param_out, _OUT)] if param_out is not None else [])
+    for name, t, dtypes in arenas:
+        if t.dtype not in dtypes or t.device != dev or not t.is_contiguous() or t.numel() != n or (
+            t.data_ptr() % t.element_size()
+        ):
+            kinds = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+            raise ValueError(f"{name} must be a contiguous, element-aligned {kinds} tensor of {n} elements on {dev}")
+    if end > n or groups > n_hypers:
+        raise ValueError(f"segments need {end} elements and {groups} groups; got {n} and {n_hypers}")
 
 
 class AdamKernel(Protocol):

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .adam_consts import CONST_NAMES, step_constants
-from .kernel import AdamHyper, Segment, segment_extent
+from .kernel import AdamHyper, Segment, check_arenas, segment_extent
 
 __all__ = ["TritonAdamKernel"]
 
@@ -135,25 +135,10 @@ class TritonAdamKernel:
         div_scale: float,
     ) -> None:
         """Update all segments in one launch (see ``AdamKernel``)."""
-        n, dev = master.numel(), master.device
-        for name, t in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-            if t.dtype != torch.float32 or t.device != dev or not t.is_contiguous() or t.numel() != n:
-                raise ValueError(f"{name} must be a contiguous fp32 tensor of {n} elements on {dev}")
-        if grad.device != dev or not grad.is_contiguous() or grad.numel() != n:
-            raise ValueError(f"grad must be a contiguous tensor of {n} elements on {dev}")
-        if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"grad must be fp32, bf16 or fp16, got {grad.dtype}")
-        if param_out is not None and (
-            param_out.dtype not in (torch.bfloat16, torch.float16)
-            or param_out.device != dev
-            or not param_out.is_contiguous()
-            or param_out.numel() != n
-        ):
-            raise ValueError(f"param_out must be None or a contiguous bf16/fp16 tensor of {n} elements on {dev}")
+        dev = master.device
         consts = step_constants(hypers, step, div_scale)
         tiles, end, groups = self._table(segments, dev)
-        if end > n or groups > len(hypers):
-            raise ValueError(f"segments need {end} elements and {groups} groups; got {n} and {len(hypers)}")
+        check_arenas(master, exp_avg, exp_avg_sq, grad, param_out, end, groups, len(hypers))
         n_tiles = tiles.shape[1]
         if n_tiles == 0:
             return

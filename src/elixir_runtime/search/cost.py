@@ -89,7 +89,7 @@ class StepTime:
     """CPU Adam time the next forward waits for (the submissions included)."""
     rcache_bytes: int
     """Bytes gathered into the rCache per step (the paper's chunk-size criterion)."""
-    serial: float = 0.0
+    serial: float
     """Compute, then every transfer and update back to back: what the search minimises."""
 
     def as_dict(self) -> dict[str, float | None]:

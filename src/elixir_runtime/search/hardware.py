@@ -63,8 +63,7 @@ class HardwareProfile:
     cpu_adam: float
     """Parameters/s of the CPU Adam kernel on the whole host with the engine's threads; on a GPU
     host while pinned copies run both ways on every GPU's link, as they do whenever the engine's
-    CPU updates run (the copies take host memory bandwidth the update needs: it ran ~1/3 slower
-    under them on an H100 host than alone)."""
+    CPU updates run (the copies take host memory bandwidth the update needs)."""
     links: dict[int, LinkRates] = field(default_factory=dict)
     dtype: str = "bfloat16"
     source: str = ""

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from ..chunk.collectives import Collectives
 from ..chunk.host_memory import empty_host
-from ..optim.kernel import AdamHyper, AdamKernel, Segment, TorchAdamKernel
+from ..optim.kernel import AdamHyper, AdamKernel, Segment
+from ..optim.select import select_kernel
 from ..optim.threads import cpu_adam_threads, usable_cores
 from .hardware import PROFILE_VERSION, HardwareProfile, LinkRates
 
@@ -185,10 +186,6 @@ def _cpu_adam_under_copies(link: LinkRates, numel: int, dtype: torch.dtype, size
 
 
 def _kernel(device: torch.device) -> AdamKernel:
-    try:
-        from ..optim.select import select_kernel
-    except ImportError:  # a checkout without the optimized kernels
-        return TorchAdamKernel()
     # V_c is the whole host's rate (``Rates`` shares it among ranks) with the engine's threads,
     # not the OMP_NUM_THREADS=1 that torchrun gives each rank.
     return select_kernel(device, cpu_adam_threads(1) if device.type == "cpu" else None)

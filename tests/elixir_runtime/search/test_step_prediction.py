@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.models import Preset, build_meta
 from elixir_runtime.chunk.layout import build_layout
 from elixir_runtime.config import ElixirConfig
 from elixir_runtime.plan import ElixirPlan, resolve_plan
@@ -51,33 +52,13 @@ IN_GPU = {
 }
 
 
-def _gpt2(n_embd: int, n_layer: int, n_head: int) -> torch.nn.Module:
-    """As ``benchmarks.models.build_meta`` builds the table's models (no dropout, tied embeddings)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        n_embd=n_embd, n_layer=n_layer, n_head=n_head, n_positions=1024, vocab_size=50257,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0,
-        tie_word_embeddings=True, use_cache=False, attn_implementation="sdpa",
-    )
-    with torch.device("meta"):
-        model = GPT2LMHeadModel(config).to(BF16)
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # the newer name (transformers 5.2x)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    model.train()
-    return model
-
-
 _PROFILED: dict[tuple, tuple] = {}
 
 
 def _profiled(dims: tuple, batch: int) -> tuple:
     """(table, profile, units) of a model and batch, profiled once."""
     if (dims, batch) not in _PROFILED:
-        model = _gpt2(*dims)
+        model = build_meta(Preset("case", *dims), dtype=BF16)  # as the benchmark builds it
         units = find_units(model, None)
         ids = torch.zeros(batch, 1024, dtype=torch.long, device="meta")
         profile = profile_model(model, {"input_ids": ids, "labels": ids}, dtype=BF16, device="cuda", units=units)
