@@ -192,7 +192,7 @@ def render_markdown(results: dict[str, Any], png: Path | None, md_dir: Path) -> 
               "(see the note below); crashed: the process died (exit -9 is usually the host OOM killer).", "",
               "## Runs", "", *_runs_table(runs), "", "## Environment", ""]
     envs = sorted({(r.get("card"), r.get("driver"), r.get("torch"), r.get("transformers"), (r.get("info") or {}).get("deepspeed"))
-                   for r in runs}, key=str)
+                   for r in runs if r.get("torch")}, key=str)  # runs killed before reporting carry no versions
     for card, driver, torch_v, tf_v, ds_v in envs:
         lines.append(f"- {card}, driver {driver or '?'}, torch {torch_v}, transformers {tf_v}" + (f", DeepSpeed {ds_v}" if ds_v else ""))
     missing = sorted({r["system"] for r in runs if r.get("status") == "unavailable"})
