@@ -72,7 +72,11 @@ def _elixir(p: Preset, ctx: Context, example_ids: torch.Tensor) -> Trainer:
 
     # bf16 host weights: half the RAM and copy time of fp32; the engine keeps fp32 masters itself.
     # Random values are drawn on the GPU (ctx.device) and copied: far faster than drawing on the CPU.
-    model = materialize(build_meta(p, ctx.seq, torch.bfloat16), "cpu", ctx.device)
+    # Only rank 0 holds them (the others stay on meta and get rank 0's values in prepare): one copy
+    # of the model in host memory, as elixir_hf.from_pretrained does for HF users.
+    model = build_meta(p, ctx.seq, torch.bfloat16)
+    if ctx.rank == 0:
+        model = materialize(model, "cpu", ctx.device)
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()  # the planner reads free GPU memory: return the fill's cached pieces
     batch = {"input_ids": example_ids, "labels": example_ids}

@@ -34,6 +34,7 @@ from transformers import (
 )
 
 from data import BlockDataset, load_texts, train_tokenizer
+import elixir_hf
 from elixir_hf import ElixirTrainer, ElixirTrainingArguments
 from presets import PRESETS
 
@@ -128,14 +129,21 @@ def build_tokenizer(model_args: ModelArguments, train_texts: list[str], preset_v
     return train_tokenizer(train_texts, model_args.tokenizer_vocab_size or preset_vocab, max_length)
 
 
-def build_model(model_args: ModelArguments, tokenizer) -> torch.nn.Module:
+def build_model(model_args: ModelArguments, tokenizer, rank0_only: bool) -> torch.nn.Module:
+    """``rank0_only`` (Elixir on): weights are read or initialised on rank 0 only, the other ranks
+    build the model on meta and the engine gives them rank 0's values: one copy in host memory."""
     if model_args.model_name_or_path is not None:
         config = AutoConfig.from_pretrained(model_args.model_name_or_path, cache_dir=model_args.cache_dir)
         if model_args.config_overrides:
             config.update_from_string(model_args.config_overrides)
         # fp32 master weights: the engine computes in --bf16/--fp16 and keeps fp32 copies to update
-        model = AutoModelForCausalLM.from_pretrained(
-            model_args.model_name_or_path, config=config, cache_dir=model_args.cache_dir, dtype=torch.float32
+        model = elixir_hf.from_pretrained(
+            AutoModelForCausalLM,
+            model_args.model_name_or_path,
+            rank0_only=rank0_only,
+            config=config,
+            cache_dir=model_args.cache_dir,
+            dtype=torch.float32,
         )
     else:
         preset = PRESETS[model_args.model_size]
@@ -151,7 +159,7 @@ def build_model(model_args: ModelArguments, tokenizer) -> torch.nn.Module:
         )
         if model_args.config_overrides:
             config.update_from_string(model_args.config_overrides)
-        model = AutoModelForCausalLM.from_config(config)
+        model = elixir_hf.from_config(AutoModelForCausalLM, config, rank0_only=rank0_only)
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(len(tokenizer))
     return model
@@ -187,7 +195,7 @@ def main() -> None:
     if data_args.max_eval_samples is not None:
         eval_set = torch.utils.data.Subset(eval_set, range(min(data_args.max_eval_samples, len(eval_set))))
 
-    model = build_model(model_args, tokenizer)
+    model = build_model(model_args, tokenizer, rank0_only=training_args.elixir_plugin is not None)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(
         "model %s: %.1fM parameters; %d train / %d validation blocks of %d tokens",

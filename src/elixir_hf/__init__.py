@@ -5,11 +5,15 @@ Accelerate users. ``elixir_runtime`` does the work; this package only adapts it.
     ElixirTrainer(model=model, args=args, train_dataset=ds).train()
 
     accelerator = ElixirAccelerator()                                             # instead of Accelerator()
+
+On several ranks, ``from_pretrained(AutoModelForCausalLM, path, dtype=...)`` loads on rank 0 only
+(the others build on meta and get rank 0's weights when the engine is built): one host copy.
 """
 
 from .accelerator import ElixirAccelerator
 from .arguments import ElixirTrainingArguments
 from .callback import ElixirCallback
+from .loading import from_config, from_pretrained
 from .plugin import ElixirPlugin, ElixirSpecError
 from .trainer import ElixirTrainer
 
@@ -20,4 +24,6 @@ __all__ = [
     "ElixirSpecError",
     "ElixirTrainer",
     "ElixirTrainingArguments",
+    "from_config",
+    "from_pretrained",
 ]

@@ -19,6 +19,7 @@ from torch import nn
 from .checkpoint import ModelStateHooks
 from .chunk.collectives import Collectives
 from .chunk.layout import build_layout
+from .chunk.source import WeightSource, unmeta_parameters, weight_source
 from .config import ElixirConfig
 from .optim.optimizer import ElixirOptimizer
 from .optim.threads import cpu_adam_threads
@@ -65,13 +66,14 @@ def prepare(
     device = _resolve_device(config)
     dtype = config.dtype or _model_dtype(model)
     coll = Collectives(config.process_group)
+    source = weight_source(model, coll, device)
 
     units = find_units(model, config.unit_classes)
     search = None
     if config.mode == "auto" and device.type == "cuda":
         order, search = auto_plan(model, units, example_batch, config, device, dtype, coll)
     else:
-        order, _ = trace_unit_order(model, units, example_batch)
+        order = coll.decided_by_rank0(lambda: trace_unit_order(model, units, example_batch)[0], device)
     params = list(dict.fromkeys(p for u in order for p in units[u].params))
     index = {id(p): i for i, p in enumerate(params)}
     names: list[list[str]] = [[] for _ in params]
@@ -94,8 +96,9 @@ def prepare(
     logger.info("Elixir plan:\n%s", plan.table())
 
     orig_dtypes = [p.dtype for p in params]
-    _move_buffers(model, device)
-    runtime = ChunkRuntime(layout, plan.placement(), plan.n_blocks, coll, device, dtype, config.prefetch)
+    _move_buffers(model, device, source)
+    unmeta_parameters(params)
+    runtime = ChunkRuntime(layout, plan.placement(), plan.n_blocks, coll, device, dtype, config.prefetch, source.value)
     handles = install_hooks(model, units, runtime)
     handles += ModelStateHooks(runtime, orig_dtypes).install(model)
     elixir_optimizer = ElixirOptimizer(
@@ -126,8 +129,6 @@ def _check_model(model: nn.Module) -> None:
                 "model is already sharded by FSDP; Elixir and FSDP cannot be combined: build the model without "
                 "fully_shard/FSDP and let Elixir shard it"
             )
-    if any(p.is_meta for p in model.parameters()):
-        raise ValueError("model has parameters on the meta device; materialize its weights before prepare")
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer) -> bool:
@@ -174,8 +175,8 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
-def _move_buffers(model: nn.Module, device: torch.device) -> None:
+def _move_buffers(model: nn.Module, device: torch.device, source: WeightSource) -> None:
     for m in model.modules():
         for k, b in m._buffers.items():
             if b is not None:
-                m._buffers[k] = b.to(device)
+                m._buffers[k] = source.value(b).to(device)

@@ -1,8 +1,9 @@
 """Run under ``torchrun --nproc_per_node 2`` (CPU, gloo) by ``test_distributed.py``.
 
 On every rank: a stock DDP Trainer run, the same run through ElixirTrainer (saving a checkpoint
-half-way and the final model), and a resume from that checkpoint. Rank 0 writes what the test
-compares to ``<out>/result.json``.
+half-way and the final model), a resume from that checkpoint, and the Elixir run again from the
+same initial weights saved to disk and loaded by ``elixir_hf.from_pretrained`` (rank 1 builds the
+model on meta). Rank 0 writes what the test compares to ``<out>/result.json``.
 """
 
 from __future__ import annotations
@@ -13,14 +14,20 @@ import os
 import signal
 import sys
 
+import torch
 import torch.distributed as dist
+from transformers import AutoModelForCausalLM
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
-from hf_cases import OFFLOAD_PLAN, history, make_trainer, training_args  # noqa: E402
+import elixir_hf  # noqa: E402
+from hf_cases import OFFLOAD_PLAN, VOCAB, history, make_trainer, training_args  # noqa: E402
+from helpers.models import ATTN_IMPL, MODEL_BUILDERS  # noqa: E402
 
 STEPS = 8
-faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's timeout asks for every stack
+# the test's timeout asks for every thread's stack, one file per rank (stderr's tail would cut them)
+_STACKS = open(os.path.join(sys.argv[1], f"stacks-rank{os.environ.get('RANK', '0')}.txt"), "w")
+faulthandler.register(signal.SIGUSR1, file=_STACKS, all_threads=True)
 
 
 def main(out: str) -> None:
@@ -38,16 +45,40 @@ def main(out: str) -> None:
     resumed.train(resume_from_checkpoint=f"{out}/elixir/checkpoint-{STEPS // 2}")
 
     if dist.get_rank() == 0:
+        MODEL_BUILDERS["gpt2"](seed=0, vocab=VOCAB).save_pretrained(f"{out}/init")
+    dist.barrier()
+    loaded = elixir_hf.from_pretrained(
+        AutoModelForCausalLM, f"{out}/init", dtype=torch.float32, attn_implementation=ATTN_IMPL
+    )
+    on_meta: list = [None] * dist.get_world_size()
+    dist.all_gather_object(on_meta, all(p.is_meta for p in loaded.parameters()))
+    from_rank0 = make_trainer(loaded, training_args(f"{out}/from_rank0", OFFLOAD_PLAN, **common))
+    from_rank0.train()
+
+    if dist.get_rank() == 0:
         result = {
             "world_size": dist.get_world_size(),
             "ddp": {k: history(ddp, k) for k in ("loss", "grad_norm", "eval_loss")},
             "elixir": {k: history(full, k) for k in ("loss", "grad_norm", "eval_loss")},
             "resumed": {k: history(resumed, k) for k in ("loss", "grad_norm", "eval_loss")},
+            "loaded_on_meta": on_meta,
+            "from_rank0": {k: history(from_rank0, k) for k in ("loss", "grad_norm", "eval_loss")},
         }
         with open(f"{out}/result.json", "w") as f:
             json.dump(result, f)
     dist.barrier()
     dist.destroy_process_group()  # without it a gloo run with several Trainers can abort at exit
+    _exit_now()  # before this frame's locals (the Trainers) are freed
+
+
+def _exit_now() -> None:
+    """Ends the rank without freeing Python objects. Freeing the stock DDP Trainer's reducer destroys
+    its gloo process group, whose destructor joins a worker thread that needs the GIL the joining
+    thread holds: an occasional hang in torch's teardown (py-spy: ~ProcessGroupGloo → thread::join,
+    the thread in decref_pyobject waiting for the GIL), not in the engine."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

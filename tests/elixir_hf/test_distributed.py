@@ -1,6 +1,6 @@
 """Two ranks (torchrun, CPU, gloo): ElixirTrainer matches the stock Trainer under DDP, a 2-rank
-checkpoint resumes with the same losses, the consolidated model equals DDP's, and resuming that
-checkpoint on one rank fails with a clear message."""
+checkpoint resumes with the same losses, a model loaded on rank 0 only trains the same, the
+consolidated model equals DDP's, and resuming that checkpoint on one rank fails with a clear message."""
 
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ def two_rank_run(tmp_path_factory) -> tuple[Path, dict]:
         stdout, stderr = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
         stdout, stderr = _stop_with_stacks(proc)
-        pytest.fail(f"2-rank run timed out; the ranks' stacks:\n{stdout[-3000:]}\n{stderr[-12000:]}")
+        stacks = "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(out.glob("stacks-rank*.txt")))
+        pytest.fail(f"2-rank run timed out; output:\n{stdout[-3000:]}\n{stderr[-4000:]}\nthe ranks' stacks:\n{stacks}")
     assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
     return out, json.loads((out / "result.json").read_text())
 
@@ -74,6 +75,15 @@ def test_two_rank_resume_gives_the_same_losses(two_rank_run) -> None:
     _, result = two_rank_run
     assert result["resumed"]["loss"] == result["elixir"]["loss"]
     assert result["resumed"]["eval_loss"] == result["elixir"]["eval_loss"]
+
+
+def test_loading_on_rank_0_only_trains_the_same(two_rank_run) -> None:
+    """``elixir_hf.from_pretrained``: rank 1 holds no weights (meta), yet trains exactly as when
+    every rank loaded them: the engine filled its shards from rank 0."""
+    _, result = two_rank_run
+    assert result["loaded_on_meta"] == [False, True]
+    for key in ("loss", "grad_norm", "eval_loss"):
+        assert result["from_rank0"][key] == result["elixir"][key], key
 
 
 def test_two_rank_model_equals_ddp_model(two_rank_run) -> None:

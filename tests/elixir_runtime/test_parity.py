@@ -74,6 +74,19 @@ def test_multi_rank_matches_pytorch(world_size):
             assert max_weight_diff(other[i].state, got.state) == 0.0
 
 
+def test_ranks_built_on_meta_start_from_rank_0_weights():
+    """Rank 1 builds the model on meta (the host holds it once): prepare broadcasts rank 0's
+    parameters and buffers (Llama's rotary ``inv_freq``), and training matches PyTorch."""
+    cases = [(Recipe(model=m, world_size=2, meta_ranks=True, steps=8), s) for m, s in zip(["gpt2", "llama"], PLAN_SHAPES)]
+    recipes = [r for r, _ in cases]
+    results = run_distributed(_rank_runs, 2, recipes, [s for _, s in cases])
+    for i, recipe in enumerate(recipes):
+        want = run_reference(recipe)
+        assert_close_losses(results[0][i].losses, want.losses, LOSS_RTOL)
+        assert max_weight_diff(results[0][i].state, want.state) < WEIGHT_ATOL, cases[i]
+        assert max_weight_diff(results[1][i].state, results[0][i].state) == 0.0
+
+
 def test_no_sync_accumulation_matches_pytorch():
     """GA written the DDP way (no_sync on all but the last micro-step) gives the same numbers."""
     recipe = Recipe(grad_accum=3, steps=5)

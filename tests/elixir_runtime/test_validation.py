@@ -3,6 +3,7 @@ memory is allocated, and leaves the model exactly as it was."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -12,6 +13,7 @@ from torch import nn
 
 import elixir_runtime as er
 import elixir_runtime.api as er_api
+from helpers.dist import run_distributed
 from helpers.models import make_batch, make_mlp_batch, tiny_gpt2, tiny_mlp
 
 STATIC = dict(mode="static", n_blocks="min", offload=0.5)
@@ -217,6 +219,38 @@ def test_meta_params_are_rejected(no_allocation) -> None:
         er.prepare(model, _adamw(model), config=er.ElixirConfig(**STATIC))
     assert not hasattr(model, "_elixir")
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_partly_meta_model_is_rejected(no_allocation) -> None:
+    model = tiny_gpt2()
+    fc = model.transformer.h[0].mlp.c_fc
+    fc.weight = nn.Parameter(torch.empty(fc.weight.shape, device="meta"))
+    with pytest.raises(ValueError, match="entirely on meta"):
+        er.prepare(model, _adamw(model), config=er.ElixirConfig(**STATIC))
+    assert not hasattr(model, "_elixir")
+
+
+def _prepare_error(rank: int, _world: int, meta_rank: int, float64_rank: int | None) -> str | None:
+    with torch.device("meta") if rank == meta_rank else contextlib.nullcontext():
+        model = tiny_gpt2()
+    if rank == float64_rank:
+        model.to(torch.float64)
+    try:
+        er.prepare(model, _adamw(model), config=er.ElixirConfig(**STATIC))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize(
+    "meta_rank, float64_rank, message",
+    [(0, None, "rank 0 must hold the weights"), (1, 1, "rank 1's model differs from rank 0's")],
+    ids=["meta-on-rank-0", "dtype-differs"],
+)
+def test_weights_from_rank_0_need_rank_0_and_one_model(meta_rank, float64_rank, message) -> None:
+    """Every rank refuses together, before allocating: a lone rank raising would hang the others."""
+    errors = run_distributed(_prepare_error, 2, meta_rank, float64_rank)
+    assert all(e is not None and message in e for e in errors), errors
 
 
 # --------------------------------------------------------------------------- config

@@ -8,6 +8,7 @@ update, and fp16 dynamic loss scaling with skipped steps.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import dataclass, field
@@ -43,6 +44,8 @@ class Recipe:
     eps: float = 1e-6
     device: str = "cpu"
     """Where batches (and the reference model) go; Elixir picks its own device from LOCAL_RANK."""
+    meta_ranks: bool = False
+    """Ranks other than 0 build the model on the meta device and start from rank 0's weights."""
 
 
 @dataclass
@@ -62,8 +65,9 @@ def batch_for(recipe: Recipe, step: int, micro: int, rank: int | None) -> dict[s
     return {k: v[rank * MICRO_BATCH : (rank + 1) * MICRO_BATCH] for k, v in full.items()}
 
 
-def build(recipe: Recipe, on_device: bool = False):
-    model = MODEL_BUILDERS[recipe.model](seed=0)
+def build(recipe: Recipe, on_device: bool = False, meta: bool = False):
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = MODEL_BUILDERS[recipe.model](seed=0)
     if on_device:
         model.to(recipe.device)
     if recipe.ac is not None:
@@ -83,7 +87,7 @@ def run_elixir(recipe: Recipe, rank: int = 0, **config) -> Result:
         probe = er.prepare(*build(recipe), config=er.ElixirConfig(mode="static", n_blocks="min", dtype=recipe.dtype))[0]
         plan = probe._elixir.plan
         config["n_blocks"] = (plan.min_blocks + plan.max_blocks) // 2
-    model, opt = build(recipe)
+    model, opt = build(recipe, meta=recipe.meta_ranks and rank > 0)
     cfg = er.ElixirConfig(
         mode="static",
         dtype=recipe.dtype,

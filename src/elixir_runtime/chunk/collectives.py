@@ -6,8 +6,12 @@ copy and the reduce-scatter leaves this rank's averaged slice where it was.
 
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 __all__ = ["Collectives"]
 
@@ -24,6 +28,22 @@ class Collectives:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
+
+    @property
+    def source_rank(self) -> int:
+        """The global rank of this group's rank 0: the one that decides and that others copy."""
+        return dist.get_global_rank(self.group, 0) if self.group is not None else 0
+
+    def decided_by_rank0(self, decide: Callable[[], T], device: torch.device) -> T:
+        """``decide()`` run on rank 0 only, its (picklable) result given to every rank.
+
+        For choices every rank must share (chunk layout, plan) but that could come out differently
+        per rank (free memory, a trace that fails on a rank holding a meta model).
+        """
+        decided: list = [decide() if self.rank == 0 else None]
+        if self.world_size > 1:
+            dist.broadcast_object_list(decided, src=self.source_rank, group=self.group, device=device)
+        return decided[0]
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full chunk buffer."""

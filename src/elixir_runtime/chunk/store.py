@@ -16,6 +16,7 @@ so one kernel call updates a placement, guided by a static list of per-group seg
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -59,8 +60,9 @@ def build_arenas(
     rank: int,
     compute_device: torch.device,
     dtype: torch.dtype,
+    weights: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.detach,
 ) -> dict[Placement, ShardArenas]:
-    """Allocates the arenas and fills them from the parameters' current values.
+    """Allocates the arenas and fills them from ``weights(param)`` (the parameters' current values).
 
     The master weights are filled from the parameters in their original precision, the
     compute-dtype copy is cast from the master: a bf16 run of an fp32 model starts from the exact
@@ -99,16 +101,16 @@ def build_arenas(
             if c.trainable:
                 arenas.segments += [Segment(offset + o, n, g) for o, n, g in c.shard_segments(rank, layout.world_size)]
             offset += size
-        _fill(layout, members, arenas, rank)
+        _fill(layout, members, arenas, rank, weights)
         out[where] = arenas
     return out
 
 
 @torch.no_grad()
-def _fill(layout: ChunkLayout, members, arenas: ShardArenas, rank: int) -> None:
+def _fill(layout: ChunkLayout, members, arenas: ShardArenas, rank: int, weights: Callable) -> None:
     for c in members:
         for s in c.slots:
-            write_param(layout, arenas, c, s, layout.params[s.param].detach(), rank)
+            write_param(layout, arenas, c, s, weights(layout.params[s.param]), rank)
     if not arenas.master_is_param and arenas.trainable_numel:
         arenas.param[: arenas.trainable_numel].copy_(arenas.master)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -90,11 +91,13 @@ class ChunkRuntime:
         device: torch.device,
         dtype: torch.dtype,
         prefetch: int,
+        weights: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.detach,
     ) -> None:
+        """``weights`` maps a parameter to the full value its shards start from (``WeightSource.value``)."""
         self.layout, self.coll, self.device, self.dtype = layout, coll, device, dtype
         self.prefetch_depth = prefetch
         self.cuda = device.type == "cuda"
-        self.arenas = build_arenas(layout, placement, coll.rank, device, dtype)
+        self.arenas = build_arenas(layout, placement, coll.rank, device, dtype, weights)
         self.rcache = RCache(n_blocks, layout.chunk_size, dtype, device)
         self._block_by_ptr = {b.data.data_ptr(): b for b in self.rcache.blocks}
         self.chunks = [

@@ -12,7 +12,6 @@ import logging
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..chunk.collectives import Collectives
@@ -44,13 +43,9 @@ def auto_plan(
 ) -> tuple[list[int], SearchResult]:
     """(unit indices in first-use order, the search's choice), identical on every rank."""
     busbw = collective_busbw(coll, device, dtype) if coll.world_size > 1 else None
-    decided: list[Any] = [None]
-    if coll.rank == 0:
-        decided[0] = _decide(model, units, example_batch, config, device, dtype, coll.world_size, busbw)
-    if coll.world_size > 1:
-        src = dist.get_global_rank(coll.group, 0) if coll.group is not None else 0
-        dist.broadcast_object_list(decided, src=src, group=coll.group, device=device)
-    return decided[0]
+    return coll.decided_by_rank0(
+        lambda: _decide(model, units, example_batch, config, device, dtype, coll.world_size, busbw), device
+    )
 
 
 def _decide(

@@ -1,0 +1,58 @@
+"""``elixir_hf.from_pretrained`` / ``from_config``: real weights on rank 0 (or everywhere when
+``rank0_only=False``), the identical model on meta on the other ranks, read from a local folder
+as the hub path would be."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2LMHeadModel
+
+import elixir_hf
+from helpers.models import tiny_gpt2
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tiny-gpt2")
+    tiny_gpt2(seed=3).save_pretrained(path)
+    return str(path)
+
+
+def _signature(model: torch.nn.Module) -> list[tuple]:
+    return [(n, tuple(t.shape), t.dtype) for n, t in [*model.named_parameters(), *model.named_buffers()]]
+
+
+def test_rank_0_loads_the_weights(saved, monkeypatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    model = elixir_hf.from_pretrained(AutoModelForCausalLM, saved, dtype=torch.float32)
+    want = GPT2LMHeadModel.from_pretrained(saved, dtype=torch.float32)
+    assert not any(p.is_meta for p in model.parameters())
+    for (name, p), q in zip(model.named_parameters(), want.parameters()):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_other_ranks_build_the_same_model_on_meta(saved, monkeypatch, dtype) -> None:
+    rank0 = elixir_hf.from_pretrained(AutoModelForCausalLM, saved, dtype=dtype)
+    monkeypatch.setenv("RANK", "1")
+    other = elixir_hf.from_pretrained(AutoModelForCausalLM, saved, dtype=dtype)
+    assert all(t.is_meta for _, t in [*other.named_parameters(), *other.named_buffers()])
+    assert _signature(other) == _signature(rank0)
+    assert other.lm_head.weight is other.transformer.wte.weight  # tied as on rank 0
+
+
+def test_rank0_only_off_loads_on_every_rank(saved, monkeypatch) -> None:
+    monkeypatch.setenv("RANK", "1")
+    model = elixir_hf.from_pretrained(GPT2LMHeadModel, saved, rank0_only=False)
+    assert not any(p.is_meta for p in model.parameters())
+
+
+def test_from_config_initialises_on_rank_0_only(monkeypatch) -> None:
+    config = tiny_gpt2().config
+    monkeypatch.setenv("RANK", "0")
+    assert not any(p.is_meta for p in elixir_hf.from_config(AutoModelForCausalLM, config).parameters())
+    monkeypatch.setenv("RANK", "1")
+    model = elixir_hf.from_config(GPT2LMHeadModel, config, dtype="auto")
+    assert all(p.is_meta for p in model.parameters())
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
