@@ -223,20 +223,26 @@ def render_png(results: dict[str, Any], path: Path) -> None:
         for j, s in enumerate(systems):
             xs = [i + (j - (len(systems) - 1) / 2) * width for i in range(len(rows))]
             ys = [row["tflops"].get(s) or 0.0 for row in rows]
-            ax.bar(xs, ys, width, label=s)
+            # one colour per system in every panel
+            ax.bar(xs, ys, width, label=s, color=f"C{SYSTEM_ORDER.index(s)}" if s in SYSTEM_ORDER else None)
             for x, y, row in zip(xs, ys, rows):
                 if not y and s in row["status"]:
                     ax.text(x, 0, CELL.get(row["status"][s], "?"), rotation=90, ha="center", va="bottom", fontsize=7)
                 elif s == "elixir" and row["elixir_over_best_baseline"] is not None:
                     ax.text(x, y, f"{row['elixir_over_best_baseline']:.2f}×", ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(rows)))
-        ax.set_xticklabels([f"{r['model']} ×{r['gpus']}\nbs {r['batch']}\n{r['card']}" for r in rows], fontsize=8)
+        ax.set_xticklabels([f"{r['model']} ×{r['gpus']}\nbs {r['batch']}\n{_short_card(r['card'])}" for r in rows], fontsize=8)
         ax.set_ylabel("TFLOPS per GPU")
         ax.set_title(title)
         ax.legend(fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _short_card(card: str) -> str:
+    """"NVIDIA H100 80GB HBM3" → "H100 80GB": tick labels stay inside their bar group."""
+    return " ".join(card.removeprefix("NVIDIA ").split()[:2])
 
 
 def default_md(out: Path) -> Path:
