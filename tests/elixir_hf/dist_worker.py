@@ -1,13 +1,14 @@
 """Run under ``torchrun --nproc_per_node 2`` (CPU, gloo) by ``test_distributed.py``.
 
 On every rank: a stock DDP Trainer run, the same run through ElixirTrainer (saving a checkpoint
-half-way and the final model), a resume from that checkpoint, and the Elixir run again from the
+half-way and the final model), a resume from that checkpoint, the Elixir run again from the
 same initial weights saved to disk and loaded by ``elixir_hf.from_pretrained`` (rank 1 builds the
-model on meta). Rank 0 writes what the test compares to ``<out>/result.json``.
+model on meta), and a plain ElixirAccelerator loop with rank 1's model built on meta or not. Rank 0 writes what the test compares to ``<out>/result.json``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -21,7 +22,7 @@ from transformers import AutoModelForCausalLM
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
 import elixir_hf  # noqa: E402
-from hf_cases import OFFLOAD_PLAN, VOCAB, history, make_trainer, training_args  # noqa: E402
+from hf_cases import OFFLOAD_PLAN, VOCAB, TokenDataset, history, make_trainer, training_args  # noqa: E402
 from helpers.models import ATTN_IMPL, MODEL_BUILDERS  # noqa: E402
 
 STEPS = 8
@@ -55,6 +56,8 @@ def main(out: str) -> None:
     from_rank0 = make_trainer(loaded, training_args(f"{out}/from_rank0", OFFLOAD_PLAN, **common))
     from_rank0.train()
 
+    accelerate_runs = [_accelerate_loop(meta_ranks) for meta_ranks in (False, True)]
+
     if dist.get_rank() == 0:
         result = {
             "world_size": dist.get_world_size(),
@@ -63,12 +66,35 @@ def main(out: str) -> None:
             "resumed": {k: history(resumed, k) for k in ("loss", "grad_norm", "eval_loss")},
             "loaded_on_meta": on_meta,
             "from_rank0": {k: history(from_rank0, k) for k in ("loss", "grad_norm", "eval_loss")},
+            "accelerate": [losses for losses, _ in accelerate_runs],
+            "accelerate_weight_diff": max(
+                (accelerate_runs[0][1][k] - accelerate_runs[1][1][k]).abs().max().item() for k in accelerate_runs[0][1]
+            ),
         }
         with open(f"{out}/result.json", "w") as f:
             json.dump(result, f)
     dist.barrier()
     dist.destroy_process_group()  # without it a gloo run with several Trainers can abort at exit
     _exit_now()  # before this frame's locals (the Trainers) are freed
+
+
+def _accelerate_loop(meta_ranks: bool) -> tuple[list[float], dict]:
+    """A plain ElixirAccelerator loop; with ``meta_ranks`` rank 1 builds the model on meta."""
+    accelerator = elixir_hf.ElixirAccelerator(elixir_plugin=OFFLOAD_PLAN, cpu=True, gradient_accumulation_steps=2)
+    with torch.device("meta") if meta_ranks and accelerator.process_index > 0 else contextlib.nullcontext():
+        model = MODEL_BUILDERS["gpt2"](seed=0, vocab=VOCAB)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.1)
+    loader = torch.utils.data.DataLoader(TokenDataset(24), batch_size=2)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    losses = []
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict()
 
 
 def _exit_now() -> None:

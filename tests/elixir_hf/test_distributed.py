@@ -86,6 +86,13 @@ def test_loading_on_rank_0_only_trains_the_same(two_rank_run) -> None:
         assert result["from_rank0"][key] == result["elixir"][key], key
 
 
+def test_accelerate_loop_with_rank_1_on_meta_trains_the_same(two_rank_run) -> None:
+    _, result = two_rank_run
+    with_weights, on_meta = result["accelerate"]
+    assert len(with_weights) == 6 and on_meta == with_weights  # 24 samples, batches of 2, over 2 ranks
+    assert result["accelerate_weight_diff"] == 0.0
+
+
 def test_two_rank_model_equals_ddp_model(two_rank_run) -> None:
     out, _ = two_rank_run
     ids = make_batch(VOCAB)["input_ids"]
