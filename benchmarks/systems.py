@@ -104,7 +104,7 @@ def plan_summary(plan: "ElixirPlan") -> dict[str, Any]:
     """The plan's scalar fields, memory and predicted step, for the results file."""
     out = {k: v for k, v in vars(plan).items() if v is None or isinstance(v, (bool, int, float, str))}
     out.update(memory=dict(plan.memory), n_offloaded=len(plan.offload), device_bytes=plan.device_bytes,
-               host_bytes=plan.host_bytes, predicted_step_s=plan.predicted_step_s)
+               host_bytes=plan.host_bytes, predicted_step_s=plan.predicted_step_s, rates=plan.search.get("rates"))
     return out
 
 

@@ -99,6 +99,11 @@ class ElixirPlan:
                          f"{self.budget['host_allowed'] / gib:.3f} GiB host"))
         if self.predicted:
             rows.append(("predicted step", format_step_time(self.predicted)))
+        if self.search.get("rates"):
+            r = self.search["rates"]
+            alone = f" ({r['cpu_adam_alone_Gps']} alone)" if r.get("cpu_adam_alone_Gps") else ""
+            rows.append(("rates / rank", f"H2D {r['h2d_GBps']} / D2H {r['d2h_GBps']} GB/s, collectives "
+                         f"{r['busbw_GBps'] or '-'} GB/s, Adam GPU {r['gpu_adam_Gps']} / CPU {r['cpu_adam_Gps']}{alone} G params/s"))
         if "i_per_gib" in self.search:
             i, j = (("-" if v is None else f"{v * 1e3:.2f}") for v in (self.search["i_per_gib"], self.search["j_per_gib"]))
             rows.append(("I(n) / J(n)", f"{i} / {j} ms per GiB saved by one more rCache block / by the next upload "
@@ -223,6 +228,7 @@ def _attach_search(plan: ElixirPlan, search: "SearchResult") -> None:
         "candidates": search.candidates,
         "notes": search.notes,
         "seconds": search.seconds,
+        "rates": search.rates,
     }
     plan.alternatives = search.alternatives
 

@@ -105,6 +105,8 @@ class SearchResult:
     alternatives: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    rates: dict[str, float | int | None] = field(default_factory=dict)
+    """The per-rank rates the prediction used (``Rates.summary``)."""
 
 
 @dataclass
@@ -163,6 +165,7 @@ def search(
         alternatives=_alternatives(best, budget),
         notes=list(rates.notes) + _update_note(p.offload, settings.clips_grads),
         seconds=time.perf_counter() - start,
+        rates=rates.summary(),
     )
 
 

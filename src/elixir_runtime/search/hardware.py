@@ -65,6 +65,9 @@ class HardwareProfile:
     host while pinned copies run both ways on every GPU's link, as they do whenever the engine's
     CPU updates run (the copies take host memory bandwidth the update needs)."""
     links: dict[int, LinkRates] = field(default_factory=dict)
+    cpu_adam_alone: float | None = None
+    """``cpu_adam`` with no copies running: an upper bound, kept to check how much the copies of a
+    real step (a small share of it) slow the update (``None``: not measured)."""
     dtype: str = "bfloat16"
     source: str = ""
     torch: str = ""
@@ -114,12 +117,14 @@ class HardwareProfile:
         if n > 1 and busbw is None:
             notes.append(f"collective bandwidth for {n} GPUs not measured: collectives assumed hidden")
         return Rates(
+            n=n,
             h2d=link.c2g / n,
             d2h=link.g2c / n,
             duplex=(link.duplex / n) if link.duplex else None,
             busbw=busbw,
             gpu_adam=self.gpu_adam,
             cpu_adam=self.cpu_adam / n,
+            cpu_adam_alone=self.cpu_adam_alone / n if self.cpu_adam_alone else None,
             matmul={int(k): v for k, v in self.matmul.items()},
             attention=self.attention,
             memory_bandwidth=self.memory_bandwidth,
@@ -132,6 +137,7 @@ class HardwareProfile:
 class Rates:
     """What one of ``n`` ranks gets: its share of the host's links and CPU, its GPU's own rates."""
 
+    n: int
     h2d: float
     d2h: float
     duplex: float | None
@@ -142,7 +148,17 @@ class Rates:
     attention: float
     memory_bandwidth: float
     op_overhead: float
+    cpu_adam_alone: float | None = None
     notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, float | int | None]:
+        """The per-rank transfer, collective and update rates a plan was made with (GB/s, G params/s)."""
+        giga = lambda x: round(x / 1e9, 3) if x else None  # noqa: E731
+        return {
+            "ranks": self.n, "h2d_GBps": giga(self.h2d), "d2h_GBps": giga(self.d2h), "duplex_GBps": giga(self.duplex),
+            "busbw_GBps": giga(self.busbw), "gpu_adam_Gps": giga(self.gpu_adam), "cpu_adam_Gps": giga(self.cpu_adam),
+            "cpu_adam_alone_Gps": giga(self.cpu_adam_alone),
+        }
 
     def flop_rate(self, size_class: str) -> float:
         """The measured rate of the nearest measured GEMM size; attention and convolutions use

@@ -53,6 +53,7 @@ def _measure_gpu(quick: bool, dtype: torch.dtype) -> HardwareProfile:
     size = (64 if quick else 256) * 2**20
     links = _gpu_links(gpus, size)
     sizes = [512, 1024, 2048] if quick else [512, 1024, 2048, 4096, 8192]
+    cpu_adam, cpu_adam_alone = _cpu_adam_under_copies(links[gpus], 2**21 if quick else 2**25, dtype, size)
     return HardwareProfile(
         device=torch.cuda.get_device_name(dev),
         gpus=gpus,
@@ -64,7 +65,8 @@ def _measure_gpu(quick: bool, dtype: torch.dtype) -> HardwareProfile:
         memory_bandwidth=_copy_rate(dev, size * (1 if quick else 4)) * 2,
         op_overhead=_op_overhead(dev),
         gpu_adam=_adam_rate(dev, 2**22 if quick else 2**26, dtype),
-        cpu_adam=_cpu_adam_under_copies(links[gpus], 2**21 if quick else 2**25, dtype, size),
+        cpu_adam=cpu_adam,
+        cpu_adam_alone=cpu_adam_alone,
         links=links,
         dtype=str(dtype).removeprefix("torch."),
     )
@@ -159,9 +161,10 @@ def _adam_step(device: torch.device, numel: int, dtype: torch.dtype) -> tuple[Ca
     return step, _median_time(step, sync=lambda: _sync(device))
 
 
-def _cpu_adam_under_copies(link: LinkRates, numel: int, dtype: torch.dtype, size: int) -> float:
+def _cpu_adam_under_copies(link: LinkRates, numel: int, dtype: torch.dtype, size: int) -> tuple[float, float]:
     """The CPU Adam rate while every GPU copies ``size`` bytes up and down, back to back, for
-    longer than the timed updates take (queued first, so they run through the whole window)."""
+    longer than the timed updates take (queued first, so they run through the whole window);
+    and the rate alone."""
     devs = [torch.device("cuda", i) for i in range(link.n)]
     ups, downs = [torch.cuda.Stream(d) for d in devs], [torch.cuda.Stream(d) for d in devs]
     bufs = [(torch.empty(size, dtype=torch.uint8, device=d), torch.empty(size, dtype=torch.uint8, device=d),
@@ -182,7 +185,7 @@ def _cpu_adam_under_copies(link: LinkRates, numel: int, dtype: torch.dtype, size
     elapsed = (time.perf_counter() - t) / calls
     for d in devs:
         torch.cuda.synchronize(d)
-    return numel / elapsed
+    return numel / elapsed, numel / seconds
 
 
 def _kernel(device: torch.device) -> AdamKernel:

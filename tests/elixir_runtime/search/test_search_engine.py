@@ -132,6 +132,10 @@ def test_two_ranks_shard_the_states(gpt2) -> None:
     two = search(table, profile, gpu_host(2), _budget(profile, capacity, ranks=2), _settings(world_size=2))
     assert len(two.offload) / two.n_chunks <= len(one.offload) / one.n_chunks
     assert two.time.collectives is not None and two.time.collectives > 0
+    # the plan records each rank's share of the host it was predicted with
+    assert one.rates["ranks"] == 1 and two.rates["ranks"] == 2
+    assert two.rates["cpu_adam_Gps"] == pytest.approx(one.rates["cpu_adam_Gps"] / 2) == 2.5
+    assert two.rates["h2d_GBps"] == pytest.approx(50) and two.rates["busbw_GBps"] == pytest.approx(200)
 
 
 def test_nothing_fits_says_why_and_what_would_fit(gpt2) -> None:
