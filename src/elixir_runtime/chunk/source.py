@@ -10,6 +10,7 @@ once instead of once per rank, and a rank never holds more than its shards plus 
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,8 @@ from torch import nn
 from .collectives import Collectives
 
 __all__ = ["WeightSource", "weight_source", "unmeta_parameters"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,10 @@ def weight_source(model: nn.Module, coll: Collectives, device: torch.device) -> 
     if not any(meta for meta, _ in everyone):
         return WeightSource(coll)
     backend = dist.get_backend(coll.group)
+    if coll.rank == 0:
+        on_meta_ranks = [rank for rank, (meta, _) in enumerate(everyone) if meta]
+        logger.info("elixir: ranks %s hold no weights: every rank's shards start from rank 0's %d tensors, broadcast "
+                    "one at a time", on_meta_ranks, len(tensors))
     return WeightSource(coll, device if backend == "nccl" else torch.device("cpu"))
 
 
