@@ -101,10 +101,12 @@ def _elixir(p: Preset, ctx: Context, example_ids: torch.Tensor) -> Trainer:
 
 
 def plan_summary(plan: "ElixirPlan") -> dict[str, Any]:
-    """The plan's scalar fields, memory and predicted step, for the results file."""
+    """The plan's scalar fields, memory and predicted step, for the results file; with the offloaded
+    chunks and the hardware profile, enough for ``benchmarks.replay`` to predict it again."""
     out = {k: v for k, v in vars(plan).items() if v is None or isinstance(v, (bool, int, float, str))}
-    out.update(memory=dict(plan.memory), n_offloaded=len(plan.offload), device_bytes=plan.device_bytes,
-               host_bytes=plan.host_bytes, predicted_step_s=plan.predicted_step_s, rates=plan.search.get("rates"))
+    out.update(memory=dict(plan.memory), n_offloaded=len(plan.offload), offload=list(plan.offload),
+               device_bytes=plan.device_bytes, host_bytes=plan.host_bytes, predicted_step_s=plan.predicted_step_s,
+               predicted=dict(plan.predicted), rates=plan.search.get("rates"), hardware=plan.search.get("hardware"))
     return out
 
 

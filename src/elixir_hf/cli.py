@@ -179,9 +179,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         ranks_per_host=args.gpus,
     )
     t1 = time.perf_counter()
-    by_name = {u.name: u.index for u in units}
-    order = [by_name[n] for n in profile.unit_order() if n in by_name]
-    order += [u.index for u in units if u.index not in set(order)]
+    order = profile.unit_indices(units)
     table = model_table(model, units, order)
     settings = SearchSettings(world_size=args.gpus, dtype=dtype, micro_batches=args.grad_accum)
     result = search(table, profile, hardware, budget, settings)

@@ -229,6 +229,7 @@ def _attach_search(plan: ElixirPlan, search: "SearchResult") -> None:
         "notes": search.notes,
         "seconds": search.seconds,
         "rates": search.rates,
+        "hardware": search.hardware,
     }
     plan.alternatives = search.alternatives
 

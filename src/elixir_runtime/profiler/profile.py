@@ -78,6 +78,12 @@ class ModelProfile:
         """Units in the order of their first forward call."""
         return list(dict.fromkeys(e.unit for e in self.unit_events if e.phase == "fwd"))
 
+    def unit_indices(self, units: list) -> list[int]:
+        """Indices of ``units`` (``runtime.units.Unit``) in first-use order, the never-called ones last."""
+        by_name = {u.name: u.index for u in units}
+        order = [by_name[n] for n in self.unit_order() if n in by_name]
+        return order + [u.index for u in units if u.index not in set(order)]
+
     def ac_buffer_numel(self) -> int:
         """Appendix A.3: the most elements any checkpointed region needs resident at once."""
         numel = {p.name: p.numel for p in self.params}

@@ -59,9 +59,7 @@ def _decide(
     busbw: float | None,
 ) -> tuple[list[int], SearchResult]:
     profile = _profile(model, units, batch, dtype, device)
-    by_name = {u.name: u.index for u in units}
-    order = [by_name[n] for n in profile.unit_order() if n in by_name]
-    order += [u.index for u in units if u.index not in set(order)]
+    order = profile.unit_indices(units)
     budget = device_budget(device, profile.activation_peak, profile.buffer_bytes, local_ranks())
     if batch is None:
         budget.activations = int(UNPROFILED_ACTIVATION_SHARE * budget.capacity / F_FRAG)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -107,6 +107,9 @@ class SearchResult:
     seconds: float = 0.0
     rates: dict[str, float | int | None] = field(default_factory=dict)
     """The per-rank rates the prediction used (``Rates.summary``)."""
+    hardware: dict[str, Any] = field(default_factory=dict)
+    """The whole hardware profile searched with (``HardwareProfile.to_dict``): enough to predict
+    the same plan again offline (``benchmarks.replay``)."""
 
 
 @dataclass
@@ -166,6 +169,7 @@ def search(
         notes=list(rates.notes) + _update_note(p.offload, settings.clips_grads),
         seconds=time.perf_counter() - start,
         rates=rates.summary(),
+        hardware=hardware.to_dict(),
     )
 
 

@@ -78,14 +78,24 @@ class HardwareProfile:
     def cpu_only(self) -> bool:
         return self.device == "cpu"
 
+    def to_dict(self) -> dict:
+        """JSON-native (``links`` keyed by strings), so a plan holding it survives a JSON round trip."""
+        d = asdict(self)
+        d["links"] = {str(n): link for n, link in d["links"].items()}
+        return d
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HardwareProfile":
+        d = dict(d)
+        d["links"] = {int(k): LinkRates(**v) for k, v in d.get("links", {}).items()}
+        return cls(**d)
 
     @classmethod
     def from_json(cls, text: str) -> "HardwareProfile":
-        d = json.loads(text)
-        d["links"] = {int(k): LinkRates(**v) for k, v in d.get("links", {}).items()}
-        return cls(**d)
+        return cls.from_dict(json.loads(text))
 
     @classmethod
     def load(cls, path: str | Path) -> "HardwareProfile":

@@ -1,0 +1,113 @@
+"""Re-predicts measured Elixir runs with the current cost model, offline and without a GPU.
+
+    PYTHONPATH=src python -m benchmarks.replay [docs/benchmarks/results.json ...] [--json]
+
+GPU time is scarce; changing the step model is not. Each Elixir run of the throughput harness
+records its plan (chunk size, rCache blocks, offloaded chunks), the per-rank rates and the whole
+hardware profile the plan was made with. This rebuilds the same model on ``meta``, profiles the
+same batch on fake tensors, and predicts the same plan on the same hardware with the code as it is
+now, next to the step that was measured and the one predicted then. A change to ``search/cost.py``
+is judged against every recorded run in seconds, before a GPU session re-measures the table.
+
+Runs whose plan predates these records (before 2026-11-26's multi-GPU rows) are listed as skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elixir_runtime.profiler.profile import profile_model
+from elixir_runtime.runtime.units import find_units
+from elixir_runtime.search import Budget, SearchSettings, search
+from elixir_runtime.search.cost import StepTime
+from elixir_runtime.search.engine import model_table
+from elixir_runtime.search.hardware import HardwareProfile
+
+from . import report
+from .models import build_meta, preset
+
+HEADROOM = 16
+"""The replayed plan is the recorded one (it ran), so the budget only has to never refuse it."""
+
+
+def replayable(run: dict[str, Any]) -> bool:
+    plan = (run.get("info") or {}).get("plan") or {}
+    return run.get("system") == "elixir" and run.get("status") == "ok" and bool(plan.get("hardware")) and "offload" in plan
+
+
+def predict(run: dict[str, Any]) -> StepTime:
+    """The step the current model predicts for the run's recorded plan, batch and hardware."""
+    plan = run["info"]["plan"]
+    hardware = HardwareProfile.from_dict(plan["hardware"])
+    model = build_meta(preset(run["model"]), run["seq"], getattr(torch, plan["dtype"]))
+    units = find_units(model, None)
+    ids = torch.zeros(run["batch"], run["seq"], dtype=torch.long, device="meta")
+    profile = profile_model(model, {"input_ids": ids, "labels": ids}, dtype=getattr(torch, plan["dtype"]),
+                            device="cuda", units=units)
+    table = model_table(model, units, profile.unit_indices(units))
+    budget = Budget(
+        capacity=HEADROOM * hardware.gpu_memory,
+        activations=profile.activation_peak,
+        buffers=profile.buffer_bytes,
+        host_capacity=HEADROOM * hardware.host_memory,
+        ranks_per_host=run["gpus"],
+    )
+    busbw = (plan.get("rates") or {}).get("busbw_GBps")
+    settings = SearchSettings(
+        world_size=run["gpus"],
+        dtype=getattr(torch, plan["dtype"]),
+        chunk_size=plan["chunk_size"],
+        n_blocks=plan["n_blocks"],
+        offload=plan["offload"],
+        clips_grads=False,  # the harness's step does not clip (systems._elixir)
+        busbw=busbw * 1e9 if busbw and run["gpus"] > 1 else None,
+    )
+    return search(table, profile, hardware, budget, settings).time
+
+
+def replay(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for run in runs:
+        row = {k: run.get(k) for k in ("card", "model", "gpus", "batch", "step_s", "predicted_step_s")}
+        if not replayable(run):
+            rows.append({**row, "skipped": "no recorded plan inputs (hardware, offloaded chunks)"})
+            continue
+        time = predict(run)
+        rows.append({**row, "replayed_step_s": time.total, "measured_over_replayed": run["step_s"] / time.total,
+                     "replayed": time.as_dict()})
+    return rows
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    lines = ["| card | model | GPUs | bs | measured s | predicted then | predicted now | measured / now |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        now = "skipped" if "skipped" in r else f"{r['replayed_step_s']:.3f}"
+        ratio = "" if "skipped" in r else f"{r['measured_over_replayed']:.2f}"
+        then = f"{r['predicted_step_s']:.3f}" if r.get("predicted_step_s") else "–"
+        lines.append(f"| {r['card']} | {r['model']} | {r['gpus']} | {r['batch']} | {r['step_s']:.3f} | {then} | {now} | {ratio} |")
+    done = [r["measured_over_replayed"] for r in rows if "skipped" not in r]
+    if done:
+        lines.append(f"\n{len(done)} runs replayed; mean |measured / predicted - 1| = "
+                     f"{sum(abs(x - 1) for x in done) / len(done):.3f}, worst {max(done, key=lambda x: abs(x - 1)):.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("inputs", nargs="*", type=Path, default=[report.DEFAULT_OUT])
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
+    args = ap.parse_args(argv)
+    runs = [r for path in args.inputs for r in report.load_runs(path)
+            if r.get("system") == "elixir" and r.get("status") == "ok"]
+    rows = replay(runs)
+    print(json.dumps(rows, indent=1) if args.json else render(rows))
+
+
+if __name__ == "__main__":
+    main()

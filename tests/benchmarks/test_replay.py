@@ -1,0 +1,68 @@
+"""``benchmarks.replay`` predicts a recorded plan again, offline: a run recorded by the harness
+replays to exactly the prediction its plan carried, and runs without plan inputs are skipped."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks import replay
+from benchmarks.models import PRESETS, build_meta
+from benchmarks.systems import plan_summary
+from elixir_runtime.chunk.layout import build_layout
+from elixir_runtime.config import ElixirConfig
+from elixir_runtime.plan import resolve_plan
+from elixir_runtime.profiler.profile import profile_model
+from elixir_runtime.runtime.units import find_units
+from elixir_runtime.search import Budget, SearchSettings, search
+from elixir_runtime.search.engine import model_table
+from elixir_runtime.search.hardware import HardwareProfile, LinkRates
+
+GIB = 2**30
+SEQ = 64
+
+
+def _hardware() -> HardwareProfile:
+    return HardwareProfile(
+        device="test GPU", gpus=2, gpu_memory=80 * GIB, host_memory=256 * GIB, cpu_cores=32,
+        matmul={"256": 50e12, "1024": 300e12}, attention=300e12, memory_bandwidth=3e12, op_overhead=1e-5,
+        gpu_adam=80e9, cpu_adam=3e9, cpu_adam_alone=6e9,
+        links={n: LinkRates(n, 50e9 * n, 50e9 * n, 35e9 * n, 200e9 if n > 1 else None) for n in (1, 2)},
+    )
+
+
+def _recorded_run(batch: int = 2, gpus: int = 2) -> dict:
+    """What the harness records for an Elixir run whose plan offloads half the chunks."""
+    dtype = torch.bfloat16
+    model = build_meta(PRESETS["tiny"], SEQ, dtype)
+    units = find_units(model, None)
+    ids = torch.zeros(batch, SEQ, dtype=torch.long, device="meta")
+    profile = profile_model(model, {"input_ids": ids, "labels": ids}, dtype=dtype, device="cuda", units=units)
+    table = model_table(model, units, profile.unit_indices(units))
+    budget = Budget(80 * GIB, profile.activation_peak, profile.buffer_bytes, 256 * GIB, gpus)
+    settings = SearchSettings(world_size=gpus, dtype=dtype, offload=0.5, n_blocks="min", clips_grads=False, busbw=150e9)
+    result = search(table, profile, _hardware(), budget, settings)
+    layout = build_layout(table.params, table.names, table.groups, table.private, world_size=gpus,
+                          chunk_size=result.chunk_size, alignment=settings.alignment)
+    for u in units:
+        u.chunks = tuple(sorted({layout.param_chunk[table.index[id(p)]] for p in u.params}))
+    plan = resolve_plan(ElixirConfig(), layout, units, torch.device("cuda"), dtype, result, check=False)
+    assert plan.offload, "the case must offload"
+    return {"system": "elixir", "status": "ok", "model": "tiny", "gpus": gpus, "batch": batch, "seq": SEQ,
+            "card": "test GPU", "step_s": 1.1 * plan.predicted_step_s, "predicted_step_s": plan.predicted_step_s,
+            "info": {"plan": plan_summary(plan)}}
+
+
+def test_a_recorded_run_replays_to_its_own_prediction() -> None:
+    run = _recorded_run()
+    [row] = replay.replay([run])
+    assert row["replayed_step_s"] == run["predicted_step_s"]
+    assert abs(row["measured_over_replayed"] - 1.1) < 1e-9
+    assert "1 runs replayed" in replay.render([row])
+
+
+def test_runs_without_plan_inputs_are_skipped() -> None:
+    run = _recorded_run()
+    del run["info"]["plan"]["hardware"]
+    [row] = replay.replay([run])
+    assert "skipped" in row and "replayed_step_s" not in row
+    assert "skipped" in replay.render([row])
