@@ -28,7 +28,7 @@ from accelerate.utils import SAFE_WEIGHTS_NAME, DynamoBackend
 from safetensors.torch import load_file
 from torch import nn
 
-from elixir_runtime import ElixirOptimizer
+from elixir_runtime import ElixirOptimizer, rank0_state_dict
 
 from .checkpoint import atomic_torch_save, load_shard, saved_world_size, shard_name
 from .engine import build_engine, example_batch, has_engine
@@ -135,6 +135,15 @@ class ElixirAccelerator(Accelerator):
         return super().no_sync(model) if opt is None else opt.engine.no_sync()
 
     # ------------------------------------------------------------------ checkpoints
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
+        """The consolidated weights on the main process; the other ranks get no parameters, as with
+        FSDP (one host copy of the model). A collective: call it on every rank. ``save_state`` and
+        ``save_model`` go through here."""
+        if not has_engine(model):
+            return super().get_state_dict(model, unwrap)
+        with rank0_state_dict(model):
+            return model.state_dict()
+
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
         """Accelerate's state plus this rank's ``elixir_optim_rank{r}.pt`` (Accelerate would save rank 0's only)."""
         opt = self.elixir_optimizer

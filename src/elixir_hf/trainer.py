@@ -8,8 +8,9 @@ stock Trainer. With Elixir on, it changes five things, each where the Trainer al
   class is substituted for the duration of that one call);
 * ``create_optimizer`` builds the engine on ``self.model``: it runs after the resume weights were
   loaded into the plain model and before ``accelerator.prepare``, which then passes it through;
-* ``save_model`` gathers the full weights on every rank (a collective; the stock Trainer calls
-  ``state_dict()`` on rank 0 only and would deadlock) and writes them atomically on rank 0;
+* ``save_model`` gathers the full weights with every rank taking part (a collective; the stock
+  Trainer calls ``state_dict()`` on rank 0 only and would deadlock), keeps them on rank 0 only (one
+  host copy of the model) and writes them atomically there;
 * optimizer state is one ``elixir_optim_rank{r}.pt`` per rank, plus the scheduler on rank 0;
 * resuming checks the checkpoint against the model and the number of ranks before loading.
 """
@@ -23,6 +24,8 @@ from unittest import mock
 import torch
 import transformers.trainer
 from transformers import Trainer
+
+from elixir_runtime import rank0_state_dict
 
 from .accelerator import ElixirAccelerator
 from .callback import ElixirCallback
@@ -90,7 +93,8 @@ class ElixirTrainer(Trainer):
         if not has_engine(self.model):
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state_dict = self.model.state_dict()  # collective: every rank takes part
+        with rank0_state_dict(self.model):  # collective: every rank takes part; only rank 0 keeps the weights
+            state_dict = self.model.state_dict()
         if self.args.should_save:
             with staged_dir(output_dir) as stage:
                 self._save(stage, state_dict=state_dict)

@@ -44,6 +44,8 @@ class ElixirState:
     plan: ElixirPlan
     units: list[Unit]
     optimizer: ElixirOptimizer
+    model_state: ModelStateHooks
+    """The consolidated ``state_dict``/``load_state_dict`` hooks (``checkpoint.rank0_state_dict`` sets them)."""
     handles: list = field(default_factory=list)
 
 
@@ -100,12 +102,13 @@ def prepare(
     unmeta_parameters(params)
     runtime = ChunkRuntime(layout, plan.placement(), plan.n_blocks, coll, device, dtype, config.prefetch, source.value)
     handles = install_hooks(model, units, runtime)
-    handles += ModelStateHooks(runtime, orig_dtypes).install(model)
+    model_state = ModelStateHooks(runtime, orig_dtypes)
+    handles += model_state.install(model)
     elixir_optimizer = ElixirOptimizer(
         optimizer, runtime, decoupled=decoupled, loss_scale=config.loss_scale,
         cpu_threads=cpu_adam_threads(local_ranks(), config.cpu_threads),
     )
-    model._elixir = ElixirState(runtime, plan, units, elixir_optimizer, handles)
+    model._elixir = ElixirState(runtime, plan, units, elixir_optimizer, model_state, handles)
     return model, elixir_optimizer
 
 

@@ -3,14 +3,17 @@
 ``state_dict()`` gathers each chunk once (fp32 master for trainable chunks, so a bf16 run of an
 fp32 model saves its exact fp32 weights) and returns every parameter in its original dtype on the
 CPU, under every name it has (tied weights share one tensor, as in plain PyTorch; HF's
-``save_pretrained`` then writes them once). It is a collective: call it on every rank.
-``load_state_dict()`` writes each rank's part of the given full tensors into its shards.
+``save_pretrained`` then writes them once). It is a collective: call it on every rank. Inside
+``rank0_state_dict(model)`` only rank 0 keeps the weights (a checkpoint writer's need: one copy
+of the model in host memory, not one per rank). ``load_state_dict()`` writes each rank's part of
+the given full tensors into its shards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -18,13 +21,30 @@ from torch import nn
 from .chunk.store import write_param
 from .runtime.chunks import ChunkRuntime
 
-__all__ = ["ModelStateHooks", "layout_fingerprint"]
+__all__ = ["ModelStateHooks", "layout_fingerprint", "rank0_state_dict"]
+
+
+@contextlib.contextmanager
+def rank0_state_dict(model: nn.Module) -> Iterator[None]:
+    """Inside, ``model.state_dict()`` (still a collective) consolidates the weights on rank 0 only;
+    the other ranks' dicts hold no parameters. For saving: rank 0 writes, and the host holds one
+    copy of the model instead of one per rank (FSDP's ``rank0_only``)."""
+    state = getattr(model, "_elixir", None)
+    if state is None:
+        raise ValueError("rank0_state_dict needs a model prepared by elixir_runtime.prepare")
+    state.model_state.rank0_only = True
+    try:
+        yield
+    finally:
+        state.model_state.rank0_only = False
 
 
 class ModelStateHooks:
     def __init__(self, runtime: ChunkRuntime, orig_dtypes: list[torch.dtype]) -> None:
         self.runtime, self.orig_dtypes = runtime, orig_dtypes
         self._loaded: set[str] = set()
+        self.rank0_only = False
+        """Set by ``rank0_state_dict``: only rank 0 copies the gathered weights to the host."""
 
     def install(self, model: nn.Module) -> list:
         # torch tags hook objects with attributes, which bound methods refuse: wrap them
@@ -35,16 +55,20 @@ class ModelStateHooks:
         ]
 
     @torch.no_grad()
-    def full_params(self) -> list[torch.Tensor]:
-        """Every parameter, consolidated, on the CPU in its original dtype (a collective)."""
+    def full_params(self) -> list[torch.Tensor | None]:
+        """Every parameter, consolidated, on the CPU in its original dtype (a collective); ``None``
+        for all of them on ranks other than 0 under ``rank0_only``."""
         rt, layout = self.runtime, self.runtime.layout
         rt.wait_for_grads()
-        out: list[torch.Tensor] = [torch.empty(0)] * len(layout.params)
+        keep = not self.rank0_only or rt.coll.rank == 0
+        out: list[torch.Tensor | None] = [None] * len(layout.params)
         for c in rt.chunks:
             src = c.arenas.master if c.spec.trainable else c.arenas.param
             full = torch.empty(c.spec.numel, dtype=src.dtype, device=rt.device)
             rt.coll.shard_of(full).copy_(src[c.offset : c.offset + c.shard_numel])
             rt.coll.all_gather_(full)
+            if not keep:
+                continue
             host = full.cpu()
             for s in c.spec.slots:
                 shape = layout.params[s.param].shape
@@ -54,7 +78,11 @@ class ModelStateHooks:
     def _state_dict_post(self, _module: nn.Module, state_dict: dict, prefix: str, _meta: Any) -> None:
         for i, tensor in enumerate(self.full_params()):
             for name in self.runtime.layout.names[i]:
-                if prefix + name in state_dict:
+                if prefix + name not in state_dict:
+                    continue
+                if tensor is None:
+                    del state_dict[prefix + name]
+                else:
                     state_dict[prefix + name] = tensor
 
     @torch.no_grad()

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 import elixir_runtime as er
 from helpers.dist import run_distributed
 from helpers.models import ATTN_IMPL, MODEL_BUILDERS, make_batch, tiny_gpt2
+from helpers.training import max_weight_diff
 
 LAYOUTS = {
     "min-half-offload": dict(n_blocks="min", offload=0.5),
@@ -164,7 +165,8 @@ def _resume_run(tmp: str, build_name: str, rank: int = 0, load_optimizer: bool =
     model, opt = _prepare(build(seed=0), first[0])
     resumed = _train(model, opt, first)
     model_path = os.path.join(tmp, "model.pt")
-    sd = model.state_dict()  # collective: every rank
+    with er.rank0_state_dict(model):
+        sd = model.state_dict()  # collective: every rank; only rank 0 keeps the weights
     if rank == 0:
         torch.save(sd, model_path)
     torch.save(opt.state_dict(), os.path.join(tmp, f"optim.rank{rank}.pt"))
@@ -202,6 +204,23 @@ def _resume_world2(rank: int, world_size: int, tmp: str) -> dict:
         except ValueError as e:
             errors[key] = str(e)
     return {"straight": straight, "resumed": resumed, "errors": errors}
+
+
+def _state_dicts(rank: int, world_size: int) -> tuple[dict, dict]:
+    model, opt = _prepare(tiny_gpt2(seed=0), make_batch(128))
+    _train(model, opt, _batches(128, range(2), rank))
+    everywhere = model.state_dict()
+    with er.rank0_state_dict(model):
+        on_rank0 = model.state_dict()
+    return everywhere, on_rank0
+
+
+def test_rank0_state_dict_keeps_the_weights_on_rank_0_only() -> None:
+    (full0, only0), (full1, only1) = run_distributed(_state_dicts, 2)
+    params = {n for n, _ in tiny_gpt2().named_parameters(remove_duplicate=False)}
+    assert params <= set(full0) and max_weight_diff(full0, full1) == 0.0  # the default: every rank
+    assert only0.keys() == full0.keys() and max_weight_diff(only0, full0) == 0.0
+    assert not params & set(only1)  # rank 1 holds none of the weights
 
 
 def test_save_load_continue_world2(tmp_path) -> None:
