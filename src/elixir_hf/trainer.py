@@ -112,8 +112,14 @@ class ElixirTrainer(Trainer):
         self.accelerator.wait_for_everyone()
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        target = model if model is not None else self.model
         if self.elixir_plugin is not None:
-            check_resume(resume_from_checkpoint, model if model is not None else self.model, self.args.world_size)
+            check_resume(resume_from_checkpoint, target, self.args.world_size)
+            if not has_engine(target) and all(p.is_meta for p in target.parameters()):
+                # a rank that built the model on meta (elixir_hf.from_pretrained): rank 0 loads the
+                # checkpoint's weights and the engine gives them to this rank; reading the file here
+                # too would hold one more full copy of the model in host memory
+                return
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:

@@ -55,6 +55,10 @@ def main(out: str) -> None:
     dist.all_gather_object(on_meta, all(p.is_meta for p in loaded.parameters()))
     from_rank0 = make_trainer(loaded, training_args(f"{out}/from_rank0", OFFLOAD_PLAN, **common))
     from_rank0.train()
+    # resuming with rank 1 on meta: only rank 0 reads the checkpoint's weights
+    loaded = elixir_hf.from_pretrained(AutoModelForCausalLM, f"{out}/init", dtype=torch.float32, attn_implementation=ATTN_IMPL)
+    from_rank0_resumed = make_trainer(loaded, training_args(f"{out}/elixir", OFFLOAD_PLAN, **elixir_args))
+    from_rank0_resumed.train(resume_from_checkpoint=f"{out}/elixir/checkpoint-{STEPS // 2}")
 
     accelerate_runs = [_accelerate_loop(meta_ranks) for meta_ranks in (False, True)]
 
@@ -65,6 +69,7 @@ def main(out: str) -> None:
             "elixir": {k: history(full, k) for k in ("loss", "grad_norm", "eval_loss")},
             "resumed": {k: history(resumed, k) for k in ("loss", "grad_norm", "eval_loss")},
             "loaded_on_meta": on_meta,
+            "from_rank0_resumed": {k: history(from_rank0_resumed, k) for k in ("loss", "grad_norm", "eval_loss")},
             "from_rank0": {k: history(from_rank0, k) for k in ("loss", "grad_norm", "eval_loss")},
             "accelerate": [losses for losses, _ in accelerate_runs],
             "accelerate_weight_diff": max(

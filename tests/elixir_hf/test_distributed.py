@@ -84,6 +84,8 @@ def test_loading_on_rank_0_only_trains_the_same(two_rank_run) -> None:
     assert result["loaded_on_meta"] == [False, True]
     for key in ("loss", "grad_norm", "eval_loss"):
         assert result["from_rank0"][key] == result["elixir"][key], key
+        # resumed with rank 1 on meta (it skips reading the checkpoint): as the all-ranks resume
+        assert result["from_rank0_resumed"][key] == result["resumed"][key], key
 
 
 def test_accelerate_loop_with_rank_1_on_meta_trains_the_same(two_rank_run) -> None:
