@@ -25,10 +25,10 @@ from typing import Any, Iterator
 import torch
 from accelerate import Accelerator
 from accelerate.utils import SAFE_WEIGHTS_NAME, DynamoBackend
-from safetensors.torch import load_file
 from torch import nn
 
 from elixir_runtime import ElixirOptimizer, rank0_state_dict
+from elixir_runtime.checkpoint import load_safetensors
 
 from .checkpoint import atomic_torch_save, load_shard, saved_world_size, shard_name
 from .engine import build_engine, example_batch, has_engine
@@ -172,7 +172,7 @@ class ElixirAccelerator(Accelerator):
         model = next(m for m in self._models if has_engine(m))
         with self._hidden(self._optimizers, opt), self._hidden(self._models, model):
             super().load_state(input_dir, **kwargs)
-        model.load_state_dict(load_file(os.path.join(input_dir, SAFE_WEIGHTS_NAME)))
+        load_safetensors(model, os.path.join(input_dir, SAFE_WEIGHTS_NAME))  # a tensor at a time, not the file per rank
         shard = load_shard(input_dir, self.process_index)
         if shard is not None:
             opt.load_state_dict(shard)

@@ -8,12 +8,12 @@
 """
 
 from .api import ElixirState, prepare
-from .checkpoint import rank0_state_dict
+from .checkpoint import load_safetensors, rank0_state_dict
 from .config import ElixirConfig, LossScaleConfig
 from .optim.optimizer import ElixirOptimizer
 from .plan import ElixirPlan, PlanError
 
 __all__ = [
     "prepare", "ElixirConfig", "LossScaleConfig", "ElixirOptimizer", "ElixirPlan", "PlanError", "ElixirState",
-    "rank0_state_dict",
+    "load_safetensors", "rank0_state_dict",
 ]

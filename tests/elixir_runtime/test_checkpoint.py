@@ -150,6 +150,35 @@ def test_load_wrong_shape_is_size_mismatch() -> None:
         model.load_state_dict(sd)
 
 
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_load_safetensors_streams_to_the_same_model(tmp_path, name: str) -> None:
+    """HF's file (tied lm_head not stored), a tensor at a time: the same logits as the source."""
+    source = MODEL_BUILDERS[name](seed=7).eval()
+    source.save_pretrained(tmp_path)
+    batch = make_batch(source.config.vocab_size)
+    model, _ = _prepare(MODEL_BUILDERS[name](seed=0), batch, **LAYOUTS["big-chunks-full-offload"])
+    model.eval()
+    assert not torch.allclose(_logits(model, batch), _logits(source, batch), atol=1e-3)
+    er.load_safetensors(model, str(tmp_path / "model.safetensors"))
+    torch.testing.assert_close(_logits(model, batch), _logits(source, batch), rtol=0, atol=1e-6)
+
+
+def test_load_safetensors_is_strict(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    model, _ = _prepare(tiny_gpt2(seed=0), make_batch(128))
+    sd = {k: v.contiguous() for k, v in tiny_gpt2(seed=1).state_dict().items() if k != "lm_head.weight"}
+    save_file({**sd, "extra.weight": torch.zeros(2)}, tmp_path / "extra.safetensors")
+    with pytest.raises(RuntimeError, match=r"unexpected keys \['extra.weight'\]"):
+        er.load_safetensors(model, str(tmp_path / "extra.safetensors"))
+    save_file({k: v for k, v in sd.items() if k != "transformer.h.0.mlp.c_fc.bias"}, tmp_path / "missing.safetensors")
+    with pytest.raises(RuntimeError, match="missing keys .*transformer.h.0.mlp.c_fc.bias"):
+        er.load_safetensors(model, str(tmp_path / "missing.safetensors"))
+    save_file({**sd, "transformer.h.0.mlp.c_fc.weight": torch.zeros(3, 5)}, tmp_path / "shape.safetensors")
+    with pytest.raises(RuntimeError, match="size mismatch for transformer.h.0.mlp.c_fc.weight"):
+        er.load_safetensors(model, str(tmp_path / "shape.safetensors"))
+
+
 # --------------------------------------------------------------------------- (c) resume
 
 
