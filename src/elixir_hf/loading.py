@@ -48,8 +48,9 @@ def from_pretrained(
 ) -> PreTrainedModel:
     """``model_class.from_pretrained(name_or_path, **kwargs)`` on rank 0; the same model on meta elsewhere.
 
-    ``rank0_only=False`` loads on every rank (for a script whose Elixir is switched off). Pass ``dtype`` explicitly (e.g. ``torch.float32`` for fp32 master weights): with ``"auto"`` the
-    meta ranks can only read the config's ``dtype``, and ``prepare`` refuses ranks whose dtypes differ.
+    ``rank0_only=False`` loads on every rank (for a script whose Elixir is switched off). Pass
+    ``dtype`` explicitly (e.g. ``torch.float32`` for fp32 master weights): with ``"auto"`` the meta
+    ranks can only read the config's ``dtype``, and ``prepare`` refuses ranks whose dtypes differ.
     """
     if holds_weights(rank0_only):
         return model_class.from_pretrained(name_or_path, **kwargs)
