@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..search.budget import local_ranks
 from .collectives import Collectives
 
-__all__ = ["WeightSource", "weight_source", "unmeta_parameters"]
+__all__ = ["WeightSource", "weight_source", "unmeta_parameters", "copies_warning"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +86,11 @@ def weight_source(model: nn.Module, coll: Collectives, device: torch.device) -> 
                 "the same dtype, on every rank"
             )
     if not any(meta for meta, _ in everyone):
+        if coll.rank == 0:
+            unique = {id(t): t for _, t in tensors}.values()
+            hint = copies_warning(sum(t.numel() * t.element_size() for t in unique), local_ranks(), _host_ram())
+            if hint:
+                logger.warning("elixir: %s", hint)
         return WeightSource(coll)
     backend = dist.get_backend(coll.group)
     if coll.rank == 0:
@@ -91,6 +98,26 @@ def weight_source(model: nn.Module, coll: Collectives, device: torch.device) -> 
         logger.info("elixir: ranks %s hold no weights: every rank's shards start from rank 0's %d tensors, broadcast "
                     "one at a time", on_meta_ranks, len(tensors))
     return WeightSource(coll, device if backend == "nccl" else torch.device("cpu"))
+
+
+COPIES_WARN_SHARE = 0.25
+"""Warn when the ranks' own copies of the weights take more than this share of the host's RAM."""
+
+
+def copies_warning(weight_bytes: int, ranks_here: int, host_bytes: int) -> str | None:
+    """The hint for a job whose every rank built the weights, when together they crowd the host."""
+    if ranks_here < 2 or weight_bytes * ranks_here <= COPIES_WARN_SHARE * host_bytes:
+        return None
+    gib = 2**30
+    return (
+        f"every rank holds its own copy of the weights ({ranks_here} x {weight_bytes / gib:.1f} GiB of "
+        f"{host_bytes / gib:.0f} GiB host RAM) until they are sharded: build the model on meta on ranks other than 0 "
+        "(elixir_hf.from_pretrained / from_config do) to hold it once"
+    )
+
+
+def _host_ram() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def unmeta_parameters(params: list[nn.Parameter]) -> None:
