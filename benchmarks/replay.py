@@ -9,7 +9,7 @@ same batch on fake tensors, and predicts the same plan on the same hardware with
 now, next to the step that was measured and the one predicted then. A change to ``search/cost.py``
 is judged against every recorded run in seconds, before a GPU session re-measures the table.
 
-Runs whose plan predates these records (before 2026-11-26's multi-GPU rows) are listed as skipped.
+Runs whose plan predates these records (every run in results.json as of 2026-11-26) are listed as skipped.
 """
 
 from __future__ import annotations

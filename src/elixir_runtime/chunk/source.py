@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..search.budget import local_ranks
+from ..search.budget import host_total, local_ranks
 from .collectives import Collectives
 
 __all__ = ["WeightSource", "weight_source", "unmeta_parameters", "copies_warning"]
@@ -32,14 +31,10 @@ class WeightSource:
     comm_device: torch.device | None = None
     """Where broadcasts happen (the GPU under NCCL, the CPU under gloo); None: no broadcasts."""
 
-    @property
-    def from_rank0(self) -> bool:
-        return self.comm_device is not None
-
     def value(self, t: torch.Tensor) -> torch.Tensor:
         """The full value of ``t`` as rank 0 holds it; ``t`` itself when every rank has its own.
 
-        A collective when ``from_rank0``: every rank calls it for the same tensors in the same order.
+        A collective when ``comm_device`` is set: every rank calls it for the same tensors in the same order.
         """
         if self.comm_device is None:
             return t.detach()
@@ -88,7 +83,7 @@ def weight_source(model: nn.Module, coll: Collectives, device: torch.device) -> 
     if not any(meta for meta, _ in everyone):
         if coll.rank == 0:
             unique = {id(t): t for _, t in tensors}.values()
-            hint = copies_warning(sum(t.numel() * t.element_size() for t in unique), local_ranks(), _host_ram())
+            hint = copies_warning(sum(t.numel() * t.element_size() for t in unique), local_ranks(), host_total())
             if hint:
                 logger.warning("elixir: %s", hint)
         return WeightSource(coll)
@@ -114,10 +109,6 @@ def copies_warning(weight_bytes: int, ranks_here: int, host_bytes: int) -> str |
         f"{host_bytes / gib:.0f} GiB host RAM) until they are sharded: build the model on meta on ranks other than 0 "
         "(elixir_hf.from_pretrained / from_config do) to hold it once"
     )
-
-
-def _host_ram() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def unmeta_parameters(params: list[nn.Parameter]) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Budget", "device_budget", "host_available", "local_ranks", "F_ALLOC", "F_FRAG"]
+__all__ = ["Budget", "device_budget", "host_available", "host_total", "local_ranks", "F_ALLOC", "F_FRAG"]
 
 F_ALLOC = 0.95
 F_FRAG = 1.25
@@ -64,9 +64,18 @@ def device_budget(device: torch.device, activations: int, buffers: int, ranks_pe
 def host_available() -> int:
     """``MemAvailable``: what this host can still give (the model's own weights already counted);
     the physical RAM where ``/proc/meminfo`` is missing."""
+    return _meminfo("MemAvailable")
+
+
+def host_total() -> int:
+    """``MemTotal``: the host's RAM."""
+    return _meminfo("MemTotal")
+
+
+def _meminfo(field: str) -> int:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass

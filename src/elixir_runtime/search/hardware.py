@@ -163,7 +163,9 @@ class Rates:
 
     def summary(self) -> dict[str, float | int | None]:
         """The per-rank transfer, collective and update rates a plan was made with (GB/s, G params/s)."""
-        giga = lambda x: round(x / 1e9, 3) if x else None  # noqa: E731
+        def giga(x: float | None) -> float | None:
+            return round(x / 1e9, 3) if x else None
+
         return {
             "ranks": self.n, "h2d_GBps": giga(self.h2d), "d2h_GBps": giga(self.d2h), "duplex_GBps": giga(self.duplex),
             "busbw_GBps": giga(self.busbw), "gpu_adam_Gps": giga(self.gpu_adam), "cpu_adam_Gps": giga(self.cpu_adam),

@@ -10,7 +10,6 @@ planning a CPU run (and for tests), not a GPU prediction.
 from __future__ import annotations
 
 import datetime
-import os
 import platform
 import statistics
 import time
@@ -24,6 +23,7 @@ from ..chunk.host_memory import empty_host
 from ..optim.kernel import AdamHyper, AdamKernel, Segment
 from ..optim.select import select_kernel
 from ..optim.threads import cpu_adam_threads, usable_cores
+from .budget import host_total
 from .hardware import PROFILE_VERSION, HardwareProfile, LinkRates
 
 __all__ = ["measure_hardware"]
@@ -58,7 +58,7 @@ def _measure_gpu(quick: bool, dtype: torch.dtype) -> HardwareProfile:
         device=torch.cuda.get_device_name(dev),
         gpus=gpus,
         gpu_memory=torch.cuda.get_device_properties(dev).total_memory,
-        host_memory=_host_memory(),
+        host_memory=host_total(),
         cpu_cores=usable_cores(),
         matmul={str(s): _matmul_rate(s, dtype, dev) for s in sizes},
         attention=_attention_rate(dtype, dev, quick),
@@ -201,7 +201,7 @@ def _measure_cpu(quick: bool) -> HardwareProfile:
     cpu = torch.device("cpu")
     copy = _copy_rate(cpu, (16 if quick else 128) * 2**20)
     adam = _adam_rate(cpu, 2**20 if quick else 2**24, torch.bfloat16)
-    host = _host_memory()
+    host = host_total()
     return HardwareProfile(
         device="cpu",
         gpus=1,
@@ -271,14 +271,3 @@ def _median_time(fn: Callable[[], object], sync: Callable[[], None], target: flo
         sync()
         times.append((time.perf_counter() - t) / calls)
     return statistics.median(times)
-
-
-def _host_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

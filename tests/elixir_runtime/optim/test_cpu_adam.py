@@ -6,11 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from adam_cases import (
-    DIV_SCALES,
     GRAD_DTYPES,
     OUT_DTYPES,
     check_against_reference,
-    hypers_at,
     make_arena,
     make_segments,
     run_kernel,
