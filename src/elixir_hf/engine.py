@@ -12,7 +12,7 @@ from torch import nn
 import elixir_runtime
 from elixir_runtime import ElixirOptimizer
 
-from .plugin import ElixirPlugin
+from .plugin import ElixirPlugin, describe_model
 
 __all__ = ["build_engine", "clips_grads", "example_batch", "has_engine"]
 
@@ -32,7 +32,8 @@ def build_engine(
     *,
     args: Any | None = None,
 ) -> ElixirOptimizer:
-    """Checks the plan file (if any), then ``elixir_runtime.prepare``s the model in place.
+    """Checks the plan file (if any), then ``elixir_runtime.prepare``s the model in place and
+    prints the plan as a table, once, on rank 0.
 
     ``batch`` (one training batch) lets the engine order chunks by first use in forward.
     ``args`` (the ``TrainingArguments``, if any) tells the planner whether the loop clips
@@ -43,7 +44,11 @@ def build_engine(
     if args is not None:
         config = dataclasses.replace(config, clips_grads=clips_grads(args))
     _, engine = elixir_runtime.prepare(model, optimizer, config=config, example_batch=batch)
-    plugin.check_plan(model._elixir.plan)
+    plan = model._elixir.plan
+    plugin.check_plan(plan)
+    if model._elixir.runtime.coll.rank == 0:
+        m = describe_model(model)
+        print(f"Elixir plan for {m['class']} ({m['parameters'] / 1e6:.1f}M parameters):\n{plan.table()}", flush=True)
     return engine
 
 
