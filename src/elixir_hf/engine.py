@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from typing import Any, Callable, Sequence
 
@@ -64,12 +65,15 @@ def clips_grads(args: Any) -> bool:
 def example_batch(dataset: Any, collate_fn: Callable[[list], Any] | None, batch_size: int) -> Any | None:
     """The dataset's first ``batch_size`` examples, collated.
 
-    Read by index, not through a DataLoader: iterating a loader draws a seed from the global RNG,
+    Read by index (or, from an iterable dataset such as a streamed ``datasets`` one, by iterating
+    it afresh), not through a DataLoader: iterating a loader draws a seed from the global RNG,
     which would change the data order and dropout masks compared with a run without Elixir.
     """
     try:
-        n = min(len(dataset), batch_size)
-        items: Sequence[Any] = [dataset[i] for i in range(n)]
+        if hasattr(dataset, "__len__") and not isinstance(dataset, torch.utils.data.IterableDataset):
+            items: Sequence[Any] = [dataset[i] for i in range(min(len(dataset), batch_size))]
+        else:
+            items = list(itertools.islice(dataset, batch_size))
         return collate_fn(items) if collate_fn is not None else torch.utils.data.default_collate(items)
     except Exception as exc:  # unknown dataset/collator shapes: the engine falls back to module order
         logger.info("no example batch for the Elixir trace (%s: %s); module order is used", type(exc).__name__, exc)
