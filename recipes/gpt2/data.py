@@ -29,7 +29,6 @@ import os
 import shutil
 import sys
 import sysconfig
-from itertools import chain
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -171,7 +170,7 @@ def lm_datasets(
         return {"input_ids": [x + tail for x in ids]}
 
     def group_texts(batch: dict[str, list]) -> dict[str, list]:
-        ids = list(chain(*batch["input_ids"]))
+        ids = list(itertools.chain(*batch["input_ids"]))
         blocks = [ids[i : i + block_size] for i in range(0, len(ids) // block_size * block_size, block_size)]
         return {"input_ids": blocks, "labels": [list(b) for b in blocks]}
 
