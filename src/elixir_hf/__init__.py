@@ -12,14 +12,12 @@ On several ranks, ``from_pretrained(AutoModelForCausalLM, path, dtype=...)`` loa
 
 from .accelerator import ElixirAccelerator
 from .arguments import ElixirTrainingArguments
-from .callback import ElixirCallback
 from .loading import from_config, from_pretrained
 from .plugin import ElixirPlugin, ElixirSpecError
 from .trainer import ElixirTrainer
 
 __all__ = [
     "ElixirAccelerator",
-    "ElixirCallback",
     "ElixirPlugin",
     "ElixirSpecError",
     "ElixirTrainer",

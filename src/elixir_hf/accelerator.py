@@ -11,7 +11,8 @@ What changes underneath: the model is never moved, DDP-wrapped, autocast or comp
 places, shards and reduces it, and owns the compute dtype: accelerate's ``mixed_precision``
 becomes the engine's dtype and Accelerate itself runs with ``"no"``); ``backward`` scales the loss
 for fp16 and reduces gradients into shards; ``clip_grad_norm_`` returns the engine's global norm
-and folds clipping into the next step; checkpoints keep one optimizer shard per rank.
+and folds clipping into the next step; checkpoints keep one optimizer shard per rank;
+``accelerator.log`` carries the engine's ``elixir/*`` numbers (``elixir_metrics``) to the trackers.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from elixir_runtime.checkpoint import load_safetensors
 
 from .checkpoint import atomic_torch_save, load_shard, saved_world_size, shard_name
 from .engine import build_engine, example_batch, has_engine
+from .metrics import EngineMetrics
 from .optimizer import ElixirAcceleratedOptimizer
 from .plugin import ENV_VAR, ElixirPlugin, ElixirSpecError, check_exclusive
 
@@ -58,6 +60,7 @@ class ElixirAccelerator(Accelerator):
             kwargs["mixed_precision"] = "no"
         super().__init__(*args, **kwargs)
         self.elixir_plugin = plugin
+        self._engine_metrics: EngineMetrics | None = None
         if plugin is not None:
             if self.state.dynamo_plugin.backend != DynamoBackend.NO:
                 raise ElixirSpecError(
@@ -89,7 +92,10 @@ class ElixirAccelerator(Accelerator):
                 # a scheduler built on `optimizer` sees its steps run by the engine (same param_groups);
                 # tell torch it has stepped, or its "scheduler before optimizer" warning fires
                 optimizer._opt_called = True
-        return super().prepare(*objs, device_placement=device_placement)
+        prepared = super().prepare(*objs, device_placement=device_placement)
+        if models and optimizers:
+            self._engine_metrics = EngineMetrics(self.elixir_optimizer, objs[models[0]]._elixir.plan)
+        return prepared
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
         if self.elixir_plugin is None:
@@ -133,6 +139,17 @@ class ElixirAccelerator(Accelerator):
     def no_sync(self, model: nn.Module):
         opt = self.elixir_optimizer
         return super().no_sync(model) if opt is None else opt.engine.no_sync()
+
+    # ------------------------------------------------------------------ metrics
+    def elixir_metrics(self) -> dict[str, float]:
+        """The engine's ``elixir/*`` numbers since the previous call, this rank's (``{}`` before
+        ``prepare`` or with Elixir off); see ``EngineMetrics``."""
+        return self._engine_metrics.collect() if self._engine_metrics is not None else {}
+
+    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
+        """Accelerate's ``log`` (to every tracker, on the main process), with ``elixir_metrics()``
+        merged into ``values``."""
+        super().log({**self.elixir_metrics(), **values}, step=step, log_kwargs=log_kwargs)
 
     # ------------------------------------------------------------------ checkpoints
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:

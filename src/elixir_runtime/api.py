@@ -95,7 +95,8 @@ def prepare(
     for u in units:
         u.chunks = tuple(sorted({layout.param_chunk[index[id(p)]] for p in u.params}))
     plan = resolve_plan(config, layout, units, device, dtype, search)
-    logger.info("Elixir plan:\n%s", plan.table())
+    if coll.rank == 0:  # the HF integration prints it; a debug record for runtime-only users
+        logger.debug("Elixir plan:\n%s", plan.table())
 
     orig_dtypes = [p.dtype for p in params]
     _move_buffers(model, device, source)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import io
 import json
+import logging
 import os
 import signal
 import sys
@@ -31,7 +33,23 @@ _STACKS = open(os.path.join(sys.argv[1], f"stacks-rank{os.environ.get('RANK', '0
 faulthandler.register(signal.SIGUSR1, file=_STACKS, all_threads=True)
 
 
+class _Tee(io.TextIOBase):
+    """This rank's stdout, also kept in ``text`` to count what was shown."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.text = stream, io.StringIO()
+
+    def write(self, s: str) -> int:
+        self.text.write(s)
+        return self.stream.write(s)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 def main(out: str) -> None:
+    sys.stdout = tee = _Tee(sys.stdout)
+    logging.basicConfig(level=logging.INFO, stream=tee)
     common = dict(max_steps=STEPS, eval_steps=4, ddp_backend="gloo", ddp_timeout=120)
     ddp = make_trainer("gpt2", training_args(f"{out}/ddp", **common))
     ddp.train()
@@ -61,10 +79,14 @@ def main(out: str) -> None:
     from_rank0_resumed.train(resume_from_checkpoint=f"{out}/elixir/checkpoint-{STEPS // 2}")
 
     accelerate_runs = [_accelerate_loop(meta_ranks) for meta_ranks in (False, True)]
+    plan_shown: list = [None] * dist.get_world_size()
+    dist.all_gather_object(plan_shown, tee.text.getvalue().count("Elixir plan"))
 
     if dist.get_rank() == 0:
         result = {
             "world_size": dist.get_world_size(),
+            "engines_built": 4 + len(accelerate_runs),  # full, resumed, from_rank0(_resumed), the loops
+            "plan_shown": plan_shown,
             "ddp": {k: history(ddp, k) for k in ("loss", "grad_norm", "eval_loss")},
             "elixir": {k: history(full, k) for k in ("loss", "grad_norm", "eval_loss")},
             "resumed": {k: history(resumed, k) for k in ("loss", "grad_norm", "eval_loss")},

@@ -1,6 +1,7 @@
 """Two ranks (torchrun, CPU, gloo): ElixirTrainer matches the stock Trainer under DDP, a 2-rank
 checkpoint resumes with the same losses, a model loaded on rank 0 only trains the same, the
-consolidated model equals DDP's, and resuming that checkpoint on one rank fails with a clear message."""
+consolidated model equals DDP's, the plan is shown once, by rank 0, and resuming that checkpoint on
+one rank fails with a clear message."""
 
 from __future__ import annotations
 
@@ -69,6 +70,11 @@ def test_two_ranks_match_ddp(two_rank_run) -> None:
     assert result["world_size"] == 2
     for key in ("loss", "grad_norm", "eval_loss"):
         _close(result["elixir"][key], result["ddp"][key], key)
+
+
+def test_the_plan_is_shown_once_per_engine_on_rank_0(two_rank_run) -> None:
+    _, result = two_rank_run
+    assert result["plan_shown"] == [result["engines_built"], 0]
 
 
 def test_two_rank_resume_gives_the_same_losses(two_rank_run) -> None:
