@@ -1,7 +1,9 @@
 """``ElixirTrainer``: the HF ``Trainer`` with the Elixir engine underneath.
 
-With ``ElixirTrainingArguments(elixir=None/"off")`` (or plain ``TrainingArguments``) it *is* the
-stock Trainer. With Elixir on, it changes five things, each where the Trainer allows it:
+With ``ElixirTrainingArguments(elixir=None/"off")`` it *is* the stock Trainer. Plain
+``TrainingArguments`` (or a subclass such as TRL's ``SFTConfig``) are rebuilt as Elixir ones, so
+``ELIXIR_CONFIG`` applies to them as to ``--elixir``. With Elixir on, it changes five things, each
+where the Trainer allows it:
 
 * the accelerator is an ``ElixirAccelerator`` (``backward``/``clip_grad_norm_``/``no_sync``/
   skipped steps go to the engine; ``Accelerator(**args)`` is hard-coded in the Trainer, so the
@@ -17,6 +19,7 @@ stock Trainer. With Elixir on, it changes five things, each where the Trainer al
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 from unittest import mock
@@ -28,19 +31,23 @@ from transformers import Trainer
 from elixir_runtime import rank0_state_dict
 
 from .accelerator import ElixirAccelerator
+from .arguments import as_elixir_args
 from .callback import ElixirCallback
 from .checkpoint import atomic_torch_save, check_resume, load_shard, saved_world_size, shard_name, staged_dir
 from .engine import build_engine, example_batch, has_engine
+from .mixin import mixed_class
 from .plugin import ElixirPlugin
 
-__all__ = ["ElixirTrainer"]
+__all__ = ["ElixirTrainer", "elixir_trainer"]
 
 SCHEDULER_NAME = "scheduler.pt"
 
 
 class ElixirTrainer(Trainer):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, model: Any = None, args: Any = None, *rest: Any, **kwargs: Any) -> None:
+        args = as_elixir_args(args)
+        args._elixir_trainer = True  # the Trainer reads args.place_model_on_device, which checks this
+        super().__init__(model, args, *rest, **kwargs)
         if self.elixir_plugin is not None:
             # first, so that the engine metrics it adds to each log reach every reporter after it
             callback = self.pop_callback(ElixirCallback) or ElixirCallback()
@@ -52,11 +59,9 @@ class ElixirTrainer(Trainer):
 
     # ------------------------------------------------------------------ engine
     def create_accelerator_and_postprocess(self) -> None:
-        if self.elixir_plugin is None:
-            return super().create_accelerator_and_postprocess()
-
         def accelerator(**kwargs: Any) -> ElixirAccelerator:
-            return ElixirAccelerator(elixir_plugin=self.elixir_plugin, **kwargs)
+            # "off" when Elixir is off: an ElixirAccelerator left to read ELIXIR_CONFIG could turn it on
+            return ElixirAccelerator(elixir_plugin=self.elixir_plugin or "off", **kwargs)
 
         with mock.patch.object(transformers.trainer, "Accelerator", accelerator):
             super().create_accelerator_and_postprocess()
@@ -135,3 +140,13 @@ class ElixirTrainer(Trainer):
             raise ValueError(f"checkpoint {checkpoint} is incomplete ({missing} is missing): resume from an earlier")
         self.optimizer.load_state_dict(shard)
         self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+@functools.cache
+def elixir_trainer(cls: type[Trainer]) -> type[ElixirTrainer]:
+    """``cls`` (a ``Trainer`` subclass, e.g. TRL's ``SFTTrainer``) on the Elixir engine: ``cls`` first
+    in the MRO, its overrides calling ``ElixirTrainer``'s through ``super()``.
+
+        trainer = elixir_hf.elixir_trainer(SFTTrainer)(model=model, args=args, train_dataset=ds)
+    """
+    return mixed_class(cls, ElixirTrainer)

@@ -1,0 +1,167 @@
+"""``elixir-run``: unmodified scripts (``scripts/``: an HF Trainer script, an Accelerate loop, a
+TRL SFT script with an optional PEFT LoRA adapter) train with the Elixir engine and log the stock
+runs' losses (fp32 on CPU, relative 1e-5), at 1 rank and at 2 gloo ranks under torchrun.
+
+The stock 1-rank runs execute the script in this process (no Elixir class is touched there);
+everything through ``elixir-run`` and every 2-rank run is a subprocess.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import runpy
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from elixir_hf.checkpoint import shard_name
+from elixir_hf.run import main, split_elixir
+from helpers.models import BOS_ID, EOS_ID, PAD_ID, tiny_gpt2
+from hf_cases import OFFLOAD_PLAN, VOCAB
+
+SCRIPTS = Path(__file__).with_name("scripts")
+SRC = Path(__file__).parents[2] / "src"
+RTOL = 1e-5
+PLAN_LINE = "Elixir plan for"
+TRAINER_ARGS = [  # clipping active (max_grad_norm 0.5 < the typical norm), an evaluation half-way
+    *("--max_steps", "6", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"),
+    *("--learning_rate", "1e-2", "--adam_epsilon", "1e-6", "--weight_decay", "0.1", "--max_grad_norm", "0.5"),
+    *("--logging_steps", "1", "--eval_strategy", "steps", "--eval_steps", "3", "--save_strategy", "no"),
+    *("--report_to", "none", "--use_cpu", "--seed", "0", "--disable_tqdm", "true"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _no_env_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ELIXIR_CONFIG", raising=False)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny GPT-2 and a word-level tokenizer over its vocabulary, as a ``from_pretrained`` folder."""
+    path = tmp_path_factory.mktemp("tiny-gpt2")
+    tiny_gpt2(seed=0, vocab=VOCAB).save_pretrained(path)
+    words = ["".join(p) for p in itertools.product(string.ascii_lowercase, repeat=2)][: VOCAB - 4]
+    specials = {PAD_ID: "<pad>", BOS_ID: "<s>", EOS_ID: "</s>", 3: "<unk>"}
+    vocab = {t: i for i, t in enumerate([specials[i] for i in range(4)] + words)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    ).save_pretrained(path)
+    return path
+
+
+def _launch(cmd: list[str], env: dict[str, str] | None = None, expect_ok: bool = True) -> str:
+    full_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+        **(env or {}),
+    }
+    proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert (proc.returncode == 0) == expect_ok, out[-6000:]
+    return out
+
+
+def _elixir_run(ranks: int, *args: str, env: dict[str, str] | None = None, expect_ok: bool = True) -> str:
+    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                    "--nproc_per_node", str(ranks)]
+    return _launch([*launcher, "-m", "elixir_hf.run", *args], env, expect_ok)
+
+
+def _stock(ranks: int, script: Path, *args: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if ranks > 1:
+        _launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+                 str(script), *args])
+        return
+    with monkeypatch.context() as m:
+        m.setattr(sys, "argv", [str(script), *args])
+        runpy.run_path(str(script), run_name="__main__")
+
+
+def _history(output_dir: Path, key: str) -> list[float]:
+    state = json.loads((output_dir / "trainer_state.json").read_text())
+    return [h[key] for h in state["log_history"] if key in h]
+
+
+def _close(got: list[float], want: list[float], what: str) -> None:
+    assert len(got) == len(want) > 0, (what, got, want)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert math.isclose(g, w, rel_tol=RTOL), f"{what}[{i}]: elixir-run {g} vs stock {w}"
+
+
+# --------------------------------------------------------------------------- the launcher's own grammar
+
+
+def test_elixir_is_taken_out_of_the_scripts_arguments() -> None:
+    assert split_elixir(["t.py", "--lr", "1", "--elixir", "off"]) == ("off", ["t.py", "--lr", "1"])
+    assert split_elixir(["--elixir", "t.py", "--x"]) == ("auto", ["t.py", "--x"])  # bare flag: auto
+    assert split_elixir(["t.py", "--elixir", "--x", "1"]) == ("auto", ["t.py", "--x", "1"])
+    assert split_elixir(["t.py", "--elixir={\"offload\": 0.5}"]) == ('{"offload": 0.5}', ["t.py"])
+    assert split_elixir(["t.py", "--elixir", "plan.json", "y"]) == ("plan.json", ["t.py", "y"])
+    assert split_elixir(["t.py", "--elixirx"]) == (None, ["t.py", "--elixirx"])
+
+
+def test_bad_launch_fails_before_the_script_runs(tmp_path) -> None:
+    script = tmp_path / "never.py"
+    script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
+    with pytest.raises(SystemExit, match="elixir-run: unknown --elixir key 'ofload'"):
+        main([str(script), "--elixir", '{"ofload": 0.5}'])
+    with pytest.raises(SystemExit, match="name the script to run"):
+        main(["--elixir", "auto"])
+    assert not (tmp_path / "ran").exists()
+
+
+# --------------------------------------------------------------------------- unmodified scripts, 1 and 2 ranks
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_trainer_script(model_dir, tmp_path, monkeypatch, ranks: int) -> None:
+    """``--elixir`` after the script's own arguments; its HfArgumentParser never sees it."""
+    script = SCRIPTS / "hf_trainer.py"
+    common = ["--model_name_or_path", str(model_dir), *TRAINER_ARGS, *(["--ddp_backend", "gloo"] if ranks > 1 else [])]
+    _stock(ranks, script, *common, "--output_dir", str(tmp_path / "stock"), monkeypatch=monkeypatch)
+    out = _elixir_run(ranks, str(script), *common, "--output_dir", str(tmp_path / "elixir"), "--elixir", OFFLOAD_PLAN)
+
+    assert out.count(PLAN_LINE) == 1, out[-3000:]  # the engine ran, and rank 0 alone printed its plan
+    assert f"world size            {ranks}" in out
+    for key in ("loss", "grad_norm", "eval_loss"):
+        _close(_history(tmp_path / "elixir", key), _history(tmp_path / "stock", key), key)
+    args = torch.load(tmp_path / "elixir" / "training_args.bin", weights_only=False)
+    assert args.elixir_plugin.offload == 0.5 and args.elixir_plugin.n_blocks == "min"
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_accelerate_loop(model_dir, tmp_path, monkeypatch, ranks: int) -> None:
+    """The settings from ``ELIXIR_CONFIG``; at 2 ranks ``--elixir`` comes before the script."""
+    script = SCRIPTS / "accelerate_loop.py"
+    common = ["--model_name_or_path", str(model_dir), "--cpu"]
+    _stock(ranks, script, *common, "--output_dir", str(tmp_path / "stock"), monkeypatch=monkeypatch)
+    run = [str(script), *common, "--output_dir", str(tmp_path / "elixir")]
+    if ranks == 1:
+        _elixir_run(ranks, *run, env={"ELIXIR_CONFIG": OFFLOAD_PLAN})
+    else:
+        _elixir_run(ranks, "--elixir", OFFLOAD_PLAN, *run)
+
+    stock, ours = (json.loads((tmp_path / d / "losses.json").read_text()) for d in ("stock", "elixir"))
+    assert len(ours) == 24 // ranks
+    _close(ours, stock, "loss")
+    # the engine ran: one optimizer shard per rank in the final save_state (the stock run has none)
+    for rank in range(ranks):
+        assert (tmp_path / "elixir" / "state" / shard_name(rank)).is_file()
+    assert not list((tmp_path / "stock" / "state").glob(shard_name(0)))
