@@ -8,12 +8,11 @@ everything through ``elixir-run`` and every 2-rank run is a subprocess.
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import json
 import math
 import os
 import runpy
-import string
 import subprocess
 import sys
 from pathlib import Path
@@ -21,13 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
 from elixir_hf.checkpoint import shard_name
 from elixir_hf.run import main, split_elixir
-from helpers.models import BOS_ID, EOS_ID, PAD_ID, tiny_gpt2
-from hf_cases import OFFLOAD_PLAN, VOCAB
+from hf_cases import OFFLOAD_PLAN, save_tiny_lm
 
 SCRIPTS = Path(__file__).with_name("scripts")
 SRC = Path(__file__).parents[2] / "src"
@@ -48,18 +44,7 @@ def _no_env_config(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    """A tiny GPT-2 and a word-level tokenizer over its vocabulary, as a ``from_pretrained`` folder."""
-    path = tmp_path_factory.mktemp("tiny-gpt2")
-    tiny_gpt2(seed=0, vocab=VOCAB).save_pretrained(path)
-    words = ["".join(p) for p in itertools.product(string.ascii_lowercase, repeat=2)][: VOCAB - 4]
-    specials = {PAD_ID: "<pad>", BOS_ID: "<s>", EOS_ID: "</s>", 3: "<unk>"}
-    vocab = {t: i for i, t in enumerate([specials[i] for i in range(4)] + words)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    ).save_pretrained(path)
-    return path
+    return save_tiny_lm(tmp_path_factory.mktemp("tiny-gpt2"))
 
 
 def _launch(cmd: list[str], env: dict[str, str] | None = None, expect_ok: bool = True) -> str:
@@ -165,3 +150,39 @@ def test_accelerate_loop(model_dir, tmp_path, monkeypatch, ranks: int) -> None:
     for rank in range(ranks):
         assert (tmp_path / "elixir" / "state" / shard_name(rank)).is_file()
     assert not list((tmp_path / "stock" / "state").glob(shard_name(0)))
+
+
+# --------------------------------------------------------------------------- TRL and PEFT
+
+SFT_ARGS = [  # gradient_checkpointing and the other SFTConfig defaults left as TRL sets them
+    *("--max_steps", "4", "--per_device_train_batch_size", "2", "--learning_rate", "1e-2", "--adam_epsilon", "1e-6"),
+    *("--logging_steps", "1", "--max_length", "16", "--bf16", "false", "--use_cpu", "--report_to", "none"),
+    *("--save_strategy", "no", "--seed", "0", "--disable_tqdm", "true"),
+]
+
+
+def test_trl_sft_with_a_lora_adapter(model_dir, tmp_path, monkeypatch) -> None:
+    """TRL's SFTTrainer with a PEFT LoRA adapter (frozen base, trainable adapters) through elixir-run:
+    the stock losses and grad norms, the stock adapter files, and the stock SFTConfig field by field."""
+    script = SCRIPTS / "trl_sft.py"
+    common = ["--model_name_or_path", str(model_dir), "--use_peft", "true", *SFT_ARGS]
+    _stock(1, script, *common, "--output_dir", str(tmp_path / "stock"), monkeypatch=monkeypatch)
+    out = _elixir_run(1, str(script), *common, "--output_dir", str(tmp_path / "elixir"), "--elixir", OFFLOAD_PLAN)
+
+    assert out.count(PLAN_LINE) == 1, out[-3000:]
+    for key in ("loss", "grad_norm"):
+        _close(_history(tmp_path / "elixir", key), _history(tmp_path / "stock", key), key)
+    files = {p.name for p in (tmp_path / "elixir").iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= files and "model.safetensors" not in files
+    assert files == {p.name for p in (tmp_path / "stock").iterdir()}
+    ours, stock = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("elixir", "stock"))
+    assert ours.keys() == stock.keys() and all("lora_" in k for k in ours)
+    for key in ours:
+        torch.testing.assert_close(ours[key], stock[key], rtol=1e-5, atol=1e-6)
+
+    ours, stock = (torch.load(tmp_path / d / "training_args.bin", weights_only=False) for d in ("elixir", "stock"))
+    assert ours.elixir_plugin.offload == 0.5 and type(stock).__name__ == "SFTConfig"
+    assert ours.gradient_checkpointing is True  # SFTConfig's default (TrainingArguments' is False)
+    fields = {f.name for f in dataclasses.fields(stock)} - {"output_dir", "logging_dir"}
+    differ = {f for f in fields if getattr(ours, f) != getattr(stock, f)}
+    assert not differ, {f: (getattr(ours, f), getattr(stock, f)) for f in differ}
