@@ -76,7 +76,11 @@ def _stock(ranks: int, script: Path, *args: str, monkeypatch: pytest.MonkeyPatch
         return
     with monkeypatch.context() as m:
         m.setattr(sys, "argv", [str(script), *args])
-        runpy.run_path(str(script), run_name="__main__")
+        if script.name == "sequence.py":  # its runs, without the os._exit that ends a launch
+            sequence = runpy.run_path(str(script))
+            sequence["run_all"](sequence["split"](list(args)))
+        else:
+            runpy.run_path(str(script), run_name="__main__")
 
 
 def _history(output_dir: Path, key: str) -> list[float]:
@@ -116,40 +120,40 @@ def test_bad_launch_fails_before_the_script_runs(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_trainer_script(model_dir, tmp_path, monkeypatch, ranks: int) -> None:
-    """``--elixir`` after the script's own arguments; its HfArgumentParser never sees it."""
-    script = SCRIPTS / "hf_trainer.py"
-    common = ["--model_name_or_path", str(model_dir), *TRAINER_ARGS, *(["--ddp_backend", "gloo"] if ranks > 1 else [])]
-    _stock(ranks, script, *common, "--output_dir", str(tmp_path / "stock"), monkeypatch=monkeypatch)
-    out = _elixir_run(ranks, str(script), *common, "--output_dir", str(tmp_path / "elixir"), "--elixir", OFFLOAD_PLAN)
+def test_trainer_script_and_accelerate_loop(model_dir, tmp_path, monkeypatch, ranks: int) -> None:
+    """One launch trains both scripts (``scripts/sequence.py``), once stock and once through
+    elixir-run. ``--elixir`` comes last, after the Accelerate script's own arguments: neither
+    script's parser sees it; at 1 rank the settings come from ``ELIXIR_CONFIG`` instead."""
+    trainer_args = ["--model_name_or_path", str(model_dir), *TRAINER_ARGS]
+    trainer_args += ["--ddp_backend", "gloo"] if ranks > 1 else []
+    loop_args = ["--model_name_or_path", str(model_dir), "--cpu"]
 
-    assert out.count(PLAN_LINE) == 1, out[-3000:]  # the engine ran, and rank 0 alone printed its plan
-    assert f"world size            {ranks}" in out
+    def scripts(run: str) -> list[str]:
+        return [str(SCRIPTS / "hf_trainer.py"), *trainer_args, "--output_dir", str(tmp_path / run / "trainer"), "--",
+                str(SCRIPTS / "accelerate_loop.py"), *loop_args, "--output_dir", str(tmp_path / run / "loop")]
+
+    _stock(ranks, SCRIPTS / "sequence.py", *scripts("stock"), monkeypatch=monkeypatch)
+    if ranks == 1:
+        out = _elixir_run(ranks, str(SCRIPTS / "sequence.py"), *scripts("elixir"), env={"ELIXIR_CONFIG": OFFLOAD_PLAN})
+    else:
+        out = _elixir_run(ranks, str(SCRIPTS / "sequence.py"), *scripts("elixir"), "--elixir", OFFLOAD_PLAN)
+    trainer_out, loop_out = out.split("== accelerate_loop.py")
+
+    # the Trainer script: the engine ran (rank 0 alone printed its plan) and logged the stock numbers
+    assert trainer_out.count(PLAN_LINE) == 1 and f"world size            {ranks}" in trainer_out, out[-3000:]
     for key in ("loss", "grad_norm", "eval_loss"):
-        _close(_history(tmp_path / "elixir", key), _history(tmp_path / "stock", key), key)
-    args = torch.load(tmp_path / "elixir" / "training_args.bin", weights_only=False)
+        _close(_history(tmp_path / "elixir" / "trainer", key), _history(tmp_path / "stock" / "trainer", key), key)
+    args = torch.load(tmp_path / "elixir" / "trainer" / "training_args.bin", weights_only=False)
     assert args.elixir_plugin.offload == 0.5 and args.elixir_plugin.n_blocks == "min"
 
-
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_accelerate_loop(model_dir, tmp_path, monkeypatch, ranks: int) -> None:
-    """The settings from ``ELIXIR_CONFIG``; at 2 ranks ``--elixir`` comes before the script."""
-    script = SCRIPTS / "accelerate_loop.py"
-    common = ["--model_name_or_path", str(model_dir), "--cpu"]
-    _stock(ranks, script, *common, "--output_dir", str(tmp_path / "stock"), monkeypatch=monkeypatch)
-    run = [str(script), *common, "--output_dir", str(tmp_path / "elixir")]
-    if ranks == 1:
-        _elixir_run(ranks, *run, env={"ELIXIR_CONFIG": OFFLOAD_PLAN})
-    else:
-        _elixir_run(ranks, "--elixir", OFFLOAD_PLAN, *run)
-
-    stock, ours = (json.loads((tmp_path / d / "losses.json").read_text()) for d in ("stock", "elixir"))
+    # the Accelerate loop: the stock losses, and the engine's optimizer shard of every rank in its save_state
+    assert loop_out.count(PLAN_LINE) <= 1
+    stock, ours = (json.loads((tmp_path / run / "loop" / "losses.json").read_text()) for run in ("stock", "elixir"))
     assert len(ours) == 24 // ranks
-    _close(ours, stock, "loss")
-    # the engine ran: one optimizer shard per rank in the final save_state (the stock run has none)
+    _close(ours, stock, "loop loss")
     for rank in range(ranks):
-        assert (tmp_path / "elixir" / "state" / shard_name(rank)).is_file()
-    assert not list((tmp_path / "stock" / "state").glob(shard_name(0)))
+        assert (tmp_path / "elixir" / "loop" / "state" / shard_name(rank)).is_file()
+    assert not (tmp_path / "stock" / "loop" / "state" / shard_name(0)).exists()
 
 
 # --------------------------------------------------------------------------- TRL and PEFT
