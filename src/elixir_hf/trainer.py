@@ -59,9 +59,11 @@ class ElixirTrainer(Trainer):
 
     # ------------------------------------------------------------------ engine
     def create_accelerator_and_postprocess(self) -> None:
+        if self.elixir_plugin is None:
+            return super().create_accelerator_and_postprocess()
+
         def accelerator(**kwargs: Any) -> ElixirAccelerator:
-            # "off" when Elixir is off: an ElixirAccelerator left to read ELIXIR_CONFIG could turn it on
-            return ElixirAccelerator(elixir_plugin=self.elixir_plugin or "off", **kwargs)
+            return ElixirAccelerator(elixir_plugin=self.elixir_plugin, **kwargs)
 
         with mock.patch.object(transformers.trainer, "Accelerator", accelerator):
             super().create_accelerator_and_postprocess()
