@@ -81,6 +81,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     install()
     if module:
         sys.argv = [target[0], *rest[2:]]  # runpy sets argv[0] to the module's file
+        sys.path[0] = os.getcwd()  # as python -m does
         runpy.run_module(target[0], run_name="__main__", alter_sys=True)
     else:
         script = os.path.abspath(target[0])
