@@ -15,6 +15,7 @@ import pytest
 from transformers import Trainer, TrainingArguments
 
 from elixir_hf import ElixirSpecError, ElixirTrainer, ElixirTrainingArguments, elixir_args, elixir_trainer
+from elixir_hf.engine import check_launch
 from hf_cases import OFFLOAD_PLAN, TokenDataset, history, make_trainer, save_tiny_lm, training_args
 from helpers.models import tiny_gpt2
 
@@ -74,6 +75,15 @@ def test_launched_world_size_the_trainer_does_not_see_fails_early(tmp_path) -> N
     assert proc.returncode != 0, out[-3000:]
     assert "one of 2 launched ranks but the Trainer/Accelerator runs 1" in out and "pass --use_cpu" in out, out[-3000:]
     assert "Elixir plan" not in out and not (tmp_path / "out" / "trainer_state.json").exists()
+
+
+def test_launch_check_compares_the_launched_ranks(monkeypatch) -> None:
+    """The rule both the arguments and ``ElixirAccelerator`` apply (torchrun's ``WORLD_SIZE`` when no
+    process group exists yet, e.g. an Accelerator on CPU without ``cpu=True``)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ElixirSpecError, match="one of 2 launched ranks but the Trainer/Accelerator runs 1.*cpu=True"):
+        check_launch(1)
+    check_launch(2)
 
 
 # --------------------------------------------------------------------------- TRL in code
