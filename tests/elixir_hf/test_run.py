@@ -47,7 +47,7 @@ def model_dir(tmp_path_factory) -> Path:
     return save_tiny_lm(tmp_path_factory.mktemp("tiny-gpt2"))
 
 
-def _launch(cmd: list[str], env: dict[str, str] | None = None, expect_ok: bool = True) -> str:
+def _launch(cmd: list[str], env: dict[str, str] | None = None) -> str:
     full_env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -59,14 +59,14 @@ def _launch(cmd: list[str], env: dict[str, str] | None = None, expect_ok: bool =
     }
     proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
-    assert (proc.returncode == 0) == expect_ok, out[-6000:]
+    assert proc.returncode == 0, out[-6000:]
     return out
 
 
-def _elixir_run(ranks: int, *args: str, env: dict[str, str] | None = None, expect_ok: bool = True) -> str:
+def _elixir_run(ranks: int, *args: str, env: dict[str, str] | None = None) -> str:
     launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     "--nproc_per_node", str(ranks)]
-    return _launch([*launcher, "-m", "elixir_hf.run", *args], env, expect_ok)
+    return _launch([*launcher, "-m", "elixir_hf.run", *args], env)
 
 
 def _stock(ranks: int, script: Path, *args: str, monkeypatch: pytest.MonkeyPatch) -> None:
