@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 from typing import Any, Iterator
@@ -32,12 +33,13 @@ from elixir_runtime import ElixirOptimizer, rank0_state_dict
 from elixir_runtime.checkpoint import load_safetensors
 
 from .checkpoint import atomic_torch_save, load_shard, saved_world_size, shard_name
-from .engine import build_engine, example_batch, has_engine
+from .engine import build_engine, check_launch, example_batch, has_engine
 from .metrics import EngineMetrics
+from .mixin import mixed_class
 from .optimizer import ElixirAcceleratedOptimizer
 from .plugin import ENV_VAR, ElixirPlugin, ElixirSpecError, check_exclusive
 
-__all__ = ["ElixirAccelerator"]
+__all__ = ["ElixirAccelerator", "elixir_accelerator"]
 
 
 class ElixirAccelerator(Accelerator):
@@ -68,6 +70,7 @@ class ElixirAccelerator(Accelerator):
                     "dynamo_config of the accelerate config, or pass --elixir off"
                 )
             plugin.check_world_size(self.num_processes)
+            check_launch(self.num_processes)
 
     @property
     def elixir_optimizer(self) -> ElixirAcceleratedOptimizer | None:
@@ -205,3 +208,9 @@ class ElixirAccelerator(Accelerator):
             yield
         finally:
             registry.insert(index, obj)
+
+
+@functools.cache
+def elixir_accelerator(cls: type[Accelerator]) -> type[ElixirAccelerator]:
+    """``cls`` (an ``Accelerator`` subclass) with ``ElixirAccelerator`` after it in the MRO."""
+    return mixed_class(cls, ElixirAccelerator)

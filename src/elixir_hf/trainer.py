@@ -1,7 +1,9 @@
 """``ElixirTrainer``: the HF ``Trainer`` with the Elixir engine underneath.
 
-With ``ElixirTrainingArguments(elixir=None/"off")`` (or plain ``TrainingArguments``) it *is* the
-stock Trainer. With Elixir on, it changes six things, each where the Trainer allows it:
+With ``ElixirTrainingArguments(elixir=None/"off")`` it *is* the stock Trainer. Plain
+``TrainingArguments`` (or a subclass such as TRL's ``SFTConfig``) are rebuilt as Elixir ones, so
+``ELIXIR_CONFIG`` applies to them as to ``--elixir``. With Elixir on, it changes six things, each
+where the Trainer allows it:
 
 * the accelerator is an ``ElixirAccelerator`` (``backward``/``clip_grad_norm_``/``no_sync``/
   skipped steps go to the engine; ``Accelerator(**args)`` is hard-coded in the Trainer, so the
@@ -22,6 +24,7 @@ stock Trainer. With Elixir on, it changes six things, each where the Trainer all
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -36,19 +39,23 @@ from transformers import Trainer
 from elixir_runtime import rank0_state_dict
 
 from .accelerator import ElixirAccelerator
+from .arguments import as_elixir_args
 from .callback import SHORT_CONSOLE
 from .checkpoint import PLAN_NAME, atomic_torch_save, check_resume, load_shard, saved_world_size, shard_name, staged_dir
 from .engine import build_engine, example_batch, has_engine
+from .mixin import mixed_class
 from .plugin import ElixirPlugin, describe_model
 
-__all__ = ["ElixirTrainer"]
+__all__ = ["ElixirTrainer", "elixir_trainer"]
 
 SCHEDULER_NAME = "scheduler.pt"
 
 
 class ElixirTrainer(Trainer):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, model: Any = None, args: Any = None, *rest: Any, **kwargs: Any) -> None:
+        args = as_elixir_args(args)
+        args._elixir_trainer = True  # the Trainer reads args.place_model_on_device, which checks this
+        super().__init__(model, args, *rest, **kwargs)
         if self.elixir_plugin is not None:
             callbacks = self.callback_handler.callbacks
             for i, callback in enumerate(callbacks):
@@ -180,3 +187,13 @@ def _logs_name(stage: str, final: str | os.PathLike) -> Iterator[None]:
     finally:
         for handler in handlers:
             handler.removeFilter(rename)
+
+
+@functools.cache
+def elixir_trainer(cls: type[Trainer]) -> type[ElixirTrainer]:
+    """``cls`` (a ``Trainer`` subclass, e.g. TRL's ``SFTTrainer``) on the Elixir engine: ``cls`` first
+    in the MRO, its overrides calling ``ElixirTrainer``'s through ``super()``.
+
+        trainer = elixir_hf.elixir_trainer(SFTTrainer)(model=model, args=args, train_dataset=ds)
+    """
+    return mixed_class(cls, ElixirTrainer)
