@@ -44,8 +44,10 @@ class ElixirAccelerator(Accelerator):
     def __init__(self, *args: Any, elixir_plugin: ElixirPlugin | str | dict | None = None, **kwargs: Any) -> None:
         """``elixir_plugin``: an ``ElixirPlugin`` or a spec (``auto``, ``off``, JSON, file); ``None``
         reads ``ELIXIR_CONFIG`` and falls back to ``auto``."""
-        spec = elixir_plugin if elixir_plugin is not None else os.environ.get(ENV_VAR, "auto")
-        plugin = ElixirPlugin.from_spec(spec)
+        if elixir_plugin is None:
+            plugin = ElixirPlugin.from_spec(os.environ.get(ENV_VAR, "auto"), ENV_VAR)
+        else:
+            plugin = ElixirPlugin.from_spec(elixir_plugin, "ElixirAccelerator(elixir_plugin=...)")
         if plugin is not None:
             plugin = dataclasses.replace(plugin)  # resolving the dtype must not change the caller's object
             check_exclusive(
