@@ -12,6 +12,7 @@ On several ranks, ``from_pretrained(AutoModelForCausalLM, path, dtype=...)`` loa
 
 from .accelerator import ElixirAccelerator
 from .arguments import ElixirTrainingArguments
+from .generate import GenerateCallback
 from .loading import from_config, from_pretrained
 from .plugin import ElixirPlugin, ElixirSpecError
 from .trainer import ElixirTrainer
@@ -22,6 +23,7 @@ __all__ = [
     "ElixirSpecError",
     "ElixirTrainer",
     "ElixirTrainingArguments",
+    "GenerateCallback",
     "from_config",
     "from_pretrained",
 ]

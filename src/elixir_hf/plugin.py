@@ -49,6 +49,8 @@ class ElixirPlugin:
     unit_classes: list[str] | None = None
     cpu_threads: int | None = None
     """Threads of the CPU Adam; ``None``: the rank's share of the host's cores less one."""
+    lockstep_timeout_s: float = 60.0
+    """Seconds a rank waits for the others at the start of a forward before failing (rank-local forwards)."""
     loss_scale: dict[str, float] = field(default_factory=dict)
     """``LossScaleConfig`` fields, e.g. ``{"init_scale": 1024}`` (fp16 only)."""
     plan: dict[str, Any] | None = None
@@ -195,6 +197,7 @@ class ElixirPlugin:
             prefetch=self.prefetch,
             unit_classes=self.unit_classes,
             cpu_threads=self.cpu_threads,
+            lockstep_timeout_s=self.lockstep_timeout_s,
             device=device,
             loss_scale=LossScaleConfig(**self.loss_scale),
         )
