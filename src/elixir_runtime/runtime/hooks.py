@@ -13,6 +13,10 @@ activation-checkpointed regions the root installs saved-tensor hooks that store 
 so a chunk may be evicted between forward and backward. Inside a checkpointed region, saved
 tensors are recomputed in backward while the unit is pinned (from pre-backward to post-backward),
 which is why the rCache can never be smaller than the largest unit.
+
+The root's pre-forward first checks in with the other ranks (``lockstep.py``: a forward on some
+ranks only fails everywhere, naming it). Inside ``full_params`` every hook stands by: the
+parameters are all on this rank and forwards run alone.
 """
 
 from __future__ import annotations
