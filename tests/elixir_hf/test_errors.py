@@ -153,5 +153,5 @@ def test_accelerator_needs_model_and_optimizer_together() -> None:
         accelerator.prepare(model)
     with pytest.raises(TypeError, match="Elixir runs Adam or AdamW"):
         accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(ElixirSpecError, match="unknown --elixir key"):
+    with pytest.raises(ElixirSpecError, match=r"unknown ElixirAccelerator\(elixir_plugin=\.\.\.\) key .chunks."):
         ElixirAccelerator(elixir_plugin={"chunks": 3}, cpu=True)
