@@ -15,6 +15,7 @@ On several ranks, ``from_pretrained(AutoModelForCausalLM, path, dtype=...)`` loa
 
 from .accelerator import ElixirAccelerator, elixir_accelerator
 from .arguments import ElixirTrainingArguments, elixir_args
+from .generate import GenerateCallback
 from .loading import from_config, from_pretrained
 from .plugin import ElixirPlugin, ElixirSpecError
 from .trainer import ElixirTrainer, elixir_trainer
@@ -25,6 +26,7 @@ __all__ = [
     "ElixirSpecError",
     "ElixirTrainer",
     "ElixirTrainingArguments",
+    "GenerateCallback",
     "elixir_accelerator",
     "elixir_args",
     "elixir_trainer",

@@ -33,7 +33,7 @@ from elixir_runtime import ElixirOptimizer, rank0_state_dict
 from elixir_runtime.checkpoint import load_safetensors
 
 from .checkpoint import atomic_torch_save, load_shard, saved_world_size, shard_name
-from .engine import build_engine, check_launch, example_batch, has_engine
+from .engine import build_engine, check_launch, example_batch, has_engine, whole_model
 from .metrics import EngineMetrics
 from .mixin import mixed_class
 from .optimizer import ElixirAcceleratedOptimizer
@@ -46,8 +46,10 @@ class ElixirAccelerator(Accelerator):
     def __init__(self, *args: Any, elixir_plugin: ElixirPlugin | str | dict | None = None, **kwargs: Any) -> None:
         """``elixir_plugin``: an ``ElixirPlugin`` or a spec (``auto``, ``off``, JSON, file); ``None``
         reads ``ELIXIR_CONFIG`` and falls back to ``auto``."""
-        spec = elixir_plugin if elixir_plugin is not None else os.environ.get(ENV_VAR, "auto")
-        plugin = ElixirPlugin.from_spec(spec)
+        if elixir_plugin is None:
+            plugin = ElixirPlugin.from_spec(os.environ.get(ENV_VAR, "auto"), ENV_VAR)
+        else:
+            plugin = ElixirPlugin.from_spec(elixir_plugin, "ElixirAccelerator(elixir_plugin=...)")
         if plugin is not None:
             plugin = dataclasses.replace(plugin)  # resolving the dtype must not change the caller's object
             check_exclusive(
@@ -153,6 +155,21 @@ class ElixirAccelerator(Accelerator):
         """Accelerate's ``log`` (to every tracker, on the main process), with ``elixir_metrics()``
         merged into ``values``."""
         super().log({**self.elixir_metrics(), **values}, step=step, log_kwargs=log_kwargs)
+
+    # ------------------------------------------------------------------ forwards on some ranks
+    def full_params(self, model: nn.Module, rank0_only: bool = False) -> contextlib.AbstractContextManager:
+        """Enter on every rank; inside, forwards run on any rank alone, e.g. on the main process::
+
+            with accelerator.full_params(model):
+                if accelerator.is_main_process:
+                    accelerator.unwrap_model(model).generate(**prompt)
+
+        ``unwrap_model`` itself returns the model unchanged, as Accelerate does for a model it did
+        not wrap: the Trainer relies on ``unwrap_model(model) is model`` and calls it on rank 0
+        alone (when saving), so it can neither gather (a collective) nor return a copy. Outside
+        this context a forward on some ranks only fails on every rank within 60 s, naming it.
+        Without the engine (``--elixir off``) the context does nothing."""
+        return whole_model(model, rank0_only)
 
     # ------------------------------------------------------------------ checkpoints
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:

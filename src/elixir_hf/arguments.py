@@ -52,9 +52,10 @@ class ElixirTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        source = "--elixir"
         if self.elixir is None:
-            self.elixir = os.environ.get(ENV_VAR)
-        plugin = ElixirPlugin.from_spec(self.elixir)
+            self.elixir, source = os.environ.get(ENV_VAR), ENV_VAR
+        plugin = ElixirPlugin.from_spec(self.elixir, source)
         if plugin is not None:
             self._reject_incompatible()
         super().__post_init__()

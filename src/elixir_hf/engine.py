@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -17,13 +18,21 @@ from elixir_runtime import ElixirOptimizer
 
 from .plugin import ElixirPlugin, ElixirSpecError, describe_model
 
-__all__ = ["build_engine", "check_launch", "clips_grads", "example_batch", "has_engine"]
+__all__ = ["build_engine", "check_launch", "clips_grads", "example_batch", "has_engine", "whole_model"]
 
 logger = logging.getLogger(__name__)
 
 
 def has_engine(model: Any) -> bool:
     return hasattr(model, "_elixir")
+
+
+def whole_model(model: nn.Module, rank0_only: bool = False) -> contextlib.AbstractContextManager:
+    """``elixir_runtime.full_params`` for a model the engine runs, nothing for any other (a plain or
+    DDP model is whole on every rank already). Enter it on every rank."""
+    if has_engine(model):
+        return elixir_runtime.full_params(model, rank0_only=rank0_only)
+    return contextlib.nullcontext(model)
 
 
 def build_engine(

@@ -72,9 +72,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     target = rest[1:2] if module else rest[:1]
     if not target or target[0].startswith("-"):
         sys.exit(f"elixir-run: name the script to run\n{USAGE}")
+    source = "--elixir" if spec is not None else ENV_VAR
     spec = spec if spec is not None else os.environ.get(ENV_VAR, "auto")
     try:
-        ElixirPlugin.from_spec(spec)  # a bad value fails here, before the script loads its model
+        ElixirPlugin.from_spec(spec, source)  # a bad value fails here, before the script loads its model
     except ElixirSpecError as exc:
         sys.exit(f"elixir-run: {exc}")
     os.environ[ENV_VAR] = spec

@@ -27,6 +27,7 @@ from .plan import ElixirPlan, resolve_plan
 from .profiler.trace import trace_unit_order
 from .runtime.chunks import ChunkRuntime
 from .runtime.hooks import install_hooks
+from .runtime.lockstep import Lockstep
 from .runtime.units import Unit, find_units, unit_owner_count
 from .search.auto import auto_plan
 from .search.budget import local_ranks
@@ -101,7 +102,10 @@ def prepare(
     orig_dtypes = [p.dtype for p in params]
     _move_buffers(model, device, source)
     unmeta_parameters(params)
-    runtime = ChunkRuntime(layout, plan.placement(), plan.n_blocks, coll, device, dtype, config.prefetch, source.value)
+    lockstep = Lockstep(coll, config.lockstep_timeout_s)
+    runtime = ChunkRuntime(
+        layout, plan.placement(), plan.n_blocks, coll, device, dtype, config.prefetch, lockstep, source.value
+    )
     handles = install_hooks(model, units, runtime)
     model_state = ModelStateHooks(runtime, orig_dtypes)
     handles += model_state.install(model)

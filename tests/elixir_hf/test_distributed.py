@@ -112,6 +112,17 @@ def test_two_rank_model_equals_ddp_model(two_rank_run) -> None:
     torch.testing.assert_close(logits["elixir_final"], logits["ddp_final"], rtol=0, atol=1e-4)
 
 
+def test_generate_callback_on_rank_0_of_two(two_rank_run) -> None:
+    """``GenerateCallback``: rank 0 sampled alone at steps 4 and 8 of the Elixir run (whose losses
+    match DDP's above), and the last sample is what the saved final model generates."""
+    out, result = two_rank_run
+    assert [step for step, _ in result["samples"]] == [4, 8]
+    model = AutoModelForCausalLM.from_pretrained(str(out / "elixir_final"), attn_implementation=ATTN_IMPL).eval()
+    prompt = torch.tensor([[5, 17, 3, 9], [8, 8, 40, 2]])
+    want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert result["samples"][-1][1] == want.tolist()
+
+
 def test_resuming_on_another_world_size_fails_clearly(two_rank_run, tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("ELIXIR_CONFIG", raising=False)
     out, _ = two_rank_run
