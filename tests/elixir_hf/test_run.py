@@ -21,15 +21,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from accelerate import Accelerator
 from safetensors.torch import load_file
-from transformers import Trainer, TrainingArguments
 
-from elixir_hf import ElixirAccelerator, ElixirTrainer
 from elixir_hf.checkpoint import shard_name
-from elixir_hf.engine import has_engine
-from elixir_hf.run import install, main, split_elixir
-from hf_cases import OFFLOAD_PLAN, history, make_trainer, save_tiny_lm, training_args
+from elixir_hf.run import main, split_elixir
+from hf_cases import OFFLOAD_PLAN, save_tiny_lm
 
 SCRIPTS = Path(__file__).with_name("scripts")
 ROOT = Path(__file__).parents[2]
@@ -125,30 +121,6 @@ def test_bad_launch_fails_before_the_script_runs(tmp_path) -> None:
     with pytest.raises(SystemExit, match="name the script to run"):
         main(["--elixir", "auto"])
     assert not (tmp_path / "ran").exists()
-
-
-@pytest.fixture
-def installed():
-    """``elixir-run``'s switch (``install``) in this process, taken back afterwards."""
-    classes = (TrainingArguments, Trainer, Accelerator)
-    assert not any("__new__" in vars(c) for c in classes)
-    install()
-    yield
-    for c in classes:
-        del c.__new__  # the inherited object.__new__ again
-
-
-def test_elixir_off_in_the_scripts_own_code_wins(installed, tmp_path, monkeypatch) -> None:
-    """Through elixir-run (``ELIXIR_CONFIG`` set), a script whose code says ``elixir="off"``: the
-    Accelerator the Trainer builds (an Elixir one under elixir-run, which would read
-    ``ELIXIR_CONFIG``) follows the arguments: no engine anywhere."""
-    monkeypatch.setenv("ELIXIR_CONFIG", OFFLOAD_PLAN)
-    assert training_args(str(tmp_path), max_steps=3).elixir_plugin is not None  # the launch's settings
-    trainer = make_trainer("gpt2", training_args(str(tmp_path), "off", max_steps=3, eval_strategy="no"))
-    assert isinstance(trainer, ElixirTrainer) and isinstance(trainer.accelerator, ElixirAccelerator)
-    assert trainer.accelerator.elixir_plugin is None
-    trainer.train()
-    assert not has_engine(trainer.model) and len(history(trainer, "loss")) == 3
 
 
 # --------------------------------------------------------------------------- unmodified scripts, 1 and 2 ranks
