@@ -68,9 +68,9 @@ def test_elixir_off_in_the_scripts_own_code_wins(tmp_path, monkeypatch) -> None:
     when given no plugin; the arguments' off wins: no engine, the stock Trainer's losses."""
     monkeypatch.setenv("ELIXIR_CONFIG", OFFLOAD_PLAN)
     assert training_args(str(tmp_path), "off").elixir_plugin is None
-    monkeypatch.setattr(transformers.trainer, "Accelerator", ElixirAccelerator)  # what elixir-run's classes make of it
-    trainer = ElixirTrainer(model=tiny_gpt2(vocab=128), args=training_args(str(tmp_path), "off", max_steps=3, eval_strategy="no"),
-                            train_dataset=TokenDataset(200))
+    monkeypatch.setattr(transformers.trainer, "Accelerator", ElixirAccelerator)  # as elixir-run's classes build it
+    args = training_args(str(tmp_path), "off", max_steps=3, eval_strategy="no")
+    trainer = ElixirTrainer(model=tiny_gpt2(vocab=128), args=args, train_dataset=TokenDataset(200))
     assert isinstance(trainer.accelerator, ElixirAccelerator) and trainer.accelerator.elixir_plugin is None
     trainer.train()
     assert not hasattr(trainer.model, "_elixir") and len(history(trainer, "loss")) == 3
