@@ -1,6 +1,7 @@
 """``ElixirTrainer``: the HF ``Trainer`` with the Elixir engine underneath.
 
-With ``ElixirTrainingArguments(elixir=None/"off")`` it *is* the stock Trainer. Plain
+With ``ElixirTrainingArguments(elixir=None/"off")`` it *is* the stock Trainer, also under
+``elixir-run`` (the arguments' "off" wins over the launch's ``ELIXIR_CONFIG``). Plain
 ``TrainingArguments`` (or a subclass such as TRL's ``SFTConfig``) are rebuilt as Elixir ones, so
 ``ELIXIR_CONFIG`` applies to them as to ``--elixir``. With Elixir on, it changes six things, each
 where the Trainer allows it:
@@ -44,7 +45,7 @@ from .callback import SHORT_CONSOLE
 from .checkpoint import PLAN_NAME, atomic_torch_save, check_resume, load_shard, saved_world_size, shard_name, staged_dir
 from .engine import build_engine, example_batch, has_engine
 from .mixin import mixed_class
-from .plugin import ElixirPlugin, describe_model
+from .plugin import ENV_VAR, ElixirPlugin, describe_model
 
 __all__ = ["ElixirTrainer", "elixir_trainer"]
 
@@ -69,7 +70,10 @@ class ElixirTrainer(Trainer):
     # ------------------------------------------------------------------ engine
     def create_accelerator_and_postprocess(self) -> None:
         if self.elixir_plugin is None:
-            return super().create_accelerator_and_postprocess()
+            # off in these arguments is off for their Accelerator too: under elixir-run it is an Elixir
+            # one, which would read ELIXIR_CONFIG and put the engine under a Trainer that runs stock
+            with mock.patch.dict(os.environ, {ENV_VAR: "off"}):
+                return super().create_accelerator_and_postprocess()
 
         def accelerator(**kwargs: Any) -> ElixirAccelerator:
             return ElixirAccelerator(elixir_plugin=self.elixir_plugin, **kwargs)

@@ -12,9 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import transformers.trainer
 from transformers import Trainer, TrainingArguments
 
-from elixir_hf import ElixirSpecError, ElixirTrainer, ElixirTrainingArguments, elixir_args, elixir_trainer
+from elixir_hf import ElixirAccelerator, ElixirSpecError, ElixirTrainer, ElixirTrainingArguments, elixir_args, elixir_trainer
 from elixir_hf.engine import check_launch
 from hf_cases import OFFLOAD_PLAN, TokenDataset, history, make_trainer, save_tiny_lm, training_args
 from helpers.models import tiny_gpt2
@@ -59,6 +60,20 @@ def test_elixir_trainer_with_plain_arguments_reads_elixir_config(tmp_path, monke
     monkeypatch.delenv("ELIXIR_CONFIG")
     off = ElixirTrainer(model=tiny_gpt2(vocab=128), args=plain, train_dataset=TokenDataset(8))
     assert off.args.elixir_plugin is None  # unset: off, as for ElixirTrainingArguments
+
+
+def test_elixir_off_in_the_scripts_own_code_wins(tmp_path, monkeypatch) -> None:
+    """A script run through elixir-run (``ELIXIR_CONFIG`` set) whose code says ``elixir="off"``. There
+    the Trainer's ``Accelerator(...)`` builds an ``ElixirAccelerator``, which reads ``ELIXIR_CONFIG``
+    when given no plugin; the arguments' off wins: no engine, the stock Trainer's losses."""
+    monkeypatch.setenv("ELIXIR_CONFIG", OFFLOAD_PLAN)
+    assert training_args(str(tmp_path), "off").elixir_plugin is None
+    monkeypatch.setattr(transformers.trainer, "Accelerator", ElixirAccelerator)  # as elixir-run's classes build it
+    args = training_args(str(tmp_path), "off", max_steps=3, eval_strategy="no")
+    trainer = ElixirTrainer(model=tiny_gpt2(vocab=128), args=args, train_dataset=TokenDataset(200))
+    assert isinstance(trainer.accelerator, ElixirAccelerator) and trainer.accelerator.elixir_plugin is None
+    trainer.train()
+    assert not hasattr(trainer.model, "_elixir") and len(history(trainer, "loss")) == 3
 
 
 def test_launched_world_size_the_trainer_does_not_see_fails_early(tmp_path) -> None:

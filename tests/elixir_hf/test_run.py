@@ -1,6 +1,8 @@
 """``elixir-run``: unmodified scripts (``scripts/``: an HF Trainer script, an Accelerate loop, a
 TRL SFT script with an optional PEFT LoRA adapter) train with the Elixir engine and log the stock
-runs' losses (fp32 on CPU, relative 1e-5), at 1 rank and at 2 gloo ranks under torchrun.
+runs' losses (fp32 on CPU, relative 1e-5), at 1 rank and at 2 gloo ranks, under each launcher users
+type: ``python -m elixir_hf.run``, ``torchrun -m elixir_hf.run`` (the stock 2-rank runs) and
+``accelerate launch --config_file recipes/elixir.yaml -m elixir_hf.run`` (the Elixir 2-rank run).
 
 The stock 1-rank runs execute the script in this process (no Elixir class is touched there);
 everything through ``elixir-run`` and every 2-rank run is a subprocess.
@@ -26,7 +28,8 @@ from elixir_hf.run import main, split_elixir
 from hf_cases import OFFLOAD_PLAN, save_tiny_lm
 
 SCRIPTS = Path(__file__).with_name("scripts")
-SRC = Path(__file__).parents[2] / "src"
+ROOT = Path(__file__).parents[2]
+SRC = ROOT / "src"
 RTOL = 1e-5
 PLAN_LINE = "Elixir plan for"
 TRAINER_ARGS = [  # clipping active (max_grad_norm 0.5 < the typical norm), an evaluation half-way
@@ -64,8 +67,12 @@ def _launch(cmd: list[str], env: dict[str, str] | None = None) -> str:
 
 
 def _elixir_run(ranks: int, *args: str, env: dict[str, str] | None = None) -> str:
-    launcher = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                    "--nproc_per_node", str(ranks)]
+    """1 rank: ``python -m elixir_hf.run``. 2 ranks: the recipe's own ``accelerate launch`` line
+    (recipes/elixir.yaml: 2 processes, bf16), with mixed precision off for the fp32 comparison and a
+    free port; the scripts' ``--use_cpu``/``--cpu`` make the Trainer and Accelerator count both ranks."""
+    launcher = [sys.executable] if ranks == 1 else [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes" / "elixir.yaml"),
+        "--num_processes", str(ranks), "--mixed_precision", "no", "--main_process_port", "0"]
     return _launch([*launcher, "-m", "elixir_hf.run", *args], env)
 
 
@@ -122,8 +129,10 @@ def test_bad_launch_fails_before_the_script_runs(tmp_path) -> None:
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_trainer_script_and_accelerate_loop(model_dir, tmp_path, monkeypatch, ranks: int) -> None:
     """One launch trains both scripts (``scripts/sequence.py``), once stock and once through
-    elixir-run. ``--elixir`` comes last, after the Accelerate script's own arguments: neither
-    script's parser sees it; at 1 rank the settings come from ``ELIXIR_CONFIG`` instead."""
+    elixir-run (at 2 ranks under ``accelerate launch``, which starts torchrun's launcher with
+    ``-m elixir_hf.run``). ``--elixir`` comes last, after the Accelerate script's own arguments:
+    neither script's parser sees it; at 1 rank the settings come from ``ELIXIR_CONFIG`` instead.
+    Each script's engine prints its plan exactly once (rank 0)."""
     trainer_args = ["--model_name_or_path", str(model_dir), *TRAINER_ARGS]
     trainer_args += ["--ddp_backend", "gloo"] if ranks > 1 else []
     loop_args = ["--model_name_or_path", str(model_dir), "--cpu"]
@@ -147,7 +156,7 @@ def test_trainer_script_and_accelerate_loop(model_dir, tmp_path, monkeypatch, ra
     assert args.elixir_plugin.offload == 0.5 and args.elixir_plugin.n_blocks == "min"
 
     # the Accelerate loop: the stock losses, and the engine's optimizer shard of every rank in its save_state
-    assert loop_out.count(PLAN_LINE) <= 1
+    assert loop_out.count(PLAN_LINE) == 1 and f"world size            {ranks}" in loop_out, out[-3000:]
     stock, ours = (json.loads((tmp_path / run / "loop" / "losses.json").read_text()) for run in ("stock", "elixir"))
     assert len(ours) == 24 // ranks
     _close(ours, stock, "loop loss")
@@ -178,7 +187,7 @@ def test_trl_sft_with_a_lora_adapter(model_dir, tmp_path, monkeypatch) -> None:
         _close(_history(tmp_path / "elixir", key), _history(tmp_path / "stock", key), key)
     files = {p.name for p in (tmp_path / "elixir").iterdir()}
     assert {"adapter_model.safetensors", "adapter_config.json"} <= files and "model.safetensors" not in files
-    assert files == {p.name for p in (tmp_path / "stock").iterdir()}
+    assert files == {p.name for p in (tmp_path / "stock").iterdir()} | {"elixir_plan.json"}  # + the plan file
     ours, stock = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("elixir", "stock"))
     assert ours.keys() == stock.keys() and all("lora_" in k for k in ours)
     for key in ours:
