@@ -247,6 +247,86 @@ def test_unused_branch_world2() -> None:
         _check_mlp(kind, 2, [r[i] for r in results], ga)
 
 
+class RankMLP(TinyMLP):
+    """Runs its extra branch on every rank (its unit runs everywhere, so gathers stay in step) but
+    adds it to the loss only where ``use_extra`` is set: parameters that get a gradient on some
+    ranks only. ``late``: the branch reads the last hidden layer, so on the ranks that use it its
+    gradients arrive first in backward rather than last."""
+
+    use_extra = False
+    late = False
+
+    def forward(self, x, labels=None):
+        h = torch.relu(self.layers[0](x))
+        extra = None if self.late else torch.tanh(self.unused(h)).square().mean()
+        for layer in self.layers[1:]:
+            h = torch.relu(layer(h))
+        if self.late:
+            extra = torch.tanh(self.unused(h)).square().mean()
+        logits = self.head(h)
+        loss = nn.functional.cross_entropy(logits, labels)
+        return MLPOutput(loss=loss + extra if self.use_extra else loss, logits=logits)
+
+
+def _rank_mlp(late: bool) -> RankMLP:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = RankMLP(unused_branch=True)
+    model.late = late
+    return model
+
+
+def _rank_uses_extra(rank: int, step: int) -> bool:
+    return rank == 0 and step % 3 == 1
+
+
+def _ddp_and_engine(rank: int, world_size: int, late: bool, chunk_size: int | None, n_blocks="min") -> tuple:
+    """The same run under DDP(find_unused_parameters=True) and under the engine, on this rank."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(_rank_mlp(late), find_unused_parameters=True)
+    opt = _adamw(ddp)
+    for step in range(MLP_STEPS):
+        ddp.module.use_extra = _rank_uses_extra(rank, step)
+        ddp(**_mlp_batch(step, 0, rank)).loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in ddp.parameters() if p.grad is not None], CLIP)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    want = ddp.module.state_dict()
+
+    model, eopt = _prepare(_rank_mlp(late), _mlp_batch(0, 0, rank), chunk_size=chunk_size, n_blocks=n_blocks)
+    n_chunks = sum(c.trainable for c in model._elixir.runtime.layout.chunks)
+    try:
+        for step in range(MLP_STEPS):
+            model.use_extra = _rank_uses_extra(rank, step)
+            _engine_step(model, eopt, _mlp_batch(step, 0, rank))
+    except RuntimeError as err:
+        return want, n_chunks, str(err)
+    return want, n_chunks, model.state_dict()
+
+
+def _ddp_then_order_mismatch(rank: int, world_size: int) -> tuple:
+    """One chunk (every order agrees), then a chunk per layer with the branch's gradients first."""
+    return _ddp_and_engine(rank, world_size, False, 1 << 20), _ddp_and_engine(rank, world_size, True, None, "max")
+
+
+def test_param_used_on_some_ranks_matches_ddp() -> None:
+    """Used on rank 0 only, in steps 1, 4, 7: DDP averages rank 0's gradient with zeros from rank
+    1 and updates the parameter (in those steps only); so does the engine. With several chunks,
+    a branch whose gradients arrive early makes the ranks reduce chunks in different orders:
+    the engine then fails on every rank, naming the parameter, instead of mixing up chunks."""
+    results = run_distributed(_ddp_then_order_mismatch, 2, timeout=120)
+    init = _rank_mlp(False).state_dict()
+    for (want, n_chunks, got), _ in results:
+        assert n_chunks == 1
+        _assert_state_close(got, want)
+    assert not torch.equal(want["unused.weight"], init["unused.weight"])
+    torch.testing.assert_close(results[0][0][2], results[1][0][2], rtol=0, atol=0)
+    for _, (_, n_chunks, got) in results:
+        assert n_chunks > 1
+        assert isinstance(got, str) and "different orders" in got and "unused.weight" in got, got
+
+
 class ReuseMLP(TinyMLP):
     """Calls ``layers[0]`` a second time, on the raw input (no grad-requiring input), for an extra
     branch through ``unused``: a unit whose backward runs early and whose inputs need no grad."""
