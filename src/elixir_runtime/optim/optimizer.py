@@ -172,7 +172,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
             f"elixir: skipped optimizer step {self.step_count + 1}: the gradient norm is {norm} ({cause}; "
             f"{self.consecutive_skips} in a row, training stops at {self.max_consecutive_skips})",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=5,  # the caller of step (through torch's no_grad and optimizer-hook wrappers)
         )
 
     def _work(
