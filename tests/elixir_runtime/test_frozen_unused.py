@@ -180,14 +180,9 @@ def _use_kernel(opt, kernel: str) -> None:
     opt.kernels = {name: make() for name in opt.kernels}
 
 
-def _engine_mlp_run(
-    rank: int, world_size: int, kind: str, n_blocks="min", offload=0.5, grad_accum: int = 1, kernel: str = "cpp"
-) -> tuple[list[float], dict, dict]:
-    model = _build_mlp(kind)
-    model, opt = _prepare(model, _mlp_batch(0, 0, rank), n_blocks=n_blocks, offload=offload)
-    _use_kernel(opt, kernel)
+def _engine_mlp_steps(model, opt, kind: str, steps: range, rank: int, grad_accum: int, kernel: str) -> list[float]:
     losses = []
-    for step in range(MLP_STEPS):
+    for step in steps:
         for micro in range(grad_accum):
             model.use_extra = _uses_extra(kind, step, micro, grad_accum)
             loss = model(**_mlp_batch(step, micro, rank)).loss
@@ -198,8 +193,22 @@ def _engine_mlp_run(
         if kernel == "triton":  # the interpreter copies whole arenas out and back: no overlap
             model._elixir.runtime.host_updates.wait_all()
         opt.zero_grad()
+    return losses
+
+
+def _param_steps(model, opt) -> dict[str, int]:
     names = model._elixir.runtime.layout.names
-    return losses, model.state_dict(), {n: opt.param_steps[i] for i, ns in enumerate(names) for n in ns}
+    return {n: opt.param_steps[i] for i, ns in enumerate(names) for n in ns}
+
+
+def _engine_mlp_run(
+    rank: int, world_size: int, kind: str, n_blocks="min", offload=0.5, grad_accum: int = 1, kernel: str = "cpp"
+) -> tuple[list[float], dict, dict]:
+    model = _build_mlp(kind)
+    model, opt = _prepare(model, _mlp_batch(0, 0, rank), n_blocks=n_blocks, offload=offload)
+    _use_kernel(opt, kernel)
+    losses = _engine_mlp_steps(model, opt, kind, range(MLP_STEPS), rank, grad_accum, kernel)
+    return losses, model.state_dict(), _param_steps(model, opt)
 
 
 def _check_mlp(kind: str, world_size: int, results: list[tuple], grad_accum: int = 1) -> None:
@@ -230,6 +239,23 @@ def test_unused_branch_world1(kernel, monkeypatch) -> None:
         for kind, grad_accum in (("never", 1), ("sometimes", 1), ("sometimes", 2)):
             run = _engine_mlp_run(0, 1, kind, n_blocks, offload, grad_accum, kernel)
             _check_mlp(kind, 1, [run], grad_accum)
+
+
+def test_per_parameter_step_counts_survive_a_checkpoint() -> None:
+    """Saved after step 5 (the branch took 2 steps, the rest 5) and resumed in a fresh engine: the
+    branch's bias correction at step 7 must use its own count, as the uninterrupted torch run."""
+    model, opt = _prepare(_build_mlp("sometimes"), _mlp_batch(0, 0, 0))
+    _engine_mlp_steps(model, opt, "sometimes", range(5), 0, 1, "cpp")
+    state, opt_state = model.state_dict(), opt.state_dict()
+    assert _param_steps(model, opt)["unused.weight"] == 2 and opt.step_count == 5
+
+    model, opt = _prepare(_build_mlp("sometimes"), _mlp_batch(0, 0, 0))
+    model.load_state_dict(state)
+    opt.load_state_dict(opt_state)
+    _engine_mlp_steps(model, opt, "sometimes", range(5, MLP_STEPS), 0, 1, "cpp")
+    _, want_state, want_steps = _plain_mlp_run("sometimes", 1)
+    _assert_state_close(model.state_dict(), want_state)
+    assert _param_steps(model, opt) == want_steps
 
 
 WORLD2_CASES = [(n_blocks, kind, ga) for n_blocks in ("min", "max") for kind, ga in (("never", 1), ("sometimes", 2))]
