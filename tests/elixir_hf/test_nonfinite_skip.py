@@ -32,9 +32,8 @@ class _Logged(TrainerCallback):
         self.logs.append(dict(logs or {}))
 
 
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_nan_loss_skips_the_step_and_training_goes_on(tmp_path, bf16) -> None:
-    args = training_args(str(tmp_path), OFFLOAD_PLAN, bf16=bf16, max_steps=STEPS, eval_strategy="no")
+def _trainer_with_a_nan_step(tmp_path, spec: str, bf16: bool = False):
+    args = training_args(str(tmp_path), spec, bf16=bf16, max_steps=STEPS, eval_strategy="no")
     trainer = make_trainer("gpt2", args)
     compute_loss = trainer.compute_loss
 
@@ -43,6 +42,12 @@ def test_nan_loss_skips_the_step_and_training_goes_on(tmp_path, bf16) -> None:
         return loss * float("nan") if trainer.state.global_step == NAN_STEP else loss
 
     trainer.compute_loss = nan_at_one_step
+    return trainer
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_nan_loss_skips_the_step_and_training_goes_on(tmp_path, bf16) -> None:
+    trainer = _trainer_with_a_nan_step(tmp_path, OFFLOAD_PLAN, bf16)
     logged = _Logged()
     trainer.add_callback(logged)
     with pytest.warns(RuntimeWarning, match=f"skipped optimizer step {NAN_STEP + 1}: the gradient norm is nan"):
@@ -57,3 +62,14 @@ def test_nan_loss_skips_the_step_and_training_goes_on(tmp_path, bf16) -> None:
     state = trainer.model.state_dict()
     assert all(bool(v.float().isfinite().all()) for v in state.values()), "NaN weights after the skipped step"
     assert math.isfinite(trainer.evaluate()["eval_loss"])
+
+
+def test_opt_out_through_elixir_spec_keeps_plain_pytorch_behaviour(tmp_path) -> None:
+    spec = '{"mode": "static", "skip_nonfinite": false, "max_consecutive_skips": 3}'
+    trainer = _trainer_with_a_nan_step(tmp_path, spec)
+    trainer.train()
+    engine = trainer.optimizer.engine
+    assert (engine.skip_nonfinite, engine.max_consecutive_skips) == (False, 3)
+    assert trainer.optimizer.skipped_steps == 0
+    state = trainer.model.state_dict()
+    assert bool(state["transformer.h.0.mlp.c_fc.weight"].isnan().all()), "the NaN step went into Adam, as in PyTorch"
