@@ -76,7 +76,6 @@ class ElixirOptimizer(torch.optim.Optimizer):
             if c.arenas is host
         }
         self._pieces = {c.index: _param_pieces(runtime, c) for c in runtime.trainable}
-        self._trainable_params = [i for i, g in enumerate(runtime.layout.groups) if g >= 0]
 
     @property
     def loss_scale(self) -> float:
@@ -125,16 +124,17 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self.step_was_skipped = False
         if not self.runtime.has_grads:
             return loss
-        used = self.runtime.used_params()
         if (self.scaler.enabled or self.skip_nonfinite) and not math.isfinite(self.grad_norm()):
             self._skip()
             return loss
+        used = self.runtime.used_params()  # after the norm, whose all-reduce usually answers it
         self.consecutive_skips = 0
         self.step_count += 1
-        for i in self._trainable_params:
+        trainable = self.runtime.trainable_params
+        for i in trainable:
             self.param_steps[i] += used[i]
-        counts = {self.param_steps[i] for i in self._trainable_params}
-        uniform = next(iter(counts)) if len(counts) == 1 and all(used[i] for i in self._trainable_params) else None
+        counts = {self.param_steps[i] for i in trainable}
+        uniform = next(iter(counts)) if len(counts) == 1 and all(used[i] for i in trainable) else None
         hypers = [self._hyper(g) for g in self.param_groups]
         div_scale = self.scaler.scale / self._clip_coef
         device = self.runtime.arenas["device"]
@@ -163,8 +163,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
         cause = f"the loss scale backs off to {self.scaler.scale:g}" if self.scaler.enabled else "weights unchanged"
         if self.consecutive_skips >= self.max_consecutive_skips:
             raise FloatingPointError(
-                f"elixir: {self.consecutive_skips} optimizer steps in a row had a non-finite gradient norm ({norm}) and "
-                f"were skipped (ElixirConfig.max_consecutive_skips={self.max_consecutive_skips}); training stopped. "
+                f"elixir: {self.consecutive_skips} optimizer steps in a row had a non-finite gradient norm "
+                f"({norm}) and were skipped (ElixirConfig.max_consecutive_skips={self.max_consecutive_skips}); training stopped. "
                 "Look for a NaN/inf loss (bad data, a learning rate too high, fp16 overflow at the minimum loss "
                 "scale), or raise max_consecutive_skips if these skips are expected"
             )

@@ -155,6 +155,10 @@ class ChunkRuntime:
         self.on_finish_backward: list = []
         self.got_grad = [False] * len(layout.params)
         """Params that received a gradient on this rank since the last ``zero_grad``."""
+        self.trainable_params = [i for i, g in enumerate(layout.groups) if g >= 0]
+        """Indices of the parameters the optimizer updates."""
+        self._missing: torch.Tensor | None = None
+        """Set by ``grad_norm_sq`` on several ranks: how many (rank, parameter) pairs got no gradient."""
         self._reduce_order = 0
         """Fingerprint of this rank's sequence of chunk reductions since the last ``zero_grad``."""
         for i, p in enumerate(layout.params):
@@ -425,18 +429,24 @@ class ChunkRuntime:
         self._norm_from_shards = False
         self.got_grad = [False] * len(self.layout.params)
         self._reduce_order = 0
+        self._missing = None
 
     def used_params(self) -> list[bool]:
         """Per parameter: whether it received a gradient since ``zero_grad`` on any rank (DDP's
         ``find_unused_parameters`` rule: a parameter used on some ranks only is averaged with
         zeros from the others and updated; one used on none is left alone).
 
-        With several ranks, one small all-reduce (MAX of the flags, their negation and the
-        reduce-order fingerprint) and a host sync; it also checks that every rank reduced the
-        chunks in the same order, which a parameter used on some ranks only can break.
+        With several ranks: nothing more when the step's norm all-reduce (``grad_norm_sq``) found
+        every parameter used on every rank (the usual case); otherwise one small all-reduce (MAX of
+        the flags, their negation and the reduce-order fingerprint) and a host sync, which also
+        checks that every rank reduced the chunks in the same order, as a parameter used on some
+        ranks only can break.
         """
         if self.coll.world_size == 1:
             return list(self.got_grad)
+        missing, self._missing = self._missing, None  # this step's answer only
+        if missing is not None and missing.item() == 0:
+            return [g >= 0 for g in self.layout.groups]  # every trainable one, everywhere
         local = torch.tensor(self.got_grad, dtype=torch.int64)
         order = torch.tensor([self._reduce_order], dtype=torch.int64)
         flags = torch.cat([local, -local, order, -order]).to(self.device)
@@ -478,8 +488,14 @@ class ChunkRuntime:
             self.device_grads_ready()
             parts = self._norm_parts
         total = torch.stack(parts).square().sum() if parts else torch.zeros((), device=self.device)
-        self.coll.all_reduce_sum_(total)
-        return total
+        if self.coll.world_size == 1:
+            return total
+        # the same all-reduce counts the parameters some rank got no gradient for (see used_params)
+        missing = sum(not self.got_grad[i] for i in self.trainable_params)
+        both = torch.stack([total, torch.tensor(float(missing), device=self.device)])
+        self.coll.all_reduce_sum_(both)
+        self._missing = both[1]
+        return both[0]
 
     @torch.no_grad()
     def reload_shards(self) -> None:
