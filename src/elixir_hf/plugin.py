@@ -53,6 +53,8 @@ class ElixirPlugin:
     """Seconds a rank waits for the others at the start of a forward before failing (rank-local forwards)."""
     loss_scale: dict[str, float] = field(default_factory=dict)
     """``LossScaleConfig`` fields, e.g. ``{"init_scale": 1024}`` (fp16 only)."""
+    skip_nonfinite: bool = True
+    max_consecutive_skips: int = 25
     plan: dict[str, Any] | None = None
     """The saved plan this run must follow (set by a plan file); checked against model and ranks."""
 
@@ -200,6 +202,8 @@ class ElixirPlugin:
             lockstep_timeout_s=self.lockstep_timeout_s,
             device=device,
             loss_scale=LossScaleConfig(**self.loss_scale),
+            skip_nonfinite=self.skip_nonfinite,
+            max_consecutive_skips=self.max_consecutive_skips,
         )
 
     def to_dict(self) -> dict[str, Any]:

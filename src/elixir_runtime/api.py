@@ -112,6 +112,7 @@ def prepare(
     elixir_optimizer = ElixirOptimizer(
         optimizer, runtime, decoupled=decoupled, loss_scale=config.loss_scale,
         cpu_threads=cpu_adam_threads(local_ranks(), config.cpu_threads),
+        skip_nonfinite=config.skip_nonfinite, max_consecutive_skips=config.max_consecutive_skips,
     )
     model._elixir = ElixirState(runtime, plan, units, elixir_optimizer, model_state, handles)
     return model, elixir_optimizer

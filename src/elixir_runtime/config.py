@@ -124,6 +124,18 @@ class ElixirConfig:
     Raise it if a rank legitimately works alone for longer while the others wait in their next
     forward (rather than in a barrier)."""
 
+    skip_nonfinite: bool = True
+    """Skip (on every rank, with a warning) an optimizer step whose gradient norm is NaN or inf, as
+    fp16's loss scaling always does; counted in ``elixir/skipped_steps``. It needs the global grad
+    norm every step: one host sync, free when clipping (it computes the norm anyway), otherwise it
+    ends the overlap of offloaded chunks' CPU updates with the end of backward (see
+    ``clips_grads``). ``False``: plain PyTorch behaviour in bf16/fp32 (one NaN step makes the
+    weights NaN); fp16 still skips overflows."""
+
+    max_consecutive_skips: int = 25
+    """Training stops with an error after this many skipped steps in a row: more than the 16
+    back-offs fp16 loss scaling needs from the default ``init_scale`` 2**16 to ``min_scale`` 1."""
+
     def __post_init__(self) -> None:
         offload = self.offload
         indices = isinstance(offload, (list, tuple)) and all(_int(i) and i >= 0 for i in offload)
@@ -164,6 +176,10 @@ class ElixirConfig:
             "clips_grads": (isinstance(self.clips_grads, bool), "True or False"),
             "lockstep_timeout_s": (
                 _real(self.lockstep_timeout_s) and self.lockstep_timeout_s > 0, "a positive number of seconds such as 60"
+            ),
+            "skip_nonfinite": (isinstance(self.skip_nonfinite, bool), "True or False"),
+            "max_consecutive_skips": (
+                _int(self.max_consecutive_skips) and self.max_consecutive_skips >= 1, "an int >= 1 (skipped steps in a row)"
             ),
         })
         if isinstance(self.device, str):

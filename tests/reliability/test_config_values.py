@@ -35,6 +35,8 @@ BAD_CONFIG = {
     "cpu_threads": -2,
     "clips_grads": "yes",
     "lockstep_timeout_s": 0,
+    "skip_nonfinite": "yes",
+    "max_consecutive_skips": 0,
 }
 BAD_LOSS_SCALE = {
     "init_scale": -1.0,

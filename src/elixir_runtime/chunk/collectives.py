@@ -71,3 +71,7 @@ class Collectives:
     def all_reduce_sum_(self, t: torch.Tensor) -> None:
         if self.world_size > 1:
             dist.all_reduce(t, group=self.group)
+
+    def all_reduce_max_(self, t: torch.Tensor) -> None:
+        if self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from .adam_consts import CONST_NAMES, step_constants
-from .kernel import AdamHyper, Segment, check_arenas, segment_extent
+from .kernel import AdamHyper, Segment, bounded_put, check_arenas, segment_extent
 
 __all__ = ["CpuAdamKernel", "CpuAdamUnavailable", "load_library"]
 
@@ -130,13 +130,13 @@ class CpuAdamKernel:
         self._tables: dict[tuple[Segment, ...], tuple[ctypes.Array, int, int]] = {}
 
     def _table(self, segments: Sequence[Segment]) -> tuple[ctypes.Array, int, int]:
-        """The C segment table, the arena end and the group count it needs; cached (static list)."""
+        """The C segment table, the arena end and the group count it needs; cached per segments."""
         key = tuple(segments)
         hit = self._tables.get(key)
         if hit is None:
             end, groups = segment_extent(key)
             table = (_Seg * len(key))(*[(s.offset, s.length, s.group) for s in key])
-            hit = self._tables[key] = (table, end, groups)
+            hit = bounded_put(self._tables, key, (table, end, groups))
         return hit
 
     def step(

@@ -13,7 +13,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-__all__ = ["AdamHyper", "Segment", "AdamKernel", "TorchAdamKernel", "segment_extent", "check_arenas"]
+__all__ = ["AdamHyper", "Segment", "AdamKernel", "TorchAdamKernel", "segment_extent", "check_arenas", "bounded_put"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +45,20 @@ def segment_extent(segments: Sequence[Segment]) -> tuple[int, int]:
     end = max((s.offset + s.length for s in segments), default=0)
     groups = max((s.group + 1 for s in segments), default=0)
     return end, groups
+
+
+TABLE_CACHE = 64
+"""Segment tables a fused kernel keeps. A placement's list is static while every parameter gets a
+gradient; parameters without one make other lists (one per set of used parameters), which a
+model with data-dependent routing could multiply without bound."""
+
+
+def bounded_put(cache: dict, key, value):
+    """``cache[key] = value``, first dropping the oldest entry of a full cache; returns ``value``."""
+    if len(cache) >= TABLE_CACHE:
+        del cache[next(iter(cache))]
+    cache[key] = value
+    return value
 
 
 _FP32 = (torch.float32,)

@@ -2,8 +2,19 @@
 
 It shares the user's ``param_groups`` dicts, so hyperparameters (and a scheduler's LR changes)
 are read at every step; the per-parameter state lives in the chunk arenas instead of ``state``.
-One step: (optionally) one host sync for the global grad norm / fp16 overflow, then one kernel
-call per placement with loss-unscaling and clipping fused into ``div_scale``.
+One step: one host sync for the global grad norm (clipping, and the non-finite check below), then
+one kernel call per placement with loss-unscaling and clipping fused into ``div_scale``.
+
+As in ``torch.optim.AdamW``, a parameter without a gradient in a step (no rank's backward reached
+it, in any micro-step) is not touched: no decay, no moment update, and its own step count (bias
+correction) does not advance. Each parameter keeps its step count; while every parameter has a
+gradient and the same count (the usual case) a placement is one kernel call over the static
+per-group segments; otherwise the used parameters' ranges are grouped by step count, one call each.
+
+A step whose gradient norm is not finite is skipped on every rank (the norm is all-reduced, so
+all ranks agree): in fp16 that is the loss scaler's overflow (the scale backs off), in bf16/fp32 a
+NaN/inf loss or gradient, which would otherwise turn every weight it reaches into NaN for the rest
+of the run. ``max_consecutive_skips`` skips in a row stop training with an error.
 """
 
 from __future__ import annotations
@@ -11,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import warnings
 from typing import Any, Callable, Iterator
 
 import torch
@@ -18,7 +30,7 @@ import torch
 from ..checkpoint import layout_fingerprint
 from ..config import LossScaleConfig
 from ..runtime.chunks import ChunkRuntime, ChunkState
-from ..chunk.store import ShardArenas
+from ..chunk.store import ShardArenas, shard_overlap
 from .kernel import AdamHyper, Segment
 from .select import select_kernel
 from .loss_scaler import LossScaler
@@ -37,13 +49,21 @@ class ElixirOptimizer(torch.optim.Optimizer):
         decoupled: bool,
         loss_scale: LossScaleConfig,
         cpu_threads: int | None = None,
+        skip_nonfinite: bool = True,
+        max_consecutive_skips: int = 25,
     ) -> None:
         super().__init__(user_optimizer.param_groups, user_optimizer.defaults)
         self.runtime = runtime
         self.decoupled = decoupled
         self.scaler = LossScaler(loss_scale, enabled=runtime.dtype == torch.float16)
         self.step_count = 0
+        """Optimizer steps taken (skipped ones not counted)."""
+        self.param_steps = [0] * len(runtime.layout.params)
+        """Each parameter's own Adam step count (torch's ``state[p]["step"]``): steps it had a gradient in."""
         self.step_was_skipped = False
+        self.skip_nonfinite = skip_nonfinite
+        self.max_consecutive_skips = max_consecutive_skips
+        self.consecutive_skips = 0
         self._norm: float | None = None
         self._clip_coef = 1.0
         self.cpu_threads = cpu_threads
@@ -55,6 +75,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
             for c in runtime.trainable
             if c.arenas is host
         }
+        self._pieces = {c.index: _param_pieces(runtime, c) for c in runtime.trainable}
 
     @property
     def loss_scale(self) -> float:
@@ -103,41 +124,94 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self.step_was_skipped = False
         if not self.runtime.has_grads:
             return loss
-        if self.scaler.enabled and not math.isfinite(self.grad_norm()):
-            self.step_was_skipped = True
-            self.scaler.update(overflow=True)
-            self._reset_norm()
+        if (self.scaler.enabled or self.skip_nonfinite) and not math.isfinite(self.grad_norm()):
+            self._skip()
             return loss
+        used = self.runtime.used_params()  # after the norm, whose all-reduce usually answers it
+        self.consecutive_skips = 0
         self.step_count += 1
+        trainable = self.runtime.trainable_params
+        for i in trainable:
+            self.param_steps[i] += used[i]
+        counts = {self.param_steps[i] for i in trainable}
+        uniform = next(iter(counts)) if len(counts) == 1 and all(used[i] for i in trainable) else None
         hypers = [self._hyper(g) for g in self.param_groups]
         div_scale = self.scaler.scale / self._clip_coef
         device = self.runtime.arenas["device"]
         if device.trainable_numel:
-            self._update(device, device.segments, hypers, self.step_count, div_scale)
+            chunks = [c for c in self.runtime.trainable if c.arenas is device]
+            self._update(device, self._work(chunks, device.segments, used, uniform), hypers, div_scale)
         host = self.runtime.arenas["host"]
         for c in self.runtime.trainable:
             if c.arenas is host:  # chunk order = the order the next forward needs them
+                work = self._work([c], self._chunk_segments[c.index], used, uniform)
                 self.runtime.host_updates.submit(
-                    c.index, functools.partial(
-                        self._update_host_chunk, c, self._chunk_segments[c.index], hypers, self.step_count, div_scale
-                    )
+                    c.index, functools.partial(self._update_host_chunk, c, work, hypers, div_scale)
                 )
         self.scaler.update(overflow=False)
         self.runtime.invalidate_trainable()
         self._reset_norm()
         return loss
 
+    def _skip(self) -> None:
+        """A non-finite gradient norm: no update on any rank; fp16's loss scale backs off."""
+        self.step_was_skipped = True
+        self.consecutive_skips += 1
+        norm = self.grad_norm()
+        self.scaler.update(overflow=True)
+        self._reset_norm()
+        cause = f"the loss scale backs off to {self.scaler.scale:g}" if self.scaler.enabled else "weights unchanged"
+        if self.consecutive_skips >= self.max_consecutive_skips:
+            raise FloatingPointError(
+                f"elixir: {self.consecutive_skips} optimizer steps in a row had a non-finite gradient norm "
+                f"({norm}) and were skipped (ElixirConfig.max_consecutive_skips={self.max_consecutive_skips}); training stopped. "
+                "Look for a NaN/inf loss (bad data, a learning rate too high, fp16 overflow at the minimum loss "
+                "scale), or raise max_consecutive_skips if these skips are expected"
+            )
+        warnings.warn(
+            f"elixir: skipped optimizer step {self.step_count + 1}: the gradient norm is {norm} ({cause}; "
+            f"{self.consecutive_skips} in a row, training stops at {self.max_consecutive_skips})",
+            RuntimeWarning,
+            stacklevel=5,  # the caller of step (through torch's no_grad and optimizer-hook wrappers)
+        )
+
+    def _work(
+        self, chunks: list[ChunkState], static: list[Segment], used: list[bool], uniform: int | None
+    ) -> list[tuple[int, list[Segment]]]:
+        """``(step count, segments)`` kernel calls that update ``chunks``: their static per-group
+        segments when every parameter was used and all share step count ``uniform``, else the
+        used parameters' ranges (neighbours of one group and count merged) grouped by count."""
+        if uniform is not None:
+            return [(uniform, static)]
+        by_step: dict[int, list[Segment]] = {}
+        for c in chunks:
+            last = None
+            for offset, length, param, group in self._pieces[c.index]:
+                if not used[param]:
+                    last = None
+                    continue
+                step = self.param_steps[param]
+                segs = by_step.setdefault(step, [])
+                if last == (step, group):  # the previous piece: extend over the padding between them
+                    segs[-1] = Segment(segs[-1].offset, offset + length - segs[-1].offset, group)
+                else:
+                    segs.append(Segment(offset, length, group))
+                last = (step, group)
+        return sorted(by_step.items())
+
     def _update_host_chunk(
-        self, c: ChunkState, segments: list[Segment], hypers: list[AdamHyper], step: int, div_scale: float
+        self, c: ChunkState, work: list[tuple[int, list[Segment]]], hypers: list[AdamHyper], div_scale: float
     ) -> None:
         self.runtime.wait_host_chunk(c)
-        self._update(c.arenas, segments, hypers, step, div_scale)
+        self._update(c.arenas, work, hypers, div_scale)
 
     def _update(
-        self, a: ShardArenas, segments: list[Segment], hypers: list[AdamHyper], step: int, div_scale: float
+        self, a: ShardArenas, work: list[tuple[int, list[Segment]]], hypers: list[AdamHyper], div_scale: float
     ) -> None:
         param_out = None if a.master_is_param else a.param
-        self.kernels[a.placement].step(a.master, a.exp_avg, a.exp_avg_sq, a.grad, param_out, segments, hypers, step, div_scale)
+        kernel = self.kernels[a.placement]
+        for step, segments in work:
+            kernel.step(a.master, a.exp_avg, a.exp_avg_sq, a.grad, param_out, segments, hypers, step, div_scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.runtime.zero_grad()
@@ -173,6 +247,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
             "world_size": rt.coll.world_size,
             "layout": layout_fingerprint(rt),
             "step": self.step_count,
+            "param_steps": list(self.param_steps),
             "scaler": self.scaler.state_dict(),
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
             "chunks": chunks,
@@ -208,5 +283,25 @@ class ElixirOptimizer(torch.optim.Optimizer):
             for k in ("master", "exp_avg", "exp_avg_sq"):
                 getattr(c.arenas, k)[sl].copy_(saved[k])
         self.step_count = int(state_dict["step"])
+        # shards saved before per-parameter counts existed: every parameter took every step
+        saved_steps = state_dict.get("param_steps") or [self.step_count if g >= 0 else 0 for g in rt.layout.groups]
+        if len(saved_steps) != len(self.param_steps):
+            raise ValueError(
+                f"optimizer shard has step counts for {len(saved_steps)} parameters, this model {len(self.param_steps)}"
+            )
+        self.param_steps = [int(n) for n in saved_steps]
+        self.consecutive_skips = 0
         self.scaler.load_state_dict(state_dict["scaler"])
         rt.reload_shards()
+
+
+def _param_pieces(runtime: ChunkRuntime, c: ChunkState) -> list[tuple[int, int, int, int]]:
+    """``(arena offset, length, param, group)`` of each parameter's part of this rank's shard of
+    chunk ``c``, in arena order."""
+    layout, rank = runtime.layout, runtime.coll.rank
+    out = []
+    for slot in c.spec.slots:
+        part = shard_overlap(layout, c.spec, slot, rank)
+        if part is not None:
+            out.append((c.offset + part[0], part[2], slot.param, layout.groups[slot.param]))
+    return sorted(out)

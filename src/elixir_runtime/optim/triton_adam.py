@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .adam_consts import CONST_NAMES, step_constants
-from .kernel import AdamHyper, Segment, check_arenas, segment_extent
+from .kernel import AdamHyper, Segment, bounded_put, check_arenas, segment_extent
 
 __all__ = ["TritonAdamKernel"]
 
@@ -119,7 +119,7 @@ class TritonAdamKernel:
         hit = self._tiles.get(key)
         if hit is None:
             end, groups = segment_extent(key[0])
-            hit = self._tiles[key] = (build_tiles(key[0], self.block).to(device), end, groups)
+            hit = bounded_put(self._tiles, key, (build_tiles(key[0], self.block).to(device), end, groups))
         return hit
 
     def step(

@@ -9,12 +9,17 @@ Everything that moves chunk data lives here; the module hooks (``hooks.py``) onl
   no longer needed), and when every parameter of a chunk has its gradient the chunk is averaged
   over ranks by reduce-scatter into this rank's gradient shard, and its block is freed;
 * ``finish_backward`` runs once at the end of each backward: it reduces what unused parameters
-  left incomplete (zero gradients, the same on every rank) so no rank ever waits on another.
+  left incomplete (their slots zero-filled, the same on every rank) so no rank ever waits on
+  another. Which parameters got a gradient is recorded (``used_params``): the optimizer leaves
+  the others alone, as torch's AdamW does with ``.grad is None``.
 
 [Note: reduce order] Ranks must issue collectives in the same order. A chunk is reduced as soon as
 its last gradient arrives, so, as with FSDP, every rank must run the same modules in a step (the
 usual SPMD contract); chunks left incomplete by unused parameters are reduced at the end of
-backward in chunk order, identical on every rank.
+backward in chunk order, identical on every rank. A parameter that gets its gradient on some ranks
+only can break that order (its chunk completes during backward on one rank, at its end on
+another); ``used_params`` compares a fingerprint of each rank's reduce order and fails, naming the
+parameter, rather than let mispaired collectives corrupt the gradients.
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ class Residency(enum.Enum):
     """Inside ``full_params``: every parameter is on this rank; forwards run alone, hooks stand by."""
     ELSEWHERE = "full on rank 0 only"
     """Inside ``full_params(rank0_only=True)`` on another rank: no forward can run here."""
+
+_FINGERPRINT_MOD = 2**61 - 1  # a prime: the reduce-order fingerprint fits an int64
 
 
 class RCacheExhausted(RuntimeError):
@@ -146,6 +153,14 @@ class ChunkRuntime:
         self.backward_pending = False
         """A grad-enabled forward ran whose backward has not been finished yet."""
         self.on_finish_backward: list = []
+        self.got_grad = [False] * len(layout.params)
+        """Params that received a gradient on this rank since the last ``zero_grad``."""
+        self.trainable_params = [i for i, g in enumerate(layout.groups) if g >= 0]
+        """Indices of the parameters the optimizer updates."""
+        self._missing: torch.Tensor | None = None
+        """Set by ``grad_norm_sq`` on several ranks: how many (rank, parameter) pairs got no gradient."""
+        self._reduce_order = 0
+        """Fingerprint of this rank's sequence of chunk reductions since the last ``zero_grad``."""
         for i, p in enumerate(layout.params):
             p.data = self._placeholders[i]
 
@@ -282,13 +297,13 @@ class ChunkRuntime:
             self.rcache.free.append(block)
 
     @contextlib.contextmanager
-    def _on(self, stream: torch.cuda.Stream | None, block: Block):
+    def _on(self, stream: torch.cuda.Stream | None, block: Block | None):
         """Runs on ``stream`` after the current stream's work and the block's last user."""
         if stream is None:
             yield
             return
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        if block.free_event is not None:
+        if block is not None and block.free_event is not None:
             stream.wait_event(block.free_event)
         with torch.cuda.stream(stream):
             yield
@@ -319,15 +334,23 @@ class ChunkRuntime:
             slot.copy_(grad)
             c.written.add(param_index)
         param.grad = None
+        self.got_grad[param_index] = True
         if len(c.written) == c.n_grad_params:
             self._reduce(c)
 
-    def _reduce(self, c: ChunkState) -> None:
-        assert c.block is not None
+    def _reduce(self, c: ChunkState, written: bool = True) -> None:
+        """Averages the chunk's gradients over ranks into its grad shard and frees its block.
+        ``written=False``: this rank has no gradient for the chunk and contributes zeros from a
+        temporary buffer (no gather, and the block, if any, keeps its params)."""
         self.host_updates.wait(c.index)  # its CPU update still reads the grad shard
-        full = c.block.data[: c.spec.numel]
+        self._reduce_order = (self._reduce_order * 1_000_003 + c.index + 1) % _FINGERPRINT_MOD
+        block = c.block if written else None
         event = None
-        with self._on(self.reduce_stream, c.block):
+        with self._on(self.reduce_stream, block):
+            if block is None:
+                full = torch.zeros(c.spec.numel, dtype=self.dtype, device=self.device)
+            else:
+                full = block.data[: c.spec.numel]
             shard = self.coll.reduce_scatter_avg_(full)
             dst = c.grad_shard
             if c.grad_fresh:
@@ -343,9 +366,10 @@ class ChunkRuntime:
         c.grad_fresh = False
         c.has_grad = True
         c.reduced = True
-        c.written.clear()
         self.stats["reduces"] += 1
-        self._drop(c, event)
+        if block is not None:
+            c.written.clear()
+            self._drop(c, event)
 
     @torch.no_grad()
     def finish_backward(self) -> None:
@@ -355,19 +379,15 @@ class ChunkRuntime:
         for c in self.trainable:
             if c.reduced:
                 continue
-            if c.written:  # some params got no grad this step: theirs is zero
+            if c.written:  # some params got no grad this step: their slots must not add to the sum
                 for s in c.spec.slots:
                     if s.param not in c.written:
                         c.block.data[s.offset : s.offset + s.numel].zero_()
                 self._reduce(c)
             elif self.coll.world_size > 1:  # collectives must match across ranks
-                if not c.valid:
-                    c.pins += 1
-                    self._gather(c)
-                    c.pins -= 1
-                c.block.data[: c.spec.numel].zero_()
-                self._reduce(c)
+                self._reduce(c, written=False)
             elif c.grad_fresh:
+                self.host_updates.wait(c.index)  # the last step's CPU update may still read it
                 c.grad_shard.zero_()
                 c.grad_fresh = False
                 c.has_grad = True
@@ -407,6 +427,42 @@ class ChunkRuntime:
             c.has_grad = False
         self._norm_parts = []
         self._norm_from_shards = False
+        self.got_grad = [False] * len(self.layout.params)
+        self._reduce_order = 0
+        self._missing = None
+
+    def used_params(self) -> list[bool]:
+        """Per parameter: whether it received a gradient since ``zero_grad`` on any rank (DDP's
+        ``find_unused_parameters`` rule: a parameter used on some ranks only is averaged with
+        zeros from the others and updated; one used on none is left alone).
+
+        With several ranks: nothing more when the step's norm all-reduce (``grad_norm_sq``) found
+        every parameter used on every rank (the usual case); otherwise one small all-reduce (MAX of
+        the flags, their negation and the reduce-order fingerprint) and a host sync, which also
+        checks that every rank reduced the chunks in the same order, as a parameter used on some
+        ranks only can break.
+        """
+        if self.coll.world_size == 1:
+            return list(self.got_grad)
+        missing, self._missing = self._missing, None  # this step's answer only
+        if missing is not None and missing.item() == 0:
+            return [g >= 0 for g in self.layout.groups]  # every trainable one, everywhere
+        local = torch.tensor(self.got_grad, dtype=torch.int64)
+        order = torch.tensor([self._reduce_order], dtype=torch.int64)
+        flags = torch.cat([local, -local, order, -order]).to(self.device)
+        self.coll.all_reduce_max_(flags)
+        flags = flags.tolist()
+        n = len(self.got_grad)
+        anywhere, everywhere = flags[:n], [-f for f in flags[n : 2 * n]]
+        if flags[2 * n] != -flags[2 * n + 1]:
+            some = [self.layout.names[i][0] for i in range(n) if anywhere[i] and not everywhere[i]]
+            raise RuntimeError(
+                f"the ranks reduced gradient chunks in different orders this step because parameters {some[:5]} "
+                "got a gradient on some ranks only and their chunks completed at different points of the backward; "
+                "the gradients are not usable. Give those parameters a gradient on every rank (e.g. add "
+                "0 * their output to the loss, which makes their gradient zero rather than absent)"
+            )
+        return [bool(f) for f in anywhere]
 
     def invalidate_trainable(self) -> None:
         """After an update the gathered copies of trainable chunks are stale."""
@@ -432,8 +488,14 @@ class ChunkRuntime:
             self.device_grads_ready()
             parts = self._norm_parts
         total = torch.stack(parts).square().sum() if parts else torch.zeros((), device=self.device)
-        self.coll.all_reduce_sum_(total)
-        return total
+        if self.coll.world_size == 1:
+            return total
+        # the same all-reduce counts the parameters some rank got no gradient for (see used_params)
+        missing = sum(not self.got_grad[i] for i in self.trainable_params)
+        both = torch.stack([total, torch.tensor(float(missing), device=self.device)])
+        self.coll.all_reduce_sum_(both)
+        self._missing = both[1]
+        return both[0]
 
     @torch.no_grad()
     def reload_shards(self) -> None:

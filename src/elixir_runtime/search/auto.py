@@ -72,8 +72,8 @@ def _decide(
         chunk_size=config.chunk_size,
         n_blocks=config.n_blocks,
         offload=config.offload,  # type: ignore[arg-type]
-        # fp16 reads the gradient norm for its overflow check: a host sync, as clipping is
-        clips_grads=config.clips_grads or dtype == torch.float16,
+        # fp16's overflow check and the non-finite skip read the gradient norm: a host sync, as clipping is
+        clips_grads=config.clips_grads or config.skip_nonfinite or dtype == torch.float16,
         busbw=busbw,
     )
     result = search(model_table(model, units, order), profile, hardware, budget, settings)

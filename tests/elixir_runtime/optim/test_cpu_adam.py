@@ -128,3 +128,16 @@ def test_compile_error_raises_unavailable(monkeypatch: pytest.MonkeyPatch, tmp_p
     with pytest.raises(CpuAdamUnavailable, match="failed"):
         cpu_adam.load_library.__wrapped__("native")
     assert not list(tmp_path.rglob("*.so"))  # no half-written library left to load later
+
+
+def test_segment_tables_are_bounded() -> None:
+    """Parameters without a gradient give other segment lists each step; the kernel keeps at most
+    TABLE_CACHE tables, and a dropped one is rebuilt when it comes back."""
+    from elixir_runtime.optim.kernel import TABLE_CACHE
+
+    kernel = CpuAdamKernel(threads=1)
+    arena = make_arena(200, torch.float32, None)
+    for i in range(TABLE_CACHE + 10):
+        run_kernel(kernel, arena.clone(), (Segment(i, 3, 0),))
+    assert len(kernel._tables) == TABLE_CACHE
+    assert (Segment(0, 3, 0),) not in kernel._tables and (Segment(TABLE_CACHE + 9, 3, 0),) in kernel._tables

@@ -3,8 +3,6 @@ against float64 and the C++ kernel; on a GPU against torch's fused Adam/AdamW.""
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import types
 
 import pytest
@@ -21,6 +19,7 @@ from adam_cases import (
 )
 
 from elixir_runtime.optim.kernel import AdamHyper, Segment
+from helpers.interpreted import interpreted_triton_adam
 
 pytest.importorskip("triton")
 
@@ -29,20 +28,10 @@ LENGTHS = [1, 37, 15, 16, 17, 1000, 4097, 33, 3, 8, 9, 300]
 GPU_LENGTHS = [1, 37, 4096, 4097, 1_000_001, 33, 3, 262_144, 9]
 
 
-@functools.cache
-def _load_interpreted() -> types.ModuleType:
-    """A private copy of triton_adam whose kernels were decorated with TRITON_INTERPRET=1 set, so
-    that they run on CPU tensors; the normally imported module stays compiled for GPU tests."""
-    spec = importlib.util.find_spec("elixir_runtime.optim.triton_adam")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
 def interpreted(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # read when decorating and while launching
-    return _load_interpreted()
+    return interpreted_triton_adam()
 
 
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)

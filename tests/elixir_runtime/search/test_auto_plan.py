@@ -65,7 +65,8 @@ def test_without_a_batch_the_activations_get_a_fixed_share(monkeypatch) -> None:
 
 
 def test_clips_grads_reaches_the_search(monkeypatch) -> None:
-    """``ElixirConfig.clips_grads`` decides when the predicted CPU updates start; fp16 always syncs."""
+    """``ElixirConfig.clips_grads`` decides when the predicted CPU updates start; fp16 always
+    syncs, and so does the non-finite check (``skip_nonfinite``, on by default)."""
     model = _model()
     _fake_machine(monkeypatch, model, share=0.3)
     seen = []
@@ -80,8 +81,9 @@ def test_clips_grads_reaches_the_search(monkeypatch) -> None:
     batch = make_batch(128)
     cpu, coll = torch.device("cpu"), Collectives(None)
     for clips, dtype in ((True, torch.float32), (False, torch.float32), (False, torch.bfloat16), (False, torch.float16)):
-        auto.auto_plan(model, units, batch, er.ElixirConfig(clips_grads=clips), cpu, dtype, coll)
-    assert seen == [True, False, False, True]
+        auto.auto_plan(model, units, batch, er.ElixirConfig(clips_grads=clips, skip_nonfinite=False), cpu, dtype, coll)
+    auto.auto_plan(model, units, batch, er.ElixirConfig(clips_grads=False), cpu, torch.bfloat16, coll)
+    assert seen == [True, False, False, True, True]
 
 
 def _plan_on_two_ranks(rank: int, world: int) -> tuple:
