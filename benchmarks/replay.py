@@ -6,7 +6,7 @@ GPU time is scarce; changing the step model is not. Each Elixir run of the throu
 records its plan (chunk size, rCache blocks, offloaded chunks), the per-rank rates and the whole
 hardware profile the plan was made with. This rebuilds the same model on ``meta``, profiles the
 same batch on fake tensors, and predicts the same plan on the same hardware with the code as it is
-now, next to the step that was measured and the one predicted then. A change to ``search/cost.py``
+now, next to the step that was measured and the one predicted then. A change to ``search/step_time.py``
 is judged against every recorded run in seconds, before a GPU session re-measures the table.
 
 Runs whose plan predates these records (every run in results.json as of 2026-11-26) are listed as skipped.
@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from elixir_runtime.profiler.profile import profile_model
-from elixir_runtime.runtime.units import find_units
+from elixir_runtime.units import find_units
 from elixir_runtime.search import Budget, SearchSettings, search
-from elixir_runtime.search.cost import StepTime
-from elixir_runtime.search.engine import model_table
-from elixir_runtime.search.hardware import HardwareProfile
+from elixir_runtime.search.step_time import StepTime
+from elixir_runtime.search.loop import model_table
+from elixir_runtime.hardware.profile import HardwareProfile
 
 from . import report
 from .models import build_meta, preset

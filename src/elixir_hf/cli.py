@@ -27,8 +27,9 @@ from elixir_runtime.chunk.layout import build_layout
 from elixir_runtime.config import ElixirConfig, resolve_dtype
 from elixir_runtime.plan import ElixirPlan, PlanError, format_step_time, resolve_plan
 from elixir_runtime.profiler import ModelProfile, profile_model
-from elixir_runtime.runtime.units import find_units
-from elixir_runtime.search import Budget, HardwareProfile, SearchSettings, load_hardware, model_table, search
+from elixir_runtime.units import find_units
+from elixir_runtime.hardware import HardwareProfile, load_hardware
+from elixir_runtime.search import Budget, SearchSettings, model_table, search
 
 __all__ = ["main", "PRESETS", "parse_size", "build_meta_model"]
 
@@ -150,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _measure(path: str) -> int:
-    from elixir_runtime.search.measure import measure_hardware
+    from elixir_runtime.hardware.measure import measure_hardware
 
     profile = measure_hardware()
     profile.save(path)

@@ -25,9 +25,9 @@ from .optim.optimizer import ElixirOptimizer
 from .optim.threads import cpu_adam_threads
 from .plan import ElixirPlan, resolve_plan
 from .profiler.trace import trace_unit_order
-from .runtime.chunks import ChunkRuntime
+from .runtime.chunk_runtime import ChunkRuntime
 from .runtime.hooks import install_hooks
-from .runtime.units import Unit, find_units, unit_owner_count
+from .units import Unit, find_units, unit_owner_count
 from .search.auto import auto_plan
 from .search.budget import local_ranks
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .chunk.store import write_param
-from .runtime.chunks import ChunkRuntime
+from .runtime.chunk_runtime import ChunkRuntime
 
 __all__ = ["ModelStateHooks", "layout_fingerprint", "load_safetensors", "rank0_state_dict"]
 

@@ -20,10 +20,10 @@ import torch
 
 from .chunk.layout import ChunkLayout
 from .config import ElixirConfig
-from .runtime.units import Unit
+from .units import Unit
 
 if TYPE_CHECKING:
-    from .search.engine import SearchResult
+    from .search.loop import SearchResult
 
 __all__ = ["ElixirPlan", "resolve_plan", "PlanError"]
 

@@ -12,10 +12,10 @@ from elixir_runtime.chunk.layout import build_layout
 from elixir_runtime.config import ElixirConfig
 from elixir_runtime.plan import resolve_plan
 from elixir_runtime.profiler.profile import profile_model
-from elixir_runtime.runtime.units import find_units
+from elixir_runtime.units import find_units
 from elixir_runtime.search import Budget, SearchSettings, search
-from elixir_runtime.search.engine import model_table
-from elixir_runtime.search.hardware import HardwareProfile, LinkRates
+from elixir_runtime.search.loop import model_table
+from elixir_runtime.hardware.profile import HardwareProfile, LinkRates
 
 GIB = 2**30
 SEQ = 64

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from elixir_hf.cli import main, parse_size
-from elixir_runtime.search import HardwareProfile, LinkRates
+from elixir_runtime.hardware import HardwareProfile, LinkRates
 
 
 @pytest.fixture

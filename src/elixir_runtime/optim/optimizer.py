@@ -17,7 +17,7 @@ import torch
 
 from ..checkpoint import layout_fingerprint
 from ..config import LossScaleConfig
-from ..runtime.chunks import ChunkRuntime, ChunkState
+from ..runtime.chunk_runtime import ChunkRuntime, ChunkState
 from ..chunk.store import ShardArenas
 from .kernel import AdamHyper, Segment
 from .select import select_kernel

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from ..runtime.units import Unit, find_units
+from ..units import Unit, find_units
 from .blocks import BlockStack, find_block_stack, truncated
 from .fake import constant_scalar_draws, fake_batch, fake_state, loss_of, train_mode
 from .hooks import Markers

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .chunks import ChunkRuntime
-from .units import Unit
+from .chunk_runtime import ChunkRuntime
+from ..units import Unit
 
 __all__ = ["install_hooks"]
 

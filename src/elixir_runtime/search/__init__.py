@@ -6,9 +6,8 @@ fastest predicted step that fits the memory budget; ``auto_plan`` does it inside
 """
 
 from .budget import Budget
-from .cost import StepTime
-from .engine import ModelTable, SearchResult, SearchSettings, model_table, search
-from .hardware import HardwareProfile, LinkRates, load_hardware
+from .step_time import StepTime
+from .loop import ModelTable, SearchResult, SearchSettings, model_table, search
 
 __all__ = [
     "Budget",
@@ -18,7 +17,4 @@ __all__ = [
     "SearchSettings",
     "model_table",
     "search",
-    "HardwareProfile",
-    "LinkRates",
-    "load_hardware",
 ]

@@ -18,11 +18,11 @@ from ..chunk.collectives import Collectives
 from ..config import ElixirConfig
 from ..profiler.kernels import cuda_attention
 from ..profiler.profile import ModelProfile, profile_model, structural_profile
-from ..runtime.units import Unit
+from ..units import Unit
 from .budget import F_FRAG, device_budget, local_ranks
-from .engine import SearchResult, SearchSettings, model_table, search
-from .hardware import load_hardware
-from .measure import collective_busbw
+from .loop import SearchResult, SearchSettings, model_table, search
+from ..hardware.profile import load_hardware
+from ..hardware.measure import collective_busbw
 
 __all__ = ["auto_plan", "UNPROFILED_ACTIVATION_SHARE"]
 

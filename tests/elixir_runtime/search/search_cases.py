@@ -9,8 +9,9 @@ from __future__ import annotations
 from torch import nn
 
 from elixir_runtime.profiler import ModelProfile, profile_model
-from elixir_runtime.runtime.units import find_units
-from elixir_runtime.search import HardwareProfile, LinkRates, ModelTable, model_table
+from elixir_runtime.units import find_units
+from elixir_runtime.hardware import HardwareProfile, LinkRates
+from elixir_runtime.search import ModelTable, model_table
 from helpers.models import MODEL_BUILDERS, make_batch
 
 GIB = 2**30

@@ -29,9 +29,10 @@ from elixir_runtime.chunk.layout import build_layout
 from elixir_runtime.config import ElixirConfig
 from elixir_runtime.plan import ElixirPlan, resolve_plan
 from elixir_runtime.profiler import profile_model
-from elixir_runtime.runtime.units import find_units
-from elixir_runtime.search import Budget, SearchSettings, load_hardware, model_table, search
-from elixir_runtime.search.engine import _evaluate
+from elixir_runtime.units import find_units
+from elixir_runtime.hardware import load_hardware
+from elixir_runtime.search import Budget, SearchSettings, model_table, search
+from elixir_runtime.search.loop import _evaluate
 
 H100 = Path(__file__).resolve().parents[3] / "docs" / "planning" / "h100_hardware.json"
 BF16 = torch.bfloat16

@@ -23,8 +23,8 @@ from ..chunk.host_memory import empty_host
 from ..optim.kernel import AdamHyper, AdamKernel, Segment
 from ..optim.select import select_kernel
 from ..optim.threads import cpu_adam_threads, usable_cores
-from .budget import host_total
-from .hardware import PROFILE_VERSION, HardwareProfile, LinkRates
+from ..search.budget import host_total
+from .profile import PROFILE_VERSION, HardwareProfile, LinkRates
 
 __all__ = ["measure_hardware"]
 

@@ -169,7 +169,7 @@ def test_search_is_fast_for_opt_175b() -> None:
     from transformers import AutoModelForCausalLM, OPTConfig
 
     from elixir_runtime.profiler import profile_model
-    from elixir_runtime.runtime.units import find_units
+    from elixir_runtime.units import find_units
     from elixir_runtime.search import model_table
 
     config = OPTConfig(hidden_size=12288, num_hidden_layers=96, num_attention_heads=96, ffn_dim=49152,

@@ -31,7 +31,7 @@ from ..chunk.layout import ChunkLayout, ChunkSpec
 from ..chunk.rcache import Block, RCache
 from ..chunk.schedule import AccessSchedule
 from ..chunk.store import Placement, ShardArenas, build_arenas
-from ..optim.host_updates import HostUpdates
+from .host_updates import HostUpdates
 
 __all__ = ["ChunkState", "ChunkRuntime", "RCacheExhausted"]
 

@@ -22,12 +22,12 @@ from torch import nn
 from ..chunk.layout import ChunkLayout, build_layout, round_up
 from ..plan import PlanError
 from ..profiler.profile import ModelProfile
-from ..runtime.units import Unit
+from ..units import Unit
 from .access import access_trace, unit_work
 from .budget import Budget
 from .candidates import chunk_size_candidates
-from .cost import StepModel, StepTime
-from .hardware import HardwareProfile
+from .step_time import StepModel, StepTime
+from ..hardware.profile import HardwareProfile
 from .memory import ArenaBytes
 from .placement import Placement, best_placement
 
@@ -56,7 +56,7 @@ class ModelTable:
 
 def model_table(model: nn.Module, units: list[Unit], unit_order: Sequence[int]) -> ModelTable:
     """The table for a model with one optimizer group (what the chunk counts depend on)."""
-    from ..runtime.units import unit_owner_count
+    from ..units import unit_owner_count
 
     params = list(dict.fromkeys(p for u in unit_order for p in units[u].params))
     index = {id(p): i for i, p in enumerate(params)}
