@@ -22,10 +22,9 @@ from typing import Any
 import torch
 
 from elixir_runtime.profiler.profile import profile_model
-from elixir_runtime.units import find_units
+from elixir_runtime.units import find_units, param_table
 from elixir_runtime.search import Budget, SearchSettings, search
 from elixir_runtime.search.step_time import StepTime
-from elixir_runtime.search.loop import model_table
 from elixir_runtime.hardware.profile import HardwareProfile
 
 from . import report
@@ -49,7 +48,7 @@ def predict(run: dict[str, Any]) -> StepTime:
     ids = torch.zeros(run["batch"], run["seq"], dtype=torch.long, device="meta")
     profile = profile_model(model, {"input_ids": ids, "labels": ids}, dtype=getattr(torch, plan["dtype"]),
                             device="cuda", units=units)
-    table = model_table(model, units, profile.unit_indices(units))
+    table = param_table(model, units, profile.unit_indices(units))
     budget = Budget(
         capacity=HEADROOM * hardware.gpu_memory,
         activations=profile.activation_peak,

@@ -9,9 +9,9 @@
 
 from .api import ElixirState, prepare
 from .checkpoint import load_safetensors, rank0_state_dict
-from .config import ElixirConfig, LossScaleConfig
+from .config import ElixirConfig, LossScaleConfig, PlanError
 from .optim.optimizer import ElixirOptimizer
-from .plan import ElixirPlan, PlanError
+from .plan import ElixirPlan
 
 __all__ = [
     "prepare", "ElixirConfig", "LossScaleConfig", "ElixirOptimizer", "ElixirPlan", "PlanError", "ElixirState",

@@ -20,9 +20,8 @@ from typing import Callable
 
 import torch
 
-from ..optim.kernel import Segment
 from .host_memory import empty_host
-from .layout import ChunkLayout, ChunkSpec, Slot
+from .layout import ChunkLayout, ChunkSpec, GroupRange, Slot
 
 __all__ = ["Placement", "ShardArenas", "build_arenas", "write_param", "shard_overlap"]
 
@@ -39,7 +38,7 @@ class ShardArenas:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     trainable_numel: int
-    segments: list[Segment] = field(default_factory=list)
+    segments: list[GroupRange] = field(default_factory=list)
     offsets: dict[int, int] = field(default_factory=dict)
     """Chunk index → offset of its shard in every arena of this placement."""
 
@@ -47,11 +46,6 @@ class ShardArenas:
     def master_is_param(self) -> bool:
         return self.master.data_ptr() == self.param.data_ptr() and self.param.numel() > 0
 
-    def nbytes(self) -> int:
-        tensors = [self.param, self.grad, self.exp_avg, self.exp_avg_sq]
-        if not self.master_is_param:
-            tensors.append(self.master)
-        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def build_arenas(
@@ -99,7 +93,7 @@ def build_arenas(
         for c, size in zip(members, shard):
             arenas.offsets[c.index] = offset
             if c.trainable:
-                arenas.segments += [Segment(offset + o, n, g) for o, n, g in c.shard_segments(rank, layout.world_size)]
+                arenas.segments += [GroupRange(offset + o, n, g) for o, n, g in c.shard_segments(rank, layout.world_size)]
             offset += size
         _fill(layout, members, arenas, rank, weights)
         out[where] = arenas

@@ -3,6 +3,7 @@
 Measured once per machine and cached (``measure.py``), or read from a file (``profile.py``).
 """
 
-from .profile import HardwareProfile, LinkRates, load_hardware
+from .load import load_hardware
+from .profile import HardwareProfile, LinkRates
 
 __all__ = ["HardwareProfile", "LinkRates", "load_hardware"]

@@ -15,11 +15,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..checkpoint import layout_fingerprint
 from ..config import LossScaleConfig
 from ..runtime.chunk_runtime import ChunkRuntime, ChunkState
 from ..chunk.store import ShardArenas
-from .kernel import AdamHyper, Segment
+from ..chunk.layout import GroupRange
+from .kernel import AdamHyper
 from .select import select_kernel
 from .loss_scaler import LossScaler
 
@@ -128,13 +128,13 @@ class ElixirOptimizer(torch.optim.Optimizer):
         return loss
 
     def _update_host_chunk(
-        self, c: ChunkState, segments: list[Segment], hypers: list[AdamHyper], step: int, div_scale: float
+        self, c: ChunkState, segments: list[GroupRange], hypers: list[AdamHyper], step: int, div_scale: float
     ) -> None:
         self.runtime.wait_host_chunk(c)
         self._update(c.arenas, segments, hypers, step, div_scale)
 
     def _update(
-        self, a: ShardArenas, segments: list[Segment], hypers: list[AdamHyper], step: int, div_scale: float
+        self, a: ShardArenas, segments: list[GroupRange], hypers: list[AdamHyper], step: int, div_scale: float
     ) -> None:
         param_out = None if a.master_is_param else a.param
         self.kernels[a.placement].step(a.master, a.exp_avg, a.exp_avg_sq, a.grad, param_out, segments, hypers, step, div_scale)
@@ -171,7 +171,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
             "format": _FORMAT,
             "rank": rt.coll.rank,
             "world_size": rt.coll.world_size,
-            "layout": layout_fingerprint(rt),
+            "layout": rt.layout.fingerprint(),
             "step": self.step_count,
             "scaler": self.scaler.state_dict(),
             "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
@@ -191,7 +191,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 f"optimizer shard of rank {state_dict['rank']}/{state_dict['world_size']} cannot be loaded on rank "
                 f"{rt.coll.rank}/{rt.coll.world_size}: resume with the same number of ranks, or load only the model weights"
             )
-        if state_dict["layout"] != layout_fingerprint(rt):
+        if state_dict["layout"] != rt.layout.fingerprint():
             raise ValueError(
                 "optimizer shard was saved with a different chunk layout (model, chunk size or world size changed); "
                 "resume with the same ElixirConfig, or load only the model weights"

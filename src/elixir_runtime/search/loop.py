@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from ..chunk.layout import ChunkLayout, build_layout, round_up
-from ..plan import PlanError
+from ..config import PlanError, offloaded_chunks
 from ..profiler.profile import ModelProfile
-from ..units import Unit
+from ..units import ParamTable
 from .access import access_trace, unit_work
 from .budget import Budget
 from .candidates import chunk_size_candidates
@@ -31,43 +31,9 @@ from ..hardware.profile import HardwareProfile
 from .memory import ArenaBytes
 from .placement import Placement, best_placement
 
-__all__ = ["ModelTable", "SearchSettings", "SearchResult", "search", "model_table"]
+__all__ = ["SearchSettings", "SearchResult", "search"]
 
 GIB = 2**30
-
-
-@dataclass
-class ModelTable:
-    """The parameters in the order and with the flags the engine lays them out with."""
-
-    params: list[nn.Parameter]
-    names: list[list[str]]
-    groups: list[int]
-    private: list[bool]
-    units: list[Unit]
-
-    def __post_init__(self) -> None:
-        self.index = {id(p): i for i, p in enumerate(self.params)}
-        self.by_name = {n: i for i, names in enumerate(self.names) for n in names}
-        self.work = {u.name: float(unit_work(u.module, u.params)) for u in self.units}
-        """Parameter elements each unit computes with (``access.unit_work``): its share of the
-        forward compute the profile does not place between events."""
-
-
-def model_table(model: nn.Module, units: list[Unit], unit_order: Sequence[int]) -> ModelTable:
-    """The table for a model with one optimizer group (what the chunk counts depend on)."""
-    from ..units import unit_owner_count
-
-    params = list(dict.fromkeys(p for u in unit_order for p in units[u].params))
-    index = {id(p): i for i, p in enumerate(params)}
-    names: list[list[str]] = [[] for _ in params]
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in index:
-            names[index[id(p)]].append(name)
-    owners = unit_owner_count(units)
-    return ModelTable(
-        params, names, [0 if p.requires_grad else -1 for p in params], [owners[id(p)] > 1 for p in params], units
-    )
 
 
 @dataclass
@@ -107,6 +73,9 @@ class SearchResult:
     seconds: float = 0.0
     rates: dict[str, float | int | None] = field(default_factory=dict)
     """The per-rank rates the prediction used (``Rates.summary``)."""
+    regions: list[list[str]] = field(default_factory=list)
+    """Parameter names of each activation-checkpointed region of the profile: their chunks must be
+    resident together (``ChunkLayout.block_bounds``), in the search and in the plan."""
     hardware: dict[str, Any] = field(default_factory=dict)
     """The whole hardware profile searched with (``HardwareProfile.to_dict``): enough to predict
     the same plan again offline (``benchmarks.replay``)."""
@@ -123,7 +92,7 @@ class _Evaluated:
 
 
 def search(
-    table: ModelTable, profile: ModelProfile, hardware: HardwareProfile, budget: Budget, settings: SearchSettings
+    table: ParamTable, profile: ModelProfile, hardware: HardwareProfile, budget: Budget, settings: SearchSettings
 ) -> SearchResult:
     start = time.perf_counter()
     rates = hardware.rates(settings.world_size, settings.busbw)
@@ -169,12 +138,13 @@ def search(
         notes=list(rates.notes) + _update_note(p.offload, settings.clips_grads),
         seconds=time.perf_counter() - start,
         rates=rates.summary(),
+        regions=[list(r.params) for r in profile.ac_regions],
         hardware=hardware.to_dict(),
     )
 
 
 def _evaluate(
-    chunk_size: int, table: ModelTable, profile: ModelProfile, rates, budget: Budget, settings: SearchSettings
+    chunk_size: int, table: ParamTable, profile: ModelProfile, rates, budget: Budget, settings: SearchSettings
 ) -> _Evaluated:
     layout = build_layout(
         table.params,
@@ -185,14 +155,12 @@ def _evaluate(
         chunk_size=chunk_size,
         alignment=settings.alignment,
     )
-    chunk_of = layout.param_chunk
-    unit_chunks = {u.name: tuple(sorted({chunk_of[table.index[id(p)]] for p in u.params})) for u in table.units}
+    unit_chunks = {u.name: layout.chunks_of(table.index[id(p)] for p in u.params) for u in table.units}
+    regions = [layout.chunks_of(table.by_name[n] for n in r.params if n in table.by_name) for r in profile.ac_regions]
+    lo, hi = layout.block_bounds([*unit_chunks.values(), *regions])
     private = {c.index for c in layout.chunks if c.private}
-    public = [c.index for c in layout.chunks if not c.private]
-    regions = [{chunk_of[table.by_name[n]] for n in r.params if n in table.by_name} - private for r in profile.ac_regions]
-    lo = max([len(set(cs) - private) for cs in unit_chunks.values()] + [len(r) for r in regions] + [1])
-    hi = max(lo, len(public))
-    trace = access_trace(profile.unit_events, unit_chunks, private, table.work)
+    work = {u.name: float(unit_work(u.module, u.params)) for u in table.units}
+    trace = access_trace(profile.unit_events, unit_chunks, private, work)
     model = StepModel(
         layout, trace, profile.compute, rates, settings.dtype,
         min_blocks=lo, prefetch=settings.prefetch, micro_batches=settings.micro_batches,
@@ -204,14 +172,7 @@ def _evaluate(
         n_blocks = min(n_blocks, hi)
         if n_blocks < lo:
             return _Evaluated(layout, model, mem, lo, hi, None)
-    offload, n = settings.offload, len(layout.chunks)
-    if isinstance(offload, (int, float)) and not isinstance(offload, bool):
-        offload = list(range(n - round(float(offload) * n), n))
-    elif offload is not None:
-        offload = sorted({int(i) for i in offload})
-        if any(not 0 <= i < n for i in offload):
-            raise PlanError(f"offload names chunks {offload}, but with chunks of {chunk_size:,} elements the layout "
-                            f"has chunks 0..{n - 1}: give chunk_size too, or offload as a fraction")
+    offload = None if settings.offload is None else offloaded_chunks(settings.offload, len(layout.chunks), chunk_size)
     placement = best_placement(model, mem, budget, lo, hi, n_blocks=n_blocks, offload=offload)
     return _Evaluated(layout, model, mem, lo, hi, placement)
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from elixir_runtime.hardware import HardwareProfile, load_hardware
-from elixir_runtime.hardware.profile import ENV_HARDWARE, PROFILE_VERSION, LinkRates, cache_path
+from elixir_runtime.hardware.load import ENV_HARDWARE, cache_path
+from elixir_runtime.hardware.profile import PROFILE_VERSION, LinkRates
 import elixir_runtime.hardware.measure as measure
 from elixir_runtime.hardware.measure import measure_hardware
 from tests.elixir_runtime.search.search_cases import gpu_host
