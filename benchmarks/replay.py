@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from elixir_runtime.config import ElixirConfig
 from elixir_runtime.profiler.profile import profile_model
 from elixir_runtime.units import find_units, param_table
 from elixir_runtime.search import Budget, SearchSettings, search
@@ -60,10 +61,12 @@ def predict(run: dict[str, Any]) -> StepTime:
     settings = SearchSettings(
         world_size=run["gpus"],
         dtype=getattr(torch, plan["dtype"]),
-        chunk_size=plan["chunk_size"],
-        n_blocks=plan["n_blocks"],
-        offload=plan["offload"],
-        clips_grads=False,  # the harness's step does not clip (systems._elixir)
+        config=ElixirConfig(
+            chunk_size=plan["chunk_size"],
+            n_blocks=plan["n_blocks"],
+            offload=plan["offload"],
+            clips_grads=False,  # the harness's step does not clip (systems._elixir)
+        ),
         busbw=busbw * 1e9 if busbw and run["gpus"] > 1 else None,
     )
     return search(table, profile, hardware, budget, settings).time

@@ -21,7 +21,7 @@ class PlanError(ValueError):
     """The requested plan cannot run; the message names the numbers and the fix."""
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class LossScaleConfig:
     """Dynamic loss scaling, used only when the compute dtype is float16 (defaults as torch's GradScaler)."""
 
@@ -32,7 +32,7 @@ class LossScaleConfig:
     min_scale: float = 1.0
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, frozen=True)
 class ElixirConfig:
     """How ``elixir_runtime.prepare`` trains a model.
 
@@ -98,7 +98,7 @@ class ElixirConfig:
             raise ValueError(f"ElixirConfig.cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.prefetch < 0:
             raise ValueError(f"ElixirConfig.prefetch must be >= 0, got {self.prefetch}")
-        self.dtype = resolve_dtype(self.dtype) if self.dtype is not None else None
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype) if self.dtype is not None else None)  # frozen
 
 
 def offloaded_chunks(offload: float | Sequence[int], n_chunks: int, chunk_size: int) -> list[int]:

@@ -37,7 +37,7 @@ def _recorded_run(batch: int = 2, gpus: int = 2) -> dict:
     profile = profile_model(model, {"input_ids": ids, "labels": ids}, dtype=dtype, device="cuda", units=units)
     table = param_table(model, units, profile.unit_indices(units))
     budget = Budget(80 * GIB, profile.activation_peak, profile.buffer_bytes, 256 * GIB, gpus)
-    settings = SearchSettings(world_size=gpus, dtype=dtype, offload=0.5, n_blocks="min", clips_grads=False, busbw=150e9)
+    settings = SearchSettings(gpus, dtype, ElixirConfig(offload=0.5, n_blocks="min", clips_grads=False), busbw=150e9)
     result = search(table, profile, _hardware(), budget, settings)
     _, _, plan = plan_model(table, ElixirConfig(), world_size=gpus, device=torch.device("cuda"), dtype=dtype,
                             search=result, check=False)

@@ -83,19 +83,7 @@ def search_model(
     budget = budget_of(profile)
     if batch is None:
         budget.activations = int(UNPROFILED_ACTIVATION_SHARE * budget.capacity / F_FRAG)
-    settings = SearchSettings(
-        world_size=world_size,
-        dtype=dtype,
-        alignment=config.alignment,
-        prefetch=config.prefetch,
-        micro_batches=micro_batches,
-        chunk_size=config.chunk_size,
-        n_blocks=config.n_blocks,
-        offload=config.offload,  # type: ignore[arg-type]
-        # fp16 reads the gradient norm for its overflow check: a host sync, as clipping is
-        clips_grads=config.clips_grads or dtype == torch.float16,
-        busbw=busbw,
-    )
+    settings = SearchSettings(world_size, dtype, config, micro_batches=micro_batches, busbw=busbw)
     result = search(param_table(model, units, order), profile, hardware, budget, settings)
     result.notes.insert(0, f"hardware: {hardware.device}, {hardware.source}")
     result.notes.insert(1, f"profile: {profile.seconds:.2f} s; activation peak at {profile.peak_at}")

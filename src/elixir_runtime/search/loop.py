@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..chunk.layout import ChunkLayout, build_layout, round_up
-from ..config import PlanError, offloaded_chunks
+from ..config import ElixirConfig, PlanError, offloaded_chunks
 from ..profiler.profile import ModelProfile
 from ..units import ParamTable
 from .access import access_trace, unit_work
@@ -36,21 +36,23 @@ __all__ = ["SearchSettings", "SearchResult", "search"]
 GIB = 2**30
 
 
-@dataclass
+@dataclass(frozen=True)
 class SearchSettings:
     world_size: int
     dtype: torch.dtype
-    alignment: int = 64
-    prefetch: int = 1
+    config: ElixirConfig = field(default_factory=ElixirConfig)
+    """The user's choices: ``chunk_size``, ``n_blocks`` and ``offload`` when given are honoured (the
+    rest is searched); ``alignment``, ``prefetch`` and ``clips_grads`` as the engine will run."""
     micro_batches: int = 1
-    chunk_size: int | None = None
-    n_blocks: int | str | None = None
-    offload: float | list[int] | None = None
-    clips_grads: bool = True
-    """The training loop syncs the host before ``step()`` (``clip_grad_norm``, fp16): the CPU
-    updates start after backward; otherwise during it (``cost.StepModel``)."""
     busbw: float | None = None
     """Collective bus bandwidth measured on the job's process group (``measure.collective_busbw``)."""
+
+    @property
+    def clips_grads(self) -> bool:
+        """The training loop syncs the host before ``step()``: the CPU updates start after backward;
+        otherwise during it (``step_time.StepModel``). fp16 reads the gradient norm for its overflow
+        check: a host sync, as clipping is."""
+        return self.config.clips_grads or self.dtype == torch.float16
 
 
 @dataclass
@@ -96,24 +98,24 @@ def search(
 ) -> SearchResult:
     start = time.perf_counter()
     rates = hardware.rates(settings.world_size, settings.busbw)
-    if settings.chunk_size is not None:
-        sizes = [settings.chunk_size]
+    if settings.config.chunk_size is not None:
+        sizes = [settings.config.chunk_size]
     else:
-        unit_numels = [sum(round_up(p.numel(), settings.alignment) for p in u.params) for u in table.units]
+        unit_numels = [sum(round_up(p.numel(), settings.config.alignment) for p in u.params) for u in table.units]
         sizes = chunk_size_candidates(
             [p.numel() for p in table.params],
             table.private,
             unit_numels,
             world_size=settings.world_size,
-            alignment=settings.alignment,
+            alignment=settings.config.alignment,
         )
     evaluated = [_evaluate(c, table, profile, rates, budget, settings) for c in sizes]
     fitting = [e for e in evaluated if e.placement is not None]
     if not fitting:
         fewest = min(e.min_blocks for e in evaluated)
-        if isinstance(settings.n_blocks, int) and settings.n_blocks < fewest:
+        if isinstance(settings.config.n_blocks, int) and settings.config.n_blocks < fewest:
             raise PlanError(
-                f"rCache of {settings.n_blocks} blocks is smaller than the largest unit or checkpointed region, whose "
+                f"rCache of {settings.config.n_blocks} blocks is smaller than the largest unit or checkpointed region, whose "
                 f"parameters span at least {fewest} chunks that must be resident together: use n_blocks >= {fewest}, "
                 "or a larger chunk_size"
             )
@@ -153,7 +155,7 @@ def _evaluate(
         table.private,
         world_size=settings.world_size,
         chunk_size=chunk_size,
-        alignment=settings.alignment,
+        alignment=settings.config.alignment,
     )
     unit_chunks = {u.name: layout.chunks_of(table.index[id(p)] for p in u.params) for u in table.units}
     regions = [layout.chunks_of(table.by_name[n] for n in r.params if n in table.by_name) for r in profile.ac_regions]
@@ -163,16 +165,16 @@ def _evaluate(
     trace = access_trace(profile.unit_events, unit_chunks, private, work)
     model = StepModel(
         layout, trace, profile.compute, rates, settings.dtype,
-        min_blocks=lo, prefetch=settings.prefetch, micro_batches=settings.micro_batches,
+        min_blocks=lo, prefetch=settings.config.prefetch, micro_batches=settings.micro_batches,
         clips_grads=settings.clips_grads,
     )
     mem = ArenaBytes(layout, settings.dtype)
-    n_blocks = {"min": lo, "max": hi}.get(settings.n_blocks, settings.n_blocks)  # type: ignore[arg-type]
+    n_blocks = {"min": lo, "max": hi}.get(settings.config.n_blocks, settings.config.n_blocks)  # type: ignore[arg-type]
     if isinstance(n_blocks, int):
         n_blocks = min(n_blocks, hi)
         if n_blocks < lo:
             return _Evaluated(layout, model, mem, lo, hi, None)
-    offload = None if settings.offload is None else offloaded_chunks(settings.offload, len(layout.chunks), chunk_size)
+    offload = None if settings.config.offload is None else offloaded_chunks(settings.config.offload, len(layout.chunks), chunk_size)
     placement = best_placement(model, mem, budget, lo, hi, n_blocks=n_blocks, offload=offload)
     return _Evaluated(layout, model, mem, lo, hi, placement)
 

@@ -26,7 +26,7 @@ def _budget(profile, capacity: int, host: int = 64 * GIB, ranks: int = 1) -> Bud
 
 
 def _settings(**kw) -> SearchSettings:
-    return SearchSettings(world_size=kw.pop("world_size", 1), dtype=BF16, **kw)
+    return SearchSettings(kw.pop("world_size", 1), BF16, ElixirConfig(**kw))
 
 
 def _capacities(model, profile) -> list[int]:
