@@ -16,21 +16,22 @@ so one kernel call updates a placement, guided by a static list of per-group seg
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 
 from .host_memory import empty_host
 from .layout import ChunkLayout, ChunkSpec, GroupRange, Slot
 
-__all__ = ["Placement", "ShardArenas", "build_arenas", "write_param", "shard_overlap"]
+__all__ = ["Residence", "ShardArenas", "build_arenas", "write_param", "shard_overlap"]
 
-Placement = str  # "device" | "host"
+Residence = Literal["device", "host"]
+"""Where a chunk's shard and optimizer state live (the search's ``Placement`` chooses it per chunk)."""
 
 
 @dataclass(eq=False)
 class ShardArenas:
-    placement: Placement
+    placement: Residence
     device: torch.device
     param: torch.Tensor
     grad: torch.Tensor
@@ -50,19 +51,19 @@ class ShardArenas:
 
 def build_arenas(
     layout: ChunkLayout,
-    placement: list[Placement],
+    placement: list[Residence],
     rank: int,
     compute_device: torch.device,
     dtype: torch.dtype,
     weights: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.detach,
-) -> dict[Placement, ShardArenas]:
+) -> dict[Residence, ShardArenas]:
     """Allocates the arenas and fills them from ``weights(param)`` (the parameters' current values).
 
     The master weights are filled from the parameters in their original precision, the
     compute-dtype copy is cast from the master: a bf16 run of an fp32 model starts from the exact
     fp32 weights.
     """
-    out: dict[Placement, ShardArenas] = {}
+    out: dict[Residence, ShardArenas] = {}
     for where in ("device", "host"):
         members = [c for c in layout.chunks if placement[c.index] == where]
         members.sort(key=lambda c: not c.trainable)  # trainable first: state arenas are a prefix

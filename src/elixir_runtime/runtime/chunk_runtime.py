@@ -30,7 +30,7 @@ from ..chunk.collectives import Collectives
 from ..chunk.layout import ChunkLayout, ChunkSpec
 from ..chunk.rcache import Block, RCache
 from ..chunk.schedule import AccessSchedule
-from ..chunk.store import Placement, ShardArenas, build_arenas
+from ..chunk.store import Residence, ShardArenas, build_arenas
 from .host_updates import HostUpdates
 
 __all__ = ["ChunkState", "ChunkRuntime", "RCacheExhausted"]
@@ -85,7 +85,7 @@ class ChunkRuntime:
     def __init__(
         self,
         layout: ChunkLayout,
-        placement: list[Placement],
+        placement: list[Residence],
         n_blocks: int,
         coll: Collectives,
         device: torch.device,
