@@ -109,7 +109,8 @@ def search(
             world_size=settings.world_size,
             alignment=settings.config.alignment,
         )
-    evaluated = [_evaluate(c, table, profile, rates, budget, settings) for c in sizes]
+    work = _unit_work(table)
+    evaluated = [_evaluate(c, table, profile, rates, budget, settings, work) for c in sizes]
     fitting = [e for e in evaluated if e.placement is not None]
     if not fitting:
         fewest = min(e.min_blocks for e in evaluated)
@@ -145,8 +146,20 @@ def search(
     )
 
 
+def _unit_work(table: ParamTable) -> dict[str, float]:
+    """Parameter elements each unit computes with (``access.unit_work``): its share of the forward
+    compute the profile does not place between events."""
+    return {u.name: float(unit_work(u.module, u.params)) for u in table.units}
+
+
 def _evaluate(
-    chunk_size: int, table: ParamTable, profile: ModelProfile, rates, budget: Budget, settings: SearchSettings
+    chunk_size: int,
+    table: ParamTable,
+    profile: ModelProfile,
+    rates,
+    budget: Budget,
+    settings: SearchSettings,
+    work: dict[str, float] | None = None,
 ) -> _Evaluated:
     layout = build_layout(
         table.params,
@@ -161,8 +174,7 @@ def _evaluate(
     regions = [layout.chunks_of(table.by_name[n] for n in r.params if n in table.by_name) for r in profile.ac_regions]
     lo, hi = layout.block_bounds([*unit_chunks.values(), *regions])
     private = {c.index for c in layout.chunks if c.private}
-    work = {u.name: float(unit_work(u.module, u.params)) for u in table.units}
-    trace = access_trace(profile.unit_events, unit_chunks, private, work)
+    trace = access_trace(profile.unit_events, unit_chunks, private, work if work is not None else _unit_work(table))
     model = StepModel(
         layout, trace, profile.compute, rates, settings.dtype,
         min_blocks=lo, prefetch=settings.config.prefetch, micro_batches=settings.micro_batches,
