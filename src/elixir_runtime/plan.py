@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -117,8 +117,17 @@ class ElixirPlan:
         text = str(text_or_path)
         if not text.lstrip().startswith("{"):
             text = Path(text_or_path).read_text()
-        data = json.loads(text)
-        data.pop("predicted_step_s", None)
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ElixirPlan":
+        """The plan a saved ``to_json`` document describes: the one plan reader (``elixir_hf``'s plan
+        files too). Unknown keys are an error naming them; ``predicted_step_s`` is derived, ignored."""
+        data = {k: v for k, v in data.items() if k != "predicted_step_s"}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"not an ElixirPlan: unknown keys {unknown}; a plan has {sorted(known)}")
         return cls(**data)
 
 
