@@ -1,26 +1,33 @@
 #!/usr/bin/env python
 """Train (or fine-tune) a GPT-2 causal LM with the Elixir engine under the HF Trainer.
 
-Modelled on transformers' ``examples/pytorch/language-modeling/run_clm.py`` (same argument names),
-with Elixir on by default (``--elixir auto``; ``--elixir off`` is the stock Trainer). Runs offline
-out of the box: with no arguments it builds a corpus from Python's own docstrings, trains a
-byte-level BPE on it, and trains a model sized for the machine (``tiny`` on CPU, ``small`` on a
-GPU), printing the Elixir plan, a falling loss and the validation perplexity.
+Modelled on transformers' ``examples/pytorch/language-modeling/run_clm.py`` (same argument names,
+the same ``datasets`` pipeline: ``--streaming``, ``--preprocessing_num_workers``,
+``--keep_linebreaks``, cached ``map``), with Elixir on by default (``--elixir auto``; ``--elixir off``
+is the stock Trainer). Runs offline out of the box: with no arguments it builds a corpus from the
+source of Python's standard library, trains a byte-level BPE on it, and trains a model sized for
+the machine (``tiny`` on CPU, ``small`` on a GPU), printing the Elixir plan, a falling loss and the
+validation perplexity. ``--model_name_or_path`` trains any causal LM instead (a local folder, or a
+hub id when online), with its own tokenizer.
 
     python recipes/gpt2/train.py                                     # CPU or one GPU
     python recipes/gpt2/train.py --model_size gpt2-4b --bf16         # the paper's 4B model, one GPU
+    python recipes/gpt2/train.py --model_name_or_path path/to/llama --train_file corpus.txt
     accelerate launch --config_file recipes/elixir.yaml recipes/gpt2/train.py --model_size gpt2-10b
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import os
 import sys
 from dataclasses import dataclass, field, fields
+from typing import Callable, Iterable
 
+import datasets
 import torch
 from transformers import (
     AutoConfig,
@@ -33,7 +40,7 @@ from transformers import (
     set_seed,
 )
 
-from data import BlockDataset, load_texts, train_tokenizer
+from data import lm_datasets, load_raw, train_tokenizer, training_texts
 import elixir_hf
 from elixir_hf import ElixirTrainer, ElixirTrainingArguments
 from presets import PRESETS
@@ -65,14 +72,27 @@ class ModelArguments:
 class DataArguments:
     dataset_name: str | None = field(default=None, metadata={"help": "A `datasets` dataset name."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Its configuration name."})
-    train_file: str | None = field(default=None, metadata={"help": "A .txt (or .json/.jsonl/.csv) training file."})
+    train_file: str | None = field(default=None, metadata={"help": "A .txt, .json/.jsonl or .csv training file."})
     validation_file: str | None = field(default=None, metadata={"help": "A validation file of the same kind."})
     validation_split_percentage: int = field(
-        default=5, metadata={"help": "Share of the training texts held out when there is no validation set."}
+        default=5, metadata={"help": "Share of the training documents held out when there is no validation set."}
     )
-    block_size: int | None = field(default=None, metadata={"help": "Tokens per training sequence (preset default)."})
+    block_size: int | None = field(
+        default=None,
+        metadata={"help": "Tokens per training sequence (the preset's; for a loaded model min(1024, its positions))."},
+    )
     max_train_samples: int | None = field(default=None, metadata={"help": "Truncate the training blocks."})
     max_eval_samples: int | None = field(default=None, metadata={"help": "Truncate the validation blocks."})
+    streaming: bool = field(default=False, metadata={"help": "Stream the dataset (needs --max_steps)."})
+    keep_linebreaks: bool = field(default=True, metadata={"help": "Keep the line breaks of .txt files."})
+    preprocessing_num_workers: int | None = field(
+        default=None, metadata={"help": "Processes for tokenizing and grouping."}
+    )
+    overwrite_cache: bool = field(default=False, metadata={"help": "Tokenize and group again, ignoring the cache."})
+    corpus_mb: float | None = field(
+        default=None if ON_GPU else 2.0,
+        metadata={"help": "Megabytes of the default corpus to use (all of it, ~12 MB, on a GPU; 2 on CPU)."},
+    )
 
 
 class RecipeTrainer(ElixirTrainer):
@@ -106,8 +126,8 @@ def training_defaults() -> dict:
         bf16=ON_GPU and torch.cuda.is_bf16_supported(),
         **{checkpointing: True},
     )
-    if ON_GPU:
-        defaults.update(max_steps=200, eval_steps=100, learning_rate=3e-4)
+    if ON_GPU:  # 200 x 8 x 1024 tokens: about half an epoch of the default corpus (data.py)
+        defaults.update(max_steps=200, eval_steps=50, learning_rate=3e-4)
     else:  # about a minute on two cores
         defaults.update(max_steps=200, eval_steps=50, learning_rate=2e-3, dataloader_pin_memory=False)
     return defaults
@@ -122,11 +142,23 @@ def parse_args() -> tuple[ModelArguments, DataArguments, ElixirTrainingArguments
     return parser.parse_args_into_dataclasses()
 
 
-def build_tokenizer(model_args: ModelArguments, train_texts: list[str], preset_vocab: int, max_length: int):
+def build_tokenizer(model_args: ModelArguments, preset, texts: Callable[[], Iterable[str]], block_size: int | None):
+    """The model's (or ``--tokenizer_name``'s) tokenizer, else a BPE trained on ``texts()`` for the preset."""
     name = model_args.tokenizer_name or model_args.model_name_or_path
     if name is not None:
         return AutoTokenizer.from_pretrained(name, cache_dir=model_args.cache_dir)
-    return train_tokenizer(train_texts, model_args.tokenizer_vocab_size or preset_vocab, max_length)
+    vocab = model_args.tokenizer_vocab_size or preset.tokenizer_vocab
+    return train_tokenizer(texts(), vocab, block_size or preset.block_size)
+
+
+def resolve_block_size(requested: int | None, default: int, config) -> int:
+    """``--block_size``, else ``default``; never more than the model's positions."""
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if requested is None:
+        return min(default, positions or default)
+    if positions is not None and requested > positions:
+        raise SystemExit(f"--block_size {requested} is more than the model's {positions} positions: pass at most {positions}")
+    return requested
 
 
 def build_model(model_args: ModelArguments, tokenizer, rank0_only: bool) -> torch.nn.Module:
@@ -165,6 +197,11 @@ def build_model(model_args: ModelArguments, tokenizer, rank0_only: bool) -> torc
     return model
 
 
+def truncate(split, n: int):
+    """run_clm's ``--max_*_samples``: the first ``n`` blocks."""
+    return split.take(n) if isinstance(split, datasets.IterableDataset) else split.select(range(min(n, len(split))))
+
+
 def main() -> None:
     model_args, data_args, training_args = parse_args()
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -175,34 +212,33 @@ def main() -> None:
         model_args.model_size = model_args.model_size or ("small" if ON_GPU else "tiny")
         if model_args.model_size not in PRESETS:
             raise SystemExit(f"--model_size {model_args.model_size!r} is not one of {list(PRESETS)}")
-    preset = PRESETS[model_args.model_size or "small"]
-    block_size = data_args.block_size or preset.block_size
+    preset = PRESETS.get(model_args.model_size)
     set_seed(training_args.seed)
 
-    with training_args.main_process_first(desc="tokenizer and dataset"):
-        train_texts, valid_texts = load_texts(
-            data_args.train_file,
-            data_args.validation_file,
-            data_args.dataset_name,
-            data_args.dataset_config_name,
-            data_args.validation_split_percentage,
-        )
-        tokenizer = build_tokenizer(model_args, train_texts, preset.tokenizer_vocab, block_size)
-        train_set = BlockDataset(train_texts, tokenizer, block_size)
-        eval_set = BlockDataset(valid_texts, tokenizer, block_size)
-    if data_args.max_train_samples is not None:
-        train_set = torch.utils.data.Subset(train_set, range(min(data_args.max_train_samples, len(train_set))))
-    if data_args.max_eval_samples is not None:
-        eval_set = torch.utils.data.Subset(eval_set, range(min(data_args.max_eval_samples, len(eval_set))))
-
+    with training_args.main_process_first(desc="raw dataset and tokenizer"):
+        raw = load_raw(data_args, model_args.cache_dir)
+        texts = functools.partial(training_texts, raw, data_args.streaming)  # read only to train a BPE
+        tokenizer = build_tokenizer(model_args, preset, texts, data_args.block_size)
     model = build_model(model_args, tokenizer, rank0_only=training_args.elixir_plugin is not None)
+    default_block = preset.block_size if preset else min(1024, tokenizer.model_max_length)
+    block_size = resolve_block_size(data_args.block_size, default_block, model.config)
+    with training_args.main_process_first(desc="tokenizing and grouping"):
+        blocks = lm_datasets(
+            raw, tokenizer, block_size, data_args.preprocessing_num_workers, data_args.overwrite_cache
+        )
+    train_set, eval_set = blocks["train"], blocks["validation"]
+    if data_args.max_train_samples is not None:
+        train_set = truncate(train_set, data_args.max_train_samples)
+    if data_args.max_eval_samples is not None:
+        eval_set = truncate(eval_set, data_args.max_eval_samples)
+
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(
-        "model %s: %.1fM parameters; %d train / %d validation blocks of %d tokens",
+        "model %s: %.1fM parameters; %s train / %s validation blocks of %d tokens",
         model_args.model_name_or_path or model_args.model_size,
         n_params / 1e6,
-        len(train_set),
-        len(eval_set),
+        "streamed" if data_args.streaming else len(train_set),
+        "streamed" if data_args.streaming else len(eval_set),
         block_size,
     )
 

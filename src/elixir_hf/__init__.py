@@ -6,24 +6,30 @@ Accelerate users. ``elixir_runtime`` does the work; this package only adapts it.
 
     accelerator = ElixirAccelerator()                                             # instead of Accelerator()
 
+A subclass (TRL's ``SFTConfig``/``SFTTrainer``): ``elixir_args(SFTConfig)``, ``elixir_trainer(SFTTrainer)``.
+No edit at all: ``elixir-run train.py [its arguments] --elixir auto`` (``elixir_hf.run``).
+
 On several ranks, ``from_pretrained(AutoModelForCausalLM, path, dtype=...)`` loads on rank 0 only
 (the others build on meta and get rank 0's weights when the engine is built): one host copy.
 """
 
-from .accelerator import ElixirAccelerator
-from .arguments import ElixirTrainingArguments
-from .callback import ElixirCallback
+from .accelerator import ElixirAccelerator, elixir_accelerator
+from .arguments import ElixirTrainingArguments, elixir_args
+from .generate import GenerateCallback
 from .loading import from_config, from_pretrained
 from .plugin import ElixirPlugin, ElixirSpecError
-from .trainer import ElixirTrainer
+from .trainer import ElixirTrainer, elixir_trainer
 
 __all__ = [
     "ElixirAccelerator",
-    "ElixirCallback",
     "ElixirPlugin",
     "ElixirSpecError",
     "ElixirTrainer",
     "ElixirTrainingArguments",
+    "GenerateCallback",
+    "elixir_accelerator",
+    "elixir_args",
+    "elixir_trainer",
     "from_config",
     "from_pretrained",
 ]

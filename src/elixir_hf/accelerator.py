@@ -11,13 +11,15 @@ What changes underneath: the model is never moved, DDP-wrapped, autocast or comp
 places, shards and reduces it, and owns the compute dtype: accelerate's ``mixed_precision``
 becomes the engine's dtype and Accelerate itself runs with ``"no"``); ``backward`` scales the loss
 for fp16 and reduces gradients into shards; ``clip_grad_norm_`` returns the engine's global norm
-and folds clipping into the next step; checkpoints keep one optimizer shard per rank.
+and folds clipping into the next step; checkpoints keep one optimizer shard per rank;
+``accelerator.log`` carries the engine's ``elixir/*`` numbers (``elixir_metrics``) to the trackers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 from typing import Any, Iterator
@@ -31,19 +33,23 @@ from elixir_runtime import ElixirOptimizer, rank0_state_dict
 from elixir_runtime.checkpoint import load_safetensors
 
 from .checkpoint import atomic_torch_save, load_shard, saved_world_size, shard_name
-from .engine import build_engine, example_batch, has_engine
+from .engine import build_engine, check_launch, example_batch, has_engine, whole_model
+from .metrics import EngineMetrics
+from .mixin import mixed_class
 from .optimizer import ElixirAcceleratedOptimizer
 from .plugin import ENV_VAR, ElixirPlugin, ElixirSpecError, check_exclusive
 
-__all__ = ["ElixirAccelerator"]
+__all__ = ["ElixirAccelerator", "elixir_accelerator"]
 
 
 class ElixirAccelerator(Accelerator):
     def __init__(self, *args: Any, elixir_plugin: ElixirPlugin | str | dict | None = None, **kwargs: Any) -> None:
         """``elixir_plugin``: an ``ElixirPlugin`` or a spec (``auto``, ``off``, JSON, file); ``None``
         reads ``ELIXIR_CONFIG`` and falls back to ``auto``."""
-        spec = elixir_plugin if elixir_plugin is not None else os.environ.get(ENV_VAR, "auto")
-        plugin = ElixirPlugin.from_spec(spec)
+        if elixir_plugin is None:
+            plugin = ElixirPlugin.from_spec(os.environ.get(ENV_VAR, "auto"), ENV_VAR)
+        else:
+            plugin = ElixirPlugin.from_spec(elixir_plugin, "ElixirAccelerator(elixir_plugin=...)")
         if plugin is not None:
             plugin = dataclasses.replace(plugin)  # resolving the dtype must not change the caller's object
             check_exclusive(
@@ -58,6 +64,7 @@ class ElixirAccelerator(Accelerator):
             kwargs["mixed_precision"] = "no"
         super().__init__(*args, **kwargs)
         self.elixir_plugin = plugin
+        self._engine_metrics: EngineMetrics | None = None
         if plugin is not None:
             if self.state.dynamo_plugin.backend != DynamoBackend.NO:
                 raise ElixirSpecError(
@@ -65,6 +72,7 @@ class ElixirAccelerator(Accelerator):
                     "dynamo_config of the accelerate config, or pass --elixir off"
                 )
             plugin.check_world_size(self.num_processes)
+            check_launch(self.num_processes)
 
     @property
     def elixir_optimizer(self) -> ElixirAcceleratedOptimizer | None:
@@ -89,7 +97,10 @@ class ElixirAccelerator(Accelerator):
                 # a scheduler built on `optimizer` sees its steps run by the engine (same param_groups);
                 # tell torch it has stepped, or its "scheduler before optimizer" warning fires
                 optimizer._opt_called = True
-        return super().prepare(*objs, device_placement=device_placement)
+        prepared = super().prepare(*objs, device_placement=device_placement)
+        if models and optimizers:
+            self._engine_metrics = EngineMetrics(self.elixir_optimizer, objs[models[0]]._elixir.plan)
+        return prepared
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
         if self.elixir_plugin is None:
@@ -133,6 +144,32 @@ class ElixirAccelerator(Accelerator):
     def no_sync(self, model: nn.Module):
         opt = self.elixir_optimizer
         return super().no_sync(model) if opt is None else opt.engine.no_sync()
+
+    # ------------------------------------------------------------------ metrics
+    def elixir_metrics(self) -> dict[str, float]:
+        """The engine's ``elixir/*`` numbers since the previous call, this rank's (``{}`` before
+        ``prepare`` or with Elixir off); see ``EngineMetrics``."""
+        return self._engine_metrics.collect() if self._engine_metrics is not None else {}
+
+    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
+        """Accelerate's ``log`` (to every tracker, on the main process), with ``elixir_metrics()``
+        merged into ``values``."""
+        super().log({**self.elixir_metrics(), **values}, step=step, log_kwargs=log_kwargs)
+
+    # ------------------------------------------------------------------ forwards on some ranks
+    def full_params(self, model: nn.Module, rank0_only: bool = False) -> contextlib.AbstractContextManager:
+        """Enter on every rank; inside, forwards run on any rank alone, e.g. on the main process::
+
+            with accelerator.full_params(model):
+                if accelerator.is_main_process:
+                    accelerator.unwrap_model(model).generate(**prompt)
+
+        ``unwrap_model`` itself returns the model unchanged, as Accelerate does for a model it did
+        not wrap: the Trainer relies on ``unwrap_model(model) is model`` and calls it on rank 0
+        alone (when saving), so it can neither gather (a collective) nor return a copy. Outside
+        this context a forward on some ranks only fails on every rank within 60 s, naming it.
+        Without the engine (``--elixir off``) the context does nothing."""
+        return whole_model(model, rank0_only)
 
     # ------------------------------------------------------------------ checkpoints
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
@@ -188,3 +225,9 @@ class ElixirAccelerator(Accelerator):
             yield
         finally:
             registry.insert(index, obj)
+
+
+@functools.cache
+def elixir_accelerator(cls: type[Accelerator]) -> type[ElixirAccelerator]:
+    """``cls`` (an ``Accelerator`` subclass) with ``ElixirAccelerator`` after it in the MRO."""
+    return mixed_class(cls, ElixirAccelerator)

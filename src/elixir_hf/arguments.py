@@ -5,18 +5,33 @@ a model is loaded. When Elixir is on, the engine owns the compute dtype: ``--bf1
 accelerate's ``mixed_precision``) become ``elixir_plugin.dtype`` and the Accelerator is given
 ``mixed_precision="no"``, so no autocast or GradScaler runs on top of the engine. The Trainer
 must not move the model to the GPU (the engine places each chunk) nor wrap it in DataParallel.
+
+A ``TrainingArguments`` subclass (TRL's ``SFTConfig``) gets ``--elixir`` through
+``elixir_args(SFTConfig)``: the subclass first in the MRO, so each of its defaults (SFTConfig's
+``learning_rate`` 2e-5, ``logging_steps`` 10, ``gradient_checkpointing`` True) is kept. The other
+order, ``class C(ElixirTrainingArguments, SFTConfig)``, resets them to ``TrainingArguments``'.
+
+No half-migration passes silently: Elixir arguments under a Trainer that is not an
+``ElixirTrainer`` (which would drop ``--bf16`` and train without the engine) fail when that Trainer
+is built, and a process launched as one of N ranks whose arguments see another world size (an
+``accelerate launch`` of CPU processes without ``--use_cpu``) fails here, at parsing.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import TrainingArguments
 
+from .engine import check_launch
+from .mixin import mixed_class
 from .plugin import ENV_VAR, ElixirPlugin, ElixirSpecError, check_exclusive
 
-__all__ = ["ElixirTrainingArguments", "SUPPORTED_OPTIMS"]
+__all__ = ["ElixirTrainingArguments", "SUPPORTED_OPTIMS", "as_elixir_args", "elixir_args"]
 
 SUPPORTED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 """``--optim`` values that create ``torch.optim.AdamW``, which the engine runs over its shards."""
@@ -37,9 +52,10 @@ class ElixirTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        source = "--elixir"
         if self.elixir is None:
-            self.elixir = os.environ.get(ENV_VAR)
-        plugin = ElixirPlugin.from_spec(self.elixir)
+            self.elixir, source = os.environ.get(ENV_VAR), ENV_VAR
+        plugin = ElixirPlugin.from_spec(self.elixir, source)
         if plugin is not None:
             self._reject_incompatible()
         super().__post_init__()
@@ -47,12 +63,29 @@ class ElixirTrainingArguments(TrainingArguments):
         if plugin is not None:
             plugin.resolve_dtype(self.mixed_precision)
             plugin.check_world_size(self.world_size)
+            check_launch(self.world_size)
             self.mixed_precision = "no"
             self._n_gpu = min(self._n_gpu, 1)
 
+    # class attributes, not fields: the ElixirPlugin (set by __post_init__; None for arguments made
+    # without it, e.g. unpickled stock ones), and whether an ElixirTrainer took these arguments
+    elixir_plugin = None
+    _elixir_trainer = False
+
     @property
     def place_model_on_device(self) -> bool | None:
-        return False if self.elixir_plugin is not None else super().place_model_on_device
+        """Read once, by ``Trainer.__init__``: where a Trainer that is not an ``ElixirTrainer`` is
+        caught before it moves the model or builds its Accelerator."""
+        if self.elixir_plugin is None:
+            return super().place_model_on_device
+        if not self._elixir_trainer:
+            raise ElixirSpecError(
+                "Elixir is on (--elixir or ELIXIR_CONFIG) but these arguments were given to a Trainer that is not an "
+                "ElixirTrainer: it would drop --bf16/--fp16 and train without the engine. Use elixir_hf.ElixirTrainer, "
+                "elixir_hf.elixir_trainer(YourTrainer) for a Trainer subclass such as TRL's SFTTrainer, or launch the "
+                "unmodified script with elixir-run; or pass --elixir off"
+            )
+        return False
 
     def _reject_incompatible(self) -> None:
         check_exclusive({"DeepSpeed": bool(self.deepspeed), "FSDP": bool(self.fsdp)})
@@ -69,3 +102,40 @@ class ElixirTrainingArguments(TrainingArguments):
                 "--fp16_full_eval/--bf16_full_eval cast the whole model, which Elixir shards: drop the flag; "
                 "evaluation already runs in the engine's dtype (--fp16/--bf16)"
             )
+
+
+@functools.cache
+def elixir_args(cls: type[TrainingArguments]) -> type[ElixirTrainingArguments]:
+    """``cls`` (a ``TrainingArguments`` subclass, e.g. TRL's ``SFTConfig``) with the ``elixir`` field:
+    ``cls`` first in the MRO, so its defaults and ``__post_init__`` come first, then Elixir's.
+
+        args = elixir_hf.elixir_args(SFTConfig)(output_dir="out", elixir="auto", bf16=True)
+    """
+    made = mixed_class(
+        cls,
+        ElixirTrainingArguments,
+        {
+            "_VALID_DICT_FIELDS": [*dict.fromkeys([*cls._VALID_DICT_FIELDS, "elixir"])],
+            # rebuilt from its base class: pickle could not find a class made at run time by name, and
+            # the Trainer saves its arguments with torch.save into every checkpoint
+            "__reduce__": lambda self: (_restore, (cls, self.__dict__)),
+        },
+    )
+    return made if made in (cls, ElixirTrainingArguments) else dataclass(made)
+
+
+def _restore(cls: type[TrainingArguments], state: dict[str, Any]) -> ElixirTrainingArguments:
+    args = object.__new__(elixir_args(cls))
+    args.__dict__.update(state)
+    return args
+
+
+def as_elixir_args(args: TrainingArguments | None) -> ElixirTrainingArguments:
+    """Arguments an ``ElixirTrainer`` can run: Elixir ones as they are; plain ones (or ``None``, the
+    Trainer's default ``output_dir="tmp_trainer"``) rebuilt with ``elixir`` from ``ELIXIR_CONFIG``."""
+    if isinstance(args, ElixirTrainingArguments):
+        return args
+    if args is None:
+        return ElixirTrainingArguments(output_dir="tmp_trainer")
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
+    return elixir_args(type(args))(**values)

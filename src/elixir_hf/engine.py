@@ -2,25 +2,37 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import logging
+import os
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import elixir_runtime
 from elixir_runtime import ElixirOptimizer
 
-from .plugin import ElixirPlugin
+from .plugin import ElixirPlugin, ElixirSpecError, describe_model
 
-__all__ = ["build_engine", "clips_grads", "example_batch", "has_engine"]
+__all__ = ["build_engine", "check_launch", "clips_grads", "example_batch", "has_engine", "whole_model"]
 
 logger = logging.getLogger(__name__)
 
 
 def has_engine(model: Any) -> bool:
     return hasattr(model, "_elixir")
+
+
+def whole_model(model: nn.Module, rank0_only: bool = False) -> contextlib.AbstractContextManager:
+    """``elixir_runtime.full_params`` for a model the engine runs, nothing for any other (a plain or
+    DDP model is whole on every rank already). Enter it on every rank."""
+    if has_engine(model):
+        return elixir_runtime.full_params(model, rank0_only=rank0_only)
+    return contextlib.nullcontext(model)
 
 
 def build_engine(
@@ -32,7 +44,8 @@ def build_engine(
     *,
     args: Any | None = None,
 ) -> ElixirOptimizer:
-    """Checks the plan file (if any), then ``elixir_runtime.prepare``s the model in place.
+    """Checks the plan file (if any), then ``elixir_runtime.prepare``s the model in place and
+    prints the plan as a table, once, on rank 0.
 
     ``batch`` (one training batch) lets the engine order chunks by first use in forward.
     ``args`` (the ``TrainingArguments``, if any) tells the planner whether the loop clips
@@ -43,8 +56,27 @@ def build_engine(
     if args is not None:
         config = dataclasses.replace(config, clips_grads=clips_grads(args))
     _, engine = elixir_runtime.prepare(model, optimizer, config=config, example_batch=batch)
-    plugin.check_plan(model._elixir.plan)
+    plan = model._elixir.plan
+    plugin.check_plan(plan)
+    if model._elixir.runtime.coll.rank == 0:
+        m = describe_model(model)
+        print(f"Elixir plan for {m['class']} ({m['parameters'] / 1e6:.1f}M parameters):\n{plan.table()}", flush=True)
     return engine
+
+
+def check_launch(world_size: int) -> None:
+    """The engine shards over every process of the job; the Trainer or Accelerator (``world_size``
+    ranks) must split the data over as many. Caught here: an ``accelerate launch`` of N CPU
+    processes without ``--use_cpu`` (a process group of N under a Trainer that counts 1) and a
+    torchrun of N processes under an Accelerator without ``cpu=True`` (N unconnected copies)."""
+    launched = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != world_size:
+        raise ElixirSpecError(
+            f"this process is one of {launched} launched ranks but the Trainer/Accelerator runs {world_size}: the Elixir "
+            "engine would not shard over the ranks the data is split over. On CPU pass --use_cpu "
+            "(TrainingArguments) or cpu=True / accelerate launch --cpu (Accelerator); on GPUs check that every rank "
+            "sees its GPU"
+        )
 
 
 def clips_grads(args: Any) -> bool:
@@ -59,12 +91,15 @@ def clips_grads(args: Any) -> bool:
 def example_batch(dataset: Any, collate_fn: Callable[[list], Any] | None, batch_size: int) -> Any | None:
     """The dataset's first ``batch_size`` examples, collated.
 
-    Read by index, not through a DataLoader: iterating a loader draws a seed from the global RNG,
+    Read by index (or, from an iterable dataset such as a streamed ``datasets`` one, by iterating
+    it afresh), not through a DataLoader: iterating a loader draws a seed from the global RNG,
     which would change the data order and dropout masks compared with a run without Elixir.
     """
     try:
-        n = min(len(dataset), batch_size)
-        items: Sequence[Any] = [dataset[i] for i in range(n)]
+        if hasattr(dataset, "__len__") and not isinstance(dataset, torch.utils.data.IterableDataset):
+            items: Sequence[Any] = [dataset[i] for i in range(min(len(dataset), batch_size))]
+        else:
+            items = list(itertools.islice(dataset, batch_size))
         return collate_fn(items) if collate_fn is not None else torch.utils.data.default_collate(items)
     except Exception as exc:  # unknown dataset/collator shapes: the engine falls back to module order
         logger.info("no example batch for the Elixir trace (%s: %s); module order is used", type(exc).__name__, exc)

@@ -26,6 +26,7 @@ class ElixirAcceleratedOptimizer(AcceleratedOptimizer):
         super().__init__(optimizer, device_placement=False, scaler=None)
         self.timer = StepTimer(optimizer.runtime.device)
         self.skipped_steps = 0
+        self.steps = 0  # optimizer steps run, skipped ones included (as the Trainer's global_step counts them)
 
     @property
     def engine(self) -> ElixirOptimizer:
@@ -37,6 +38,7 @@ class ElixirAcceleratedOptimizer(AcceleratedOptimizer):
         with self.timer("optimizer"):
             loss = self.optimizer.step(closure)
             self.optimizer.zero_grad()
+        self.steps += 1
         self.skipped_steps += int(self.optimizer.step_was_skipped)
         return loss
 

@@ -48,30 +48,33 @@ class ElixirPlugin:
     unit_classes: list[str] | None = None
     cpu_threads: int | None = None
     """Threads of the CPU Adam; ``None``: the rank's share of the host's cores less one."""
+    lockstep_timeout_s: float = 60.0
+    """Seconds a rank waits for the others at the start of a forward before failing (rank-local forwards)."""
     loss_scale: dict[str, float] = field(default_factory=dict)
     """``LossScaleConfig`` fields, e.g. ``{"init_scale": 1024}`` (fp16 only)."""
     plan: dict[str, Any] | None = None
     """The saved plan this run must follow (set by a plan file); checked against model and ranks."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.loss_scale, dict):
+            raise ElixirSpecError(f"loss_scale must be an object such as {{\"init_scale\": 1024}}, got {self.loss_scale!r}")
         unknown = set(self.loss_scale) - _LOSS_SCALE_KEYS
         if unknown:
-            raise ElixirSpecError(
-                f"unknown --elixir loss_scale key(s) {sorted(unknown)}; valid keys: {sorted(_LOSS_SCALE_KEYS)}"
-            )
+            raise ElixirSpecError(f"unknown loss_scale key(s) {sorted(unknown)}; valid keys: {sorted(_LOSS_SCALE_KEYS)}")
         try:
             self.to_config()
-        except ValueError as exc:
-            raise ElixirSpecError(f"--elixir: {exc}") from exc
+        except ValueError as exc:  # the config's own checks (ConfigError), one copy of each rule
+            raise ElixirSpecError(str(exc)) from exc
 
     # ------------------------------------------------------------------ parsing
     @classmethod
-    def from_spec(cls, spec: "str | dict | ElixirPlugin | None") -> "ElixirPlugin | None":
-        """Parses the spec grammar; ``None``/``"off"`` mean Elixir is disabled (returns ``None``)."""
+    def from_spec(cls, spec: "str | dict | ElixirPlugin | None", source: str = "--elixir") -> "ElixirPlugin | None":
+        """Parses the spec grammar; ``None``/``"off"`` mean Elixir is disabled (returns ``None``).
+        ``source`` (``--elixir``, ``ELIXIR_CONFIG``, ...) is named in every error."""
         if spec is None or isinstance(spec, ElixirPlugin):
             return spec
         if isinstance(spec, dict):
-            return cls._from_mapping(dict(spec), source="--elixir")
+            return cls._from_mapping(dict(spec), source=source)
         text = str(spec).strip()
         if text in ("", "off"):
             return None
@@ -79,18 +82,18 @@ class ElixirPlugin:
             return cls()
         if text.startswith("{"):
             try:
-                return cls._from_mapping(json.loads(text), source="--elixir")
+                return cls._from_mapping(json.loads(text), source=source)
             except json.JSONDecodeError as exc:
-                raise ElixirSpecError(f"--elixir is not valid JSON ({exc}): {text!r}") from exc
+                raise ElixirSpecError(f"{source} is not valid JSON ({exc}): {text!r}") from exc
         path = Path(text)
         if path.suffix == ".json" and path.is_file():
             try:
                 data = json.loads(path.read_text())
             except json.JSONDecodeError as exc:
-                raise ElixirSpecError(f"--elixir file {path} is not valid JSON: {exc}") from exc
-            return cls._from_mapping(data, source=str(path))
+                raise ElixirSpecError(f"{source} file {path} is not valid JSON: {exc}") from exc
+            return cls._from_mapping(data, source=f"{source} file {path}")
         raise ElixirSpecError(
-            f"--elixir {text!r} is not understood: use 'auto', 'off', a JSON object such as "
+            f"{source} {text!r} is not understood: use 'auto', 'off', a JSON object such as "
             "'{\"offload\": 0.5}', or the path of an existing .json file (settings or a saved elixir_plan.json)"
         )
 
@@ -108,7 +111,14 @@ class ElixirPlugin:
                 hint = difflib.get_close_matches(key, valid, n=1)
                 did_you_mean = f" (did you mean {hint[0]!r}?)" if hint else ""
                 raise ElixirSpecError(f"unknown {source} key {key!r}{did_you_mean}; valid keys: {', '.join(valid)}")
-        return cls(**data)
+        return cls._built(source, **data)
+
+    @classmethod
+    def _built(cls, source: str, **kwargs: Any) -> "ElixirPlugin":
+        try:
+            return cls(**kwargs)
+        except ElixirSpecError as exc:
+            raise ElixirSpecError(f"{source}: {exc}") from exc
 
     @classmethod
     def _from_plan(cls, data: dict, source: str) -> "ElixirPlugin":
@@ -116,7 +126,8 @@ class ElixirPlugin:
             ElixirPlan.from_dict({k: v for k, v in data.items() if k != "model"})
         except (TypeError, ValueError) as exc:
             raise ElixirSpecError(f"{source} looks like a plan but is not one: {exc}") from exc
-        return cls(
+        return cls._built(
+            source,
             mode="static",
             chunk_size=data["chunk_size"],
             n_blocks=data["n_blocks"],
@@ -186,6 +197,7 @@ class ElixirPlugin:
             prefetch=self.prefetch,
             unit_classes=self.unit_classes,
             cpu_threads=self.cpu_threads,
+            lockstep_timeout_s=self.lockstep_timeout_s,
             device=device,
             loss_scale=LossScaleConfig(**self.loss_scale),
         )

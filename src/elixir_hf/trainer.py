@@ -1,7 +1,9 @@
 """``ElixirTrainer``: the HF ``Trainer`` with the Elixir engine underneath.
 
-With ``ElixirTrainingArguments(elixir=None/"off")`` (or plain ``TrainingArguments``) it *is* the
-stock Trainer. With Elixir on, it changes five things, each where the Trainer allows it:
+With ``ElixirTrainingArguments(elixir=None/"off")`` it *is* the stock Trainer. Plain
+``TrainingArguments`` (or a subclass such as TRL's ``SFTConfig``) are rebuilt as Elixir ones, so
+``ELIXIR_CONFIG`` applies to them as to ``--elixir``. With Elixir on, it changes six things, each
+where the Trainer allows it:
 
 * the accelerator is an ``ElixirAccelerator`` (``backward``/``clip_grad_norm_``/``no_sync``/
   skipped steps go to the engine; ``Accelerator(**args)`` is hard-coded in the Trainer, so the
@@ -10,15 +12,24 @@ stock Trainer. With Elixir on, it changes five things, each where the Trainer al
   loaded into the plain model and before ``accelerator.prepare``, which then passes it through;
 * ``save_model`` gathers the full weights with every rank taking part (a collective; the stock
   Trainer calls ``state_dict()`` on rank 0 only and would deadlock), keeps them on rank 0 only (one
-  host copy of the model) and writes them atomically there;
+  host copy of the model) and writes them atomically there, with ``elixir_plan.json`` beside them
+  (the final output as well as every ``checkpoint-N``);
 * optimizer state is one ``elixir_optim_rank{r}.pt`` per rank, plus the scheduler on rank 0;
-* resuming checks the checkpoint against the model and the number of ranks before loading.
+* resuming checks the checkpoint against the model and the number of ranks before loading;
+* every training log carries the engine's ``elixir/*`` numbers (``log``, so they reach
+  ``log_history`` and every reporter), and the console shows them as one short entry
+  (``callback.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import json
+import logging
 import os
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterator
 from unittest import mock
 
 import torch
@@ -28,23 +39,28 @@ from transformers import Trainer
 from elixir_runtime import rank0_state_dict
 
 from .accelerator import ElixirAccelerator
-from .callback import ElixirCallback
-from .checkpoint import atomic_torch_save, check_resume, load_shard, saved_world_size, shard_name, staged_dir
+from .arguments import as_elixir_args
+from .callback import SHORT_CONSOLE
+from .checkpoint import PLAN_NAME, atomic_torch_save, check_resume, load_shard, saved_world_size, shard_name, staged_dir
 from .engine import build_engine, example_batch, has_engine
-from .plugin import ElixirPlugin
+from .mixin import mixed_class
+from .plugin import ElixirPlugin, describe_model
 
-__all__ = ["ElixirTrainer"]
+__all__ = ["ElixirTrainer", "elixir_trainer"]
 
 SCHEDULER_NAME = "scheduler.pt"
 
 
 class ElixirTrainer(Trainer):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, model: Any = None, args: Any = None, *rest: Any, **kwargs: Any) -> None:
+        args = as_elixir_args(args)
+        args._elixir_trainer = True  # the Trainer reads args.place_model_on_device, which checks this
+        super().__init__(model, args, *rest, **kwargs)
         if self.elixir_plugin is not None:
-            # first, so that the engine metrics it adds to each log reach every reporter after it
-            callback = self.pop_callback(ElixirCallback) or ElixirCallback()
-            self.callback_handler.callbacks.insert(0, callback)
+            callbacks = self.callback_handler.callbacks
+            for i, callback in enumerate(callbacks):
+                if type(callback) in SHORT_CONSOLE:  # the Trainer built it with no arguments
+                    callbacks[i] = SHORT_CONSOLE[type(callback)]()
 
     @property
     def elixir_plugin(self) -> ElixirPlugin | None:
@@ -88,6 +104,14 @@ class ElixirTrainer(Trainer):
         self._ensure_engine()
         return super().predict(*args, **kwargs)
 
+    # ------------------------------------------------------------------ logs
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """A training log (it has ``loss``) gets this rank's engine numbers before the Trainer
+        records it in ``log_history`` and hands it to every callback and reporter."""
+        if "loss" in logs and has_engine(self.model) and isinstance(self.accelerator, ElixirAccelerator):
+            logs.update(self.accelerator.elixir_metrics())
+        super().log(logs, *args, **kwargs)
+
     # ------------------------------------------------------------------ checkpoints
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if not has_engine(self.model):
@@ -96,8 +120,10 @@ class ElixirTrainer(Trainer):
         with rank0_state_dict(self.model):  # collective: every rank takes part; only rank 0 keeps the weights
             state_dict = self.model.state_dict()
         if self.args.should_save:
-            with staged_dir(output_dir) as stage:
+            with staged_dir(output_dir) as stage, _logs_name(stage, output_dir):
                 self._save(stage, state_dict=state_dict)
+                plan = {**json.loads(self.model._elixir.plan.to_json()), "model": describe_model(self.model)}
+                Path(stage, PLAN_NAME).write_text(json.dumps(plan, indent=2))
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
@@ -135,3 +161,39 @@ class ElixirTrainer(Trainer):
             raise ValueError(f"checkpoint {checkpoint} is incomplete ({missing} is missing): resume from an earlier")
         self.optimizer.load_state_dict(shard)
         self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+@contextlib.contextmanager
+def _logs_name(stage: str, final: str | os.PathLike) -> Iterator[None]:
+    """transformers' save messages ("Saving model checkpoint to ...", "Model weights saved in
+    ...") name the folder the files end up in, not the staging folder they are written to.
+
+    A filter on the handlers of transformers' logger and of the root logger (where its records go
+    when a script turns propagation on), for the duration of the save."""
+
+    class Rename(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            message = record.getMessage()
+            if stage in message:
+                record.msg, record.args = message.replace(stage, str(final)), ()
+            return True
+
+    rename = Rename()
+    handlers = {h for name in ("transformers", None) for h in logging.getLogger(name).handlers}
+    for handler in handlers:
+        handler.addFilter(rename)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(rename)
+
+
+@functools.cache
+def elixir_trainer(cls: type[Trainer]) -> type[ElixirTrainer]:
+    """``cls`` (a ``Trainer`` subclass, e.g. TRL's ``SFTTrainer``) on the Elixir engine: ``cls`` first
+    in the MRO, its overrides calling ``ElixirTrainer``'s through ``super()``.
+
+        trainer = elixir_hf.elixir_trainer(SFTTrainer)(model=model, args=args, train_dataset=ds)
+    """
+    return mixed_class(cls, ElixirTrainer)

@@ -5,6 +5,8 @@
     optimizer.backward(loss)
     optimizer.clip_grad_norm(1.0)
     optimizer.step(); optimizer.zero_grad()
+    with elixir_runtime.full_params(model):   # every rank; then forwards on any rank (sampling, eval)
+        ...
 """
 
 from .api import ElixirState, prepare
@@ -12,8 +14,10 @@ from .checkpoint import load_safetensors, rank0_state_dict
 from .config import ElixirConfig, LossScaleConfig, PlanError
 from .optim.optimizer import ElixirOptimizer
 from .plan import ElixirPlan
+from .runtime.full_params import full_params
+from .runtime.lockstep import LockstepError
 
 __all__ = [
     "prepare", "ElixirConfig", "LossScaleConfig", "ElixirOptimizer", "ElixirPlan", "PlanError", "ElixirState",
-    "load_safetensors", "rank0_state_dict",
+    "load_safetensors", "rank0_state_dict", "full_params", "LockstepError",
 ]

@@ -26,6 +26,7 @@ from .plan import ElixirPlan, plan_model
 from .profiler.trace import trace_unit_order
 from .runtime.chunk_runtime import ChunkRuntime
 from .runtime.hooks import install_hooks
+from .runtime.lockstep import Lockstep
 from .units import Unit, find_units, param_table
 from .search.auto import auto_plan
 from .host import local_ranks
@@ -79,13 +80,17 @@ def prepare(
     layout, unit_chunks, plan = plan_model(
         table, config, world_size=coll.world_size, device=device, dtype=dtype, search=search
     )
-    logger.info("Elixir plan:\n%s", plan.table())
+    if coll.rank == 0:  # the HF integration prints it; a debug record for runtime-only users
+        logger.debug("Elixir plan:\n%s", plan.table())
 
     params = table.params
     orig_dtypes = [p.dtype for p in params]
     _move_buffers(model, device, source)
     unmeta_parameters(params)
-    runtime = ChunkRuntime(layout, plan.placement(), plan.n_blocks, coll, device, dtype, config.prefetch, source.value)
+    lockstep = Lockstep(coll, config.lockstep_timeout_s)
+    runtime = ChunkRuntime(
+        layout, plan.placement(), plan.n_blocks, coll, device, dtype, config.prefetch, lockstep, source.value
+    )
     install_hooks(model, units, unit_chunks, runtime)
     model_state = ModelStateHooks(runtime, orig_dtypes)
     model_state.install(model)

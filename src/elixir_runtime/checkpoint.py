@@ -19,6 +19,7 @@ from torch import nn
 
 from .chunk.store import write_param
 from .runtime.chunk_runtime import ChunkRuntime
+from .runtime.lockstep import Op
 
 __all__ = ["ModelStateHooks", "load_safetensors", "rank0_state_dict"]
 
@@ -58,6 +59,7 @@ class ModelStateHooks:
         """Every parameter, consolidated, on the CPU in its original dtype (a collective); ``None``
         for all of them on ranks other than 0 under ``rank0_only``."""
         rt, layout = self.runtime, self.runtime.layout
+        rt.lockstep.check_in(Op.STATE_DICT)
         rt.wait_for_grads()
         keep = not self.rank0_only or rt.coll.rank == 0
         out: list[torch.Tensor | None] = [None] * len(layout.params)

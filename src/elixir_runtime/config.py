@@ -6,19 +6,45 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ElixirConfig", "LossScaleConfig", "PlanError", "offloaded_chunks"]
+__all__ = ["ConfigError", "ElixirConfig", "LossScaleConfig", "PlanError", "offloaded_chunks"]
 
 BlockCount = int | Literal["min", "max"]
 
 
 class PlanError(ValueError):
     """The requested plan cannot run; the message names the numbers and the fix."""
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the field, the value and what to use.
+
+    Raised while the config is built, before anything runs (``elixir_hf`` adds where the value
+    came from: ``--elixir``, ``ELIXIR_CONFIG`` or a file)."""
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check(config: object, rules: dict[str, tuple[bool, str]]) -> None:
+    """``rules``: field name -> (whether its value is valid, what a valid value is)."""
+    for name, (ok, need) in rules.items():
+        if not ok:
+            value = getattr(config, name)
+            raise ConfigError(
+                f"{type(config).__name__}.{name} must be {need}, got {value!r} ({type(value).__name__})"
+            )
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -30,6 +56,18 @@ class LossScaleConfig:
     backoff_factor: float = 0.5
     growth_interval: int = 2000
     min_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check(self, {
+            "init_scale": (_real(self.init_scale) and self.init_scale > 0, "a positive finite number such as 65536.0"),
+            "growth_factor": (_real(self.growth_factor) and self.growth_factor > 1, "a finite number > 1 such as 2.0"),
+            "backoff_factor": (_real(self.backoff_factor) and 0 < self.backoff_factor < 1, "a number in (0, 1) such as 0.5"),
+            "growth_interval": (_int(self.growth_interval) and self.growth_interval >= 1, "an int >= 1 (steps) such as 2000"),
+            "min_scale": (
+                _real(self.min_scale) and 0 < self.min_scale <= (self.init_scale if _real(self.init_scale) else math.inf),
+                "a positive finite number no larger than init_scale, such as 1.0",
+            ),
+        })
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -82,24 +120,66 @@ class ElixirConfig:
     predicts the overlap accordingly. ``False`` (no clipping, bf16/fp32): the host runs ahead of
     the GPU and those updates start during backward, as each chunk's gradients land."""
 
-    def __post_init__(self) -> None:
-        if self.mode not in ("auto", "static"):
-            raise ValueError(f"ElixirConfig.mode must be 'auto' or 'static', got {self.mode!r}")
-        if isinstance(self.n_blocks, str) and self.n_blocks not in ("min", "max"):
-            raise ValueError(f"ElixirConfig.n_blocks must be an int, 'min' or 'max', got {self.n_blocks!r}")
-        if isinstance(self.n_blocks, int) and self.n_blocks < 1:
-            raise ValueError(f"ElixirConfig.n_blocks must be >= 1, got {self.n_blocks}")
-        if isinstance(self.offload, float | int) and not isinstance(self.offload, bool):
-            if not 0.0 <= float(self.offload) <= 1.0:
-                raise ValueError(f"ElixirConfig.offload as a fraction must lie in [0, 1], got {self.offload}")
-        if self.chunk_size is not None and self.chunk_size < 1:
-            raise ValueError(f"ElixirConfig.chunk_size must be positive, got {self.chunk_size}")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ValueError(f"ElixirConfig.cpu_threads must be >= 1, got {self.cpu_threads}")
-        if self.prefetch < 0:
-            raise ValueError(f"ElixirConfig.prefetch must be >= 0, got {self.prefetch}")
-        object.__setattr__(self, "dtype", resolve_dtype(self.dtype) if self.dtype is not None else None)  # frozen
+    lockstep_timeout_s: float = 60.0
+    """How long a rank waits for the others when it starts a forward or gathers the weights (a
+    host-side check that every rank is starting the same operation, ``runtime/lockstep.py``).
+    A forward run on some ranks only (outside ``full_params``) fails on every rank within this
+    time, naming the cause, instead of hanging until the process group's timeout (30 minutes).
+    Raise it if a rank legitimately works alone for longer while the others wait in their next
+    forward (rather than in a barrier)."""
 
+    def __post_init__(self) -> None:
+        offload = self.offload
+        indices = isinstance(offload, (list, tuple)) and all(_int(i) and i >= 0 for i in offload)
+        classes = self.unit_classes
+        _check(self, {
+            "mode": (self.mode in ("auto", "static"), "'auto' (planned from the model and the machine) or 'static'"),
+            "dtype": (self.dtype is None or isinstance(self.dtype, (str, torch.dtype)), "'bf16', 'fp16', 'fp32' or None"),
+            "chunk_size": (
+                self.chunk_size is None or (_int(self.chunk_size) and self.chunk_size >= 1),
+                "a positive int (elements per chunk) or None (sized from the model)",
+            ),
+            "n_blocks": (
+                self.n_blocks is None or self.n_blocks in ("min", "max") or (_int(self.n_blocks) and self.n_blocks >= 1),
+                "an int >= 1 (chunks in the rCache), 'min', 'max' or None",
+            ),
+            "offload": (
+                offload is None or (_real(offload) and 0 <= offload <= 1) or (indices and len(set(offload)) == len(offload)),
+                "a fraction of the chunks in [0, 1] (1.0: all), a list of distinct chunk indices, or None",
+            ),
+            "prefetch": (_int(self.prefetch) and self.prefetch >= 0, "an int >= 0 (chunks gathered ahead)"),
+            "unit_classes": (
+                classes is None
+                or (isinstance(classes, (list, tuple)) and all(isinstance(c, (str, type)) for c in classes)),
+                "a list of module classes or class names such as ['GPT2Block'], or None",
+            ),
+            "device": (
+                self.device is None or isinstance(self.device, (str, torch.device)), "a device such as 'cuda:0', or None"
+            ),
+            "process_group": (
+                self.process_group is None or isinstance(self.process_group, dist.ProcessGroup),
+                "a torch.distributed.ProcessGroup or None (the default group)",
+            ),
+            "loss_scale": (isinstance(self.loss_scale, LossScaleConfig), "a LossScaleConfig(...)"),
+            "alignment": (_int(self.alignment) and self.alignment >= 1, "an int >= 1 (elements)"),
+            "cpu_threads": (
+                self.cpu_threads is None or (_int(self.cpu_threads) and self.cpu_threads >= 1), "an int >= 1 or None"
+            ),
+            "clips_grads": (isinstance(self.clips_grads, bool), "True or False"),
+            "lockstep_timeout_s": (
+                _real(self.lockstep_timeout_s) and self.lockstep_timeout_s > 0, "a positive number of seconds such as 60"
+            ),
+        })
+        if isinstance(self.device, str):
+            try:
+                torch.device(self.device)
+            except RuntimeError as exc:
+                raise ConfigError(f"ElixirConfig.device {self.device!r} is not a device ({exc}); use e.g. 'cuda:0' or 'cpu'") from exc
+        if self.dtype is not None:
+            try:
+                object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
+            except ValueError as exc:
+                raise ConfigError(f"ElixirConfig.dtype: {exc}") from exc
 
 def offloaded_chunks(offload: float | Sequence[int], n_chunks: int, chunk_size: int) -> list[int]:
     """``ElixirConfig.offload`` for a layout of ``n_chunks``: a fraction takes the last chunks (their

@@ -16,6 +16,8 @@ from typing import Sequence
 
 from torch import nn
 
+from .config import ConfigError
+
 __all__ = ["Unit", "find_units", "ParamTable", "param_table"]
 
 
@@ -54,7 +56,21 @@ def find_units(model: nn.Module, unit_classes: Sequence[type | str] | None) -> l
         direct = _unique(module.parameters(recurse=False))
         if direct:
             units.append(Unit(len(units), name or "<root>", module, direct))
+    if unit_classes is not None:
+        _check_classes_exist(model, classes)
     return units
+
+
+def _check_classes_exist(model: nn.Module, classes: list[type | str]) -> None:
+    """``ElixirConfig.unit_classes`` naming no module of the model would silently give other units."""
+    missing = [c for c in classes if not any(_matches(m, [c]) for m in model.modules() if m is not model)]
+    if missing:
+        names = sorted({type(m).__name__ for m in model.modules() if m is not model and any(True for _ in m.parameters())})
+        shown = [c if isinstance(c, str) else c.__name__ for c in missing]
+        raise ConfigError(
+            f"ElixirConfig.unit_classes names {shown}, which no module of this {type(model).__name__} is; its modules "
+            f"holding parameters are {names}: name some of those, or None for the model's own blocks"
+        )
 
 
 def _unique(params) -> list[nn.Parameter]:

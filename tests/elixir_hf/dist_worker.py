@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import io
 import json
+import logging
 import os
 import signal
 import sys
@@ -26,12 +28,29 @@ from hf_cases import OFFLOAD_PLAN, VOCAB, TokenDataset, history, make_trainer, t
 from helpers.models import ATTN_IMPL, MODEL_BUILDERS  # noqa: E402
 
 STEPS = 8
+PROMPT = torch.tensor([[5, 17, 3, 9], [8, 8, 40, 2]])
 # the test's timeout asks for every thread's stack, one file per rank (stderr's tail would cut them)
 _STACKS = open(os.path.join(sys.argv[1], f"stacks-rank{os.environ.get('RANK', '0')}.txt"), "w")
 faulthandler.register(signal.SIGUSR1, file=_STACKS, all_threads=True)
 
 
+class _Tee(io.TextIOBase):
+    """This rank's stdout, also kept in ``text`` to count what was shown."""
+
+    def __init__(self, stream) -> None:
+        self.stream, self.text = stream, io.StringIO()
+
+    def write(self, s: str) -> int:
+        self.text.write(s)
+        return self.stream.write(s)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 def main(out: str) -> None:
+    sys.stdout = tee = _Tee(sys.stdout)
+    logging.basicConfig(level=logging.INFO, stream=tee)
     common = dict(max_steps=STEPS, eval_steps=4, ddp_backend="gloo", ddp_timeout=120)
     ddp = make_trainer("gpt2", training_args(f"{out}/ddp", **common))
     ddp.train()
@@ -39,6 +58,8 @@ def main(out: str) -> None:
 
     elixir_args = dict(save_strategy="steps", save_steps=STEPS // 2, **common)
     full = make_trainer("gpt2", training_args(f"{out}/elixir", OFFLOAD_PLAN, **elixir_args))
+    sampler = elixir_hf.GenerateCallback(PROMPT, every_n_steps=STEPS // 2, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    full.add_callback(sampler)  # rank 0 generates alone mid-training; the losses must still match DDP
     full.train()
     full.save_model(f"{out}/elixir_final")
 
@@ -61,10 +82,14 @@ def main(out: str) -> None:
     from_rank0_resumed.train(resume_from_checkpoint=f"{out}/elixir/checkpoint-{STEPS // 2}")
 
     accelerate_runs = [_accelerate_loop(meta_ranks) for meta_ranks in (False, True)]
+    plan_shown: list = [None] * dist.get_world_size()
+    dist.all_gather_object(plan_shown, tee.text.getvalue().count("Elixir plan"))
 
     if dist.get_rank() == 0:
         result = {
             "world_size": dist.get_world_size(),
+            "engines_built": 4 + len(accelerate_runs),  # full, resumed, from_rank0(_resumed), the loops
+            "plan_shown": plan_shown,
             "ddp": {k: history(ddp, k) for k in ("loss", "grad_norm", "eval_loss")},
             "elixir": {k: history(full, k) for k in ("loss", "grad_norm", "eval_loss")},
             "resumed": {k: history(resumed, k) for k in ("loss", "grad_norm", "eval_loss")},
@@ -72,6 +97,7 @@ def main(out: str) -> None:
             "from_rank0_resumed": {k: history(from_rank0_resumed, k) for k in ("loss", "grad_norm", "eval_loss")},
             "from_rank0": {k: history(from_rank0, k) for k in ("loss", "grad_norm", "eval_loss")},
             "accelerate": [losses for losses, _ in accelerate_runs],
+            "samples": [(step, ids.tolist()) for step, ids in sampler.samples],
             "accelerate_weight_diff": max(
                 (accelerate_runs[0][1][k] - accelerate_runs[1][1][k]).abs().max().item() for k in accelerate_runs[0][1]
             ),

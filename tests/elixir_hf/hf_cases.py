@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import itertools
+import string
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainingArguments, default_data_collator
 
 from elixir_hf import ElixirTrainer, ElixirTrainingArguments
-from helpers.models import MODEL_BUILDERS
+from helpers.models import BOS_ID, EOS_ID, MODEL_BUILDERS, PAD_ID
 
 VOCAB = 128
 SEQ = 16
@@ -74,3 +77,21 @@ def make_trainer(model: str | torch.nn.Module, args: TrainingArguments, n_train:
 def history(trainer: Trainer, key: str, after_step: int = 0) -> list[float]:
     """One value per logged step (``loss``, ``grad_norm``, ``learning_rate``, ``eval_loss``)."""
     return [h[key] for h in trainer.state.log_history if key in h and h["step"] > after_step]
+
+
+def save_tiny_lm(path: Path) -> Path:
+    """A tiny GPT-2 (seed 0) and a word-level tokenizer over its vocabulary (two-letter words), as a
+    ``from_pretrained`` folder: what a script's ``--model_name_or_path`` loads."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    MODEL_BUILDERS["gpt2"](seed=0, vocab=VOCAB).save_pretrained(path)
+    specials = {PAD_ID: "<pad>", BOS_ID: "<s>", EOS_ID: "</s>", 3: "<unk>"}
+    words = ["".join(p) for p in itertools.product(string.ascii_lowercase, repeat=2)][: VOCAB - len(specials)]
+    tokenizer = Tokenizer(models.WordLevel({t: i for i, t in enumerate([*specials.values(), *words])}, "<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    ).save_pretrained(path)
+    return path
+

@@ -13,6 +13,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.state import AcceleratorState, GradientState
+from accelerate.tracking import GeneralTracker
 
 from elixir_hf import ElixirAccelerator
 from elixir_hf.optimizer import ElixirAcceleratedOptimizer
@@ -85,6 +86,45 @@ def test_save_state_load_state_continue_identically(tmp_path) -> None:
     second.load_state(str(tmp_path))
     got = _train(second, model, optimizer, second.skip_first_batches(loader, half), scheduler)
     assert got == want[half:]
+
+
+class _Recorder(GeneralTracker):
+    """A tracker that keeps what ``accelerator.log`` sends it (as TensorBoard or W&B would get it)."""
+
+    name, requires_logging_directory, main_process_only = "recorder", False, True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[int | None, dict]] = []
+
+    @property
+    def tracker(self):
+        return self.logged
+
+    def log(self, values: dict, step: int | None = None, **kwargs) -> None:
+        self.logged.append((step, dict(values)))
+
+
+def test_accelerator_log_carries_the_engine_metrics() -> None:
+    recorder = _Recorder()
+    accelerator = ElixirAccelerator(elixir_plugin=OFFLOAD_PLAN, cpu=True, gradient_accumulation_steps=GA,
+                                    log_with=[recorder])
+    accelerator.init_trackers("elixir-test")
+    model, optimizer, loader, scheduler = _setup(accelerator)
+    for i, batch in enumerate(loader):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        if accelerator.sync_gradients:
+            accelerator.log({"train_loss": 1.0}, step=i)
+    assert [step for step, _ in recorder.logged] == list(range(GA - 1, MICRO_STEPS, GA))
+    first, last = recorder.logged[0][1], recorder.logged[-1][1]
+    assert first["train_loss"] == 1.0 and first["elixir/plan_offloaded_chunks"] > 0
+    assert "elixir/plan_chunks" not in last
+    assert last["elixir/skipped_steps"] == 0 and last["elixir/loss_scale"] == 1.0
+    assert last["elixir/backward_s"] > 0 and last["elixir/reduces_per_step"] > 0
+    assert last["elixir/step_s"] >= last["elixir/backward_s"] + last["elixir/optimizer_s"]
 
 
 @pytest.mark.parametrize("name, kind, processes", [("elixir.yaml", "MULTI_GPU", 2), ("elixir_single.yaml", "NO", 1)])

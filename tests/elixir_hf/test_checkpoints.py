@@ -5,11 +5,13 @@ leave no temporary files, and a checkpoint that cannot continue this run fails b
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
@@ -75,6 +77,33 @@ def test_saved_model_loads_with_from_pretrained(tmp_path, model: str) -> None:
         got = loaded(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     assert not [p for p in (tmp_path / "final").iterdir() if p.name.startswith(".")]
+
+
+def test_save_model_writes_the_plan_and_logs_the_final_folder(tmp_path) -> None:
+    """The plan file lies beside the weights of ``save_model``'s output, not only in checkpoint-N/,
+    and transformers' save messages name that folder, not the staging folder the files are written to."""
+    trainer = make_trainer("gpt2", training_args(str(tmp_path / "run"), OFFLOAD_PLAN, max_steps=1, eval_strategy="no"))
+    trainer.train()
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(handler.format(record))
+    tf_logger = logging.getLogger("transformers")
+    tf_logger.addHandler(handler)
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_info()
+    try:
+        trainer.save_model(str(tmp_path / "final"))
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        tf_logger.removeHandler(handler)
+
+    plan = json.loads((tmp_path / "final" / "elixir_plan.json").read_text())
+    assert plan == {**json.loads(trainer.model._elixir.plan.to_json()), "model": plan["model"]}
+    assert plan["model"]["class"] == "GPT2LMHeadModel" and plan["offload"]
+    final = str(tmp_path / "final")
+    assert any(m == f"Saving model checkpoint to {final}" for m in messages), messages
+    assert any(final in m and "config.json" in m for m in messages), messages
+    assert not [m for m in messages if ".elixir-save" in m], messages
 
 
 def _resume(tmp_path: Path, saved: Path, model: str = "gpt2", **model_kwargs):

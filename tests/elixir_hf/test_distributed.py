@@ -1,6 +1,7 @@
 """Two ranks (torchrun, CPU, gloo): ElixirTrainer matches the stock Trainer under DDP, a 2-rank
 checkpoint resumes with the same losses, a model loaded on rank 0 only trains the same, the
-consolidated model equals DDP's, and resuming that checkpoint on one rank fails with a clear message."""
+consolidated model equals DDP's, the plan is shown once, by rank 0, and resuming that checkpoint on
+one rank fails with a clear message."""
 
 from __future__ import annotations
 
@@ -71,6 +72,11 @@ def test_two_ranks_match_ddp(two_rank_run) -> None:
         _close(result["elixir"][key], result["ddp"][key], key)
 
 
+def test_the_plan_is_shown_once_per_engine_on_rank_0(two_rank_run) -> None:
+    _, result = two_rank_run
+    assert result["plan_shown"] == [result["engines_built"], 0]
+
+
 def test_two_rank_resume_gives_the_same_losses(two_rank_run) -> None:
     _, result = two_rank_run
     assert result["resumed"]["loss"] == result["elixir"]["loss"]
@@ -104,6 +110,17 @@ def test_two_rank_model_equals_ddp_model(two_rank_run) -> None:
         with torch.no_grad():
             logits[name] = model(input_ids=ids).logits
     torch.testing.assert_close(logits["elixir_final"], logits["ddp_final"], rtol=0, atol=1e-4)
+
+
+def test_generate_callback_on_rank_0_of_two(two_rank_run) -> None:
+    """``GenerateCallback``: rank 0 sampled alone at steps 4 and 8 of the Elixir run (whose losses
+    match DDP's above), and the last sample is what the saved final model generates."""
+    out, result = two_rank_run
+    assert [step for step, _ in result["samples"]] == [4, 8]
+    model = AutoModelForCausalLM.from_pretrained(str(out / "elixir_final"), attn_implementation=ATTN_IMPL).eval()
+    prompt = torch.tensor([[5, 17, 3, 9], [8, 8, 40, 2]])
+    want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert result["samples"][-1][1] == want.tolist()
 
 
 def test_resuming_on_another_world_size_fails_clearly(two_rank_run, tmp_path, monkeypatch) -> None:

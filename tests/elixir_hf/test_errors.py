@@ -67,9 +67,9 @@ def test_precision_goes_to_the_engine(tmp_path, monkeypatch) -> None:
         ("aut", "'aut' is not understood: use 'auto', 'off', a JSON object"),
         ("missing.json", "'missing.json' is not understood"),
         ('{"ofload": 0.5}', "unknown --elixir key 'ofload' \\(did you mean 'offload'\\?\\)"),
-        ('{"loss_scale": {"init": 8}}', "unknown --elixir loss_scale key"),
-        ('{"offload": 2}', "offload as a fraction must lie in \\[0, 1\\]"),
-        ('{"mode": "fast"}', "mode must be 'auto' or 'static'"),
+        ('{"loss_scale": {"init": 8}}', "--elixir: unknown loss_scale key"),
+        ('{"offload": 2}', "--elixir: ElixirConfig.offload must be a fraction of the chunks in \\[0, 1\\]"),
+        ('{"mode": "fast"}', "ElixirConfig.mode must be 'auto'"),
         ('{"offload": 0.5', "not valid JSON"),
         ('{"dtype": "bf16"}', "asks for dtype 'bf16' but mixed precision is 'fp16'"),
     ],
@@ -153,5 +153,5 @@ def test_accelerator_needs_model_and_optimizer_together() -> None:
         accelerator.prepare(model)
     with pytest.raises(TypeError, match="Elixir runs Adam or AdamW"):
         accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(ElixirSpecError, match="unknown --elixir key"):
+    with pytest.raises(ElixirSpecError, match=r"unknown ElixirAccelerator\(elixir_plugin=\.\.\.\) key .chunks."):
         ElixirAccelerator(elixir_plugin={"chunks": 3}, cpu=True)

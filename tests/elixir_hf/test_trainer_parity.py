@@ -8,6 +8,7 @@ summation order inside Adam and the norm, ~1e-7 observed).
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -64,21 +65,31 @@ def test_evaluate_before_train_runs_on_the_engine(tmp_path) -> None:
     _assert_close(history(ours, "loss"), history(stock, "loss"), "loss")
 
 
-def test_engine_metrics_reach_the_logs(tmp_path) -> None:
+@pytest.mark.parametrize("disable_tqdm", [True, False], ids=["printer", "progress-bar"])
+def test_engine_metrics_reach_log_history_and_reporters_not_the_console(tmp_path, capsys, disable_tqdm) -> None:
     from transformers import TrainerCallback
 
     seen: list[dict] = []
 
-    class Capture(TrainerCallback):
+    class Reporter(TrainerCallback):  # what TensorBoard, W&B, ... receive
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
                 seen.append(dict(logs))
 
-    trainer = make_trainer("gpt2", training_args(str(tmp_path), OFFLOAD_PLAN, max_steps=4, eval_strategy="no"))
-    trainer.add_callback(Capture())
+    args = training_args(str(tmp_path), OFFLOAD_PLAN, max_steps=4, eval_strategy="no", save_strategy="steps",
+                         save_steps=4, disable_tqdm=disable_tqdm)
+    trainer = make_trainer("gpt2", args)
+    trainer.add_callback(Reporter())
     trainer.train()
-    assert len(seen) == 4
-    first, last = seen[0], seen[-1]
+
+    saved = json.loads((tmp_path / "checkpoint-4" / "trainer_state.json").read_text())["log_history"]
+    logged = [h for h in saved if "loss" in h]
+    assert len(seen) == len(logged) == 4
+    for reported, kept in zip(seen, logged):
+        assert {k: v for k, v in kept.items() if k.startswith("elixir/")} == {
+            k: v for k, v in reported.items() if k.startswith("elixir/")
+        }
+    first, last = logged[0], logged[-1]
     assert first["elixir/plan_offloaded_chunks"] > 0 and "elixir/plan_chunks" in first
     assert "elixir/plan_chunks" not in last
     for key in ("elixir/loss_scale", "elixir/skipped_steps", "elixir/host_rss_gib", "elixir/step_s",
@@ -86,3 +97,21 @@ def test_engine_metrics_reach_the_logs(tmp_path) -> None:
         assert key in last, key
     assert last["elixir/loss_scale"] == 1.0 and last["elixir/skipped_steps"] == 0
     assert last["elixir/backward_s"] > 0 and last["elixir/reduces_per_step"] > 0
+    assert last["elixir/step_s"] >= last["elixir/backward_s"] + last["elixir/optimizer_s"]
+
+    console = capsys.readouterr().out
+    lines = [line for line in console.splitlines() if "'loss'" in line]
+    assert len(lines) == 4 and console.count("Elixir plan for GPT2LMHeadModel") == 1
+    for line in lines:
+        assert "elixir/" not in line and "s/step, host" in line and len(line) < 200, line
+
+
+def test_console_summary() -> None:
+    from elixir_hf.callback import console_logs
+
+    logs = {"loss": 1.5, "elixir/step_s": 0.2134, "elixir/gpu_peak_gib": 4.12, "elixir/host_rss_gib": 2.31,
+            "elixir/skipped_steps": 0, "elixir/loss_scale": 1.0, "elixir/gathers_per_step": 40.0}
+    assert console_logs(logs) == {"loss": 1.5, "elixir": "0.213 s/step, GPU peak 4.12 GiB, host 2.31 GiB"}
+    fp16 = {**logs, "elixir/skipped_steps": 2, "elixir/loss_scale": 16384.0}
+    assert console_logs(fp16)["elixir"].endswith("host 2.31 GiB, 2 skipped, loss scale 1.64e+04")
+    assert console_logs({"eval_loss": 2.0}) == {"eval_loss": 2.0}

@@ -20,6 +20,7 @@ backward in chunk order, identical on every rank.
 from __future__ import annotations
 
 import contextlib
+import enum
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -32,8 +33,20 @@ from ..chunk.rcache import Block, RCache
 from ..chunk.schedule import AccessSchedule
 from ..chunk.store import Residence, ShardArenas, build_arenas
 from .host_updates import HostUpdates
+from .lockstep import Lockstep
 
-__all__ = ["ChunkState", "ChunkRuntime", "RCacheExhausted"]
+__all__ = ["ChunkState", "ChunkRuntime", "RCacheExhausted", "Residency"]
+
+
+class Residency(enum.Enum):
+    """Where the parameters a forward reads come from."""
+
+    SHARDED = "sharded"
+    """Training: each unit gathers its chunks with the other ranks (forwards are collectives)."""
+    FULL = "full"
+    """Inside ``full_params``: every parameter is on this rank; forwards run alone, hooks stand by."""
+    ELSEWHERE = "full on rank 0 only"
+    """Inside ``full_params(rank0_only=True)`` on another rank: no forward can run here."""
 
 
 class RCacheExhausted(RuntimeError):
@@ -91,10 +104,13 @@ class ChunkRuntime:
         device: torch.device,
         dtype: torch.dtype,
         prefetch: int,
+        lockstep: Lockstep,
         weights: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.detach,
     ) -> None:
         """``weights`` maps a parameter to the full value its shards start from (``WeightSource.value``)."""
         self.layout, self.coll, self.device, self.dtype = layout, coll, device, dtype
+        self.lockstep = lockstep
+        self.residency = Residency.SHARDED
         self.prefetch_depth = prefetch
         self.cuda = device.type == "cuda"
         self.arenas = build_arenas(layout, placement, coll.rank, device, dtype, weights)
@@ -223,22 +239,34 @@ class ChunkRuntime:
             self._resident[c.index] = c
         full = c.block.data[: c.spec.numel]
         self.stats["gathers"] += 1
-        self.host_updates.wait(c.index)
         with self._on(self.fetch_stream, c.block):
-            self.coll.shard_of(full).copy_(c.param_shard, non_blocking=True)
-            self.coll.all_gather_(full)
+            self.fill(c, full)
             if self.cuda:
                 c.ready = torch.cuda.Event()
                 c.ready.record(self.fetch_stream)
                 c.gathered = c.ready
         c.valid = True
+        self.show_params(c, full)
+
+    def fill(self, c: ChunkState, full: torch.Tensor) -> None:
+        """Gathers chunk ``c`` from every rank's shard into ``full`` (a collective, on the current stream)."""
+        self.host_updates.wait(c.index)
+        self.coll.shard_of(full).copy_(c.param_shard, non_blocking=True)
+        self.coll.all_gather_(full)
+
+    def show_params(self, c: ChunkState, full: torch.Tensor) -> None:
+        """Points the parameters of ``c`` at their slots in the gathered buffer ``full``."""
         for s in c.spec.slots:
             self.layout.params[s.param].data = full[s.offset : s.offset + s.numel].view(self._placeholders[s.param].shape)
 
-    def _drop(self, c: ChunkState, event: torch.cuda.Event | None = None) -> None:
-        """Forgets the gathered params of ``c``; a public block goes back to the free list."""
+    def hide_params(self, c: ChunkState) -> None:
+        """Points the parameters of ``c`` back at their zero-stride placeholders."""
         for s in c.spec.slots:
             self.layout.params[s.param].data = self._placeholders[s.param]
+
+    def _drop(self, c: ChunkState, event: torch.cuda.Event | None = None) -> None:
+        """Forgets the gathered params of ``c``; a public block goes back to the free list."""
+        self.hide_params(c)
         c.valid = False
         block = c.block
         assert block is not None

@@ -13,6 +13,10 @@ activation-checkpointed regions the root installs saved-tensor hooks that store 
 so a chunk may be evicted between forward and backward. Inside a checkpointed region, saved
 tensors are recomputed in backward while the unit is pinned (from pre-backward to post-backward),
 which is why the rCache can never be smaller than the largest unit.
+
+The root's pre-forward first checks in with the other ranks (``lockstep.py``: a forward on some
+ranks only fails everywhere, naming it). Inside ``full_params`` every hook stands by: the
+parameters are all on this rank and forwards run alone.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .chunk_runtime import ChunkRuntime
+from .chunk_runtime import ChunkRuntime, Residency
+from .lockstep import Op
 from ..units import Unit
 
 __all__ = ["install_hooks"]
@@ -58,6 +63,8 @@ class _UnitHooks:
         self.bwd_pinned = False
 
     def pre_forward(self, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.runtime.residency is not Residency.SHARDED:
+            return args, kwargs  # inside full_params: the parameters are all here
         self.runtime.acquire(self.chunks, pin=True)
         self.post_backward_armed = False
         if not torch.is_grad_enabled():
@@ -73,6 +80,8 @@ class _UnitHooks:
         return tree_unflatten(flat, spec)
 
     def post_forward(self, _module: nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
+        if self.runtime.residency is not Residency.SHARDED:
+            return
         self.runtime.release(self.chunks)
         if not torch.is_grad_enabled():
             return
@@ -106,17 +115,28 @@ class _RootHooks:
         self.saved_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
     def pre_forward(self, _module: nn.Module, _args: Any) -> None:
+        if self.runtime.residency is Residency.ELSEWHERE:
+            raise RuntimeError(
+                "full_params(rank0_only=True) gathered the parameters on rank 0 only: run this forward on rank 0 "
+                "(`if rank == 0:` inside the context), or enter full_params() without rank0_only"
+            )
+        if self.runtime.residency is Residency.FULL:
+            return
+        grad = torch.is_grad_enabled()
+        if self.depth == 0:  # every rank must be starting this forward too (runtime/lockstep.py)
+            self.runtime.lockstep.check_in(Op.TRAINING_FORWARD if grad else Op.NO_GRAD_FORWARD)
         self.depth += 1
         if self.depth > 1:
             return
-        grad = torch.is_grad_enabled()
         self.runtime.schedule.begin((grad, self.model.training))
         if grad:
             self.saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             self.saved_hooks.__enter__()
 
     def post_forward(self, _module: nn.Module, _args: Any, _output: Any) -> None:
-        self.depth -= 1
+        if self.runtime.residency is not Residency.SHARDED:
+            return
+        self.depth = max(self.depth - 1, 0)
         if self.depth == 0 and self.saved_hooks is not None:
             self.saved_hooks.__exit__(None, None, None)
             self.saved_hooks = None

@@ -1,0 +1,79 @@
+"""``EngineMetrics``: what the engine decided and how it behaves, as ``elixir/*`` log values.
+
+Each ``collect()`` returns the numbers since the previous one: the plan's key numbers
+(``elixir/plan_*``, first call only), loss scale, skipped steps, GPU and host memory, the
+step-time breakdown and the engine's chunk traffic per optimizer step. ``ElixirAccelerator``
+holds one per prepared engine: ``ElixirTrainer.log`` merges it into every training log (so it
+reaches ``trainer_state.json``'s ``log_history`` and every reporter) and
+``ElixirAccelerator.log`` into every ``accelerator.log`` call.
+"""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import torch
+
+from elixir_runtime import ElixirPlan
+
+from .optimizer import ElixirAcceleratedOptimizer
+
+__all__ = ["EngineMetrics"]
+
+_GIB = 2**30
+
+
+class EngineMetrics:
+    def __init__(self, optimizer: ElixirAcceleratedOptimizer, plan: ElixirPlan) -> None:
+        self.optimizer, self.plan = optimizer, plan
+        self._plan_logged = False
+        self._since = self._now()
+
+    def _now(self) -> tuple[float, int, dict[str, int]]:
+        return time.perf_counter(), self.optimizer.steps, dict(self.optimizer.engine.runtime.stats)
+
+    def collect(self) -> dict[str, float]:
+        out = {} if self._plan_logged else _plan_metrics(self.plan)
+        self._plan_logged = True
+        out["elixir/loss_scale"] = self.optimizer.engine.loss_scale
+        out["elixir/skipped_steps"] = self.optimizer.skipped_steps
+        out.update(_memory_metrics(self.optimizer.engine.runtime.device))
+        out.update(self._rates())
+        return out
+
+    def _rates(self) -> dict[str, float]:
+        """Per-optimizer-step averages since the previous call: seconds per phase, chunk traffic."""
+        phases = self.optimizer.timer.collect()  # synchronizes CUDA, so the wall time below is settled too
+        (t0, step0, stats0), (now, step, stats) = self._since, self._now()
+        self._since = (now, step, stats)
+        steps = max(step - step0, 1)
+        wall = (now - t0) / steps
+        out = {
+            "elixir/step_s": wall,
+            "elixir/backward_s": phases.get("backward", 0.0) / steps,
+            "elixir/optimizer_s": phases.get("optimizer", 0.0) / steps,
+        }
+        out["elixir/forward_other_s"] = max(wall - out["elixir/backward_s"] - out["elixir/optimizer_s"], 0.0)
+        out.update({f"elixir/{k}_per_step": (v - stats0.get(k, 0)) / steps for k, v in stats.items()})
+        return out
+
+
+def _plan_metrics(plan: ElixirPlan) -> dict[str, float]:
+    return {
+        "elixir/plan_chunks": plan.n_chunks,
+        "elixir/plan_chunk_size": plan.chunk_size,
+        "elixir/plan_rcache_blocks": plan.n_blocks,
+        "elixir/plan_offloaded_chunks": len(plan.offload),
+        "elixir/plan_device_gib": plan.device_bytes / _GIB,
+        "elixir/plan_host_gib": plan.host_bytes / _GIB,
+    }
+
+
+def _memory_metrics(device: torch.device) -> dict[str, float]:
+    out = {"elixir/host_rss_gib": psutil.Process().memory_info().rss / _GIB}
+    if device.type == "cuda":
+        out["elixir/gpu_allocated_gib"] = torch.cuda.memory_allocated(device) / _GIB
+        out["elixir/gpu_peak_gib"] = torch.cuda.max_memory_allocated(device) / _GIB
+        torch.cuda.reset_peak_memory_stats(device)
+    return out

@@ -1,0 +1,95 @@
+"""``elixir-run``: an unmodified Trainer or Accelerate script, trained by the Elixir engine.
+
+    elixir-run train.py --model_name_or_path gpt2 --bf16 --elixir auto
+    torchrun --nproc_per_node 2 -m elixir_hf.run train.py ... --elixir plan.json
+    accelerate launch --config_file recipes/elixir.yaml -m elixir_hf.run train.py ...
+    elixir-run -m trl.scripts.sft ...                       # a module instead of a file
+
+``--elixir auto|off|JSON|FILE.json`` (anywhere on the line; bare: ``auto``) is taken out of the
+script's arguments, so its own parser never sees it, and handed over as ``ELIXIR_CONFIG``
+(unset: ``ELIXIR_CONFIG`` as it is, else ``auto``). Then every ``TrainingArguments``, ``Trainer``
+and ``Accelerator`` the script builds — the stock classes and every subclass, whether defined
+before or after (TRL's ``SFTConfig``/``SFTTrainer``) — is built as its Elixir version
+(``mixin.construct_elixir``), which reads ``ELIXIR_CONFIG``. The script then runs as
+``python SCRIPT.py`` would run it: ``__main__``, ``sys.argv`` and ``sys.path[0]`` as Python sets them.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from typing import Sequence
+
+from accelerate import Accelerator
+from transformers import Trainer, TrainingArguments
+
+from .accelerator import elixir_accelerator
+from .arguments import elixir_args
+from .mixin import construct_elixir
+from .plugin import ENV_VAR, ElixirPlugin, ElixirSpecError
+from .trainer import elixir_trainer
+
+__all__ = ["main", "split_elixir", "install"]
+
+USAGE = "usage: elixir-run [--elixir auto|off|JSON|FILE.json] (SCRIPT.py | -m MODULE) [its arguments]"
+
+
+def split_elixir(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """``(spec, the other arguments)``: ``--elixir X``, ``--elixir=X`` or a bare ``--elixir``
+    (``auto``). After a bare flag, the next argument is its value only if it reads as one (``auto``,
+    ``off``, ``{...}``, ``*.json``): ``elixir-run --elixir train.py`` runs train.py."""
+    spec, rest = None, []
+    args = iter(argv)
+    for arg in args:
+        if arg == "--elixir":
+            value = next(args, None)
+            if value is not None and not _is_spec(value):
+                rest.append(value)
+                value = None
+            spec = value if value is not None else "auto"
+        elif arg.startswith("--elixir="):
+            spec = arg.removeprefix("--elixir=")
+        else:
+            rest.append(arg)
+    return spec, rest
+
+
+def _is_spec(arg: str) -> bool:
+    return arg in ("auto", "off") or arg.lstrip().startswith("{") or arg.endswith(".json")
+
+
+def install() -> None:
+    """Every ``TrainingArguments``, ``Trainer`` and ``Accelerator`` built from now on is an Elixir one."""
+    construct_elixir(TrainingArguments, elixir_args)
+    construct_elixir(Trainer, elixir_trainer)
+    construct_elixir(Accelerator, elixir_accelerator)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    spec, rest = split_elixir(sys.argv[1:] if argv is None else argv)
+    module = rest[:1] == ["-m"]
+    target = rest[1:2] if module else rest[:1]
+    if not target or target[0].startswith("-"):
+        sys.exit(f"elixir-run: name the script to run\n{USAGE}")
+    source = "--elixir" if spec is not None else ENV_VAR
+    spec = spec if spec is not None else os.environ.get(ENV_VAR, "auto")
+    try:
+        ElixirPlugin.from_spec(spec, source)  # a bad value fails here, before the script loads its model
+    except ElixirSpecError as exc:
+        sys.exit(f"elixir-run: {exc}")
+    os.environ[ENV_VAR] = spec
+    install()
+    if module:
+        sys.argv = [target[0], *rest[2:]]  # runpy sets argv[0] to the module's file
+        sys.path[0] = os.getcwd()  # as python -m does
+        runpy.run_module(target[0], run_name="__main__", alter_sys=True)
+    else:
+        script = os.path.abspath(target[0])
+        sys.argv = [target[0], *rest[1:]]
+        sys.path[0] = os.path.dirname(script)
+        runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""No silent half-migration: every mix of Elixir and stock classes either trains fully with Elixir
+or fails before training with the fix named. Code use of TRL: ``elixir_args(SFTConfig)`` keeps every
+SFTConfig default and ``elixir_trainer(SFTTrainer)`` gives the stock losses."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import Trainer, TrainingArguments
+
+from elixir_hf import ElixirSpecError, ElixirTrainer, ElixirTrainingArguments, elixir_args, elixir_trainer
+from elixir_hf.engine import check_launch
+from hf_cases import OFFLOAD_PLAN, TokenDataset, history, make_trainer, save_tiny_lm, training_args
+from helpers.models import tiny_gpt2
+
+ROOT = Path(__file__).parents[2]
+RTOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _no_env_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("ELIXIR_CONFIG", "ACCELERATE_MIXED_PRECISION"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _close(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want) > 0
+    assert all(math.isclose(g, w, rel_tol=RTOL) for g, w in zip(got, want)), (got, want)
+
+
+def test_elixir_arguments_under_a_stock_trainer_fail_when_it_is_built(tmp_path) -> None:
+    """The stock Trainer would drop --bf16 (the engine owns precision) and train without the engine."""
+    args = training_args(str(tmp_path), "auto", bf16=True, max_steps=2, eval_strategy="no")
+    with pytest.raises(ElixirSpecError, match="not an ElixirTrainer.*elixir_hf.elixir_trainer\\(YourTrainer\\)"):
+        Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenDataset(8))
+    Trainer(model=tiny_gpt2(), args=training_args(str(tmp_path), "off", eval_strategy="no"), train_dataset=TokenDataset(8))  # off: fine
+
+
+def test_elixir_trainer_with_plain_arguments_reads_elixir_config(tmp_path, monkeypatch) -> None:
+    plain = training_args(str(tmp_path / "plain"), max_steps=4, eval_strategy="no")
+    assert type(plain) is TrainingArguments
+    stock = make_trainer("gpt2", plain)
+    stock.train()
+
+    monkeypatch.setenv("ELIXIR_CONFIG", OFFLOAD_PLAN)
+    ours = ElixirTrainer(model=tiny_gpt2(vocab=128), args=plain, train_dataset=TokenDataset(200))
+    assert isinstance(ours.args, ElixirTrainingArguments) and ours.args.elixir_plugin.offload == 0.5
+    assert ours.args.learning_rate == plain.learning_rate and type(plain) is TrainingArguments  # rebuilt, not changed
+    ours.train()
+    assert hasattr(ours.model, "_elixir")
+    _close(history(ours, "loss"), history(stock, "loss"))
+
+    monkeypatch.delenv("ELIXIR_CONFIG")
+    off = ElixirTrainer(model=tiny_gpt2(vocab=128), args=plain, train_dataset=TokenDataset(8))
+    assert off.args.elixir_plugin is None  # unset: off, as for ElixirTrainingArguments
+
+
+def test_launched_world_size_the_trainer_does_not_see_fails_early(tmp_path) -> None:
+    """``accelerate launch`` of 2 CPU processes without --use_cpu: a 2-rank process group under a
+    Trainer that counts 1 rank. Also the launcher form ``accelerate launch -m elixir_hf.run``."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    tiny_gpt2(vocab=128).save_pretrained(tmp_path / "model")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes" / "elixir.yaml"),
+           "-m", "elixir_hf.run", str(ROOT / "tests" / "elixir_hf" / "scripts" / "hf_trainer.py"),
+           "--model_name_or_path", str(tmp_path / "model"), "--output_dir", str(tmp_path / "out"), "--report_to", "none"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "one of 2 launched ranks but the Trainer/Accelerator runs 1" in out and "pass --use_cpu" in out, out[-3000:]
+    assert "Elixir plan" not in out and not (tmp_path / "out" / "trainer_state.json").exists()
+
+
+def test_launch_check_compares_the_launched_ranks(monkeypatch) -> None:
+    """The rule both the arguments and ``ElixirAccelerator`` apply (torchrun's ``WORLD_SIZE`` when no
+    process group exists yet, e.g. an Accelerator on CPU without ``cpu=True``)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ElixirSpecError, match="one of 2 launched ranks but the Trainer/Accelerator runs 1.*cpu=True"):
+        check_launch(1)
+    check_launch(2)
+
+
+# --------------------------------------------------------------------------- TRL in code
+
+
+def test_elixir_args_keep_every_sftconfig_default(tmp_path) -> None:
+    from trl import SFTConfig
+
+    ours, stock = elixir_args(SFTConfig)(output_dir=str(tmp_path), elixir="auto", use_cpu=True), SFTConfig(
+        output_dir=str(tmp_path), use_cpu=True
+    )
+    assert (ours.learning_rate, ours.logging_steps, ours.gradient_checkpointing) == (2e-5, 10, True)
+    for field in dataclasses.fields(stock):
+        assert getattr(ours, field.name) == getattr(stock, field.name) or field.name == "mixed_precision", field.name
+    assert ours.elixir_plugin is not None and isinstance(ours, SFTConfig)
+
+
+def test_sft_trainer_in_code_gives_the_stock_losses(tmp_path) -> None:
+    """``elixir_trainer(SFTTrainer)`` with ``elixir_args(SFTConfig)``: a full fine-tune (gradient
+    checkpointing on, SFTConfig's default) with the stock SFTTrainer's losses and grad norms."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    folder = save_tiny_lm(tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    words = sorted(w for w in tokenizer.get_vocab() if w.isalpha())
+    dataset = Dataset.from_dict({"text": [" ".join(words[(5 * i + 3 * j) % len(words)] for j in range(12)) for i in range(16)]})
+    settings = dict(max_steps=4, per_device_train_batch_size=2, learning_rate=1e-2, adam_epsilon=1e-6, logging_steps=1,
+                    max_length=16, bf16=False, use_cpu=True, report_to=[], save_strategy="no", seed=0, disable_tqdm=True)
+    runs = {}
+    for name, trainer_cls, args in (
+        ("stock", SFTTrainer, SFTConfig(output_dir=str(tmp_path / "stock"), **settings)),
+        ("elixir", elixir_trainer(SFTTrainer), elixir_args(SFTConfig)(output_dir=str(tmp_path / "e"), elixir=OFFLOAD_PLAN, **settings)),
+    ):
+        model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
+        runs[name] = trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
+        runs[name].train()
+    assert hasattr(runs["elixir"].model, "_elixir") and runs["elixir"].args.gradient_checkpointing is True
+    for key in ("loss", "grad_norm"):
+        _close(history(runs["elixir"], key), history(runs["stock"], key))
