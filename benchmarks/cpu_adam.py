@@ -17,7 +17,8 @@ from typing import Callable
 import torch
 
 from elixir_runtime.optim.cpu_adam import CpuAdamKernel
-from elixir_runtime.optim.kernel import AdamHyper, Segment
+from elixir_runtime.chunk.layout import GroupRange
+from elixir_runtime.optim.kernel import AdamHyper
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
@@ -27,7 +28,7 @@ def _ours(n: int, grad_dtype: torch.dtype, threads: int) -> Callable[[], None]:
     p, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
     g, out = torch.randn(n).to(grad_dtype), torch.empty(n, dtype=torch.bfloat16)
     half = n // 2  # two groups, as with decay / no-decay params
-    segs = (Segment(0, half, 0), Segment(half, n - half, 1))
+    segs = (GroupRange(0, half, 0), GroupRange(half, n - half, 1))
     hypers = [AdamHyper(LR, *BETAS, EPS, WD, True), AdamHyper(LR, *BETAS, EPS, 0.0, True)]
     state = {"step": 0}
 

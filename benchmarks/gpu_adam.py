@@ -16,7 +16,8 @@ from typing import Callable
 
 import torch
 
-from elixir_runtime.optim.kernel import AdamHyper, Segment
+from elixir_runtime.chunk.layout import GroupRange
+from elixir_runtime.optim.kernel import AdamHyper
 from elixir_runtime.optim.triton_adam import TritonAdamKernel
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
@@ -38,10 +39,10 @@ def _median_ms(fn: Callable[[], None], iters: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def _segments(n: int) -> tuple[Segment, ...]:
+def _segments(n: int) -> tuple[GroupRange, ...]:
     """Uneven segments alternating two groups (decay / no decay), like a real arena."""
     cuts = sorted({0, n, *(min(n, int(n * f) + 13 * i) for i, f in enumerate((0.01, 0.1, 0.3, 0.31, 0.6, 0.9), 1))})
-    return tuple(Segment(a, b - a, i % 2) for i, (a, b) in enumerate(zip(cuts, cuts[1:])))
+    return tuple(GroupRange(a, b - a, i % 2) for i, (a, b) in enumerate(zip(cuts, cuts[1:])))
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -29,7 +29,7 @@ import torch
 
 from elixir_runtime.profiler import ModelProfile, profile_model
 from elixir_runtime.profiler.kernels import cuda_attention
-from elixir_runtime.search.cost import compute_time
+from elixir_runtime.search.step_time import compute_time
 
 GIB = 2**30
 SEQ = 1024
@@ -101,7 +101,7 @@ def predict(model: torch.nn.Module, batch: dict) -> tuple[ModelProfile, ModelPro
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rates = None
     if args.timing:
-        from elixir_runtime.search.measure import measure_hardware
+        from elixir_runtime.hardware.measure import measure_hardware
 
         hardware = measure_hardware()
         if args.hardware_out:

@@ -6,7 +6,7 @@ GPU time is scarce; changing the step model is not. Each Elixir run of the throu
 records its plan (chunk size, rCache blocks, offloaded chunks), the per-rank rates and the whole
 hardware profile the plan was made with. This rebuilds the same model on ``meta``, profiles the
 same batch on fake tensors, and predicts the same plan on the same hardware with the code as it is
-now, next to the step that was measured and the one predicted then. A change to ``search/cost.py``
+now, next to the step that was measured and the one predicted then. A change to ``search/step_time.py``
 is judged against every recorded run in seconds, before a GPU session re-measures the table.
 
 Runs whose plan predates these records (every run in results.json as of 2026-11-26) are listed as skipped.
@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
+from elixir_runtime.config import ElixirConfig
 from elixir_runtime.profiler.profile import profile_model
-from elixir_runtime.runtime.units import find_units
+from elixir_runtime.units import find_units, param_table
 from elixir_runtime.search import Budget, SearchSettings, search
-from elixir_runtime.search.cost import StepTime
-from elixir_runtime.search.engine import model_table
-from elixir_runtime.search.hardware import HardwareProfile
+from elixir_runtime.search.step_time import StepTime
+from elixir_runtime.hardware.profile import HardwareProfile
 
 from . import report
 from .models import build_meta, preset
@@ -49,7 +49,7 @@ def predict(run: dict[str, Any]) -> StepTime:
     ids = torch.zeros(run["batch"], run["seq"], dtype=torch.long, device="meta")
     profile = profile_model(model, {"input_ids": ids, "labels": ids}, dtype=getattr(torch, plan["dtype"]),
                             device="cuda", units=units)
-    table = model_table(model, units, profile.unit_indices(units))
+    table = param_table(model, units, profile.unit_indices(units))
     budget = Budget(
         capacity=HEADROOM * hardware.gpu_memory,
         activations=profile.activation_peak,
@@ -61,10 +61,12 @@ def predict(run: dict[str, Any]) -> StepTime:
     settings = SearchSettings(
         world_size=run["gpus"],
         dtype=getattr(torch, plan["dtype"]),
-        chunk_size=plan["chunk_size"],
-        n_blocks=plan["n_blocks"],
-        offload=plan["offload"],
-        clips_grads=False,  # the harness's step does not clip (systems._elixir)
+        config=ElixirConfig(
+            chunk_size=plan["chunk_size"],
+            n_blocks=plan["n_blocks"],
+            offload=plan["offload"],
+            clips_grads=False,  # the harness's step does not clip (systems._elixir)
+        ),
         busbw=busbw * 1e9 if busbw and run["gpus"] > 1 else None,
     )
     return search(table, profile, hardware, budget, settings).time

@@ -6,13 +6,18 @@
 
 The model is built from its config on the meta device, one training step is profiled on fake
 tensors, and the search picks chunk size, rCache size and offloaded chunks for the given GPUs and
-memory. Printed: the profile and its time, the plan, and the rigid alternatives it beat.
+memory, through the same decision as ``--elixir auto`` (``search.auto.search_model``). The GPU's
+rates come from ``--hardware`` (a shipped card: h100, or a profile file), else from this machine's
+GPU; without a GPU, from the shipped H100 profile (said in the output): a GPU plan is never timed
+with a CPU's rates. Printed: the profile and its time, the plan, and the rigid alternatives it beat.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import os
 import re
 import sys
 import time
@@ -23,12 +28,15 @@ from typing import Any, Sequence
 
 import torch
 
-from elixir_runtime.chunk.layout import build_layout
 from elixir_runtime.config import ElixirConfig, resolve_dtype
-from elixir_runtime.plan import ElixirPlan, PlanError, format_step_time, resolve_plan
-from elixir_runtime.profiler import ModelProfile, profile_model
-from elixir_runtime.runtime.units import find_units
-from elixir_runtime.search import Budget, HardwareProfile, SearchSettings, load_hardware, model_table, search
+from elixir_runtime.config import PlanError
+from elixir_runtime.plan import ElixirPlan, format_step_time, plan_model
+from elixir_runtime.profiler import ModelProfile
+from elixir_runtime.units import find_units, param_table
+from elixir_runtime.hardware import HardwareProfile, load_hardware
+from elixir_runtime.hardware.load import ENV_HARDWARE, SHIPPED
+from elixir_runtime.search import Budget
+from elixir_runtime.search.auto import search_model
 
 __all__ = ["main", "PRESETS", "parse_size", "build_meta_model"]
 
@@ -97,27 +105,53 @@ def model_config(name: str, seq_len: int):
 
 
 def build_meta_model(config, dtype: torch.dtype, checkpointing: bool) -> torch.nn.Module:
+    """On the meta device, with sdpa attention (what a GPU run uses) where the model supports it,
+    else the model's own implementation."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        try:
+            # a copy: a refused attempt leaves its choice in the config
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype, attn_implementation="sdpa")
+        except ValueError as exc:  # "... does not support ... scaled_dot_product_attention"
+            if "sdpa" not in str(exc) and "scaled_dot_product_attention" not in str(exc):
+                raise
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _dtype(text: str) -> torch.dtype:
+    try:
+        return resolve_dtype(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="elixir-plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", "--model_config", "--model-config", dest="model", help="preset, config.json or Hub id")
-    p.add_argument("--seq-len", "--seq_len", type=int, default=1024)
-    p.add_argument("--batch-size", "--batch_size", type=int, default=8, help="per GPU")
-    p.add_argument("--grad-accum", "--grad_accum", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--gpus", type=int, default=1, help="GPUs (ranks) on one host")
+    p.add_argument("--seq-len", "--seq_len", type=_positive, default=1024)
+    p.add_argument("--batch-size", "--batch_size", type=_positive, default=8, help="per GPU")
+    p.add_argument("--grad-accum", "--grad_accum", type=_positive, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--gpus", type=_positive, default=1, help="GPUs (ranks) on one host")
     p.add_argument("--gpu-mem", "--gpu_mem", type=parse_size, help="memory per GPU (default: the hardware profile's)")
     p.add_argument("--host-mem", "--host_mem", type=parse_size, help="host RAM (default: the hardware profile's)")
-    p.add_argument("--hardware", help="hardware profile JSON (default: this machine's, measured once and cached)")
-    p.add_argument("--dtype", default="bf16", help="compute dtype: bf16, fp16 or fp32")
+    p.add_argument("--hardware", help=f"a shipped card ({', '.join(SHIPPED)}) or a hardware profile JSON (default: this "
+                   "machine's GPU, measured once and cached; without a GPU the shipped h100)")
+    p.add_argument("--dtype", default="bf16", type=_dtype, help="compute dtype: bf16, fp16 or fp32")
     p.add_argument("--no-ac", dest="ac", action="store_false", help="without activation checkpointing")
     p.add_argument("--exact", action="store_true", help="trace every block instead of replaying identical ones")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
@@ -132,6 +166,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _measure(args.measure_hardware)
     if not args.model:
         _parser().error("--model is required (or --measure-hardware)")
+    try:
+        args.hardware_profile, args.hardware_note = _hardware(args.hardware)
+    except (OSError, ValueError) as exc:
+        _parser().error(f"--hardware {args.hardware}: {exc}")
     try:
         report = plan_report(args)
     except PlanError as exc:
@@ -150,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _measure(path: str) -> int:
-    from elixir_runtime.search.measure import measure_hardware
+    from elixir_runtime.hardware.measure import measure_hardware
 
     profile = measure_hardware()
     profile.save(path)
@@ -161,36 +199,36 @@ def _measure(path: str) -> int:
 
 def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     """Everything ``main`` prints: the texts, the JSON document, the plan and its budget."""
-    dtype = resolve_dtype(args.dtype)
+    dtype = args.dtype
+    hardware, hw_note = args.hardware_profile, args.hardware_note
     t0 = time.perf_counter()
     config = model_config(args.model, args.seq_len)
     model = build_meta_model(config, dtype, args.ac)
     build_s = time.perf_counter() - t0
     units = find_units(model, None)
     ids = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long, device="meta")
-    profile = profile_model(model, {"input_ids": ids, "labels": ids}, dtype=dtype, device="cuda", units=units, exact=args.exact)
 
-    hardware, hw_note = _hardware(args.hardware)
-    budget = Budget(
-        capacity=args.gpu_mem or hardware.gpu_memory,
-        activations=profile.activation_peak,
-        buffers=profile.buffer_bytes,
-        host_capacity=args.host_mem or hardware.host_memory,
-        ranks_per_host=args.gpus,
-    )
+    def budget_of(profile: ModelProfile) -> Budget:
+        return Budget(
+            capacity=args.gpu_mem or hardware.gpu_memory,
+            activations=profile.activation_peak,
+            buffers=profile.buffer_bytes,
+            host_capacity=args.host_mem or hardware.host_memory,
+            ranks_per_host=args.gpus,
+        )
+
     t1 = time.perf_counter()
-    order = profile.unit_indices(units)
-    table = model_table(model, units, order)
-    settings = SearchSettings(world_size=args.gpus, dtype=dtype, micro_batches=args.grad_accum)
-    result = search(table, profile, hardware, budget, settings)
-    layout = build_layout(
-        table.params, table.names, table.groups, table.private,
-        world_size=args.gpus, chunk_size=result.chunk_size, alignment=settings.alignment,
+    elixir = ElixirConfig(dtype=dtype)
+    gpu = torch.device("cuda")
+    order, result, profile = search_model(
+        model, units, {"input_ids": ids, "labels": ids}, elixir, gpu, dtype, args.gpus, hardware, budget_of,
+        micro_batches=args.grad_accum, exact=args.exact,
     )
-    for u in units:
-        u.chunks = tuple(sorted({layout.param_chunk[table.index[id(p)]] for p in u.params}))
-    plan = resolve_plan(ElixirConfig(), layout, units, torch.device("cuda"), dtype, result, check=False)
-    search_s = time.perf_counter() - t1
+    budget = result.budget
+    _, _, plan = plan_model(
+        param_table(model, units, order), elixir, world_size=args.gpus, device=gpu, dtype=dtype, search=result, check=False
+    )
+    search_s = time.perf_counter() - t1 - profile.seconds
 
     title = (f"{args.model}: batch {args.batch_size} x seq {args.seq_len} per GPU, {args.gpus} GPU(s) of "
              f"{budget.capacity / GIB:.0f} GiB, host {budget.host_capacity / GIB:.0f} GiB, AC {'on' if args.ac else 'off'}")
@@ -208,7 +246,11 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     )
     doc = {
         "model": args.model,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "plot", "measure_hardware")},
+        "settings": {
+            k: str(v).removeprefix("torch.") if k == "dtype" else v
+            for k, v in vars(args).items()
+            if k not in ("json", "plot", "measure_hardware", "hardware_profile", "hardware_note")
+        },
         "profile": _profile_json(profile),
         "hardware": {"device": hardware.device, "source": hardware.source, "note": hw_note},
         "plan": asdict(plan),
@@ -217,14 +259,20 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     return {"text": text, "json": doc, "plan": plan, "budget": budget, "title": title}
 
 
-def _hardware(path: str | None) -> tuple[HardwareProfile, str]:
-    hardware = load_hardware(path)
+def _hardware(name: str | None) -> tuple[HardwareProfile, str]:
+    """The GPU profile to plan with, and a note saying where it comes from when it is not this machine's."""
     note = ""
-    if hardware.cpu_only:
+    if name is None and not os.environ.get(ENV_HARDWARE) and not torch.cuda.is_available():
+        name = "h100"
         note = (
-            "no GPU here and no --hardware file: the times below take this machine's CPU as the device (the memory "
-            "plan does not depend on them). On the GPU machine run `elixir-plan --measure-hardware hw.json` and pass "
-            "--hardware hw.json for GPU times."
+            "no GPU here and no --hardware: planned for the shipped H100 profile (GPU times and memory of that card). "
+            "For another card, run `elixir-plan --measure-hardware hw.json` on it and pass --hardware hw.json."
+        )
+    hardware = load_hardware(name)
+    if hardware.cpu_only:
+        raise ValueError(
+            f"{hardware.source or 'the profile'} was measured on a CPU (device 'cpu'): a GPU plan needs a GPU's rates; "
+            f"pass --hardware {'|'.join(SHIPPED)} or a profile measured with --measure-hardware on the GPU machine"
         )
     return hardware, note
 

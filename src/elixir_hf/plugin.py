@@ -26,7 +26,6 @@ __all__ = ["ElixirPlugin", "ElixirSpecError", "ENV_VAR", "describe_model", "chec
 
 ENV_VAR = "ELIXIR_CONFIG"
 
-_PLAN_KEYS = {f.name for f in fields(ElixirPlan)} | {"predicted_step_s"}  # the last: derived, written for readers
 _LOSS_SCALE_KEYS = {f.name for f in fields(LossScaleConfig)}
 _MIXED_PRECISION_DTYPES = {"no": None, "fp16": "fp16", "bf16": "bf16"}
 
@@ -125,9 +124,10 @@ class ElixirPlugin:
 
     @classmethod
     def _from_plan(cls, data: dict, source: str) -> "ElixirPlugin":
-        unknown = set(data) - _PLAN_KEYS - {"model"}
-        if unknown:
-            raise ElixirSpecError(f"{source} looks like a plan but has unknown keys {sorted(unknown)}")
+        try:
+            ElixirPlan.from_dict({k: v for k, v in data.items() if k != "model"})
+        except (TypeError, ValueError) as exc:
+            raise ElixirSpecError(f"{source} looks like a plan but is not one: {exc}") from exc
         return cls._built(
             source,
             mode="static",

@@ -11,9 +11,9 @@
 
 from .api import ElixirState, prepare
 from .checkpoint import load_safetensors, rank0_state_dict
-from .config import ElixirConfig, LossScaleConfig
+from .config import ElixirConfig, LossScaleConfig, PlanError
 from .optim.optimizer import ElixirOptimizer
-from .plan import ElixirPlan, PlanError
+from .plan import ElixirPlan
 from .runtime.full_params import full_params
 from .runtime.lockstep import LockstepError
 

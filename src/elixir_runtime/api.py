@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -18,19 +18,18 @@ from torch import nn
 
 from .checkpoint import ModelStateHooks
 from .chunk.collectives import Collectives
-from .chunk.layout import build_layout
 from .chunk.source import WeightSource, unmeta_parameters, weight_source
 from .config import ElixirConfig
 from .optim.optimizer import ElixirOptimizer
 from .optim.threads import cpu_adam_threads
-from .plan import ElixirPlan, resolve_plan
+from .plan import ElixirPlan, plan_model
 from .profiler.trace import trace_unit_order
-from .runtime.chunks import ChunkRuntime
+from .runtime.chunk_runtime import ChunkRuntime
 from .runtime.hooks import install_hooks
 from .runtime.lockstep import Lockstep
-from .runtime.units import Unit, find_units, unit_owner_count
+from .units import Unit, find_units, param_table
 from .search.auto import auto_plan
-from .search.budget import local_ranks
+from .host import local_ranks
 
 __all__ = ["prepare", "ElixirState"]
 
@@ -47,7 +46,6 @@ class ElixirState:
     optimizer: ElixirOptimizer
     model_state: ModelStateHooks
     """The consolidated ``state_dict``/``load_state_dict`` hooks (``checkpoint.rank0_state_dict`` sets them)."""
-    handles: list = field(default_factory=list)
 
 
 def prepare(
@@ -77,28 +75,15 @@ def prepare(
         order, search = auto_plan(model, units, example_batch, config, device, dtype, coll)
     else:
         order = coll.decided_by_rank0(lambda: trace_unit_order(model, units, example_batch)[0], device)
-    params = list(dict.fromkeys(p for u in order for p in units[u].params))
-    index = {id(p): i for i, p in enumerate(params)}
-    names: list[list[str]] = [[] for _ in params]
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names[index[id(p)]].append(name)
-    groups = _param_groups(optimizer, params, names)
-    owners = unit_owner_count(units)
-    layout = build_layout(
-        params,
-        names,
-        groups,
-        [owners[id(p)] > 1 for p in params],
-        world_size=coll.world_size,
-        chunk_size=config.chunk_size if search is None else search.chunk_size,
-        alignment=config.alignment,
+    table = param_table(model, units, order)
+    table = replace(table, groups=_param_groups(optimizer, table.params, table.names))
+    layout, unit_chunks, plan = plan_model(
+        table, config, world_size=coll.world_size, device=device, dtype=dtype, search=search
     )
-    for u in units:
-        u.chunks = tuple(sorted({layout.param_chunk[index[id(p)]] for p in u.params}))
-    plan = resolve_plan(config, layout, units, device, dtype, search)
     if coll.rank == 0:  # the HF integration prints it; a debug record for runtime-only users
         logger.debug("Elixir plan:\n%s", plan.table())
 
+    params = table.params
     orig_dtypes = [p.dtype for p in params]
     _move_buffers(model, device, source)
     unmeta_parameters(params)
@@ -106,15 +91,15 @@ def prepare(
     runtime = ChunkRuntime(
         layout, plan.placement(), plan.n_blocks, coll, device, dtype, config.prefetch, lockstep, source.value
     )
-    handles = install_hooks(model, units, runtime)
+    install_hooks(model, units, unit_chunks, runtime)
     model_state = ModelStateHooks(runtime, orig_dtypes)
-    handles += model_state.install(model)
+    model_state.install(model)
     elixir_optimizer = ElixirOptimizer(
         optimizer, runtime, decoupled=decoupled, loss_scale=config.loss_scale,
         cpu_threads=cpu_adam_threads(local_ranks(), config.cpu_threads),
         skip_nonfinite=config.skip_nonfinite, max_consecutive_skips=config.max_consecutive_skips,
     )
-    model._elixir = ElixirState(runtime, plan, units, elixir_optimizer, model_state, handles)
+    model._elixir = ElixirState(runtime, plan, units, elixir_optimizer, model_state)
     return model, elixir_optimizer
 
 

@@ -12,17 +12,16 @@ the given full tensors into its shards.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from .chunk.store import write_param
-from .runtime.chunks import ChunkRuntime
+from .runtime.chunk_runtime import ChunkRuntime
 from .runtime.lockstep import Op
 
-__all__ = ["ModelStateHooks", "layout_fingerprint", "load_safetensors", "rank0_state_dict"]
+__all__ = ["ModelStateHooks", "load_safetensors", "rank0_state_dict"]
 
 
 @contextlib.contextmanager
@@ -156,15 +155,3 @@ def load_safetensors(model: nn.Module, path: str) -> None:
             f"Error(s) in loading {path} into {type(model).__name__}: missing keys {missing[:5]}, unexpected keys "
             f"{unexpected[:5]}" + "".join(f"; {e}" for e in errors[:5])
         )
-
-
-def layout_fingerprint(runtime: ChunkRuntime) -> str:
-    """Identifies a chunk layout: a sharded optimizer state only loads into the same one."""
-    layout = runtime.layout
-    h = hashlib.sha256(f"{layout.world_size}|{layout.chunk_size}|{layout.alignment}".encode())
-    for c in layout.chunks:
-        h.update(f"|{c.numel}:{int(c.trainable)}".encode())
-        for s in c.slots:
-            h.update(f",{layout.names[s.param][0]}@{s.offset}+{s.numel}".encode())
-    return h.hexdigest()[:16]
-

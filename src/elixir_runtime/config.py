@@ -13,9 +13,13 @@ from typing import Any, Literal, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["ConfigError", "ElixirConfig", "LossScaleConfig"]
+__all__ = ["ConfigError", "ElixirConfig", "LossScaleConfig", "PlanError", "offloaded_chunks"]
 
 BlockCount = int | Literal["min", "max"]
+
+
+class PlanError(ValueError):
+    """The requested plan cannot run; the message names the numbers and the fix."""
 
 
 class ConfigError(ValueError):
@@ -192,6 +196,19 @@ class ElixirConfig:
                 object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
             except ValueError as exc:
                 raise ConfigError(f"ElixirConfig.dtype: {exc}") from exc
+
+def offloaded_chunks(offload: float | Sequence[int], n_chunks: int, chunk_size: int) -> list[int]:
+    """``ElixirConfig.offload`` for a layout of ``n_chunks``: a fraction takes the last chunks (their
+    gradients arrive first in backward), a list is checked against the layout."""
+    if isinstance(offload, (float, int)) and not isinstance(offload, bool):
+        return list(range(n_chunks - round(float(offload) * n_chunks), n_chunks))
+    chunks = sorted({int(i) for i in offload})
+    bad = [i for i in chunks if not 0 <= i < n_chunks]
+    if bad:
+        raise PlanError(f"offload names chunks {bad}, but with chunks of {chunk_size:,} elements the layout "
+                        f"has chunks 0..{n_chunks - 1}: give chunk_size too, or offload as a fraction")
+    return chunks
+
 
 _DTYPE_NAMES = {
     "bf16": torch.bfloat16,

@@ -11,25 +11,21 @@ from __future__ import annotations
 
 import json
 import math
-import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
+import numpy as np
 import torch
 
-from .chunk.layout import ChunkLayout
-from .config import ElixirConfig
-from .runtime.units import Unit
+from .chunk.layout import ChunkLayout, build_layout
+from .config import ElixirConfig, PlanError, offloaded_chunks
+from .host import host_available, local_ranks
+from .search.loop import SearchResult
+from .search.memory import ArenaBytes
+from .units import ParamTable
 
-if TYPE_CHECKING:
-    from .search.engine import SearchResult
-
-__all__ = ["ElixirPlan", "resolve_plan", "PlanError"]
-
-
-class PlanError(ValueError):
-    """The requested plan cannot run; the message names the numbers and the fix."""
+__all__ = ["ElixirPlan", "plan_model", "resolve_plan"]
 
 
 @dataclass
@@ -47,7 +43,7 @@ class ElixirPlan:
     """Predicted bytes per rank: ``rcache``, ``private``, ``device_shards``, ``host_shards``; from the
     search also ``activations`` (the profiled peak) and ``buffers``."""
     predicted: dict[str, float | None] = field(default_factory=dict)
-    """Predicted seconds per optimizer step and its parts (``search.cost.StepTime``); empty when
+    """Predicted seconds per optimizer step and its parts (``search.step_time.StepTime``); empty when
     the plan was not searched."""
     budget: dict[str, float] = field(default_factory=dict)
     """The memory budget the search respected (``search.budget.Budget``)."""
@@ -121,8 +117,17 @@ class ElixirPlan:
         text = str(text_or_path)
         if not text.lstrip().startswith("{"):
             text = Path(text_or_path).read_text()
-        data = json.loads(text)
-        data.pop("predicted_step_s", None)
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ElixirPlan":
+        """The plan a saved ``to_json`` document describes: the one plan reader (``elixir_hf``'s plan
+        files too). Unknown keys are an error naming them; ``predicted_step_s`` is derived, ignored."""
+        data = {k: v for k, v in data.items() if k != "predicted_step_s"}
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"not an ElixirPlan: unknown keys {unknown}; a plan has {sorted(known)}")
         return cls(**data)
 
 
@@ -137,45 +142,69 @@ def format_step_time(t: dict[str, float | None]) -> str:
 
 
 def _count_memory(layout: ChunkLayout, offload: set[int], n_blocks: int, dtype: torch.dtype) -> dict[str, int]:
-    elt = torch.empty((), dtype=dtype).element_size()
-    state = elt + 8 + (0 if dtype == torch.float32 else 4)  # grad, m, v, fp32 master (aliased in fp32 runs)
-    mem = {"rcache": n_blocks * layout.chunk_size * elt, "private": 0, "device_shards": 0, "host_shards": 0}
-    for c in layout.chunks:
-        shard = layout.shard_numel(c)
-        per = shard * (elt + (state if c.trainable else 0))
-        mem["host_shards" if c.index in offload else "device_shards"] += per
-        if c.private:
-            mem["private"] += c.numel * elt
-    return mem
+    """Bytes per rank by arena, with the search's formula (``search.memory.ArenaBytes``): one count."""
+    arenas = ArenaBytes(layout, dtype)
+    on_device = np.array([c.index not in offload for c in layout.chunks], dtype=bool)
+    return {
+        "rcache": n_blocks * arenas.block,
+        "private": arenas.private,
+        "device_shards": int(arenas.arena[on_device].sum()),
+        "host_shards": arenas.host(on_device),
+    }
 
 
-def block_bounds(layout: ChunkLayout, units: Sequence[Unit]) -> tuple[int, int]:
-    """(min, max) useful rCache blocks: the largest unit's public chunks .. all public chunks."""
-    public = {c.index for c in layout.chunks if not c.private}
-    need = max((len(public.intersection(u.chunks)) for u in units), default=0)
-    return need, len(public)
+def plan_model(
+    table: ParamTable,
+    config: ElixirConfig,
+    *,
+    world_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    search: SearchResult | None = None,
+    check: bool = True,
+) -> tuple[ChunkLayout, list[tuple[int, ...]], ElixirPlan]:
+    """Parameter table → ``build_layout`` → chunks of every unit → ``resolve_plan``: the one way
+    ``prepare``, ``elixir-plan`` and the tests go from a (searched) table to the layout, the chunks
+    each unit's hooks acquire, and the plan. The chunk size is the search's if it ran, else the config's."""
+    layout = build_layout(
+        table.params,
+        table.names,
+        table.groups,
+        table.private,
+        world_size=world_size,
+        chunk_size=config.chunk_size if search is None else search.chunk_size,
+        alignment=config.alignment,
+    )
+    unit_chunks = [layout.chunks_of(table.index[id(p)] for p in u.params) for u in table.units]
+    resident = {f"unit {u.name!r}": cs for u, cs in zip(table.units, unit_chunks)}
+    for i, names in enumerate(search.regions if search is not None else ()):
+        resident[f"checkpointed region {i}"] = layout.chunks_of(table.by_name[n] for n in names if n in table.by_name)
+    plan = resolve_plan(config, layout, resident, device, dtype, search, check=check)
+    return layout, unit_chunks, plan
 
 
 def resolve_plan(
     config: ElixirConfig,
     layout: ChunkLayout,
-    units: Sequence[Unit],
+    resident: dict[str, Sequence[int]],
     device: torch.device,
     dtype: torch.dtype,
-    search: "SearchResult | None" = None,
+    search: SearchResult | None = None,
     *,
     check: bool = True,
 ) -> ElixirPlan:
     """The plan for ``layout``: the config's explicit choices, the search's for the rest (if it ran,
     it already honoured the explicit ones), else the static defaults (rCache max, nothing offloaded).
-    ``check=False`` skips comparing it with this machine's free memory (planning for another one)."""
-    lo, hi = block_bounds(layout, units)
+    ``resident``: the chunk sets that must be in the rCache at once, by what needs them (units,
+    checkpointed regions: ``ChunkLayout.block_bounds``). ``check=False`` skips comparing the plan
+    with this machine's free memory (planning for another one)."""
+    lo, hi = layout.block_bounds(resident.values())
     n = len(layout.chunks)
     if isinstance(config.n_blocks, int):
         if config.n_blocks < lo:
-            biggest = max(units, key=lambda u: len(u.chunks))
+            biggest = max(resident, key=lambda k: len(resident[k]))
             raise PlanError(
-                f"rCache of {config.n_blocks} blocks is smaller than unit {biggest.name!r}, whose parameters span "
+                f"rCache of {config.n_blocks} blocks is smaller than {biggest}, whose parameters span "
                 f"{lo} chunks that must be resident together (a checkpointed region is recomputed as a whole): "
                 f"use n_blocks >= {lo}, or a larger chunk_size"
             )
@@ -187,14 +216,8 @@ def resolve_plan(
     else:
         n_blocks = min(max(search.n_blocks, lo), hi)
 
-    if isinstance(config.offload, (float, int)) and not isinstance(config.offload, bool):
-        k = round(float(config.offload) * n)
-        offload = list(range(n - k, n))
-    elif config.offload is not None:
-        offload = sorted(set(int(i) for i in config.offload))
-        bad = [i for i in offload if not 0 <= i < n]
-        if bad:
-            raise PlanError(f"offload names chunks {bad}, but the layout has chunks 0..{n - 1}")
+    if config.offload is not None:
+        offload = offloaded_chunks(config.offload, n, layout.chunk_size)
     else:
         offload = list(search.offload) if search is not None else []
 
@@ -217,7 +240,7 @@ def resolve_plan(
     return plan
 
 
-def _attach_search(plan: ElixirPlan, search: "SearchResult") -> None:
+def _attach_search(plan: ElixirPlan, search: SearchResult) -> None:
     plan.memory["activations"] = int(search.budget.activations)
     plan.memory["buffers"] = int(search.budget.buffers)
     plan.predicted = search.time.as_dict()
@@ -245,21 +268,10 @@ def check_fits(plan: ElixirPlan, device: torch.device) -> None:
                 f"rCache, but only {free / gib:.2f} of {total / gib:.2f} GiB are free: offload more chunks, use fewer "
                 "rCache blocks, or more GPUs"
             )
-    available = _host_available()
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if available is not None and plan.host_bytes * ranks_here > available:
+    available, ranks_here = host_available(), local_ranks()
+    if plan.host_bytes * ranks_here > available:
         raise PlanError(
             f"the plan needs {plan.host_bytes / gib:.2f} GiB of host memory per rank x {ranks_here} ranks on this host "
             f"for offloaded chunks, but only {available / gib:.2f} GiB are available: offload fewer chunks or use "
             "more hosts"
         )
-
-
-def _host_available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None

@@ -8,14 +8,12 @@ import torch
 from benchmarks import replay
 from benchmarks.models import PRESETS, build_meta
 from benchmarks.systems import plan_summary
-from elixir_runtime.chunk.layout import build_layout
 from elixir_runtime.config import ElixirConfig
-from elixir_runtime.plan import resolve_plan
+from elixir_runtime.plan import plan_model
 from elixir_runtime.profiler.profile import profile_model
-from elixir_runtime.runtime.units import find_units
+from elixir_runtime.units import find_units, param_table
 from elixir_runtime.search import Budget, SearchSettings, search
-from elixir_runtime.search.engine import model_table
-from elixir_runtime.search.hardware import HardwareProfile, LinkRates
+from elixir_runtime.hardware.profile import HardwareProfile, LinkRates
 
 GIB = 2**30
 SEQ = 64
@@ -37,15 +35,12 @@ def _recorded_run(batch: int = 2, gpus: int = 2) -> dict:
     units = find_units(model, None)
     ids = torch.zeros(batch, SEQ, dtype=torch.long, device="meta")
     profile = profile_model(model, {"input_ids": ids, "labels": ids}, dtype=dtype, device="cuda", units=units)
-    table = model_table(model, units, profile.unit_indices(units))
+    table = param_table(model, units, profile.unit_indices(units))
     budget = Budget(80 * GIB, profile.activation_peak, profile.buffer_bytes, 256 * GIB, gpus)
-    settings = SearchSettings(world_size=gpus, dtype=dtype, offload=0.5, n_blocks="min", clips_grads=False, busbw=150e9)
+    settings = SearchSettings(gpus, dtype, ElixirConfig(offload=0.5, n_blocks="min", clips_grads=False), busbw=150e9)
     result = search(table, profile, _hardware(), budget, settings)
-    layout = build_layout(table.params, table.names, table.groups, table.private, world_size=gpus,
-                          chunk_size=result.chunk_size, alignment=settings.alignment)
-    for u in units:
-        u.chunks = tuple(sorted({layout.param_chunk[table.index[id(p)]] for p in u.params}))
-    plan = resolve_plan(ElixirConfig(), layout, units, torch.device("cuda"), dtype, result, check=False)
+    _, _, plan = plan_model(table, ElixirConfig(), world_size=gpus, device=torch.device("cuda"), dtype=dtype,
+                            search=result, check=False)
     assert plan.offload, "the case must offload"
     return {"system": "elixir", "status": "ok", "model": "tiny", "gpus": gpus, "batch": batch, "seq": SEQ,
             "card": "test GPU", "step_s": 1.1 * plan.predicted_step_s, "predicted_step_s": plan.predicted_step_s,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from elixir_hf.cli import main, parse_size
-from elixir_runtime.search import HardwareProfile, LinkRates
+from elixir_runtime.hardware import HardwareProfile, LinkRates
 
 
 @pytest.fixture
@@ -85,3 +86,91 @@ def test_opt_175b_profile_and_search_times(capsys, hardware) -> None:
     assert code == 0
     timings = json.loads(out)["timings"]
     assert timings["profile_s"] < 5 and timings["search_s"] < 10, timings
+
+
+# --------------------------------------------------------------------------- without a GPU (issue 11 item 6)
+
+TINY_GPT2 = {"model_type": "gpt2", "n_embd": 128, "n_layer": 4, "n_head": 4, "vocab_size": 1000, "n_positions": 256}
+
+
+def _tiny_config(tmp_path, data: dict = TINY_GPT2) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_without_a_gpu_the_shipped_h100_is_planned_for_and_named(capsys, tmp_path, monkeypatch) -> None:
+    """Never this machine's CPU timings for a GPU plan: the shipped H100 profile, said so."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("ELIXIR_HARDWARE", raising=False)
+    code, out, _ = _run(capsys, "--model", _tiny_config(tmp_path), "--seq-len", "128", "--batch-size", "2")
+    assert code == 0 and out.endswith("\n")
+    assert "planned for the shipped H100 profile" in out and "NVIDIA H100 80GB HBM3: shipped profile 'h100'" in out
+    code, out, _ = _run(capsys, "--model", _tiny_config(tmp_path), "--seq-len", "128", "--batch-size", "2", "--json")
+    doc = json.loads(out)
+    assert doc["hardware"]["device"] == "NVIDIA H100 80GB HBM3" and "shipped" in doc["hardware"]["note"]
+    assert doc["plan"]["search"]["hardware"]["device"] == "NVIDIA H100 80GB HBM3"
+
+
+def test_a_cpu_profile_is_refused_for_a_gpu_plan(capsys, tmp_path) -> None:
+    cpu = HardwareProfile(device="cpu", gpus=0, gpu_memory=64 * 2**30, host_memory=64 * 2**30, cpu_cores=2,
+                          matmul={"1024": 1e11}, attention=1e11, memory_bandwidth=1e10, op_overhead=1e-5,
+                          gpu_adam=1e9, cpu_adam=1e9, links={1: LinkRates(1, 1e10, 1e10)}, source="a laptop")
+    cpu.save(tmp_path / "cpu.json")
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", "gpt2", "--hardware", str(tmp_path / "cpu.json")])
+    assert exc.value.code == 2 and "measured on a CPU" in capsys.readouterr().err
+
+
+def test_cli_and_auto_make_the_same_plan_from_the_same_profile(capsys, tmp_path, monkeypatch) -> None:
+    """``elixir-plan --hardware h100`` and prepare's ``--elixir auto`` decision (``auto.auto_plan``)
+    with the same profile and memory give the same plan."""
+    import elixir_runtime.search.auto as auto
+    from elixir_hf.cli import build_meta_model, model_config
+    from elixir_runtime.chunk.collectives import Collectives
+    from elixir_runtime.config import ElixirConfig
+    from elixir_runtime.plan import plan_model
+    from elixir_runtime.search import Budget
+    from elixir_runtime.units import find_units, param_table
+
+    gpu, host = 6 * 2**20, 64 * 2**30  # small enough that the choice is not "everything on the GPU"
+    code, out, _ = _run(capsys, "--model", _tiny_config(tmp_path), "--seq-len", "128", "--batch-size", "2",
+                        "--gpu-mem", f"{gpu}B", "--host-mem", f"{host}B", "--hardware", "h100", "--json")
+    assert code == 0, out
+    cli_plan = json.loads(out)["plan"]
+
+    monkeypatch.setenv("ELIXIR_HARDWARE", "h100")
+    monkeypatch.setattr(auto, "device_budget", lambda device, act, buffers, ranks: Budget(gpu, act, buffers, host, ranks))
+    model = build_meta_model(model_config(_tiny_config(tmp_path), 128), torch.bfloat16, checkpointing=True)
+    units = find_units(model, None)
+    ids = torch.zeros(2, 128, dtype=torch.long, device="meta")
+    config, cuda = ElixirConfig(dtype="bf16"), torch.device("cuda")
+    order, result = auto.auto_plan(model, units, {"input_ids": ids, "labels": ids}, config, cuda, torch.bfloat16,
+                                   Collectives(None))
+    _, _, plan = plan_model(param_table(model, units, order), config, world_size=1, device=cuda, dtype=torch.bfloat16,
+                            search=result, check=False)
+    assert cli_plan["offload"] or cli_plan["n_blocks"] < cli_plan["max_blocks"], "the case must make a choice"
+    for key in ("chunk_size", "n_chunks", "n_blocks", "offload", "memory", "predicted"):
+        assert cli_plan[key] == getattr(plan, key), key
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--gpus", "0", "must be a positive integer"),
+    ("--batch-size", "-1", "must be a positive integer"),
+    ("--dtype", "int8", "unknown dtype 'int8'"),
+])
+def test_bad_arguments_are_argparse_errors(capsys, flag, value, message) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", "gpt2", flag, value])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"argument {flag}" in err and message in err
+
+
+def test_a_model_without_sdpa_is_built_with_its_own_attention(capsys, tmp_path) -> None:
+    """Gemma-2 has no sdpa path in transformers: the CLI plans it with its own (eager) attention."""
+    gemma2 = {"model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 256}
+    code, out, err = _run(capsys, "--model", _tiny_config(tmp_path, gemma2), "--seq-len", "64", "--batch-size", "2",
+                          "--hardware", "h100", "--json")
+    assert code == 0, err
+    assert json.loads(out)["plan"]["n_chunks"] > 0

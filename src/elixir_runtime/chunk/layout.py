@@ -14,16 +14,26 @@ byte of memory is touched. Rules:
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from torch import nn
 
-__all__ = ["Slot", "ChunkSpec", "ChunkLayout", "build_layout", "round_up"]
+__all__ = ["GroupRange", "Slot", "ChunkSpec", "ChunkLayout", "build_layout", "round_up"]
 
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRange:
+    """A contiguous arena range ``[offset, offset + length)`` updated with group ``group``'s hypers."""
+
+    offset: int
+    length: int
+    group: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,9 +92,27 @@ class ChunkLayout:
     def shard_numel(self, chunk: ChunkSpec) -> int:
         return chunk.numel // self.world_size
 
-    @property
-    def total_numel(self) -> int:
-        return sum(c.numel for c in self.chunks)
+    def chunks_of(self, params: Iterable[int]) -> tuple[int, ...]:
+        """The chunks holding these parameters (table indices), in chunk order."""
+        return tuple(sorted({self.param_chunk[i] for i in params}))
+
+    def block_bounds(self, resident: Iterable[Sequence[int]]) -> tuple[int, int]:
+        """(min, max) useful rCache blocks. Each set of chunks in ``resident`` must be in the rCache
+        at once: a unit's while it runs, and a checkpointed region's from its recomputation to the
+        end of its backward (the recomputed saved tensors are raw views of the blocks, so no chunk
+        of the region may be evicted in between). Private chunks have blocks of their own."""
+        public = {c.index for c in self.chunks if not c.private}
+        lo = max((len(public.intersection(cs)) for cs in resident), default=0)
+        return lo, max(lo, len(public))
+
+    def fingerprint(self) -> str:
+        """Identifies the layout: a sharded optimizer state only loads into the same one."""
+        h = hashlib.sha256(f"{self.world_size}|{self.chunk_size}|{self.alignment}".encode())
+        for c in self.chunks:
+            h.update(f"|{c.numel}:{int(c.trainable)}".encode())
+            for s in c.slots:
+                h.update(f",{self.names[s.param][0]}@{s.offset}+{s.numel}".encode())
+        return h.hexdigest()[:16]
 
 
 def build_layout(

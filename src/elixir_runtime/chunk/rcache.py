@@ -32,6 +32,3 @@ class RCache:
     def private_block(self, numel: int, dtype: torch.dtype, device: torch.device) -> Block:
         return Block(-1, torch.zeros(numel, dtype=dtype, device=device), private=True)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.data.numel() * b.data.element_size() for b in self.blocks)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..search.budget import host_total, local_ranks
+from ..host import host_total, local_ranks
 from .collectives import Collectives
 
 __all__ = ["WeightSource", "weight_source", "unmeta_parameters", "copies_warning"]

@@ -16,22 +16,22 @@ so one kernel call updates a placement, guided by a static list of per-group seg
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 
-from ..optim.kernel import Segment
 from .host_memory import empty_host
-from .layout import ChunkLayout, ChunkSpec, Slot
+from .layout import ChunkLayout, ChunkSpec, GroupRange, Slot
 
-__all__ = ["Placement", "ShardArenas", "build_arenas", "write_param", "shard_overlap"]
+__all__ = ["Residence", "ShardArenas", "build_arenas", "write_param", "shard_overlap"]
 
-Placement = str  # "device" | "host"
+Residence = Literal["device", "host"]
+"""Where a chunk's shard and optimizer state live (the search's ``Placement`` chooses it per chunk)."""
 
 
 @dataclass(eq=False)
 class ShardArenas:
-    placement: Placement
+    placement: Residence
     device: torch.device
     param: torch.Tensor
     grad: torch.Tensor
@@ -39,7 +39,7 @@ class ShardArenas:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     trainable_numel: int
-    segments: list[Segment] = field(default_factory=list)
+    segments: list[GroupRange] = field(default_factory=list)
     offsets: dict[int, int] = field(default_factory=dict)
     """Chunk index → offset of its shard in every arena of this placement."""
 
@@ -47,28 +47,23 @@ class ShardArenas:
     def master_is_param(self) -> bool:
         return self.master.data_ptr() == self.param.data_ptr() and self.param.numel() > 0
 
-    def nbytes(self) -> int:
-        tensors = [self.param, self.grad, self.exp_avg, self.exp_avg_sq]
-        if not self.master_is_param:
-            tensors.append(self.master)
-        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def build_arenas(
     layout: ChunkLayout,
-    placement: list[Placement],
+    placement: list[Residence],
     rank: int,
     compute_device: torch.device,
     dtype: torch.dtype,
     weights: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.detach,
-) -> dict[Placement, ShardArenas]:
+) -> dict[Residence, ShardArenas]:
     """Allocates the arenas and fills them from ``weights(param)`` (the parameters' current values).
 
     The master weights are filled from the parameters in their original precision, the
     compute-dtype copy is cast from the master: a bf16 run of an fp32 model starts from the exact
     fp32 weights.
     """
-    out: dict[Placement, ShardArenas] = {}
+    out: dict[Residence, ShardArenas] = {}
     for where in ("device", "host"):
         members = [c for c in layout.chunks if placement[c.index] == where]
         members.sort(key=lambda c: not c.trainable)  # trainable first: state arenas are a prefix
@@ -99,7 +94,7 @@ def build_arenas(
         for c, size in zip(members, shard):
             arenas.offsets[c.index] = offset
             if c.trainable:
-                arenas.segments += [Segment(offset + o, n, g) for o, n, g in c.shard_segments(rank, layout.world_size)]
+                arenas.segments += [GroupRange(offset + o, n, g) for o, n, g in c.shard_segments(rank, layout.world_size)]
             offset += size
         _fill(layout, members, arenas, rank, weights)
         out[where] = arenas

@@ -23,7 +23,8 @@ from typing import Sequence
 import torch
 
 from .adam_consts import CONST_NAMES, step_constants
-from .kernel import AdamHyper, Segment, bounded_put, check_arenas, segment_extent
+from ..chunk.layout import GroupRange
+from .kernel import AdamHyper, bounded_put, check_arenas, segment_extent
 
 __all__ = ["CpuAdamKernel", "CpuAdamUnavailable", "load_library"]
 
@@ -127,9 +128,9 @@ class CpuAdamKernel:
         self._lib = load_library(isa)
         self.isa: str = self._lib.elixir_adam_isa().decode()
         self._threads = threads
-        self._tables: dict[tuple[Segment, ...], tuple[ctypes.Array, int, int]] = {}
+        self._tables: dict[tuple[GroupRange, ...], tuple[ctypes.Array, int, int]] = {}
 
-    def _table(self, segments: Sequence[Segment]) -> tuple[ctypes.Array, int, int]:
+    def _table(self, segments: Sequence[GroupRange]) -> tuple[ctypes.Array, int, int]:
         """The C segment table, the arena end and the group count it needs; cached per segments."""
         key = tuple(segments)
         hit = self._tables.get(key)
@@ -146,7 +147,7 @@ class CpuAdamKernel:
         exp_avg_sq: torch.Tensor,
         grad: torch.Tensor,
         param_out: torch.Tensor | None,
-        segments: Sequence[Segment],
+        segments: Sequence[GroupRange],
         hypers: Sequence[AdamHyper],
         step: int,
         div_scale: float,

@@ -2,7 +2,7 @@
 
 The chunk optimizer keeps each placement's shards (GPU-resident or offloaded) in flat arenas:
 fp32 master, exp_avg, exp_avg_sq, a low-precision (or fp32) grad and the compute-dtype param copy.
-A static list of :class:`Segment` s says which arena range belongs to which param group, so a
+A static list of :class:`GroupRange` s says which arena range belongs to which param group, so a
 kernel updates a whole placement in one call with no per-parameter Python work.
 """
 
@@ -13,7 +13,9 @@ from typing import Protocol, Sequence
 
 import torch
 
-__all__ = ["AdamHyper", "Segment", "AdamKernel", "TorchAdamKernel", "segment_extent", "check_arenas", "bounded_put"]
+from ..chunk.layout import GroupRange
+
+__all__ = ["AdamHyper", "AdamKernel", "TorchAdamKernel", "segment_extent", "check_arenas", "bounded_put"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,16 +31,7 @@ class AdamHyper:
     """True for AdamW (decay applied to the weight), False for Adam (L2 added to the grad)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """A contiguous arena range ``[offset, offset + length)`` updated with group ``group``'s hypers."""
-
-    offset: int
-    length: int
-    group: int
-
-
-def segment_extent(segments: Sequence[Segment]) -> tuple[int, int]:
+def segment_extent(segments: Sequence[GroupRange]) -> tuple[int, int]:
     """``(end of the last segment, number of groups)`` after checking the segments are well formed."""
     if any(s.offset < 0 or s.length < 0 or s.group < 0 for s in segments):
         raise ValueError("segments need non-negative offsets, lengths and groups")
@@ -99,7 +92,7 @@ class AdamKernel(Protocol):
         exp_avg_sq: torch.Tensor,
         grad: torch.Tensor,
         param_out: torch.Tensor | None,
-        segments: Sequence[Segment],
+        segments: Sequence[GroupRange],
         hypers: Sequence[AdamHyper],
         step: int,
         div_scale: float,

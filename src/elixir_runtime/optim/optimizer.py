@@ -27,11 +27,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..checkpoint import layout_fingerprint
 from ..config import LossScaleConfig
-from ..runtime.chunks import ChunkRuntime, ChunkState
+from ..runtime.chunk_runtime import ChunkRuntime, ChunkState
 from ..chunk.store import ShardArenas, shard_overlap
-from .kernel import AdamHyper, Segment
+from ..chunk.layout import GroupRange
+from .kernel import AdamHyper
 from .select import select_kernel
 from .loss_scaler import LossScaler
 
@@ -176,14 +176,14 @@ class ElixirOptimizer(torch.optim.Optimizer):
         )
 
     def _work(
-        self, chunks: list[ChunkState], static: list[Segment], used: list[bool], uniform: int | None
-    ) -> list[tuple[int, list[Segment]]]:
+        self, chunks: list[ChunkState], static: list[GroupRange], used: list[bool], uniform: int | None
+    ) -> list[tuple[int, list[GroupRange]]]:
         """``(step count, segments)`` kernel calls that update ``chunks``: their static per-group
         segments when every parameter was used and all share step count ``uniform``, else the
         used parameters' ranges (neighbours of one group and count merged) grouped by count."""
         if uniform is not None:
             return [(uniform, static)]
-        by_step: dict[int, list[Segment]] = {}
+        by_step: dict[int, list[GroupRange]] = {}
         for c in chunks:
             last = None
             for offset, length, param, group in self._pieces[c.index]:
@@ -193,20 +193,20 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 step = self.param_steps[param]
                 segs = by_step.setdefault(step, [])
                 if last == (step, group):  # the previous piece: extend over the padding between them
-                    segs[-1] = Segment(segs[-1].offset, offset + length - segs[-1].offset, group)
+                    segs[-1] = GroupRange(segs[-1].offset, offset + length - segs[-1].offset, group)
                 else:
-                    segs.append(Segment(offset, length, group))
+                    segs.append(GroupRange(offset, length, group))
                 last = (step, group)
         return sorted(by_step.items())
 
     def _update_host_chunk(
-        self, c: ChunkState, work: list[tuple[int, list[Segment]]], hypers: list[AdamHyper], div_scale: float
+        self, c: ChunkState, work: list[tuple[int, list[GroupRange]]], hypers: list[AdamHyper], div_scale: float
     ) -> None:
         self.runtime.wait_host_chunk(c)
         self._update(c.arenas, work, hypers, div_scale)
 
     def _update(
-        self, a: ShardArenas, work: list[tuple[int, list[Segment]]], hypers: list[AdamHyper], div_scale: float
+        self, a: ShardArenas, work: list[tuple[int, list[GroupRange]]], hypers: list[AdamHyper], div_scale: float
     ) -> None:
         param_out = None if a.master_is_param else a.param
         kernel = self.kernels[a.placement]
@@ -245,7 +245,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
             "format": _FORMAT,
             "rank": rt.coll.rank,
             "world_size": rt.coll.world_size,
-            "layout": layout_fingerprint(rt),
+            "layout": rt.layout.fingerprint(),
             "step": self.step_count,
             "param_steps": list(self.param_steps),
             "scaler": self.scaler.state_dict(),
@@ -266,7 +266,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 f"optimizer shard of rank {state_dict['rank']}/{state_dict['world_size']} cannot be loaded on rank "
                 f"{rt.coll.rank}/{rt.coll.world_size}: resume with the same number of ranks, or load only the model weights"
             )
-        if state_dict["layout"] != layout_fingerprint(rt):
+        if state_dict["layout"] != rt.layout.fingerprint():
             raise ValueError(
                 "optimizer shard was saved with a different chunk layout (model, chunk size or world size changed); "
                 "resume with the same ElixirConfig, or load only the model weights"

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from .adam_consts import CONST_NAMES, step_constants
-from .kernel import AdamHyper, Segment, bounded_put, check_arenas, segment_extent
+from ..chunk.layout import GroupRange
+from .kernel import AdamHyper, bounded_put, check_arenas, segment_extent
 
 __all__ = ["TritonAdamKernel"]
 
@@ -87,7 +88,7 @@ def _adam_kernel(p_ptr, m_ptr, v_ptr, g_ptr, out_ptr, tiles_ptr, n_tiles, hyp_pt
         _update(p_ptr, m_ptr, v_ptr, g_ptr, out_ptr, offs, lo, hi, hyp, HAS_OUT, True)
 
 
-def build_tiles(segments: Sequence[Segment], block: int) -> torch.Tensor:
+def build_tiles(segments: Sequence[GroupRange], block: int) -> torch.Tensor:
     """The tile table (int64, shape [4, n_tiles]: block index, lo, hi, group) for ``segments``."""
     rows = []
     for s in segments:
@@ -111,9 +112,9 @@ class TritonAdamKernel:
         if block & (block - 1) or block < 128:
             raise ValueError("block must be a power of two >= 128")
         self.block, self.num_warps = block, num_warps
-        self._tiles: dict[tuple[tuple[Segment, ...], torch.device], tuple[torch.Tensor, int, int]] = {}
+        self._tiles: dict[tuple[tuple[GroupRange, ...], torch.device], tuple[torch.Tensor, int, int]] = {}
 
-    def _table(self, segments: Sequence[Segment], device: torch.device) -> tuple[torch.Tensor, int, int]:
+    def _table(self, segments: Sequence[GroupRange], device: torch.device) -> tuple[torch.Tensor, int, int]:
         """The device tile table, the arena end and the group count it needs; cached per segments."""
         key = (tuple(segments), device)
         hit = self._tiles.get(key)
@@ -129,7 +130,7 @@ class TritonAdamKernel:
         exp_avg_sq: torch.Tensor,
         grad: torch.Tensor,
         param_out: torch.Tensor | None,
-        segments: Sequence[Segment],
+        segments: Sequence[GroupRange],
         hypers: Sequence[AdamHyper],
         step: int,
         div_scale: float,

@@ -21,7 +21,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from ..runtime.units import Unit
+from ..units import Unit
 from .blocks import BlockStack
 from .timeline import Timeline
 

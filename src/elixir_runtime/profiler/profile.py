@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from ..runtime.units import Unit, find_units
+from ..units import Unit, find_units
 from .blocks import BlockStack, find_block_stack, truncated
 from .fake import constant_scalar_draws, fake_batch, fake_state, loss_of, train_mode
 from .hooks import Markers
@@ -79,7 +79,7 @@ class ModelProfile:
         return list(dict.fromkeys(e.unit for e in self.unit_events if e.phase == "fwd"))
 
     def unit_indices(self, units: list) -> list[int]:
-        """Indices of ``units`` (``runtime.units.Unit``) in first-use order, the never-called ones last."""
+        """Indices of ``units`` (``units.Unit``) in first-use order, the never-called ones last."""
         by_name = {u.name: u.index for u in units}
         order = [by_name[n] for n in self.unit_order() if n in by_name]
         return order + [u.index for u in units if u.index not in set(order)]

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from ..runtime.units import Unit
+from ..units import Unit
 from .fake import constant_scalar_draws
 
 __all__ = ["trace_unit_order", "call_model"]

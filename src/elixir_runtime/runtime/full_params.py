@@ -30,7 +30,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .chunks import ChunkRuntime, ChunkState, Residency
+from .chunk_runtime import ChunkRuntime, ChunkState, Residency
 from .lockstep import Op
 
 __all__ = ["full_params"]

@@ -28,9 +28,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .chunks import ChunkRuntime, Residency
+from .chunk_runtime import ChunkRuntime, Residency
 from .lockstep import Op
-from .units import Unit
+from ..units import Unit
 
 __all__ = ["install_hooks"]
 
@@ -57,14 +57,15 @@ class _Packed:
 
 
 class _UnitHooks:
-    def __init__(self, runtime: ChunkRuntime, unit: Unit) -> None:
-        self.runtime, self.unit = runtime, unit
+    def __init__(self, runtime: ChunkRuntime, chunks: tuple[int, ...]) -> None:
+        self.runtime, self.chunks = runtime, chunks
         self.post_backward_armed = False
+        self.bwd_pinned = False
 
     def pre_forward(self, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.runtime.residency is not Residency.SHARDED:
             return args, kwargs  # inside full_params: the parameters are all here
-        self.runtime.acquire(self.unit.chunks, pin=True)
+        self.runtime.acquire(self.chunks, pin=True)
         self.post_backward_armed = False
         if not torch.is_grad_enabled():
             return args, kwargs
@@ -81,7 +82,7 @@ class _UnitHooks:
     def post_forward(self, _module: nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
         if self.runtime.residency is not Residency.SHARDED:
             return
-        self.runtime.release(self.unit.chunks)
+        self.runtime.release(self.chunks)
         if not torch.is_grad_enabled():
             return
         self.runtime.backward_pending = True
@@ -94,15 +95,15 @@ class _UnitHooks:
         """Pins only calls whose post-backward will fire (their inputs need grad); a call without
         one just gets its chunks made resident, and saved-tensor/grad hooks re-fetch on demand."""
         self.runtime.begin_backward()
-        if self.unit.bwd_pinned:
+        if self.bwd_pinned:
             return
-        self.runtime.acquire(self.unit.chunks, pin=pin)
-        self.unit.bwd_pinned = pin
+        self.runtime.acquire(self.chunks, pin=pin)
+        self.bwd_pinned = pin
 
     def post_backward(self) -> None:
-        if self.unit.bwd_pinned:
-            self.runtime.release(self.unit.chunks)
-            self.unit.bwd_pinned = False
+        if self.bwd_pinned:
+            self.runtime.release(self.chunks)
+            self.bwd_pinned = False
 
 
 class _RootHooks:
@@ -153,11 +154,12 @@ class _RootHooks:
         return chunk.block.data.as_strided(packed.size, packed.stride, packed.offset)
 
 
-def install_hooks(model: nn.Module, units: list[Unit], runtime: ChunkRuntime) -> list:
-    """Installs every hook; returns the handles (removing them detaches the engine)."""
+def install_hooks(model: nn.Module, units: list[Unit], unit_chunks: list[tuple[int, ...]], runtime: ChunkRuntime) -> list:
+    """Installs every hook (``unit_chunks[i]``: the chunks unit ``i`` acquires); returns the handles
+    (removing them detaches the engine)."""
     handles = []
-    for unit in units:
-        h = _UnitHooks(runtime, unit)
+    for unit, chunks in zip(units, unit_chunks, strict=True):
+        h = _UnitHooks(runtime, chunks)
         handles.append(unit.module.register_forward_pre_hook(h.pre_forward, with_kwargs=True))
         handles.append(unit.module.register_forward_hook(h.post_forward, with_kwargs=True, always_call=True))
         runtime.on_finish_backward.append(h.post_backward)

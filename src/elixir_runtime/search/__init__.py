@@ -1,4 +1,4 @@
-"""The search engine: hardware profile, Belady simulation, chunk size, placement, step time.
+"""The search: hardware profile, Belady simulation, chunk size, placement, step time.
 
 ``search(table, profile, hardware, budget, settings)`` turns a profiled step (``profiler``) and a
 measured machine (``hardware``) into the chunk size, rCache size and offloaded chunks with the
@@ -6,19 +6,13 @@ fastest predicted step that fits the memory budget; ``auto_plan`` does it inside
 """
 
 from .budget import Budget
-from .cost import StepTime
-from .engine import ModelTable, SearchResult, SearchSettings, model_table, search
-from .hardware import HardwareProfile, LinkRates, load_hardware
+from .step_time import StepTime
+from .loop import SearchResult, SearchSettings, search
 
 __all__ = [
     "Budget",
     "StepTime",
-    "ModelTable",
     "SearchResult",
     "SearchSettings",
-    "model_table",
     "search",
-    "HardwareProfile",
-    "LinkRates",
-    "load_hardware",
 ]

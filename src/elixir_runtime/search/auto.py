@@ -1,6 +1,8 @@
 """``ElixirConfig(mode="auto")`` inside ``prepare``: profile, hardware, budget, search.
 
-Runs before any training memory exists. Every rank first times the engine's collectives on the
+``search_model`` is the decision itself (profile → unit order → budget → search), shared with
+``elixir-plan``, which gives it a hardware profile and a budget for a GPU it does not have: the
+same inputs make the same plan. Runs before any training memory exists. Every rank first times the engine's collectives on the
 job's own process group (the bandwidth the plan's gathers and reductions will get); then rank 0
 decides and broadcasts, so every rank builds the same layout: free memory differs a little from
 GPU to GPU, and a first-time hardware measurement must not run on every rank at once.
@@ -9,7 +11,7 @@ GPU to GPU, and a first-time hardware measurement must not run on every rank at 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -18,13 +20,15 @@ from ..chunk.collectives import Collectives
 from ..config import ElixirConfig
 from ..profiler.kernels import cuda_attention
 from ..profiler.profile import ModelProfile, profile_model, structural_profile
-from ..runtime.units import Unit
-from .budget import F_FRAG, device_budget, local_ranks
-from .engine import SearchResult, SearchSettings, model_table, search
-from .hardware import load_hardware
-from .measure import collective_busbw
+from ..units import Unit, param_table
+from ..host import local_ranks
+from .budget import F_FRAG, Budget, device_budget
+from .loop import SearchResult, SearchSettings, search
+from ..hardware.load import load_hardware
+from ..hardware.profile import HardwareProfile
+from ..hardware.measure import collective_busbw
 
-__all__ = ["auto_plan", "UNPROFILED_ACTIVATION_SHARE"]
+__all__ = ["auto_plan", "search_model", "UNPROFILED_ACTIVATION_SHARE"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +47,21 @@ def auto_plan(
 ) -> tuple[list[int], SearchResult]:
     """(unit indices in first-use order, the search's choice), identical on every rank."""
     busbw = collective_busbw(coll, device, dtype) if coll.world_size > 1 else None
-    return coll.decided_by_rank0(
-        lambda: _decide(model, units, example_batch, config, device, dtype, coll.world_size, busbw), device
-    )
+
+    def budget(profile: ModelProfile) -> Budget:
+        return device_budget(device, profile.activation_peak, profile.buffer_bytes, local_ranks())
+
+    def decide() -> tuple[list[int], SearchResult]:
+        hardware = load_hardware()
+        order, result, _ = search_model(
+            model, units, example_batch, config, device, dtype, coll.world_size, hardware, budget, busbw=busbw
+        )
+        return order, result
+
+    return coll.decided_by_rank0(decide, device)
 
 
-def _decide(
+def search_model(
     model: nn.Module,
     units: list[Unit],
     batch: Any | None,
@@ -56,33 +69,30 @@ def _decide(
     device: torch.device,
     dtype: torch.dtype,
     world_size: int,
-    busbw: float | None,
-) -> tuple[list[int], SearchResult]:
-    profile = _profile(model, units, batch, dtype, device)
+    hardware: HardwareProfile,
+    budget_of: Callable[[ModelProfile], Budget],
+    *,
+    busbw: float | None = None,
+    micro_batches: int = 1,
+    exact: bool = False,
+) -> tuple[list[int], SearchResult, ModelProfile]:
+    """(unit indices in first-use order, the search's choice, the profile) for ``model`` trained on
+    ``batch`` by ``world_size`` ranks with ``hardware``; ``budget_of(profile)``: the memory budget."""
+    profile = _profile(model, units, batch, dtype, device, exact)
     order = profile.unit_indices(units)
-    budget = device_budget(device, profile.activation_peak, profile.buffer_bytes, local_ranks())
+    budget = budget_of(profile)
     if batch is None:
         budget.activations = int(UNPROFILED_ACTIVATION_SHARE * budget.capacity / F_FRAG)
-    hardware = load_hardware()
-    settings = SearchSettings(
-        world_size=world_size,
-        dtype=dtype,
-        alignment=config.alignment,
-        prefetch=config.prefetch,
-        chunk_size=config.chunk_size,
-        n_blocks=config.n_blocks,
-        offload=config.offload,  # type: ignore[arg-type]
-        # fp16's overflow check and the non-finite skip read the gradient norm: a host sync, as clipping is
-        clips_grads=config.clips_grads or config.skip_nonfinite or dtype == torch.float16,
-        busbw=busbw,
-    )
-    result = search(model_table(model, units, order), profile, hardware, budget, settings)
+    settings = SearchSettings(world_size, dtype, config, micro_batches=micro_batches, busbw=busbw)
+    result = search(param_table(model, units, order), profile, hardware, budget, settings)
     result.notes.insert(0, f"hardware: {hardware.device}, {hardware.source}")
     result.notes.insert(1, f"profile: {profile.seconds:.2f} s; activation peak at {profile.peak_at}")
-    return order, result
+    return order, result, profile
 
 
-def _profile(model: nn.Module, units: list[Unit], batch: Any | None, dtype: torch.dtype, device: torch.device) -> ModelProfile:
+def _profile(
+    model: nn.Module, units: list[Unit], batch: Any | None, dtype: torch.dtype, device: torch.device, exact: bool = False
+) -> ModelProfile:
     if batch is None:
         logger.warning(
             "elixir auto plan without an example batch: activations are unknown, so %.0f%% of the GPU is kept for "
@@ -91,12 +101,12 @@ def _profile(model: nn.Module, units: list[Unit], batch: Any | None, dtype: torc
         )
         return structural_profile(model, units, dtype)
     try:
-        return profile_model(model, batch, dtype=dtype, device=device, units=units)
+        return profile_model(model, batch, dtype=dtype, device=device, units=units, exact=exact)
     except Exception as exc:
         logger.info("elixir: profile on fake %s tensors failed (%s: %s); retrying on fake CPU ones", device, type(exc).__name__, exc)
     try:
         with cuda_attention():
-            return profile_model(model, batch, dtype=dtype, device="cpu", units=units)
+            return profile_model(model, batch, dtype=dtype, device="cpu", units=units, exact=exact)
     except Exception as exc:  # model code that cannot run on fake tensors (data-dependent control flow)
         logger.warning("elixir: the fake-tensor profile failed (%s: %s); planning without it", type(exc).__name__, exc)
         return _profile(model, units, None, dtype, device)

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["COLD", "stack_distances", "MissTable", "simulate"]
+__all__ = ["COLD", "stack_distances", "MissTable"]
 
 COLD = np.iinfo(np.int64).max
 """Stack distance of a first access: a miss at every cache size."""
@@ -94,27 +94,3 @@ class MissTable:
             np.add.at(out, (self.phase[miss], self.chunk[miss]), 1)
             self._cache[n_blocks] = hit = out
         return hit
-
-
-def simulate(groups: Sequence[Sequence[int]], n_blocks: int) -> int:
-    """Misses of one cache size by direct simulation (the reference the stack pass is tested on)."""
-    flat = [c for g in groups for c in g]
-    nxt = _next_uses(flat)
-    next_use: dict[int, float] = {}
-    resident: set[int] = set()
-    misses = t = 0
-    for group in groups:
-        pinned: set[int] = set()
-        for x in group:
-            if x not in resident:
-                misses += 1
-                if len(resident) >= n_blocks:
-                    victims = resident - pinned
-                    if not victims:
-                        raise ValueError(f"{n_blocks} blocks cannot hold a group of {len(group)} chunks")
-                    resident.remove(max(victims, key=lambda c: next_use[c]))
-                resident.add(x)
-            next_use[x] = nxt[t]
-            pinned.add(x)
-            t += 1
-    return misses

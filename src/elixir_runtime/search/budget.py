@@ -10,13 +10,13 @@ same ``F_alloc`` of the host's RAM for the pinned arenas of every rank on it.
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
-__all__ = ["Budget", "device_budget", "host_available", "host_total", "local_ranks", "F_ALLOC", "F_FRAG"]
+from ..host import host_available
+
+__all__ = ["Budget", "device_budget", "F_ALLOC", "F_FRAG"]
 
 F_ALLOC = 0.95
 F_FRAG = 1.25
@@ -59,29 +59,3 @@ def device_budget(device: torch.device, activations: int, buffers: int, ranks_pe
         host_capacity=host_available(),
         ranks_per_host=ranks_per_host,
     )
-
-
-def host_available() -> int:
-    """``MemAvailable``: what this host can still give (the model's own weights already counted);
-    the physical RAM where ``/proc/meminfo`` is missing."""
-    return _meminfo("MemAvailable")
-
-
-def host_total() -> int:
-    """``MemTotal``: the host's RAM."""
-    return _meminfo("MemTotal")
-
-
-def _meminfo(field: str) -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def local_ranks() -> int:
-    """Ranks sharing this host (torchrun's ``LOCAL_WORLD_SIZE``)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

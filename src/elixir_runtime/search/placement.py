@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .budget import Budget
-from .cost import StepModel, StepTime
+from .step_time import StepModel, StepTime
 from .memory import ArenaBytes
 
 __all__ = ["Placement", "greedy_path", "best_placement"]

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from elixir_runtime.optim.kernel import AdamHyper, Segment
+from elixir_runtime.chunk.layout import GroupRange
+from elixir_runtime.optim.kernel import AdamHyper
 
 GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OUT_DTYPES = (torch.bfloat16, torch.float16, None)
@@ -38,12 +39,12 @@ def hypers_at(step: int) -> list[AdamHyper]:
     return [AdamHyper(lr * scale, b1, b2, eps, wd, dec) for lr, b1, b2, eps, wd, dec in _BASE]
 
 
-def make_segments(lengths: list[int], gap: int = 5) -> tuple[tuple[Segment, ...], int]:
+def make_segments(lengths: list[int], gap: int = 5) -> tuple[tuple[GroupRange, ...], int]:
     """Segments of ``lengths`` cycling through the groups, with ``gap`` untouched elements between
     some of them (as padding in a real arena); returns them and the arena size."""
     segs, offset = [], 0
     for i, n in enumerate(lengths):
-        segs.append(Segment(offset, n, i % len(_BASE)))
+        segs.append(GroupRange(offset, n, i % len(_BASE)))
         offset += n + (gap if i % 2 else 0)
     return tuple(segs), offset + gap
 
@@ -74,7 +75,7 @@ def make_arena(numel: int, grad_dtype: torch.dtype, out_dtype: torch.dtype | Non
     return Arena(master, torch.zeros(numel), torch.zeros(numel), grads, out)
 
 
-def run_kernel(kernel, arena: Arena, segments: tuple[Segment, ...]) -> None:
+def run_kernel(kernel, arena: Arena, segments: tuple[GroupRange, ...]) -> None:
     """All steps of the case through ``kernel`` (an AdamKernel), in place."""
     for step, (grad, div) in enumerate(zip(arena.grads, DIV_SCALES), start=1):
         a = arena
@@ -83,7 +84,7 @@ def run_kernel(kernel, arena: Arena, segments: tuple[Segment, ...]) -> None:
 
 def run_torch_adam(
     arena: Arena,
-    segments: tuple[Segment, ...],
+    segments: tuple[GroupRange, ...],
     dtype: torch.dtype = torch.float64,
     device: str = "cpu",
     fused: bool = False,
@@ -119,14 +120,14 @@ def run_torch_adam(
     return master, exp_avg, exp_avg_sq
 
 
-def covered_mask(segments: tuple[Segment, ...], numel: int) -> torch.Tensor:
+def covered_mask(segments: tuple[GroupRange, ...], numel: int) -> torch.Tensor:
     covered = torch.zeros(numel, dtype=torch.bool)
     for s in segments:
         covered[s.offset : s.offset + s.length] = True
     return covered
 
 
-def check_against_reference(result: Arena, start: Arena, segments: tuple[Segment, ...], out_ulps: int = 0) -> None:
+def check_against_reference(result: Arena, start: Arena, segments: tuple[GroupRange, ...], out_ulps: int = 0) -> None:
     """``result`` (after run_kernel on a clone of ``start``) matches the float64 reference; the
     low-precision copy is the new master rounded to nearest even (within ``out_ulps`` units in the
     last place: Triton's interpreter truncates to bf16); elements outside segments are untouched."""

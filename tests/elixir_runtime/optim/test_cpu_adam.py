@@ -16,7 +16,8 @@ from adam_cases import (
 
 from elixir_runtime.optim import cpu_adam
 from elixir_runtime.optim.cpu_adam import CpuAdamKernel, CpuAdamUnavailable
-from elixir_runtime.optim.kernel import AdamHyper, Segment, TorchAdamKernel
+from elixir_runtime.chunk.layout import GroupRange
+from elixir_runtime.optim.kernel import AdamHyper, TorchAdamKernel
 
 _FLAGS = set(cpu_adam._cpu_flags().split())
 ISAS = ["native", "scalar"] + (["avx2"] if "avx2" in _FLAGS else []) + (["avx512"] if "avx512f" in _FLAGS else [])
@@ -71,7 +72,7 @@ def test_grad_decoding_is_exact_for_every_bit_pattern(isa: str, grad_dtype: torc
     n = grad.numel()
     master, exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n), torch.zeros(n)
     hyper = AdamHyper(lr=0.0, beta1=0.0, beta2=0.5, eps=1e-8, weight_decay=0.0, decoupled=True)
-    _kernel(isa).step(master, exp_avg, exp_avg_sq, grad, None, [Segment(0, n, 0)], [hyper], 1, 1.0)
+    _kernel(isa).step(master, exp_avg, exp_avg_sq, grad, None, [GroupRange(0, n, 0)], [hyper], 1, 1.0)
     torch.testing.assert_close(exp_avg, grad.float(), rtol=0, atol=0, equal_nan=True)
 
 
@@ -90,7 +91,7 @@ def test_param_out_rounds_like_torch(isa: str, out_dtype: torch.dtype) -> None:
     expected = master.to(out_dtype)
     out = torch.empty(n, dtype=out_dtype)
     hyper = AdamHyper(lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
-    _kernel(isa).step(master, torch.zeros(n), torch.zeros(n), torch.zeros(n), out, [Segment(0, n, 0)], [hyper], 1, 1.0)
+    _kernel(isa).step(master, torch.zeros(n), torch.zeros(n), torch.zeros(n), out, [GroupRange(0, n, 0)], [hyper], 1, 1.0)
     nan = expected.isnan()
     assert torch.equal(out.isnan(), nan)
     assert torch.equal(out[~nan].view(torch.int16), expected[~nan].view(torch.int16))
@@ -100,7 +101,7 @@ def test_rejects_bad_inputs() -> None:
     kernel, n = _kernel("native"), 64
     f = lambda: torch.zeros(n)  # noqa: E731
     hyper = [AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True)]
-    seg = [Segment(0, n, 0)]
+    seg = [GroupRange(0, n, 0)]
     with pytest.raises(ValueError, match="master"):
         kernel.step(torch.zeros(n, dtype=torch.float64), f(), f(), f(), None, seg, hyper, 1, 1.0)
     with pytest.raises(ValueError, match="grad"):
@@ -108,9 +109,9 @@ def test_rejects_bad_inputs() -> None:
     with pytest.raises(ValueError, match="param_out"):
         kernel.step(f(), f(), f(), f(), torch.zeros(n), seg, hyper, 1, 1.0)
     with pytest.raises(ValueError, match="segments need"):
-        kernel.step(f(), f(), f(), f(), None, [Segment(1, n, 0)], hyper, 1, 1.0)
+        kernel.step(f(), f(), f(), f(), None, [GroupRange(1, n, 0)], hyper, 1, 1.0)
     with pytest.raises(ValueError, match="segments need"):
-        kernel.step(f(), f(), f(), f(), None, [Segment(0, n, 1)], hyper, 1, 1.0)
+        kernel.step(f(), f(), f(), f(), None, [GroupRange(0, n, 1)], hyper, 1, 1.0)
     with pytest.raises(ValueError, match="1-based"):
         kernel.step(f(), f(), f(), f(), None, seg, hyper, 0, 1.0)
 
@@ -138,6 +139,6 @@ def test_segment_tables_are_bounded() -> None:
     kernel = CpuAdamKernel(threads=1)
     arena = make_arena(200, torch.float32, None)
     for i in range(TABLE_CACHE + 10):
-        run_kernel(kernel, arena.clone(), (Segment(i, 3, 0),))
+        run_kernel(kernel, arena.clone(), (GroupRange(i, 3, 0),))
     assert len(kernel._tables) == TABLE_CACHE
-    assert (Segment(0, 3, 0),) not in kernel._tables and (Segment(TABLE_CACHE + 9, 3, 0),) in kernel._tables
+    assert (GroupRange(0, 3, 0),) not in kernel._tables and (GroupRange(TABLE_CACHE + 9, 3, 0),) in kernel._tables

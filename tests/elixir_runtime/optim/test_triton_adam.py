@@ -18,7 +18,8 @@ from adam_cases import (
     run_torch_adam,
 )
 
-from elixir_runtime.optim.kernel import AdamHyper, Segment
+from elixir_runtime.chunk.layout import GroupRange
+from elixir_runtime.optim.kernel import AdamHyper
 from helpers.interpreted import interpreted_triton_adam
 
 pytest.importorskip("triton")
@@ -81,9 +82,9 @@ def test_rejects_bad_inputs_and_handles_no_segments() -> None:
     f = lambda: torch.zeros(n)  # noqa: E731
     hyper = [AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True)]
     with pytest.raises(ValueError, match="grad"):
-        kernel.step(f(), f(), f(), torch.zeros(n, dtype=torch.float64), None, [Segment(0, n, 0)], hyper, 1, 1.0)
+        kernel.step(f(), f(), f(), torch.zeros(n, dtype=torch.float64), None, [GroupRange(0, n, 0)], hyper, 1, 1.0)
     with pytest.raises(ValueError, match="segments need"):
-        kernel.step(f(), f(), f(), f(), None, [Segment(0, n + 1, 0)], hyper, 1, 1.0)
+        kernel.step(f(), f(), f(), f(), None, [GroupRange(0, n + 1, 0)], hyper, 1, 1.0)
     with pytest.raises(ValueError, match="block"):
         TritonAdamKernel(block=1000)
     kernel.step(f(), f(), f(), f(), None, [], hyper, 1, 1.0)  # nothing to launch

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from elixir_runtime.profiler.trace import trace_unit_order
-from elixir_runtime.runtime.units import find_units
+from elixir_runtime.units import find_units
 
 
 class LayerDropNet(nn.Module):

@@ -9,8 +9,8 @@ from __future__ import annotations
 from torch import nn
 
 from elixir_runtime.profiler import ModelProfile, profile_model
-from elixir_runtime.runtime.units import find_units
-from elixir_runtime.search import HardwareProfile, LinkRates, ModelTable, model_table
+from elixir_runtime.units import ParamTable, find_units, param_table
+from elixir_runtime.hardware import HardwareProfile, LinkRates
 from helpers.models import MODEL_BUILDERS, make_batch
 
 GIB = 2**30
@@ -35,7 +35,7 @@ def gpu_host(gpus: int = 1, cpu_adam: float = 5e9) -> HardwareProfile:
 
 
 def profiled(kind: str = "gpt2", n_layer: int = 6, ac: bool = True, batch: int = 2, seq: int = 16, **kw) -> tuple[
-    nn.Module, ModelTable, ModelProfile
+    nn.Module, ParamTable, ModelProfile
 ]:
     model = MODEL_BUILDERS[kind](n_layer=n_layer, **kw)
     if ac:
@@ -45,7 +45,7 @@ def profiled(kind: str = "gpt2", n_layer: int = 6, ac: bool = True, batch: int =
     by_name = {u.name: u.index for u in units}
     order = [by_name[n] for n in profile.unit_order()]
     order += [u.index for u in units if u.index not in order]
-    return model, model_table(model, units, order), profile
+    return model, param_table(model, units, order), profile
 
 
 def model_state_bytes(model: nn.Module) -> int:

@@ -11,7 +11,7 @@ import torch
 import elixir_runtime as er
 import elixir_runtime.search.auto as auto
 from elixir_runtime.chunk.collectives import Collectives
-from elixir_runtime.runtime.units import find_units
+from elixir_runtime.units import find_units
 from elixir_runtime.search import Budget
 from helpers.dist import run_distributed
 from helpers.models import make_batch, tiny_gpt2

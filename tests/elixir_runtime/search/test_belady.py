@@ -7,12 +7,13 @@ the planner's own simulator, with the runtime's rule that a unit's chunks are pi
 from __future__ import annotations
 
 import functools
+from typing import Sequence
 import random
 
 import numpy as np
 import pytest
 
-from elixir_runtime.search.belady import COLD, MissTable, simulate, stack_distances
+from elixir_runtime.search.belady import COLD, MissTable, _next_uses, stack_distances
 
 
 def _brute_force(groups: list[tuple[int, ...]], blocks: int) -> int:
@@ -80,3 +81,28 @@ def test_cold_accesses_and_monotone_misses() -> None:
 def test_too_few_blocks_for_a_group_is_an_error() -> None:
     with pytest.raises(ValueError, match="cannot hold a group"):
         simulate([(0, 1, 2)], 2)
+
+
+# The oracle the stack pass is tested against (test-only: the search uses MissTable).
+def simulate(groups: Sequence[Sequence[int]], n_blocks: int) -> int:
+    """Misses of one cache size by direct simulation (the reference the stack pass is tested on)."""
+    flat = [c for g in groups for c in g]
+    nxt = _next_uses(flat)
+    next_use: dict[int, float] = {}
+    resident: set[int] = set()
+    misses = t = 0
+    for group in groups:
+        pinned: set[int] = set()
+        for x in group:
+            if x not in resident:
+                misses += 1
+                if len(resident) >= n_blocks:
+                    victims = resident - pinned
+                    if not victims:
+                        raise ValueError(f"{n_blocks} blocks cannot hold a group of {len(group)} chunks")
+                    resident.remove(max(victims, key=lambda c: next_use[c]))
+                resident.add(x)
+            next_use[x] = nxt[t]
+            pinned.add(x)
+            t += 1
+    return misses

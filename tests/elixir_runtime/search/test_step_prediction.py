@@ -10,7 +10,7 @@ the plan's prediction.
 The offload-regime rows were measured after ``prefetch()`` stopped blocking on a chunk whose CPU
 update is still running; the run's plans were priced with the hardware profile measured on that
 machine then, and printed their compute, GPU Adam and CPU Adam totals. The cases here are priced
-with the H100 profile committed in docs/planning/h100_hardware.json (measured on the same machine
+with the H100 profile shipped in src/elixir_runtime/hardware/profiles/h100.json (measured on the same machine
 type) scaled so that those three totals are the run's: that machine's CPU Adam was 25 % slower
 than the committed profile's, its compute 3 % slower. The in-GPU rows use the committed profile.
 """
@@ -18,22 +18,21 @@ than the committed profile's, its compute 3 % slower. The in-GPU rows use the co
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from benchmarks.models import Preset, build_meta
-from elixir_runtime.chunk.layout import build_layout
 from elixir_runtime.config import ElixirConfig
-from elixir_runtime.plan import ElixirPlan, resolve_plan
+from elixir_runtime.plan import ElixirPlan, plan_model
 from elixir_runtime.profiler import profile_model
-from elixir_runtime.runtime.units import find_units
-from elixir_runtime.search import Budget, SearchSettings, load_hardware, model_table, search
-from elixir_runtime.search.engine import _evaluate
+from elixir_runtime.units import find_units, param_table
+from elixir_runtime.hardware import load_hardware
+from elixir_runtime.search import Budget, SearchSettings, search
+from elixir_runtime.search.loop import _evaluate
 
-H100 = Path(__file__).resolve().parents[3] / "docs" / "planning" / "h100_hardware.json"
+H100 = "h100"  # the profile shipped with the package (hardware/load.py SHIPPED)
 BF16 = torch.bfloat16
 GIB = 2**30
 
@@ -65,7 +64,7 @@ def _profiled(dims: tuple, batch: int) -> tuple:
         by_name = {u.name: u.index for u in units}
         order = [by_name[n] for n in profile.unit_order() if n in by_name]
         order += [u.index for u in units if u.index not in set(order)]
-        _PROFILED[dims, batch] = model_table(model, units, order), profile, units
+        _PROFILED[dims, batch] = param_table(model, units, order), profile, units
     return _PROFILED[dims, batch]
 
 
@@ -74,10 +73,10 @@ def _plan(case: tuple, hardware, clips_grads: bool = False) -> tuple:
     dims, batch, (chunk_size, n_chunks, offloaded, n_blocks), *_ = case
     table, profile, units = _profiled(dims, batch)
     budget = Budget(hardware.gpu_memory, profile.activation_peak, profile.buffer_bytes, hardware.host_memory)
-    settings = SearchSettings(
-        world_size=1, dtype=BF16, chunk_size=chunk_size, n_blocks=n_blocks,
-        offload=list(range(n_chunks - offloaded, n_chunks)), clips_grads=clips_grads,
-    )
+    settings = SearchSettings(1, BF16, ElixirConfig(
+        chunk_size=chunk_size, n_blocks=n_blocks, offload=list(range(n_chunks - offloaded, n_chunks)),
+        clips_grads=clips_grads,
+    ))
     return search(table, profile, hardware, budget, settings), table, profile, budget, units
 
 
@@ -130,11 +129,8 @@ def test_offload_regime_within_15_percent_of_the_measured_step(name, h100) -> No
     # the CPU Adam is partly hidden under the backward and the next forward, never all exposed
     assert 0 <= t.exposed_cpu_adam < t.cpu_adam
     # the plan carries the same prediction
-    layout = build_layout(table.params, table.names, table.groups, table.private, world_size=1,
-                          chunk_size=result.chunk_size, alignment=64)
-    for u in units:
-        u.chunks = tuple(sorted({layout.param_chunk[table.index[id(p)]] for p in u.params}))
-    plan = resolve_plan(ElixirConfig(), layout, units, torch.device("cpu"), BF16, result, check=False)
+    _, _, plan = plan_model(table, ElixirConfig(), world_size=1, device=torch.device("cpu"), dtype=BF16,
+                            search=result, check=False)
     assert plan.predicted_step_s == pytest.approx(t.total)
     assert ElixirPlan.from_json(plan.to_json()).predicted_step_s == pytest.approx(t.total)
     assert any("during backward" in n for n in plan.search["notes"])
@@ -170,7 +166,7 @@ def test_in_gpu_regime_within_15_percent_of_the_measured_step(name, h100) -> Non
 
 def _model(name: str, h100, clips_grads: bool = False):
     result, table, profile, budget, _, machine = _planned(name, h100, clips_grads)
-    settings = SearchSettings(world_size=1, dtype=BF16, clips_grads=clips_grads)
+    settings = SearchSettings(1, BF16, ElixirConfig(clips_grads=clips_grads))
     return _evaluate(result.chunk_size, table, profile, machine.rates(1), budget, settings).model, result
 
 
@@ -231,7 +227,7 @@ def test_more_gpu_memory_never_offloads_more_on_the_h100(h100, clips_grads) -> N
     serial, offloaded, times = [], [], []
     for gib in (24, 32, 40, 48, 56, 64, 72, 80, 96, 112, 128, 160):
         budget = Budget(gib * GIB, profile.activation_peak, profile.buffer_bytes, h100.host_memory)
-        r = search(table, profile, h100, budget, SearchSettings(world_size=1, dtype=BF16, clips_grads=clips_grads))
+        r = search(table, profile, h100, budget, SearchSettings(1, BF16, ElixirConfig(clips_grads=clips_grads)))
         assert r.device_bytes <= budget.allowed and r.host_bytes <= budget.host_allowed
         serial.append(r.time.serial)
         offloaded.append(r.host_bytes)
@@ -250,5 +246,5 @@ def test_states_that_fit_stay_on_the_h100(h100, cpu_adam_scale, clips_grads) -> 
     table, profile, _ = _profiled((1600, 48, 25), 8)
     machine = dataclasses.replace(h100, cpu_adam=h100.cpu_adam * cpu_adam_scale)
     budget = Budget(h100.gpu_memory, profile.activation_peak, profile.buffer_bytes, h100.host_memory)
-    r = search(table, profile, machine, budget, SearchSettings(world_size=1, dtype=BF16, clips_grads=clips_grads))
+    r = search(table, profile, machine, budget, SearchSettings(1, BF16, ElixirConfig(clips_grads=clips_grads)))
     assert r.offload == [], f"{len(r.offload)} of {r.n_chunks} chunks offloaded"

@@ -17,13 +17,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-__all__ = ["LinkRates", "HardwareProfile", "Rates", "cache_path", "load_hardware", "ENV_HARDWARE", "PROFILE_VERSION"]
+__all__ = ["LinkRates", "HardwareProfile", "Rates", "PROFILE_VERSION"]
 
-ENV_HARDWARE = "ELIXIR_HARDWARE"
 PROFILE_VERSION = 2
 """2: the CPU Adam measured under pinned copies with the engine's threads (1: alone, all cores)."""
 
@@ -182,37 +180,3 @@ class Rates:
         size = int(size_class)
         nearest = min(self.matmul, key=lambda s: abs(math.log2(s) - math.log2(size)))
         return self.matmul[nearest]
-
-
-def cache_path(key: str | None = None) -> Path:
-    """``~/.cache/elixir/hardware-<machine>.json`` (``$ELIXIR_CACHE_DIR`` overrides the root)."""
-    root = Path(os.environ.get("ELIXIR_CACHE_DIR") or Path.home() / ".cache" / "elixir")
-    return root / f"hardware-{key or machine_key()}.json"
-
-
-def machine_key() -> str:
-    """Host name and GPU model/count: a profile is reused only on the same machine."""
-    import torch
-
-    gpus = "cpu"
-    if torch.cuda.is_available():
-        gpus = f"{torch.cuda.device_count()}x{torch.cuda.get_device_name(0)}"
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{platform.node()}-{gpus}")
-
-
-def load_hardware(path: str | Path | None = None, *, refresh: bool = False, quick: bool = False) -> HardwareProfile:
-    """A file (``path`` or ``$ELIXIR_HARDWARE``) if given, else this machine's cached profile,
-    measured (and cached) on first use."""
-    path = path or os.environ.get(ENV_HARDWARE)
-    if path:
-        return HardwareProfile.load(path)
-    cached = cache_path()
-    if cached.exists() and not refresh:
-        profile = HardwareProfile.load(cached)
-        if profile.version >= PROFILE_VERSION:
-            return profile
-    from .measure import measure_hardware
-
-    profile = measure_hardware(quick=quick)
-    profile.save(cached)
-    return profile

@@ -36,8 +36,8 @@ from ..chunk.collectives import Collectives
 from ..chunk.layout import ChunkLayout, ChunkSpec
 from ..chunk.rcache import Block, RCache
 from ..chunk.schedule import AccessSchedule
-from ..chunk.store import Placement, ShardArenas, build_arenas
-from ..optim.host_updates import HostUpdates
+from ..chunk.store import Residence, ShardArenas, build_arenas
+from .host_updates import HostUpdates
 from .lockstep import Lockstep
 
 __all__ = ["ChunkState", "ChunkRuntime", "RCacheExhausted", "Residency"]
@@ -105,7 +105,7 @@ class ChunkRuntime:
     def __init__(
         self,
         layout: ChunkLayout,
-        placement: list[Placement],
+        placement: list[Residence],
         n_blocks: int,
         coll: Collectives,
         device: torch.device,

@@ -1,33 +1,34 @@
-"""Fetch units: the modules whose forward/backward hooks gather and release chunks (FSDP2 style).
+"""The model as the planner and the engine see it: fetch units and the parameter table.
 
 A unit is a transformer block (the model's ``_no_split_modules``) or any other module that holds
-parameters outside every block. All chunks holding a unit's parameters are resident while the
-unit runs, so the rCache can be no smaller than the largest unit.
+parameters outside every block; its forward/backward hooks gather and release chunks (FSDP2
+style). All chunks holding a unit's parameters are resident while the unit runs, so the rCache
+can be no smaller than the largest unit. The parameter table lists the parameters in the order
+and with the flags the chunk layout packs them with; ``prepare``, ``elixir-plan`` and the search
+build it here, once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
-import torch
 from torch import nn
 
-from ..config import ConfigError
+from .config import ConfigError
 
-__all__ = ["Unit", "find_units"]
+__all__ = ["Unit", "find_units", "ParamTable", "param_table"]
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class Unit:
-    """One hooked module and the parameters it needs resident (filled with chunk ids by the engine)."""
+    """One hooked module and the parameters it needs resident."""
 
     index: int
     name: str
     module: nn.Module
     params: list[nn.Parameter]
-    chunks: tuple[int, ...] = ()
-    bwd_pinned: bool = field(default=False, repr=False)
 
 
 def _matches(module: nn.Module, classes: Sequence[type | str]) -> bool:
@@ -91,5 +92,39 @@ def unit_owner_count(units: list[Unit]) -> dict[int, int]:
     return count
 
 
-def param_bytes(params: Sequence[torch.Tensor]) -> int:
-    return sum(p.numel() * p.element_size() for p in params)
+@dataclass(frozen=True, eq=False)
+class ParamTable:
+    """The parameters in first-use order with what the layout needs of each."""
+
+    params: list[nn.Parameter]
+    names: list[list[str]]
+    """Every name each parameter is reachable under (tied weights have several)."""
+    groups: list[int]
+    """Optimizer param group of each parameter, -1 for frozen ones."""
+    private: list[bool]
+    """Held by more than one unit (tied ``wte``/``lm_head``): a private chunk of its own."""
+    units: list[Unit]
+
+    @cached_property
+    def index(self) -> dict[int, int]:
+        """``id(param)`` → its position in the table."""
+        return {id(p): i for i, p in enumerate(self.params)}
+
+    @cached_property
+    def by_name(self) -> dict[str, int]:
+        return {n: i for i, names in enumerate(self.names) for n in names}
+
+
+def param_table(model: nn.Module, units: list[Unit], unit_order: Sequence[int]) -> ParamTable:
+    """The table for ``units`` called in ``unit_order``; one optimizer group (``groups`` 0, -1 for
+    frozen parameters) until ``prepare`` puts in the optimizer's."""
+    params = list(dict.fromkeys(p for u in unit_order for p in units[u].params))
+    index = {id(p): i for i, p in enumerate(params)}
+    names: list[list[str]] = [[] for _ in params]
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in index:
+            names[index[id(p)]].append(name)
+    owners = unit_owner_count(units)
+    return ParamTable(
+        params, names, [0 if p.requires_grad else -1 for p in params], [owners[id(p)] > 1 for p in params], units
+    )

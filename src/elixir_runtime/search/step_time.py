@@ -18,7 +18,7 @@ Per rank and micro-batch (all rates measured, see ``hardware.py``):
   at their measured duplex rate.
 * optimizer: the GPU Adam of resident shards runs on the compute stream before the next forward;
   the CPU Adam of offloaded shards runs on one host thread, chunk after chunk in chunk order (=
-  the next forward's order, ``optim/host_updates.py``), each chunk once its reduced gradient
+  the next forward's order, ``runtime/host_updates.py``), each chunk once its reduced gradient
   shard has landed in host memory (``runtime.wait_host_chunk``). When the updates are handed to
   that thread depends on the training loop (``clips_grads``):
 
@@ -66,7 +66,7 @@ from ..chunk.layout import ChunkLayout
 from ..profiler.timeline import Cost
 from .access import BWD, FWD, AccessTrace
 from .belady import MissTable
-from .hardware import Rates
+from ..hardware.profile import Rates
 
 __all__ = ["StepTime", "StepModel", "compute_time"]
 

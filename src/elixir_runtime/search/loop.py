@@ -20,71 +20,39 @@ import torch
 from torch import nn
 
 from ..chunk.layout import ChunkLayout, build_layout, round_up
-from ..plan import PlanError
+from ..config import ElixirConfig, PlanError, offloaded_chunks
 from ..profiler.profile import ModelProfile
-from ..runtime.units import Unit
+from ..units import ParamTable
 from .access import access_trace, unit_work
 from .budget import Budget
 from .candidates import chunk_size_candidates
-from .cost import StepModel, StepTime
-from .hardware import HardwareProfile
+from .step_time import StepModel, StepTime
+from ..hardware.profile import HardwareProfile
 from .memory import ArenaBytes
 from .placement import Placement, best_placement
 
-__all__ = ["ModelTable", "SearchSettings", "SearchResult", "search", "model_table"]
+__all__ = ["SearchSettings", "SearchResult", "search"]
 
 GIB = 2**30
 
 
-@dataclass
-class ModelTable:
-    """The parameters in the order and with the flags the engine lays them out with."""
-
-    params: list[nn.Parameter]
-    names: list[list[str]]
-    groups: list[int]
-    private: list[bool]
-    units: list[Unit]
-
-    def __post_init__(self) -> None:
-        self.index = {id(p): i for i, p in enumerate(self.params)}
-        self.by_name = {n: i for i, names in enumerate(self.names) for n in names}
-        self.work = {u.name: float(unit_work(u.module, u.params)) for u in self.units}
-        """Parameter elements each unit computes with (``access.unit_work``): its share of the
-        forward compute the profile does not place between events."""
-
-
-def model_table(model: nn.Module, units: list[Unit], unit_order: Sequence[int]) -> ModelTable:
-    """The table for a model with one optimizer group (what the chunk counts depend on)."""
-    from ..runtime.units import unit_owner_count
-
-    params = list(dict.fromkeys(p for u in unit_order for p in units[u].params))
-    index = {id(p): i for i, p in enumerate(params)}
-    names: list[list[str]] = [[] for _ in params]
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in index:
-            names[index[id(p)]].append(name)
-    owners = unit_owner_count(units)
-    return ModelTable(
-        params, names, [0 if p.requires_grad else -1 for p in params], [owners[id(p)] > 1 for p in params], units
-    )
-
-
-@dataclass
+@dataclass(frozen=True)
 class SearchSettings:
     world_size: int
     dtype: torch.dtype
-    alignment: int = 64
-    prefetch: int = 1
+    config: ElixirConfig = field(default_factory=ElixirConfig)
+    """The user's choices: ``chunk_size``, ``n_blocks`` and ``offload`` when given are honoured (the
+    rest is searched); ``alignment``, ``prefetch`` and ``clips_grads`` as the engine will run."""
     micro_batches: int = 1
-    chunk_size: int | None = None
-    n_blocks: int | str | None = None
-    offload: float | list[int] | None = None
-    clips_grads: bool = True
-    """The training loop syncs the host before ``step()`` (``clip_grad_norm``, fp16): the CPU
-    updates start after backward; otherwise during it (``cost.StepModel``)."""
     busbw: float | None = None
     """Collective bus bandwidth measured on the job's process group (``measure.collective_busbw``)."""
+
+    @property
+    def clips_grads(self) -> bool:
+        """The training loop syncs the host before ``step()``: the CPU updates start after backward;
+        otherwise during it (``step_time.StepModel``). fp16's overflow check and the non-finite skip
+        (``ElixirConfig.skip_nonfinite``) read the gradient norm: a host sync, as clipping is."""
+        return self.config.clips_grads or self.config.skip_nonfinite or self.dtype == torch.float16
 
 
 @dataclass
@@ -107,6 +75,9 @@ class SearchResult:
     seconds: float = 0.0
     rates: dict[str, float | int | None] = field(default_factory=dict)
     """The per-rank rates the prediction used (``Rates.summary``)."""
+    regions: list[list[str]] = field(default_factory=list)
+    """Parameter names of each activation-checkpointed region of the profile: their chunks must be
+    resident together (``ChunkLayout.block_bounds``), in the search and in the plan."""
     hardware: dict[str, Any] = field(default_factory=dict)
     """The whole hardware profile searched with (``HardwareProfile.to_dict``): enough to predict
     the same plan again offline (``benchmarks.replay``)."""
@@ -123,28 +94,29 @@ class _Evaluated:
 
 
 def search(
-    table: ModelTable, profile: ModelProfile, hardware: HardwareProfile, budget: Budget, settings: SearchSettings
+    table: ParamTable, profile: ModelProfile, hardware: HardwareProfile, budget: Budget, settings: SearchSettings
 ) -> SearchResult:
     start = time.perf_counter()
     rates = hardware.rates(settings.world_size, settings.busbw)
-    if settings.chunk_size is not None:
-        sizes = [settings.chunk_size]
+    if settings.config.chunk_size is not None:
+        sizes = [settings.config.chunk_size]
     else:
-        unit_numels = [sum(round_up(p.numel(), settings.alignment) for p in u.params) for u in table.units]
+        unit_numels = [sum(round_up(p.numel(), settings.config.alignment) for p in u.params) for u in table.units]
         sizes = chunk_size_candidates(
             [p.numel() for p in table.params],
             table.private,
             unit_numels,
             world_size=settings.world_size,
-            alignment=settings.alignment,
+            alignment=settings.config.alignment,
         )
-    evaluated = [_evaluate(c, table, profile, rates, budget, settings) for c in sizes]
+    work = _unit_work(table)
+    evaluated = [_evaluate(c, table, profile, rates, budget, settings, work) for c in sizes]
     fitting = [e for e in evaluated if e.placement is not None]
     if not fitting:
         fewest = min(e.min_blocks for e in evaluated)
-        if isinstance(settings.n_blocks, int) and settings.n_blocks < fewest:
+        if isinstance(settings.config.n_blocks, int) and settings.config.n_blocks < fewest:
             raise PlanError(
-                f"rCache of {settings.n_blocks} blocks is smaller than the largest unit or checkpointed region, whose "
+                f"rCache of {settings.config.n_blocks} blocks is smaller than the largest unit or checkpointed region, whose "
                 f"parameters span at least {fewest} chunks that must be resident together: use n_blocks >= {fewest}, "
                 "or a larger chunk_size"
             )
@@ -169,12 +141,25 @@ def search(
         notes=list(rates.notes) + _update_note(p.offload, settings.clips_grads),
         seconds=time.perf_counter() - start,
         rates=rates.summary(),
+        regions=[list(r.params) for r in profile.ac_regions],
         hardware=hardware.to_dict(),
     )
 
 
+def _unit_work(table: ParamTable) -> dict[str, float]:
+    """Parameter elements each unit computes with (``access.unit_work``): its share of the forward
+    compute the profile does not place between events."""
+    return {u.name: float(unit_work(u.module, u.params)) for u in table.units}
+
+
 def _evaluate(
-    chunk_size: int, table: ModelTable, profile: ModelProfile, rates, budget: Budget, settings: SearchSettings
+    chunk_size: int,
+    table: ParamTable,
+    profile: ModelProfile,
+    rates,
+    budget: Budget,
+    settings: SearchSettings,
+    work: dict[str, float] | None = None,
 ) -> _Evaluated:
     layout = build_layout(
         table.params,
@@ -183,35 +168,25 @@ def _evaluate(
         table.private,
         world_size=settings.world_size,
         chunk_size=chunk_size,
-        alignment=settings.alignment,
+        alignment=settings.config.alignment,
     )
-    chunk_of = layout.param_chunk
-    unit_chunks = {u.name: tuple(sorted({chunk_of[table.index[id(p)]] for p in u.params})) for u in table.units}
+    unit_chunks = {u.name: layout.chunks_of(table.index[id(p)] for p in u.params) for u in table.units}
+    regions = [layout.chunks_of(table.by_name[n] for n in r.params if n in table.by_name) for r in profile.ac_regions]
+    lo, hi = layout.block_bounds([*unit_chunks.values(), *regions])
     private = {c.index for c in layout.chunks if c.private}
-    public = [c.index for c in layout.chunks if not c.private]
-    regions = [{chunk_of[table.by_name[n]] for n in r.params if n in table.by_name} - private for r in profile.ac_regions]
-    lo = max([len(set(cs) - private) for cs in unit_chunks.values()] + [len(r) for r in regions] + [1])
-    hi = max(lo, len(public))
-    trace = access_trace(profile.unit_events, unit_chunks, private, table.work)
+    trace = access_trace(profile.unit_events, unit_chunks, private, work if work is not None else _unit_work(table))
     model = StepModel(
         layout, trace, profile.compute, rates, settings.dtype,
-        min_blocks=lo, prefetch=settings.prefetch, micro_batches=settings.micro_batches,
+        min_blocks=lo, prefetch=settings.config.prefetch, micro_batches=settings.micro_batches,
         clips_grads=settings.clips_grads,
     )
     mem = ArenaBytes(layout, settings.dtype)
-    n_blocks = {"min": lo, "max": hi}.get(settings.n_blocks, settings.n_blocks)  # type: ignore[arg-type]
+    n_blocks = {"min": lo, "max": hi}.get(settings.config.n_blocks, settings.config.n_blocks)  # type: ignore[arg-type]
     if isinstance(n_blocks, int):
         n_blocks = min(n_blocks, hi)
         if n_blocks < lo:
             return _Evaluated(layout, model, mem, lo, hi, None)
-    offload, n = settings.offload, len(layout.chunks)
-    if isinstance(offload, (int, float)) and not isinstance(offload, bool):
-        offload = list(range(n - round(float(offload) * n), n))
-    elif offload is not None:
-        offload = sorted({int(i) for i in offload})
-        if any(not 0 <= i < n for i in offload):
-            raise PlanError(f"offload names chunks {offload}, but with chunks of {chunk_size:,} elements the layout "
-                            f"has chunks 0..{n - 1}: give chunk_size too, or offload as a fraction")
+    offload = None if settings.config.offload is None else offloaded_chunks(settings.config.offload, len(layout.chunks), chunk_size)
     placement = best_placement(model, mem, budget, lo, hi, n_blocks=n_blocks, offload=offload)
     return _Evaluated(layout, model, mem, lo, hi, placement)
 
@@ -221,9 +196,9 @@ def _update_note(offload: list[int], clips_grads: bool) -> list[str]:
         return []
     if clips_grads:
         return ["CPU Adam of offloaded chunks predicted to start after backward (the loop clips gradients or "
-                "trains in fp16: one host sync before the update; ElixirConfig(clips_grads=False) if it does not)"]
+                "checks for non-finite steps or trains in fp16: one host sync before the update)"]
     return ["CPU Adam of offloaded chunks predicted to start during backward, as their gradients land "
-            "(no host sync before the update: clips_grads=False)"]
+            "(no host sync before the update: clips_grads=False, skip_nonfinite=False)"]
 
 
 def _row(e: _Evaluated) -> dict:

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from elixir_runtime.chunk.layout import build_layout
-from elixir_runtime.config import ElixirConfig
-from elixir_runtime.plan import ElixirPlan, PlanError, _count_memory, resolve_plan
+from elixir_runtime.config import ElixirConfig, PlanError
+from elixir_runtime.plan import ElixirPlan, _count_memory, plan_model
 from elixir_runtime.search import Budget, SearchSettings, search
 from elixir_runtime.search.candidates import chunk_size_candidates
 from search_cases import GIB, gpu_host, model_state_bytes, profiled
@@ -26,7 +26,7 @@ def _budget(profile, capacity: int, host: int = 64 * GIB, ranks: int = 1) -> Bud
 
 
 def _settings(**kw) -> SearchSettings:
-    return SearchSettings(world_size=kw.pop("world_size", 1), dtype=BF16, **kw)
+    return SearchSettings(kw.pop("world_size", 1), BF16, ElixirConfig(**kw))
 
 
 def _capacities(model, profile) -> list[int]:
@@ -105,9 +105,8 @@ def test_plan_memory_is_what_the_engine_allocates(gpt2) -> None:
     mem = _count_memory(layout, set(r.offload), r.n_blocks, BF16)
     assert mem["rcache"] + mem["private"] + mem["device_shards"] == r.device_bytes
     assert mem["host_shards"] == r.host_bytes
-    for u in table.units:
-        u.chunks = tuple(sorted({layout.param_chunk[table.index[id(p)]] for p in u.params}))
-    plan = resolve_plan(ElixirConfig(), layout, table.units, torch.device("cpu"), BF16, r, check=False)
+    _, _, plan = plan_model(table, ElixirConfig(), world_size=1, device=torch.device("cpu"), dtype=BF16, search=r,
+                            check=False)
     assert (plan.n_blocks, plan.offload) == (r.n_blocks, r.offload)
     assert plan.device_bytes == r.device_bytes and plan.predicted["total"] == pytest.approx(r.time.total)
     again = ElixirPlan.from_json(plan.to_json())
@@ -169,8 +168,8 @@ def test_search_is_fast_for_opt_175b() -> None:
     from transformers import AutoModelForCausalLM, OPTConfig
 
     from elixir_runtime.profiler import profile_model
-    from elixir_runtime.runtime.units import find_units
-    from elixir_runtime.search import model_table
+    from elixir_runtime.units import find_units
+    from elixir_runtime.units import param_table
 
     config = OPTConfig(hidden_size=12288, num_hidden_layers=96, num_attention_heads=96, ffn_dim=49152,
                        max_position_embeddings=2048, word_embed_proj_dim=12288, vocab_size=50272)
@@ -182,7 +181,7 @@ def test_search_is_fast_for_opt_175b() -> None:
     profile = profile_model(model, {"input_ids": ids, "labels": ids}, device="cuda", units=units)
     by_name = {u.name: u.index for u in units}
     start = time.perf_counter()
-    table = model_table(model, units, [by_name[n] for n in profile.unit_order()])
+    table = param_table(model, units, [by_name[n] for n in profile.unit_order()])
     r = search(table, profile, gpu_host(8), _budget(profile, 80 * GIB, 4096 * GIB, ranks=8), _settings(world_size=8))
     assert time.perf_counter() - start < 10
     assert np.isfinite(r.time.total) and r.offload

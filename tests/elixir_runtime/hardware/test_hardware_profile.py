@@ -8,11 +8,12 @@ import time
 import pytest
 import torch
 
-from elixir_runtime.search import HardwareProfile, load_hardware
-from elixir_runtime.search.hardware import ENV_HARDWARE, PROFILE_VERSION, LinkRates, cache_path
-import elixir_runtime.search.measure as measure
-from elixir_runtime.search.measure import measure_hardware
-from search_cases import gpu_host
+from elixir_runtime.hardware import HardwareProfile, load_hardware
+from elixir_runtime.hardware.load import ENV_HARDWARE, cache_path
+from elixir_runtime.hardware.profile import PROFILE_VERSION, LinkRates
+import elixir_runtime.hardware.measure as measure
+from elixir_runtime.hardware.measure import measure_hardware
+from tests.elixir_runtime.search.search_cases import gpu_host
 
 
 def test_quick_measurement_is_a_valid_profile() -> None:

@@ -20,11 +20,12 @@ import torch.distributed as dist
 
 from ..chunk.collectives import Collectives
 from ..chunk.host_memory import empty_host
-from ..optim.kernel import AdamHyper, AdamKernel, Segment
+from ..chunk.layout import GroupRange
+from ..optim.kernel import AdamHyper, AdamKernel
 from ..optim.select import select_kernel
 from ..optim.threads import cpu_adam_threads, usable_cores
-from .budget import host_total
-from .hardware import PROFILE_VERSION, HardwareProfile, LinkRates
+from ..host import host_total
+from .profile import PROFILE_VERSION, HardwareProfile, LinkRates
 
 __all__ = ["measure_hardware"]
 
@@ -153,7 +154,7 @@ def _adam_step(device: torch.device, numel: int, dtype: torch.dtype) -> tuple[Ca
     )
     master, m, v = alloc(numel, torch.float32), alloc(numel, torch.float32), alloc(numel, torch.float32)
     grad, out = alloc(numel, dtype), alloc(numel, dtype)
-    segments, steps = [Segment(0, numel, 0)], iter(range(1, 10**6))
+    segments, steps = [GroupRange(0, numel, 0)], iter(range(1, 10**6))
 
     def step() -> None:
         kernel.step(master, m, v, grad, out, segments, _HYPER, next(steps), 1.0)
