@@ -51,7 +51,8 @@ def setup(args: argparse.Namespace) -> Context:
             dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout, device_id=dev)
         else:
             dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
-    return Context(dev, world, rank, seq=args.seq, ds_pin=bool(args.ds_pin), threads=args.threads)
+    return Context(dev, world, rank, seq=args.seq, ds_pin=bool(args.ds_pin), threads=args.threads,
+                   skip_nonfinite=bool(args.skip_nonfinite))
 
 
 def gpu_peaks(dev: torch.device) -> dict[str, float]:
@@ -217,6 +218,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     ap.add_argument("--ds-pin", type=int, default=1, choices=(0, 1), help="DeepSpeed pin_memory for offloaded states")
+    ap.add_argument("--skip-nonfinite", type=int, default=1, choices=(0, 1), help="ElixirConfig.skip_nonfinite")
     return ap.parse_args(argv)
 
 

@@ -36,6 +36,9 @@ class Context:
     ds_pin: bool = True
     threads: int | None = None
     """This rank's CPU threads (``--threads``); Elixir's CPU Adam keeps one of them for the loop."""
+    skip_nonfinite: bool = True
+    """Elixir's non-finite step check (``ElixirConfig.skip_nonfinite``): reads the gradient norm every
+    step, a host sync before the update, so the offloaded chunks' CPU Adam starts after backward."""
 
 
 @dataclass
@@ -80,10 +83,11 @@ def _elixir(p: Preset, ctx: Context, example_ids: torch.Tensor) -> Trainer:
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()  # the planner reads free GPU memory: return the fill's cached pieces
     batch = {"input_ids": example_ids, "labels": example_ids}
-    # the step below does not clip gradients: nothing syncs the host before the CPU updates
+    # the step below does not clip gradients: only the non-finite check (--skip-nonfinite) syncs the host
     # The share of the host the baselines get (--threads), less the core the engine keeps for the loop.
     cpu_threads = cpu_adam_threads(1, cores=ctx.threads) if ctx.threads else None
-    config = er.ElixirConfig(mode="auto", dtype="bf16", device=ctx.device, clips_grads=False, cpu_threads=cpu_threads)
+    config = er.ElixirConfig(mode="auto", dtype="bf16", device=ctx.device, clips_grads=False, cpu_threads=cpu_threads,
+                             skip_nonfinite=ctx.skip_nonfinite)
     model, opt = er.prepare(model, _adamw(model.parameters(), fused=False), config, example_batch=batch)
     plan = model._elixir.plan
     print(plan.table(), flush=True)
@@ -95,7 +99,7 @@ def _elixir(p: Preset, ctx: Context, example_ids: torch.Tensor) -> Trainer:
         opt.zero_grad()
         return loss
 
-    info = {"optimizer": "ElixirOptimizer(AdamW)", "cpu_threads": opt.cpu_threads, "plan": plan_summary(plan),
+    info = {"optimizer": "ElixirOptimizer(AdamW)", "cpu_threads": opt.cpu_threads, "skip_nonfinite": ctx.skip_nonfinite, "plan": plan_summary(plan),
             "plan_batch": len(example_ids)}
     return Trainer(step, info)
 
