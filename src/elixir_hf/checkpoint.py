@@ -298,6 +298,9 @@ def newest_complete(output_dir: str | os.PathLike) -> str:
 
 def saved_world_size(checkpoint: str | os.PathLike) -> int | None:
     """Number of ranks that wrote optimizer shards into ``checkpoint`` (``None``: no shards)."""
+    marker = read_marker(checkpoint)
+    if marker is not None and marker["world_size"] is not None:
+        return int(marker["world_size"])
     plan = Path(checkpoint) / PLAN_NAME
     if plan.is_file():
         return int(json.loads(plan.read_text())["world_size"])
@@ -305,8 +308,11 @@ def saved_world_size(checkpoint: str | os.PathLike) -> int | None:
     return max(ranks) + 1 if ranks else None
 
 
-def check_resume(checkpoint: str | os.PathLike, model: nn.Module, world_size: int) -> None:
-    """Fails before any weight is loaded when the checkpoint cannot continue this run."""
+def check_resume(checkpoint: str | os.PathLike, model: nn.Module, world_size: int, rank: int,
+                 is_main: bool) -> dict[str, Any]:
+    """Fails before any weight is loaded, on every rank, when the checkpoint cannot continue this
+    run (another number of ranks, a plain PyTorch optimizer, a bad file, another model); returns
+    its marker."""
     ckpt = Path(checkpoint)
     saved = saved_world_size(ckpt)
     if saved is not None and saved != world_size:
@@ -320,7 +326,9 @@ def check_resume(checkpoint: str | os.PathLike, model: nn.Module, world_size: in
             f"checkpoint {ckpt} holds a plain PyTorch optimizer state (optimizer.pt), not Elixir shards: resume it "
             f"with --elixir off, or start an Elixir run from its weights with --model_name_or_path {ckpt}"
         )
+    marker = verify(ckpt, rank, is_main)
     _check_weights_match(ckpt, model)
+    return marker
 
 
 def _check_weights_match(ckpt: Path, model: nn.Module) -> None:
