@@ -63,21 +63,32 @@ def uninterrupted(tmp_path_factory) -> list[float]:
     return history(trainer, "loss")
 
 
-@pytest.mark.parametrize("phase, resumes_from", [
-    ("weights", 2), ("shard", 2), ("trainer_state", 2), ("marker", 2), ("rotation", 4),
-])
-def test_kill_during_save_resumes_from_newest_complete(tmp_path, caplog, uninterrupted, phase: str,
-                                                       resumes_from: int) -> None:
+PHASES = {"weights": 2, "shard": 2, "trainer_state": 2, "marker": 2, "rotation": 4}  # -> resumes from
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory) -> tuple[Path, dict[str, int]]:
+    """One run per phase, each killed during the save of checkpoint-4; their signals."""
+    out = tmp_path_factory.mktemp("killed")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("ELIXIR_CONFIG", None)
     worker = Path(__file__).with_name("save_worker.py")
-    proc = subprocess.run([sys.executable, str(worker), str(tmp_path), phase], env=env, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    assert (tmp_path / "checkpoint-4").is_dir()  # the torn folder a stock resume would pick
+    proc = subprocess.run([sys.executable, str(worker), str(out), *PHASES], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, json.loads((out / "status.json").read_text())
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_kill_during_save_resumes_from_newest_complete(killed, caplog, uninterrupted, phase: str) -> None:
+    out, status = killed
+    run, resumes_from = out / phase, PHASES[phase]
+    assert status[phase] == signal.SIGKILL
+    assert (run / "checkpoint-4").is_dir()  # the torn folder a stock resume would pick
     with caplog.at_level(logging.WARNING, logger="elixir_hf.checkpoint"):
-        assert elixir_hf.checkpoint.newest_complete(tmp_path) == str(tmp_path / f"checkpoint-{resumes_from}")
+        assert elixir_hf.checkpoint.newest_complete(run) == str(run / f"checkpoint-{resumes_from}")
     assert ("torn checkpoint" in caplog.text) == (resumes_from == 2)
-    resumed = killed_run(str(tmp_path))
+    resumed = killed_run(str(run))
     resumed.train(resume_from_checkpoint=True)
     assert history(resumed, "loss", after_step=resumes_from) == uninterrupted[resumes_from:]
 
