@@ -211,7 +211,8 @@ def seal(folder: str | os.PathLike, digests: dict[str, dict[str, int]], *, step:
     (and fsyncs) the files no rank summed while writing (``digests``: this rank's) and writes the
     marker last. Any rank's failure is raised on every rank."""
     everyone: dict[str, dict[str, int]] = {}
-    for d in _gather(digests):  # also the barrier: every rank's files are in place
+    ranks = _gather(digests)  # also the barrier: every rank's files are in place
+    for d in ranks:
         everyone.update(d)
     error = None
     if is_main:
@@ -223,9 +224,8 @@ def seal(folder: str | os.PathLike, digests: dict[str, dict[str, int]], *, step:
                 rel = p.relative_to(folder).as_posix()
                 if p.is_file() and rel != MARKER_NAME and not any(s.startswith(".") for s in rel.split("/")):
                     files[rel] = everyone.get(rel) or _sum_file(p, fsync=True)
-            ranks = [int(m.group(1)) for n in files if (m := _SHARD_RE.match(n))]
             marker = {"format": _MARKER_FORMAT, "step": step, "optimizer": optimizer,
-                      "world_size": max(ranks) + 1 if ranks else None, "files": files}
+                      "world_size": len(ranks) if optimizer else None, "files": files}
             atomic_write_text(json.dumps(marker, indent=1), folder / MARKER_NAME)
 
         _, error = _error(write)

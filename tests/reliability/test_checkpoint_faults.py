@@ -12,8 +12,6 @@ import logging
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import zlib
 from pathlib import Path
 
@@ -22,16 +20,12 @@ import torch
 
 import elixir_hf.checkpoint
 from elixir_hf.checkpoint import MARKER_NAME, CheckpointError
+from launch import run_script
 from save_worker import trainer as killed_run
 from hf_cases import OFFLOAD_PLAN, history, make_trainer, training_args
 
 SAVE = dict(max_steps=10, save_strategy="steps", save_steps=5, eval_strategy="no")
 SHARD = "elixir_optim_rank0.pt"
-
-
-@pytest.fixture(autouse=True)
-def _no_env_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("ELIXIR_CONFIG", raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -70,11 +64,7 @@ PHASES = {"weights": 2, "shard": 2, "trainer_state": 2, "marker": 2, "rotation":
 def killed(tmp_path_factory) -> tuple[Path, dict[str, int]]:
     """One run per phase, each killed during the save of checkpoint-4; their signals."""
     out = tmp_path_factory.mktemp("killed")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    env.pop("ELIXIR_CONFIG", None)
-    worker = Path(__file__).with_name("save_worker.py")
-    proc = subprocess.run([sys.executable, str(worker), str(out), *PHASES], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = run_script("save_worker.py", str(out), *PHASES)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, json.loads((out / "status.json").read_text())
 
@@ -224,11 +214,7 @@ def test_save_only_model_resumes_weights_only_as_the_stock_trainer(tmp_path) -> 
 # ------------------------------------------------------------------ ElixirAccelerator, 2 ranks
 def test_load_state_with_a_missing_shard_fails_on_every_rank(tmp_path) -> None:
     """Measured before: rank 1 went on silently with a fresh Adam state, and the losses diverged."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(sys.path)}
-    env.pop("ELIXIR_CONFIG", None)
-    worker = Path(__file__).with_name("load_state_worker.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(worker)]
-    proc = subprocess.run([*cmd, str(tmp_path)], env=env, capture_output=True, text=True, timeout=180)
+    proc = run_script("load_state_worker.py", str(tmp_path), ranks=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in (0, 1):
         outcome = (tmp_path / f"rank{rank}.txt").read_text()

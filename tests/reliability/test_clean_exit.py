@@ -7,20 +7,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-from pathlib import Path
 
-import pytest
+from launch import run_script
 
 LONG = os.environ.get("ELIXIR_LONG_TESTS") == "1"
-HERE = Path(__file__).parent
-
-
-def _torchrun(script: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(sys.path)}
-    env.pop("ELIXIR_CONFIG", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(HERE / script)]
-    return subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=300)
 
 
 def _check(runs: list[subprocess.CompletedProcess]) -> None:
@@ -29,8 +19,8 @@ def _check(runs: list[subprocess.CompletedProcess]) -> None:
 
 
 def test_engine_collectives_exit_cleanly() -> None:
-    _check([_torchrun("collectives_worker.py") for _ in range(100 if LONG else 4)])
+    _check([run_script("collectives_worker.py", ranks=2) for _ in range(100 if LONG else 4)])
 
 
 def test_trainer_job_exits_cleanly(tmp_path) -> None:
-    _check([_torchrun("exit_worker.py", str(tmp_path / str(i))) for i in range(50 if LONG else 2)])
+    _check([run_script("exit_worker.py", str(tmp_path / str(i)), ranks=2) for i in range(50 if LONG else 2)])
