@@ -32,7 +32,17 @@ from torch import nn
 from elixir_runtime import ElixirOptimizer, rank0_state_dict
 from elixir_runtime.checkpoint import load_safetensors
 
-from .checkpoint import atomic_torch_save, load_shard, saved_world_size, shard_name
+from .checkpoint import (
+    PLAN_NAME,
+    all_ranks_agree,
+    atomic_torch_save,
+    load_shard,
+    saved_world_size,
+    seal,
+    shard_name,
+    unmark,
+    verify,
+)
 from .engine import build_engine, check_launch, example_batch, has_engine, whole_model
 from .metrics import EngineMetrics
 from .mixin import mixed_class
@@ -182,14 +192,23 @@ class ElixirAccelerator(Accelerator):
             return model.state_dict()
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
-        """Accelerate's state plus this rank's ``elixir_optim_rank{r}.pt`` (Accelerate would save rank 0's only)."""
+        """Accelerate's state plus this rank's ``elixir_optim_rank{r}.pt`` (Accelerate would save
+        rank 0's only), then the marker (sizes and CRC-32s of every file), written last."""
         opt = self.elixir_optimizer
         if opt is None:
             return super().save_state(output_dir, safe_serialization, **kwargs)
+        if output_dir is not None and self.is_main_process:
+            unmark(output_dir)  # saving again into a folder: torn until the new marker
         with self._hidden(self._optimizers, opt):
             location = super().save_state(output_dir, safe_serialization, **kwargs)
-        atomic_torch_save(opt.state_dict(), os.path.join(location, shard_name(self.process_index)))
-        self.wait_for_everyone()
+        digests, error = {}, None
+        try:
+            name = shard_name(self.process_index)
+            digests[name] = atomic_torch_save(opt.state_dict(), os.path.join(location, name))
+        except OSError as e:
+            error = str(e)
+        all_ranks_agree(error, f"saving state {location}")
+        seal(location, digests, step=None, optimizer=True, is_main=self.is_main_process)
         return location
 
     def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
@@ -206,13 +225,20 @@ class ElixirAccelerator(Accelerator):
                 f"{input_dir} was saved by {saved} rank(s) and this run has {self.num_processes}: resume with "
                 f"{saved} processes, or load only the weights"
             )
+        elixir_files = saved is not None or os.path.isfile(os.path.join(input_dir, PLAN_NAME))
+        if elixir_files:  # a plain Accelerate folder has no marker: weights only, as before
+            verify(input_dir, self.process_index, self.is_main_process)  # fails on every rank
         model = next(m for m in self._models if has_engine(m))
         with self._hidden(self._optimizers, opt), self._hidden(self._models, model):
             super().load_state(input_dir, **kwargs)
         load_safetensors(model, os.path.join(input_dir, SAFE_WEIGHTS_NAME))  # a tensor at a time, not the file per rank
-        shard = load_shard(input_dir, self.process_index)
-        if shard is not None:
-            opt.load_state_dict(shard)
+        if elixir_files:
+            error = None
+            try:
+                load_shard(input_dir, self.process_index, opt)
+            except Exception as e:  # noqa: BLE001 - every rank raises it
+                error = f"{type(e).__name__}: {e}"
+            all_ranks_agree(error, f"loading the optimizer state of {input_dir}")
 
     @staticmethod
     @contextlib.contextmanager

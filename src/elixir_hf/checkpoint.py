@@ -1,67 +1,155 @@
-"""Checkpoint files of an Elixir run and the checks that make a bad resume fail early.
+"""Checkpoint files of an Elixir run, written so that a resume can trust them, and the checks
+that make a bad resume fail early, on every rank, naming the file.
 
 Layout of a checkpoint folder (on top of what the Trainer writes):
 
 * ``model.safetensors`` (+ config): consolidated, loadable by ``from_pretrained``;
 * ``elixir_optim_rank{r}.pt``: rank ``r``'s optimizer shard (master weights, Adam moments,
-  loss scale), written by every rank;
-* ``elixir_plan.json``: the plan the run used (see ``plugin.py`` for reusing it).
+  loss scale, the Trainer's ``global_step``), written by every rank;
+* ``elixir_plan.json``: the plan the run used (see ``plugin.py`` for reusing it);
+* ``elixir_checkpoint.json``, the marker, written last: the step, the number of ranks and the size
+  and CRC-32 of every other file. A folder without it is torn (a save was interrupted).
 
-Every file is written to a temporary name and moved into place with ``os.replace``, so a crash
-leaves either the old file or the new one, never a torn one.
+Every file this package writes goes to a temporary name in the same folder, is fsynced, renamed
+into place and the folder fsynced; on any error the temporary file is removed and the error
+names the path and the OS error. Files other code writes (the Trainer's ``trainer_state.json``
+and RNG states, Accelerate's) are fsynced and summed when the marker is written. CRC-32 (zlib),
+not SHA-256: it reads at 1.3 GB/s on this 2-core host against 0.48 GB/s, and the marker guards
+against torn, truncated and swapped files, not against an adversary.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import logging
 import os
 import re
 import shutil
 import tempfile
+import zlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
 __all__ = [
+    "MARKER_NAME",
     "PLAN_NAME",
+    "CheckpointError",
     "shard_name",
     "atomic_torch_save",
     "atomic_write_text",
     "staged_dir",
+    "unmark",
+    "seal",
+    "verify",
+    "newest_complete",
+    "all_ranks_agree",
     "saved_world_size",
     "check_resume",
     "load_shard",
 ]
 
+logger = logging.getLogger(__name__)
+
 PLAN_NAME = "elixir_plan.json"
+MARKER_NAME = "elixir_checkpoint.json"
+_MARKER_FORMAT = "elixir-checkpoint/1"
 _SHARD_RE = re.compile(r"^elixir_optim_rank(\d+)\.pt$")
+_BLOCK = 16 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or trusted; raised on every rank."""
 
 
 def shard_name(rank: int) -> str:
     return f"elixir_optim_rank{rank}.pt"
 
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+class _Summing:
+    """The file object ``write`` sees: sums what passes and keeps the first OS error, which
+    ``torch.save``'s C++ writer would turn into ``basic_ios::clear: iostream error``."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f, self.crc, self.bytes, self.error = f, 0, 0, None
+
+    def write(self, data: Any) -> int:
+        try:
+            n = self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+        self.crc = zlib.crc32(data, self.crc)
+        self.bytes += len(memoryview(data).cast("B"))
+        return n
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
-def atomic_write_text(text: str, path: str | os.PathLike) -> None:
+def _write_file(path: str | os.PathLike, write: Callable[[_Summing], None]) -> dict[str, int]:
+    """``write(f)`` into ``path`` atomically and durably; returns its size and CRC-32."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    out = None
+    try:
+        with open(tmp, "wb") as f:
+            out = _Summing(f)
+            write(out)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        cause = out.error if out is not None and out.error is not None else e
+        if isinstance(cause, OSError):
+            raise OSError(
+                cause.errno or errno.EIO,
+                f"{cause.strerror or cause} (writing checkpoint file {path}; the partial file was removed)",
+                str(path),
+            ) from e
+        raise
+    return {"bytes": out.bytes, "crc32": out.crc}
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> dict[str, int]:
+    return _write_file(path, lambda f: torch.save(obj, f))
+
+
+def atomic_write_text(text: str, path: str | os.PathLike) -> dict[str, int]:
+    return _write_file(path, lambda f: f.write(text.encode()))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sum_file(path: Path, fsync: bool = False) -> dict[str, int]:
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            crc, size = zlib.crc32(block, crc), size + len(block)
+        if fsync:
+            os.fsync(f.fileno())
+    return {"bytes": size, "crc32": crc}
 
 
 @contextlib.contextmanager
 def staged_dir(output_dir: str | os.PathLike) -> Iterator[str]:
-    """Yields a fresh folder next to ``output_dir``; on success its files replace those in it.
+    """Yields a fresh folder next to ``output_dir``; on success its files (fsynced) replace those
+    in it and the folder is fsynced.
 
     Weight files of an earlier save that the new save does not write (another shard count) are
     removed, so ``from_pretrained`` never mixes two saves.
@@ -72,17 +160,147 @@ def staged_dir(output_dir: str | os.PathLike) -> Iterator[str]:
     try:
         yield str(stage)
         new = {p.name for p in stage.iterdir()}
+        for item in stage.iterdir():
+            with open(item, "rb") as f:
+                os.fsync(f.fileno())
         for old in out.glob("model*.safetensors*"):
             if old.name not in new:
                 old.unlink()
         for item in stage.iterdir():
             os.replace(item, out / item.name)
+        _fsync_dir(out)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 
 
+# ---------------------------------------------------------------------------------- the marker
+def _gather(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (a collective when distributed)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_ranks_agree(error: str | None, what: str) -> None:
+    """A collective: raises ``CheckpointError`` on every rank when any rank reports an error, so
+    that no rank goes on alone into a collective the failed one never joins (a hang until the
+    process-group timeout, 30 minutes by default)."""
+    errors = [f"rank {r}: {e}" for r, e in enumerate(_gather(error)) if e is not None]
+    if errors:
+        raise CheckpointError(f"{what} failed:\n  " + "\n  ".join(errors))
+
+
+def _error(fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001 - reported to every rank by all_ranks_agree
+        return None, f"{type(e).__name__}: {e}"
+
+
+def unmark(folder: str | os.PathLike) -> None:
+    """Before saving into ``folder`` again: it is torn until ``seal`` marks it (rank 0)."""
+    with contextlib.suppress(FileNotFoundError):
+        (Path(folder) / MARKER_NAME).unlink()
+
+
+def seal(folder: str | os.PathLike, digests: dict[str, dict[str, int]], *, step: int | None, optimizer: bool,
+         is_main: bool) -> None:
+    """A collective, once every rank has written its files into ``folder``: the main process sums
+    (and fsyncs) the files no rank summed while writing (``digests``: this rank's) and writes the
+    marker last. Any rank's failure is raised on every rank."""
+    everyone: dict[str, dict[str, int]] = {}
+    ranks = _gather(digests)  # also the barrier: every rank's files are in place
+    for d in ranks:
+        everyone.update(d)
+    error = None
+    if is_main:
+        folder = Path(folder)
+
+        def write() -> None:
+            files = {}
+            for p in sorted(folder.rglob("*")):
+                rel = p.relative_to(folder).as_posix()
+                if p.is_file() and rel != MARKER_NAME and not any(s.startswith(".") for s in rel.split("/")):
+                    files[rel] = everyone.get(rel) or _sum_file(p, fsync=True)
+            marker = {"format": _MARKER_FORMAT, "step": step, "optimizer": optimizer,
+                      "world_size": len(ranks) if optimizer else None, "files": files}
+            atomic_write_text(json.dumps(marker, indent=1), folder / MARKER_NAME)
+
+        _, error = _error(write)
+    all_ranks_agree(error, f"sealing checkpoint {folder}")
+
+
+def read_marker(folder: str | os.PathLike) -> dict[str, Any] | None:
+    path = Path(folder) / MARKER_NAME
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def verify(folder: str | os.PathLike, rank: int, is_main: bool) -> dict[str, Any]:
+    """A collective before anything is loaded: ``folder`` has its marker and every file matches the
+    size and CRC-32 recorded at save (each rank reads its own shard, the main process the rest).
+    Returns the marker; raises ``CheckpointError`` on every rank naming each bad file."""
+    folder = Path(folder)
+
+    def check() -> dict[str, Any]:
+        marker = read_marker(folder)
+        if marker is None:
+            raise CheckpointError(
+                f"checkpoint {folder} is incomplete: it has no {MARKER_NAME}, which a save writes last (the save was "
+                "interrupted, or the folder was not written by Elixir). Resume from an earlier checkpoint; "
+                "resume_from_checkpoint=True picks the newest complete one"
+            )
+        bad = []
+        for name, want in marker["files"].items():
+            m = _SHARD_RE.match(name)
+            if (int(m.group(1)) != rank) if m else not is_main:
+                continue
+            path = folder / name
+            if not path.is_file():
+                bad.append(f"{path} is missing")
+                continue
+            got = _sum_file(path)
+            if got["bytes"] != want["bytes"]:
+                bad.append(f"{path} is truncated or overwritten: {got['bytes']} bytes, {want['bytes']} at save")
+            elif got["crc32"] != want["crc32"]:
+                bad.append(f"{path} is corrupt or from another checkpoint: its CRC-32 differs from the one saved")
+        if bad:
+            raise CheckpointError("; ".join(bad) + ". Resume from another checkpoint")
+        return marker
+
+    marker, error = _error(check)
+    all_ranks_agree(error, f"verifying checkpoint {folder}")
+    return marker
+
+
+def newest_complete(output_dir: str | os.PathLike) -> str:
+    """``resume_from_checkpoint=True``: the newest ``checkpoint-N`` with its marker; warns about
+    each newer torn one (a save interrupted by a crash) it passes over."""
+    folders = [p for p in Path(output_dir).glob("checkpoint-*") if p.is_dir() and p.name[11:].isdigit()]
+    folders.sort(key=lambda p: int(p.name[11:]), reverse=True)
+    torn = []
+    for p in folders:
+        if (p / MARKER_NAME).is_file():
+            if torn:
+                logger.warning(
+                    "skipping torn checkpoint(s) %s (no %s: a save was interrupted); resuming from %s",
+                    ", ".join(map(str, torn)), MARKER_NAME, p,
+                )
+            return str(p)
+        torn.append(p)
+    raise CheckpointError(
+        f"no complete checkpoint in {output_dir} to resume from"
+        + (f" (torn, without {MARKER_NAME}: {', '.join(map(str, torn))})" if torn else "")
+        + ": start without resume_from_checkpoint, or pass a checkpoint folder"
+    )
+
+
 def saved_world_size(checkpoint: str | os.PathLike) -> int | None:
     """Number of ranks that wrote optimizer shards into ``checkpoint`` (``None``: no shards)."""
+    marker = read_marker(checkpoint)
+    if marker is not None and marker["world_size"] is not None:
+        return int(marker["world_size"])
     plan = Path(checkpoint) / PLAN_NAME
     if plan.is_file():
         return int(json.loads(plan.read_text())["world_size"])
@@ -90,8 +308,11 @@ def saved_world_size(checkpoint: str | os.PathLike) -> int | None:
     return max(ranks) + 1 if ranks else None
 
 
-def check_resume(checkpoint: str | os.PathLike, model: nn.Module, world_size: int) -> None:
-    """Fails before any weight is loaded when the checkpoint cannot continue this run."""
+def check_resume(checkpoint: str | os.PathLike, model: nn.Module, world_size: int, rank: int,
+                 is_main: bool) -> dict[str, Any]:
+    """Fails before any weight is loaded, on every rank, when the checkpoint cannot continue this
+    run (another number of ranks, a plain PyTorch optimizer, a bad file, another model); returns
+    its marker."""
     ckpt = Path(checkpoint)
     saved = saved_world_size(ckpt)
     if saved is not None and saved != world_size:
@@ -105,7 +326,9 @@ def check_resume(checkpoint: str | os.PathLike, model: nn.Module, world_size: in
             f"checkpoint {ckpt} holds a plain PyTorch optimizer state (optimizer.pt), not Elixir shards: resume it "
             f"with --elixir off, or start an Elixir run from its weights with --model_name_or_path {ckpt}"
         )
+    marker = verify(ckpt, rank, is_main)
     _check_weights_match(ckpt, model)
+    return marker
 
 
 def _check_weights_match(ckpt: Path, model: nn.Module) -> None:
@@ -148,8 +371,15 @@ def _checkpoint_shapes(ckpt: Path) -> dict[str, list[int]] | None:
     return shapes
 
 
-def load_shard(checkpoint: str | os.PathLike, rank: int) -> dict[str, Any] | None:
+def load_shard(checkpoint: str | os.PathLike, rank: int, optimizer: Any, global_step: int | None = None) -> None:
+    """Loads rank ``rank``'s shard of a verified checkpoint into ``optimizer``; a shard of another
+    step (``global_step``: the Trainer's, saved in the shard) or layout fails naming the file."""
     path = Path(checkpoint) / shard_name(rank)
-    if not path.is_file():
-        return None
-    return torch.load(path, map_location="cpu", weights_only=True)
+    shard = torch.load(path, map_location="cpu", weights_only=True)
+    saved = shard.pop("global_step", None)
+    if global_step is not None and saved != global_step:
+        raise CheckpointError(f"{path} is stale: it holds step {saved} and the checkpoint step {global_step}")
+    try:
+        optimizer.load_state_dict(shard)
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"{path} does not fit this run: {e}") from e

@@ -15,8 +15,12 @@ where the Trainer allows it:
   Trainer calls ``state_dict()`` on rank 0 only and would deadlock), keeps them on rank 0 only (one
   host copy of the model) and writes them atomically there, with ``elixir_plan.json`` beside them
   (the final output as well as every ``checkpoint-N``);
-* optimizer state is one ``elixir_optim_rank{r}.pt`` per rank, plus the scheduler on rank 0;
-* resuming checks the checkpoint against the model and the number of ranks before loading;
+* optimizer state is one ``elixir_optim_rank{r}.pt`` per rank, plus the scheduler on rank 0; a
+  checkpoint is complete once its marker (sizes and CRC-32s of all its files) is written, last,
+  before older checkpoints are rotated out;
+* resuming verifies the checkpoint (marker, sums, step; on every rank) and checks it against the
+  model and the number of ranks before loading; ``resume_from_checkpoint=True`` takes the newest
+  complete checkpoint, warning about torn ones;
 * every training log carries the engine's ``elixir/*`` numbers (``log``, so they reach
   ``log_history`` and every reporter), and the console shows them as one short entry
   (``callback.py``).
@@ -36,13 +40,26 @@ from unittest import mock
 import torch
 import transformers.trainer
 from transformers import Trainer
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from elixir_runtime import rank0_state_dict
 
 from .accelerator import ElixirAccelerator
 from .arguments import as_elixir_args
 from .callback import SHORT_CONSOLE
-from .checkpoint import PLAN_NAME, atomic_torch_save, check_resume, load_shard, saved_world_size, shard_name, staged_dir
+from .checkpoint import (
+    PLAN_NAME,
+    all_ranks_agree,
+    atomic_torch_save,
+    check_resume,
+    load_shard,
+    newest_complete,
+    seal,
+    shard_name,
+    staged_dir,
+    unmark,
+    verify,
+)
 from .engine import build_engine, example_batch, has_engine
 from .mixin import mixed_class
 from .plugin import ENV_VAR, ElixirPlugin, describe_model
@@ -117,6 +134,28 @@ class ElixirTrainer(Trainer):
         super().log(logs, *args, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        if self.elixir_plugin is not None and resume_from_checkpoint is True:
+            resume_from_checkpoint = newest_complete(self.args.output_dir)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
+        """The stock save, then the marker, then the rotation of older checkpoints (deferred: until
+        the new one is complete, the older ones are what a resume falls back to)."""
+        if not has_engine(self.model):
+            return super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save:
+            unmark(folder)
+        self._digests: dict[str, dict[str, int]] = {}
+        rotations: list[dict] = []
+        with mock.patch.object(transformers.trainer, "rotate_checkpoints", lambda **kw: rotations.append(kw)):
+            super()._save_checkpoint(model, trial)
+        seal(folder, self._digests, step=self.state.global_step, optimizer=not self.args.save_only_model,
+             is_main=self.args.should_save)
+        for kwargs in rotations:
+            transformers.trainer.rotate_checkpoints(**kwargs)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if not has_engine(self.model):
             return super().save_model(output_dir, _internal_call)
@@ -135,16 +174,25 @@ class ElixirTrainer(Trainer):
         if not has_engine(self.model):
             return super()._save_optimizer_and_scheduler(output_dir)
         os.makedirs(output_dir, exist_ok=True)
-        atomic_torch_save(self.optimizer.state_dict(), os.path.join(output_dir, shard_name(self.args.process_index)))
-        if self.args.should_save:
-            atomic_torch_save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
-        # rank 0 writes trainer_state.json next, which marks the checkpoint complete: all shards first
-        self.accelerator.wait_for_everyone()
+        error = None
+        try:
+            shard = {**self.optimizer.state_dict(), "global_step": self.state.global_step}
+            name = shard_name(self.args.process_index)
+            self._digests[name] = atomic_torch_save(shard, os.path.join(output_dir, name))
+            if self.args.should_save:
+                self._digests[SCHEDULER_NAME] = atomic_torch_save(
+                    self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME)
+                )
+        except OSError as e:
+            error = str(e)
+        all_ranks_agree(error, f"saving checkpoint {output_dir}")
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         target = model if model is not None else self.model
         if self.elixir_plugin is not None:
-            check_resume(resume_from_checkpoint, target, self.args.world_size)
+            self._resume_marker = check_resume(
+                resume_from_checkpoint, target, self.args.world_size, self.args.process_index, self.args.should_save
+            )
             if not has_engine(target) and all(p.is_meta for p in target.parameters()):
                 # a rank that built the model on meta (elixir_hf.from_pretrained): rank 0 loads the
                 # checkpoint's weights and the engine gives them to this rank; reading the file here
@@ -155,16 +203,16 @@ class ElixirTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or not has_engine(self.model):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        if saved_world_size(checkpoint) is None:
-            return  # weights only (save_only_model): fresh optimizer state, as the stock Trainer does
-        rank = self.args.process_index
-        shard = load_shard(checkpoint, rank)
-        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
-        if shard is None or not os.path.isfile(scheduler):
-            missing = shard_name(rank) if shard is None else SCHEDULER_NAME
-            raise ValueError(f"checkpoint {checkpoint} is incomplete ({missing} is missing): resume from an earlier")
-        self.optimizer.load_state_dict(shard)
-        self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+        marker = getattr(self, "_resume_marker", None) or verify(checkpoint, self.args.process_index, self.args.should_save)
+        if not marker["optimizer"]:
+            return  # weights only (save_only_model): fresh optimizer and scheduler, as the stock Trainer does
+        error = None
+        try:
+            load_shard(checkpoint, self.args.process_index, self.optimizer, marker["step"])
+            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+        except Exception as e:  # noqa: BLE001 - every rank raises it
+            error = f"{type(e).__name__}: {e}"
+        all_ranks_agree(error, f"loading the optimizer state of {checkpoint}")
 
 
 @contextlib.contextmanager

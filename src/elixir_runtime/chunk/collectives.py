@@ -6,7 +6,9 @@ copy and the reduce-scatter leaves this rank's averaged slice where it was.
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+import collections
+import functools
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -28,6 +30,8 @@ class Collectives:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
+        self._hold_work = self.distributed and dist.get_backend(group) == "gloo"
+        self._recent: collections.deque = collections.deque(maxlen=2)
 
     @property
     def source_rank(self) -> int:
@@ -53,7 +57,7 @@ class Collectives:
     def all_gather_(self, full: torch.Tensor) -> None:
         """Fills ``full`` from every rank's slice (this rank's slice already holds its shard)."""
         if self.world_size > 1:
-            _all_gather_single(full, self.shard_of(full), group=self.group)
+            self._run(_all_gather_single, full, self.shard_of(full))
 
     def reduce_scatter_avg_(self, full: torch.Tensor) -> torch.Tensor:
         """Averages ``full`` over ranks into this rank's slice of it, which is returned.
@@ -65,13 +69,32 @@ class Collectives:
             return full
         full.div_(self.world_size)
         shard = self.shard_of(full)
-        _reduce_scatter_single(shard, full, group=self.group)
+        self._run(_reduce_scatter_single, shard, full)
         return shard
 
     def all_reduce_sum_(self, t: torch.Tensor) -> None:
         if self.world_size > 1:
-            dist.all_reduce(t, group=self.group)
+            self._run(dist.all_reduce, t)
 
     def all_reduce_max_(self, t: torch.Tensor) -> None:
         if self.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            self._run(functools.partial(dist.all_reduce, op=dist.ReduceOp.MAX), t)
+
+    def _run(self, collective: Callable[..., Any], *tensors: torch.Tensor) -> None:
+        """``collective(*tensors)`` to completion; on gloo its work handle is kept until two later
+        collectives have run, so that this thread, not gloo's worker, frees it.
+
+        gloo's worker thread drops its reference to a work just after the caller's wait returns.
+        When that is the last one, freeing the work's tensors (made in Python) takes the GIL on the
+        worker; if the interpreter is already exiting (rank 1 returns from ``main`` right after the
+        collective gather of a final save), taking the GIL ends the thread with ``pthread_exit``,
+        whose unwinding through C++ ``noexcept`` frames aborts the rank: ``terminate called without
+        an active exception``, SIGABRT (gdb: ``~AsyncAllgatherWork`` -> ``decref_pyobject`` ->
+        ``take_gil`` -> ``PyThread_exit_thread``). Measured with a bare 2-rank all-gather loop that
+        then exits: 6 aborts in 30 runs and 11 in 40 without the handles, 0 in 40 with them. Not
+        on NCCL: holding its handles would keep temporary chunk buffers alive on the GPU.
+        """
+        work = collective(*tensors, group=self.group, async_op=self._hold_work)
+        if self._hold_work:
+            work.wait()
+            self._recent.append(work)
