@@ -162,11 +162,18 @@ class ElixirTrainer(Trainer):
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         with rank0_state_dict(self.model):  # collective: every rank takes part; only rank 0 keeps the weights
             state_dict = self.model.state_dict()
+        error = None
         if self.args.should_save:
-            with staged_dir(output_dir) as stage, _logs_name(stage, output_dir):
-                self._save(stage, state_dict=state_dict)
-                plan = {**json.loads(self.model._elixir.plan.to_json()), "model": describe_model(self.model)}
-                Path(stage, PLAN_NAME).write_text(json.dumps(plan, indent=2))
+            try:
+                with staged_dir(output_dir) as stage, _logs_name(stage, output_dir):
+                    self._save(stage, state_dict=state_dict)
+                    plan = {**json.loads(self.model._elixir.plan.to_json()), "model": describe_model(self.model)}
+                    Path(stage, PLAN_NAME).write_text(json.dumps(plan, indent=2))
+            except OSError as e:
+                error = str(e)
+        # a collective: a failed write is raised on every rank, and no rank runs ahead into its next
+        # forward (a lockstep check-in, ElixirConfig.lockstep_timeout_s) while rank 0 still writes
+        all_ranks_agree(error, f"saving the model to {output_dir}")
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
