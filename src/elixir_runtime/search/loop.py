@@ -57,17 +57,12 @@ class SearchSettings:
 
 @dataclass
 class SearchResult:
+    """The search's choice and why. The plan's own numbers (chunk count, rCache bounds, memory) are
+    the plan's to count (``plan.resolve_plan``), from the layout of this ``chunk_size``."""
+
     chunk_size: int
-    n_blocks: int
-    offload: list[int]
-    n_chunks: int
-    min_blocks: int
-    max_blocks: int
-    time: StepTime
-    device_bytes: int
-    host_bytes: int
-    i_per_gib: float
-    j_per_gib: float
+    placement: Placement
+    """rCache blocks, offloaded chunks, predicted step time and bytes, I(n)/J(n) of the winner."""
     budget: Budget
     candidates: list[dict] = field(default_factory=list)
     alternatives: list[dict] = field(default_factory=list)
@@ -125,16 +120,7 @@ def search(
     p = best.placement
     return SearchResult(
         chunk_size=best.layout.chunk_size,
-        n_blocks=p.n_blocks,
-        offload=p.offload,
-        n_chunks=len(best.layout.chunks),
-        min_blocks=best.min_blocks,
-        max_blocks=best.max_blocks,
-        time=p.time,
-        device_bytes=p.device_bytes,
-        host_bytes=p.host_bytes,
-        i_per_gib=p.i_per_byte * GIB,
-        j_per_gib=p.j_per_byte * GIB,
+        placement=p,
         budget=budget,
         candidates=[_row(e) for e in evaluated],
         alternatives=_alternatives(best, budget),
