@@ -146,7 +146,7 @@ def _count_memory(layout: ChunkLayout, offload: set[int], n_blocks: int, dtype: 
     arenas = ArenaBytes(layout, dtype)
     on_device = np.array([c.index not in offload for c in layout.chunks], dtype=bool)
     return {
-        "rcache": n_blocks * arenas.block,
+        "rcache": n_blocks * arenas.buffer,
         "private": arenas.private,
         "device_shards": int(arenas.arena[on_device].sum()),
         "host_shards": arenas.host(on_device),

@@ -250,7 +250,7 @@ def _no_fit_message(evaluated: list[_Evaluated], profile: ModelProfile, budget: 
         needs.append((e.mem.device(e.min_blocks, on_device), e.mem.host(np.zeros_like(on_device)), e))
     device_need, host_all, e = min(needs, key=lambda x: x[0])
     host_bound = host_all > budget.host_allowed  # the host cannot take every chunk
-    fixed = e.min_blocks * e.mem.block + e.mem.private  # rCache-min and private blocks: do not shrink with N
+    fixed = e.min_blocks * e.mem.buffer + e.mem.private  # rCache-min and private blocks: do not shrink with N
     states = int(e.mem.arena.sum()) * n  # every rank's arenas together
     lines = [
         f"no plan fits: the smallest one (chunks of {e.layout.chunk_size:,} elements, rCache of {e.min_blocks} "
