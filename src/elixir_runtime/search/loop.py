@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from ..chunk.layout import ChunkLayout, build_layout, round_up
 from ..config import ElixirConfig, PlanError, offloaded_chunks
@@ -26,7 +25,7 @@ from ..units import ParamTable
 from .access import access_trace, unit_work
 from .budget import Budget
 from .candidates import chunk_size_candidates
-from .step_time import StepModel, StepTime
+from .step_time import StepModel
 from ..hardware.profile import HardwareProfile
 from .memory import ArenaBytes
 from .placement import Placement, best_placement
