@@ -12,6 +12,9 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from elixir_hf.presets import ALIASES
+from elixir_hf.presets import PRESETS as MODEL_PRESETS
+
 SEQ = 1024
 VOCAB = 50257
 INIT_STD = 0.02
@@ -27,25 +30,17 @@ class Preset:
     n_head: int
 
 
-PRESETS: dict[str, Preset] = {
-    p.name: p
-    for p in (
-        Preset("tiny", 64, 2, 4),  # CPU smoke tests only
-        Preset("1.5b", 1600, 48, 25),
-        Preset("gpt2-4b", 3072, 32, 24),  # the paper's appendix B.2
-        Preset("6.5b", 4096, 32, 32),  # just overflows one 80 GB card (16 B/param of states)
-        Preset("gpt2-10b", 4096, 48, 32),
-        Preset("gpt2-15b", 8192, 18, 64),
-        Preset("gpt2-20b", 8192, 24, 64),
-    )
-}
+_SIZES = ("tiny", "gpt2-1.5b", "gpt2-4b", "gpt2-6.5b", "gpt2-10b", "gpt2-15b", "gpt2-20b")
+PRESETS: dict[str, Preset] = {n: Preset(n, **MODEL_PRESETS[n][1]) for n in _SIZES}
+"""The sizes of the throughput table (``elixir_hf.presets``); ``tiny`` for CPU smoke runs only."""
+PRESETS.update({alias: PRESETS[name] for alias, name in ALIASES.items() if name in PRESETS})
 
 
 def preset(name: str) -> Preset:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown model preset {name!r}; choose from {', '.join(PRESETS)}") from None
+        raise ValueError(f"unknown model preset {name!r}; choose from {', '.join(_SIZES)}") from None
 
 
 def gpt2_config(p: Preset, seq: int = SEQ):

@@ -27,22 +27,21 @@ from typing import Any
 
 import torch
 
+from elixir_hf.presets import PRESETS, canonical_name
 from elixir_runtime.profiler import ModelProfile, profile_model
 from elixir_runtime.profiler.kernels import cuda_attention
 from elixir_runtime.search.step_time import compute_time
 
 GIB = 2**30
 SEQ = 1024
-MODELS = {
-    "gpt2-xl": {"n_embd": 1600, "n_layer": 48, "n_head": 25},
-    "gpt2-4b": {"n_embd": 3072, "n_layer": 32, "n_head": 24},
-}
+MODELS = ("gpt2-xl", "gpt2-4b")
+"""Presets of ``elixir_hf.presets`` (``gpt2-xl``: ``gpt2-1.5b``, the name the results in docs/planning.md use)."""
 
 
 def build(name: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    config = GPT2Config(n_positions=SEQ, vocab_size=50257, **MODELS[name])
+    config = GPT2Config(n_positions=SEQ, vocab_size=50257, **PRESETS[canonical_name(name)][1])
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     model.train()

@@ -69,7 +69,7 @@ def predict(run: dict[str, Any]) -> StepTime:
         ),
         busbw=busbw * 1e9 if busbw and run["gpus"] > 1 else None,
     )
-    return search(table, profile, hardware, budget, settings).time
+    return search(table, profile, hardware, budget, settings).placement.time
 
 
 def replay(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:

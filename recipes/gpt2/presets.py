@@ -1,4 +1,5 @@
-"""GPT-2 model sizes: OpenAI's four and the Elixir paper's (appendix B.2, "Model Configurations").
+"""GPT-2 model sizes of the recipe: the GPT-2 shapes of ``elixir_hf.presets`` (OpenAI's four and the
+Elixir paper's, appendix B.2 "Model Configurations"), with what the recipe adds to train them.
 
 Built from a config, never downloaded: the recipe trains from scratch unless
 ``--model_name_or_path`` points at weights. ``tiny`` is the CPU default (trains in about a minute
@@ -8,6 +9,8 @@ on two cores); the paper's sizes are what Elixir is for.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from elixir_hf.presets import PRESETS as MODEL_PRESETS
 
 __all__ = ["Preset", "PRESETS", "GPT2_VOCAB"]
 
@@ -27,15 +30,11 @@ class Preset:
     """Size of the BPE the recipe trains when no tokenizer is given."""
 
 
-PRESETS: dict[str, Preset] = {
-    "tiny": Preset(128, 4, 4, n_positions=256, block_size=128, vocab_size=0, tokenizer_vocab=2048),
-    "small": Preset(768, 12, 12),
-    "medium": Preset(1024, 24, 16),
-    "large": Preset(1280, 36, 20),
-    "xl": Preset(1600, 48, 25),
-    "gpt2-4b": Preset(3072, 32, 24),
-    "gpt2-10b": Preset(4096, 48, 32),
-    "gpt2-15b": Preset(8192, 18, 64),
-    "gpt2-20b": Preset(8192, 24, 64),
-}
+_RECIPE_TINY = {"n_positions": 256, "block_size": 128, "vocab_size": 0, "tokenizer_vocab": 2048}
 """``vocab_size=0``: exactly the tokenizer's size (the smallest embedding)."""
+
+PRESETS: dict[str, Preset] = {
+    name: Preset(**shape, **(_RECIPE_TINY if name == "tiny" else {}))
+    for name, (family, shape) in MODEL_PRESETS.items()
+    if family == "gpt2"
+}

@@ -6,7 +6,7 @@ the same ``datasets`` pipeline: ``--streaming``, ``--preprocessing_num_workers``
 ``--keep_linebreaks``, cached ``map``), with Elixir on by default (``--elixir auto``; ``--elixir off``
 is the stock Trainer). Runs offline out of the box: with no arguments it builds a corpus from the
 source of Python's standard library, trains a byte-level BPE on it, and trains a model sized for
-the machine (``tiny`` on CPU, ``small`` on a GPU), printing the Elixir plan, a falling loss and the
+the machine (``tiny`` on CPU, ``gpt2`` on a GPU), printing the Elixir plan, a falling loss and the
 validation perplexity. ``--model_name_or_path`` trains any causal LM instead (a local folder, or a
 hub id when online), with its own tokenizer.
 
@@ -56,7 +56,7 @@ class ModelArguments:
     )
     model_size: str | None = field(
         default=None,
-        metadata={"help": f"Train from scratch at one of {list(PRESETS)}. Default: tiny on CPU, small on GPU."},
+        metadata={"help": f"Train from scratch at one of {list(PRESETS)}. Default: tiny on CPU, gpt2 (124M) on GPU."},
     )
     config_overrides: str | None = field(
         default=None, metadata={"help": "Override config values, e.g. 'n_embd=256,resid_pdrop=0.0'."}
@@ -209,7 +209,7 @@ def main() -> None:
     if model_args.model_name_or_path is not None and model_args.model_size is not None:
         raise SystemExit("--model_size builds a new model and --model_name_or_path loads one: pass only one")
     if model_args.model_name_or_path is None:
-        model_args.model_size = model_args.model_size or ("small" if ON_GPU else "tiny")
+        model_args.model_size = model_args.model_size or ("gpt2" if ON_GPU else "tiny")
         if model_args.model_size not in PRESETS:
             raise SystemExit(f"--model_size {model_args.model_size!r} is not one of {list(PRESETS)}")
     preset = PRESETS.get(model_args.model_size)

@@ -2,7 +2,7 @@
 
 Everything that can be wrong with the combination is rejected here, at argument parsing, before
 a model is loaded. When Elixir is on, the engine owns the compute dtype: ``--bf16/--fp16`` (or
-accelerate's ``mixed_precision``) become ``elixir_plugin.dtype`` and the Accelerator is given
+accelerate's ``mixed_precision``) become ``elixir_plugin.config.dtype`` and the Accelerator is given
 ``mixed_precision="no"``, so no autocast or GradScaler runs on top of the engine. The Trainer
 must not move the model to the GPU (the engine places each chunk) nor wrap it in DataParallel.
 
@@ -44,7 +44,7 @@ class ElixirTrainingArguments(TrainingArguments):
     elixir: dict | str | None = field(
         default=None,
         metadata={
-            "help": "Train with the Elixir engine: 'auto', 'off', a JSON object of ElixirPlugin fields, or a .json "
+            "help": "Train with the Elixir engine: 'auto', 'off', a JSON object of ElixirConfig fields, or a .json "
             f"file (settings or a saved elixir_plan.json). Unset: the {ENV_VAR} environment variable, else off.",
             "nargs": "?",
             "const": "auto",

@@ -38,36 +38,11 @@ from elixir_runtime.hardware.load import ENV_HARDWARE, SHIPPED
 from elixir_runtime.search import Budget
 from elixir_runtime.search.auto import search_model
 
+from .presets import PRESETS, canonical_name
+
 __all__ = ["main", "PRESETS", "parse_size", "build_meta_model"]
 
 GIB = 2**30
-
-PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
-    "gpt2": ("gpt2", {"n_embd": 768, "n_layer": 12, "n_head": 12}),
-    "gpt2-medium": ("gpt2", {"n_embd": 1024, "n_layer": 24, "n_head": 16}),
-    "gpt2-large": ("gpt2", {"n_embd": 1280, "n_layer": 36, "n_head": 20}),
-    "gpt2-xl": ("gpt2", {"n_embd": 1600, "n_layer": 48, "n_head": 25}),
-    # the paper's models (appendix B.2), and the 6.5B that just overflows one 80 GB card
-    "gpt2-4b": ("gpt2", {"n_embd": 3072, "n_layer": 32, "n_head": 24}),
-    "gpt2-6.5b": ("gpt2", {"n_embd": 4096, "n_layer": 32, "n_head": 32}),
-    "gpt2-10b": ("gpt2", {"n_embd": 4096, "n_layer": 48, "n_head": 32}),
-    "gpt2-15b": ("gpt2", {"n_embd": 8192, "n_layer": 18, "n_head": 64}),
-    "gpt2-20b": ("gpt2", {"n_embd": 8192, "n_layer": 24, "n_head": 64}),
-    "opt-175b": (
-        "opt",
-        {
-            "hidden_size": 12288, "num_hidden_layers": 96, "num_attention_heads": 96, "ffn_dim": 49152,
-            "max_position_embeddings": 2048, "word_embed_proj_dim": 12288, "vocab_size": 50272,
-        },
-    ),
-    "llama2-7b": (
-        "llama",
-        {
-            "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
-            "intermediate_size": 11008, "vocab_size": 32000, "max_position_embeddings": 4096,
-        },
-    ),
-}
 
 _UNITS = {"": GIB, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "kib": 2**10, "mib": 2**20,
           "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -86,8 +61,9 @@ def model_config(name: str, seq_len: int):
     """A preset, a ``config.json`` (or a directory holding one), or a Hub id (cached, or online)."""
     from transformers import AutoConfig
 
-    if name.lower() in PRESETS:
-        family, kwargs = PRESETS[name.lower()]
+    preset = canonical_name(name)
+    if preset is not None:
+        family, kwargs = PRESETS[preset]
         if family == "gpt2":
             kwargs = {**kwargs, "n_positions": max(1024, seq_len), "vocab_size": 50257}
         return AutoConfig.for_model(family, **kwargs)

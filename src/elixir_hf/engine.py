@@ -52,7 +52,7 @@ def build_engine(
     gradients (``clips_grads``); without them it assumes it does.
     """
     plugin.check_model(model)
-    config = plugin.to_config(device)
+    config = dataclasses.replace(plugin.config, device=device)
     if args is not None:
         config = dataclasses.replace(config, clips_grads=clips_grads(args))
     _, engine = elixir_runtime.prepare(model, optimizer, config=config, example_batch=batch)

@@ -1,7 +1,7 @@
-"""``ElixirPlugin``: the engine settings a user gives to the HF integration, and their grammar.
+"""``ElixirPlugin``: the ``ElixirConfig`` (and plan file) a user gives to the HF integration, and their grammar.
 
 One spec string is accepted everywhere (``--elixir``, ``ELIXIR_CONFIG``, ``ElixirAccelerator``):
-``off`` | ``auto`` | a JSON object of plugin fields | a path to a ``.json`` file holding either
+``off`` | ``auto`` | a JSON object of ``ElixirConfig`` fields | a path to a ``.json`` file holding either
 such an object, a plan saved by an earlier run (``elixir_plan.json``) or the ``--json`` report of
 the ``elixir-plan`` planner. A plan pins the layout (static mode) and records the world size (and,
 when saved by a run, the model) it was made for, so that a plan for another model or another
@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,12 @@ __all__ = ["ElixirPlugin", "ElixirSpecError", "ENV_VAR", "describe_model", "chec
 ENV_VAR = "ELIXIR_CONFIG"
 
 _LOSS_SCALE_KEYS = {f.name for f in fields(LossScaleConfig)}
+_SPEC_KEYS = (  # the ElixirConfig fields a spec may set (device, process group, alignment, clips_grads: the run's)
+    "mode", "dtype", "chunk_size", "n_blocks", "offload", "prefetch", "unit_classes", "cpu_threads",
+    "lockstep_timeout_s", "loss_scale", "skip_nonfinite", "max_consecutive_skips",
+)
 _MIXED_PRECISION_DTYPES = {"no": None, "fp16": "fp16", "bf16": "bf16"}
+_SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", "fp16": "fp16", "bf16": "bf16"}
 
 
 class ElixirSpecError(ValueError):
@@ -36,37 +41,14 @@ class ElixirSpecError(ValueError):
 
 @dataclass
 class ElixirPlugin:
-    """Engine settings; every field maps onto ``elixir_runtime.ElixirConfig`` (see its docs)."""
+    """What a user asked of the engine: an ``elixir_runtime.ElixirConfig`` (see its docs) and, when a
+    plan file was given, the plan this run must follow."""
 
-    mode: str = "auto"
-    dtype: str | None = None
-    """``fp16``/``bf16``/``fp32``; ``None`` takes ``--fp16/--bf16`` (or accelerate's mixed_precision)."""
-    chunk_size: int | None = None
-    n_blocks: int | str | None = None
-    offload: float | list[int] | None = None
-    prefetch: int = 1
-    unit_classes: list[str] | None = None
-    cpu_threads: int | None = None
-    """Threads of the CPU Adam; ``None``: the rank's share of the host's cores less one."""
-    lockstep_timeout_s: float = 60.0
-    """Seconds a rank waits for the others at the start of a forward before failing (rank-local forwards)."""
-    loss_scale: dict[str, float] = field(default_factory=dict)
-    """``LossScaleConfig`` fields, e.g. ``{"init_scale": 1024}`` (fp16 only)."""
-    skip_nonfinite: bool = True
-    max_consecutive_skips: int = 25
-    plan: dict[str, Any] | None = None
+    config: ElixirConfig = field(default_factory=ElixirConfig)
+    plan: ElixirPlan | None = None
     """The saved plan this run must follow (set by a plan file); checked against model and ranks."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.loss_scale, dict):
-            raise ElixirSpecError(f"loss_scale must be an object such as {{\"init_scale\": 1024}}, got {self.loss_scale!r}")
-        unknown = set(self.loss_scale) - _LOSS_SCALE_KEYS
-        if unknown:
-            raise ElixirSpecError(f"unknown loss_scale key(s) {sorted(unknown)}; valid keys: {sorted(_LOSS_SCALE_KEYS)}")
-        try:
-            self.to_config()
-        except ValueError as exc:  # the config's own checks (ConfigError), one copy of each rule
-            raise ElixirSpecError(str(exc)) from exc
+    plan_model: dict[str, Any] | None = None
+    """The model the plan file was saved for (``describe_model``), when the file names one."""
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -107,7 +89,7 @@ class ElixirPlugin:
             return cls._from_plan(data, source)
         if isinstance(data.get("plan"), dict):  # a report of the `elixir-plan` planner (``--json``)
             return cls._from_plan(data["plan"], source)
-        valid = [f.name for f in fields(cls) if f.name != "plan"]
+        valid = list(_SPEC_KEYS)
         for key in data:
             if key not in valid:
                 hint = difflib.get_close_matches(key, valid, n=1)
@@ -116,61 +98,73 @@ class ElixirPlugin:
         return cls._built(source, **data)
 
     @classmethod
-    def _built(cls, source: str, **kwargs: Any) -> "ElixirPlugin":
-        try:
-            return cls(**kwargs)
-        except ElixirSpecError as exc:
+    def _built(cls, source: str, plan: ElixirPlan | None = None, plan_model: dict[str, Any] | None = None,
+               **kwargs: Any) -> "ElixirPlugin":
+        """``kwargs``: the spec keys (``_SPEC_KEYS``); ``loss_scale`` is an object of ``LossScaleConfig`` fields."""
+        loss_scale = kwargs.pop("loss_scale", {})
+        if not isinstance(loss_scale, dict):
+            raise ElixirSpecError(f"{source}: loss_scale must be an object such as {{\"init_scale\": 1024}}, got {loss_scale!r}")
+        unknown = set(loss_scale) - _LOSS_SCALE_KEYS
+        if unknown:
+            raise ElixirSpecError(f"{source}: unknown loss_scale key(s) {sorted(unknown)}; valid keys: {sorted(_LOSS_SCALE_KEYS)}")
+        try:  # the config's own checks (ConfigError), one copy of each rule
+            config = ElixirConfig(loss_scale=LossScaleConfig(**loss_scale), **kwargs)
+        except ValueError as exc:
             raise ElixirSpecError(f"{source}: {exc}") from exc
+        return cls(config=config, plan=plan, plan_model=plan_model)
 
     @classmethod
     def _from_plan(cls, data: dict, source: str) -> "ElixirPlugin":
         try:
-            ElixirPlan.from_dict({k: v for k, v in data.items() if k != "model"})
+            plan = ElixirPlan.from_dict({k: v for k, v in data.items() if k != "model"})
         except (TypeError, ValueError) as exc:
             raise ElixirSpecError(f"{source} looks like a plan but is not one: {exc}") from exc
         return cls._built(
             source,
             mode="static",
-            chunk_size=data["chunk_size"],
-            n_blocks=data["n_blocks"],
-            offload=list(data["offload"]),
-            plan=dict(data),
+            chunk_size=plan.chunk_size,
+            n_blocks=plan.n_blocks,
+            offload=list(plan.offload),
+            plan=plan,
+            plan_model=data.get("model"),
         )
 
     # ------------------------------------------------------------------ resolution
     def resolve_dtype(self, mixed_precision: str | None) -> None:
-        """Fills ``dtype`` from HF/accelerate mixed precision; the engine owns precision, so a
-        conflicting explicit choice is an error rather than a silent override."""
+        """Fills the config's ``dtype`` from HF/accelerate mixed precision; the engine owns precision,
+        so a conflicting explicit choice is an error rather than a silent override."""
         mp = (mixed_precision or "no").lower()
         if mp not in _MIXED_PRECISION_DTYPES:
             raise ElixirSpecError(
                 f"mixed precision {mp!r} is not supported with Elixir; use bf16, fp16 or no (fp32)"
             )
         wanted = _MIXED_PRECISION_DTYPES[mp]
-        if self.dtype is None:
-            self.dtype = wanted
-        elif wanted is not None and _canonical(self.dtype) != _canonical(wanted):
+        dtype = self.config.dtype
+        if dtype is None:
+            dtype = wanted
+        elif wanted is not None and _canonical(dtype) != _canonical(wanted):
             raise ElixirSpecError(
-                f"--elixir asks for dtype {self.dtype!r} but mixed precision is {mp!r}; drop one of them"
+                f"--elixir asks for dtype {_SHORT_NAMES[dtype]!r} but mixed precision is {mp!r}; drop one of them"
             )
-        if self.plan is not None and _canonical(self.dtype or self.plan["dtype"]) != _canonical(self.plan["dtype"]):
+        if self.plan is not None and _canonical(dtype or self.plan.dtype) != _canonical(self.plan.dtype):
             raise ElixirSpecError(
-                f"the plan file was made for {self.plan['dtype']} but this run computes in {self.dtype}: pass the "
+                f"the plan file was made for {self.plan.dtype} but this run computes in {_SHORT_NAMES[dtype]}: pass the "
                 "matching --bf16/--fp16 flag, or re-plan with --elixir auto"
             )
-        if self.dtype is None and self.plan is not None:
-            self.dtype = self.plan["dtype"]
+        if dtype is None and self.plan is not None:
+            dtype = self.plan.dtype
+        self.config = replace(self.config, dtype=dtype)
 
     def check_world_size(self, world_size: int) -> None:
-        if self.plan is not None and self.plan["world_size"] != world_size:
+        if self.plan is not None and self.plan.world_size != world_size:
             raise ElixirSpecError(
-                f"the plan file was made for {self.plan['world_size']} rank(s) but this run has {world_size}: "
-                f"launch {self.plan['world_size']} processes, or re-plan with --elixir auto"
+                f"the plan file was made for {self.plan.world_size} rank(s) but this run has {world_size}: "
+                f"launch {self.plan.world_size} processes, or re-plan with --elixir auto"
             )
 
     def check_model(self, model: torch.nn.Module) -> None:
         """Before the engine is built: a plan that names its model must name this one."""
-        saved = (self.plan or {}).get("model")
+        saved = self.plan_model
         if saved and saved != describe_model(model):
             raise ElixirSpecError(
                 f"the plan file was made for another model ({saved}) than this one ({describe_model(model)}): "
@@ -182,32 +176,12 @@ class ElixirPlugin:
         if self.plan is None:
             return
         got = {k: getattr(plan, k) for k in ("n_chunks", "chunk_size", "world_size")}
-        want = {k: self.plan[k] for k in got}
+        want = {k: getattr(self.plan, k) for k in got}
         if got != want:
             raise ElixirSpecError(
                 f"the plan file does not fit this model: it describes {want}, this model gives {got}; "
                 "re-plan with --elixir auto, or load the model the plan was made for"
             )
-
-    def to_config(self, device: torch.device | str | None = None) -> ElixirConfig:
-        return ElixirConfig(
-            mode=self.mode,  # type: ignore[arg-type]
-            dtype=self.dtype,
-            chunk_size=self.chunk_size,
-            n_blocks=self.n_blocks,  # type: ignore[arg-type]
-            offload=self.offload,
-            prefetch=self.prefetch,
-            unit_classes=self.unit_classes,
-            cpu_threads=self.cpu_threads,
-            lockstep_timeout_s=self.lockstep_timeout_s,
-            device=device,
-            loss_scale=LossScaleConfig(**self.loss_scale),
-            skip_nonfinite=self.skip_nonfinite,
-            max_consecutive_skips=self.max_consecutive_skips,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 _OTHER_ENGINES = {  # name: (launcher environment switch, how the user asked for it)

@@ -64,7 +64,7 @@ class ModelStateHooks:
         keep = not self.rank0_only or rt.coll.rank == 0
         out: list[torch.Tensor | None] = [None] * len(layout.params)
         for c in rt.chunks:
-            src = c.arenas.master if c.spec.trainable else c.arenas.param
+            src = c.shards.master if c.spec.trainable else c.shards.param
             full = torch.empty(c.spec.numel, dtype=src.dtype, device=rt.device)
             rt.coll.shard_of(full).copy_(src[c.offset : c.offset + c.shard_numel])
             rt.coll.all_gather_(full)
@@ -111,7 +111,7 @@ class ModelStateHooks:
             return (f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from checkpoint, the "
                     f"shape in current model is {tuple(shape)}.")
         c = self.runtime.chunks[layout.param_chunk[i]]
-        write_param(layout, c.arenas, c.spec, layout.param_slot[i], value, self.runtime.coll.rank)
+        write_param(layout, c.shards, c.spec, layout.param_slot[i], value, self.runtime.coll.rank)
         return None
 
     def _load_post(self, _module: nn.Module, incompatible) -> None:

@@ -21,7 +21,7 @@ import torch
 from .chunk.layout import ChunkLayout, build_layout
 from .config import ElixirConfig, PlanError, offloaded_chunks
 from .host import host_available, local_ranks
-from .search.loop import SearchResult
+from .search.loop import GIB, SearchResult
 from .search.memory import ArenaBytes
 from .units import ParamTable
 
@@ -146,7 +146,7 @@ def _count_memory(layout: ChunkLayout, offload: set[int], n_blocks: int, dtype: 
     arenas = ArenaBytes(layout, dtype)
     on_device = np.array([c.index not in offload for c in layout.chunks], dtype=bool)
     return {
-        "rcache": n_blocks * arenas.block,
+        "rcache": n_blocks * arenas.buffer,
         "private": arenas.private,
         "device_shards": int(arenas.arena[on_device].sum()),
         "host_shards": arenas.host(on_device),
@@ -214,12 +214,12 @@ def resolve_plan(
     elif config.n_blocks == "max" or search is None:
         n_blocks = hi
     else:
-        n_blocks = min(max(search.n_blocks, lo), hi)
+        n_blocks = min(max(search.placement.n_blocks, lo), hi)
 
     if config.offload is not None:
         offload = offloaded_chunks(config.offload, n, layout.chunk_size)
     else:
-        offload = list(search.offload) if search is not None else []
+        offload = search.placement.offload if search is not None else []
 
     memory = _count_memory(layout, set(offload), n_blocks, dtype)
     plan = ElixirPlan(
@@ -243,11 +243,12 @@ def resolve_plan(
 def _attach_search(plan: ElixirPlan, search: SearchResult) -> None:
     plan.memory["activations"] = int(search.budget.activations)
     plan.memory["buffers"] = int(search.budget.buffers)
-    plan.predicted = search.time.as_dict()
+    chosen = search.placement
+    plan.predicted = chosen.time.as_dict()
     plan.budget = search.budget.as_dict()
     plan.search = {
-        "i_per_gib": search.i_per_gib if math.isfinite(search.i_per_gib) else None,
-        "j_per_gib": search.j_per_gib if math.isfinite(search.j_per_gib) else None,
+        "i_per_gib": chosen.i_per_byte * GIB if math.isfinite(chosen.i_per_byte) else None,
+        "j_per_gib": chosen.j_per_byte * GIB if math.isfinite(chosen.j_per_byte) else None,
         "candidates": search.candidates,
         "notes": search.notes,
         "seconds": search.seconds,

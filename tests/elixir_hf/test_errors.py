@@ -39,23 +39,23 @@ def test_cli_grammar(tmp_path, monkeypatch) -> None:
     assert _parse(["--elixir"]).elixir_plugin == ElixirPlugin()  # a bare flag means auto
     assert _parse(["--elixir", "off"]).elixir_plugin is None
     assert _parse([]).elixir_plugin is None
-    assert _parse(["--elixir", '{"offload": 0.5, "n_blocks": "min"}']).elixir_plugin.offload == 0.5
+    assert _parse(["--elixir", '{"offload": 0.5, "n_blocks": "min"}']).elixir_plugin.config.offload == 0.5
     settings = tmp_path / "elixir.json"
     settings.write_text(json.dumps({"chunk_size": 4096, "prefetch": 2, "cpu_threads": 6}))
     plugin = _parse(["--elixir", str(settings)]).elixir_plugin
-    assert (plugin.chunk_size, plugin.prefetch, plugin.cpu_threads) == (4096, 2, 6)
-    assert plugin.to_config().cpu_threads == 6
+    assert (plugin.config.chunk_size, plugin.config.prefetch, plugin.config.cpu_threads) == (4096, 2, 6)
+    assert plugin.config.cpu_threads == 6
     monkeypatch.setenv("ELIXIR_CONFIG", '{"offload": 0.25}')
-    assert _parse([]).elixir_plugin.offload == 0.25
+    assert _parse([]).elixir_plugin.config.offload == 0.25
     assert _parse(["--elixir", "off"]).elixir_plugin is None  # the flag wins over the environment
 
 
 def test_precision_goes_to_the_engine(tmp_path, monkeypatch) -> None:
     args = _args(tmp_path, "auto", fp16=True)
-    assert (args.elixir_plugin.dtype, args.mixed_precision) == ("fp16", "no")
+    assert (args.elixir_plugin.config.dtype, args.mixed_precision) == (torch.float16, "no")
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")  # what `accelerate launch` exports from the yaml
     args = _args(tmp_path, "auto")
-    assert (args.elixir_plugin.dtype, args.mixed_precision) == ("bf16", "no")
+    assert (args.elixir_plugin.config.dtype, args.mixed_precision) == (torch.bfloat16, "no")
 
 
 # --------------------------------------------------------------------------- bad values

@@ -51,7 +51,7 @@ def test_elixir_trainer_with_plain_arguments_reads_elixir_config(tmp_path, monke
 
     monkeypatch.setenv("ELIXIR_CONFIG", OFFLOAD_PLAN)
     ours = ElixirTrainer(model=tiny_gpt2(vocab=128), args=plain, train_dataset=TokenDataset(200))
-    assert isinstance(ours.args, ElixirTrainingArguments) and ours.args.elixir_plugin.offload == 0.5
+    assert isinstance(ours.args, ElixirTrainingArguments) and ours.args.elixir_plugin.config.offload == 0.5
     assert ours.args.learning_rate == plain.learning_rate and type(plain) is TrainingArguments  # rebuilt, not changed
     ours.train()
     assert hasattr(ours.model, "_elixir")

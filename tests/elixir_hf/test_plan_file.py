@@ -18,7 +18,7 @@ def test_a_saved_plan_round_trips_and_pins_the_layout(tmp_path) -> None:
     path.write_text(PLAN.to_json())
     assert ElixirPlan.from_json(path) == PLAN
     plugin = ElixirPlugin.from_spec(str(path))
-    assert (plugin.mode, plugin.chunk_size, plugin.n_blocks, plugin.offload) == ("static", 4096, 3, [2])
+    assert (plugin.config.mode, plugin.config.chunk_size, plugin.config.n_blocks, plugin.config.offload) == ("static", 4096, 3, [2])
 
 
 def test_a_plan_with_an_unknown_key_names_it(tmp_path) -> None:

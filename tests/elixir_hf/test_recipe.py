@@ -119,7 +119,7 @@ def test_text_files_keep_or_drop_line_breaks(recipe, tmp_path) -> None:
 
 
 def test_default_corpus_covers_the_gpu_default(recipe) -> None:
-    """The GPU default (``small``: 200 steps of 8 x 1024 tokens) must see well under two epochs of the
+    """The GPU default (``gpt2``: 200 steps of 8 x 1024 tokens) must see well under two epochs of the
     default corpus: at the 3.8 characters per token measured for the recipe's 8192-token BPE on it
     (Python 3.11: 12.6 MB, 3.33M tokens), its training split must hold over 1.64M tokens."""
     corpus = recipe.data.stdlib_corpus()

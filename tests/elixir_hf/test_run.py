@@ -153,7 +153,7 @@ def test_trainer_script_and_accelerate_loop(model_dir, tmp_path, monkeypatch, ra
     for key in ("loss", "grad_norm", "eval_loss"):
         _close(_history(tmp_path / "elixir" / "trainer", key), _history(tmp_path / "stock" / "trainer", key), key)
     args = torch.load(tmp_path / "elixir" / "trainer" / "training_args.bin", weights_only=False)
-    assert args.elixir_plugin.offload == 0.5 and args.elixir_plugin.n_blocks == "min"
+    assert args.elixir_plugin.config.offload == 0.5 and args.elixir_plugin.config.n_blocks == "min"
 
     # the Accelerate loop: the stock losses, and the engine's optimizer shard of every rank in its save_state
     assert loop_out.count(PLAN_LINE) == 1 and f"world size            {ranks}" in loop_out, out[-3000:]
@@ -194,7 +194,7 @@ def test_trl_sft_with_a_lora_adapter(model_dir, tmp_path, monkeypatch) -> None:
         torch.testing.assert_close(ours[key], stock[key], rtol=1e-5, atol=1e-6)
 
     ours, stock = (torch.load(tmp_path / d / "training_args.bin", weights_only=False) for d in ("elixir", "stock"))
-    assert ours.elixir_plugin.offload == 0.5 and type(stock).__name__ == "SFTConfig"
+    assert ours.elixir_plugin.config.offload == 0.5 and type(stock).__name__ == "SFTConfig"
     assert ours.gradient_checkpointing is True  # SFTConfig's default (TrainingArguments' is False)
     fields = {f.name for f in dataclasses.fields(stock)} - {"output_dir", "logging_dir"}
     differ = {f for f in fields if getattr(ours, f) != getattr(stock, f)}

@@ -1,8 +1,8 @@
 """The rCache: ``n_blocks`` equal chunk-sized buffers on the compute device, allocated once.
 
-A gathered chunk occupies one block; a private (multi-use) chunk has a block of its own that is
-never evicted. Blocks carry the CUDA event after which their last reader or writer is done, so a
-gather into a recycled block waits exactly as long as it must.
+A gathered chunk occupies one buffer; a private (multi-use) chunk has a buffer of its own that is
+never evicted. Buffers carry the CUDA event after which their last reader or writer is done, so a
+gather into a recycled buffer waits exactly as long as it must.
 """
 
 from __future__ import annotations
@@ -11,24 +11,24 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Block", "RCache"]
+__all__ = ["Buffer", "RCache"]
 
 
 @dataclass(eq=False)
-class Block:
+class Buffer:
     index: int
     data: torch.Tensor
     private: bool = False
     chunk: int | None = None
     free_event: torch.cuda.Event | None = None
-    """Recorded when the block was released; a writer's stream waits on it first."""
+    """Recorded when the buffer was released; a writer's stream waits on it first."""
 
 
 class RCache:
     def __init__(self, n_blocks: int, numel: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.blocks = [Block(i, torch.zeros(numel, dtype=dtype, device=device)) for i in range(n_blocks)]
-        self.free: list[Block] = list(reversed(self.blocks))
+        self.buffers = [Buffer(i, torch.zeros(numel, dtype=dtype, device=device)) for i in range(n_blocks)]
+        self.free: list[Buffer] = list(reversed(self.buffers))
 
-    def private_block(self, numel: int, dtype: torch.dtype, device: torch.device) -> Block:
-        return Block(-1, torch.zeros(numel, dtype=dtype, device=device), private=True)
+    def private_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> Buffer:
+        return Buffer(-1, torch.zeros(numel, dtype=dtype, device=device), private=True)
 

@@ -73,7 +73,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self._chunk_segments = {
             c.index: [s for s in host.segments if c.offset <= s.offset < c.offset + c.shard_numel]
             for c in runtime.trainable
-            if c.arenas is host
+            if c.shards is host
         }
         self._pieces = {c.index: _param_pieces(runtime, c) for c in runtime.trainable}
 
@@ -139,11 +139,11 @@ class ElixirOptimizer(torch.optim.Optimizer):
         div_scale = self.scaler.scale / self._clip_coef
         device = self.runtime.arenas["device"]
         if device.trainable_numel:
-            chunks = [c for c in self.runtime.trainable if c.arenas is device]
+            chunks = [c for c in self.runtime.trainable if c.shards is device]
             self._update(device, self._work(chunks, device.segments, used, uniform), hypers, div_scale)
         host = self.runtime.arenas["host"]
         for c in self.runtime.trainable:
-            if c.arenas is host:  # chunk order = the order the next forward needs them
+            if c.shards is host:  # chunk order = the order the next forward needs them
                 work = self._work([c], self._chunk_segments[c.index], used, uniform)
                 self.runtime.host_updates.submit(
                     c.index, functools.partial(self._update_host_chunk, c, work, hypers, div_scale)
@@ -203,7 +203,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self, c: ChunkState, work: list[tuple[int, list[GroupRange]]], hypers: list[AdamHyper], div_scale: float
     ) -> None:
         self.runtime.wait_host_chunk(c)
-        self._update(c.arenas, work, hypers, div_scale)
+        self._update(c.shards, work, hypers, div_scale)
 
     def _update(
         self, a: ShardArenas, work: list[tuple[int, list[GroupRange]]], hypers: list[AdamHyper], div_scale: float
@@ -240,7 +240,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         chunks = {}
         for c in rt.trainable:
             sl = slice(c.offset, c.offset + c.shard_numel)
-            chunks[c.index] = {k: getattr(c.arenas, k)[sl].detach().cpu().clone() for k in ("master", "exp_avg", "exp_avg_sq")}
+            chunks[c.index] = {k: getattr(c.shards, k)[sl].detach().cpu().clone() for k in ("master", "exp_avg", "exp_avg_sq")}
         return {
             "format": _FORMAT,
             "rank": rt.coll.rank,
@@ -281,7 +281,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
             saved = state_dict["chunks"][c.index]
             sl = slice(c.offset, c.offset + c.shard_numel)
             for k in ("master", "exp_avg", "exp_avg_sq"):
-                getattr(c.arenas, k)[sl].copy_(saved[k])
+                getattr(c.shards, k)[sl].copy_(saved[k])
         self.step_count = int(state_dict["step"])
         # shards saved before per-parameter counts existed: every parameter took every step
         saved_steps = state_dict.get("param_steps") or [self.step_count if g >= 0 else 0 for g in rt.layout.groups]

@@ -31,17 +31,15 @@ def call_model(model: nn.Module, batch: Any) -> Any:
     return model(batch)
 
 
-def trace_unit_order(model: nn.Module, units: list[Unit], example_batch: Any | None) -> tuple[list[int], int]:
-    """Returns (unit indices in first-call order, number of unit calls seen in one forward).
-
-    Units never called in the traced forward come last, in registration order.
-    """
+def trace_unit_order(model: nn.Module, units: list[Unit], example_batch: Any | None) -> list[int]:
+    """Unit indices in first-call order; units never called in the traced forward come last, in
+    registration order."""
     calls = _fake_forward_calls(model, units, example_batch) if example_batch is not None else None
     if calls is None:
-        return [u.index for u in units], len(units)
+        return [u.index for u in units]
     order = list(dict.fromkeys(calls))
     order += [u.index for u in units if u.index not in set(order)]
-    return order, len(calls)
+    return order
 
 
 def _fake_forward_calls(model: nn.Module, units: list[Unit], batch: Any) -> list[int] | None:

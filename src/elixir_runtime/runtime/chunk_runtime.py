@@ -7,7 +7,7 @@ Everything that moves chunk data lives here; the module hooks (``hooks.py``) onl
   early on a side stream;
 * ``on_grad`` copies a parameter's gradient over its own slot of the gathered chunk (its data is
   no longer needed), and when every parameter of a chunk has its gradient the chunk is averaged
-  over ranks by reduce-scatter into this rank's gradient shard, and its block is freed;
+  over ranks by reduce-scatter into this rank's gradient shard, and its buffer is freed;
 * ``finish_backward`` runs once at the end of each backward: it reduces what unused parameters
   left incomplete (their slots zero-filled, the same on every rank) so no rank ever waits on
   another. Which parameters got a gradient is recorded (``used_params``): the optimizer leaves
@@ -34,7 +34,7 @@ from torch import nn
 
 from ..chunk.collectives import Collectives
 from ..chunk.layout import ChunkLayout, ChunkSpec
-from ..chunk.rcache import Block, RCache
+from ..chunk.rcache import Buffer, RCache
 from ..chunk.schedule import AccessSchedule
 from ..chunk.store import Residence, ShardArenas, build_arenas
 from .host_updates import HostUpdates
@@ -57,21 +57,23 @@ _FINGERPRINT_MOD = 2**61 - 1  # a prime: the reduce-order fingerprint fits an in
 
 
 class RCacheExhausted(RuntimeError):
-    """Every rCache block holds a chunk that is in use: the plan's rCache is too small."""
+    """Every rCache buffer holds a chunk that is in use: the plan's rCache is too small."""
 
 
 @dataclass(eq=False)
 class ChunkState:
     spec: ChunkSpec
-    arenas: ShardArenas
+    shards: ShardArenas
+    """The arenas (device or host) holding this chunk's shard and optimizer states, at ``offset``."""
     offset: int
     shard_numel: int
-    block: Block | None = None
+    buffer: Buffer | None = None
+    """The rCache buffer of the gathered chunk, while it has one."""
     valid: bool = False
-    """The block holds the gathered params (some slots may already hold this backward's grads)."""
+    """The buffer holds the gathered params (some slots may already hold this backward's grads)."""
     pins: int = 0
     written: set[int] = field(default_factory=set)
-    """Params whose gradient is in the block in the current backward."""
+    """Params whose gradient is in the buffer in the current backward."""
     reduced: bool = False
     grad_fresh: bool = True
     """The next reduce overwrites the grad shard (set by zero_grad) instead of accumulating."""
@@ -90,11 +92,11 @@ class ChunkState:
 
     @property
     def param_shard(self) -> torch.Tensor:
-        return self.arenas.param[self.offset : self.offset + self.shard_numel]
+        return self.shards.param[self.offset : self.offset + self.shard_numel]
 
     @property
     def grad_shard(self) -> torch.Tensor:
-        return self.arenas.grad[self.offset : self.offset + self.shard_numel]
+        return self.shards.grad[self.offset : self.offset + self.shard_numel]
 
     @property
     def evictable(self) -> bool:
@@ -122,7 +124,7 @@ class ChunkRuntime:
         self.cuda = device.type == "cuda"
         self.arenas = build_arenas(layout, placement, coll.rank, device, dtype, weights)
         self.rcache = RCache(n_blocks, layout.chunk_size, dtype, device)
-        self._block_by_ptr = {b.data.data_ptr(): b for b in self.rcache.blocks}
+        self._buffer_by_ptr = {b.data.data_ptr(): b for b in self.rcache.buffers}
         self.chunks = [
             ChunkState(
                 spec,
@@ -135,7 +137,7 @@ class ChunkRuntime:
         ]
         for c in self.chunks:
             if c.spec.private:
-                c.block = self.rcache.private_block(c.spec.numel, dtype, device)
+                c.buffer = self.rcache.private_buffer(c.spec.numel, dtype, device)
         self.trainable = [c for c in self.chunks if c.spec.trainable]
         self.host_updates = HostUpdates()
         self._norm_parts: list[torch.Tensor] = []
@@ -195,9 +197,9 @@ class ChunkRuntime:
             self.acquire((i,), pin=False)
         return c
 
-    def block_of(self, t: torch.Tensor) -> Block | None:
-        """The rCache block ``t``'s storage belongs to (``None`` for anything else)."""
-        return self._block_by_ptr.get(t.untyped_storage().data_ptr())
+    def buffer_of(self, t: torch.Tensor) -> Buffer | None:
+        """The rCache buffer ``t``'s storage belongs to (``None`` for anything else)."""
+        return self._buffer_by_ptr.get(t.untyped_storage().data_ptr())
 
     def prefetch(self) -> None:
         if self.prefetch_depth == 0:
@@ -210,7 +212,7 @@ class ChunkRuntime:
             c = self.chunks[i]
             if c.valid:
                 continue
-            if self._update_in_the_way(i) or not self._has_block_for(distance):
+            if self._update_in_the_way(i) or not self._has_buffer_for(distance):
                 return  # never block the training loop on a prefetch
             self._gather(c)
             self.stats["prefetches"] += 1
@@ -224,7 +226,7 @@ class ChunkRuntime:
             return self.host_updates.pending(i)
         return self.host_updates.busy(i)
 
-    def _has_block_for(self, distance: int) -> bool:
+    def _has_buffer_for(self, distance: int) -> bool:
         if self.rcache.free:
             return True
         victim = self._victim()
@@ -234,13 +236,13 @@ class ChunkRuntime:
         candidates = [c for c in self._resident.values() if c.evictable]
         return max(candidates, key=lambda c: self.schedule.eviction_score(c.index), default=None)
 
-    def _take_block(self) -> Block:
+    def _take_buffer(self) -> Buffer:
         if self.rcache.free:
             return self.rcache.free.pop()
         victim = self._victim()
         if victim is None:
             raise RCacheExhausted(
-                f"all {len(self.rcache.blocks)} rCache blocks hold chunks in use "
+                f"all {len(self.rcache.buffers)} rCache blocks hold chunks in use "
                 f"({sorted(self._resident)}); use a larger n_blocks"
             )
         self._drop(victim)
@@ -248,13 +250,13 @@ class ChunkRuntime:
         return self.rcache.free.pop()
 
     def _gather(self, c: ChunkState) -> None:
-        if c.block is None:
-            c.block = self._take_block()
-            c.block.chunk = c.index
+        if c.buffer is None:
+            c.buffer = self._take_buffer()
+            c.buffer.chunk = c.index
             self._resident[c.index] = c
-        full = c.block.data[: c.spec.numel]
+        full = c.buffer.data[: c.spec.numel]
         self.stats["gathers"] += 1
-        with self._on(self.fetch_stream, c.block):
+        with self._on(self.fetch_stream, c.buffer):
             self.fill(c, full)
             if self.cuda:
                 c.ready = torch.cuda.Event()
@@ -280,31 +282,31 @@ class ChunkRuntime:
             self.layout.params[s.param].data = self._placeholders[s.param]
 
     def _drop(self, c: ChunkState, event: torch.cuda.Event | None = None) -> None:
-        """Forgets the gathered params of ``c``; a public block goes back to the free list."""
+        """Forgets the gathered params of ``c``; a public buffer goes back to the free list."""
         self.hide_params(c)
         c.valid = False
-        block = c.block
-        assert block is not None
+        buffer = c.buffer
+        assert buffer is not None
         if self.cuda:
             if event is None:
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(self.device))
-            block.free_event = event
-        if not block.private:
-            block.chunk = None
-            c.block = None
+            buffer.free_event = event
+        if not buffer.private:
+            buffer.chunk = None
+            c.buffer = None
             del self._resident[c.index]
-            self.rcache.free.append(block)
+            self.rcache.free.append(buffer)
 
     @contextlib.contextmanager
-    def _on(self, stream: torch.cuda.Stream | None, block: Block | None):
-        """Runs on ``stream`` after the current stream's work and the block's last user."""
+    def _on(self, stream: torch.cuda.Stream | None, buffer: Buffer | None):
+        """Runs on ``stream`` after the current stream's work and the buffer's last user."""
         if stream is None:
             yield
             return
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        if block is not None and block.free_event is not None:
-            stream.wait_event(block.free_event)
+        if buffer is not None and buffer.free_event is not None:
+            stream.wait_event(buffer.free_event)
         with torch.cuda.stream(stream):
             yield
 
@@ -326,7 +328,7 @@ class ChunkRuntime:
             )
         self.ensure_resident(c.index)
         s = self.layout.param_slot[param_index]
-        slot = c.block.data[s.offset : s.offset + s.numel]
+        slot = c.buffer.data[s.offset : s.offset + s.numel]
         grad = param.grad.reshape(-1)
         if param_index in c.written:
             slot.add_(grad)
@@ -339,18 +341,18 @@ class ChunkRuntime:
             self._reduce(c)
 
     def _reduce(self, c: ChunkState, written: bool = True) -> None:
-        """Averages the chunk's gradients over ranks into its grad shard and frees its block.
+        """Averages the chunk's gradients over ranks into its grad shard and frees its buffer.
         ``written=False``: this rank has no gradient for the chunk and contributes zeros from a
-        temporary buffer (no gather, and the block, if any, keeps its params)."""
+        temporary buffer (no gather, and the rCache buffer, if any, keeps its params)."""
         self.host_updates.wait(c.index)  # its CPU update still reads the grad shard
         self._reduce_order = (self._reduce_order * 1_000_003 + c.index + 1) % _FINGERPRINT_MOD
-        block = c.block if written else None
+        buffer = c.buffer if written else None
         event = None
-        with self._on(self.reduce_stream, block):
-            if block is None:
+        with self._on(self.reduce_stream, buffer):
+            if buffer is None:
                 full = torch.zeros(c.spec.numel, dtype=self.dtype, device=self.device)
             else:
-                full = block.data[: c.spec.numel]
+                full = buffer.data[: c.spec.numel]
             shard = self.coll.reduce_scatter_avg_(full)
             dst = c.grad_shard
             if c.grad_fresh:
@@ -367,7 +369,7 @@ class ChunkRuntime:
         c.has_grad = True
         c.reduced = True
         self.stats["reduces"] += 1
-        if block is not None:
+        if buffer is not None:
             c.written.clear()
             self._drop(c, event)
 
@@ -382,7 +384,7 @@ class ChunkRuntime:
             if c.written:  # some params got no grad this step: their slots must not add to the sum
                 for s in c.spec.slots:
                     if s.param not in c.written:
-                        c.block.data[s.offset : s.offset + s.numel].zero_()
+                        c.buffer.data[s.offset : s.offset + s.numel].zero_()
                 self._reduce(c)
             elif self.coll.world_size > 1:  # collectives must match across ranks
                 self._reduce(c, written=False)
@@ -499,7 +501,7 @@ class ChunkRuntime:
 
     @torch.no_grad()
     def reload_shards(self) -> None:
-        """After master/frozen shards were overwritten (checkpoint load): recast and drop stale blocks."""
+        """After master/frozen shards were overwritten (checkpoint load): recast and drop stale buffers."""
         self.wait_for_grads()
         for a in self.arenas.values():
             if not a.master_is_param and a.trainable_numel:

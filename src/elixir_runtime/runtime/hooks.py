@@ -142,16 +142,16 @@ class _RootHooks:
             self.saved_hooks = None
 
     def pack(self, t: torch.Tensor) -> Any:
-        block = self.runtime.block_of(t)
-        if block is None or block.chunk is None:
+        buffer = self.runtime.buffer_of(t)
+        if buffer is None or buffer.chunk is None:
             return t
-        return _Packed(block.chunk, t)
+        return _Packed(buffer.chunk, t)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Packed):
             return packed
         chunk = self.runtime.ensure_resident(packed.chunk)
-        return chunk.block.data.as_strided(packed.size, packed.stride, packed.offset)
+        return chunk.buffer.data.as_strided(packed.size, packed.stride, packed.offset)
 
 
 def install_hooks(model: nn.Module, units: list[Unit], unit_chunks: list[tuple[int, ...]], runtime: ChunkRuntime) -> list:

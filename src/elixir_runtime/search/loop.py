@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from ..chunk.layout import ChunkLayout, build_layout, round_up
 from ..config import ElixirConfig, PlanError, offloaded_chunks
@@ -26,7 +25,7 @@ from ..units import ParamTable
 from .access import access_trace, unit_work
 from .budget import Budget
 from .candidates import chunk_size_candidates
-from .step_time import StepModel, StepTime
+from .step_time import StepModel
 from ..hardware.profile import HardwareProfile
 from .memory import ArenaBytes
 from .placement import Placement, best_placement
@@ -57,17 +56,12 @@ class SearchSettings:
 
 @dataclass
 class SearchResult:
+    """The search's choice and why. The plan's own numbers (chunk count, rCache bounds, memory) are
+    the plan's to count (``plan.resolve_plan``), from the layout of this ``chunk_size``."""
+
     chunk_size: int
-    n_blocks: int
-    offload: list[int]
-    n_chunks: int
-    min_blocks: int
-    max_blocks: int
-    time: StepTime
-    device_bytes: int
-    host_bytes: int
-    i_per_gib: float
-    j_per_gib: float
+    placement: Placement
+    """rCache blocks, offloaded chunks, predicted step time and bytes, I(n)/J(n) of the winner."""
     budget: Budget
     candidates: list[dict] = field(default_factory=list)
     alternatives: list[dict] = field(default_factory=list)
@@ -125,16 +119,7 @@ def search(
     p = best.placement
     return SearchResult(
         chunk_size=best.layout.chunk_size,
-        n_blocks=p.n_blocks,
-        offload=p.offload,
-        n_chunks=len(best.layout.chunks),
-        min_blocks=best.min_blocks,
-        max_blocks=best.max_blocks,
-        time=p.time,
-        device_bytes=p.device_bytes,
-        host_bytes=p.host_bytes,
-        i_per_gib=p.i_per_byte * GIB,
-        j_per_gib=p.j_per_byte * GIB,
+        placement=p,
         budget=budget,
         candidates=[_row(e) for e in evaluated],
         alternatives=_alternatives(best, budget),
@@ -264,7 +249,7 @@ def _no_fit_message(evaluated: list[_Evaluated], profile: ModelProfile, budget: 
         needs.append((e.mem.device(e.min_blocks, on_device), e.mem.host(np.zeros_like(on_device)), e))
     device_need, host_all, e = min(needs, key=lambda x: x[0])
     host_bound = host_all > budget.host_allowed  # the host cannot take every chunk
-    fixed = e.min_blocks * e.mem.block + e.mem.private  # rCache-min and private blocks: do not shrink with N
+    fixed = e.min_blocks * e.mem.buffer + e.mem.private  # rCache-min and private blocks: do not shrink with N
     states = int(e.mem.arena.sum()) * n  # every rank's arenas together
     lines = [
         f"no plan fits: the smallest one (chunks of {e.layout.chunk_size:,} elements, rCache of {e.min_blocks} "

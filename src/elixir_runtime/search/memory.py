@@ -29,15 +29,16 @@ class ArenaBytes:
     def __init__(self, layout: ChunkLayout, dtype: torch.dtype) -> None:
         elt = torch.empty((), dtype=dtype).element_size()
         self.elt = elt
-        self.block = layout.chunk_size * elt
+        self.buffer = layout.chunk_size * elt
+        """Bytes of one rCache buffer (a chunk of the compute dtype)."""
         shard = np.array([layout.shard_numel(c) for c in layout.chunks], dtype=np.int64)
         trainable = np.array([c.trainable for c in layout.chunks])
         self.arena = shard * (elt + np.where(trainable, state_bytes_per_element(dtype), 0))
         self.private = int(sum(c.numel * elt for c in layout.chunks if c.private))
 
     def device(self, n_blocks: int, on_device: np.ndarray) -> int:
-        """rCache + private blocks + the arenas of the chunks placed on the device."""
-        return n_blocks * self.block + self.private + int(self.arena[on_device].sum())
+        """rCache + private buffers + the arenas of the chunks placed on the device."""
+        return n_blocks * self.buffer + self.private + int(self.arena[on_device].sum())
 
     def host(self, on_device: np.ndarray) -> int:
         """Pinned host arenas of this rank."""

@@ -52,7 +52,7 @@ def _mask(k: int, uploaded: int) -> np.ndarray:
 
 def _savings(model: StepModel, mem: ArenaBytes, blocks: int, uploaded: int, max_blocks: int) -> tuple[float, float]:
     here = model.linear(blocks, _mask(model.k, uploaded))
-    i = (here - model.linear(blocks + 1, _mask(model.k, uploaded))) / mem.block if blocks < max_blocks else -np.inf
+    i = (here - model.linear(blocks + 1, _mask(model.k, uploaded))) / mem.buffer if blocks < max_blocks else -np.inf
     j = (
         (here - model.linear(blocks, _mask(model.k, uploaded + 1))) / max(1, int(mem.arena[uploaded]))
         if uploaded < model.k
@@ -120,4 +120,4 @@ def best_placement(
 def _fill(mem: ArenaBytes, budget: Budget, on_device: np.ndarray, max_blocks: int) -> int:
     """As many rCache blocks as the budget leaves room for (up to one per public chunk)."""
     free = budget.allowed - mem.device(0, on_device)
-    return int(min(max_blocks, max(0, free // mem.block)))
+    return int(min(max_blocks, max(0, free // mem.buffer)))

@@ -41,14 +41,16 @@ def test_auto_plan_runs_in_the_engine(monkeypatch) -> None:
     units = find_units(model, None)
     config = er.ElixirConfig()
     order, result = auto.auto_plan(model, units, batch, config, torch.device("cpu"), torch.float32, Collectives(None))
-    assert sorted(order) == [u.index for u in units] and result.offload
+    assert sorted(order) == [u.index for u in units] and result.placement.offload
     assert any("hardware: test GPU" in n for n in result.notes)
 
-    static = er.ElixirConfig(mode="static", chunk_size=result.chunk_size, n_blocks=result.n_blocks, offload=result.offload)
+    static = er.ElixirConfig(
+        mode="static", chunk_size=result.chunk_size, n_blocks=result.placement.n_blocks, offload=result.placement.offload
+    )
     model, opt = er.prepare(model, torch.optim.AdamW(model.parameters()), config=static, example_batch=batch)
     plan = model._elixir.plan
-    assert (plan.n_chunks, plan.chunk_size, plan.offload) == (result.n_chunks, result.chunk_size, result.offload)
-    assert plan.device_bytes == result.device_bytes and plan.host_bytes == result.host_bytes
+    assert (plan.n_chunks, plan.chunk_size, plan.offload) == (len(result.placement.on_device), result.chunk_size, result.placement.offload)
+    assert plan.device_bytes == result.placement.device_bytes and plan.host_bytes == result.placement.host_bytes
     for _ in range(2):
         opt.backward(model(**batch).loss)
         opt.step()
@@ -102,7 +104,7 @@ def _plan_on_two_ranks(rank: int, world: int) -> tuple:
     units = find_units(model, None)
     coll = Collectives(torch.distributed.group.WORLD)
     order, r = auto.auto_plan(model, units, make_batch(128), er.ElixirConfig(), torch.device("cpu"), torch.float32, coll)
-    return (order, r.chunk_size, r.offload, r.n_blocks), seen, r.notes
+    return (order, r.chunk_size, r.placement.offload, r.placement.n_blocks), seen, r.notes
 
 
 def test_ranks_time_their_own_collectives_and_agree_on_the_plan() -> None:

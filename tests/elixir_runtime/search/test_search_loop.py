@@ -25,6 +25,12 @@ def _budget(profile, capacity: int, host: int = 64 * GIB, ranks: int = 1) -> Bud
     return Budget(capacity, profile.activation_peak, profile.buffer_bytes, host, ranks)
 
 
+def _plan(table, r, world_size: int = 1) -> ElixirPlan:
+    """The plan of search result ``r``: the chunk count and rCache bounds are the plan's to count."""
+    return plan_model(table, ElixirConfig(), world_size=world_size, device=torch.device("cpu"), dtype=BF16, search=r,
+                      check=False)[2]
+
+
 def _settings(**kw) -> SearchSettings:
     return SearchSettings(kw.pop("world_size", 1), BF16, ElixirConfig(**kw))
 
@@ -46,8 +52,9 @@ def test_never_exceeds_the_budget(gpt2, clips_grads) -> None:
                 r = search(table, profile, gpu_host(), budget, _settings(clips_grads=clips_grads))
             except PlanError:
                 continue
-            assert r.device_bytes <= budget.allowed and r.host_bytes <= budget.host_allowed
-            assert r.min_blocks <= r.n_blocks <= r.max_blocks
+            assert r.placement.device_bytes <= budget.allowed and r.placement.host_bytes <= budget.host_allowed
+            plan = _plan(table, r)
+            assert plan.min_blocks <= r.placement.n_blocks <= plan.max_blocks
             for c in r.candidates:
                 assert c["chunk_size"] >= max(p.numel() for p, priv in zip(table.params, table.private) if not priv)
 
@@ -62,8 +69,8 @@ def test_more_gpu_memory_never_offloads_more_nor_slows_the_serial_step(gpt2, cli
                 r = search(table, profile, hw, _budget(profile, capacity), _settings(clips_grads=clips_grads))
             except PlanError:
                 continue
-            serial.append(r.time.serial)
-            offloaded.append(r.host_bytes)
+            serial.append(r.placement.time.serial)
+            offloaded.append(r.placement.host_bytes)
         assert len(serial) >= 5
         assert all(b <= a + 1e-12 for a, b in zip(serial, serial[1:])), serial
         assert all(b <= a for a, b in zip(offloaded, offloaded[1:])), offloaded
@@ -77,7 +84,7 @@ def test_states_that_fit_stay_on_the_gpu_even_where_offload_would_hide(gpt2, cli
     model, table, profile = gpt2
     roomy = _budget(profile, 2 * model_state_bytes(model) + 4 * profile.activation_peak)
     r = search(table, profile, gpu_host(cpu_adam=5e11), roomy, _settings(clips_grads=clips_grads))
-    assert r.offload == [] and r.n_blocks == r.max_blocks
+    assert r.placement.offload == [] and r.placement.n_blocks == _plan(table, r).max_blocks
 
 
 def test_little_memory_offloads_plenty_keeps_everything(gpt2) -> None:
@@ -85,14 +92,15 @@ def test_little_memory_offloads_plenty_keeps_everything(gpt2) -> None:
     caps = _capacities(model, profile)
     tight = search(table, profile, gpu_host(), _budget(profile, caps[2]), _settings())
     roomy = search(table, profile, gpu_host(), _budget(profile, caps[-1]), _settings())
-    assert tight.offload and not roomy.offload
-    assert roomy.n_blocks == roomy.max_blocks
-    assert roomy.time.total < tight.time.total
+    assert tight.placement.offload and not roomy.placement.offload
+    assert roomy.placement.n_blocks == _plan(table, roomy).max_blocks
+    assert roomy.placement.time.total < tight.placement.time.total
     # the forward's first chunks stay on the GPU, the last ones are offloaded
-    assert tight.offload == list(range(tight.n_chunks - len(tight.offload), tight.n_chunks))
+    n = _plan(table, tight).n_chunks
+    assert tight.placement.offload == list(range(n - len(tight.placement.offload), n))
     names = [a["name"] for a in tight.alternatives]
     assert names == ["zero2-offload-all", "zero3-offload-all", "rcache-max", "rcache-min"]
-    assert all(tight.time.total <= a["time"]["total"] + 1e-12 for a in tight.alternatives if a["fits"])
+    assert all(tight.placement.time.total <= a["time"]["total"] + 1e-12 for a in tight.alternatives if a["fits"])
 
 
 def test_plan_memory_is_what_the_engine_allocates(gpt2) -> None:
@@ -101,14 +109,13 @@ def test_plan_memory_is_what_the_engine_allocates(gpt2) -> None:
     r = search(table, profile, gpu_host(), budget, _settings())
     layout = build_layout(table.params, table.names, table.groups, table.private, world_size=1,
                           chunk_size=r.chunk_size, alignment=64)
-    assert len(layout.chunks) == r.n_chunks
-    mem = _count_memory(layout, set(r.offload), r.n_blocks, BF16)
-    assert mem["rcache"] + mem["private"] + mem["device_shards"] == r.device_bytes
-    assert mem["host_shards"] == r.host_bytes
+    mem = _count_memory(layout, set(r.placement.offload), r.placement.n_blocks, BF16)
+    assert mem["rcache"] + mem["private"] + mem["device_shards"] == r.placement.device_bytes
+    assert mem["host_shards"] == r.placement.host_bytes
     _, _, plan = plan_model(table, ElixirConfig(), world_size=1, device=torch.device("cpu"), dtype=BF16, search=r,
                             check=False)
-    assert (plan.n_blocks, plan.offload) == (r.n_blocks, r.offload)
-    assert plan.device_bytes == r.device_bytes and plan.predicted["total"] == pytest.approx(r.time.total)
+    assert (plan.n_blocks, plan.offload) == (r.placement.n_blocks, r.placement.offload)
+    assert plan.device_bytes == r.placement.device_bytes and plan.predicted["total"] == pytest.approx(r.placement.time.total)
     again = ElixirPlan.from_json(plan.to_json())
     assert again == plan and "predicted step" in again.table()
 
@@ -119,8 +126,9 @@ def test_explicit_choices_are_honoured(gpt2) -> None:
     first = search(table, profile, gpu_host(), budget, _settings())
     size = first.candidates[0]["chunk_size"]
     fixed = search(table, profile, gpu_host(), budget, _settings(chunk_size=size, n_blocks="min", offload=0.5))
-    assert fixed.chunk_size == size and fixed.n_blocks == fixed.min_blocks
-    assert fixed.offload == list(range(fixed.n_chunks - round(0.5 * fixed.n_chunks), fixed.n_chunks))
+    plan = _plan(table, fixed)
+    assert fixed.chunk_size == size and fixed.placement.n_blocks == plan.min_blocks
+    assert fixed.placement.offload == list(range(plan.n_chunks - round(0.5 * plan.n_chunks), plan.n_chunks))
     assert len(fixed.candidates) == 1
 
 
@@ -129,8 +137,8 @@ def test_two_ranks_shard_the_states(gpt2) -> None:
     capacity = _capacities(model, profile)[2]
     one = search(table, profile, gpu_host(2), _budget(profile, capacity), _settings())
     two = search(table, profile, gpu_host(2), _budget(profile, capacity, ranks=2), _settings(world_size=2))
-    assert len(two.offload) / two.n_chunks <= len(one.offload) / one.n_chunks
-    assert two.time.collectives is not None and two.time.collectives > 0
+    assert len(two.placement.offload) / _plan(table, two, 2).n_chunks <= len(one.placement.offload) / _plan(table, one).n_chunks
+    assert two.placement.time.collectives is not None and two.placement.time.collectives > 0
     # the plan records each rank's share of the host it was predicted with
     assert one.rates["ranks"] == 1 and two.rates["ranks"] == 2
     assert two.rates["cpu_adam_Gps"] == pytest.approx(one.rates["cpu_adam_Gps"] / 2) == 2.5
@@ -184,7 +192,7 @@ def test_search_is_fast_for_opt_175b() -> None:
     table = param_table(model, units, [by_name[n] for n in profile.unit_order()])
     r = search(table, profile, gpu_host(8), _budget(profile, 80 * GIB, 4096 * GIB, ranks=8), _settings(world_size=8))
     assert time.perf_counter() - start < 10
-    assert np.isfinite(r.time.total) and r.offload
+    assert np.isfinite(r.placement.time.total) and r.placement.offload
 
 
 def test_impossible_explicit_choices_fail_with_the_fix(gpt2) -> None:

@@ -84,7 +84,7 @@ def _run_machine(case: tuple, hardware):
     """The committed profile scaled so that the case's compute, GPU Adam and CPU Adam totals are
     the ones its run printed (measured on that machine then)."""
     _, printed_compute, printed_gpu_adam, printed_cpu_adam = case[4]
-    t = _plan(case, hardware)[0].time
+    t = _plan(case, hardware)[0].placement.time
     c, g, a = printed_compute / t.compute, printed_gpu_adam / t.gpu_adam, printed_cpu_adam / t.cpu_adam
     return dataclasses.replace(
         hardware,
@@ -120,10 +120,10 @@ def test_offload_regime_within_15_percent_of_the_measured_step(name, h100) -> No
     case = OFFLOAD[name]
     result, table, _, _, units, _ = _planned(name, h100)
     (_, _, (chunk_size, n_chunks, offloaded, n_blocks), measured, printed) = case
-    assert (result.chunk_size, result.n_chunks, len(result.offload), result.n_blocks) == (
+    assert (result.chunk_size, len(result.placement.on_device), len(result.placement.offload), result.placement.n_blocks) == (
         chunk_size, n_chunks, offloaded, n_blocks
     )
-    t = result.time
+    t = result.placement.time
     assert (t.compute, t.gpu_adam, t.cpu_adam) == pytest.approx(printed[1:], rel=1e-6)
     assert abs(t.total / measured - 1) <= 0.15, (name, t)
     # the CPU Adam is partly hidden under the backward and the next forward, never all exposed
@@ -142,8 +142,8 @@ def test_with_a_host_sync_the_updates_start_after_backward(name, h100) -> None:
     machine it gives the total the run printed (up to the host's wait, which moved from the
     prefetch to the demand acquire); without the sync the updates start earlier, never later."""
     printed = OFFLOAD[name][4][0]
-    synced = _planned(name, h100, clips_grads=True)[0].time
-    free = _planned(name, h100)[0].time
+    synced = _planned(name, h100, clips_grads=True)[0].placement.time
+    free = _planned(name, h100)[0].placement.time
     assert synced.total == pytest.approx(printed, rel=0.02)
     assert free.total <= synced.total
     assert free.exposed_cpu_adam < synced.exposed_cpu_adam
@@ -152,7 +152,7 @@ def test_with_a_host_sync_the_updates_start_after_backward(name, h100) -> None:
 
 def test_exposed_cpu_adam_shrinks_as_the_forward_grows(h100) -> None:
     """Measured: step - compute - GPU Adam = 0.26 / 0.08 / about 0 s at batch 4 / 8 / 16."""
-    exposed = [_planned(n, h100)[0].time.exposed_cpu_adam for n in OFFLOAD]
+    exposed = [_planned(n, h100)[0].placement.time.exposed_cpu_adam for n in OFFLOAD]
     assert exposed[0] > exposed[1] >= exposed[2]
     assert exposed[0] > 0.15 and exposed[2] < 0.03
 
@@ -160,7 +160,7 @@ def test_exposed_cpu_adam_shrinks_as_the_forward_grows(h100) -> None:
 @pytest.mark.parametrize("name", list(IN_GPU))
 def test_in_gpu_regime_within_15_percent_of_the_measured_step(name, h100) -> None:
     case = IN_GPU[name]
-    t = _planned(name, h100)[0].time
+    t = _planned(name, h100)[0].placement.time
     assert abs(t.total / case[-1] - 1) <= 0.15, (name, t)
 
 
@@ -202,7 +202,7 @@ def test_without_a_host_sync_the_offloaded_updates_start_during_backward(h100) -
     for clips in (False, True):
         model, result = _model(name, h100, clips)
         on_device = np.ones(model.k, dtype=bool)
-        on_device[result.offload] = False
+        on_device[result.placement.offload] = False
         host = ~on_device & model.trainable
         r = model.rates
         reduce = (model._transfer(on_device, r.duplex or r.d2h) + model.coll) * model.trainable
@@ -210,11 +210,11 @@ def test_without_a_host_sync_the_offloaded_updates_start_during_backward(h100) -
         if clips:
             assert np.all(start == 0)
             continue
-        first = result.offload[0]
+        first = result.placement.offload[0]
         # the backward left after the first offloaded chunk's gradients: the GPU-resident chunks'
         left = model.compute_bwd - model.grad_ready[first]
         assert start[first] == pytest.approx(-left, rel=0.05)
-        assert np.all(np.diff(start[result.offload]) < 0)  # the later chunks' even earlier
+        assert np.all(np.diff(start[result.placement.offload]) < 0)  # the later chunks' even earlier
         assert np.all(start[on_device] == 0)
 
 
@@ -228,10 +228,10 @@ def test_more_gpu_memory_never_offloads_more_on_the_h100(h100, clips_grads) -> N
     for gib in (24, 32, 40, 48, 56, 64, 72, 80, 96, 112, 128, 160):
         budget = Budget(gib * GIB, profile.activation_peak, profile.buffer_bytes, h100.host_memory)
         r = search(table, profile, h100, budget, SearchSettings(1, BF16, ElixirConfig(clips_grads=clips_grads, skip_nonfinite=False)))
-        assert r.device_bytes <= budget.allowed and r.host_bytes <= budget.host_allowed
-        serial.append(r.time.serial)
-        offloaded.append(r.host_bytes)
-        times.append(r.time.total)
+        assert r.placement.device_bytes <= budget.allowed and r.placement.host_bytes <= budget.host_allowed
+        serial.append(r.placement.time.serial)
+        offloaded.append(r.placement.host_bytes)
+        times.append(r.placement.time.total)
     assert all(b <= a + 1e-12 for a, b in zip(serial, serial[1:])), serial
     assert all(b <= a for a, b in zip(offloaded, offloaded[1:])), offloaded
     assert offloaded[-1] == 0 and times[-1] < 0.8 * times[0]
@@ -247,4 +247,4 @@ def test_states_that_fit_stay_on_the_h100(h100, cpu_adam_scale, clips_grads) -> 
     machine = dataclasses.replace(h100, cpu_adam=h100.cpu_adam * cpu_adam_scale)
     budget = Budget(h100.gpu_memory, profile.activation_peak, profile.buffer_bytes, h100.host_memory)
     r = search(table, profile, machine, budget, SearchSettings(1, BF16, ElixirConfig(clips_grads=clips_grads, skip_nonfinite=False)))
-    assert r.offload == [], f"{len(r.offload)} of {r.n_chunks} chunks offloaded"
+    assert r.placement.offload == [], f"{len(r.placement.offload)} of {len(r.placement.on_device)} chunks offloaded"
