@@ -74,7 +74,7 @@ def prepare(
     if config.mode == "auto" and device.type == "cuda":
         order, search = auto_plan(model, units, example_batch, config, device, dtype, coll)
     else:
-        order = coll.decided_by_rank0(lambda: trace_unit_order(model, units, example_batch), device)
+        order = coll.decided_by_rank0(lambda: trace_unit_order(model, units, example_batch, dtype, device), device)
     table = param_table(model, units, order)
     table = replace(table, groups=_param_groups(optimizer, table.params, table.names))
     layout, unit_chunks, plan = plan_model(

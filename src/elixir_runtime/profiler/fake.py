@@ -1,8 +1,9 @@
-"""Running a model's training step on fake tensors: no real memory, no real compute.
+"""Running a model on fake tensors: no real memory, no real compute.
 
-The model's own parameters and buffers are swapped for fake ones (in the compute dtype, on the
-compute device) for the duration of the step and restored afterwards, whatever happens; tied
-parameters stay tied (one fake per parameter object). Swapping in place, rather than
+``fake_run`` is the one way in, for the profiler's training step and for ``trace_unit_order``'s
+forward: the model in training mode, its own parameters and buffers swapped for fake ones (in the
+compute dtype, on the compute device) and restored afterwards, whatever happens; tied parameters
+stay tied (one fake per parameter object). Swapping in place, rather than
 ``torch.func.functional_call``, keeps the fakes in place through backward, where activation
 checkpointing re-runs the forward.
 """
@@ -10,6 +11,7 @@ checkpointing re-runs the forward.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -18,11 +20,34 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
-__all__ = ["fake_state", "fake_batch", "loss_of", "train_mode", "constant_scalar_draws"]
+__all__ = ["FakeRun", "fake_run", "loss_of"]
+
+
+@dataclass(frozen=True)
+class FakeRun:
+    """What ``fake_run`` swapped in."""
+
+    params: dict[int, torch.Tensor]
+    """``{id(real parameter): its fake}``; tied parameters share one."""
+    buffers: list[torch.Tensor]
+    """The fake buffers, one per buffer object."""
+    batch: Any
+    """The batch's structure with every tensor a fake on the compute device."""
 
 
 @contextlib.contextmanager
-def fake_state(
+def fake_run(model: nn.Module, batch: Any, dtype: torch.dtype | None, device: torch.device) -> Iterator[FakeRun]:
+    """``model`` in training mode on fake parameters and buffers, inside a fake tensor mode in which
+    0-dim ``torch.rand`` draws are constant; call ``model`` on the yielded ``FakeRun.batch``."""
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, _fake_state(model, dtype, device) as (
+        params,
+        buffers,
+    ), _train_mode(model), _constant_scalar_draws(mode):
+        yield FakeRun(params, buffers, _fake_batch(batch, device))
+
+
+@contextlib.contextmanager
+def _fake_state(
     model: nn.Module, dtype: torch.dtype | None, device: torch.device
 ) -> Iterator[tuple[dict[int, torch.Tensor], list[torch.Tensor]]]:
     """Yields ``({id(real param): fake param}, fake buffers)``; call inside the fake mode.
@@ -69,7 +94,7 @@ def _drop_grad(t: torch.Tensor) -> None:
     t.grad = None
 
 
-def fake_batch(batch: Any, device: torch.device) -> Any:
+def _fake_batch(batch: Any, device: torch.device) -> Any:
     """The batch's structure with every tensor replaced by a fake one on ``device``."""
     return tree_map(
         lambda t: torch.empty(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t, batch
@@ -89,7 +114,7 @@ def loss_of(output: Any) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def train_mode(model: nn.Module) -> Iterator[None]:
+def _train_mode(model: nn.Module) -> Iterator[None]:
     """Training mode for the trace (dropout on, HF checkpointing active); each module's own flag
     is restored afterwards."""
     flags = [(m, m.training) for m in model.modules()]
@@ -102,7 +127,7 @@ def train_mode(model: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def constant_scalar_draws(mode: FakeTensorMode) -> Iterator[None]:
+def _constant_scalar_draws(mode: FakeTensorMode) -> Iterator[None]:
     """Makes 0-dim ``torch.rand`` draws concrete (just below 1) while tracing in ``mode``.
 
     Some models branch on a random scalar, e.g. LayerDrop in transformers' OPT (5.17):

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..units import Unit, find_units
 from .blocks import BlockStack, find_block_stack, truncated
-from .fake import constant_scalar_draws, fake_batch, fake_state, loss_of, train_mode
+from .fake import fake_run, loss_of
 from .hooks import Markers
 from .kernels import cuda_attention
 from .recorder import Recorder
@@ -207,22 +207,18 @@ def _trace(
     stack: BlockStack | None,
     emulate: bool,
 ) -> list[Segment]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     timeline = Timeline()
     names = {id(p): n for n, p in model.named_parameters()}
     kernels = cuda_attention() if emulate else contextlib.nullcontext()
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode, fake_state(model, dtype, device) as (
-        fakes,
-        buffers,
-    ), train_mode(model), constant_scalar_draws(mode), kernels:
-        inputs = fake_batch(batch, device)
-        recorder = Recorder(timeline, {id(f): names[pid] for pid, f in fakes.items()})
-        recorder.preexisting([*fakes.values(), *buffers, *(t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor))])
+    with fake_run(model, batch, dtype, device) as fake, kernels:
+        recorder = Recorder(timeline, {id(f): names[pid] for pid, f in fake.params.items()})
+        recorder.preexisting(
+            [*fake.params.values(), *fake.buffers, *(t for t in tree_leaves(fake.batch) if isinstance(t, torch.Tensor))]
+        )
         markers = Markers(model, timeline, units, stack)
         try:
             with torch.enable_grad(), recorder:
-                output = call_model(model, inputs)
+                output = call_model(model, fake.batch)
                 loss = loss_of(output)
                 del output
                 timeline.phase = "bwd"

@@ -1,8 +1,9 @@
 """Order in which fetch units first run in forward, traced on fake tensors (no real memory).
 
-Chunks are packed in this order so that a forward pass walks the chunks front to back. When the
-model cannot run under fake tensors (data-dependent control flow), registration order is used,
-which for HF causal LMs is nearly the same.
+Chunks are packed in this order so that a forward pass walks the chunks front to back. The forward
+runs in ``fake.fake_run``, as the profiler's step does, so both see the same model (training mode,
+compute dtype and device). When the model cannot run under fake tensors (data-dependent control
+flow), registration order is used, which for HF causal LMs is nearly the same.
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from ..units import Unit
-from .fake import constant_scalar_draws
+from .fake import fake_run
 
 __all__ = ["trace_unit_order", "call_model"]
 
@@ -31,10 +31,13 @@ def call_model(model: nn.Module, batch: Any) -> Any:
     return model(batch)
 
 
-def trace_unit_order(model: nn.Module, units: list[Unit], example_batch: Any | None) -> list[int]:
-    """Unit indices in first-call order; units never called in the traced forward come last, in
-    registration order."""
-    calls = _fake_forward_calls(model, units, example_batch) if example_batch is not None else None
+def trace_unit_order(
+    model: nn.Module, units: list[Unit], example_batch: Any | None, dtype: torch.dtype, device: torch.device
+) -> list[int]:
+    """Unit indices in first-call order in a forward of ``example_batch`` on fake tensors (``dtype``
+    and ``device``: the run's compute dtype and device, as the profiler traces the step); units
+    never called come last, in registration order."""
+    calls = _fake_forward_calls(model, units, example_batch, dtype, device) if example_batch is not None else None
     if calls is None:
         return [u.index for u in units]
     order = list(dict.fromkeys(calls))
@@ -42,25 +45,16 @@ def trace_unit_order(model: nn.Module, units: list[Unit], example_batch: Any | N
     return order
 
 
-def _fake_forward_calls(model: nn.Module, units: list[Unit], batch: Any) -> list[int] | None:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+def _fake_forward_calls(
+    model: nn.Module, units: list[Unit], batch: Any, dtype: torch.dtype, device: torch.device
+) -> list[int] | None:
     calls: list[int] = []
     handles = [
         u.module.register_forward_pre_hook(lambda _m, _a, i=u.index: calls.append(i)) for u in units
     ]
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True) as mode, constant_scalar_draws(mode):
-            state = {
-                name: mode.from_tensor(t)
-                for name, t in [
-                    *model.named_parameters(remove_duplicate=False),
-                    *model.named_buffers(remove_duplicate=False),
-                ]
-            }
-            fake_batch = tree_map(lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t, batch)
-            with torch.no_grad():
-                torch.func.functional_call(model, state, _as_args(fake_batch), _as_kwargs(fake_batch), strict=False)
+        with fake_run(model, batch, dtype, device) as fake, torch.no_grad():
+            call_model(model, fake.batch)
     except Exception as exc:  # any model code we cannot run on fake tensors
         logger.info("fake-tensor trace failed (%s: %s); using registration order", type(exc).__name__, exc)
         return None
@@ -68,13 +62,3 @@ def _fake_forward_calls(model: nn.Module, units: list[Unit], batch: Any) -> list
         for h in handles:
             h.remove()
     return calls
-
-
-def _as_args(batch: Any) -> tuple:
-    if isinstance(batch, dict):
-        return ()
-    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-
-
-def _as_kwargs(batch: Any) -> dict:
-    return dict(batch) if isinstance(batch, dict) else {}
