@@ -86,7 +86,7 @@ class ElixirAccelerator(Accelerator):
 
     @property
     def elixir_optimizer(self) -> ElixirAcceleratedOptimizer | None:
-        """The prepared engine optimizer, if ``prepare`` has built one."""
+        """The ``ElixirAcceleratedOptimizer`` ``prepare`` built (it wraps the ``ElixirOptimizer``), if any."""
         return next((o for o in self._optimizers if isinstance(o, ElixirAcceleratedOptimizer)), None)
 
     # ------------------------------------------------------------------ prepare
@@ -140,7 +140,7 @@ class ElixirAccelerator(Accelerator):
         if opt is None:
             return super().backward(loss, **kwargs)
         with opt.timer("backward"):
-            opt.engine.backward(loss / self.gradient_accumulation_steps, **kwargs)
+            opt.elixir_optimizer.backward(loss / self.gradient_accumulation_steps, **kwargs)
 
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
         """The engine's global grad norm (all chunks, all ranks); clipping is fused into ``step``."""
@@ -148,12 +148,12 @@ class ElixirAccelerator(Accelerator):
         if opt is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         if math.isinf(max_norm):
-            return torch.tensor(opt.engine.grad_norm())
-        return opt.engine.clip_grad_norm(max_norm, norm_type)
+            return torch.tensor(opt.elixir_optimizer.grad_norm())
+        return opt.elixir_optimizer.clip_grad_norm(max_norm, norm_type)
 
     def no_sync(self, model: nn.Module):
         opt = self.elixir_optimizer
-        return super().no_sync(model) if opt is None else opt.engine.no_sync()
+        return super().no_sync(model) if opt is None else opt.elixir_optimizer.no_sync()
 
     # ------------------------------------------------------------------ metrics
     def elixir_metrics(self) -> dict[str, float]:

@@ -55,13 +55,13 @@ def build_engine(
     config = dataclasses.replace(plugin.config, device=device)
     if args is not None:
         config = dataclasses.replace(config, clips_grads=clips_grads(args))
-    _, engine = elixir_runtime.prepare(model, optimizer, config=config, example_batch=batch)
+    _, elixir_optimizer = elixir_runtime.prepare(model, optimizer, config=config, example_batch=batch)
     plan = model._elixir.plan
     plugin.check_plan(plan)
     if model._elixir.runtime.coll.rank == 0:
         m = describe_model(model)
         print(f"Elixir plan for {m['class']} ({m['parameters'] / 1e6:.1f}M parameters):\n{plan.table()}", flush=True)
-    return engine
+    return elixir_optimizer
 
 
 def check_launch(world_size: int) -> None:

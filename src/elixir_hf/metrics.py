@@ -31,14 +31,14 @@ class EngineMetrics:
         self._since = self._now()
 
     def _now(self) -> tuple[float, int, dict[str, int]]:
-        return time.perf_counter(), self.optimizer.steps, dict(self.optimizer.engine.runtime.stats)
+        return time.perf_counter(), self.optimizer.steps, dict(self.optimizer.elixir_optimizer.runtime.stats)
 
     def collect(self) -> dict[str, float]:
         out = {} if self._plan_logged else _plan_metrics(self.plan)
         self._plan_logged = True
-        out["elixir/loss_scale"] = self.optimizer.engine.loss_scale
+        out["elixir/loss_scale"] = self.optimizer.elixir_optimizer.loss_scale
         out["elixir/skipped_steps"] = self.optimizer.skipped_steps
-        out.update(_memory_metrics(self.optimizer.engine.runtime.device))
+        out.update(_memory_metrics(self.optimizer.elixir_optimizer.runtime.device))
         out.update(self._rates())
         return out
 

@@ -3,7 +3,7 @@
 It is an ``AcceleratedOptimizer`` (so ``accelerator.optimizer_step_was_skipped``, schedulers and
 ``save_state`` treat it like any other) without the two stock behaviours that break the engine:
 no device placement round-trip of the state (the shards live where the plan put them), and no
-GradScaler (the engine scales fp16 losses itself). ``step`` runs the engine's fused
+GradScaler (the engine scales fp16 losses itself). ``step`` runs the ``ElixirOptimizer``'s fused
 unscale + clip + Adam and then clears the gradient shards, because the Trainer only calls
 ``model.zero_grad()``, which cannot see them.
 """
@@ -29,7 +29,8 @@ class ElixirAcceleratedOptimizer(AcceleratedOptimizer):
         self.steps = 0  # optimizer steps run, skipped ones included (as the Trainer's global_step counts them)
 
     @property
-    def engine(self) -> ElixirOptimizer:
+    def elixir_optimizer(self) -> ElixirOptimizer:
+        """The ``ElixirOptimizer`` it wraps: ``backward``, ``clip_grad_norm``, ``no_sync``, ``loss_scale``."""
         return self.optimizer
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

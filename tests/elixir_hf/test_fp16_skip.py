@@ -29,11 +29,11 @@ def test_overflow_skips_the_step_and_the_schedule(tmp_path) -> None:
     trainer.train()
 
     assert trainer.accelerator.scaler is None  # no GradScaler on top of the engine's scaling
-    engine = trainer.optimizer.engine
+    elixir_optimizer = trainer.optimizer.elixir_optimizer
     assert trainer.optimizer.skipped_steps == 1
-    assert engine.step_count == STEPS - 1
+    assert elixir_optimizer.step_count == STEPS - 1
     assert trainer.lr_scheduler.last_epoch == STEPS - 1, "the scheduler advanced on the skipped step"
-    assert engine.loss_scale == pytest.approx(1e4)
+    assert elixir_optimizer.loss_scale == pytest.approx(1e4)
 
     lrs, norms, losses = history(trainer, "learning_rate"), history(trainer, "grad_norm"), history(trainer, "loss")
     assert lrs[0] == lrs[1] == pytest.approx(1e-2), "the step after the skipped one must use the same LR"

@@ -54,7 +54,7 @@ def test_nan_loss_skips_the_step_and_training_goes_on(tmp_path, bf16) -> None:
         trainer.train()
 
     assert trainer.optimizer.skipped_steps == 1
-    assert trainer.optimizer.engine.step_count == STEPS - 1
+    assert trainer.optimizer.elixir_optimizer.step_count == STEPS - 1
     assert trainer.lr_scheduler.last_epoch == STEPS - 1, "the scheduler advanced on the skipped step"
     skipped = [log["elixir/skipped_steps"] for log in logged.logs if "elixir/skipped_steps" in log]
     assert skipped == [0] * NAN_STEP + [1] * (STEPS - NAN_STEP)
@@ -68,8 +68,8 @@ def test_opt_out_through_elixir_spec_keeps_plain_pytorch_behaviour(tmp_path) -> 
     spec = '{"mode": "static", "skip_nonfinite": false, "max_consecutive_skips": 3}'
     trainer = _trainer_with_a_nan_step(tmp_path, spec)
     trainer.train()
-    engine = trainer.optimizer.engine
-    assert (engine.skip_nonfinite, engine.max_consecutive_skips) == (False, 3)
+    elixir_optimizer = trainer.optimizer.elixir_optimizer
+    assert (elixir_optimizer.skip_nonfinite, elixir_optimizer.max_consecutive_skips) == (False, 3)
     assert trainer.optimizer.skipped_steps == 0
     state = trainer.model.state_dict()
     assert bool(state["transformer.h.0.mlp.c_fc.weight"].isnan().all()), "the NaN step went into Adam, as in PyTorch"

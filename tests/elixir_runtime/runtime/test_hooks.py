@@ -12,7 +12,7 @@ import elixir_runtime as er
 from helpers.models import make_batch, tiny_gpt2
 
 
-def _trained_engine(offload: float) -> weakref.ref:
+def _trained_runtime(offload: float) -> weakref.ref:
     model = tiny_gpt2()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = er.prepare(model, opt, er.ElixirConfig(mode="static", offload=offload, device="cpu"),
@@ -30,6 +30,6 @@ def test_engine_is_freed_with_the_model_and_optimizer(offload: float) -> None:
     """A grad hook lives in the tensor's C++ autograd meta, where the garbage collector cannot see
     a cycle through it: one holding the runtime kept every arena (GPU memory, pinned host memory)
     of a dropped engine, so a second ``prepare`` in the process found the GPU half full."""
-    engine = _trained_engine(offload)
+    runtime = _trained_runtime(offload)
     gc.collect()
-    assert engine() is None
+    assert runtime() is None
