@@ -13,8 +13,8 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 LAYERS: list[tuple[str, ...]] = [
-    # what the user asks for, and facts of this host
-    ("elixir_runtime.config", "elixir_runtime.host"),
+    # what the user asks for, and facts of this host (its memory, the GPU memory this process may use)
+    ("elixir_runtime.config", "elixir_runtime.host", "elixir_runtime.gpu_limit"),
     # the model as the planner and the engine see it: fetch units, parameter table
     ("elixir_runtime.units",),
     # chunk layout and the memory, copies and collectives of chunks

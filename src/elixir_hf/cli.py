@@ -1,6 +1,7 @@
 """``elixir-plan``: the plan ``--elixir auto`` would make, without a GPU and without allocating.
 
     elixir-plan --model gpt2-10b --seq-len 1024 --batch-size 8 --gpus 2 --gpu-mem 80GiB --host-mem 256GiB
+    elixir-plan --model gpt2-10b --seq-len 1024 --batch-size 8 --hardware h100 --gpu-memory 40GiB  # a cap per GPU
     elixir-plan --model path/to/config.json --hardware hw.json --json
     elixir-plan --measure-hardware hw.json        # on the GPU machine: its profile, for planning elsewhere
 
@@ -18,7 +19,6 @@ import argparse
 import copy
 import json
 import os
-import re
 import sys
 import time
 import warnings
@@ -29,7 +29,8 @@ from typing import Any, Sequence
 import torch
 
 from elixir_runtime.config import ElixirConfig, resolve_dtype
-from elixir_runtime.config import PlanError
+from elixir_runtime.config import parse_size as config_parse_size
+from elixir_runtime.config import ConfigError, PlanError
 from elixir_runtime.plan import ElixirPlan, format_step_time, plan_model
 from elixir_runtime.profiler import ModelProfile
 from elixir_runtime.units import find_units, param_table
@@ -44,17 +45,14 @@ __all__ = ["main", "PRESETS", "parse_size", "build_meta_model"]
 
 GIB = 2**30
 
-_UNITS = {"": GIB, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "kib": 2**10, "mib": 2**20,
-          "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-
 
 def parse_size(text: str) -> int:
-    """``80GiB``, ``80G`` (binary), ``80GB`` (decimal), ``512MiB``; a bare number is GiB."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (e.g. 80GiB, 80GB, 512MiB)")
-    return int(float(match.group(1)) * _UNITS[unit])
+    """``80GiB``, ``80G`` (binary), ``80GB`` (decimal), ``512MiB``; a bare number is GiB
+    (``elixir_runtime.config.parse_size``, the rule of ``ElixirConfig.gpu_memory`` too)."""
+    try:
+        return config_parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def model_config(name: str, seq_len: int):
@@ -116,6 +114,13 @@ def _dtype(text: str) -> torch.dtype:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _gpu_memory(text: str) -> int:
+    try:
+        return ElixirConfig(gpu_memory=text).gpu_memory
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="elixir-plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", "--model_config", "--model-config", dest="model", help="preset, config.json or Hub id")
@@ -124,6 +129,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", "--grad_accum", type=_positive, default=1, help="micro-batches per optimizer step")
     p.add_argument("--gpus", type=_positive, default=1, help="GPUs (ranks) on one host")
     p.add_argument("--gpu-mem", "--gpu_mem", type=parse_size, help="memory per GPU (default: the hardware profile's)")
+    p.add_argument("--gpu-memory", "--gpu_memory", type=_gpu_memory, help="ElixirConfig.gpu_memory: the most GPU memory "
+                   "the run may use per GPU (a GPU shared with other jobs, headroom); at most the card's")
     p.add_argument("--host-mem", "--host_mem", type=parse_size, help="host RAM (default: the hardware profile's)")
     p.add_argument("--hardware", help=f"a shipped card ({', '.join(SHIPPED)}) or a hardware profile JSON (default: this "
                    "machine's GPU, measured once and cached; without a GPU the shipped h100)")
@@ -184,17 +191,26 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     units = find_units(model, None)
     ids = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long, device="meta")
 
+    card = args.gpu_mem or hardware.gpu_memory
+    cap = args.gpu_memory
+    if cap is not None and cap > card:
+        raise PlanError(
+            f"--gpu-memory {cap / GIB:.2f} GiB is more than the {card / GIB:.2f} GiB of the GPU planned for "
+            f"({'--gpu-mem' if args.gpu_mem else hardware.device}): give at most {card} bytes, or a larger --gpu-mem"
+        )
+
     def budget_of(profile: ModelProfile) -> Budget:
         return Budget(
-            capacity=args.gpu_mem or hardware.gpu_memory,
+            capacity=card if cap is None else cap,
             activations=profile.activation_peak,
             buffers=profile.buffer_bytes,
             host_capacity=args.host_mem or hardware.host_memory,
             ranks_per_host=args.gpus,
+            limit=cap,
         )
 
     t1 = time.perf_counter()
-    elixir = ElixirConfig(dtype=dtype)
+    elixir = ElixirConfig(dtype=dtype, gpu_memory=cap)
     gpu = torch.device("cuda")
     order, result, profile = search_model(
         model, units, {"input_ids": ids, "labels": ids}, elixir, gpu, dtype, args.gpus, hardware, budget_of,
@@ -206,8 +222,9 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     )
     search_s = time.perf_counter() - t1 - profile.seconds
 
+    capped = "" if cap is None else f" capped at {cap / GIB:.1f} (--gpu-memory)"
     title = (f"{args.model}: batch {args.batch_size} x seq {args.seq_len} per GPU, {args.gpus} GPU(s) of "
-             f"{budget.capacity / GIB:.0f} GiB, host {budget.host_capacity / GIB:.0f} GiB, AC {'on' if args.ac else 'off'}")
+             f"{card / GIB:.0f} GiB{capped}, host {budget.host_capacity / GIB:.0f} GiB, AC {'on' if args.ac else 'off'}")
     timings = {"build_s": build_s, "profile_s": profile.seconds, "search_s": search_s}
     text = "\n\n".join(
         [

@@ -20,6 +20,7 @@ from .checkpoint import ModelStateHooks
 from .chunk.collectives import Collectives
 from .chunk.source import WeightSource, unmeta_parameters, weight_source
 from .config import ElixirConfig
+from .gpu_limit import limit_gpu_memory
 from .optim.optimizer import ElixirOptimizer
 from .optim.threads import cpu_adam_threads
 from .plan import ElixirPlan, plan_model
@@ -70,6 +71,7 @@ def prepare(
     source = weight_source(model, coll, device)
 
     units = find_units(model, config.unit_classes)
+    _limit_gpu_memory(device, config.gpu_memory)
     search = None
     if config.mode == "auto" and device.type == "cuda":
         order, search = auto_plan(model, units, example_batch, config, device, dtype, coll)
@@ -155,6 +157,15 @@ def _param_groups(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], 
             "model.parameters() or set requires_grad=False on the ones to freeze"
         )
     return [group_of[id(p)] if p.requires_grad else -1 for p in params]
+
+
+def _limit_gpu_memory(device: torch.device, gpu_memory: int | None) -> None:
+    """Before the plan, which then fits the limit: the allocator enforces ``gpu_memory`` from here on."""
+    if device.type == "cuda":
+        limit_gpu_memory(device, gpu_memory)
+    elif gpu_memory is not None:
+        logger.warning("elixir: ElixirConfig.gpu_memory=%d bytes is ignored: this run computes on %s, not a GPU",
+                       gpu_memory, device)
 
 
 def _resolve_device(config: ElixirConfig) -> torch.device:

@@ -7,13 +7,14 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ConfigError", "ElixirConfig", "LossScaleConfig", "PlanError", "offloaded_chunks"]
+__all__ = ["ConfigError", "ElixirConfig", "LossScaleConfig", "PlanError", "offloaded_chunks", "parse_size"]
 
 BlockCount = int | Literal["min", "max"]
 
@@ -140,6 +141,16 @@ class ElixirConfig:
     """Training stops with an error after this many skipped steps in a row: more than the 16
     back-offs fp16 loss scaling needs from the default ``init_scale`` 2**16 to ``min_scale`` 1."""
 
+    gpu_memory: int | str | None = None
+    """The most GPU memory this process may use, per GPU: an int of bytes, or a size string
+    (``"70GiB"``/``"70G"`` binary, ``"70GB"`` decimal, ``"512MiB"``; no unit: GiB, as
+    ``elixir-plan --gpu-mem``), stored as bytes. ``prepare`` lowers torch's per-process memory
+    fraction to ``gpu_memory / total`` (``torch.cuda.set_per_process_memory_fraction``; a smaller
+    fraction the user set stays), so the caching allocator enforces it (its out-of-memory error
+    then says "... allowed"), and the plan fits what is left of it (``gpu_limit.py``). For a GPU
+    shared with other jobs, for headroom, or to plan as on a smaller card. ``None``: the whole
+    card, or the fraction the user set."""
+
     def __post_init__(self) -> None:
         offload = self.offload
         indices = isinstance(offload, (list, tuple)) and all(_int(i) and i >= 0 for i in offload)
@@ -185,7 +196,13 @@ class ElixirConfig:
             "max_consecutive_skips": (
                 _int(self.max_consecutive_skips) and self.max_consecutive_skips >= 1, "an int >= 1 (skipped steps in a row)"
             ),
+            "gpu_memory": (
+                self.gpu_memory is None or isinstance(self.gpu_memory, str) or _int(self.gpu_memory),
+                "a size such as '70GiB' or '70GB', an int of bytes, or None (the whole GPU)",
+            ),
         })
+        if self.gpu_memory is not None:
+            object.__setattr__(self, "gpu_memory", _gpu_memory(self.gpu_memory))
         if isinstance(self.device, str):
             try:
                 torch.device(self.device)
@@ -196,6 +213,35 @@ class ElixirConfig:
                 object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
             except ValueError as exc:
                 raise ConfigError(f"ElixirConfig.dtype: {exc}") from exc
+
+def _gpu_memory(value: int | str) -> int:
+    """``ElixirConfig.gpu_memory`` in bytes: at least 1 MiB (a small int is a forgotten unit)."""
+    fix = "give a size such as '70GiB' (binary) or '70GB' (decimal), or an int of bytes"
+    if isinstance(value, str):
+        try:
+            value = parse_size(value)
+        except ValueError as exc:
+            raise ConfigError(f"ElixirConfig.gpu_memory: {exc}; {fix}") from None
+    if value < 2**20:
+        raise ConfigError(
+            f"ElixirConfig.gpu_memory must be at least 1 MiB, got {value!r} bytes; {fix}, or None for the whole GPU"
+        )
+    return value
+
+
+_SIZE_UNITS = {"": 2**30, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "kib": 2**10, "mib": 2**20,
+               "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a memory size: ``80GiB``, ``80G`` (binary), ``80GB`` (decimal), ``512MiB``, ``1024B``;
+    a bare number is GiB. The one rule for ``ElixirConfig.gpu_memory`` and ``elixir-plan``'s sizes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"not a memory size: {text!r} (e.g. 80GiB, 80GB, 512MiB)")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
 
 def offloaded_chunks(offload: float | Sequence[int], n_chunks: int, chunk_size: int) -> list[int]:
     """``ElixirConfig.offload`` for a layout of ``n_chunks``: a fraction takes the last chunks (their

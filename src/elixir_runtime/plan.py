@@ -20,6 +20,7 @@ import torch
 
 from .chunk.layout import ChunkLayout, build_layout
 from .config import ElixirConfig, PlanError, offloaded_chunks
+from .gpu_limit import device_capacity, process_limit
 from .host import host_available, local_ranks
 from .search.loop import GIB, SearchResult
 from .search.memory import ArenaBytes
@@ -52,6 +53,9 @@ class ElixirPlan:
     alternatives: list[dict[str, Any]] = field(default_factory=list)
     """Rigid plans of the same layout (ZeRO-2/3-like offload-all, rCache max/min) with their
     predicted memory and step time."""
+    gpu_memory: int | None = None
+    """``ElixirConfig.gpu_memory`` the plan was made under (bytes per GPU; ``None``: no cap); a run
+    from this plan file is held to it again."""
 
     def placement(self) -> list[str]:
         off = set(self.offload)
@@ -232,6 +236,7 @@ def resolve_plan(
         min_blocks=lo,
         max_blocks=hi,
         memory=memory,
+        gpu_memory=config.gpu_memory,
     )
     if search is not None:
         _attach_search(plan, search)
@@ -262,12 +267,17 @@ def check_fits(plan: ElixirPlan, device: torch.device) -> None:
     """Fails before allocation when the plan exceeds the device's or the host's memory."""
     gib = 2**30
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        if plan.device_bytes > free:
+        capacity, limit = device_capacity(device), process_limit(device)
+        if plan.device_bytes > capacity:
+            total = torch.cuda.mem_get_info(device)[1]
+            capped = "" if limit is None else (
+                f" within this process's limit of {limit / gib:.2f} GiB (ElixirConfig.gpu_memory or "
+                "torch.cuda.set_per_process_memory_fraction; or raise it)"
+            )
             raise PlanError(
                 f"the plan needs {plan.device_bytes / gib:.2f} GiB of GPU memory per rank for model states and "
-                f"rCache, but only {free / gib:.2f} of {total / gib:.2f} GiB are free: offload more chunks, use fewer "
-                "rCache blocks, or more GPUs"
+                f"rCache, but only {capacity / gib:.2f} of {total / gib:.2f} GiB are free{capped}: offload more "
+                "chunks, use fewer rCache blocks, or more GPUs"
             )
     available, ranks_here = host_available(), local_ranks()
     if plan.host_bytes * ranks_here > available:

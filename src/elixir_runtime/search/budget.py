@@ -5,7 +5,8 @@
 ``F_frag`` reserves room for the fragmentation activations cause (they are the only memory the
 caching allocator churns: everything else is allocated once, up front); ``F_alloc`` keeps a
 margin for what the allocator does not see (CUDA context, NCCL buffers). The host side takes the
-same ``F_alloc`` of the host's RAM for the pinned arenas of every rank on it.
+same ``F_alloc`` of the host's RAM for the pinned arenas of every rank on it. ``capacity`` is at
+most the process's GPU limit (``ElixirConfig.gpu_memory``, torch's memory fraction: ``gpu_limit.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..gpu_limit import device_capacity, process_limit
 from ..host import host_available
 
 __all__ = ["Budget", "device_budget", "F_ALLOC", "F_FRAG"]
@@ -31,6 +33,9 @@ class Budget:
     host_capacity: int
     """Host bytes usable by the pinned arenas of all ranks on the host."""
     ranks_per_host: int = 1
+    limit: int | None = None
+    """The process's GPU limit in bytes (``ElixirConfig.gpu_memory`` or total x torch's memory
+    fraction), which ``capacity`` respects; ``None``: the whole GPU."""
     f_alloc: float = F_ALLOC
     f_frag: float = F_FRAG
 
@@ -49,13 +54,13 @@ class Budget:
 
 
 def device_budget(device: torch.device, activations: int, buffers: int, ranks_per_host: int) -> Budget:
-    """The budget of a live CUDA device: what is free now plus what torch's allocator holds unused."""
-    free, _ = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    """The budget of a live CUDA device: what is free now plus what torch's allocator holds unused,
+    within the process's limit."""
     return Budget(
-        capacity=free + cached,
+        capacity=device_capacity(device),
         activations=activations,
         buffers=buffers,
         host_capacity=host_available(),
         ranks_per_host=ranks_per_host,
+        limit=process_limit(device),
     )

@@ -256,6 +256,11 @@ def _no_fit_message(evaluated: list[_Evaluated], profile: ModelProfile, budget: 
         f"blocks, as much offloaded as the host takes) needs {gib(device_need)} of GPU memory per rank for model "
         f"states and rCache, but {formula}."
     ]
+    if budget.limit is not None:
+        lines.append(
+            f"The GPU capacity is capped at {gib(budget.limit)} per process (ElixirConfig.gpu_memory or "
+            "torch.cuda.set_per_process_memory_fraction): a larger cap is the first fix if the GPU has room."
+        )
     if host_bound:
         lines.append(
             f"The model states take {gib(states)} in all ({n} rank(s)); the host takes at most {gib(budget.host_allowed)} "

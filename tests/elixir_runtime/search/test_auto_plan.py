@@ -6,6 +6,7 @@ hardware profile) are replaced, and the plan is then run by the engine on the CP
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import elixir_runtime as er
@@ -13,7 +14,9 @@ import elixir_runtime.search.auto as auto
 from elixir_runtime.chunk.collectives import Collectives
 from elixir_runtime.units import find_units
 from elixir_runtime.search import Budget
+from elixir_runtime.gpu_limit import limit_gpu_memory
 from helpers.dist import run_distributed
+from helpers.fake_cuda import FakeGPU
 from helpers.models import make_batch, tiny_gpt2
 from search_cases import GIB, gpu_host, model_state_bytes
 
@@ -114,3 +117,38 @@ def test_ranks_time_their_own_collectives_and_agree_on_the_plan() -> None:
     assert plan0 == plan1
     assert len(seen0) == 1 and seen0[0] > 0 and seen1 == []
     assert any("measured on the job's process group" in n for n in notes)
+
+
+
+def test_the_gpu_limit_shrinks_the_plan(monkeypatch) -> None:
+    """``prepare``'s order on a GPU: ``limit_gpu_memory`` lowers the allocator's fraction, then the
+    budget reads it back; a cap and the same fraction set by the user give the same plan. Without
+    an example batch (a structural profile: fast), activations take a fixed share of the capacity."""
+    model = _model()
+    monkeypatch.setattr(auto, "load_hardware", lambda: gpu_host())
+    gpu = FakeGPU(total=64 * GIB).install(monkeypatch)
+    coll = Collectives(None)
+
+    def plan(gpu_memory=None, model=model):
+        config = er.ElixirConfig(gpu_memory=gpu_memory)
+        limit_gpu_memory(torch.device("cuda", 0), config.gpu_memory)
+        return auto.auto_plan(model, find_units(model, None), None, config, torch.device("cpu"), torch.float32, coll)[1]
+
+    whole = plan()
+    assert whole.budget.limit is None and not whole.placement.offload
+    cap = model_state_bytes(model)  # U_allowed is 57 % of it
+    capped = plan(cap)
+    assert (capped.budget.capacity, capped.budget.limit) == (cap, cap) and gpu.fraction == cap / gpu.total
+    assert capped.placement.offload and capped.placement.device_bytes <= capped.budget.allowed < whole.placement.device_bytes
+
+    gpu.fraction = 1.0
+    torch.cuda.set_per_process_memory_fraction(cap / gpu.total)  # the user's own limit, no cap
+    by_fraction = plan()
+    assert by_fraction.budget.limit == int(cap / gpu.total * gpu.total)
+    same = lambda r: (r.chunk_size, r.placement.n_blocks, r.placement.offload)  # noqa: E731
+    assert same(by_fraction) == same(capped)
+
+    gpu.fraction = 1.0
+    wide = tiny_gpt2(n_layer=1, n_embd=512)  # a 512 x 2048 matrix: 4 MiB in one chunk
+    with pytest.raises(er.PlanError, match=r"no plan fits(.|\n)*capped at 4.00 MiB per process \(ElixirConfig.gpu_memory"):
+        plan("4MiB", model=wide)

@@ -1,0 +1,64 @@
+"""The GPU memory this process may use: ``ElixirConfig.gpu_memory`` and torch's per-process fraction.
+
+One limit, held by torch's caching allocator: ``limit_gpu_memory`` lowers the process's memory
+fraction (``torch.cuda.set_per_process_memory_fraction``) to ``gpu_memory / total`` unless the user
+set a smaller one, and the planner reads the limit back from the allocator (``process_limit``), so
+the plan and the enforcement cannot disagree: the budget's capacity is
+``min(free + cached, total x fraction - allocated)``. The limit counts what the allocator holds
+(every tensor, the allocator's cache included), not the CUDA context nor NCCL's buffers: on a
+141 GB card, ``gpu_memory`` = an 80 GB card's capacity (its total less its ~0.5 GiB context, which
+the plan of the smaller card sees as used) gives that card's plan when the rates are equal.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .config import ConfigError
+
+__all__ = ["device_capacity", "limit_gpu_memory", "process_limit"]
+
+logger = logging.getLogger(__name__)
+
+GIB = 2**30
+
+
+def limit_gpu_memory(device: torch.device, gpu_memory: int | None) -> None:
+    """Makes the caching allocator of ``device`` refuse to hold more than ``gpu_memory`` bytes
+    (unless the fraction the user set is smaller); a cap above the card's memory is an error."""
+    if gpu_memory is None:
+        return
+    total = torch.cuda.mem_get_info(device)[1]
+    if gpu_memory > total:
+        raise ConfigError(
+            f"ElixirConfig.gpu_memory is {gpu_memory / GIB:.2f} GiB ({gpu_memory} bytes), more than the "
+            f"{total / GIB:.2f} GiB of {device} ({torch.cuda.get_device_name(device)}): use at most {total} bytes, "
+            "or None for the whole GPU"
+        )
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    if gpu_memory < fraction * total:
+        torch.cuda.set_per_process_memory_fraction(gpu_memory / total, device)
+        logger.info("elixir: %s limited to %.2f GiB (ElixirConfig.gpu_memory): memory fraction %.4f",
+                    device, gpu_memory / GIB, gpu_memory / total)
+    else:
+        logger.info("elixir: ElixirConfig.gpu_memory %.2f GiB: the memory fraction %.4f already set on %s is "
+                    "smaller (%.2f GiB) and stays", gpu_memory / GIB, fraction, device, fraction * total / GIB)
+
+
+def process_limit(device: torch.device) -> int | None:
+    """Bytes the caching allocator of ``device`` may hold (total x the process's memory fraction);
+    ``None`` without a limit (fraction 1)."""
+    fraction = torch.cuda.get_per_process_memory_fraction(device)
+    return None if fraction >= 1 else int(fraction * torch.cuda.mem_get_info(device)[1])
+
+
+def device_capacity(device: torch.device) -> int:
+    """GPU bytes a plan may still take on ``device``: what is free plus what torch's allocator holds
+    unused, within the process's limit (less what is allocated now)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    capacity = free + torch.cuda.memory_reserved(device) - allocated
+    limit = process_limit(device)
+    return capacity if limit is None else max(0, min(capacity, limit - allocated))
