@@ -184,20 +184,19 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     """Everything ``main`` prints: the texts, the JSON document, the plan and its budget."""
     dtype = args.dtype
     hardware, hw_note = args.hardware_profile, args.hardware_note
+    card = args.gpu_mem or hardware.gpu_memory
+    cap = args.gpu_memory
+    if cap is not None and cap > card:
+        raise PlanError(
+            f"--gpu-memory {cap / GIB:.2f} GiB is more than the {card / GIB:.2f} GiB of the GPU planned for "
+            f"({'--gpu-mem' if args.gpu_mem else hardware.device}): give at most {card} bytes, or plan for a larger card (--gpu-mem, or --hardware with its profile)"
+        )
     t0 = time.perf_counter()
     config = model_config(args.model, args.seq_len)
     model = build_meta_model(config, dtype, args.ac)
     build_s = time.perf_counter() - t0
     units = find_units(model, None)
     ids = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long, device="meta")
-
-    card = args.gpu_mem or hardware.gpu_memory
-    cap = args.gpu_memory
-    if cap is not None and cap > card:
-        raise PlanError(
-            f"--gpu-memory {cap / GIB:.2f} GiB is more than the {card / GIB:.2f} GiB of the GPU planned for "
-            f"({'--gpu-mem' if args.gpu_mem else hardware.device}): give at most {card} bytes, or a larger --gpu-mem"
-        )
 
     def budget_of(profile: ModelProfile) -> Budget:
         return Budget(

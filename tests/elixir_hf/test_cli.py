@@ -158,12 +158,38 @@ def test_cli_and_auto_make_the_same_plan_from_the_same_profile(capsys, tmp_path,
     ("--gpus", "0", "must be a positive integer"),
     ("--batch-size", "-1", "must be a positive integer"),
     ("--dtype", "int8", "unknown dtype 'int8'"),
+    ("--gpu-memory", "0GiB", "ElixirConfig.gpu_memory must be at least 1 MiB, got 0 bytes"),
+    ("--gpu-memory", "lots", "ElixirConfig.gpu_memory: not a memory size: 'lots'"),
 ])
 def test_bad_arguments_are_argparse_errors(capsys, flag, value, message) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--model", "gpt2", flag, value])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and f"argument {flag}" in err and message in err
+
+
+def test_gpu_memory_caps_the_card(capsys, tmp_path) -> None:
+    """``--gpu-memory`` (``ElixirConfig.gpu_memory``) shrinks the shipped H100's budget, and a card
+    capped at X plans as a card of X with the same rates (the 80 GB regime on a 141 GB card)."""
+    cap = 6 * 2**20  # small enough that the choice is not "everything on the GPU"
+    base = ["--model", _tiny_config(tmp_path), "--seq-len", "128", "--batch-size", "2", "--host-mem", "64GiB",
+            "--hardware", "h100", "--json"]
+
+    def plan(*flags: str) -> dict:
+        code, out, err = _run(capsys, *base, *flags)
+        assert code == 0, err
+        return json.loads(out)["plan"]
+
+    whole, capped = plan(), plan("--gpu-memory", f"{cap}B")
+    assert (capped["gpu_memory"], capped["budget"]["capacity"], capped["budget"]["limit"]) == (cap, cap, cap)
+    assert whole["gpu_memory"] is None and whole["budget"]["capacity"] == 85017493504  # the H100's
+    assert len(capped["offload"]) > len(whole["offload"]) or capped["n_blocks"] < whole["n_blocks"]
+    smaller_card = plan("--gpu-mem", f"{cap}B")  # the H100 capped at X plans as a card of X, same rates
+    for key in ("chunk_size", "n_chunks", "n_blocks", "offload", "memory", "predicted"):
+        assert smaller_card[key] == capped[key], key
+
+    code, out, _ = _run(capsys, *base, "--gpu-memory", "90GiB")
+    assert code == 2 and "--gpu-memory 90.00 GiB is more than the 79.18 GiB of the GPU planned for (NVIDIA H100" in out
 
 
 def test_a_model_without_sdpa_is_built_with_its_own_attention(capsys, tmp_path) -> None:

@@ -40,13 +40,14 @@ def test_cli_grammar(tmp_path, monkeypatch) -> None:
     assert _parse(["--elixir", "off"]).elixir_plugin is None
     assert _parse([]).elixir_plugin is None
     assert _parse(["--elixir", '{"offload": 0.5, "n_blocks": "min"}']).elixir_plugin.config.offload == 0.5
+    assert _parse(["--elixir", '{"gpu_memory": "40GiB"}']).elixir_plugin.config.gpu_memory == 40 * 2**30
     settings = tmp_path / "elixir.json"
     settings.write_text(json.dumps({"chunk_size": 4096, "prefetch": 2, "cpu_threads": 6}))
     plugin = _parse(["--elixir", str(settings)]).elixir_plugin
     assert (plugin.config.chunk_size, plugin.config.prefetch, plugin.config.cpu_threads) == (4096, 2, 6)
     assert plugin.config.cpu_threads == 6
-    monkeypatch.setenv("ELIXIR_CONFIG", '{"offload": 0.25}')
-    assert _parse([]).elixir_plugin.config.offload == 0.25
+    monkeypatch.setenv("ELIXIR_CONFIG", '{"offload": 0.25, "gpu_memory": 70000000000}')
+    assert (_parse([]).elixir_plugin.config.offload, _parse([]).elixir_plugin.config.gpu_memory) == (0.25, 7 * 10**10)
     assert _parse(["--elixir", "off"]).elixir_plugin is None  # the flag wins over the environment
 
 
@@ -70,6 +71,9 @@ def test_precision_goes_to_the_engine(tmp_path, monkeypatch) -> None:
         ('{"loss_scale": {"init": 8}}', "--elixir: unknown loss_scale key"),
         ('{"offload": 2}', "--elixir: ElixirConfig.offload must be a fraction of the chunks in \\[0, 1\\]"),
         ('{"mode": "fast"}', "ElixirConfig.mode must be 'auto'"),
+        ('{"gpu_memory": 80}', "--elixir: ElixirConfig.gpu_memory must be at least 1 MiB, got 80 bytes; give a size "
+                               "such as '70GiB'"),
+        ('{"gpu_memory": "80 GiBs"}', "--elixir: ElixirConfig.gpu_memory: not a memory size: '80 GiBs'"),
         ('{"offload": 0.5', "not valid JSON"),
         ('{"dtype": "bf16"}', "asks for dtype 'bf16' but mixed precision is 'fp16'"),
     ],

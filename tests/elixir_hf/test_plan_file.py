@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -28,3 +29,16 @@ def test_a_plan_with_an_unknown_key_names_it(tmp_path) -> None:
         ElixirPlan.from_json(path)
     with pytest.raises(ElixirSpecError, match=r"looks like a plan but is not one: .*'n_blokcs'"):
         ElixirPlugin.from_spec(str(path))
+
+
+def test_the_gpu_memory_cap_is_recorded_and_held_again(tmp_path) -> None:
+    """A plan made under ``ElixirConfig.gpu_memory`` records it, and a run from the file is held to it;
+    plans from before the field have none."""
+    path = tmp_path / "elixir_plan.json"
+    capped = dataclasses.replace(PLAN, gpu_memory=40 * 2**30)
+    path.write_text(capped.to_json())
+    assert json.loads(path.read_text())["gpu_memory"] == 40 * 2**30
+    assert ElixirPlugin.from_spec(str(path)).config.gpu_memory == 40 * 2**30
+    old = {k: v for k, v in json.loads(PLAN.to_json()).items() if k != "gpu_memory"}
+    path.write_text(json.dumps(old))
+    assert ElixirPlugin.from_spec(str(path)).config.gpu_memory is None

@@ -3,6 +3,9 @@ allocator is given, and the capacity the planner reads back (GPU faked: ``helper
 
 from __future__ import annotations
 
+import json
+import logging
+
 import pytest
 import torch
 
@@ -11,6 +14,7 @@ from elixir_runtime.config import ConfigError, parse_size
 from elixir_runtime.gpu_limit import device_capacity, limit_gpu_memory, process_limit
 from elixir_runtime.search.budget import device_budget
 from helpers.fake_cuda import GIB, FakeGPU
+from helpers.models import tiny_gpt2
 
 GPU = torch.device("cuda", 0)
 
@@ -89,3 +93,12 @@ def test_a_cap_larger_than_the_card_is_refused(monkeypatch) -> None:
     assert gpu.set_calls == 0
     limit_gpu_memory(GPU, 80 * GIB)  # the whole card: nothing to lower
     assert gpu.fraction == 1.0
+
+
+def test_prepare_records_the_cap_and_says_it_is_ignored_on_a_cpu(caplog) -> None:
+    model = tiny_gpt2()
+    config = er.ElixirConfig(mode="static", gpu_memory="1GiB")
+    with caplog.at_level(logging.WARNING, logger="elixir_runtime.api"):
+        model, _ = er.prepare(model, torch.optim.AdamW(model.parameters()), config=config)
+    assert model._elixir.plan.gpu_memory == GIB and json.loads(model._elixir.plan.to_json())["gpu_memory"] == GIB
+    assert "gpu_memory=1073741824 bytes is ignored: this run computes on cpu" in caplog.text
