@@ -43,8 +43,8 @@ def limit_gpu_memory(device: torch.device, gpu_memory: int | None) -> None:
         logger.info("elixir: %s limited to %.2f GiB (ElixirConfig.gpu_memory): memory fraction %.4f",
                     device, gpu_memory / GIB, gpu_memory / total)
     else:
-        logger.info("elixir: ElixirConfig.gpu_memory %.2f GiB: the memory fraction %.4f already set on %s is "
-                    "smaller (%.2f GiB) and stays", gpu_memory / GIB, fraction, device, fraction * total / GIB)
+        logger.info("elixir: ElixirConfig.gpu_memory %.2f GiB: the memory fraction %.4f already set on %s allows "
+                    "no more (%.2f GiB) and stays", gpu_memory / GIB, fraction, device, fraction * total / GIB)
 
 
 def process_limit(device: torch.device) -> int | None:

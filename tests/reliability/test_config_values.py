@@ -37,6 +37,7 @@ BAD_CONFIG = {
     "lockstep_timeout_s": 0,
     "skip_nonfinite": "yes",
     "max_consecutive_skips": 0,
+    "gpu_memory": 7.5e10,
 }
 BAD_LOSS_SCALE = {
     "init_scale": -1.0,
@@ -91,6 +92,7 @@ def test_good_values_still_pass() -> None:
         ({"loss_scale": {"init_scale": 0}}, r"LossScaleConfig\.init_scale must be .*got 0"),
         ({"loss_scale": {"growth_interval": 0}}, r"LossScaleConfig\.growth_interval must be an int >= 1.*got 0"),
         ({"loss_scale": 8}, r"loss_scale must be an object"),
+        ({"gpu_memory": "lots"}, r"ElixirConfig\.gpu_memory: not a memory size: 'lots' .*give a size such as '70GiB'"),
         ({"chunk_sise": 4096}, r"unknown .* key 'chunk_sise' \(did you mean 'chunk_size'\?\)"),
     ],
 )
