@@ -94,6 +94,8 @@ class ElixirPlan:
         if "activations" in self.memory:
             rows.append(("device peak / rank", f"{self.device_peak_bytes / gib:.3f} GiB (+ activations "
                          f"{self.memory['activations'] / gib:.3f}, buffers {self.memory.get('buffers', 0) / gib:.3f})"))
+        if self.gpu_memory is not None:
+            rows.append(("GPU memory cap", f"{self.gpu_memory / gib:.3f} GiB per GPU (ElixirConfig.gpu_memory)"))
         if self.budget:
             rows.append(("budget / rank", f"{self.budget['allowed'] / gib:.3f} GiB GPU (U_allowed), "
                          f"{self.budget['host_allowed'] / gib:.3f} GiB host"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -100,5 +101,7 @@ def test_prepare_records_the_cap_and_says_it_is_ignored_on_a_cpu(caplog) -> None
     config = er.ElixirConfig(mode="static", gpu_memory="1GiB")
     with caplog.at_level(logging.WARNING, logger="elixir_runtime.api"):
         model, _ = er.prepare(model, torch.optim.AdamW(model.parameters()), config=config)
-    assert model._elixir.plan.gpu_memory == GIB and json.loads(model._elixir.plan.to_json())["gpu_memory"] == GIB
+    plan = model._elixir.plan
+    assert plan.gpu_memory == GIB and json.loads(plan.to_json())["gpu_memory"] == GIB
+    assert re.search(r"GPU memory cap +1.000 GiB per GPU \(ElixirConfig.gpu_memory\)", plan.table())
     assert "gpu_memory=1073741824 bytes is ignored: this run computes on cpu" in caplog.text
