@@ -29,8 +29,8 @@ from typing import Any, Sequence
 import torch
 
 from elixir_runtime.config import ElixirConfig, resolve_dtype
-from elixir_runtime.config import parse_size as config_parse_size
 from elixir_runtime.config import ConfigError, PlanError
+from elixir_runtime.config import parse_size as config_parse_size
 from elixir_runtime.plan import ElixirPlan, format_step_time, plan_model
 from elixir_runtime.profiler import ModelProfile
 from elixir_runtime.units import find_units, param_table
@@ -189,7 +189,8 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     if cap is not None and cap > card:
         raise PlanError(
             f"--gpu-memory {cap / GIB:.2f} GiB is more than the {card / GIB:.2f} GiB of the GPU planned for "
-            f"({'--gpu-mem' if args.gpu_mem else hardware.device}): give at most {card} bytes, or plan for a larger card (--gpu-mem, or --hardware with its profile)"
+            f"({'--gpu-mem' if args.gpu_mem else hardware.device}): give at most {card} bytes, or plan for a larger "
+            "card (--gpu-mem, or --hardware with its profile)"
         )
     t0 = time.perf_counter()
     config = model_config(args.model, args.seq_len)

@@ -214,6 +214,7 @@ class ElixirConfig:
             except ValueError as exc:
                 raise ConfigError(f"ElixirConfig.dtype: {exc}") from exc
 
+
 def _gpu_memory(value: int | str) -> int:
     """``ElixirConfig.gpu_memory`` in bytes: at least 1 MiB (a small int is a forgotten unit)."""
     fix = "give a size such as '70GiB' (binary) or '70GB' (decimal), or an int of bytes"

@@ -6,8 +6,9 @@ set a smaller one, and the planner reads the limit back from the allocator (``pr
 the plan and the enforcement cannot disagree: the budget's capacity is
 ``min(free + cached, total x fraction - allocated)``. The limit counts what the allocator holds
 (every tensor, the allocator's cache included), not the CUDA context nor NCCL's buffers: on a
-141 GB card, ``gpu_memory`` = an 80 GB card's capacity (its total less its ~0.5 GiB context, which
-the plan of the smaller card sees as used) gives that card's plan when the rates are equal.
+141 GB card, ``gpu_memory`` = what an 80 GB card leaves the allocator (its total less its CUDA
+context, about 0.5 GiB, which that card's plan sees as used) gives that card's plan when the rates
+are equal (docs/planning.md, "The GPU-memory cap").
 """
 
 from __future__ import annotations
