@@ -15,7 +15,7 @@ from elixir_runtime.config import ConfigError, parse_size
 from elixir_runtime.gpu_limit import device_capacity, limit_gpu_memory, process_limit
 from elixir_runtime.search.budget import device_budget
 from helpers.fake_cuda import GIB, FakeGPU
-from helpers.models import tiny_gpt2
+from helpers.models import make_batch, tiny_gpt2
 
 GPU = torch.device("cuda", 0)
 
@@ -105,3 +105,23 @@ def test_prepare_records_the_cap_and_says_it_is_ignored_on_a_cpu(caplog) -> None
     assert plan.gpu_memory == GIB and json.loads(plan.to_json())["gpu_memory"] == GIB
     assert re.search(r"GPU memory cap +1.000 GiB per GPU \(ElixirConfig.gpu_memory\)", plan.table())
     assert "gpu_memory=1073741824 bytes is ignored: this run computes on cpu" in caplog.text
+
+
+@pytest.mark.gpu
+def test_prepare_on_a_gpu_holds_the_allocator_to_the_cap() -> None:
+    """The real thing: ``prepare`` lowers the fraction, the plan is made within the cap, and an
+    allocation past it fails with torch's out-of-memory error naming the allowed bytes."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    before, total = torch.cuda.get_per_process_memory_fraction(device), torch.cuda.mem_get_info(device)[1]
+    cap = 4 * GIB
+    try:
+        model = tiny_gpt2()
+        model, _ = er.prepare(model, torch.optim.AdamW(model.parameters()), er.ElixirConfig(gpu_memory=cap),
+                              example_batch=make_batch(128))
+        assert torch.cuda.get_per_process_memory_fraction(device) == pytest.approx(cap / total)
+        plan = model._elixir.plan
+        assert plan.gpu_memory == cap and plan.budget["limit"] <= cap and plan.budget["capacity"] <= cap
+        with pytest.raises(torch.OutOfMemoryError, match="allowed"):
+            torch.empty(cap, dtype=torch.uint8, device=device)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(before, device)
