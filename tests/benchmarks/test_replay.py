@@ -13,7 +13,7 @@ from elixir_runtime.plan import plan_model
 from elixir_runtime.profiler.profile import profile_model
 from elixir_runtime.units import find_units, param_table
 from elixir_runtime.search import Budget, SearchSettings, search
-from elixir_runtime.hardware.profile import HardwareProfile, LinkRates
+from elixir_runtime.hardware.profile import CpuAdamRate, HardwareProfile, LinkRates
 
 GIB = 2**30
 SEQ = 64
@@ -23,7 +23,7 @@ def _hardware() -> HardwareProfile:
     return HardwareProfile(
         device="test GPU", gpus=2, gpu_memory=80 * GIB, host_memory=256 * GIB, cpu_cores=32,
         matmul={"256": 50e12, "1024": 300e12}, attention=300e12, memory_bandwidth=3e12, op_overhead=1e-5,
-        gpu_adam=80e9, cpu_adam=3e9, cpu_adam_alone=6e9,
+        gpu_adam=80e9, cpu_adam={2: CpuAdamRate(2, 15, 1.5e9, 3e9)},
         links={n: LinkRates(n, 50e9 * n, 50e9 * n, 35e9 * n, 200e9 if n > 1 else None) for n in (1, 2)},
     )
 

@@ -9,6 +9,7 @@ import torch
 
 from elixir_hf.cli import main, parse_size
 from elixir_runtime.hardware import HardwareProfile, LinkRates
+from elixir_runtime.hardware.profile import CpuAdamRate
 
 
 @pytest.fixture
@@ -17,7 +18,7 @@ def hardware(tmp_path) -> str:
     hw = HardwareProfile(
         device="test GPU", gpus=2, gpu_memory=80 * 2**30, host_memory=256 * 2**30, cpu_cores=16,
         matmul={"1024": 300e12, "4096": 600e12}, attention=300e12, memory_bandwidth=3e12, op_overhead=1e-5,
-        gpu_adam=80e9, cpu_adam=5e9, links={n: LinkRates(n, 50e9 * n, 50e9 * n, 35e9 * n) for n in (1, 2)},
+        gpu_adam=80e9, cpu_adam={1: CpuAdamRate(1, 15, 5e9)}, links={n: LinkRates(n, 50e9 * n, 50e9 * n, 35e9 * n) for n in (1, 2)},
         source="test data",
     )
     path = tmp_path / "hw.json"
@@ -115,7 +116,7 @@ def test_without_a_gpu_the_shipped_h100_is_planned_for_and_named(capsys, tmp_pat
 def test_a_cpu_profile_is_refused_for_a_gpu_plan(capsys, tmp_path) -> None:
     cpu = HardwareProfile(device="cpu", gpus=0, gpu_memory=64 * 2**30, host_memory=64 * 2**30, cpu_cores=2,
                           matmul={"1024": 1e11}, attention=1e11, memory_bandwidth=1e10, op_overhead=1e-5,
-                          gpu_adam=1e9, cpu_adam=1e9, links={1: LinkRates(1, 1e10, 1e10)}, source="a laptop")
+                          gpu_adam=1e9, cpu_adam={1: CpuAdamRate(1, 15, 1e9)}, links={1: LinkRates(1, 1e10, 1e10)}, source="a laptop")
     cpu.save(tmp_path / "cpu.json")
     with pytest.raises(SystemExit) as exc:
         main(["--model", "gpt2", "--hardware", str(tmp_path / "cpu.json")])

@@ -5,6 +5,10 @@ replaced by a file (``--hardware``, ``$ELIXIR_HARDWARE``), e.g. one measured on 
 plan is made for, or by the name of a profile shipped with the package (``SHIPPED``: measured on
 that card with ``elixir-plan --measure-hardware``), which is what ``elixir-plan`` plans with on a
 machine without a GPU: a GPU plan is never timed with a CPU's rates.
+
+A job (``job_hardware``) plans with rank 0's profile, shared with every rank; where this machine's
+cached profile lacks the per-rank CPU Adam for the job's ranks per host and threads, the job's
+ranks measure it together first ([Note: CPU Adam per rank] in ``measure.py``) and rank 0 caches it.
 """
 
 from __future__ import annotations
@@ -13,11 +17,19 @@ import os
 import platform
 from importlib import resources
 from pathlib import Path
+from typing import Sequence
 
+import torch
+
+from ..chunk.collectives import Collectives
+from ..host import local_ranks
+from ..optim.threads import cpu_adam_threads
 from . import measure
 from .profile import PROFILE_VERSION, HardwareProfile
 
-__all__ = ["cache_path", "machine_key", "load_hardware", "shipped_hardware", "ENV_HARDWARE", "SHIPPED"]
+__all__ = [
+    "cache_path", "machine_key", "load_hardware", "job_hardware", "shipped_hardware", "ENV_HARDWARE", "SHIPPED",
+]
 
 ENV_HARDWARE = "ELIXIR_HARDWARE"
 
@@ -52,19 +64,51 @@ def machine_key() -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{platform.node()}-{gpus}")
 
 
-def load_hardware(path: str | Path | None = None, *, refresh: bool = False, quick: bool = False) -> HardwareProfile:
+def load_hardware(
+    path: str | Path | None = None, *, refresh: bool = False, quick: bool = False, ranks: Sequence[int] | None = None
+) -> HardwareProfile:
     """A shipped profile's name or a file (``path`` or ``$ELIXIR_HARDWARE``) if given, else this
-    machine's cached profile, measured (and cached) on first use."""
+    machine's cached profile, measured (and cached) on first use, with the per-rank CPU Adam of
+    ``ranks`` ranks per host (default ``measure.rank_counts()``) measured where missing."""
     path = path or os.environ.get(ENV_HARDWARE)
     if path and str(path).lower() in SHIPPED:
         return shipped_hardware(str(path))
     if path:
         return HardwareProfile.load(path)
     cached = cache_path()
-    if cached.exists() and not refresh:
-        profile = HardwareProfile.load(cached)
-        if profile.version >= PROFILE_VERSION:
-            return profile
-    profile = measure.measure_hardware(quick=quick)
-    profile.save(cached)
+    profile = HardwareProfile.from_json(cached.read_text()) if cached.exists() and not refresh else None
+    changed = profile is None or profile.version < PROFILE_VERSION  # an older measurement is measured again
+    if changed:
+        profile = measure.measure_hardware(quick=quick, ranks=())
+    for n in measure.rank_counts() if ranks is None else ranks:
+        if n not in profile.cpu_adam:
+            profile.cpu_adam[n] = measure.host_cpu_adam(n, quick=quick)
+            changed = True
+    if changed:
+        profile.save(cached)
+    return profile
+
+
+def job_hardware(
+    coll: Collectives, device: torch.device, cpu_threads: int | None = None, *, quick: bool = False
+) -> HardwareProfile:
+    """The profile a job plans with, the same on every rank (every rank calls it): rank 0's
+    ``load_hardware`` (which measures nothing of the CPU Adam: the other ranks wait meanwhile),
+    then, where it is this machine's cached profile and lacks the per-rank CPU Adam of this host's
+    ranks with the engine's threads (``cpu_adam_threads(local_ranks(), cpu_threads)``), that rate
+    measured by all ranks at once (``measure.job_cpu_adam``) and cached by rank 0. A profile given
+    as a file or a shipped name is planned with as it is. ``quick``: small sizes, for tests."""
+    ranks = local_ranks()
+    threads = cpu_adam_threads(ranks, cpu_threads)
+
+    def load() -> tuple[HardwareProfile, bool]:
+        own = not os.environ.get(ENV_HARDWARE)
+        return load_hardware(ranks=(), quick=quick), own
+
+    profile, own = coll.decided_by_rank0(load, device)
+    rate = profile.cpu_adam.get(ranks)
+    if own and (rate is None or rate.threads != threads):
+        profile.cpu_adam[ranks] = measure.job_cpu_adam(coll, device, ranks, threads, quick=quick)
+        if coll.rank == 0:
+            profile.save(cache_path())
     return profile

@@ -1,10 +1,22 @@
-"""Measures a ``HardwareProfile`` on this machine in a few seconds (≤ 15 s on a GPU host).
+"""Measures a ``HardwareProfile`` on this machine in a few seconds (≤ 15 s on a GPU host, plus a
+few seconds per number of ranks whose CPU Adam is measured by processes of its own).
 
 Each number is timed the way the engine will use it: pinned copies of the engine's own exact-size
 page-locked arenas (``chunk/host_memory.py``), the engine's Adam kernels on arenas with the
 engine's dtypes (bf16 gradient in, bf16 parameter out), matmuls and fused attention in the
 compute dtype. Without a GPU the "device" is the host itself, which gives a valid profile for
 planning a CPU run (and for tests), not a GPU prediction.
+
+[Note: CPU Adam per rank] The CPU Adam of n ranks sharing a host is timed as n ranks run it: n
+processes at once (the job's own ranks at ``prepare``, ``rank_cpu_adam`` under a collective
+barrier; or n spawned processes, one per GPU, for ``--measure-hardware``), each with the engine's
+threads for n ranks (``cpu_adam_threads(n)``), on arenas it allocated itself (first touched by it,
+so on its NUMA node, as the engine's), while its own GPU copies up and down. Version 2 timed one
+process with every core but one while the other ranks of the job spun in the broadcast that waited
+for it (a busy CUDA sync each), on arenas and copy buffers all on rank 0's NUMA node, with blocks
+of work too few for 63 threads (128 for 2**25 elements: three rounds where two would do), and
+divided that by n: 1.26 G params/s for a 64-core 4-GPU host, where its four ranks of 15 threads
+ran gpt2-20b's update ~2x faster than planned.
 """
 
 from __future__ import annotations
@@ -13,7 +25,7 @@ import datetime
 import platform
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,17 +37,23 @@ from ..optim.kernel import AdamHyper, AdamKernel
 from ..optim.select import select_kernel
 from ..optim.threads import cpu_adam_threads, usable_cores
 from ..host import host_total
-from .profile import PROFILE_VERSION, HardwareProfile, LinkRates
+from .profile import PROFILE_VERSION, CpuAdamRate, HardwareProfile, LinkRates
 
-__all__ = ["measure_hardware"]
+__all__ = ["measure_hardware", "host_cpu_adam", "job_cpu_adam", "rank_cpu_adam", "rank_counts", "collective_busbw"]
 
 _HYPER = [AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)]
 
 
-def measure_hardware(*, quick: bool = False, dtype: torch.dtype = torch.bfloat16) -> HardwareProfile:
-    """``quick`` uses small sizes (a second or two, less exact): for tests and smoke runs."""
+def measure_hardware(
+    *, quick: bool = False, dtype: torch.dtype = torch.bfloat16, ranks: Sequence[int] | None = None
+) -> HardwareProfile:
+    """``quick`` uses small sizes (a second or two, less exact): for tests and smoke runs. ``ranks``:
+    the numbers of ranks sharing the host whose per-rank CPU Adam is measured (``host_cpu_adam``;
+    default ``rank_counts()``; none: left to the job's ranks, ``job_cpu_adam``)."""
     start = time.perf_counter()
     profile = _measure_gpu(quick, dtype) if torch.cuda.is_available() else _measure_cpu(quick)
+    for n in rank_counts() if ranks is None else ranks:
+        profile.cpu_adam[n] = host_cpu_adam(n, quick=quick, dtype=dtype)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # give the measurement's buffers back before the plan counts free memory
     stamp = datetime.datetime.now().isoformat(timespec="seconds")
@@ -54,7 +72,6 @@ def _measure_gpu(quick: bool, dtype: torch.dtype) -> HardwareProfile:
     size = (64 if quick else 256) * 2**20
     links = _gpu_links(gpus, size)
     sizes = [512, 1024, 2048] if quick else [512, 1024, 2048, 4096, 8192]
-    cpu_adam, cpu_adam_alone = _cpu_adam_under_copies(links[gpus], 2**21 if quick else 2**25, dtype, size)
     return HardwareProfile(
         device=torch.cuda.get_device_name(dev),
         gpus=gpus,
@@ -66,8 +83,6 @@ def _measure_gpu(quick: bool, dtype: torch.dtype) -> HardwareProfile:
         memory_bandwidth=_copy_rate(dev, size * (1 if quick else 4)) * 2,
         op_overhead=_op_overhead(dev),
         gpu_adam=_adam_rate(dev, 2**22 if quick else 2**26, dtype),
-        cpu_adam=cpu_adam,
-        cpu_adam_alone=cpu_adam_alone,
         links=links,
         dtype=str(dtype).removeprefix("torch."),
     )
@@ -142,13 +157,14 @@ def _op_overhead(device: torch.device) -> float:
     return _median_time(lambda: x.add_(1), sync=lambda: _sync(device), target=0.01)
 
 
-def _adam_rate(device: torch.device, numel: int, dtype: torch.dtype) -> float:
-    return numel / _adam_step(device, numel, dtype)[1]
+def _adam_rate(device: torch.device, numel: int, dtype: torch.dtype, threads: int | None = None) -> float:
+    return numel / _median_time(_adam_update(device, numel, dtype, threads), sync=lambda: _sync(device))
 
 
-def _adam_step(device: torch.device, numel: int, dtype: torch.dtype) -> tuple[Callable[[], None], float]:
-    """One update of ``numel`` elements on ``device`` by the engine's kernel, and its time alone."""
-    kernel = _kernel(device)
+def _adam_update(device: torch.device, numel: int, dtype: torch.dtype, threads: int | None = None) -> Callable[[], None]:
+    """One update of ``numel`` elements on ``device`` by the engine's kernel (on the CPU with
+    ``threads`` OpenMP threads), on arenas allocated (and first touched) by this process."""
+    kernel = select_kernel(device, threads if device.type == "cpu" else None)
     alloc = (lambda n, dt: torch.zeros(n, dtype=dt, device=device)) if device.type == "cuda" else (
         lambda n, dt: empty_host(n, dt, pin=False).zero_()
     )
@@ -159,40 +175,134 @@ def _adam_step(device: torch.device, numel: int, dtype: torch.dtype) -> tuple[Ca
     def step() -> None:
         kernel.step(master, m, v, grad, out, segments, _HYPER, next(steps), 1.0)
 
-    return step, _median_time(step, sync=lambda: _sync(device))
+    return step
 
 
-def _cpu_adam_under_copies(link: LinkRates, numel: int, dtype: torch.dtype, size: int) -> tuple[float, float]:
-    """The CPU Adam rate while every GPU copies ``size`` bytes up and down, back to back, for
-    longer than the timed updates take (queued first, so they run through the whole window);
-    and the rate alone."""
-    devs = [torch.device("cuda", i) for i in range(link.n)]
-    ups, downs = [torch.cuda.Stream(d) for d in devs], [torch.cuda.Stream(d) for d in devs]
-    bufs = [(torch.empty(size, dtype=torch.uint8, device=d), torch.empty(size, dtype=torch.uint8, device=d),
-             empty_host(size, torch.uint8, pin=True), empty_host(size, torch.uint8, pin=True)) for d in devs]
-    step, seconds = _adam_step(torch.device("cpu"), numel, dtype)
-    calls = max(5, int(0.3 / seconds))
-    per_copy = size / ((link.duplex or link.c2g) / link.n)
-    for (dev_a, dev_b, host_a, host_b), up, down in zip(bufs, ups, downs):
-        for _ in range(int(2 * calls * seconds / per_copy) + 2):
+# -------------------------------------------------------------------------------- CPU Adam per rank
+
+
+def rank_counts(gpus: int | None = None) -> list[int]:
+    """The numbers of ranks per host ``measure_hardware`` measures CPU Adam for: 1, 2, 4, 8 and
+    ``gpus`` (default: the GPUs here, 1 without), up to ``gpus``. A job with another count measures
+    its own at ``prepare``."""
+    gpus = (torch.cuda.device_count() or 1) if gpus is None else gpus
+    return sorted({n for n in (1, 2, 4, 8, gpus) if n <= gpus})
+
+
+def rank_cpu_adam(
+    threads: int, device: torch.device | None, barrier: Callable[[], None], *, quick: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[float, float]:
+    """(under copies, alone): this rank's CPU Adam parameters/s while every rank of the host runs
+    this at once (``barrier()`` returns when all have reached it; see [Note: CPU Adam per rank]).
+    The engine's kernel with ``threads`` threads, timed over the same window on every rank, first
+    alone, then while ``device`` (this rank's GPU; ``None`` without one: the rate alone twice)
+    copies a pinned buffer up and down back to back. At least 8 of the kernel's largest work
+    blocks (2**18 elements) per thread, as the engine's chunk shards (10**8 elements and more)."""
+    numel = max(2**20 if quick else 2**25, threads * (2**18 if quick else 2**21))
+    window = 0.05 if quick else 0.3
+    step = _adam_update(torch.device("cpu"), numel, dtype, threads)
+    one = _window(step, 0)  # first use: the segment table, the pages
+    barrier()
+    alone = numel / _window(step, window)
+    if device is None:
+        barrier()
+        return alone, alone
+    size = (16 if quick else 256) * 2**20
+    dev_a, dev_b = (torch.empty(size, dtype=torch.uint8, device=device) for _ in range(2))
+    host_a, host_b = (empty_host(size, torch.uint8, pin=True) for _ in range(2))
+    up, down = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def copies(rounds: int) -> None:
+        for _ in range(rounds):
             with torch.cuda.stream(up):
                 dev_a.copy_(host_a, non_blocking=True)
             with torch.cuda.stream(down):
                 host_b.copy_(dev_b, non_blocking=True)
-    time.sleep(per_copy)  # the copies are under way
-    t = time.perf_counter()
-    for _ in range(calls):
+
+    start = time.perf_counter()
+    copies(1)
+    torch.cuda.synchronize(device)
+    per_copy = time.perf_counter() - start
+    barrier()
+    copies(int(3 * max(window, 3 * one) / per_copy) + 2)  # queued first: they run through the whole window
+    time.sleep(per_copy)  # under way
+    under = numel / _window(step, window)
+    torch.cuda.synchronize(device)
+    barrier()
+    return under, alone
+
+
+def host_cpu_adam(ranks: int, *, threads: int | None = None, quick: bool = False,
+                  dtype: torch.dtype = torch.bfloat16) -> CpuAdamRate:
+    """CPU Adam per rank for ``ranks`` ranks sharing this host, each with ``cpu_adam_threads(ranks,
+    threads)``: this process for one rank, else ``ranks`` processes spawned at once, one per GPU
+    (``OMP_NUM_THREADS=1`` as under torchrun), the slowest rank's."""
+    gpus = torch.cuda.device_count()
+    if gpus and ranks > gpus:
+        raise ValueError(f"CPU Adam for {ranks} ranks per host needs {ranks} GPUs to copy to; this host has {gpus}")
+    n_threads = cpu_adam_threads(ranks, threads)
+    if ranks == 1:
+        under, alone = rank_cpu_adam(n_threads, torch.device("cuda", 0) if gpus else None, lambda: None, quick=quick, dtype=dtype)
+        return CpuAdamRate(1, n_threads, under, alone)
+    ctx = torch.multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(ranks), ctx.Queue()
+    procs = [ctx.Process(target=_spawned_rank, args=(r, n_threads, bool(gpus), quick, dtype, barrier, results))
+             for r in range(ranks)]
+    for proc in procs:
+        proc.start()
+    try:
+        rates = [results.get(timeout=_SPAWNED_TIMEOUT_S) for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(timeout=_SPAWNED_TIMEOUT_S)
+            if proc.is_alive():
+                proc.kill()
+    errors = [r for r in rates if isinstance(r, str)]
+    if errors:
+        raise RuntimeError(f"CPU Adam measurement of {ranks} ranks failed: {errors[0]}")
+    return CpuAdamRate(ranks, n_threads, min(u for u, _ in rates), min(a for _, a in rates))
+
+
+_SPAWNED_TIMEOUT_S = 300
+
+
+def _spawned_rank(rank: int, threads: int, gpu: bool, quick: bool, dtype: torch.dtype, barrier, results) -> None:
+    torch.set_num_threads(1)
+    try:
+        device = torch.device("cuda", rank) if gpu else None
+        if device is not None:
+            torch.cuda.set_device(device)
+        results.put(rank_cpu_adam(threads, device, lambda: barrier.wait(_SPAWNED_TIMEOUT_S), quick=quick, dtype=dtype))
+    except Exception as exc:  # reported by the parent, which raises
+        barrier.abort()
+        results.put(f"rank {rank}: {type(exc).__name__}: {exc}")
+
+
+def job_cpu_adam(coll: Collectives, device: torch.device, ranks: int, threads: int, *, quick: bool = False,
+                 dtype: torch.dtype = torch.bfloat16) -> CpuAdamRate:
+    """The job's CPU Adam per rank: ``rank_cpu_adam`` on every rank of ``coll`` at once (``ranks``
+    of them on each host) with ``threads`` threads, the slowest rank's. Every rank must call it."""
+    def barrier() -> None:
+        t = torch.zeros(1, device=device)
+        coll.all_reduce_sum_(t)
+        _sync(device)
+
+    under, alone = rank_cpu_adam(threads, device if device.type == "cuda" else None, barrier, quick=quick, dtype=dtype)
+    slowest = torch.tensor([-under, -alone], dtype=torch.float64, device=device)
+    coll.all_reduce_max_(slowest)
+    return CpuAdamRate(ranks, threads, -float(slowest[0]), -float(slowest[1]))
+
+
+def _window(step: Callable[[], None], seconds: float) -> float:
+    """Seconds per call of ``step``, called back to back for at least ``seconds`` (at least once)."""
+    calls, start = 0, time.perf_counter()
+    while True:
         step()
-    elapsed = (time.perf_counter() - t) / calls
-    for d in devs:
-        torch.cuda.synchronize(d)
-    return numel / elapsed, numel / seconds
-
-
-def _kernel(device: torch.device) -> AdamKernel:
-    # V_c is the whole host's rate (``Rates`` shares it among ranks) with the engine's threads,
-    # not the OMP_NUM_THREADS=1 that torchrun gives each rank.
-    return select_kernel(device, cpu_adam_threads(1) if device.type == "cpu" else None)
+        calls += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return elapsed / calls
 
 
 # ---------------------------------------------------------------------------------------- CPU
@@ -201,7 +311,7 @@ def _kernel(device: torch.device) -> AdamKernel:
 def _measure_cpu(quick: bool) -> HardwareProfile:
     cpu = torch.device("cpu")
     copy = _copy_rate(cpu, (16 if quick else 128) * 2**20)
-    adam = _adam_rate(cpu, 2**20 if quick else 2**24, torch.bfloat16)
+    adam = _adam_rate(cpu, 2**20 if quick else 2**24, torch.bfloat16, cpu_adam_threads(1))
     host = host_total()
     return HardwareProfile(
         device="cpu",
@@ -214,7 +324,6 @@ def _measure_cpu(quick: bool) -> HardwareProfile:
         memory_bandwidth=copy * 2,
         op_overhead=_op_overhead(cpu),
         gpu_adam=adam,
-        cpu_adam=adam,
         links={1: LinkRates(1, copy, copy)},
         dtype="float32",
     )

@@ -8,8 +8,10 @@ dispatch cost, GPU memory and host RAM. A profile is cached per machine under
 ``$ELIXIR_HARDWARE``), e.g. one measured on the GPU machine a plan is made for.
 
 [Note: more GPUs than measured] A plan for n GPUs on a machine measured with fewer takes each
-GPU's own link as measured (every GPU has its own PCIe link), keeps the host's CPU Adam rate
-(the ranks share the cores), and has no collective bandwidth (reported as not measured).
+GPU's own link as measured (every GPU has its own PCIe link), and has no collective bandwidth
+(reported as not measured). CPU Adam is measured per rank for each number of ranks sharing the
+host (``cpu_adam``); for a number not measured, the nearest measured count's host total is shared
+among the ranks (noted).
 """
 
 from __future__ import annotations
@@ -17,13 +19,20 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-__all__ = ["LinkRates", "HardwareProfile", "Rates", "PROFILE_VERSION"]
+from ..optim.threads import cpu_adam_threads
 
-PROFILE_VERSION = 2
-"""2: the CPU Adam measured under pinned copies with the engine's threads (1: alone, all cores)."""
+__all__ = ["LinkRates", "CpuAdamRate", "HardwareProfile", "Rates", "PROFILE_VERSION"]
+
+PROFILE_VERSION = 3
+"""3: CPU Adam per rank, for each number of ranks sharing the host, every rank updating (and copying
+to its GPU) at once with the engine's threads per rank. 2: one process with every core but one,
+under every GPU's copies, divided among the ranks: on a 4-GPU host with 64 cores that came out 5x
+below what the four ranks of a job update. 1: alone, all cores. Files of version 1 and 2 still
+load: their single rate is the one-rank entry, shared among ranks as before (``Rates`` notes it)."""
 
 
 @dataclass
@@ -38,6 +47,23 @@ class LinkRates:
     """Each direction while both run at once (backward uploads and offloads together)."""
     g2g: float | None = None
     """Collective bus bandwidth between the ``n`` GPUs (``None`` for one GPU or unmeasured)."""
+
+
+@dataclass
+class CpuAdamRate:
+    """Parameters/s of the CPU Adam kernel of ONE rank while ``ranks`` ranks of the host run it at
+    once, each with ``threads`` OpenMP threads (``optim.threads.cpu_adam_threads``) on arenas it
+    allocated itself, as the engine's ranks do (``measure.rank_cpu_adam``); the slowest rank's."""
+
+    ranks: int
+    threads: int
+    under_copies: float
+    """While every rank's GPU copies pinned buffers up and down, as they do whenever the engine's
+    CPU updates run (the copies take host memory bandwidth the update needs); the rate the
+    prediction uses. On a host without GPU: the rate alone."""
+    alone: float | None = None
+    """With no copies running: an upper bound, kept to judge how much the copies of a real step (a
+    small share of it) slow the update (``None``: not measured)."""
 
 
 @dataclass
@@ -58,14 +84,11 @@ class HardwareProfile:
     """Seconds per op of eager dispatch and launch (the floor for tiny ops)."""
     gpu_adam: float
     """Parameters/s of the GPU Adam kernel on one GPU."""
-    cpu_adam: float
-    """Parameters/s of the CPU Adam kernel on the whole host with the engine's threads; on a GPU
-    host while pinned copies run both ways on every GPU's link, as they do whenever the engine's
-    CPU updates run (the copies take host memory bandwidth the update needs)."""
+    cpu_adam: dict[int, CpuAdamRate] = field(default_factory=dict)
+    """Per-rank CPU Adam rates by the number of ranks sharing the host (measured for 1, 2, 4, ...
+    GPUs by ``elixir-plan --measure-hardware``; a job whose count is missing from this machine's
+    cached profile measures it with its own ranks at ``prepare`` and caches it)."""
     links: dict[int, LinkRates] = field(default_factory=dict)
-    cpu_adam_alone: float | None = None
-    """``cpu_adam`` with no copies running: an upper bound, kept to check how much the copies of a
-    real step (a small share of it) slow the update (``None``: not measured)."""
     dtype: str = "bfloat16"
     source: str = ""
     torch: str = ""
@@ -77,9 +100,11 @@ class HardwareProfile:
         return self.device == "cpu"
 
     def to_dict(self) -> dict:
-        """JSON-native (``links`` keyed by strings), so a plan holding it survives a JSON round trip."""
+        """JSON-native (``links`` and ``cpu_adam`` keyed by strings), so a plan holding it survives a
+        JSON round trip."""
         d = asdict(self)
         d["links"] = {str(n): link for n, link in d["links"].items()}
+        d["cpu_adam"] = {str(n): rate for n, rate in d["cpu_adam"].items()}
         return d
 
     def to_json(self) -> str:
@@ -87,8 +112,14 @@ class HardwareProfile:
 
     @classmethod
     def from_dict(cls, d: dict) -> "HardwareProfile":
+        """Also reads versions 1 and 2, whose single ``cpu_adam`` (one process, every core but one)
+        becomes the one-rank entry: plans and replays of old records predict what they did."""
         d = dict(d)
         d["links"] = {int(k): LinkRates(**v) for k, v in d.get("links", {}).items()}
+        if isinstance(d.get("cpu_adam"), (int, float)):
+            rate, alone = d.pop("cpu_adam"), d.pop("cpu_adam_alone", None)
+            d["cpu_adam"] = {1: CpuAdamRate(1, cpu_adam_threads(1, cores=d["cpu_cores"]), rate, alone)}
+        d["cpu_adam"] = {int(k): v if isinstance(v, CpuAdamRate) else CpuAdamRate(**v) for k, v in d.get("cpu_adam", {}).items()}
         return cls(**d)
 
     @classmethod
@@ -97,8 +128,16 @@ class HardwareProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> "HardwareProfile":
-        profile = cls.from_json(Path(path).read_text())
+        raw = json.loads(Path(path).read_text())
+        profile = cls.from_dict(raw)
         profile.source = profile.source or str(path)
+        if not isinstance(raw.get("cpu_adam"), dict):
+            warnings.warn(
+                f"hardware profile {path} is version {profile.version}, measured before per-rank CPU Adam rates "
+                f"(version {PROFILE_VERSION}): on a host of several GPUs its one rate is shared among the ranks, which "
+                "mispredicts offloaded plans; measure it again on that machine with `elixir-plan --measure-hardware PATH`",
+                stacklevel=2,
+            )
         return profile
 
     def save(self, path: str | Path) -> None:
@@ -107,11 +146,12 @@ class HardwareProfile:
         tmp.write_text(self.to_json())
         tmp.replace(path)
 
-    def rates(self, n: int, busbw: float | None = None) -> "Rates":
-        """Per-rank rates for ``n`` ranks on this machine (see [Note: more GPUs than measured]);
-        ``busbw``: the collective bus bandwidth measured on the job's own process group, which
-        replaces the profile's peer-copy proxy."""
+    def rates(self, n: int, busbw: float | None = None, ranks_per_host: int | None = None) -> "Rates":
+        """Per-rank rates for ``n`` ranks, ``ranks_per_host`` of them (default all ``n``) on each host
+        like this one (see [Note: more GPUs than measured]); ``busbw``: the collective bus bandwidth
+        measured on the job's own process group, which replaces the profile's peer-copy proxy."""
         notes: list[str] = []
+        cpu = self.cpu_adam_per_rank(ranks_per_host or n, notes)
         if n in self.links:
             link = self.links[n]
         else:
@@ -131,14 +171,30 @@ class HardwareProfile:
             duplex=(link.duplex / n) if link.duplex else None,
             busbw=busbw,
             gpu_adam=self.gpu_adam,
-            cpu_adam=self.cpu_adam / n,
-            cpu_adam_alone=self.cpu_adam_alone / n if self.cpu_adam_alone else None,
+            cpu_adam=cpu.under_copies,
+            cpu_adam_alone=cpu.alone,
+            cpu_threads=cpu.threads,
             matmul={int(k): v for k, v in self.matmul.items()},
             attention=self.attention,
             memory_bandwidth=self.memory_bandwidth,
             op_overhead=self.op_overhead,
             notes=notes,
         )
+
+    def cpu_adam_per_rank(self, ranks: int, notes: list[str]) -> CpuAdamRate:
+        """The rate measured for ``ranks`` ranks sharing the host; else the nearest measured count's
+        host total (the fewest above if none is below) shared among them, which ``notes`` says."""
+        if ranks in self.cpu_adam:
+            return self.cpu_adam[ranks]
+        if not self.cpu_adam:
+            raise ValueError(f"hardware profile {self.source!r} has no CPU Adam rate: measure it again with "
+                             "`elixir-plan --measure-hardware PATH`")
+        m = max((k for k in self.cpu_adam if k <= ranks), default=min(self.cpu_adam))
+        base = self.cpu_adam[m]
+        notes.append(f"CPU Adam for {ranks} ranks per host not measured: {m} ranks' rate shared among {ranks} "
+                     "(re-measure with `elixir-plan --measure-hardware`, or let a job on this machine measure it)")
+        threads = cpu_adam_threads(ranks, cores=self.cpu_cores)  # what the engine would run with
+        return CpuAdamRate(ranks, threads, base.under_copies * m / ranks, base.alone * m / ranks if base.alone else None)
 
 
 @dataclass
@@ -157,6 +213,8 @@ class Rates:
     memory_bandwidth: float
     op_overhead: float
     cpu_adam_alone: float | None = None
+    cpu_threads: int | None = None
+    """OpenMP threads per rank the CPU Adam rate was measured with."""
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, float | int | None]:
@@ -167,7 +225,7 @@ class Rates:
         return {
             "ranks": self.n, "h2d_GBps": giga(self.h2d), "d2h_GBps": giga(self.d2h), "duplex_GBps": giga(self.duplex),
             "busbw_GBps": giga(self.busbw), "gpu_adam_Gps": giga(self.gpu_adam), "cpu_adam_Gps": giga(self.cpu_adam),
-            "cpu_adam_alone_Gps": giga(self.cpu_adam_alone),
+            "cpu_adam_alone_Gps": giga(self.cpu_adam_alone), "cpu_threads": self.cpu_threads,
         }
 
     def flop_rate(self, size_class: str) -> float:

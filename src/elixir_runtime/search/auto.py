@@ -3,9 +3,11 @@
 ``search_model`` is the decision itself (profile → unit order → budget → search), shared with
 ``elixir-plan``, which gives it a hardware profile and a budget for a GPU it does not have: the
 same inputs make the same plan. Runs before any training memory exists. Every rank first times the engine's collectives on the
-job's own process group (the bandwidth the plan's gathers and reductions will get); then rank 0
-decides and broadcasts, so every rank builds the same layout: free memory differs a little from
-GPU to GPU, and a first-time hardware measurement must not run on every rank at once.
+job's own process group (the bandwidth the plan's gathers and reductions will get) and gets the
+hardware profile (``hardware.load.job_hardware``: rank 0 loads or measures it; the per-rank CPU
+Adam of this host's ranks, if this machine's profile lacks it, all ranks measure at once); then
+rank 0 decides and broadcasts, so every rank builds the same layout: free memory differs a little
+from GPU to GPU.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ..units import Unit, param_table
 from ..host import local_ranks
 from .budget import F_FRAG, Budget, device_budget
 from .loop import SearchResult, SearchSettings, search
-from ..hardware.load import load_hardware
+from ..hardware.load import job_hardware
 from ..hardware.profile import HardwareProfile
 from ..hardware.measure import collective_busbw
 
@@ -47,12 +49,12 @@ def auto_plan(
 ) -> tuple[list[int], SearchResult]:
     """(unit indices in first-use order, the search's choice), identical on every rank."""
     busbw = collective_busbw(coll, device, dtype) if coll.world_size > 1 else None
+    hardware = job_hardware(coll, device, config.cpu_threads)
 
     def budget(profile: ModelProfile) -> Budget:
         return device_budget(device, profile.activation_peak, profile.buffer_bytes, local_ranks())
 
     def decide() -> tuple[list[int], SearchResult]:
-        hardware = load_hardware()
         order, result, _ = search_model(
             model, units, example_batch, config, device, dtype, coll.world_size, hardware, budget, busbw=busbw
         )

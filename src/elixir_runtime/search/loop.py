@@ -91,7 +91,7 @@ def search(
     table: ParamTable, profile: ModelProfile, hardware: HardwareProfile, budget: Budget, settings: SearchSettings
 ) -> SearchResult:
     start = time.perf_counter()
-    rates = hardware.rates(settings.world_size, settings.busbw)
+    rates = hardware.rates(settings.world_size, settings.busbw, budget.ranks_per_host)
     if settings.config.chunk_size is not None:
         sizes = [settings.config.chunk_size]
     else:

@@ -3,31 +3,38 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
+from importlib import resources
 
 import pytest
 import torch
 
 from elixir_runtime.hardware import HardwareProfile, load_hardware
 from elixir_runtime.hardware.load import ENV_HARDWARE, cache_path
-from elixir_runtime.hardware.profile import PROFILE_VERSION, LinkRates
+from elixir_runtime.hardware.profile import PROFILE_VERSION, CpuAdamRate, LinkRates
 import elixir_runtime.hardware.measure as measure
 from elixir_runtime.hardware.measure import measure_hardware
+from elixir_runtime.optim.cpu_adam import load_library
+from elixir_runtime.optim.threads import cpu_adam_threads
 from tests.elixir_runtime.search.search_cases import gpu_host
+from tests.elixir_runtime.hardware.job_ranks import job_measures_cpu_adam
+from tests.helpers.dist import run_distributed
 
 
 def test_quick_measurement_is_a_valid_profile() -> None:
     """Of this machine: the host as the "device" on CI, the GPUs where there are some."""
-    measure._kernel(torch.device("cpu"))  # a first use builds the C++ kernel: not part of the measurement
+    load_library()  # a first use builds the C++ kernel: not part of the measurement
     start = time.perf_counter()
-    hw = measure_hardware(quick=True)
+    hw = measure_hardware(quick=True, ranks=(1,))
     assert time.perf_counter() - start < (60 if torch.cuda.is_available() else 15)
     if torch.cuda.is_available():
         assert not hw.cpu_only and hw.gpus == torch.cuda.device_count() and hw.links[hw.gpus].duplex > 0
     else:
         assert hw.cpu_only and hw.gpus == 1 and hw.gpu_memory == hw.host_memory > 0
     assert hw.version == PROFILE_VERSION
-    assert all(v > 0 for v in (hw.attention, hw.memory_bandwidth, hw.op_overhead, hw.gpu_adam, hw.cpu_adam))
+    assert all(v > 0 for v in (hw.attention, hw.memory_bandwidth, hw.op_overhead, hw.gpu_adam, hw.cpu_adam[1].under_copies))
+    assert list(hw.cpu_adam) == [1] and hw.cpu_adam[1].threads == cpu_adam_threads(1)
     assert hw.matmul and all(v > 0 for v in hw.matmul.values())
     assert hw.links[1].c2g > 0 and hw.links[1].g2c > 0
     assert "measured on" in hw.source
@@ -48,38 +55,96 @@ def test_measured_once_then_cached(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("ELIXIR_CACHE_DIR", str(tmp_path))
     calls = []
     current = dataclasses.replace(gpu_host(), version=PROFILE_VERSION)
-    monkeypatch.setattr(measure, "measure_hardware", lambda quick=False: calls.append(1) or current)
+    monkeypatch.setattr(measure, "measure_hardware", lambda quick=False, ranks=None: calls.append(1) or current)
     first = load_hardware()
     assert cache_path().parent == tmp_path and cache_path().exists()
     assert load_hardware() == first and len(calls) == 1
 
 
 def test_a_cached_profile_of_an_older_measurement_is_measured_again(tmp_path, monkeypatch) -> None:
-    """Version 1 timed the CPU Adam alone with every core: too fast for what the engine gets."""
+    """Version 2 timed the CPU Adam of the whole host in one process, shared among the ranks."""
     monkeypatch.delenv(ENV_HARDWARE, raising=False)
     monkeypatch.setenv("ELIXIR_CACHE_DIR", str(tmp_path))
-    dataclasses.replace(gpu_host(cpu_adam=9e9), version=1).save(cache_path())
+    dataclasses.replace(gpu_host(cpu_adam=9e9), version=2).save(cache_path())
     fresh = dataclasses.replace(gpu_host(cpu_adam=6e9), version=PROFILE_VERSION)
-    monkeypatch.setattr(measure, "measure_hardware", lambda quick=False: fresh)
-    assert load_hardware().cpu_adam == 6e9 and HardwareProfile.load(cache_path()).version == PROFILE_VERSION
+    monkeypatch.setattr(measure, "measure_hardware", lambda quick=False, ranks=None: fresh)
+    assert load_hardware().cpu_adam[1].under_copies == 6e9 and HardwareProfile.load(cache_path()).version == PROFILE_VERSION
 
 
 def test_rates_share_the_host_and_scale_beyond_what_was_measured() -> None:
-    hw = gpu_host(gpus=2, cpu_adam=6e9)
+    hw = gpu_host(gpus=2)
     one, two = hw.rates(1), hw.rates(2)
     assert one.h2d == pytest.approx(50e9) and two.h2d == pytest.approx(50e9)  # one link per GPU
-    assert two.cpu_adam == pytest.approx(3e9)  # the ranks share the host's cores
-    assert one.busbw is None and two.busbw == 200e9 and not two.notes
+    assert one.busbw is None and two.busbw == 200e9
     four = hw.rates(4)
     assert four.h2d == pytest.approx(50e9) and four.busbw is None
-    assert any("scaled" in n for n in four.notes) and any("collective" in n for n in four.notes)
+    assert any("links" in n and "scaled" in n for n in four.notes) and any("collective" in n for n in four.notes)
     measured = hw.rates(4, busbw=90e9)  # timed on the job's own group: replaces the proxy
     assert measured.busbw == 90e9 and not any("collective" in n and "not measured" in n for n in measured.notes)
     assert one.flop_rate("3000") == 600e12 and one.flop_rate("300") == 50e12 and one.flop_rate("attention") == 300e12
 
 
+def test_rates_take_the_cpu_adam_measured_for_the_ranks_per_host() -> None:
+    """Per rank as measured for that many ranks on the host; a count not measured shares the
+    nearest measured count's host total, and says so."""
+    hw = dataclasses.replace(gpu_host(gpus=4), cpu_adam={
+        1: CpuAdamRate(1, 63, 6e9, 7e9), 4: CpuAdamRate(4, 15, 2.5e9, 3e9)})
+    one, four = hw.rates(1), hw.rates(4)
+    assert (one.cpu_adam, one.cpu_adam_alone, one.cpu_threads) == (6e9, 7e9, 63)
+    assert (four.cpu_adam, four.cpu_adam_alone, four.cpu_threads) == (2.5e9, 3e9, 15)
+    assert not any("CPU Adam" in n for n in one.notes + four.notes)
+    two = hw.rates(2)
+    assert two.cpu_adam == pytest.approx(3e9) and two.cpu_threads == cpu_adam_threads(2, cores=16)
+    assert any("CPU Adam for 2 ranks per host not measured: 1 ranks' rate" in n for n in two.notes)
+    assert hw.rates(8).cpu_adam == pytest.approx(1.25e9)  # 4 ranks' rates shared among 8
+    # 8 ranks on two hosts of 4: each rank gets what 4 ranks on one host get
+    assert hw.rates(8, ranks_per_host=4).cpu_adam == 2.5e9
+
+
+def test_a_version_2_profile_loads_as_the_one_rank_rate_and_warns(tmp_path) -> None:
+    """Its one rate (the whole host, one process) is the one-rank entry, shared among ranks as
+    before: a recorded plan replays as it was predicted, and the file's user is told to re-measure."""
+    old = json.loads(resources.files("elixir_runtime.hardware").joinpath("profiles", "h100.json").read_text())
+    assert old["version"] == 2 and isinstance(old["cpu_adam"], float)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    with pytest.warns(UserWarning, match="version 2.*elixir-plan --measure-hardware"):
+        hw = HardwareProfile.load(path)
+    assert hw.cpu_adam == {1: CpuAdamRate(1, 15, old["cpu_adam"], old["cpu_adam_alone"])}
+    two = hw.rates(2)
+    assert two.cpu_adam == pytest.approx(old["cpu_adam"] / 2) and any("not measured" in n for n in two.notes)
+    assert HardwareProfile.from_json(hw.to_json()) == hw  # written back as version 3's layout
+    assert load_hardware("h100").cpu_adam[1].under_copies == old["cpu_adam"]
+
+
+def test_a_job_measures_cpu_adam_on_all_its_ranks_at_once_and_caches_it(tmp_path, monkeypatch) -> None:
+    """2 gloo ranks on one host: each times the kernel with its own threads for 2 ranks per host,
+    in the same window as the other (not rank 0 alone while the other waits); the slowest rank's
+    rate is every rank's, cached beside the machine's one-rank rate and not measured again."""
+    monkeypatch.setenv("ELIXIR_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(ENV_HARDWARE, raising=False)
+    seeded = dataclasses.replace(gpu_host(), device="cpu", version=PROFILE_VERSION)
+    seeded.save(cache_path())  # this machine's profile, measured before by a one-rank job
+    results = run_distributed(job_measures_cpu_adam, 2, str(tmp_path))
+    (first0, second0, windows0, measured0, after0), (first1, second1, windows1, measured1, after1) = results
+    assert first0 == first1 == second0 == second1
+    rate = first0[2]
+    assert (rate.ranks, rate.threads) == (2, cpu_adam_threads(2)) and rate.under_copies > 0
+    assert rate.alone == rate.under_copies  # no GPU to copy to
+    assert first0[1] == seeded.cpu_adam[1]
+    assert measured0 == measured1 == 1 and after0 == after1 == 1  # timed once (alone: no GPU to copy to)
+    (a0, b0), (a1, b1) = windows0[0], windows1[0]
+    assert max(a0, a1) < min(b0, b1), "the ranks' timed windows do not overlap"
+    assert HardwareProfile.from_json(cache_path().read_text()).cpu_adam == first0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned copies to a GPU)")
 def test_cpu_adam_is_timed_under_copies_both_ways() -> None:
-    link = LinkRates(1, 50e9, 50e9, 40e9)
-    rate = measure._cpu_adam_under_copies(link, 2**21, torch.bfloat16, 64 * 2**20)
-    assert 1e6 < rate < 1e12
+    under, alone = measure.rank_cpu_adam(cpu_adam_threads(1), torch.device("cuda", 0), lambda: None, quick=True)
+    assert 1e6 < under < 1e12 and 1e6 < alone < 1e12
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (one spawned rank per GPU)")
+def test_spawned_ranks_measure_the_per_rank_rate_of_two_ranks() -> None:
+    rate = measure.host_cpu_adam(2, quick=True)
+    assert (rate.ranks, rate.threads) == (2, cpu_adam_threads(2)) and 1e6 < rate.under_copies <= rate.alone * 1.5

@@ -6,17 +6,21 @@ used by the library itself, which measures its machine.
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch import nn
 
 from elixir_runtime.profiler import ModelProfile, profile_model
 from elixir_runtime.units import ParamTable, find_units, param_table
 from elixir_runtime.hardware import HardwareProfile, LinkRates
+from elixir_runtime.hardware.profile import CpuAdamRate
 from helpers.models import MODEL_BUILDERS, make_batch
 
 GIB = 2**30
 
 
 def gpu_host(gpus: int = 1, cpu_adam: float = 5e9) -> HardwareProfile:
+    """``cpu_adam``: the one-rank rate (ranks of a job on more share it: ``HardwareProfile.rates``)."""
     return HardwareProfile(
         device="test GPU",
         gpus=gpus,
@@ -28,10 +32,18 @@ def gpu_host(gpus: int = 1, cpu_adam: float = 5e9) -> HardwareProfile:
         memory_bandwidth=3e12,
         op_overhead=1e-5,
         gpu_adam=80e9,
-        cpu_adam=cpu_adam,
+        cpu_adam={1: CpuAdamRate(1, 15, cpu_adam, cpu_adam)},
         links={n: LinkRates(n, 50e9 * n, 50e9 * n, 35e9 * n, 200e9 if n > 1 else None) for n in range(1, gpus + 1)},
         source="test data",
     )
+
+
+def cpu_adam_times(hardware: HardwareProfile, factor: float) -> HardwareProfile:
+    """``hardware`` with every CPU Adam rate ``factor`` times as fast."""
+    return dataclasses.replace(hardware, cpu_adam={
+        n: dataclasses.replace(r, under_copies=r.under_copies * factor, alone=r.alone and r.alone * factor)
+        for n, r in hardware.cpu_adam.items()
+    })
 
 
 def profiled(kind: str = "gpt2", n_layer: int = 6, ac: bool = True, batch: int = 2, seq: int = 16, **kw) -> tuple[

@@ -28,7 +28,7 @@ def _fake_machine(monkeypatch, model, share: float) -> None:
         return Budget(int(1.25 * activations) + buffers + int(share * states), activations, buffers, 64 * GIB, ranks)
 
     monkeypatch.setattr(auto, "device_budget", budget)
-    monkeypatch.setattr(auto, "load_hardware", lambda: gpu_host())
+    monkeypatch.setattr(auto, "job_hardware", lambda coll, device, cpu_threads=None: gpu_host())
 
 
 def _model():
@@ -96,7 +96,7 @@ def _plan_on_two_ranks(rank: int, world: int) -> tuple:
     states = model_state_bytes(model)
     auto.device_budget = lambda device, act, buffers, ranks: Budget(
         int(1.25 * act) + buffers + int(0.3 * states), act, buffers, 64 * GIB, ranks)
-    auto.load_hardware = lambda: gpu_host(gpus=2)
+    auto.job_hardware = lambda coll, device, cpu_threads=None: gpu_host(gpus=2)
     seen, real = [], auto.search
 
     def spy(table, profile, hardware, budget, settings):

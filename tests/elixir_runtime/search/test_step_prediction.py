@@ -31,6 +31,7 @@ from elixir_runtime.units import find_units, param_table
 from elixir_runtime.hardware import load_hardware
 from elixir_runtime.search import Budget, SearchSettings, search
 from elixir_runtime.search.loop import _evaluate
+from tests.elixir_runtime.search.search_cases import cpu_adam_times
 
 H100 = "h100"  # the profile shipped with the package (hardware/load.py SHIPPED)
 BF16 = torch.bfloat16
@@ -87,13 +88,12 @@ def _run_machine(case: tuple, hardware):
     t = _plan(case, hardware)[0].placement.time
     c, g, a = printed_compute / t.compute, printed_gpu_adam / t.gpu_adam, printed_cpu_adam / t.cpu_adam
     return dataclasses.replace(
-        hardware,
+        cpu_adam_times(hardware, 1 / a),
         matmul={k: v / c for k, v in hardware.matmul.items()},
         attention=hardware.attention / c,
         memory_bandwidth=hardware.memory_bandwidth / c,
         op_overhead=hardware.op_overhead * c,
         gpu_adam=hardware.gpu_adam / g,
-        cpu_adam=hardware.cpu_adam / a,
     )
 
 
@@ -244,7 +244,7 @@ def test_states_that_fit_stay_on_the_h100(h100, cpu_adam_scale, clips_grads) -> 
     is never chosen to save the GPU Adam: on the H100 a plan with two thirds of it offloaded (its
     overlapped prediction 0.33 s) ran 0.44 s against 0.36 s all on the GPU."""
     table, profile, _ = _profiled((1600, 48, 25), 8)
-    machine = dataclasses.replace(h100, cpu_adam=h100.cpu_adam * cpu_adam_scale)
+    machine = cpu_adam_times(h100, cpu_adam_scale)
     budget = Budget(h100.gpu_memory, profile.activation_peak, profile.buffer_bytes, h100.host_memory)
     r = search(table, profile, machine, budget, SearchSettings(1, BF16, ElixirConfig(clips_grads=clips_grads, skip_nonfinite=False)))
     assert r.placement.offload == [], f"{len(r.placement.offload)} of {len(r.placement.on_device)} chunks offloaded"
