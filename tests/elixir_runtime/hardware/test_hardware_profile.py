@@ -55,6 +55,7 @@ def test_measured_once_then_cached(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("ELIXIR_CACHE_DIR", str(tmp_path))
     calls = []
     current = dataclasses.replace(gpu_host(), version=PROFILE_VERSION)
+    monkeypatch.setattr(measure, "rank_counts", lambda gpus=None: [1])  # as on a one-GPU host
     monkeypatch.setattr(measure, "measure_hardware", lambda quick=False, ranks=None: calls.append(1) or current)
     first = load_hardware()
     assert cache_path().parent == tmp_path and cache_path().exists()
@@ -67,6 +68,7 @@ def test_a_cached_profile_of_an_older_measurement_is_measured_again(tmp_path, mo
     monkeypatch.setenv("ELIXIR_CACHE_DIR", str(tmp_path))
     dataclasses.replace(gpu_host(cpu_adam=9e9), version=2).save(cache_path())
     fresh = dataclasses.replace(gpu_host(cpu_adam=6e9), version=PROFILE_VERSION)
+    monkeypatch.setattr(measure, "rank_counts", lambda gpus=None: [1])
     monkeypatch.setattr(measure, "measure_hardware", lambda quick=False, ranks=None: fresh)
     assert load_hardware().cpu_adam[1].under_copies == 6e9 and HardwareProfile.load(cache_path()).version == PROFILE_VERSION
 

@@ -11,6 +11,7 @@ from elixir_runtime.config import ElixirConfig, PlanError
 from elixir_runtime.plan import ElixirPlan, _count_memory, plan_model
 from elixir_runtime.search import Budget, SearchSettings, search
 from elixir_runtime.search.candidates import chunk_size_candidates
+from elixir_runtime.hardware.profile import CpuAdamRate
 from search_cases import GIB, gpu_host, model_state_bytes, profiled
 
 BF16 = torch.bfloat16
@@ -143,6 +144,13 @@ def test_two_ranks_shard_the_states(gpt2) -> None:
     assert one.rates["ranks"] == 1 and two.rates["ranks"] == 2
     assert two.rates["cpu_adam_Gps"] == pytest.approx(one.rates["cpu_adam_Gps"] / 2) == 2.5
     assert two.rates["h2d_GBps"] == pytest.approx(50) and two.rates["busbw_GBps"] == pytest.approx(200)
+    # a CPU Adam rate measured for 2 ranks per host is each rank's; 2 ranks on 2 hosts get the one-rank rate
+    measured = gpu_host(2)
+    measured.cpu_adam[2] = CpuAdamRate(2, 7, 4e9, 4.5e9)
+    per_host = search(table, profile, measured, _budget(profile, capacity, ranks=2), _settings(world_size=2))
+    assert (per_host.rates["cpu_adam_Gps"], per_host.rates["cpu_threads"]) == (4.0, 7)
+    apart = search(table, profile, measured, _budget(profile, capacity, ranks=1), _settings(world_size=2))
+    assert apart.rates["cpu_adam_Gps"] == 5.0
 
 
 def test_nothing_fits_says_why_and_what_would_fit(gpt2) -> None:
