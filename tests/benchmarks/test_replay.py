@@ -3,6 +3,7 @@ replays to exactly the prediction its plan carried, and runs without plan inputs
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from benchmarks import replay
@@ -53,6 +54,15 @@ def test_a_recorded_run_replays_to_its_own_prediction() -> None:
     assert row["replayed_step_s"] == run["predicted_step_s"]
     assert abs(row["measured_over_replayed"] - 1.1) < 1e-9
     assert "1 runs replayed" in replay.render([row])
+
+
+def test_the_cpu_adam_rate_without_copies_can_be_replayed_instead() -> None:
+    """The recorded profile holds both per-rank rates; ``alone`` (twice as fast here) halves the
+    predicted CPU Adam time of the same plan."""
+    run = _recorded_run()
+    [planned], [alone] = replay.replay([run]), replay.replay([run], "alone")
+    assert alone["replayed"]["cpu_adam"] > 0
+    assert planned["replayed"]["cpu_adam"] == pytest.approx(2 * alone["replayed"]["cpu_adam"])
 
 
 def test_runs_without_plan_inputs_are_skipped() -> None:
