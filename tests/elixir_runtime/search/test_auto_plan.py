@@ -125,7 +125,7 @@ def test_the_gpu_limit_shrinks_the_plan(monkeypatch) -> None:
     budget reads it back; a cap and the same fraction set by the user give the same plan. Without
     an example batch (a structural profile: fast), activations take a fixed share of the capacity."""
     model = _model()
-    monkeypatch.setattr(auto, "load_hardware", lambda: gpu_host())
+    monkeypatch.setattr(auto, "job_hardware", lambda coll, device, cpu_threads=None: gpu_host())
     gpu = FakeGPU(total=64 * GIB).install(monkeypatch)
     coll = Collectives(None)
 
