@@ -24,11 +24,13 @@ import torch
 import torch.distributed as dist
 
 from .hostmem import GIB, HostMemorySampler, host_total_bytes, rss_bytes
-from .models import VOCAB, param_count, preset
-from .systems import SYSTEMS, Context, Trainer, Unavailable, build
+from .models import param_count, preset, vocab_size
+from .systems import MAX_GRAD_NORM, SYSTEMS, Context, Trainer, Unavailable, build
 
 PG_TIMEOUT_S = 300
 _DIST_SYSTEMS = ("fsdp2", "fsdp2_offload", "ds2_offload", "ds3_offload")
+_CPU_COLLECTIVE_SYSTEMS = ("fsdp2_offload",)
+"""Systems whose clip reduces CPU tensors (FSDP2's offloaded DTensor grads): gloo beside NCCL, as torchtitan does."""
 
 
 def log(msg: str) -> None:
@@ -48,10 +50,11 @@ def setup(args: argparse.Namespace) -> Context:
             os.environ.setdefault(key, value)
         timeout = datetime.timedelta(seconds=PG_TIMEOUT_S)
         if dev.type == "cuda":
-            dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout, device_id=dev)
+            backend = "cuda:nccl,cpu:gloo" if args.system in _CPU_COLLECTIVE_SYSTEMS else "nccl"
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, device_id=dev)
         else:
             dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
-    return Context(dev, world, rank, seq=args.seq, ds_pin=bool(args.ds_pin), threads=args.threads,
+    return Context(dev, world, rank, seq=args.seq, ds_pin=bool(args.ds_pin), threads=args.threads, clip=bool(args.clip),
                    skip_nonfinite=bool(args.skip_nonfinite))
 
 
@@ -95,7 +98,7 @@ def time_steps(trainer: Trainer, ids: torch.Tensor, warmup: int, steps: int, dev
     return times, loss_value
 
 
-def measure(trainer: Trainer, ctx: Context, bs: int, args: argparse.Namespace, sampler: HostMemorySampler) -> dict[str, Any]:
+def measure(trainer: Trainer, ctx: Context, bs: int, args: argparse.Namespace, sampler: HostMemorySampler, vocab: int) -> dict[str, Any]:
     """One batch size on this rank: step times and peaks, or how it failed."""
     gc.collect()
     if ctx.device.type == "cuda":
@@ -104,7 +107,7 @@ def measure(trainer: Trainer, ctx: Context, bs: int, args: argparse.Namespace, s
     sampler.reset()
     gen = torch.Generator(device=ctx.device)
     gen.manual_seed(1000 * ctx.rank + bs)
-    ids = torch.randint(0, VOCAB, (bs, args.seq), device=ctx.device, generator=gen)
+    ids = torch.randint(0, vocab, (bs, args.seq), device=ctx.device, generator=gen)
     out: dict[str, Any] = {"status": "ok"}
     try:
         out["step_times_s"], out["loss"] = time_steps(trainer, ids, args.warmup, args.steps, ctx.device, f"{args.system} bs {bs}")
@@ -158,6 +161,11 @@ def gather(obj: Any, ctx: Context) -> list[Any]:
     return out
 
 
+def clip_fields(clip: bool) -> dict[str, Any]:
+    """What a run records of its clipping: ``"clip": true/false`` and the norm it clipped to."""
+    return {"clip": clip, "max_grad_norm": MAX_GRAD_NORM if clip else None}
+
+
 def emit(rec: dict[str, Any]) -> None:
     print("RESULT " + json.dumps(rec), flush=True)
 
@@ -166,17 +174,18 @@ def run(args: argparse.Namespace) -> None:
     ctx = setup(args)
     sampler = HostMemorySampler().start()
     batch_sizes = sorted(args.batch_sizes)
-    params = param_count(preset(args.model))
+    model = preset(args.model)
+    params, vocab = param_count(model, args.seq), vocab_size(model)
     env = env_info(ctx.device)
     base = {"system": args.system, "model": args.model, "params": params, "gpus": ctx.world, "seq": args.seq,
-            "warmup": args.warmup, "steps": args.steps, **env}
+            **clip_fields(ctx.clip), "warmup": args.warmup, "steps": args.steps, **env}
     log(f"{args.system} {args.model} ({params / 1e9:.2f} B params) on {env['card']} x{ctx.world}, batch sizes {batch_sizes}")
 
     t0 = time.perf_counter()
-    example = torch.randint(0, VOCAB, (batch_sizes[0], args.seq), device=ctx.device)
+    example = torch.randint(0, vocab, (batch_sizes[0], args.seq), device=ctx.device)
     rss_start = rss_bytes() / GIB  # the process before any model: torch, CUDA context, libraries
     try:
-        trainer: Trainer | None = build(args.system, preset(args.model), ctx, example)
+        trainer: Trainer | None = build(args.system, model, ctx, example)
         build_error: dict[str, Any] = {}
     except Unavailable as exc:
         trainer, build_error = None, {"status": "unavailable", "error": str(exc)}
@@ -197,7 +206,7 @@ def run(args: argparse.Namespace) -> None:
         elif oom_at is not None:  # a larger batch cannot fit where a smaller one did not
             part = dict(status="OOM", error=f"not run: OOM at batch {oom_at}", **gpu_peaks(ctx.device), host_rss_peak_GiB=0.0, host_used_peak_GiB=0.0)
         else:
-            part = measure(trainer, ctx, bs, args, sampler)
+            part = measure(trainer, ctx, bs, args, sampler, vocab)
         part["host_rss_start_GiB"] = rss_start
         parts = gather(part, ctx)
         if any(p["status"] == "OOM" for p in parts) and oom_at is None and trainer is not None:
@@ -219,6 +228,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     ap.add_argument("--ds-pin", type=int, default=1, choices=(0, 1), help="DeepSpeed pin_memory for offloaded states")
     ap.add_argument("--skip-nonfinite", type=int, default=1, choices=(0, 1), help="ElixirConfig.skip_nonfinite")
+    ap.add_argument("--clip", type=int, default=1, choices=(0, 1), help=f"clip gradients to a global norm of {MAX_GRAD_NORM}")
     return ap.parse_args(argv)
 
 

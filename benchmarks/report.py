@@ -3,8 +3,9 @@
     python -m benchmarks.report [INPUT ...] [--out docs/benchmarks/results.json] [--md docs/benchmarks.md]
 
 INPUTs are results.json files of other calls or logs holding ``RESULT {json}`` lines; their runs
-replace runs of the same (card, model, GPUs, batch, system) already in ``--out``. Each summary row
-compares systems on one card only: the card changes the regimes (an H200 fits what an H100 cannot).
+replace runs of the same (card, model, GPUs, seq, batch, clip, system) already in ``--out``. Each
+summary row compares systems on one card, at one sequence length and one clip setting only: the card
+changes the regimes (an H200 fits what an H100 cannot), and clipping changes what overlaps.
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ STATE_BYTES_PER_PARAM = 16  # fp32 master + grad + Adam m, v
 STATE_FRACTION_THAT_FITS = 0.8
 """Above this share of GPU memory, states leave too little for activations and workspace."""
 METRIC = "TFLOPS per GPU = 8 * params * tokens per GPU per step / step time (the paper's metric)"
+FLOPS_NOTE = (
+    "params: every distinct parameter (embeddings and an untied lm_head included); 8 = 2 (forward) + 4 (backward) "
+    "+ 2 (the forward recomputed by activation checkpointing) per parameter and token; attention's "
+    "score FLOPs (16 * layers * hidden * seq per token with checkpointing) are not counted: one rule for every row. "
+    "At seq 2048 they would add 6.7 % for Llama-3-8B and 5.4 % for Qwen2.5-7B, about what counting the input "
+    "embedding (a lookup, 6.5 % / 7.2 % of the parameters) adds"
+)
 DEFAULT_OUT = Path("docs/benchmarks/results.json")
 DEFAULT_MD = Path("docs/benchmarks.md")
 CELL = {"OOM": "OOM", "unavailable": "n/a", "timeout": "timeout", "crashed": "crashed", "error": "error"}
@@ -46,8 +54,13 @@ def load_runs(path: Path) -> list[Run]:
     return parse_results(text)
 
 
+def clipped(r: Run) -> bool:
+    """Whether the run clipped gradients; runs recorded before ``--clip`` existed clipped nothing."""
+    return bool(r.get("clip", False))
+
+
 def run_key(r: Run) -> tuple:
-    return (r.get("card"), r["model"], r["gpus"], r["batch"], r["system"])
+    return (r.get("card"), r["model"], r["gpus"], r.get("seq"), r["batch"], clipped(r), r["system"])
 
 
 def merge_runs(old: Iterable[Run], new: Iterable[Run]) -> list[Run]:
@@ -82,7 +95,8 @@ def regime(runs: dict[str, Run]) -> str:
 def summary_row(runs: dict[str, Run]) -> dict[str, Any]:
     """One (card, model, GPUs, batch): each system's TFLOPS and Elixir over the best baseline that ran."""
     first = next(iter(runs.values()))
-    row: dict[str, Any] = {k: first.get(k) for k in ("card", "model", "params", "gpus", "batch")}
+    row: dict[str, Any] = {k: first.get(k) for k in ("card", "model", "params", "gpus", "seq", "batch")}
+    row["clip"] = clipped(first)
     row["tflops"] = {s: (r["tflops"] if _ok(r) else None) for s, r in runs.items()}
     row["status"] = {s: r.get("status") for s, r in runs.items()}
     row["pageable"] = sorted(s for s, r in runs.items() if _pageable(r))
@@ -115,9 +129,9 @@ def _added_rss(r: Run) -> float | None:
 def summarize(runs: list[Run]) -> dict[str, list[dict[str, Any]]]:
     groups: dict[tuple, dict[str, Run]] = {}
     for r in runs:
-        groups.setdefault(run_key(r)[:4], {})[r["system"]] = r
+        groups.setdefault(run_key(r)[:-1], {})[r["system"]] = r
     out: dict[str, list[dict[str, Any]]] = {"offload_regime": [], "in_gpu_regime": []}
-    for key in sorted(groups, key=lambda k: (str(k[0]), next(iter(groups[k].values()))["params"], k[2], k[3])):
+    for key in sorted(groups, key=lambda k: (str(k[0]), next(iter(groups[k].values()))["params"], *k[2:])):
         out[regime(groups[key]) + "_regime"].append(summary_row(groups[key]))
     return out
 
@@ -134,6 +148,10 @@ def _cell(row: dict[str, Any], system: str) -> str:
     return text + (" (pageable)" if system in row.get("pageable", ()) else "")
 
 
+def _on(flag: bool) -> str:
+    return "1.0" if flag else "off"
+
+
 def _f(value: float | None, fmt: str = ".2f") -> str:
     return "–" if value is None else format(value, fmt)
 
@@ -145,26 +163,27 @@ def _systems(rows: list[dict[str, Any]]) -> list[str]:
 
 def _regime_table(rows: list[dict[str, Any]]) -> list[str]:
     systems = _systems(rows)
-    head = ["card", "model", "GPUs", "bs/GPU", *systems, "Elixir / best baseline", "Elixir step s (predicted)"]
+    head = ["card", "model", "GPUs", "seq", "bs/GPU", "clip", *systems, "Elixir / best baseline", "Elixir step s (predicted)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         ratio = row["elixir_over_best_baseline"]
         ratio_cell = f"**{ratio:.2f}×** vs {row['best_baseline']}" if ratio is not None else "–"
         step = f"{_f(row.get('elixir_step_s'))} ({_f(row.get('elixir_predicted_step_s'))})"
-        cells = [row["card"], row["model"], row["gpus"], row["batch"], *(_cell(row, s) for s in systems), ratio_cell, step]
+        cells = [row["card"], row["model"], row["gpus"], row["seq"], row["batch"], _on(row["clip"]),
+                 *(_cell(row, s) for s in systems), ratio_cell, step]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines
 
 
 def _runs_table(runs: list[Run]) -> list[str]:
-    head = ["card", "model", "GPUs", "bs", "system", "status", "TFLOPS/GPU", "tokens/s", "step s", "predicted s",
+    head = ["card", "model", "GPUs", "seq", "bs", "clip", "system", "status", "TFLOPS/GPU", "tokens/s", "step s", "predicted s",
             "GPU alloc GiB", "GPU reserved GiB", "host RSS GiB", "RSS added GiB", "plan host GiB", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in runs:
         plan = (r.get("info") or {}).get("plan") or {}
         host = plan.get("host_bytes")
         system = r["system"] + (" (pageable)" if _pageable(r) else "")
-        cells = [r.get("card"), r["model"], r["gpus"], r["batch"], system, r.get("status"), _f(r.get("tflops"), ".1f"),
+        cells = [r.get("card"), r["model"], r["gpus"], r.get("seq"), r["batch"], _on(clipped(r)), system, r.get("status"), _f(r.get("tflops"), ".1f"),
                  _f(r.get("tokens_per_s"), ".0f"), _f(r.get("step_s"), ".3f"), _f(r.get("predicted_step_s"), ".3f"),
                  _f(r.get("gpu_alloc_peak_GiB"), ".1f"), _f(r.get("gpu_reserved_peak_GiB"), ".1f"),
                  _f(r.get("host_rss_peak_GiB"), ".1f"), _f(_added_rss(r), ".1f"),
@@ -177,11 +196,13 @@ def _runs_table(runs: list[Run]) -> list[str]:
 def render_markdown(results: dict[str, Any], png: Path | None, md_dir: Path) -> str:
     runs = results["runs"]
     lines = ["# Training throughput: Elixir against the baselines", "",
-             f"{METRIC}; tokens = batch per GPU × sequence length. HF GPT2LMHeadModel from configs, "
-             f"seq {'/'.join(sorted({str(r.get('seq')) for r in runs}))}, "
-             "vocab 50257, SDPA, activation checkpointing on every block, bf16 compute, AdamW, no gradient clipping, "
-             "random tokens. Each row compares systems measured on the same card; median of the timed steps of the "
-             "slowest rank. Generated by `python -m benchmarks.report` from `results.json`.", ""]
+             f"{METRIC}; tokens = batch per GPU × sequence length; {FLOPS_NOTE}. HF models from configs, random init "
+             "(GPT-2 presets: GPT2LMHeadModel, vocab 50257, tied, seq 1024; Llama-3-8B / Qwen2.5-7B: their published "
+             "configs, untied, seq 2048), SDPA, activation checkpointing on every block, bf16 compute, AdamW, random "
+             "tokens. clip 1.0: every system clips gradients to a global norm of 1.0 (the HF Trainer's default "
+             "`max_grad_norm`); off: no clipping (every run before the `--clip` switch). Each row compares systems "
+             "measured on the same card; median of the timed steps of the slowest rank. Generated by "
+             "`python -m benchmarks.report` from `results.json`.", ""]
     if png is not None:
         lines += [f"![throughput]({os.path.relpath(png, md_dir)})", ""]
     for key, title in (("offload_regime", "Offload regime (model states do not fit the GPUs)"),
@@ -231,7 +252,8 @@ def render_png(results: dict[str, Any], path: Path) -> None:
                 elif s == "elixir" and row["elixir_over_best_baseline"] is not None:
                     ax.text(x, y, f"{row['elixir_over_best_baseline']:.2f}×", ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(rows)))
-        ax.set_xticklabels([f"{r['model']} ×{r['gpus']}\nbs {r['batch']}\n{_short_card(r['card'])}" for r in rows], fontsize=8)
+        ax.set_xticklabels([f"{r['model']} ×{r['gpus']}\nbs {r['batch']}" + (" clip" if r["clip"] else "")
+                            + f"\n{_short_card(r['card'])}" for r in rows], fontsize=8)
         ax.set_ylabel("TFLOPS per GPU")
         ax.set_title(title)
         ax.legend(fontsize=8)

@@ -1,8 +1,12 @@
 """The systems compared in the throughput table, each built into a ``Trainer`` that runs full steps.
 
-Every system trains the same HF GPT-2 with the same AdamW hyper-parameters, bf16 compute,
-activation checkpointing and no gradient clipping (the baseline anchors clip nothing, and a
-clip costs Elixir and DeepSpeed an extra norm pass that plain/FSDP2 would not pay).
+Every system trains the same HF model with the same AdamW hyper-parameters, bf16 compute and
+activation checkpointing, and clips gradients to a global L2 norm of ``MAX_GRAD_NORM`` (the HF
+Trainer's default ``max_grad_norm``) when ``Context.clip`` is on (``--clip 1``, the default), each
+the way its users clip: ``torch.nn.utils.clip_grad_norm_`` (DTensor-aware: FSDP2's norm is all-reduced
+over the shards), ``ElixirOptimizer.clip_grad_norm`` (what ``ElixirAccelerator.clip_grad_norm_``
+calls for the Trainer), DeepSpeed's ``gradient_clipping``. ``--clip 0`` clips nothing (the GPT-2 rows
+measured before the switch existed).
 """
 
 from __future__ import annotations
@@ -14,13 +18,15 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from .models import Preset, build_meta, enable_checkpointing, fill_gpt2_init_, gpt2_config, materialize
+from .models import Model, blocks, build_meta, causal_lm, enable_checkpointing, fill_init_, materialize
 
 if TYPE_CHECKING:
     from elixir_runtime import ElixirPlan
 
 SYSTEMS = ("elixir", "plain", "fsdp2", "fsdp2_offload", "ds2_offload", "ds3_offload")
 LR, WEIGHT_DECAY = 1e-4, 0.01
+MAX_GRAD_NORM = 1.0
+"""``TrainingArguments.max_grad_norm``'s default: the clip every system applies with ``--clip 1``."""
 
 
 class Unavailable(RuntimeError):
@@ -36,6 +42,8 @@ class Context:
     ds_pin: bool = True
     threads: int | None = None
     """This rank's CPU threads (``--threads``); Elixir's CPU Adam keeps one of them for the loop."""
+    clip: bool = True
+    """Clip gradients to ``MAX_GRAD_NORM`` before every update (``--clip``)."""
     skip_nonfinite: bool = True
     """Elixir's non-finite step check (``ElixirConfig.skip_nonfinite``): reads the gradient norm every
     step, a host sync before the update, so the offloaded chunks' CPU Adam starts after backward."""
@@ -50,14 +58,14 @@ class Trainer:
     """Frees what a step left behind when it ran out of memory, so a smaller retry is possible."""
 
 
-def build(system: str, p: Preset, ctx: Context, example_ids: torch.Tensor) -> Trainer:
+def build(system: str, p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
     builders: dict[str, Callable[[], Trainer]] = {
         "elixir": lambda: _elixir(p, ctx, example_ids),
         "plain": lambda: _plain(p, ctx),
         "fsdp2": lambda: _fsdp2(p, ctx, offload=False),
         "fsdp2_offload": lambda: _fsdp2(p, ctx, offload=True),
-        "ds2_offload": lambda: _deepspeed(p, ctx, stage=2),
-        "ds3_offload": lambda: _deepspeed(p, ctx, stage=3),
+        "ds2_offload": lambda: _deepspeed(p, ctx, stage=2, micro_batch=len(example_ids)),
+        "ds3_offload": lambda: _deepspeed(p, ctx, stage=3, micro_batch=len(example_ids)),
     }
     if system not in builders:
         raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
@@ -68,7 +76,7 @@ def _adamw(params, fused: bool) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, fused=fused)
 
 
-def _elixir(p: Preset, ctx: Context, example_ids: torch.Tensor) -> Trainer:
+def _elixir(p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
     """Auto plan for this batch: the planner sizes rCache and offload against the batch's activations."""
     import elixir_runtime as er
     from elixir_runtime.optim.threads import cpu_adam_threads
@@ -83,10 +91,10 @@ def _elixir(p: Preset, ctx: Context, example_ids: torch.Tensor) -> Trainer:
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()  # the planner reads free GPU memory: return the fill's cached pieces
     batch = {"input_ids": example_ids, "labels": example_ids}
-    # the step below does not clip gradients: only the non-finite check (--skip-nonfinite) syncs the host
+    # clip_grad_norm (or, without clipping, the non-finite check --skip-nonfinite) syncs the host before the update
     # The share of the host the baselines get (--threads), less the core the engine keeps for the loop.
     cpu_threads = cpu_adam_threads(1, cores=ctx.threads) if ctx.threads else None
-    config = er.ElixirConfig(mode="auto", dtype="bf16", device=ctx.device, clips_grads=False, cpu_threads=cpu_threads,
+    config = er.ElixirConfig(mode="auto", dtype="bf16", device=ctx.device, clips_grads=ctx.clip, cpu_threads=cpu_threads,
                              skip_nonfinite=ctx.skip_nonfinite)
     model, opt = er.prepare(model, _adamw(model.parameters(), fused=False), config, example_batch=batch)
     plan = model._elixir.plan
@@ -95,6 +103,8 @@ def _elixir(p: Preset, ctx: Context, example_ids: torch.Tensor) -> Trainer:
     def step(ids: torch.Tensor) -> torch.Tensor:
         loss = model(input_ids=ids, labels=ids).loss
         opt.backward(loss)
+        if ctx.clip:
+            opt.clip_grad_norm(MAX_GRAD_NORM)
         opt.step()
         opt.zero_grad()
         return loss
@@ -114,7 +124,7 @@ def plan_summary(plan: "ElixirPlan") -> dict[str, Any]:
     return out
 
 
-def _plain(p: Preset, ctx: Context) -> Trainer:
+def _plain(p: Model, ctx: Context) -> Trainer:
     """PyTorch AMP: fp32 params and fused AdamW on the GPU, bf16 autocast; DDP over several GPUs."""
     model = materialize(build_meta(p, ctx.seq), ctx.device, ctx.device)
     opt = _adamw(model.parameters(), fused=True)
@@ -129,6 +139,8 @@ def _plain(p: Preset, ctx: Context) -> Trainer:
         with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
             loss = wrapped(input_ids=ids, labels=ids).loss
         loss.backward()
+        if ctx.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)  # DDP: the grads are already reduced
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -137,7 +149,7 @@ def _plain(p: Preset, ctx: Context) -> Trainer:
     return Trainer(step, {"optimizer": name}, after_oom=lambda: opt.zero_grad(set_to_none=True))
 
 
-def _fsdp2(p: Preset, ctx: Context, offload: bool) -> Trainer:
+def _fsdp2(p: Model, ctx: Context, offload: bool) -> Trainer:
     """``fully_shard`` per block and at the root on ``meta``, then each rank fills its own shard."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -145,11 +157,11 @@ def _fsdp2(p: Preset, ctx: Context, offload: bool) -> Trainer:
     kwargs: dict[str, Any] = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
     if offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=True)
-    for block in model.transformer.h:
+    for block in blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
-    model.to_empty(device="cpu" if offload else ctx.device)  # FSDP2 keeps the tied embedding tied
-    fill_gpt2_init_(model.named_parameters(), ctx.device, seed=ctx.rank)
+    model.to_empty(device="cpu" if offload else ctx.device)  # FSDP2 keeps a tied embedding tied
+    fill_init_(model.named_parameters(), ctx.device, seed=ctx.rank)
     try:
         opt, name = _adamw(model.parameters(), fused=True), "AdamW(fused=True)"
     except (RuntimeError, TypeError):  # fused needs every param on one supported device type
@@ -159,6 +171,8 @@ def _fsdp2(p: Preset, ctx: Context, offload: bool) -> Trainer:
     def step(ids: torch.Tensor) -> torch.Tensor:
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        if ctx.clip:  # DTensor grads: the norm is all-reduced over the shards (CPU ones over gloo: see _worker)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -167,8 +181,9 @@ def _fsdp2(p: Preset, ctx: Context, offload: bool) -> Trainer:
     return Trainer(step, {"optimizer": f"{name} on {where} shards", "pin_memory": offload}, after_oom=lambda: opt.zero_grad(set_to_none=True))
 
 
-def ds_config(stage: int, pin: bool) -> dict[str, Any]:
-    """ZeRO-2 (optimizer offload) / ZeRO-3 (param + optimizer offload) to the CPU, bf16, no clipping."""
+def ds_config(stage: int, pin: bool, clip: bool, micro_batch: int) -> dict[str, Any]:
+    """ZeRO-2 (optimizer offload) / ZeRO-3 (param + optimizer offload) to the CPU, bf16, DeepSpeed's
+    CPU Adam (its ``AdamW`` with ``offload_optimizer``), ``gradient_clipping`` as ``clip`` says (0: none)."""
     zero: dict[str, Any] = {
         "stage": stage,
         "offload_optimizer": {"device": "cpu", "pin_memory": pin},
@@ -187,8 +202,10 @@ def ds_config(stage: int, pin: bool) -> dict[str, Any]:
     else:
         zero["allgather_bucket_size"] = 2e8
     return {
-        "train_micro_batch_size_per_gpu": 1,  # not enforced on forward calls; keeps the batch check trivial
+        # the worker's first batch; DeepSpeed feeds it to its timers only, later batch sizes of the worker run as given
+        "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
+        "gradient_clipping": MAX_GRAD_NORM if clip else 0.0,
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "betas": [0.9, 0.999], "eps": 1e-8}},
         "zero_optimization": zero,
@@ -196,20 +213,18 @@ def ds_config(stage: int, pin: bool) -> dict[str, Any]:
     }
 
 
-def _deepspeed(p: Preset, ctx: Context, stage: int) -> Trainer:
+def _deepspeed(p: Model, ctx: Context, stage: int, micro_batch: int) -> Trainer:
     try:
         import deepspeed
     except ImportError as exc:
         raise Unavailable("deepspeed not installed") from exc
-    from transformers import GPT2LMHeadModel
-
-    config = ds_config(stage, ctx.ds_pin)
+    config = ds_config(stage, ctx.ds_pin, ctx.clip, micro_batch)
     if stage == 3:
         # Partitioned at construction; HF's init then sees empty params, so fill the partitions here.
         with deepspeed.zero.Init(config_dict_or_path=config, remote_device="cpu", pin_memory=ctx.ds_pin, dtype=torch.bfloat16):
-            model = GPT2LMHeadModel(gpt2_config(p, ctx.seq))
+            model = causal_lm(p.config(ctx.seq))
         enable_checkpointing(model)
-        fill_gpt2_init_(((n, q.ds_tensor) for n, q in model.named_parameters()), ctx.device, seed=ctx.rank)
+        fill_init_(((n, q.ds_tensor) for n, q in model.named_parameters()), ctx.device, seed=ctx.rank)
     else:
         model = materialize(build_meta(p, ctx.seq, torch.bfloat16), ctx.device, ctx.device)
     t0 = time.perf_counter()
@@ -222,5 +237,6 @@ def _deepspeed(p: Preset, ctx: Context, stage: int) -> Trainer:
         engine.step()
         return loss
 
-    info = {"optimizer": type(opt).__name__, "pin_memory": ctx.ds_pin, "deepspeed": deepspeed.__version__}
+    info = {"optimizer": type(opt).__name__, "pin_memory": ctx.ds_pin, "deepspeed": deepspeed.__version__,
+            "gradient_clipping": config["gradient_clipping"]}
     return Trainer(step, info)

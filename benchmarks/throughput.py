@@ -2,6 +2,12 @@
 
     PYTHONPATH=src python -m benchmarks.throughput --model 6.5b --batch-sizes 4,8 --gpus 1 \\
         --systems elixir,plain,fsdp2,fsdp2_offload,ds2_offload,ds3_offload [--out docs/benchmarks/results.json]
+    PYTHONPATH=src python -m benchmarks.throughput --model llama3-8b,qwen2.5-7b --batch-sizes 4 \\
+        --systems elixir,fsdp2_offload,ds2_offload,ds3_offload      # seq 2048, clip 1.0: Trainer defaults
+
+``--model``: GPT-2 presets (seq 1024), ``llama3-8b``/``qwen2.5-7b`` (seq 2048) or any HF decoder's
+``config.json`` / model folder, random init. ``--clip 1`` (default) clips every system's gradients to a
+global norm of 1.0, as the HF Trainer does by default; ``--clip 0`` does not (the older GPT-2 rows).
 
 Each system runs in its own worker process (torchrun for several GPUs), so an OOM, a hang or a
 host OOM-kill of one cannot take down the others; a worker past ``--worker-timeout`` is killed
@@ -25,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from . import report
-from .models import PRESETS, param_count, preset
-from .systems import SYSTEMS
+from .models import DECODER_PRESETS, PRESETS, param_count, preset
+from ._worker import clip_fields
+from .systems import MAX_GRAD_NORM, SYSTEMS
 
 REPO = Path(__file__).resolve().parents[1]
 PER_BATCH_SYSTEMS = ("elixir",)
@@ -48,7 +55,7 @@ def gpu_info() -> dict[str, Any]:
 def worker_command(args: argparse.Namespace, system: str, model: str, batch_sizes: list[int]) -> list[str]:
     worker = ["-m", "benchmarks._worker", "--system", system, "--model", model,
               "--batch-sizes", ",".join(map(str, batch_sizes)), "--steps", str(args.steps), "--warmup", str(args.warmup),
-              "--seq", str(args.seq), "--device", args.device, "--threads", str(args.threads), "--ds-pin", str(args.ds_pin),
+              "--seq", str(args.seqs[model]), "--clip", str(args.clip), "--device", args.device, "--threads", str(args.threads), "--ds-pin", str(args.ds_pin),
               "--skip-nonfinite", str(args.skip_nonfinite)]
     if args.gpus == 1:
         return [sys.executable, *worker]
@@ -121,26 +128,29 @@ def run_system(args: argparse.Namespace, system: str, model: str, gpu: dict[str,
         missing = [b for b in group if b not in {r["batch"] for r in got}]
         if missing:
             status, error = failure(rc, tail, args.worker_timeout)
-            params = param_count(preset(model))
-            got += [{"system": system, "model": model, "params": params, "gpus": args.gpus, "batch": b, "seq": args.seq,
-                     **gpu, "status": status, "error": error} for b in missing]
+            seq = args.seqs[model]
+            params = param_count(preset(model), seq)
+            got += [{"system": system, "model": model, "params": params, "gpus": args.gpus, "batch": b, "seq": seq,
+                     **clip_fields(bool(args.clip)), **gpu, "status": status, "error": error} for b in missing]
         records += got
     return records
 
 
-def print_summary(results: dict[str, Any], card: str, models: list[str], gpus: int) -> None:
+def print_summary(results: dict[str, Any], card: str, models: list[str], gpus: int, clip: bool) -> None:
     for key in ("offload_regime", "in_gpu_regime"):
         for row in results[key]:
-            if row["card"] == card and row["model"] in models and row["gpus"] == gpus:
+            if row["card"] == card and row["model"] in models and row["gpus"] == gpus and row["clip"] == clip:
                 cells = [f"{s} {v:.1f}" if v is not None else f"{s} {row['status'][s]}" for s, v in row["tflops"].items()]
                 ratio = row["elixir_over_best_baseline"]
                 best = f" | elixir/best {ratio:.2f}x ({row['best_baseline']})" if ratio is not None else ""
-                print(f"{key:15s} {row['model']:9s} x{gpus} bs {row['batch']:3d}: " + ", ".join(cells) + best, flush=True)
+                head = f"{key:15s} {row['model']:9s} x{gpus} seq {row['seq']} bs {row['batch']:3d} clip {int(clip)}"
+                print(f"{head}: " + ", ".join(cells) + best, flush=True)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help=f"comma-separated presets: {', '.join(PRESETS)}")
+    ap.add_argument("--model", required=True, help=f"comma-separated presets ({', '.join((*PRESETS, *DECODER_PRESETS))}) "
+                    "or paths to an HF decoder's config.json / model folder (random init)")
     ap.add_argument("--batch-sizes", required=True, help="comma-separated, per GPU")
     ap.add_argument("--gpus", type=int, default=1)
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated: {', '.join(SYSTEMS)}")
@@ -148,7 +158,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--md", type=Path, default=None, help="default: docs/benchmarks.md, or benchmarks.md beside a non-default --out")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--seq", type=int, default=None, help="default: 1024 for GPT-2 presets, 2048 for the others")
+    ap.add_argument("--clip", type=int, default=1, choices=(0, 1),
+                    help=f"clip gradients to a global norm of {MAX_GRAD_NORM} (the HF Trainer's default max_grad_norm) in every system")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: smoke tests only")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / GPUs)")
     ap.add_argument("--ds-pin", type=int, default=1, choices=(0, 1),
@@ -161,8 +173,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.models = args.model.split(",")
     args.systems = args.systems.split(",")
     args.batch_sizes = sorted(int(b) for b in args.batch_sizes.split(","))
-    for name in args.models:
-        preset(name)
+    try:
+        args.seqs = {name: args.seq or preset(name).default_seq for name in args.models}
+        for name, seq in args.seqs.items():
+            preset(name).config(seq)  # a --seq beyond the model's positions fails here
+    except ValueError as exc:
+        ap.error(str(exc))
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown:
         ap.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
@@ -180,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
         for system in args.systems:
             runs += [dict(r, **call) for r in run_system(args, system, model, gpu, env)]
             report.write(runs, args.out, args.md, render=False)
-    print_summary(report.write(runs, args.out, args.md), gpu["card"], args.models, args.gpus)
+    print_summary(report.write(runs, args.out, args.md), gpu["card"], args.models, args.gpus, bool(args.clip))
 
 
 if __name__ == "__main__":

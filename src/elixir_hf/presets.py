@@ -5,7 +5,10 @@ One name per size: OpenAI's GPT-2 sizes under their Hub names up to ``gpt2-large
 ``gpt2-4b`` ... ``gpt2-20b``), with ``gpt2-1.5b`` (OpenAI's largest) and ``gpt2-6.5b`` (just
 overflows one 80 GB card: 16 B/param of states) in the same style. ``tiny`` is the CPU model of the
 recipe (trains in about a minute on two cores) and of the benchmarks' smoke runs. Only the shape
-lives here; each user adds its own context (sequence length, vocabulary, dropout).
+lives here; each user adds its own context (sequence length, vocabulary, dropout). The other
+families carry their whole published config (vocabulary and rope included), since it is the shape:
+``llama3-8b`` (Meta-Llama-3-8B's config.json, 8.03 B parameters) and ``qwen2.5-7b`` (Qwen2.5-7B's,
+7.62 B; its q/k/v biases are built into HF's Qwen2 model), the models users fine-tune most.
 """
 
 from __future__ import annotations
@@ -37,6 +40,22 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {  # name: (HF model_type, its 
         {
             "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
             "intermediate_size": 11008, "vocab_size": 32000, "max_position_embeddings": 4096,
+        },
+    ),
+    "llama3-8b": (
+        "llama",
+        {
+            "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "intermediate_size": 14336, "vocab_size": 128256, "max_position_embeddings": 8192,
+            "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        },
+    ),
+    "qwen2.5-7b": (
+        "qwen2",
+        {
+            "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+            "intermediate_size": 18944, "vocab_size": 152064, "max_position_embeddings": 131072,
+            "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "use_sliding_window": False,
         },
     ),
 }

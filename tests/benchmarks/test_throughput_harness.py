@@ -139,6 +139,7 @@ def test_cpu_run_of_elixir_and_plain(tmp_path: Path) -> None:
     for r in runs.values():
         assert r["status"] == "ok" and r["tflops"] > 0 and len(r["step_times_s"]) == 2, r
         assert r["host_rss_peak_GiB"] > 0 and r["command"].startswith("PYTHONPATH=src python -m benchmarks.throughput")
+        assert r["clip"] is True and r["max_grad_norm"] == 1.0 and r["seq"] == 64  # --clip 1 by default
     assert runs["elixir"]["info"]["plan"]["n_chunks"] > 0
     (row,) = results["in_gpu_regime"]
     assert row["best_baseline"] == "plain" and row["elixir_over_best_baseline"] > 0
