@@ -13,6 +13,7 @@ import argparse
 import datetime
 import gc
 import json
+import math
 import os
 import statistics
 import sys
@@ -111,6 +112,8 @@ def measure(trainer: Trainer, ctx: Context, bs: int, args: argparse.Namespace, s
     out: dict[str, Any] = {"status": "ok"}
     try:
         out["step_times_s"], out["loss"] = time_steps(trainer, ids, args.warmup, args.steps, ctx.device, f"{args.system} bs {bs}")
+        if not math.isfinite(out["loss"]):  # skipped or garbage steps: their times are no result
+            out.update(status="error", error=f"non-finite loss {out['loss']} in the timed steps")
     except torch.OutOfMemoryError as exc:
         out.update(status="OOM", error=str(exc).splitlines()[0][:300])
         trainer.after_oom()

@@ -174,8 +174,25 @@ def materialize(model: nn.Module, device: torch.device | str, fill_device: torch
     model.to_empty(device=device)
     if model.config.tie_word_embeddings:
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    restore_buffers_(model)
     fill_init_(model.named_parameters(), fill_device, seed)
     return model
+
+
+@torch.no_grad()
+def restore_buffers_(model: nn.Module) -> None:
+    """Recomputes the buffers ``to_empty`` left uninitialized, e.g. Llama/Qwen's rotary ``inv_freq`` (garbage
+    there made DeepSpeed's losses NaN): the model's skeleton is built again with real buffers (parameters
+    on ``meta``, no memory) and its buffers copied in. GPT-2 has none."""
+    from accelerate import init_empty_weights
+
+    buffers = dict(model.named_buffers())
+    if not buffers:
+        return
+    with init_empty_weights(include_buffers=False):
+        fresh = causal_lm(copy.deepcopy(model.config))
+    for name, value in fresh.named_buffers():
+        buffers[name].copy_(value)
 
 
 def _is_norm_weight(name: str) -> bool:

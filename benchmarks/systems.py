@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from .models import Model, blocks, build_meta, causal_lm, enable_checkpointing, fill_init_, materialize
+from .models import Model, blocks, build_meta, causal_lm, enable_checkpointing, fill_init_, materialize, restore_buffers_
 
 if TYPE_CHECKING:
     from elixir_runtime import ElixirPlan
@@ -161,6 +161,7 @@ def _fsdp2(p: Model, ctx: Context, offload: bool) -> Trainer:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     model.to_empty(device="cpu" if offload else ctx.device)  # FSDP2 keeps a tied embedding tied
+    restore_buffers_(model)
     fill_init_(model.named_parameters(), ctx.device, seed=ctx.rank)
     try:
         opt, name = _adamw(model.parameters(), fused=True), "AdamW(fused=True)"

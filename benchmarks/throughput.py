@@ -30,6 +30,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from elixir_hf.presets import canonical_name
+
 from . import report
 from .models import DECODER_PRESETS, PRESETS, param_count, preset
 from ._worker import clip_fields
@@ -170,7 +172,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--worker-timeout", type=float, default=420, help="seconds per worker process")
     args = ap.parse_args(argv)
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.gpus)
-    args.models = args.model.split(",")
+    # a config path absolute: the workers run in the repository root
+    args.models = [m if canonical_name(m) or not Path(m).exists() else str(Path(m).resolve()) for m in args.model.split(",")]
     args.systems = args.systems.split(",")
     args.batch_sizes = sorted(int(b) for b in args.batch_sizes.split(","))
     try:

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from benchmarks import report
-from benchmarks.models import DecoderModel, Preset, build_meta, count_params, preset, vocab_size
+from benchmarks.models import (DecoderModel, Preset, build_meta, causal_lm, count_params, materialize, preset,
+                               restore_buffers_, vocab_size)
 from benchmarks.systems import MAX_GRAD_NORM, ds_config
 from benchmarks.throughput import parse_args, worker_command
 from tests.helpers.dist import run_distributed
@@ -54,7 +55,7 @@ def test_decoder_presets_are_the_published_models(name: str, billions: int, fiel
 def test_parse_args_seq_follows_the_model_and_clip_is_on_by_default(tmp_path: Path) -> None:
     cfg = _config_file(tmp_path)
     args = parse_args(["--model", f"gpt2-4b,llama3-8b,{cfg}", "--batch-sizes", "8,4", "--gpus", "2"])
-    assert args.seqs == {"gpt2-4b": 1024, "llama3-8b": 2048, str(cfg): 128}  # capped at the config's positions
+    assert args.seqs == {"gpt2-4b": 1024, "llama3-8b": 2048, str(cfg.resolve()): 128}  # capped at the config's positions
     assert args.clip == 1 and args.batch_sizes == [4, 8]
     cmd = worker_command(args, "ds3_offload", "llama3-8b", [4])
     assert cmd[cmd.index("--seq") + 1] == "2048" and cmd[cmd.index("--clip") + 1] == "1"
@@ -86,6 +87,20 @@ def test_model_folder_and_config_file_resolve_to_the_same_model(tmp_path: Path) 
     tied = preset(str(_config_file(tmp_path, tie_word_embeddings=True)))
     assert count_params(build_meta(tied, 128)) == v * h + layers * per_layer + h
     assert isinstance(preset("6.5b"), Preset) and preset("6.5b").default_seq == 1024
+
+
+def test_materialize_recomputes_the_rotary_buffers(tmp_path: Path) -> None:
+    """``to_empty`` leaves Llama's ``inv_freq`` uninitialized (NaN losses under DeepSpeed): it is rebuilt."""
+    p = preset(str(_config_file(tmp_path)))
+    reference = dict(causal_lm(p.config(128)).named_buffers())  # built for real on the CPU
+    model = materialize(build_meta(p, 128), "cpu", "cpu")
+    assert set(dict(model.named_buffers())) == set(reference) and reference
+    for name, b in model.named_buffers():
+        torch.testing.assert_close(b, reference[name], rtol=0, atol=0)
+        b.fill_(float("nan"))  # what garbage memory may hold
+    restore_buffers_(model)
+    for name, b in model.named_buffers():
+        torch.testing.assert_close(b, reference[name], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
