@@ -180,19 +180,22 @@ def materialize(model: nn.Module, device: torch.device | str, fill_device: torch
 
 
 @torch.no_grad()
-def restore_buffers_(model: nn.Module) -> None:
+def restore_buffers_(model: nn.Module, device: torch.device | str | None = None) -> None:
     """Recomputes the buffers ``to_empty`` left uninitialized, e.g. Llama/Qwen's rotary ``inv_freq`` (garbage
     there made DeepSpeed's losses NaN): the model's skeleton is built again with real buffers (parameters
-    on ``meta``, no memory) and its buffers copied in. GPT-2 has none."""
+    on ``meta``, no memory) and its buffers put in, on ``device`` (default: where the old ones were; FSDP2
+    with CPU offload needs them on the GPU, as torchtitan's ``buffer_device``). GPT-2 has none."""
     from accelerate import init_empty_weights
 
-    buffers = dict(model.named_buffers())
-    if not buffers:
+    if next(model.buffers(), None) is None:
         return
     with init_empty_weights(include_buffers=False):
         fresh = causal_lm(copy.deepcopy(model.config))
+    modules = dict(model.named_modules())
     for name, value in fresh.named_buffers():
-        buffers[name].copy_(value)
+        owner, _, key = name.rpartition(".")
+        old = modules[owner]._buffers[key]
+        modules[owner]._buffers[key] = value.to(device or old.device, old.dtype)
 
 
 def _is_norm_weight(name: str) -> bool:

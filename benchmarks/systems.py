@@ -161,7 +161,7 @@ def _fsdp2(p: Model, ctx: Context, offload: bool) -> Trainer:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     model.to_empty(device="cpu" if offload else ctx.device)  # FSDP2 keeps a tied embedding tied
-    restore_buffers_(model)
+    restore_buffers_(model, ctx.device)  # FSDP2 leaves buffers where they are: the compute device's
     fill_init_(model.named_parameters(), ctx.device, seed=ctx.rank)
     try:
         opt, name = _adamw(model.parameters(), fused=True), "AdamW(fused=True)"

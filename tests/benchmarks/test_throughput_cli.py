@@ -101,6 +101,8 @@ def test_materialize_recomputes_the_rotary_buffers(tmp_path: Path) -> None:
     restore_buffers_(model)
     for name, b in model.named_buffers():
         torch.testing.assert_close(b, reference[name], rtol=0, atol=0)
+    restore_buffers_(model, "meta")  # FSDP2 + CPU offload: params on the CPU, buffers on the compute device
+    assert all(b.is_meta for b in model.buffers()) and not any(q.is_meta for q in model.parameters())
 
 
 @pytest.mark.parametrize("stage", [2, 3])
