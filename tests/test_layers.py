@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("elixir_runtime.search",),
     ("elixir_runtime.plan",),
     ("elixir_runtime.runtime",),
-    ("elixir_runtime.checkpoint", "elixir_runtime.optim.optimizer"),
+    ("elixir_runtime.checkpoint", "elixir_runtime.optim.optimizer", "elixir_runtime.optim.device_lane"),
     ("elixir_runtime.api", "elixir_runtime"),
     ("elixir_hf",),
 ]

@@ -21,6 +21,7 @@ from .chunk.collectives import Collectives
 from .chunk.source import WeightSource, unmeta_parameters, weight_source
 from .config import ElixirConfig
 from .gpu_limit import limit_gpu_memory
+from .optim.device_lane import DeviceLane
 from .optim.optimizer import ElixirOptimizer
 from .optim.threads import cpu_adam_threads
 from .plan import ElixirPlan, plan_model
@@ -90,8 +91,9 @@ def prepare(
     _move_buffers(model, device, source)
     unmeta_parameters(params)
     lockstep = Lockstep(coll, config.lockstep_timeout_s)
+    lane = DeviceLane(plan.device_lane, device, dtype) if plan.device_lane else None
     runtime = ChunkRuntime(
-        layout, plan.placement(), plan.n_blocks, coll, device, dtype, config.prefetch, lockstep, source.value
+        layout, plan.placement(), plan.n_blocks, coll, device, dtype, config.prefetch, lockstep, source.value, lane
     )
     install_hooks(model, units, unit_chunks, runtime)
     model_state = ModelStateHooks(runtime, orig_dtypes)

@@ -14,7 +14,8 @@ from typing import Any, Literal, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["ConfigError", "ElixirConfig", "LossScaleConfig", "PlanError", "offloaded_chunks", "parse_size"]
+__all__ = ["ConfigError", "ElixirConfig", "LossScaleConfig", "PlanError", "device_lane_wanted", "offloaded_chunks",
+           "parse_size"]
 
 BlockCount = int | Literal["min", "max"]
 
@@ -121,6 +122,15 @@ class ElixirConfig:
     predicts the overlap accordingly. ``False`` (no clipping, bf16/fp32): the host runs ahead of
     the GPU and those updates start during backward, as each chunk's gradients land."""
 
+    device_assisted_update: bool | Literal["auto"] = "auto"
+    """Whether the GPU helps the CPU update offloaded chunks. After a clipped backward the CPU Adam of
+    offloaded chunks runs while the link and the GPU idle; with this on, a second lane streams slices
+    of their states to the GPU, updates them with the GPU kernel and copies them back, while the CPU
+    updates the others (the two split the work as they go; ``optim/device_lane.py``): the exposed CPU
+    Adam roughly halves on an H100. It takes two staging buffers of GPU memory (0.875 GiB in bf16,
+    counted in the plan). ``"auto"``: on when training on a GPU; ``True`` also on a CPU device (a
+    second CPU thread: tests); ``False``: the CPU alone updates offloaded chunks."""
+
     lockstep_timeout_s: float = 60.0
     """How long a rank waits for the others when it starts a forward or gathers the weights (a
     host-side check that every rank is starting the same operation, ``runtime/lockstep.py``).
@@ -189,6 +199,10 @@ class ElixirConfig:
                 self.cpu_threads is None or (_int(self.cpu_threads) and self.cpu_threads >= 1), "an int >= 1 or None"
             ),
             "clips_grads": (isinstance(self.clips_grads, bool), "True or False"),
+            "device_assisted_update": (
+                isinstance(self.device_assisted_update, bool) or self.device_assisted_update == "auto",
+                "True, False or 'auto' (on when training on a GPU)",
+            ),
             "lockstep_timeout_s": (
                 _real(self.lockstep_timeout_s) and self.lockstep_timeout_s > 0, "a positive number of seconds such as 60"
             ),
@@ -242,6 +256,13 @@ def parse_size(text: str) -> int:
     if match is None or unit not in _SIZE_UNITS:
         raise ValueError(f"not a memory size: {text!r} (e.g. 80GiB, 80GB, 512MiB)")
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def device_lane_wanted(config: ElixirConfig, device: torch.device) -> bool:
+    """``ElixirConfig.device_assisted_update`` on ``device``: ``"auto"`` is on for a GPU."""
+    if config.device_assisted_update == "auto":
+        return device.type == "cuda"
+    return bool(config.device_assisted_update)
 
 
 def offloaded_chunks(offload: float | Sequence[int], n_chunks: int, chunk_size: int) -> list[int]:

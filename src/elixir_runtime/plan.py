@@ -19,11 +19,11 @@ import numpy as np
 import torch
 
 from .chunk.layout import ChunkLayout, build_layout
-from .config import ElixirConfig, PlanError, offloaded_chunks
+from .config import ElixirConfig, PlanError, device_lane_wanted, offloaded_chunks
 from .gpu_limit import device_capacity, process_limit
 from .host import host_available, local_ranks
 from .search.loop import GIB, SearchResult
-from .search.memory import ArenaBytes
+from .search.memory import LANE_DEPTH, ArenaBytes
 from .units import ParamTable
 
 __all__ = ["ElixirPlan", "plan_model", "resolve_plan"]
@@ -40,9 +40,13 @@ class ElixirPlan:
     dtype: str
     min_blocks: int
     max_blocks: int
+    device_lane: int = 0
+    """Elements per staging buffer of the device update lane (``optim/device_lane.py``): the GPU
+    updates slices of offloaded chunks beside the CPU; 0: the CPU alone (nothing offloaded, or
+    ``ElixirConfig.device_assisted_update`` off)."""
     memory: dict[str, int] = field(default_factory=dict)
-    """Predicted bytes per rank: ``rcache``, ``private``, ``device_shards``, ``host_shards``; from the
-    search also ``activations`` (the profiled peak) and ``buffers``."""
+    """Predicted bytes per rank: ``rcache``, ``private``, ``device_shards``, ``lane_staging``,
+    ``host_shards``; from the search also ``activations`` (the profiled peak) and ``buffers``."""
     predicted: dict[str, float | None] = field(default_factory=dict)
     """Predicted seconds per optimizer step and its parts (``search.step_time.StepTime``); empty when
     the plan was not searched."""
@@ -63,7 +67,7 @@ class ElixirPlan:
 
     @property
     def device_bytes(self) -> int:
-        return self.memory.get("rcache", 0) + self.memory.get("private", 0) + self.memory.get("device_shards", 0)
+        return sum(self.memory.get(k, 0) for k in ("rcache", "private", "device_shards", "lane_staging"))
 
     @property
     def host_bytes(self) -> int:
@@ -90,6 +94,8 @@ class ElixirPlan:
             ("world size", str(self.world_size)),
             ("device memory / rank", f"{self.device_bytes / gib:.3f} GiB (model states + rCache)"),
             ("host memory / rank", f"{self.host_bytes / gib:.3f} GiB (pinned)"),
+            ("device update lane", f"on: {LANE_DEPTH} x {self.device_lane:,} elements staged "
+             f"({self.memory.get('lane_staging', 0) / gib:.3f} GiB)" if self.device_lane else "off (CPU alone)"),
         ]
         if "activations" in self.memory:
             rows.append(("device peak / rank", f"{self.device_peak_bytes / gib:.3f} GiB (+ activations "
@@ -144,20 +150,26 @@ def format_step_time(t: dict[str, float | None]) -> str:
     return (
         f"{t['total']:.3f} s (compute {t['compute']:.3f}, exposed transfers {t['exposed_transfers']:.3f}, "
         f"GPU Adam {t['gpu_adam']:.3f}, exposed CPU Adam {t['exposed_cpu_adam']:.3f}; moved: H2D {t['h2d']:.3f}, "
-        f"D2H {t['d2h']:.3f}, collectives {coll}, CPU Adam {t['cpu_adam']:.3f})"
+        f"D2H {t['d2h']:.3f}, collectives {coll}, CPU Adam {t['cpu_adam']:.3f}"
+        + (f", device lane Adam {t['device_lane_adam']:.3f}" if t.get("device_lane_adam") else "") + ")"
     )
 
 
-def _count_memory(layout: ChunkLayout, offload: set[int], n_blocks: int, dtype: torch.dtype) -> dict[str, int]:
-    """Bytes per rank by arena, with the search's formula (``search.memory.ArenaBytes``): one count."""
-    arenas = ArenaBytes(layout, dtype)
+def _count_memory(
+    layout: ChunkLayout, offload: set[int], n_blocks: int, dtype: torch.dtype, lane: bool
+) -> tuple[dict[str, int], int]:
+    """Bytes per rank by arena, with the search's formula (``search.memory.ArenaBytes``): one count;
+    and the device lane's elements per staging buffer (0: no lane)."""
+    arenas = ArenaBytes(layout, dtype, lane)
     on_device = np.array([c.index not in offload for c in layout.chunks], dtype=bool)
-    return {
+    memory = {
         "rcache": n_blocks * arenas.buffer,
         "private": arenas.private,
         "device_shards": int(arenas.arena[on_device].sum()),
+        "lane_staging": arenas.staging(on_device),
         "host_shards": arenas.host(on_device),
     }
+    return memory, arenas.lane_numel(on_device)
 
 
 def plan_model(
@@ -228,7 +240,8 @@ def resolve_plan(
     else:
         offload = search.placement.offload if search is not None else []
 
-    memory = _count_memory(layout, set(offload), n_blocks, dtype)
+    lane = search.device_lane if search is not None else device_lane_wanted(config, device)
+    memory, lane_numel = _count_memory(layout, set(offload), n_blocks, dtype, lane)
     plan = ElixirPlan(
         chunk_size=layout.chunk_size,
         n_blocks=n_blocks,
@@ -238,6 +251,7 @@ def resolve_plan(
         dtype=str(dtype).removeprefix("torch."),
         min_blocks=lo,
         max_blocks=hi,
+        device_lane=lane_numel,
         memory=memory,
         gpu_memory=config.gpu_memory,
     )

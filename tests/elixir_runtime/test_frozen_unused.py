@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import elixir_runtime as er
+from elixir_runtime.search import memory
 from helpers.dist import run_distributed
 from helpers.models import MLPOutput, TinyMLP, make_batch, make_mlp_batch, tiny_gpt2, tiny_mlp
 
@@ -202,10 +203,13 @@ def _param_steps(model, opt) -> dict[str, int]:
 
 
 def _engine_mlp_run(
-    rank: int, world_size: int, kind: str, n_blocks="min", offload=0.5, grad_accum: int = 1, kernel: str = "cpp"
+    rank: int, world_size: int, kind: str, n_blocks="min", offload=0.5, grad_accum: int = 1, kernel: str = "cpp",
+    lane: bool = False,
 ) -> tuple[list[float], dict, dict]:
+    """``lane``: the device update lane takes slices of offloaded chunks beside the CPU."""
     model = _build_mlp(kind)
-    model, opt = _prepare(model, _mlp_batch(0, 0, rank), n_blocks=n_blocks, offload=offload)
+    model, opt = _prepare(model, _mlp_batch(0, 0, rank), n_blocks=n_blocks, offload=offload, device_assisted_update=lane)
+    assert (model._elixir.runtime.host_updates.lane is not None) == lane
     _use_kernel(opt, kernel)
     losses = _engine_mlp_steps(model, opt, kind, range(MLP_STEPS), rank, grad_accum, kernel)
     return losses, model.state_dict(), _param_steps(model, opt)
@@ -241,6 +245,15 @@ def test_unused_branch_world1(kernel, monkeypatch) -> None:
             _check_mlp(kind, 1, [run], grad_accum)
 
 
+@pytest.mark.parametrize("offload", [0.5, 1.0])
+def test_unused_branch_device_lane(offload, monkeypatch) -> None:
+    """The lane's slices follow the used parameters' ranges and their own step counts."""
+    monkeypatch.setattr(memory, "LANE_SLICE", LANE_SLICE)
+    for kind, grad_accum in (("never", 1), ("sometimes", 2)):
+        run = _engine_mlp_run(0, 1, kind, "min", offload, grad_accum, lane=True)
+        _check_mlp(kind, 1, [run], grad_accum)
+
+
 def test_per_parameter_step_counts_survive_a_checkpoint() -> None:
     """Saved after step 5 (the branch took 2 steps, the rest 5) and resumed in a fresh engine: the
     branch's bias correction at step 7 must use its own count, as the uninterrupted torch run."""
@@ -258,18 +271,27 @@ def test_per_parameter_step_counts_survive_a_checkpoint() -> None:
     assert _param_steps(model, opt) == want_steps
 
 
-WORLD2_CASES = [(n_blocks, kind, ga) for n_blocks in ("min", "max") for kind, ga in (("never", 1), ("sometimes", 2))]
+WORLD2_CASES = [
+    *((n_blocks, kind, ga, False) for n_blocks in ("min", "max") for kind, ga in (("never", 1), ("sometimes", 2))),
+    ("min", "sometimes", 2, True),  # with the device update lane
+]
+LANE_SLICE = 256
+"""Elements per device-lane slice in these tests: every offloaded chunk is cut into several."""
 
 
 def _world2_runs(rank: int, world_size: int) -> list:
-    return [_engine_mlp_run(rank, world_size, kind, n_blocks, grad_accum=ga) for n_blocks, kind, ga in WORLD2_CASES]
+    memory.LANE_SLICE = LANE_SLICE  # in this spawned rank
+    return [
+        _engine_mlp_run(rank, world_size, kind, n_blocks, grad_accum=ga, lane=lane)
+        for n_blocks, kind, ga, lane in WORLD2_CASES
+    ]
 
 
 def test_unused_branch_world2() -> None:
     # "min": the rCache holds only the largest unit, so chunks must be reduced (and their blocks
     # freed) during the backward even though the unused branch's chunks never complete
     results = run_distributed(_world2_runs, 2, timeout=180)
-    for i, (_, kind, ga) in enumerate(WORLD2_CASES):
+    for i, (_, kind, ga, _) in enumerate(WORLD2_CASES):
         _check_mlp(kind, 2, [r[i] for r in results], ga)
 
 

@@ -20,7 +20,6 @@ of the run. ``max_consecutive_skips`` skips in a row stop training with an error
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import warnings
 from typing import Any, Callable, Iterator
@@ -31,6 +30,7 @@ from ..config import LossScaleConfig
 from ..runtime.chunk_runtime import ChunkRuntime, ChunkState
 from ..chunk.store import ShardArenas, shard_overlap
 from ..chunk.layout import GroupRange
+from .device_lane import SliceUpdate, slice_updates
 from .kernel import AdamHyper
 from .select import select_kernel
 from .loss_scaler import LossScaler
@@ -141,13 +141,14 @@ class ElixirOptimizer(torch.optim.Optimizer):
         if device.trainable_numel:
             chunks = [c for c in self.runtime.trainable if c.shards is device]
             self._update(device, self._work(chunks, device.segments, used, uniform), hypers, div_scale)
-        host = self.runtime.arenas["host"]
+        host, updates = self.runtime.arenas["host"], self.runtime.host_updates
+        jobs = []
         for c in self.runtime.trainable:
             if c.shards is host:  # chunk order = the order the next forward needs them
                 work = self._work([c], self._chunk_segments[c.index], used, uniform)
-                self.runtime.host_updates.submit(
-                    c.index, functools.partial(self._update_host_chunk, c, work, hypers, div_scale)
-                )
+                size = updates.lane.numel if updates.lane is not None else c.shard_numel
+                jobs += slice_updates(c, work, hypers, div_scale, size)
+        updates.submit(jobs, self._update_slice)
         self.scaler.update(overflow=False)
         self.runtime.invalidate_trainable()
         self._reset_norm()
@@ -199,11 +200,10 @@ class ElixirOptimizer(torch.optim.Optimizer):
                 last = (step, group)
         return sorted(by_step.items())
 
-    def _update_host_chunk(
-        self, c: ChunkState, work: list[tuple[int, list[GroupRange]]], hypers: list[AdamHyper], div_scale: float
-    ) -> None:
-        self.runtime.wait_host_chunk(c)
-        self._update(c.shards, work, hypers, div_scale)
+    def _update_slice(self, job: SliceUpdate) -> None:
+        """The CPU lane's update of one slice of an offloaded chunk (``runtime/host_updates.py``)."""
+        self.runtime.wait_host_chunk(job.chunk)
+        self._update(job.chunk.shards, job.work, job.hypers, job.div_scale)
 
     def _update(
         self, a: ShardArenas, work: list[tuple[int, list[GroupRange]]], hypers: list[AdamHyper], div_scale: float

@@ -37,7 +37,7 @@ from ..chunk.layout import ChunkLayout, ChunkSpec
 from ..chunk.rcache import Buffer, RCache
 from ..chunk.schedule import AccessSchedule
 from ..chunk.store import Residence, ShardArenas, build_arenas
-from .host_updates import HostUpdates
+from .host_updates import HostUpdates, Lane
 from .lockstep import Lockstep
 
 __all__ = ["ChunkState", "ChunkRuntime", "RCacheExhausted", "Residency"]
@@ -115,8 +115,10 @@ class ChunkRuntime:
         prefetch: int,
         lockstep: Lockstep,
         weights: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.detach,
+        lane: Lane | None = None,
     ) -> None:
-        """``weights`` maps a parameter to the full value its shards start from (``WeightSource.value``)."""
+        """``weights`` maps a parameter to the full value its shards start from (``WeightSource.value``);
+        ``lane``: the device lane that updates offloaded slices beside the CPU (``optim/device_lane.py``)."""
         self.layout, self.coll, self.device, self.dtype = layout, coll, device, dtype
         self.lockstep = lockstep
         self.residency = Residency.SHARDED
@@ -139,7 +141,6 @@ class ChunkRuntime:
             if c.spec.private:
                 c.buffer = self.rcache.private_buffer(c.spec.numel, dtype, device)
         self.trainable = [c for c in self.chunks if c.spec.trainable]
-        self.host_updates = HostUpdates()
         self._norm_parts: list[torch.Tensor] = []
         """Per-chunk grad norms taken on the device right after each fresh reduction."""
         self._norm_from_shards = False
@@ -149,8 +150,9 @@ class ChunkRuntime:
         self.reduce_stream = torch.cuda.Stream(device) if self.cuda else None
         zero = torch.zeros((), dtype=dtype, device=device)
         self._placeholders = [zero.expand(p.shape) for p in layout.params]
-        self.stats = {"gathers": 0, "prefetches": 0, "evictions": 0, "reduces": 0}
-        """Counters since prepare, for logging and tests."""
+        self.stats = {"gathers": 0, "prefetches": 0, "evictions": 0, "reduces": 0, "updated_cpu": 0, "updated_device": 0}
+        """Counters since prepare, for logging and tests (``updated_*``: offloaded elements each update lane updated)."""
+        self.host_updates = HostUpdates(lane, self.stats)
         self.in_backward = False
         self.backward_pending = False
         """A grad-enabled forward ran whose backward has not been finished yet."""

@@ -1,44 +1,139 @@
-"""CPU Adam of offloaded chunks on a worker thread, overlapped with the next forward.
+"""Updates of offloaded chunks off the training loop's thread, overlapped with the next forward.
 
-Offloaded chunks are updated one by one in chunk (= next forward) order while the GPU already
-runs the next forward over the first, GPU-resident chunks. A gather or a gradient reduction of an
-offloaded chunk waits only for that chunk's own update. The C++ kernel releases the GIL (ctypes),
-so the update and the training loop's Python run in parallel.
+One step's updates are slices of the offloaded chunks' shards, in chunk (= next forward) order,
+in one shared queue. The CPU lane (a worker thread running the C++ kernel, which releases the
+GIL through ctypes) takes slices from the front, so the chunks the next forward needs first are
+done first. The device lane (``optim/device_lane.py``: stage a slice to the GPU over the link
+the optimizer phase leaves idle, update it with the GPU kernel, copy it back), when there is
+one, takes slices from the back. Neither lane has a fixed share: the split balances itself at
+whatever rates the two run on this machine, and each lane starts with the slice at its end, so
+both work whenever there are two slices. Every slice is taken exactly once.
+
+A gather or a gradient reduction of an offloaded chunk waits only for that chunk's slices, on
+both lanes (``wait``); checkpoints and the next ``step`` wait for all (``wait_all``).
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+import threading
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
 
-__all__ = ["HostUpdates"]
+__all__ = ["HostUpdates", "Lane"]
+
+
+class Lane(Protocol):
+    """A second update lane: ``issue`` starts a slice's update, ``finish`` blocks until its
+    results are back in host memory; up to ``depth`` slices are in flight."""
+
+    depth: int
+
+    def issue(self, job: Any) -> Any: ...
+
+    def finish(self, token: Any) -> None: ...
+
+
+@dataclass(eq=False)
+class _Chunk:
+    """One chunk's slices of a step: done when none is left."""
+
+    left: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
 
 
 class HostUpdates:
-    def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="elixir-cpu-adam")
-        self._pending: dict[int, Future] = {}
+    def __init__(self, lane: Lane | None = None, stats: dict[str, int] | None = None) -> None:
+        """``stats``: counters to add each lane's updated elements to (``updated_cpu``, ``updated_device``)."""
+        self.lane = lane
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="elixir-update")
+        self._pending: dict[int, _Chunk] = {}
+        self._lock = threading.Lock()
+        self.stats = stats if stats is not None else {}
 
-    def submit(self, chunk: int, update: Callable[[], None]) -> None:
-        """Queues ``update`` for ``chunk``; updates run in submission order."""
-        self._pending[chunk] = self._pool.submit(update)
+    def submit(self, jobs: list, cpu: Callable[[Any], None]) -> None:
+        """Queues one step's ``jobs`` (slices in chunk order, each with ``index``, its chunk, and
+        ``numel``); ``cpu(job)`` updates one on the CPU, the lane (if any) takes the others."""
+        records: dict[int, _Chunk] = {}
+        for job in jobs:
+            records.setdefault(job.index, _Chunk()).left += 1
+        self._pending.update(records)
+        queue = deque(jobs)
+        if not queue:
+            return
+        first = queue.popleft()
+        if self.lane is not None and queue:
+            self._pool.submit(self._run_lane, queue, queue.pop(), records)
+        self._pool.submit(self._run_cpu, queue, first, cpu, records)
+
+    def _run_cpu(self, queue: deque, job: Any, cpu: Callable[[Any], None], records: dict[int, _Chunk]) -> None:
+        while job is not None:
+            error = None
+            try:
+                cpu(job)
+            except BaseException as exc:  # re-raised by wait() on the training loop's thread
+                error = exc
+            self._retire(job, "cpu", error, records)
+            job = _take(queue, queue.popleft)
+
+    def _run_lane(self, queue: deque, job: Any, records: dict[int, _Chunk]) -> None:
+        in_flight: deque = deque()
+        while job is not None or in_flight:
+            if job is not None:
+                try:
+                    in_flight.append((job, self.lane.issue(job)))
+                except BaseException as exc:
+                    self._retire(job, "device", exc, records)
+                job = _take(queue, queue.pop)
+            if in_flight and (job is None or len(in_flight) >= self.lane.depth):
+                done, token = in_flight.popleft()
+                error = None
+                try:
+                    self.lane.finish(token)
+                except BaseException as exc:
+                    error = exc
+                self._retire(done, "device", error, records)
+
+    def _retire(self, job: Any, lane: str, error: BaseException | None, records: dict[int, _Chunk]) -> None:
+        rec = records[job.index]
+        with self._lock:
+            if error is None:
+                key = f"updated_{lane}"
+                self.stats[key] = self.stats.get(key, 0) + job.numel
+            elif rec.error is None:
+                rec.error = error
+            rec.left -= 1
+            if rec.left == 0:
+                rec.done.set()
 
     def busy(self, chunk: int) -> bool:
         """Whether ``chunk``'s update is queued or running (a prefetch should not block on it)."""
-        future = self._pending.get(chunk)
-        return future is not None and not future.done()
+        rec = self._pending.get(chunk)
+        return rec is not None and not rec.done.is_set()
 
     def pending(self, chunk: int) -> bool:
         """Whether ``chunk`` has an update not yet waited for: unlike ``busy``, the same on every
-        rank at the same point of the step (it does not depend on how fast the worker is)."""
+        rank at the same point of the step (it does not depend on how fast the lanes are)."""
         return chunk in self._pending
 
     def wait(self, chunk: int) -> None:
-        """Blocks until ``chunk``'s update is done (re-raising its error, if any)."""
-        future = self._pending.pop(chunk, None)
-        if future is not None:
-            future.result()
+        """Blocks until ``chunk``'s update is done on both lanes (re-raising an error, if any)."""
+        rec = self._pending.pop(chunk, None)
+        if rec is not None:
+            rec.done.wait()
+            if rec.error is not None:
+                raise rec.error
 
     def wait_all(self) -> None:
         for chunk in list(self._pending):
             self.wait(chunk)
+
+
+def _take(queue: deque, pop: Callable[[], Any]) -> Any:
+    """The next job from one end of the shared queue, ``None`` once it is empty (deque pops are atomic)."""
+    try:
+        return pop()
+    except IndexError:
+        return None

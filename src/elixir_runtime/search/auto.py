@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..chunk.collectives import Collectives
-from ..config import ElixirConfig
+from ..config import ElixirConfig, device_lane_wanted
 from ..profiler.kernels import cuda_attention
 from ..profiler.profile import ModelProfile, profile_model, structural_profile
 from ..units import Unit, param_table
@@ -85,7 +85,8 @@ def search_model(
     budget = budget_of(profile)
     if batch is None:
         budget.activations = int(UNPROFILED_ACTIVATION_SHARE * budget.capacity / F_FRAG)
-    settings = SearchSettings(world_size, dtype, config, micro_batches=micro_batches, busbw=busbw)
+    settings = SearchSettings(world_size, dtype, config, micro_batches=micro_batches, busbw=busbw,
+                              device_lane=device_lane_wanted(config, device))
     result = search(param_table(model, units, order), profile, hardware, budget, settings)
     result.notes.insert(0, f"hardware: {hardware.device}, {hardware.source}")
     result.notes.insert(1, f"profile: {profile.seconds:.2f} s; activation peak at {profile.peak_at}")

@@ -45,6 +45,9 @@ class SearchSettings:
     micro_batches: int = 1
     busbw: float | None = None
     """Collective bus bandwidth measured on the job's process group (``measure.collective_busbw``)."""
+    device_lane: bool = False
+    """The GPU helps update offloaded chunks (``ElixirConfig.device_assisted_update`` resolved for the
+    device: ``config.device_lane_wanted``): its staging memory and its rate enter the plan."""
 
     @property
     def clips_grads(self) -> bool:
@@ -72,6 +75,8 @@ class SearchResult:
     regions: list[list[str]] = field(default_factory=list)
     """Parameter names of each activation-checkpointed region of the profile: their chunks must be
     resident together (``ChunkLayout.block_bounds``), in the search and in the plan."""
+    device_lane: bool = False
+    """Whether the placement was searched with the device update lane (``SearchSettings.device_lane``)."""
     hardware: dict[str, Any] = field(default_factory=dict)
     """The whole hardware profile searched with (``HardwareProfile.to_dict``): enough to predict
     the same plan again offline (``benchmarks.replay``)."""
@@ -128,6 +133,7 @@ def search(
         rates=rates.summary(),
         regions=[list(r.params) for r in profile.ac_regions],
         hardware=hardware.to_dict(),
+        device_lane=settings.device_lane,
     )
 
 
@@ -163,9 +169,9 @@ def _evaluate(
     model = StepModel(
         layout, trace, profile.compute, rates, settings.dtype,
         min_blocks=lo, prefetch=settings.config.prefetch, micro_batches=settings.micro_batches,
-        clips_grads=settings.clips_grads,
+        clips_grads=settings.clips_grads, device_lane=settings.device_lane,
     )
-    mem = ArenaBytes(layout, settings.dtype)
+    mem = ArenaBytes(layout, settings.dtype, settings.device_lane)
     n_blocks = {"min": lo, "max": hi}.get(settings.config.n_blocks, settings.config.n_blocks)  # type: ignore[arg-type]
     if isinstance(n_blocks, int):
         n_blocks = min(n_blocks, hi)

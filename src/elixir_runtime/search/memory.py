@@ -4,7 +4,9 @@ The engine's arenas (``chunk/store.py``) hold, per chunk shard: the compute-dtyp
 for trainable chunks the compute-dtype gradient, fp32 Adam m and v, and an fp32 master (aliased
 to the parameter in fp32 runs). The rCache is ``n_blocks`` chunk-sized blocks in the compute
 dtype; each private (tied) chunk has a full-size block of its own. Host arenas are pinned at
-their exact size, so they are host memory that nothing else can use.
+their exact size, so they are host memory that nothing else can use. With the device update lane
+(``optim/device_lane.py``) the GPU also holds its staging buffers whenever a trainable chunk is
+offloaded: ``LANE_DEPTH`` slices of fp32 master, m, v and one compute-dtype gradient/param tensor.
 """
 
 from __future__ import annotations
@@ -14,7 +16,26 @@ import torch
 
 from ..chunk.layout import ChunkLayout
 
-__all__ = ["ArenaBytes", "state_bytes_per_element"]
+__all__ = ["ArenaBytes", "state_bytes_per_element", "LANE_SLICE", "LANE_DEPTH", "lane_numel", "staging_bytes"]
+
+LANE_SLICE = 2**25
+"""Elements per staging buffer of the device update lane (32 M): ~0.45 GB each way per slice in
+bf16, ~10 ms on a PCIe 5 x16 link, so per-slice launches and host syncs cost well under 1 %; the
+two buffers take 0.875 GiB of GPU memory in bf16."""
+
+LANE_DEPTH = 2
+"""Staging buffers of the device lane (slices in flight): one uploading while the other downloads."""
+
+
+def lane_numel(offloaded_shards: list[int]) -> int:
+    """Elements per staging buffer for offloaded trainable shards of these sizes (0: none, no lane)."""
+    return min(LANE_SLICE, max(offloaded_shards, default=0))
+
+
+def staging_bytes(numel: int, dtype: torch.dtype) -> int:
+    """GPU bytes of the lane's staging buffers for slices of ``numel`` elements: fp32 master, m, v
+    and one compute-dtype tensor (the gradient, then the new param) per buffer."""
+    return LANE_DEPTH * numel * (12 + torch.empty((), dtype=dtype).element_size())
 
 
 def state_bytes_per_element(dtype: torch.dtype) -> int:
@@ -26,19 +47,30 @@ def state_bytes_per_element(dtype: torch.dtype) -> int:
 class ArenaBytes:
     """Per-chunk arena sizes of one layout, for fast sums over placements."""
 
-    def __init__(self, layout: ChunkLayout, dtype: torch.dtype) -> None:
+    def __init__(self, layout: ChunkLayout, dtype: torch.dtype, lane: bool = False) -> None:
+        """``lane``: the device update lane is on (its staging buffers count while a trainable
+        chunk is offloaded)."""
         elt = torch.empty((), dtype=dtype).element_size()
-        self.elt = elt
+        self.elt, self.dtype, self.lane = elt, dtype, lane
         self.buffer = layout.chunk_size * elt
         """Bytes of one rCache buffer (a chunk of the compute dtype)."""
         shard = np.array([layout.shard_numel(c) for c in layout.chunks], dtype=np.int64)
         trainable = np.array([c.trainable for c in layout.chunks])
+        self.trainable_shard = np.where(trainable, shard, 0)
         self.arena = shard * (elt + np.where(trainable, state_bytes_per_element(dtype), 0))
         self.private = int(sum(c.numel * elt for c in layout.chunks if c.private))
 
+    def lane_numel(self, on_device: np.ndarray) -> int:
+        """Elements per staging buffer of the device lane for this placement (0: no lane)."""
+        return lane_numel([int(n) for n in self.trainable_shard[~on_device]]) if self.lane else 0
+
+    def staging(self, on_device: np.ndarray) -> int:
+        """Bytes of the device lane's staging buffers for this placement."""
+        return staging_bytes(self.lane_numel(on_device), self.dtype)
+
     def device(self, n_blocks: int, on_device: np.ndarray) -> int:
-        """rCache + private buffers + the arenas of the chunks placed on the device."""
-        return n_blocks * self.buffer + self.private + int(self.arena[on_device].sum())
+        """rCache + private buffers + the arenas of the chunks placed on the device + lane staging."""
+        return n_blocks * self.buffer + self.private + int(self.arena[on_device].sum()) + self.staging(on_device)
 
     def host(self, on_device: np.ndarray) -> int:
         """Pinned host arenas of this rank."""

@@ -30,6 +30,16 @@ Per rank and micro-batch (all rates measured, see ``hardware.py``):
     the rest of the backward (over the GPU-resident early chunks) already. A chunk's update starts
     at ``max(its gradient shard landed, the previous update done)``.
 
+  With the device lane (``ElixirConfig.device_assisted_update``, ``optim/device_lane.py``) the
+  updates are slices of ``LANE_SLICE`` elements in one queue: the host thread takes them from the
+  front (chunk order), the device lane from the back, each the next one as soon as it is free (and
+  the slice's gradients have landed): simulated slice by slice (``_two_lanes``). The lane streams
+  each element's fp32 master, m, v and gradient up and master, m, v and the compute-dtype param down
+  (``lane_bytes``); both directions run at once, at the measured duplex rate, so the lane runs at
+  ``min(duplex / bytes each way, GPU Adam rate)`` (an H100: 44.3 GB/s / 14 B = 3.2 G elements/s,
+  beside the CPU's 3.2 under copies). Not modelled: the lane's first upload and last download
+  (~20 ms), and the next forward's uploads of offloaded chunks sharing the link with it.
+
   The next forward reaches each chunk at its compute rate, after the device Adam (and, after a
   host sync, the submissions). A prefetch never waits for an update (it stops prefetching
   instead), so the Python thread waits for chunk ``k``'s update only at the demand acquire of its
@@ -67,6 +77,7 @@ from ..profiler.timeline import Cost
 from .access import BWD, FWD, AccessTrace
 from .belady import MissTable
 from ..hardware.profile import Rates
+from .memory import LANE_SLICE
 
 __all__ = ["StepTime", "StepModel", "compute_time"]
 
@@ -86,11 +97,13 @@ class StepTime:
     exposed_transfers: float
     """Transfer time not hidden under compute."""
     exposed_cpu_adam: float
-    """CPU Adam time the next forward waits for (the submissions included)."""
+    """Update time of offloaded chunks the next forward waits for (both lanes, the submissions included)."""
     rcache_bytes: int
     """Bytes gathered into the rCache per step (the paper's chunk-size criterion)."""
     serial: float
     """Compute, then every transfer and update back to back: what the search minimises."""
+    device_lane_adam: float = 0.0
+    """Seconds the device lane updates offloaded slices (0: no lane); ``cpu_adam`` is then the CPU's part."""
 
     def as_dict(self) -> dict[str, float | None]:
         return {k: (None if v is None else float(v) if k != "rcache_bytes" else int(v)) for k, v in asdict(self).items()}
@@ -119,14 +132,21 @@ class StepModel:
         prefetch: int,
         micro_batches: int = 1,
         clips_grads: bool = True,
+        device_lane: bool = False,
     ) -> None:
         self.layout, self.rates = layout, rates
         self.min_blocks, self.prefetch, self.micro = min_blocks, prefetch, micro_batches
         self.clips_grads = clips_grads
         """The training loop syncs the host (``clip_grad_norm``, fp16) before ``step()``: the CPU
         updates start after backward; otherwise as each chunk's gradients land during backward."""
-        n = layout.world_size
         elt = torch.empty((), dtype=dtype).element_size()
+        self.lane_rate = 0.0
+        """Elements per second the device lane updates (0: no lane): see the module docstring."""
+        if device_lane:
+            up, down = lane_bytes(dtype)
+            link_up, link_down = rates.duplex or rates.h2d, rates.duplex or rates.d2h
+            self.lane_rate = 1.0 / max(up / link_up, down / link_down, 1.0 / rates.gpu_adam)
+        n = layout.world_size
         chunks = layout.chunks
         self.k = len(chunks)
         self.shard = np.array([layout.shard_numel(c) * elt for c in chunks], dtype=np.float64)
@@ -208,7 +228,7 @@ class StepModel:
         gather = self._transfer(on_device, r.h2d) + self.coll
         reduce = (self._transfer(on_device, r.d2h) + self.coll) * self.trainable
         host = ~on_device
-        adam = (self.elements[on_device].sum() / r.gpu_adam) + (self.elements[host].sum() / r.cpu_adam)
+        adam = (self.elements[on_device].sum() / r.gpu_adam) + (self.elements[host].sum() / (r.cpu_adam + self.lane_rate))
         return self.micro * (float((m[FWD] + m[BWD]) @ gather) + float(reduce.sum())) + adam
 
     def step(self, n_blocks: int, on_device: np.ndarray) -> StepTime:
@@ -237,10 +257,9 @@ class StepModel:
             bwd = max(compute_bwd + fetch_b, reduced) + tail
         gpu_adam = float(self.elements[on_device].sum() / r.gpu_adam)
         submit = float(trainable_host.sum() * r.op_overhead)  # one CPU update handed to the host thread per chunk
-        cpu_each = np.where(trainable_host, self.elements / r.cpu_adam, 0.0)
-        exposed_cpu = 0.0
+        exposed_cpu = cpu_busy = lane_busy = 0.0
         if trainable_host.any():
-            exposed_cpu = self._late_updates(trainable_host, cpu_each, reduce, gather_f, gpu_adam, submit)
+            exposed_cpu, cpu_busy, lane_busy = self._late_updates(trainable_host, reduce, gather_f, gpu_adam, submit)
         compute = self.micro * (compute_fwd + compute_bwd)
         total = self.micro * (fwd + bwd) + gpu_adam + exposed_cpu
         gathers = m[FWD] + m[BWD]
@@ -253,9 +272,10 @@ class StepModel:
             if self.coll_known
             else None,
             gpu_adam=gpu_adam,
-            cpu_adam=float(cpu_each.sum()),
+            cpu_adam=cpu_busy,
             exposed_transfers=self.micro * (fwd + bwd) - compute,
             exposed_cpu_adam=exposed_cpu,
+            device_lane_adam=lane_busy,
             rcache_bytes=int(self.micro * float(gathers @ self.full)),
             serial=compute + self.linear(n_blocks, on_device),
         )
@@ -276,19 +296,25 @@ class StepModel:
     def _late_updates(
         self,
         trainable_host: np.ndarray,
-        cpu_each: np.ndarray,
         reduce: np.ndarray,
         gather_f: np.ndarray,
         gpu_adam: float,
         submit: float,
-    ) -> float:
-        """How long the next forward waits for the CPU updates (see the module docstring)."""
+    ) -> tuple[float, float, float]:
+        """How long the next forward waits for the updates of offloaded chunks (see the module
+        docstring), and how long the CPU and the device lane work on them."""
         # In seconds since the end of backward: the host thread takes the chunks in chunk order,
-        # each once its gradients are there and the previous update is done.
+        # each once its gradients are there and the previous update is done (the device lane, if
+        # any, takes slices from the back).
         ready = self.update_start(trainable_host, reduce)
         mine = np.flatnonzero(trainable_host)
         done = np.zeros(self.k)
-        done[mine] = _queue(ready[mine], cpu_each[mine])
+        r = self.rates
+        if self.lane_rate:
+            done[mine], cpu_busy, lane_busy = _two_lanes(ready[mine], self.elements[mine], r.cpu_adam, self.lane_rate)
+        else:
+            cpu_each = self.elements[mine] / r.cpu_adam
+            done[mine], cpu_busy, lane_busy = _queue(ready[mine], cpu_each), float(cpu_each.sum()), 0.0
         # The next forward starts after the device Adam; after a host sync also after the
         # submissions (without one, they were made while the GPU was still in backward). The
         # Python thread waits for a chunk's update only at the demand acquire of its first user
@@ -298,7 +324,42 @@ class StepModel:
         head = gpu_adam + (submit if self.clips_grads else 0.0)
         needed = head + self.first_need - gather_f
         late = (done - needed)[trainable_host]
-        return (submit if self.clips_grads else 0.0) + max(0.0, float(late.max()))
+        return (submit if self.clips_grads else 0.0) + max(0.0, float(late.max())), cpu_busy, lane_busy
+
+
+def lane_bytes(dtype: torch.dtype) -> tuple[int, int]:
+    """Bytes per element the device lane moves up (fp32 master, m, v, the gradient) and down
+    (master, m, v and, unless the master is the param (fp32), the compute-dtype param)."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    return 12 + elt, 12 + (0 if dtype == torch.float32 else elt)
+
+
+def _two_lanes(ready: np.ndarray, elements: np.ndarray, cpu_rate: float, lane_rate: float) -> tuple[np.ndarray, float, float]:
+    """When each chunk's update is done with the two lanes of ``runtime/host_updates.py``: slices of
+    ``LANE_SLICE`` elements in chunk order, the CPU taking them from the front and the device lane
+    from the back, each lane its next slice once it is free, a slice starting once its chunk's
+    gradients are ``ready``. Returns the done times and each lane's busy seconds."""
+    slices = [(c, min(LANE_SLICE, n - lo)) for c, n in enumerate(elements) for lo in range(0, int(n), LANE_SLICE)]
+    done = np.full(len(elements), -np.inf)
+    free = [-np.inf, -np.inf]  # when the CPU / the device lane is free
+    busy = [0.0, 0.0]
+    rate = (cpu_rate, lane_rate)
+    front, back = 0, len(slices) - 1
+    first = [True, True]
+    while front <= back:
+        # each lane starts with its own end's slice, then whichever is free first takes the next
+        lane = 0 if first[0] else 1 if first[1] else int(free[1] < free[0])
+        first[lane] = False
+        c, n = slices[front] if lane == 0 else slices[back]
+        if lane == 0:
+            front += 1
+        else:
+            back -= 1
+        work = n / rate[lane]
+        free[lane] = max(free[lane], ready[c]) + work
+        busy[lane] += work
+        done[c] = max(done[c], free[lane])
+    return done, busy[0], busy[1]
 
 
 def _queue(ready: np.ndarray, work: np.ndarray) -> np.ndarray:

@@ -30,6 +30,7 @@ from elixir_runtime.profiler import profile_model
 from elixir_runtime.units import find_units, param_table
 from elixir_runtime.hardware import load_hardware
 from elixir_runtime.search import Budget, SearchSettings, search
+from elixir_runtime.search import step_time
 from elixir_runtime.search.loop import _evaluate
 from tests.elixir_runtime.search.search_cases import cpu_adam_times
 
@@ -69,7 +70,7 @@ def _profiled(dims: tuple, batch: int) -> tuple:
     return _PROFILED[dims, batch]
 
 
-def _plan(case: tuple, hardware, clips_grads: bool = False) -> tuple:
+def _plan(case: tuple, hardware, clips_grads: bool = False, device_lane: bool = False) -> tuple:
     """(search result, table, profile, budget, units) of a case, the measured plan pinned."""
     dims, batch, (chunk_size, n_chunks, offloaded, n_blocks), *_ = case
     table, profile, units = _profiled(dims, batch)
@@ -77,7 +78,7 @@ def _plan(case: tuple, hardware, clips_grads: bool = False) -> tuple:
     settings = SearchSettings(1, BF16, ElixirConfig(
         chunk_size=chunk_size, n_blocks=n_blocks, offload=list(range(n_chunks - offloaded, n_chunks)),
         clips_grads=clips_grads, skip_nonfinite=False,  # the measured runs had no host sync before the update
-    ))
+    ), device_lane=device_lane)
     return search(table, profile, hardware, budget, settings), table, profile, budget, units
 
 
@@ -248,3 +249,30 @@ def test_states_that_fit_stay_on_the_h100(h100, cpu_adam_scale, clips_grads) -> 
     budget = Budget(h100.gpu_memory, profile.activation_peak, profile.buffer_bytes, h100.host_memory)
     r = search(table, profile, machine, budget, SearchSettings(1, BF16, ElixirConfig(clips_grads=clips_grads, skip_nonfinite=False)))
     assert r.placement.offload == [], f"{len(r.placement.offload)} of {len(r.placement.on_device)} chunks offloaded"
+
+
+def test_device_lane_shares_the_update_after_a_clipped_backward(h100) -> None:
+    """The 6.5b-bs4 plan pinned, clipping on (the updates start after backward): with the device
+    lane the CPU and the lane split the offloaded elements, the lane at the link's duplex rate for
+    14 B each way (bf16), and the forward waits for less."""
+    case = OFFLOAD["6.5b-bs4"]
+    off = _plan(case, h100, clips_grads=True)[0].placement.time
+    result = _plan(case, h100, clips_grads=True, device_lane=True)[0]
+    on, rates = result.placement.time, h100.rates(1)
+    lane_rate = min(rates.duplex / 14, rates.gpu_adam)
+    assert result.device_lane and off.device_lane_adam == 0 < on.device_lane_adam
+    elements = off.cpu_adam * rates.cpu_adam
+    assert on.cpu_adam * rates.cpu_adam + on.device_lane_adam * lane_rate == pytest.approx(elements, rel=1e-9)
+    assert on.cpu_adam == pytest.approx(on.device_lane_adam, rel=0.1)  # the two rates are close on an H100
+    assert on.exposed_cpu_adam < 0.7 * off.exposed_cpu_adam and on.total < off.total
+
+
+def test_two_lanes_meet_where_their_rates_say(monkeypatch) -> None:
+    """Slices in chunk order: the CPU from the front, the lane from the back, each the next when free."""
+    monkeypatch.setattr(step_time, "LANE_SLICE", 1)
+    done, cpu, lane = step_time._two_lanes(np.zeros(2), np.array([4.0, 4.0]), 1.0, 3.0)
+    assert done.tolist() == pytest.approx([2.0, 4 / 3]) and (cpu, lane) == pytest.approx((2.0, 2.0))
+    # the back chunk's gradients land late: the lane waits for them while the CPU does the front
+    # chunk, then both share the back one
+    done, cpu, lane = step_time._two_lanes(np.array([0.0, 10.0]), np.array([4.0, 4.0]), 1.0, 1.0)
+    assert done.tolist() == pytest.approx([4.0, 12.0]) and (cpu, lane) == pytest.approx((6.0, 2.0))

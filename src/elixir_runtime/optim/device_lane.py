@@ -1,0 +1,122 @@
+"""The device lane: offloaded chunks updated by the GPU while the CPU updates others.
+
+With clipping (the Trainer default) the CPU Adam of offloaded chunks starts only after the whole
+backward, and while it runs the link and the GPU idle (Llama-3-8B on one H100: ~0.97 s of a
+1.92 s step). This lane streams slices of an offloaded shard through ``depth`` staging buffers
+on the GPU: the fp32 master, exp_avg, exp_avg_sq and the gradient shard up (host to device),
+the same kernel as GPU-resident shards (``select.select_kernel``) with the same hyperparameters,
+step counts and ``div_scale``, and master, m, v and the compute-dtype param shard the gather
+reads back down, each buffer on its own stream, so one slice's upload overlaps the previous
+one's download (14 bytes each way per element in bf16, 16 in fp32). ``runtime/host_updates.py``
+decides which slices it takes.
+
+A staging buffer is ``numel`` elements of fp32 master, m and v and one compute-dtype tensor that
+holds the gradient and then the new param (the kernel reads each element's gradient before it
+writes its param): ``search.memory.staging_bytes``, counted in the plan's GPU memory. On a CPU device (tests)
+the "GPU" is the CPU and the kernel the torch reference: the slicing, the scheduling and the
+exactness are the same code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from ..chunk.layout import GroupRange
+from ..runtime.chunk_runtime import ChunkRuntime, ChunkState
+from ..search.memory import LANE_DEPTH
+from .kernel import AdamHyper, AdamKernel, TorchAdamKernel
+from .select import select_kernel
+
+__all__ = ["DeviceLane", "SliceUpdate", "slice_updates"]
+
+
+@dataclass(frozen=True, eq=False)
+class SliceUpdate:
+    """Arena range ``[lo, hi)`` of an offloaded chunk's shard and the kernel calls that update it."""
+
+    chunk: ChunkState
+    lo: int
+    hi: int
+    work: list[tuple[int, list[GroupRange]]]
+    """``(step count, segments)`` in arena offsets, inside ``[lo, hi)``."""
+    hypers: list[AdamHyper]
+    div_scale: float
+
+    @property
+    def index(self) -> int:
+        return self.chunk.index
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+
+def slice_updates(
+    c: ChunkState, work: list[tuple[int, list[GroupRange]]], hypers: list[AdamHyper], div_scale: float, size: int
+) -> list[SliceUpdate]:
+    """Chunk ``c``'s update cut into slices of at most ``size`` elements (each segment cut to
+    them); slices with nothing to update are left out."""
+    out = []
+    for lo in range(c.offset, c.offset + c.shard_numel, max(1, size)):
+        hi = min(lo + size, c.offset + c.shard_numel)
+        cut = []
+        for step, segments in work:
+            parts = [GroupRange(max(s.offset, lo), min(s.offset + s.length, hi) - max(s.offset, lo), s.group)
+                     for s in segments if s.offset < hi and s.offset + s.length > lo]
+            if parts:
+                cut.append((step, parts))
+        if cut:
+            out.append(SliceUpdate(c, lo, hi, cut, hypers, div_scale))
+    return out
+
+
+class DeviceLane:
+    """Stages slices of offloaded shards on ``device``, updates them there, copies them back."""
+
+    def __init__(self, numel: int, device: torch.device, dtype: torch.dtype) -> None:
+        self.numel, self.device, self.depth = numel, device, LANE_DEPTH
+        self.cuda = device.type == "cuda"
+        self.kernel: AdamKernel = select_kernel(device) if self.cuda else TorchAdamKernel()
+        f32 = dict(dtype=torch.float32, device=device)
+        self._buffers = [
+            {"master": torch.zeros(numel, **f32), "exp_avg": torch.zeros(numel, **f32),
+             "exp_avg_sq": torch.zeros(numel, **f32), "grad": torch.zeros(numel, dtype=dtype, device=device)}
+            for _ in range(self.depth)
+        ]
+        self._streams = [torch.cuda.Stream(device) if self.cuda else None for _ in range(self.depth)]
+        self._next = 0
+
+    def issue(self, job: SliceUpdate) -> torch.cuda.Event | None:
+        """Queues ``job``'s upload, update and download on the next buffer's stream; returns the
+        event that says its results are in host memory (``None`` on a CPU device: done already)."""
+        ChunkRuntime.wait_host_chunk(job.chunk)  # its grads have landed, no gather reads it
+        b = self._next
+        self._next = (b + 1) % self.depth
+        buf, stream, a, n = self._buffers[b], self._streams[b], job.chunk.shards, job.numel
+        host = slice(job.lo, job.hi)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            staged = {k: t[:n] for k, t in buf.items()}
+            for k in ("master", "exp_avg", "exp_avg_sq", "grad"):
+                staged[k].copy_(getattr(a, k)[host], non_blocking=True)
+            out = None if a.master_is_param else buf["grad"]  # each gradient is read before its param is written
+            for step, segments in job.work:
+                shifted = [GroupRange(s.offset - job.lo, s.length, s.group) for s in segments]
+                self.kernel.step(buf["master"], buf["exp_avg"], buf["exp_avg_sq"], buf["grad"], out, shifted,
+                                 job.hypers, step, job.div_scale)
+            for k in ("master", "exp_avg", "exp_avg_sq"):
+                getattr(a, k)[host].copy_(staged[k], non_blocking=True)
+            if out is not None:
+                a.param[host].copy_(staged["grad"], non_blocking=True)
+            if stream is None:
+                return None
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    @staticmethod
+    def finish(token: torch.cuda.Event | None) -> None:
+        if token is not None:
+            token.synchronize()

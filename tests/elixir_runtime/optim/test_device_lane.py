@@ -1,0 +1,147 @@
+"""The device update lane (``optim/device_lane.py``, ``runtime/host_updates.py``) against plain
+PyTorch, on CPU: the "device" is the CPU, its kernel the torch reference, so the slicing, the
+split between the lanes and the exactness are the code a GPU runs. Slices are made small
+(``LANE_SLICE``) so every chunk is cut into many and both lanes take several. Unused parameters
+(per-parameter step counts) and two gloo ranks with the lane: ``test_frozen_unused.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import elixir_runtime as er
+from elixir_runtime.config import ConfigError
+from elixir_runtime.runtime.host_updates import HostUpdates
+from elixir_runtime.search import memory
+from helpers.training import Recipe, assert_close_losses, build, max_weight_diff, run_elixir, run_reference
+
+LOSS_RTOL, WEIGHT_ATOL = 1e-6, 1e-5  # test_parity.py's: only summation orders differ
+SLICE = 4096
+
+
+@pytest.fixture
+def small_slices(monkeypatch):
+    monkeypatch.setattr(memory, "LANE_SLICE", SLICE)
+
+
+def _offloaded_numel(recipe: Recipe, offload: float) -> int:
+    model, _ = er.prepare(*build(recipe), config=er.ElixirConfig(mode="static", n_blocks="min", offload=offload))
+    rt = model._elixir.runtime
+    return sum(c.shard_numel for c in rt.trainable if c.shards is rt.arenas["host"])
+
+
+@pytest.mark.parametrize("offload", [0.5, 1.0])
+@pytest.mark.parametrize("clip", [1.0, 1e6], ids=["clipped", "clip-coef-1"])
+def test_lane_matches_pytorch_and_each_element_is_updated_once(small_slices, offload, clip):
+    recipe = Recipe(model="llama", steps=6, grad_accum=2, clip=clip)
+    want = run_reference(recipe)
+    got = run_elixir(recipe, n_blocks="min", offload=offload, device_assisted_update=True)
+    assert_close_losses(got.losses, want.losses, LOSS_RTOL)
+    assert max_weight_diff(got.state, want.state) < WEIGHT_ATOL
+    cpu, device = got.stats["updated_cpu"], got.stats["updated_device"]
+    assert cpu > SLICE and device > SLICE  # both lanes took several slices
+    assert cpu + device == recipe.steps * _offloaded_numel(recipe, offload)  # every element once a step
+
+
+def test_clip_coefficient_below_one_in_the_clipped_case():
+    """The ``clipped`` case above really scales the gradients (its norms are above 1.0)."""
+    recipe = Recipe(model="llama")
+    model, opt = build(recipe)
+    from helpers.training import batch_for
+
+    model(**batch_for(recipe, 0, 0, None)).loss.backward()
+    assert torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) > 1.0
+
+
+def test_lane_bf16_matches_the_cpu_alone(small_slices):
+    """bf16: the lane also writes the compute-dtype param shard the gathers read."""
+    recipe = Recipe(model="gpt2", steps=5, dtype=torch.bfloat16)
+    alone = run_elixir(recipe, n_blocks="min", offload=1.0, device_assisted_update=False)
+    both = run_elixir(recipe, n_blocks="min", offload=1.0, device_assisted_update=True)
+    assert alone.stats["updated_device"] == 0 and both.stats["updated_device"] > 0
+    assert_close_losses(both.losses, alone.losses, 1e-2)
+    assert max_weight_diff(both.state, alone.state) <= 2**-7  # at most a bf16 rounding apart
+
+
+def test_plan_counts_the_staging_it_allocates(small_slices):
+    recipe = Recipe(model="llama")
+    on, _ = er.prepare(*build(recipe), config=er.ElixirConfig(mode="static", offload=0.5, device_assisted_update=True))
+    plan, lane = on._elixir.plan, on._elixir.runtime.host_updates.lane
+    allocated = sum(t.numel() * t.element_size() for b in lane._buffers for t in b.values())
+    assert plan.device_lane == lane.numel == SLICE and plan.memory["lane_staging"] == allocated > 0
+    assert plan.device_bytes == plan.memory["rcache"] + plan.memory["private"] + plan.memory["device_shards"] + allocated
+    for setting in (False, "auto"):  # "auto" is off on a CPU device
+        off, _ = er.prepare(*build(recipe), config=er.ElixirConfig(mode="static", offload=0.5, device_assisted_update=setting))
+        assert off._elixir.plan.device_lane == 0 and off._elixir.plan.memory["lane_staging"] == 0
+        assert off._elixir.runtime.host_updates.lane is None
+    nothing, _ = er.prepare(*build(recipe), config=er.ElixirConfig(mode="static", offload=0, device_assisted_update=True))
+    assert nothing._elixir.plan.device_lane == 0 and nothing._elixir.runtime.host_updates.lane is None
+
+
+def test_config_rejects_other_values():
+    with pytest.raises(ConfigError, match="device_assisted_update must be True, False or 'auto'"):
+        er.ElixirConfig(device_assisted_update="yes")
+
+
+# ----------------------------------------------------------------- the scheduler alone
+
+
+class _Job:
+    def __init__(self, index: int, n: int) -> None:
+        self.index, self.numel, self.by = index, n, []
+
+
+class _Lane:
+    """Runs a job when it is finished (in flight until then), ``depth`` at a time."""
+
+    depth = 2
+
+    def __init__(self, gate: threading.Event | None = None, fail: int | None = None) -> None:
+        self.gate, self.fail, self.in_flight, self.most = gate, fail, 0, 0
+
+    def issue(self, job):
+        if job.index == self.fail:
+            raise ValueError(f"lane failed on chunk {job.index}")
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        return job
+
+    def finish(self, job):
+        if self.gate is not None:
+            self.gate.wait()
+        job.by.append("device")
+        self.in_flight -= 1
+
+
+def test_scheduler_runs_every_slice_once_from_both_ends():
+    lane = _Lane()
+    updates = HostUpdates(lane, {})
+    jobs = [_Job(c, 10) for c in range(4) for _ in range(25)]
+    updates.submit(jobs, lambda job: job.by.append("cpu"))
+    updates.wait_all()
+    assert all(len(j.by) == 1 for j in jobs)
+    assert jobs[0].by == ["cpu"] and jobs[-1].by == ["device"]  # each lane starts at its end
+    cpu = [i for i, j in enumerate(jobs) if j.by == ["cpu"]]
+    assert cpu == list(range(len(cpu)))  # the CPU took a prefix, the lane the rest
+    assert updates.stats == {"updated_cpu": 10 * len(cpu), "updated_device": 10 * (len(jobs) - len(cpu))}
+    assert lane.most <= lane.depth
+
+
+def test_a_chunk_waits_for_both_lanes_and_errors_reach_the_waiter():
+    gate = threading.Event()
+    updates = HostUpdates(_Lane(gate), {})
+    jobs = [_Job(0, 1), _Job(0, 1)]  # chunk 0: one slice per lane
+    updates.submit(jobs, lambda job: job.by.append("cpu"))
+    assert updates.pending(0)
+    threading.Timer(0.2, gate.set).start()
+    updates.wait(0)  # returns only once the lane's slice is finished too
+    assert [j.by for j in jobs] == [["cpu"], ["device"]] and not updates.pending(0)
+
+    updates = HostUpdates(_Lane(fail=1), {})
+    updates.submit([_Job(0, 1), _Job(1, 1)], lambda job: None)
+    updates.wait(0)
+    with pytest.raises(ValueError, match="lane failed on chunk 1"):
+        updates.wait(1)
