@@ -30,6 +30,7 @@ _LOSS_SCALE_KEYS = {f.name for f in fields(LossScaleConfig)}
 _SPEC_KEYS = (  # the ElixirConfig fields a spec may set (device, process group, alignment, clips_grads: the run's)
     "mode", "dtype", "chunk_size", "n_blocks", "offload", "prefetch", "unit_classes", "cpu_threads",
     "lockstep_timeout_s", "loss_scale", "skip_nonfinite", "max_consecutive_skips", "gpu_memory",
+    "device_assisted_update",
 )
 _MIXED_PRECISION_DTYPES = {"no": None, "fp16": "fp16", "bf16": "bf16"}
 _SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", "fp16": "fp16", "bf16": "bf16"}
@@ -126,6 +127,7 @@ class ElixirPlugin:
             n_blocks=plan.n_blocks,
             offload=list(plan.offload),
             gpu_memory=plan.gpu_memory,
+            device_assisted_update=plan.device_lane > 0,  # the plan pins the update lanes too
             plan=plan,
             plan_model=data.get("model"),
         )

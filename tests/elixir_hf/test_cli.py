@@ -151,8 +151,10 @@ def test_cli_and_auto_make_the_same_plan_from_the_same_profile(capsys, tmp_path,
     _, _, plan = plan_model(param_table(model, units, order), config, world_size=1, device=cuda, dtype=torch.bfloat16,
                             search=result, check=False)
     assert cli_plan["offload"] or cli_plan["n_blocks"] < cli_plan["max_blocks"], "the case must make a choice"
-    for key in ("chunk_size", "n_chunks", "n_blocks", "offload", "memory", "predicted"):
+    for key in ("chunk_size", "n_chunks", "n_blocks", "offload", "device_lane", "memory", "predicted"):
         assert cli_plan[key] == getattr(plan, key), key
+    # on 6 MiB the device lane's staging leaves no plan: "auto" falls back to the CPU alone, saying so
+    assert plan.device_lane == 0 and any("device update lane off" in n for n in plan.search["notes"])
 
 
 @pytest.mark.parametrize(("flag", "value", "message"), [

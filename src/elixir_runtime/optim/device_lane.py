@@ -6,15 +6,15 @@ backward, and while it runs the link and the GPU idle (Llama-3-8B on one H100: ~
 on the GPU: the fp32 master, exp_avg, exp_avg_sq and the gradient shard up (host to device),
 the same kernel as GPU-resident shards (``select.select_kernel``) with the same hyperparameters,
 step counts and ``div_scale``, and master, m, v and the compute-dtype param shard the gather
-reads back down, each buffer on its own stream, so one slice's upload overlaps the previous
-one's download (14 bytes each way per element in bf16, 16 in fp32). ``runtime/host_updates.py``
-decides which slices it takes.
+reads back down (the param only where the kernel wrote it), each buffer on its own stream, so
+one slice's upload overlaps the previous one's download (bf16: 14 bytes each way per element;
+fp32: 16 up, 12 down). ``runtime/host_updates.py`` decides which slices it takes.
 
 A staging buffer is ``numel`` elements of fp32 master, m and v and one compute-dtype tensor that
 holds the gradient and then the new param (the kernel reads each element's gradient before it
-writes its param): ``search.memory.staging_bytes``, counted in the plan's GPU memory. On a CPU device (tests)
-the "GPU" is the CPU and the kernel the torch reference: the slicing, the scheduling and the
-exactness are the same code.
+writes its param): ``search.memory.staging_bytes``, counted in the plan's GPU memory. On a CPU
+device (tests) the "GPU" is the CPU and the kernel the torch reference: the slicing, the
+scheduling and the exactness are the same code.
 """
 
 from __future__ import annotations
@@ -79,7 +79,10 @@ class DeviceLane:
     def __init__(self, numel: int, device: torch.device, dtype: torch.dtype) -> None:
         self.numel, self.device, self.depth = numel, device, LANE_DEPTH
         self.cuda = device.type == "cuda"
-        self.kernel: AdamKernel = select_kernel(device) if self.cuda else TorchAdamKernel()
+        # one kernel per buffer: a fused kernel's cached tile tables are then made and used on that
+        # buffer's stream only (a table uploaded on one stream and read on another could race)
+        kind = type(select_kernel(device)) if self.cuda else TorchAdamKernel
+        self._kernels: list[AdamKernel] = [kind() for _ in range(self.depth)]
         f32 = dict(dtype=torch.float32, device=device)
         self._buffers = [
             {"master": torch.zeros(numel, **f32), "exp_avg": torch.zeros(numel, **f32),
@@ -87,6 +90,9 @@ class DeviceLane:
             for _ in range(self.depth)
         ]
         self._streams = [torch.cuda.Stream(device) if self.cuda else None for _ in range(self.depth)]
+        for stream in self._streams:
+            if stream is not None:  # after the buffers' zero-fill
+                stream.wait_stream(torch.cuda.current_stream(device))
         self._next = 0
 
     def issue(self, job: SliceUpdate) -> torch.cuda.Event | None:
@@ -97,19 +103,22 @@ class DeviceLane:
         self._next = (b + 1) % self.depth
         buf, stream, a, n = self._buffers[b], self._streams[b], job.chunk.shards, job.numel
         host = slice(job.lo, job.hi)
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext(), (
+            torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        ):
             staged = {k: t[:n] for k, t in buf.items()}
             for k in ("master", "exp_avg", "exp_avg_sq", "grad"):
                 staged[k].copy_(getattr(a, k)[host], non_blocking=True)
             out = None if a.master_is_param else buf["grad"]  # each gradient is read before its param is written
             for step, segments in job.work:
                 shifted = [GroupRange(s.offset - job.lo, s.length, s.group) for s in segments]
-                self.kernel.step(buf["master"], buf["exp_avg"], buf["exp_avg_sq"], buf["grad"], out, shifted,
+                self._kernels[b].step(buf["master"], buf["exp_avg"], buf["exp_avg_sq"], buf["grad"], out, shifted,
                                  job.hypers, step, job.div_scale)
             for k in ("master", "exp_avg", "exp_avg_sq"):
                 getattr(a, k)[host].copy_(staged[k], non_blocking=True)
-            if out is not None:
-                a.param[host].copy_(staged["grad"], non_blocking=True)
+            if out is not None:  # only where the kernel wrote params: elsewhere the buffer holds gradients
+                for lo, hi in _covered(job.work):
+                    a.param[lo:hi].copy_(out[lo - job.lo : hi - job.lo], non_blocking=True)
             if stream is None:
                 return None
             event = torch.cuda.Event()
@@ -120,3 +129,14 @@ class DeviceLane:
     def finish(token: torch.cuda.Event | None) -> None:
         if token is not None:
             token.synchronize()
+
+
+def _covered(work: list[tuple[int, list[GroupRange]]]) -> list[tuple[int, int]]:
+    """The arena ranges the kernel calls of ``work`` update, sorted, touching ones merged."""
+    out: list[tuple[int, int]] = []
+    for s in sorted((s for _, segments in work for s in segments), key=lambda s: s.offset):
+        if out and s.offset <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], s.offset + s.length))
+        else:
+            out.append((s.offset, s.offset + s.length))
+    return out

@@ -12,7 +12,7 @@ fits, ``PlanError`` says by how much and what would make it fit.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -111,6 +111,11 @@ def search(
     work = _unit_work(table)
     evaluated = [_evaluate(c, table, profile, rates, budget, settings, work) for c in sizes]
     fitting = [e for e in evaluated if e.placement is not None]
+    if not fitting and settings.device_lane and settings.config.device_assisted_update == "auto":
+        # the lane's staging buffers may be what does not fit: without it, the CPU alone
+        result = search(table, profile, hardware, budget, replace(settings, device_lane=False))
+        result.notes.append("device update lane off: with its staging buffers no plan fits the GPU")
+        return result
     if not fitting:
         fewest = min(e.min_blocks for e in evaluated)
         if isinstance(settings.config.n_blocks, int) and settings.config.n_blocks < fewest:

@@ -334,12 +334,18 @@ def lane_bytes(dtype: torch.dtype) -> tuple[int, int]:
     return 12 + elt, 12 + (0 if dtype == torch.float32 else elt)
 
 
+_MAX_SLICES = 256
+
+
 def _two_lanes(ready: np.ndarray, elements: np.ndarray, cpu_rate: float, lane_rate: float) -> tuple[np.ndarray, float, float]:
     """When each chunk's update is done with the two lanes of ``runtime/host_updates.py``: slices of
     ``LANE_SLICE`` elements in chunk order, the CPU taking them from the front and the device lane
     from the back, each lane its next slice once it is free, a slice starting once its chunk's
-    gradients are ``ready``. Returns the done times and each lane's busy seconds."""
-    slices = [(c, min(LANE_SLICE, n - lo)) for c, n in enumerate(elements) for lo in range(0, int(n), LANE_SLICE)]
+    gradients are ``ready``. Returns the done times and each lane's busy seconds. At most
+    ``_MAX_SLICES`` are simulated (coarser slices for huge models: the search calls this for every
+    placement it prices; the error is where the lanes meet, within one slice)."""
+    size = max(LANE_SLICE, -(-int(elements.sum()) // _MAX_SLICES))
+    slices = [(c, min(size, n - lo)) for c, n in enumerate(elements) for lo in range(0, int(n), size)]
     done = np.full(len(elements), -np.inf)
     free = [-np.inf, -np.inf]  # when the CPU / the device lane is free
     busy = [0.0, 0.0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -104,18 +106,21 @@ def test_little_memory_offloads_plenty_keeps_everything(gpt2) -> None:
     assert all(tight.placement.time.total <= a["time"]["total"] + 1e-12 for a in tight.alternatives if a["fits"])
 
 
-def test_plan_memory_is_what_the_engine_allocates(gpt2) -> None:
+@pytest.mark.parametrize("lane", [False, True], ids=["cpu-alone", "device-lane"])
+def test_plan_memory_is_what_the_engine_allocates(gpt2, lane) -> None:
     model, table, profile = gpt2
     budget = _budget(profile, _capacities(model, profile)[3])
-    r = search(table, profile, gpu_host(), budget, _settings())
+    r = search(table, profile, gpu_host(), budget, dataclasses.replace(_settings(), device_lane=lane))
+    assert r.placement.offload and r.device_lane == lane
     layout = build_layout(table.params, table.names, table.groups, table.private, world_size=1,
                           chunk_size=r.chunk_size, alignment=64)
-    mem = _count_memory(layout, set(r.placement.offload), r.placement.n_blocks, BF16)
-    assert mem["rcache"] + mem["private"] + mem["device_shards"] == r.placement.device_bytes
+    mem, lane_numel = _count_memory(layout, set(r.placement.offload), r.placement.n_blocks, BF16, lane)
+    assert mem["rcache"] + mem["private"] + mem["device_shards"] + mem["lane_staging"] == r.placement.device_bytes
     assert mem["host_shards"] == r.placement.host_bytes
+    assert (lane_numel > 0) == lane and mem["lane_staging"] == 2 * lane_numel * (12 + 2)  # fp32 m, v, master + bf16
     _, _, plan = plan_model(table, ElixirConfig(), world_size=1, device=torch.device("cpu"), dtype=BF16, search=r,
                             check=False)
-    assert (plan.n_blocks, plan.offload) == (r.placement.n_blocks, r.placement.offload)
+    assert (plan.n_blocks, plan.offload, plan.device_lane) == (r.placement.n_blocks, r.placement.offload, lane_numel)
     assert plan.device_bytes == r.placement.device_bytes and plan.predicted["total"] == pytest.approx(r.placement.time.total)
     again = ElixirPlan.from_json(plan.to_json())
     assert again == plan and "predicted step" in again.table()
