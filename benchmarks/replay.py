@@ -77,6 +77,7 @@ def predict(run: dict[str, Any], cpu_adam: str = "under_copies") -> StepTime:
             clips_grads=False,  # the harness's step does not clip (systems._elixir)
         ),
         busbw=busbw * 1e9 if busbw and run["gpus"] > 1 else None,
+        device_lane=bool(plan.get("device_lane")),  # runs recorded with the device update lane
     )
     return search(table, profile, hardware, budget, settings).placement.time
 
