@@ -95,7 +95,8 @@ class ElixirPlan:
             ("device memory / rank", f"{self.device_bytes / gib:.3f} GiB (model states + rCache)"),
             ("host memory / rank", f"{self.host_bytes / gib:.3f} GiB (pinned)"),
             ("device update lane", f"on: {LANE_DEPTH} x {self.device_lane:,} elements staged "
-             f"({self.memory.get('lane_staging', 0) / gib:.3f} GiB)" if self.device_lane else "off (CPU alone)"),
+             f"({self.memory.get('lane_staging', 0) / gib:.3f} GiB)" if self.device_lane
+             else "off (CPU alone)" if self.offload else "- (nothing offloaded)"),
         ]
         if "activations" in self.memory:
             rows.append(("device peak / rank", f"{self.device_peak_bytes / gib:.3f} GiB (+ activations "
