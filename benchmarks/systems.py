@@ -47,6 +47,8 @@ class Context:
     skip_nonfinite: bool = True
     """Elixir's non-finite step check (``ElixirConfig.skip_nonfinite``): reads the gradient norm every
     step, a host sync before the update, so the offloaded chunks' CPU Adam starts after backward."""
+    device_lane: str = "auto"
+    """Elixir's device update lane (``ElixirConfig.device_assisted_update``: ``auto``, ``on``, ``off``)."""
 
 
 @dataclass
@@ -95,7 +97,8 @@ def _elixir(p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
     # The share of the host the baselines get (--threads), less the core the engine keeps for the loop.
     cpu_threads = cpu_adam_threads(1, cores=ctx.threads) if ctx.threads else None
     config = er.ElixirConfig(mode="auto", dtype="bf16", device=ctx.device, clips_grads=ctx.clip, cpu_threads=cpu_threads,
-                             skip_nonfinite=ctx.skip_nonfinite)
+                             skip_nonfinite=ctx.skip_nonfinite,
+                             device_assisted_update={"auto": "auto", "on": True, "off": False}[ctx.device_lane])
     model, opt = er.prepare(model, _adamw(model.parameters(), fused=False), config, example_batch=batch)
     plan = model._elixir.plan
     print(plan.table(), flush=True)
@@ -109,7 +112,7 @@ def _elixir(p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
         opt.zero_grad()
         return loss
 
-    info = {"optimizer": "ElixirOptimizer(AdamW)", "cpu_threads": opt.cpu_threads, "skip_nonfinite": ctx.skip_nonfinite, "plan": plan_summary(plan),
+    info = {"optimizer": "ElixirOptimizer(AdamW)", "cpu_threads": opt.cpu_threads, "skip_nonfinite": ctx.skip_nonfinite, "device_lane": ctx.device_lane, "plan": plan_summary(plan),
             "plan_batch": len(example_ids)}
     return Trainer(step, info)
 

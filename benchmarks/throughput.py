@@ -58,7 +58,7 @@ def worker_command(args: argparse.Namespace, system: str, model: str, batch_size
     worker = ["-m", "benchmarks._worker", "--system", system, "--model", model,
               "--batch-sizes", ",".join(map(str, batch_sizes)), "--steps", str(args.steps), "--warmup", str(args.warmup),
               "--seq", str(args.seqs[model]), "--clip", str(args.clip), "--device", args.device, "--threads", str(args.threads), "--ds-pin", str(args.ds_pin),
-              "--skip-nonfinite", str(args.skip_nonfinite)]
+              "--skip-nonfinite", str(args.skip_nonfinite), "--device-lane", args.device_lane]
     if args.gpus == 1:
         return [sys.executable, *worker]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}", *worker]
@@ -167,6 +167,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / GPUs)")
     ap.add_argument("--ds-pin", type=int, default=1, choices=(0, 1),
                     help="DeepSpeed pin_memory (0: pageable; pinned OOM-killed a 126 GiB host on the 6.5B)")
+    ap.add_argument("--device-lane", default="auto", choices=("auto", "on", "off"),
+                    help="Elixir's device update lane (ElixirConfig.device_assisted_update): the GPU updates part of the offloaded chunks")
     ap.add_argument("--skip-nonfinite", type=int, default=1, choices=(0, 1),
                     help="Elixir's non-finite step check (ElixirConfig.skip_nonfinite, on by default): a host sync per step")
     ap.add_argument("--worker-timeout", type=float, default=420, help="seconds per worker process")
