@@ -11,15 +11,11 @@ is judged against every recorded run in seconds, before a GPU session re-measure
 
 Runs whose plan predates these records (every run in results.json as of 2026-11-26) are listed as skipped.
 
-``--cpu-adam alone`` predicts with each per-rank CPU Adam rate measured without copies instead of the
-one under back-to-back copies (the worst case the planner uses): which of the two the measured
-steps follow, judged on recorded runs without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -45,14 +41,10 @@ def replayable(run: dict[str, Any]) -> bool:
     return run.get("system") == "elixir" and run.get("status") == "ok" and bool(plan.get("hardware")) and "offload" in plan
 
 
-def predict(run: dict[str, Any], cpu_adam: str = "under_copies") -> StepTime:
-    """The step the current model predicts for the run's recorded plan, batch and hardware, with
-    the CPU Adam rates ``cpu_adam`` ("under_copies" as planned, or "alone" where measured)."""
+def predict(run: dict[str, Any]) -> StepTime:
+    """The step the current model predicts for the run's recorded plan, batch and hardware."""
     plan = run["info"]["plan"]
     hardware = HardwareProfile.from_dict(plan["hardware"])
-    if cpu_adam == "alone":
-        hardware.cpu_adam = {n: dataclasses.replace(r, under_copies=r.alone or r.under_copies)
-                             for n, r in hardware.cpu_adam.items()}
     model = build_meta(preset(run["model"]), run["seq"], getattr(torch, plan["dtype"]))
     units = find_units(model, None)
     ids = torch.zeros(run["batch"], run["seq"], dtype=torch.long, device="meta")
@@ -74,7 +66,9 @@ def predict(run: dict[str, Any], cpu_adam: str = "under_copies") -> StepTime:
             chunk_size=plan["chunk_size"],
             n_blocks=plan["n_blocks"],
             offload=plan["offload"],
-            clips_grads=False,  # the harness's step does not clip (systems._elixir)
+            clips_grads=bool(run.get("clip", False)),  # runs before --clip did not clip
+            skip_nonfinite=bool(run["info"].get("skip_nonfinite", True)),
+            device_assisted_update=bool(plan.get("device_lane")),  # as recorded, not chosen again
         ),
         busbw=busbw * 1e9 if busbw and run["gpus"] > 1 else None,
         device_lane=bool(plan.get("device_lane")),  # runs recorded with the device update lane
@@ -82,14 +76,14 @@ def predict(run: dict[str, Any], cpu_adam: str = "under_copies") -> StepTime:
     return search(table, profile, hardware, budget, settings).placement.time
 
 
-def replay(runs: list[dict[str, Any]], cpu_adam: str = "under_copies") -> list[dict[str, Any]]:
+def replay(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for run in runs:
         row = {k: run.get(k) for k in ("card", "model", "gpus", "batch", "step_s", "predicted_step_s")}
         if not replayable(run):
             rows.append({**row, "skipped": "no recorded plan inputs (hardware, offloaded chunks)"})
             continue
-        time = predict(run, cpu_adam)
+        time = predict(run)
         rows.append({**row, "replayed_step_s": time.total, "measured_over_replayed": run["step_s"] / time.total,
                      "replayed": time.as_dict()})
     return rows
@@ -114,12 +108,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("inputs", nargs="*", type=Path, default=[report.DEFAULT_OUT])
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
-    ap.add_argument("--cpu-adam", choices=("under_copies", "alone"), default="under_copies",
-                    help="the per-rank CPU Adam rate to predict with (default: the planner's, under copies)")
     args = ap.parse_args(argv)
     runs = [r for path in args.inputs for r in report.load_runs(path)
             if r.get("system") == "elixir" and r.get("status") == "ok"]
-    rows = replay(runs, args.cpu_adam)
+    rows = replay(runs)
     print(json.dumps(rows, indent=1) if args.json else render(rows))
 
 

@@ -110,6 +110,7 @@ def _elixir(p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
             opt.clip_grad_norm(MAX_GRAD_NORM)
         opt.step()
         opt.zero_grad()
+        info["runtime_stats"] = dict(opt.runtime.stats)  # totals since prepare: gathers, elements each update lane took
         return loss
 
     info = {"optimizer": "ElixirOptimizer(AdamW)", "cpu_threads": opt.cpu_threads, "skip_nonfinite": ctx.skip_nonfinite, "device_lane": ctx.device_lane, "plan": plan_summary(plan),

@@ -56,15 +56,6 @@ def test_a_recorded_run_replays_to_its_own_prediction() -> None:
     assert "1 runs replayed" in replay.render([row])
 
 
-def test_the_cpu_adam_rate_without_copies_can_be_replayed_instead() -> None:
-    """The recorded profile holds both per-rank rates; ``alone`` (twice as fast here) halves the
-    predicted CPU Adam time of the same plan."""
-    run = _recorded_run()
-    [planned], [alone] = replay.replay([run]), replay.replay([run], "alone")
-    assert alone["replayed"]["cpu_adam"] > 0
-    assert planned["replayed"]["cpu_adam"] == pytest.approx(2 * alone["replayed"]["cpu_adam"])
-
-
 def test_runs_without_plan_inputs_are_skipped() -> None:
     run = _recorded_run()
     del run["info"]["plan"]["hardware"]

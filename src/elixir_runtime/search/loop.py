@@ -126,6 +126,16 @@ def search(
             )
         raise PlanError(_no_fit_message(evaluated, profile, budget, settings))
     best = min(fitting, key=lambda e: (e.placement.time.serial, e.placement.time.total, e.placement.time.rcache_bytes))
+    if settings.device_lane and settings.config.device_assisted_update == "auto":
+        # The lane takes link bandwidth the CPU update needs (its rate under copies, not alone)
+        # and staging memory: it is kept only where the predicted step says it pays.
+        alone = search(table, profile, hardware, budget, replace(settings, device_lane=False))
+        if alone.placement.time.total <= best.placement.time.total:
+            alone.notes.append(
+                f"device update lane off: predicted step {alone.placement.time.total:.3f} s without it, "
+                f"{best.placement.time.total:.3f} s with it"
+            )
+            return alone
     p = best.placement
     return SearchResult(
         chunk_size=best.layout.chunk_size,

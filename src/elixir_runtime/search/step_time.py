@@ -40,6 +40,18 @@ Per rank and micro-batch (all rates measured, see ``hardware.py``):
   beside the CPU's 3.2 under copies). Not modelled: the lane's first upload and last download
   (~20 ms), and the next forward's uploads of offloaded chunks sharing the link with it.
 
+  Which CPU Adam rate: the profile has it alone and under back-to-back duplex copies of every GPU
+  (``hardware/profile.py``). Updates that run during backward (no host sync) share the host with
+  its gathers and gradient offloads, and updates beside the device lane with the lane's streams:
+  the rate under copies. Updates after a clipped backward without the lane run beside no more than
+  the next forward's uploads (2 bytes per offloaded element against the update's ~28 bytes of host
+  memory traffic): the rate alone. Measured on one H100, Llama-3-8B (seq 2048, bs 4, clipping, 3 of
+  5 chunks offloaded): 1.76 s; predicted 1.77 s with the rate alone (6.0 G/s), 2.51 s with the rate
+  under copies (3.2 G/s). With the lane: 1.74 s where the lane was predicted to take half of a
+  twice-as-long update (the DMA halves the CPU's rate). Without clipping (GPT2-20b on 2 GPUs, batch
+  8), the rate under copies predicted 2.51 s for 2.48 s measured, and a blend towards the rate
+  alone 1.17x too fast.
+
   The next forward reaches each chunk at its compute rate, after the device Adam (and, after a
   host sync, the submissions). A prefetch never waits for an update (it stops prefetching
   instead), so the Python thread waits for chunk ``k``'s update only at the demand acquire of its
@@ -146,6 +158,10 @@ class StepModel:
             up, down = lane_bytes(dtype)
             link_up, link_down = rates.duplex or rates.h2d, rates.duplex or rates.d2h
             self.lane_rate = 1.0 / max(up / link_up, down / link_down, 1.0 / rates.gpu_adam)
+        after_backward = clips_grads and not device_lane
+        self.cpu_rate = rates.cpu_adam_alone if after_backward and rates.cpu_adam_alone else rates.cpu_adam
+        """Elements per second of the CPU Adam: alone when the updates run after backward beside no
+        more than the next forward's uploads, under back-to-back copies otherwise (module docstring)."""
         n = layout.world_size
         chunks = layout.chunks
         self.k = len(chunks)
@@ -228,7 +244,7 @@ class StepModel:
         gather = self._transfer(on_device, r.h2d) + self.coll
         reduce = (self._transfer(on_device, r.d2h) + self.coll) * self.trainable
         host = ~on_device
-        adam = (self.elements[on_device].sum() / r.gpu_adam) + (self.elements[host].sum() / (r.cpu_adam + self.lane_rate))
+        adam = (self.elements[on_device].sum() / r.gpu_adam) + (self.elements[host].sum() / (self.cpu_rate + self.lane_rate))
         return self.micro * (float((m[FWD] + m[BWD]) @ gather) + float(reduce.sum())) + adam
 
     def step(self, n_blocks: int, on_device: np.ndarray) -> StepTime:
@@ -311,9 +327,9 @@ class StepModel:
         done = np.zeros(self.k)
         r = self.rates
         if self.lane_rate:
-            done[mine], cpu_busy, lane_busy = _two_lanes(ready[mine], self.elements[mine], r.cpu_adam, self.lane_rate)
+            done[mine], cpu_busy, lane_busy = _two_lanes(ready[mine], self.elements[mine], self.cpu_rate, self.lane_rate)
         else:
-            cpu_each = self.elements[mine] / r.cpu_adam
+            cpu_each = self.elements[mine] / self.cpu_rate
             done[mine], cpu_busy, lane_busy = _queue(ready[mine], cpu_each), float(cpu_each.sum()), 0.0
         # The next forward starts after the device Adam; after a host sync also after the
         # submissions (without one, they were made while the GPU was still in backward). The

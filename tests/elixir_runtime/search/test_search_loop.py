@@ -110,7 +110,7 @@ def test_little_memory_offloads_plenty_keeps_everything(gpt2) -> None:
 def test_plan_memory_is_what_the_engine_allocates(gpt2, lane) -> None:
     model, table, profile = gpt2
     budget = _budget(profile, _capacities(model, profile)[3])
-    r = search(table, profile, gpu_host(), budget, dataclasses.replace(_settings(), device_lane=lane))
+    r = search(table, profile, gpu_host(), budget, dataclasses.replace(_settings(device_assisted_update=lane), device_lane=lane))
     assert r.placement.offload and r.device_lane == lane
     layout = build_layout(table.params, table.names, table.groups, table.private, world_size=1,
                           chunk_size=r.chunk_size, alignment=64)

@@ -139,16 +139,19 @@ def test_offload_regime_within_15_percent_of_the_measured_step(name, h100) -> No
 
 @pytest.mark.parametrize("name", list(OFFLOAD))
 def test_with_a_host_sync_the_updates_start_after_backward(name, h100) -> None:
-    """``clips_grads=True`` is the model the run planned with (updates after backward): on the run's
-    machine it gives the total the run printed (up to the host's wait, which moved from the
-    prefetch to the demand acquire); without the sync the updates start earlier, never later."""
-    printed = OFFLOAD[name][4][0]
+    """``clips_grads=True`` is how these runs stepped (a host sync, updates after backward): on the
+    run's machine the prediction is within 15 % of the measured step. The runs printed 0.896 /
+    1.292 / 2.063 s (the CPU Adam at its rate under copies) for 0.759 / 1.034 / 1.802 s measured;
+    after a synced backward the CPU updates at its rate alone (step_time's docstring): 0.657 /
+    1.028 / ~1.8 s now. Without the sync the same updates run beside backward's copies, at the
+    rate under copies."""
+    measured = OFFLOAD[name][3]
     synced = _planned(name, h100, clips_grads=True)[0].placement.time
     free = _planned(name, h100)[0].placement.time
-    assert synced.total == pytest.approx(printed, rel=0.02)
-    assert free.total <= synced.total
-    assert free.exposed_cpu_adam < synced.exposed_cpu_adam
-    assert (free.compute, free.gpu_adam, free.cpu_adam) == (synced.compute, synced.gpu_adam, synced.cpu_adam)
+    assert synced.total == pytest.approx(measured, rel=0.15)
+    assert (free.compute, free.gpu_adam) == (synced.compute, synced.gpu_adam)
+    rates = h100.rates(1)
+    assert free.cpu_adam * rates.cpu_adam == pytest.approx(synced.cpu_adam * rates.cpu_adam_alone, rel=1e-9)
 
 
 def test_exposed_cpu_adam_shrinks_as_the_forward_grows(h100) -> None:
@@ -261,10 +264,12 @@ def test_device_lane_shares_the_update_after_a_clipped_backward(h100) -> None:
     on, rates = result.placement.time, h100.rates(1)
     lane_rate = min(rates.duplex / 14, rates.gpu_adam)
     assert result.device_lane and off.device_lane_adam == 0 < on.device_lane_adam
-    elements = off.cpu_adam * rates.cpu_adam
+    # after a clipped backward the CPU updates at its rate alone; beside the lane, under its copies
+    elements = off.cpu_adam * rates.cpu_adam_alone
     assert on.cpu_adam * rates.cpu_adam + on.device_lane_adam * lane_rate == pytest.approx(elements, rel=1e-9)
     assert on.cpu_adam == pytest.approx(on.device_lane_adam, rel=0.1)  # the two rates are close on an H100
-    assert on.exposed_cpu_adam < 0.7 * off.exposed_cpu_adam and on.total < off.total
+    faster = rates.cpu_adam + lane_rate > rates.cpu_adam_alone
+    assert (on.exposed_cpu_adam < off.exposed_cpu_adam) == faster
 
 
 def test_two_lanes_meet_where_their_rates_say(monkeypatch) -> None:
