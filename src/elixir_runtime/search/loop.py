@@ -38,7 +38,7 @@ GIB = 2**30
 SERIAL_TIE = 0.01
 """Chunk sizes whose serial steps are within 1 % of the shortest tie; the overlapped step decides.
 The serial step is blind to prefetching: Llama-3-8B on one H100 (shipped profile, batch 4 x 2048,
-clipping) has 16 chunk sizes from 59 M to 604 M elements within 1.2 % of each other (the same
+clipping, no device update lane) has 16 chunk sizes from 59 M to 604 M elements within 1.2 % of each other (the same
 4.3-4.5 G elements offloaded), and the shortest of them by 0.01 % left one rCache block short of
 prefetching: 0.32 s of exposed gathers, a predicted 2.48 s step against 2.17 s at 59 M."""
 
