@@ -87,7 +87,8 @@ class ElixirConfig:
     never a silent precision change. ``"bf16"``/``"fp16"``: mixed precision with fp32 master weights."""
 
     chunk_size: int | None = None
-    """Elements per chunk (rounded up to a multiple of ``world_size * alignment``)."""
+    """Elements per chunk (rounded up to a multiple of ``world_size * alignment``). A parameter larger
+    than this (an untied embedding) gets a chunk of its own size, outside the rCache."""
 
     n_blocks: BlockCount | None = None
     """rCache size in chunks: an int, ``"min"`` (largest hooked unit) or ``"max"`` (every chunk)."""

@@ -88,8 +88,10 @@ class ElixirPlan:
     def table(self) -> str:
         gib = 2**30
         rows = [
-            ("chunks", f"{self.n_chunks} x {self.chunk_size:,} elements ({self.dtype})"),
+            ("chunks", f"{self.n_chunks} of at most {self.chunk_size:,} elements, private ones aside ({self.dtype})"),
             ("rCache blocks", f"{self.n_blocks} (min {self.min_blocks}, max {self.max_blocks})"),
+            ("private buffers", f"{self.memory.get('private', 0) / gib:.3f} GiB (tied parameters and those larger "
+             "than a chunk: chunks of their own, never evicted)"),
             ("offloaded chunks", f"{len(self.offload)} of {self.n_chunks}"),
             ("world size", str(self.world_size)),
             ("device memory / rank", f"{self.device_bytes / gib:.3f} GiB (model states + rCache)"),

@@ -1,8 +1,9 @@
 """Elixir vs plain PyTorch: same model, data, seed and AdamW → same losses and weights.
 
 Plan shapes cover rCache min/mid/max × offload 0/50/100 %, on 1, 2 and 4 ranks (gloo), with
-GA 1 and 3, clipping, GPT-2 (tied) / OPT / Llama, activation checkpointing off / non-reentrant /
-reentrant. fp32 runs must agree to 1e-6 (losses, relative) and 1e-5 (weights, absolute, for
+GA 1 and 3, clipping, GPT-2 (tied) / OPT / Llama (also with chunks smaller than its untied
+embedding and lm_head, which then get chunks of their own), activation checkpointing off /
+non-reentrant / reentrant. fp32 runs must agree to 1e-6 (losses, relative) and 1e-5 (weights, absolute, for
 weights that moved ~0.1 over 20 steps at lr 1e-2): the only differences are summation orders.
 A wrong gradient, a dropped micro-step or a stale gathered chunk shows up as 1e-3 or more.
 """
@@ -32,6 +33,10 @@ PLAN_SHAPES = [("min", 1.0), (None, 0.5), ("max", 0.0)]
 LOSS_RTOL = 1e-6
 WEIGHT_ATOL = 1e-5
 
+OVERSIZE_CHUNK = 2048
+"""Below tiny Llama's untied embedding and lm_head (128 x 32 = 4096 elements each), above its largest
+block weight (64 x 32): those two get private chunks of their own, the blocks are packed at 2048."""
+
 
 @pytest.mark.parametrize("model", ["gpt2", "opt", "llama"])
 @pytest.mark.parametrize("ac", [None, False, True], ids=["ac-off", "ac-nonreentrant", "ac-reentrant"])
@@ -49,7 +54,11 @@ def test_single_rank_matches_pytorch(model, ac, grad_accum):
 
 
 def _rank_runs(rank: int, world_size: int, recipes: list[Recipe], shapes: list[tuple]) -> list:
-    return [run_elixir(r, rank, n_blocks=nb or "mid", offload=off) for r, (nb, off) in zip(recipes, shapes)]
+    """``shapes``: ``(n_blocks, offload)``, or ``(n_blocks, offload, chunk_size)``."""
+    return [
+        run_elixir(r, rank, n_blocks=nb or "mid", offload=off, chunk_size=(rest or [None])[0])
+        for r, (nb, off, *rest) in zip(recipes, shapes)
+    ]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -62,6 +71,11 @@ def test_multi_rank_matches_pytorch(world_size):
             itertools.cycle(PLAN_SHAPES),
         )
     ]
+    if world_size == 2:  # embedding and lm_head in chunks of their own (test_params_larger_than_a_chunk_...)
+        cases += [
+            (Recipe(model="llama", ac=ac, grad_accum=ga, world_size=2, steps=8), (*shape, OVERSIZE_CHUNK))
+            for (ac, ga), shape in zip([(False, 1), (True, 3), (None, 1)], PLAN_SHAPES)
+        ]
     recipes = [r for r, _ in cases]
     results = run_distributed(_rank_runs, world_size, recipes, [s for _, s in cases])
     for i, recipe in enumerate(recipes):
@@ -72,6 +86,21 @@ def test_multi_rank_matches_pytorch(world_size):
         assert diff < WEIGHT_ATOL, (cases[i], diff)
         for other in results[1:]:  # every rank holds the same consolidated weights
             assert max_weight_diff(other[i].state, got.state) == 0.0
+
+
+def test_params_larger_than_a_chunk_match_pytorch():
+    recipe = Recipe(model="llama", ac=False)
+    probe = er.prepare(*build(recipe), config=er.ElixirConfig(mode="static", chunk_size=OVERSIZE_CHUNK))[0]
+    layout = probe._elixir.runtime.layout
+    own = [c for c in layout.chunks if c.private]
+    assert [layout.names[s.param][0] for c in own for s in c.slots] == ["model.embed_tokens.weight", "lm_head.weight"]
+    assert [c.numel for c in own] == [4096, 4096] and layout.block_numel <= OVERSIZE_CHUNK
+    want = run_reference(recipe)
+    for n_blocks, offload in PLAN_SHAPES:
+        got = run_elixir(recipe, n_blocks=n_blocks or "mid", offload=offload, chunk_size=OVERSIZE_CHUNK)
+        assert_close_losses(got.losses, want.losses, LOSS_RTOL)
+        diff = max_weight_diff(got.state, want.state)
+        assert diff < WEIGHT_ATOL, (n_blocks, offload, diff)
 
 
 def test_ranks_built_on_meta_start_from_rank_0_weights():

@@ -142,14 +142,6 @@ def test_rcache_at_minimum_is_accepted(min_blocks) -> None:
     assert model._elixir.plan.n_blocks == lo
 
 
-def test_chunk_smaller_than_largest_param(no_allocation) -> None:
-    model = tiny_gpt2()
-    batch = make_batch(128)
-    largest = max(p.numel() for n, p in model.named_parameters() if "wte" not in n)  # wte is private (tied)
-    config = er.ElixirConfig(mode="static", chunk_size=largest // 2)
-    _expect_untouched_failure(model, _adamw(model), ValueError, rf"chunk_size .*use chunk_size >= {largest}", config, batch)
-
-
 def test_offload_index_out_of_range(no_allocation) -> None:
     model = tiny_gpt2()
     batch = make_batch(128)

@@ -84,7 +84,8 @@ def lr_at(recipe: Recipe, step: int) -> float:
 def run_elixir(recipe: Recipe, rank: int = 0, **config) -> Result:
     """``n_blocks="mid"`` means halfway between the plan's minimum and maximum rCache size."""
     if config.get("n_blocks") == "mid":
-        probe = er.prepare(*build(recipe), config=er.ElixirConfig(mode="static", n_blocks="min", dtype=recipe.dtype))[0]
+        probe_cfg = er.ElixirConfig(mode="static", n_blocks="min", dtype=recipe.dtype, chunk_size=config.get("chunk_size"))
+        probe = er.prepare(*build(recipe), config=probe_cfg)[0]
         plan = probe._elixir.plan
         config["n_blocks"] = (plan.min_blocks + plan.max_blocks) // 2
     model, opt = build(recipe, meta=recipe.meta_ranks and rank > 0)

@@ -4,9 +4,19 @@ Pure bookkeeping (no tensors are allocated here), so an impossible plan can be r
 byte of memory is touched. Rules:
 
 * parameters are packed in first-use order into chunks of ``chunk_size`` elements; a parameter
-  never spans two chunks;
+  never spans two chunks. On one rank a chunk ends at its last parameter (rounded up to
+  ``alignment``): padding costs the states of as many parameters (Llama-3-8B in chunks of one MLP
+  weight, 59 M elements, would carry 0.6 G elements of padding, on one GPU mostly offloaded and
+  updated by CPU Adam). On several ranks every public chunk keeps ``chunk_size``: ranks that
+  reduce chunks in different orders (a parameter used on some ranks only, see
+  ``ChunkRuntime.used_params``) then still pair collectives of one size, and the engine names the
+  parameter where gloo would abort on the size mismatch;
 * a parameter used by more than one unit (tied ``wte``/``lm_head``) gets a *private* chunk of its
   own that is never evicted;
+* so does a parameter larger than ``chunk_size`` (an untied embedding or ``lm_head``): its chunk
+  is sized to it and its buffer is its own, so the rCache blocks stay ``chunk_size``: Llama-3-8B's
+  525 M-element embedding and ``lm_head`` no longer force every chunk to at least their size (a
+  transformer block is 218 M elements);
 * frozen parameters go to frozen chunks (no grad, no optimizer state);
 * inside a trainable chunk parameters are sorted by optimizer param group, so each rank's shard
   meets every group in at most one contiguous segment (one kernel range per group, not per param).
@@ -51,6 +61,8 @@ class ChunkSpec:
     numel: int
     trainable: bool
     private: bool
+    """The chunk has a buffer of its own, outside the rCache, never evicted: it holds one multi-use
+    parameter, or one larger than ``chunk_size``."""
     slots: list[Slot] = field(default_factory=list)
     group_ranges: list[tuple[int, int, int]] = field(default_factory=list)
     """``(start, end, group)`` covering ``[0, numel)`` for trainable chunks; empty for frozen ones."""
@@ -88,6 +100,11 @@ class ChunkLayout:
             for s in c.slots:
                 self.param_chunk[s.param] = c.index
                 self.param_slot[s.param] = s
+
+    @property
+    def block_numel(self) -> int:
+        """Elements of one rCache block: the largest public chunk (at most ``chunk_size``)."""
+        return max((c.numel for c in self.chunks if not c.private), default=0)
 
     def shard_numel(self, chunk: ChunkSpec) -> int:
         return chunk.numel // self.world_size
@@ -127,22 +144,17 @@ def build_layout(
 ) -> ChunkLayout:
     """Packs ``params`` (already in first-use order) into chunks.
 
-    ``groups[i] == -1`` marks a frozen parameter; ``private[i]`` a multi-use one.
+    ``groups[i] == -1`` marks a frozen parameter; ``private[i]`` a multi-use one. A parameter larger
+    than ``chunk_size`` gets a private chunk of its own as well.
     """
     quantum = world_size * alignment
     numels = [p.numel() for p in params]
     aligned = [round_up(n, alignment) for n in numels]
     public = [a for a, priv in zip(aligned, private) if not priv]
-    largest = max(public, default=alignment)
     if chunk_size is None:
-        chunk_size = default_chunk_size(sum(public), largest)
+        chunk_size = default_chunk_size(sum(public), max(public, default=alignment))
     chunk_size = round_up(chunk_size, quantum)
-    if largest > chunk_size:
-        i = max((i for i in range(len(params)) if not private[i]), key=lambda i: aligned[i])
-        raise ValueError(
-            f"chunk_size {chunk_size} is smaller than parameter {names[i][0]!r} ({params[i].numel()} elements); "
-            f"a parameter never spans two chunks: use chunk_size >= {round_up(largest, quantum)}"
-        )
+    private = [priv or a > chunk_size for priv, a in zip(private, aligned)]
 
     chunks: list[ChunkSpec] = []
     open_chunk: dict[bool, tuple[ChunkSpec, list[int]] | None] = {True: None, False: None}
@@ -150,6 +162,8 @@ def build_layout(
     def close(trainable: bool) -> None:
         entry = open_chunk[trainable]
         if entry is not None:
+            if world_size == 1:  # no padding past the last param (see the module docstring)
+                entry[0].numel = round_up(sum(aligned[j] for j in entry[1]), quantum)
             _place(entry[0], entry[1], aligned, groups, numels)
             open_chunk[trainable] = None
 

@@ -1,7 +1,8 @@
-"""The rCache: ``n_blocks`` equal chunk-sized buffers on the compute device, allocated once.
+"""The rCache: ``n_blocks`` equal buffers on the compute device, allocated once, each as large as
+the largest public chunk (``ChunkLayout.block_numel``).
 
-A gathered chunk occupies one buffer; a private (multi-use) chunk has a buffer of its own that is
-never evicted. Buffers carry the CUDA event after which their last reader or writer is done, so a
+A gathered chunk occupies one buffer; a private chunk (a multi-use parameter, or one larger than
+the chunk size) has a buffer of its own, as large as it, that is never evicted. Buffers carry the CUDA event after which their last reader or writer is done, so a
 gather into a recycled buffer waits exactly as long as it must.
 """
 

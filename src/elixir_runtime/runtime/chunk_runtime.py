@@ -125,7 +125,7 @@ class ChunkRuntime:
         self.prefetch_depth = prefetch
         self.cuda = device.type == "cuda"
         self.arenas = build_arenas(layout, placement, coll.rank, device, dtype, weights)
-        self.rcache = RCache(n_blocks, layout.chunk_size, dtype, device)
+        self.rcache = RCache(n_blocks, layout.block_numel, dtype, device)
         self._buffer_by_ptr = {b.data.data_ptr(): b for b in self.rcache.buffers}
         self.chunks = [
             ChunkState(
@@ -214,8 +214,8 @@ class ChunkRuntime:
             c = self.chunks[i]
             if c.valid:
                 continue
-            if self._update_in_the_way(i) or not self._has_buffer_for(distance):
-                return  # never block the training loop on a prefetch
+            if self._update_in_the_way(i) or not (c.spec.private or self._has_buffer_for(distance)):
+                return  # never block the training loop on a prefetch (a private chunk has its own buffer)
             self._gather(c)
             self.stats["prefetches"] += 1
             fetched += 1

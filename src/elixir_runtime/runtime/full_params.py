@@ -70,7 +70,8 @@ def _gather_all(rt: ChunkRuntime, keep: bool) -> tuple[list[ChunkState], list[Ch
     the rCache and those gathered into buffers of their own. The same on every rank: residency is."""
     rt.wait_for_grads()  # CPU updates, reductions and prefetches settled
     pinned, copied = [], []
-    scratch = None if keep else torch.empty(rt.layout.chunk_size, dtype=rt.dtype, device=rt.device)
+    largest = max((c.spec.numel for c in rt.chunks), default=0)  # a private chunk may exceed chunk_size
+    scratch = None if keep else torch.empty(largest, dtype=rt.dtype, device=rt.device)
     for c in rt.chunks:
         if c.valid:
             if keep:

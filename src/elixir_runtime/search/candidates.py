@@ -1,10 +1,14 @@
 """Chunk sizes worth simulating (paper appendix A.2).
 
-A chunk can be no smaller than the largest public parameter (a parameter never spans two
-chunks). Above that, what matters is how parameters pack: sizes that hold a whole number of
-fetch units, or a unit in a whole number of chunks, waste no padding and keep a unit's chunks
-few; a geometric grid between covers the rest. Every size is rounded to the layout's quantum
-(``world_size * alignment``) exactly as ``build_layout`` will.
+A parameter never spans two chunks, and one larger than the chunk size gets a private chunk of
+its own (``build_layout``): a buffer of its size outside the rCache, never evicted. The smallest
+size worth trying is therefore the largest public parameter that fits in the most repeated unit
+(a transformer block): below it the block's own weights would each need a private buffer. The
+tensors larger than a block (an untied embedding and ``lm_head``: Llama-3-8B's 525 M elements
+against 218 M per block) no longer set the floor. Above it, what matters is how parameters pack:
+sizes that hold a whole number of fetch units, or a unit in a whole number of chunks, waste no
+padding and keep a unit's chunks few; a geometric grid between covers the rest. Every size is
+rounded to the layout's quantum (``world_size * alignment``) exactly as ``build_layout`` will.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ __all__ = ["chunk_size_candidates"]
 
 GRID_POINTS = 12
 MAX_FACTOR = 8
-"""Candidates span [largest parameter, MAX_FACTOR × that]: beyond, chunks only get coarser."""
+"""Candidates span [the floor above, MAX_FACTOR × the largest parameter]: beyond, chunks only get
+coarser."""
 
 
 def chunk_size_candidates(
@@ -34,9 +39,12 @@ def chunk_size_candidates(
     public = [round_up(n, alignment) for n, p in zip(numels, private) if not p]
     if not public:
         return [quantum]
-    lo = round_up(max(public), quantum)
-    hi = max(lo, min(MAX_FACTOR * lo, round_up(sum(public), quantum)))
-    sizes = {lo, hi}
+    largest = round_up(max(public), quantum)
+    units = Counter(n for n in unit_numels if n > 0).most_common(1)
+    block = units[0][0] if units and units[0][1] > 1 else largest  # the most repeated unit
+    lo = round_up(max((n for n in public if n <= block), default=largest), quantum)
+    hi = max(largest, min(MAX_FACTOR * largest, round_up(sum(public), quantum)))
+    sizes = {lo, largest, hi}
     sizes |= {round_up(int(lo * (hi / lo) ** (i / (GRID_POINTS - 1))), quantum) for i in range(GRID_POINTS)}
     common = [n for n, _ in Counter(unit_numels).most_common(2) if n > 0]
     for unit in common:

@@ -2,11 +2,12 @@
 
 The engine's arenas (``chunk/store.py``) hold, per chunk shard: the compute-dtype parameter, and
 for trainable chunks the compute-dtype gradient, fp32 Adam m and v, and an fp32 master (aliased
-to the parameter in fp32 runs). The rCache is ``n_blocks`` chunk-sized blocks in the compute
-dtype; each private (tied) chunk has a full-size block of its own. Host arenas are pinned at
-their exact size, so they are host memory that nothing else can use. With the device update lane
-(``optim/device_lane.py``) the GPU also holds its staging buffers whenever a trainable chunk is
-offloaded: ``LANE_DEPTH`` slices of fp32 master, m, v and one compute-dtype gradient/param tensor.
+to the parameter in fp32 runs). The rCache is ``n_blocks`` blocks of the largest public chunk in
+the compute dtype; each private chunk (a tied parameter, or one larger than the chunk size) has a
+buffer of its own, as large as it. Host arenas are pinned at their exact size, so they are host
+memory that nothing else can use. With the device update lane (``optim/device_lane.py``) the GPU
+also holds its staging buffers whenever a trainable chunk is offloaded: ``LANE_DEPTH`` slices of
+fp32 master, m, v and one compute-dtype gradient/param tensor.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ class ArenaBytes:
         chunk is offloaded)."""
         elt = torch.empty((), dtype=dtype).element_size()
         self.elt, self.dtype, self.lane = elt, dtype, lane
-        self.buffer = layout.chunk_size * elt
-        """Bytes of one rCache buffer (a chunk of the compute dtype)."""
+        self.buffer = layout.block_numel * elt
+        """Bytes of one rCache buffer (the largest public chunk, in the compute dtype)."""
         shard = np.array([layout.shard_numel(c) for c in layout.chunks], dtype=np.int64)
         trainable = np.array([c.trainable for c in layout.chunks])
         self.trainable_shard = np.where(trainable, shard, 0)

@@ -35,7 +35,7 @@ def _random_case(seed: int):
     private = [rng.random() < 0.1 for _ in range(n)]
     world_size = rng.choice([1, 2, 3, 4])
     alignment = rng.choice([1, 4, 8, 16])
-    chunk_size = rng.randint(max(sizes), 3 * max(sizes) + 50)
+    chunk_size = rng.randint(max(sizes) // 3 + 1, 3 * max(sizes) + 50)  # some params larger than a chunk
     return sizes, groups, private, world_size, alignment, chunk_size
 
 
@@ -64,6 +64,8 @@ def test_random_layout_invariants(seed: int) -> None:
         sizes, groups, private, world_size=world_size, chunk_size=chunk_size, alignment=alignment
     )
     quantum = world_size * alignment
+    own = [p or round_up(n, alignment) > layout.chunk_size for p, n in zip(private, sizes)]
+    """Multi-use parameters and those larger than the chunk size: a private chunk each."""
 
     # every param placed exactly once, and the per-param lookups agree with the chunk specs
     placed = sorted(s.param for c in layout.chunks for s in c.slots)
@@ -77,8 +79,9 @@ def test_random_layout_invariants(seed: int) -> None:
     for c in layout.chunks:
         # chunk numel is a multiple of world_size * alignment (shards are equal and aligned)
         assert c.numel % quantum == 0, (c.index, c.numel, quantum)
-        if not c.private:
-            assert c.numel == layout.chunk_size
+        if not c.private:  # one rank: as large as its contents; several: chunk_size
+            contents = sum(round_up(sizes[s.param], alignment) for s in c.slots)
+            assert c.numel == (round_up(contents, alignment) if world_size == 1 else layout.chunk_size)
         # never spans chunks; aligned offsets; no overlap
         end = 0
         for s in sorted(c.slots, key=lambda s: s.offset):
@@ -89,11 +92,12 @@ def test_random_layout_invariants(seed: int) -> None:
         # frozen params never share a chunk with trainable ones
         kinds = {groups[s.param] >= 0 for s in c.slots}
         assert kinds == {c.trainable}
-        # multi-use params get a chunk of their own, and only they are private
+        # multi-use and oversize params get a chunk of their own (sized to them), and only they are private
         if c.private:
-            assert len(c.slots) == 1 and private[c.slots[0].param]
+            assert len(c.slots) == 1 and own[c.slots[0].param]
+            assert c.numel == round_up(round_up(sizes[c.slots[0].param], alignment), quantum)
         else:
-            assert not any(private[s.param] for s in c.slots)
+            assert not any(own[s.param] for s in c.slots)
 
     # packed in the given order: for public chunks of one kind, chunk indices never decrease
     # along the param order, and inside a chunk the params of one group keep their order
@@ -101,7 +105,7 @@ def test_random_layout_invariants(seed: int) -> None:
         seq = [
             layout.param_chunk[i]
             for i in range(len(sizes))
-            if not private[i] and (groups[i] >= 0) == trainable
+            if not own[i] and (groups[i] >= 0) == trainable
         ]
         assert seq == sorted(seq)
     for c in layout.chunks:
@@ -158,7 +162,7 @@ def test_random_group_ranges_and_shards(seed: int) -> None:
 
 
 def test_groups_sorted_within_chunk() -> None:
-    layout, _ = _layout([8, 8, 8, 8], groups=[1, 0, 1, 0], chunk_size=64, alignment=8)
+    layout, _ = _layout([8, 8, 8, 8], groups=[1, 0, 1, 0], world_size=2, chunk_size=64, alignment=8)
     (c,) = layout.chunks
     assert [s.param for s in sorted(c.slots, key=lambda s: s.offset)] == [1, 3, 0, 2]
     assert c.group_ranges == [(0, 16, 0), (16, 64, 1)]
@@ -183,17 +187,19 @@ def test_frozen_and_trainable_interleaved_do_not_share() -> None:
     assert sorted(s.param for s in frozen.slots) == [1, 3, 5]
 
 
-def test_error_when_chunk_smaller_than_largest_param() -> None:
-    params = _params([10, 300, 20])
-    names = [["a.weight"], ["big.weight"], ["c.bias"]]
-    with pytest.raises(ValueError) as info:
-        build_layout(params, names, [0, 0, 0], [False] * 3, world_size=2, chunk_size=100, alignment=8)
-    msg = str(info.value)
-    assert "'big.weight'" in msg
-    assert "300" in msg
-    assert "chunk_size >= 304" in msg  # round_up(300, 2 * 8): the minimum that works
-    # and that minimum does work
-    build_layout(params, names, [0, 0, 0], [False] * 3, world_size=2, chunk_size=304, alignment=8)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_param_larger_than_chunk_gets_a_private_chunk_of_its_size(world_size: int) -> None:
+    # an untied embedding and lm_head (300) around two blocks of 2 x 60 (64 each aligned): chunks of
+    # 128 hold one block; the big ones get chunks of their own, sized to them
+    layout, _ = _layout([300, 60, 60, 60, 60, 20, 300], world_size=world_size, chunk_size=128, alignment=8)
+    big = round_up(300, 8 * world_size)
+    tail = 24 if world_size == 1 else 128  # one rank: the chunk ends at its last param
+    kinds = [(c.private, [s.param for s in c.slots], c.numel) for c in layout.chunks]
+    assert kinds == [(True, [0], big), (False, [1, 2], 128), (False, [3, 4], 128), (False, [5], tail), (True, [6], big)]
+    assert layout.block_numel == 128  # the rCache blocks stay chunk-sized
+    # a chunk size that holds the big ones keeps every chunk public, as before
+    layout, _ = _layout([300, 60, 60, 60, 60, 20, 300], world_size=world_size, chunk_size=304, alignment=8)
+    assert not any(c.private for c in layout.chunks) and layout.block_numel == 304
 
 
 def test_private_param_larger_than_chunk_is_allowed() -> None:

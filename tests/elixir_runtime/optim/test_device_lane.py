@@ -45,6 +45,22 @@ def test_lane_matches_pytorch_and_each_element_is_updated_once(small_slices, off
     assert cpu + device == recipe.steps * _offloaded_numel(recipe, offload)  # every element once a step
 
 
+def test_lane_with_params_larger_than_a_chunk(monkeypatch):
+    """Chunks of 2048 elements: tiny Llama's embedding and lm_head (4096) get private chunks of
+    their own; offloaded, the lanes cut them into slices like any other shard."""
+    monkeypatch.setattr(memory, "LANE_SLICE", 1024)
+    recipe = Recipe(model="llama", steps=6)
+    want = run_reference(recipe)
+    got = run_elixir(recipe, n_blocks="min", offload=1.0, device_assisted_update=True, chunk_size=2048)
+    assert_close_losses(got.losses, want.losses, LOSS_RTOL)
+    assert max_weight_diff(got.state, want.state) < WEIGHT_ATOL
+    model, _ = er.prepare(*build(recipe), config=er.ElixirConfig(mode="static", chunk_size=2048, offload=1.0))
+    rt = model._elixir.runtime
+    assert [c.spec.numel for c in rt.trainable if c.spec.private] == [4096, 4096]
+    assert got.stats["updated_device"] > 1024 and got.stats["updated_cpu"] > 1024
+    assert got.stats["updated_cpu"] + got.stats["updated_device"] == recipe.steps * sum(c.shard_numel for c in rt.trainable)
+
+
 def test_clip_coefficient_below_one_in_the_clipped_case():
     """The ``clipped`` case above really scales the gradients (its norms are above 1.0)."""
     recipe = Recipe(model="llama")

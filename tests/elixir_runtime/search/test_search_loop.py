@@ -14,6 +14,7 @@ from elixir_runtime.plan import ElixirPlan, _count_memory, plan_model
 from elixir_runtime.search import Budget, SearchSettings, search
 from elixir_runtime.search.candidates import chunk_size_candidates
 from elixir_runtime.hardware.profile import CpuAdamRate
+from helpers.models import make_batch
 from search_cases import GIB, gpu_host, model_state_bytes, profiled
 
 BF16 = torch.bfloat16
@@ -181,6 +182,44 @@ def test_chunk_size_candidates() -> None:
     assert sizes == sorted(set(sizes)) and all(s % 128 == 0 for s in sizes)
     assert sizes[0] == 3072 and max(sizes) <= 8 * 3072
     assert chunk_size_candidates([10], [True], [10], world_size=1, alignment=64) == [64]
+
+
+def test_chunk_size_candidates_below_a_tensor_larger_than_a_block() -> None:
+    # an untied embedding and lm_head of 10 000 around 3 blocks of 1000 + 3000: the floor is the
+    # largest parameter that fits the repeated unit (3000), no longer the embedding
+    numels = [10_000, 1000, 3000, 1000, 3000, 1000, 3000, 10_000]
+    units = [10_000, 4032, 4032, 4032, 10_000]
+    sizes = chunk_size_candidates(numels, [False] * 8, units, world_size=2, alignment=64)
+    assert sizes[0] == 3072 and 10_112 in sizes  # round_up(3000) and round_up(10 000) to 128
+    assert any(3072 < s < 10_000 for s in sizes) and max(sizes) <= 8 * 10_112
+    # no repeated unit: nothing to size chunks after, the largest parameter stays the floor
+    assert min(chunk_size_candidates(numels[:3], [False] * 3, [10_000, 4032], world_size=2, alignment=64)) == 10_112
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_plan_memory_is_what_the_runtime_allocates_with_oversize_chunks(dtype) -> None:
+    """Chunks smaller than the embedding and lm_head: their private buffers, the chunk-sized rCache
+    blocks and the trimmed last chunk are priced at exactly the bytes the engine allocates."""
+    import elixir_runtime as er
+    from helpers.models import tiny_llama
+
+    model = tiny_llama(n_layer=3, n_embd=64, vocab=1024)  # embedding 65 536 elements, block weights <= 8192
+    config = er.ElixirConfig(mode="static", chunk_size=20000, n_blocks="min", offload=0.5, dtype=dtype)
+    model, _ = er.prepare(model, torch.optim.AdamW(model.parameters()), config=config, example_batch=make_batch(128))
+    rt, plan = model._elixir.runtime, model._elixir.plan
+    assert sum(c.spec.private for c in rt.chunks) == 2 and plan.memory["private"] > 0
+    assert rt.layout.block_numel < rt.layout.chunk_size  # no chunk fills 20 000: the blocks are smaller
+
+    def nbytes(*tensors: torch.Tensor) -> int:
+        return sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in tensors}.values())
+
+    def arenas(where: str) -> int:
+        a = rt.arenas[where]
+        return nbytes(a.param, a.grad, a.master, a.exp_avg, a.exp_avg_sq)
+
+    assert plan.memory["rcache"] == nbytes(*(b.data for b in rt.rcache.buffers))
+    assert plan.memory["private"] == nbytes(*(c.buffer.data for c in rt.chunks if c.spec.private))
+    assert plan.memory["device_shards"] == arenas("device") and plan.memory["host_shards"] == arenas("host")
 
 
 def test_search_is_fast_for_opt_175b() -> None:
