@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import dist as dist_harness
 from helpers.transformers_use import uses_transformers
+
+# What every rank of a multi-rank test imports, done once by the forkserver the ranks fork from (the
+# modeling files load lazily otherwise); here, not in helpers/dist.py, so that an engine-only test of
+# the harness does not count as running transformers code (helpers/transformers_use.py).
+dist_harness.PRELOAD += [
+    "elixir_runtime", "helpers.models", "elixir_hf",
+    *(f"transformers.models.{m}.modeling_{m}" for m in ("gpt2", "opt", "llama")),
+]
 
 # Tests must never reach the Hub; set before transformers is imported by tests.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -35,6 +35,8 @@ def _uses(folder: Path, source: str, **others: str) -> bool:
         ("from cases import make\n", {"cases.py": "from datasets import Dataset\n"}),  # a module of the test's folder
         ("run_script('worker.py')\n", {"worker.py": "from transformers import Trainer\n"}),  # a script it launches
         ("SCRIPTS = Path(__file__).with_name('scripts')\n", {"scripts/sft.py": "import trl\n"}),  # a folder of scripts
+        # a script that finds a module of another tests/ folder through a sys.path edit (reliability/exit_worker.py)
+        ("run_script('worker.py')\n", {"worker.py": "sys.path.insert(0, HERE)\nfrom hf_cases import make_trainer\n"}),
     ],
 )
 def test_reaching_an_hf_package_marks_the_module(tmp_path, source, others) -> None:

@@ -6,7 +6,7 @@ runs), and turns any rank's exception, crash or hang into a parent-side
 failure instead of a deadlocked test session.
 
 The ranks are forked from a forkserver that has imported torch and transformers
-once per test session (``PRELOAD``, with the tiny models' modeling files): a spawned rank spent 10-25 s of a loaded
+once per test session (``PRELOAD``): a spawned rank spent 10-25 s of a loaded
 2-core CI machine importing them, the larger part of most multi-rank tests.
 Each rank still starts from a fresh process's state (nothing of the test
 process is inherited) and with the test process's environment at start().
@@ -34,11 +34,9 @@ import torch.multiprocessing as mp
 # killing them (ranks blocked in a collective with the dead rank never report).
 _ERROR_GRACE_S = 2.0
 _POLL_S = 0.1
-PRELOAD = [
-    "torch", "torch.distributed", "elixir_runtime", "helpers.models", "elixir_hf",
-    *(f"transformers.models.{m}.modeling_{m}" for m in ("gpt2", "opt", "llama")),  # loaded lazily otherwise
-]
-"""Imported once by the forkserver, before it forks any rank (one that fails to import is skipped)."""
+PRELOAD = ["torch", "torch.distributed"]
+"""Imported once by the forkserver, before it forks any rank (one that fails to import is skipped);
+tests/conftest.py adds the suite's heavy imports (transformers, the tiny models' modeling files)."""
 
 
 class DistributedError(RuntimeError):

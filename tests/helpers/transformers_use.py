@@ -8,7 +8,8 @@ The rule is static and errs towards marking: a module uses transformers if its s
 file of this repository it reaches, imports a package in ``HF_PACKAGES`` (at the top or inside a
 function) or names one in a string (``importlib.import_module``, ``-m accelerate.commands.launch``).
 A file is reached through an import that resolves to a file of the repository (``tests/helpers``,
-``hf_cases``, ``benchmarks``, ``src/elixir_hf``), or through a string naming a ``.py`` file or a
+``hf_cases``, ``benchmarks``, ``src/elixir_hf``; a name that is neither there nor installed: every
+tests/ file of that name, as a worker script that edits ``sys.path`` finds it), or through a string naming a ``.py`` file or a
 folder next to it or under ``tests/`` (a worker script run under torchrun, ``with_name("scripts")``).
 ``tests/test_transformers_split.py`` checks the rule, and that the unmarked modules import none of
 these packages when Python imports them.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib.util
 import re
 from pathlib import Path
 
@@ -31,7 +33,7 @@ _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 _PATHLIKE = re.compile(r"[\w.-]+(/[\w.-]+)*")
 
 
-def _module_files(name: str, folder: Path) -> list[Path]:
+def _module_files(name: str, folder: Path, imported: bool) -> list[Path]:
     """The repository files ``import name`` runs from a module in ``folder``: the module and its parent
     packages' ``__init__.py`` (pytest puts a test's own folder on the path, as do tests/, the root and src/)."""
     parts = name.split(".")
@@ -41,6 +43,13 @@ def _module_files(name: str, folder: Path) -> list[Path]:
         if module is not None:
             inits = (root.joinpath(*parts[:i], "__init__.py") for i in range(1, len(parts)))
             return [module, *(f for f in inits if f.is_file())]
+    top_found = any((root / parts[0]).is_dir() or (root / f"{parts[0]}.py").is_file() for root in (folder, *_IMPORT_ROOTS))
+    if not imported or top_found or not parts[0] or parts[0].startswith("__"):  # found, or `from pkg import name`
+        return []
+    spec = importlib.util.find_spec(parts[0])
+    if spec is None or spec.origin is None or Path(spec.origin).resolve().is_relative_to(TESTS):
+        # not installed: a tests/ module found through a sys.path edit (or a test folder pytest put on the path)
+        return [f for f in TESTS.rglob("*.py") if parts[0] in (f.stem, f.parent.name)]
     return []
 
 
@@ -70,8 +79,10 @@ def _references(path: Path) -> tuple[bool, set[Path]]:
             strings.add(node.value)
     if any(n.split(".")[0] in HF_PACKAGES for n in names | {s for s in strings if _DOTTED.fullmatch(s)}):
         return True, set()
-    for name in names | {s for s in strings if _DOTTED.fullmatch(s)}:
-        reached.update(_module_files(name, path.parent))
+    for name in names:
+        reached.update(_module_files(name, path.parent, imported=True))
+    for name in {s for s in strings if _DOTTED.fullmatch(s)}:  # "-m elixir_hf.run", import_module(...)
+        reached.update(_module_files(name, path.parent, imported=False))
     for s in strings:
         if not _PATHLIKE.fullmatch(s) or s.strip(".") == "":
             continue
