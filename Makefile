@@ -23,6 +23,8 @@ $(STAMP): pyproject.toml
 
 # transformers 5.17 (the GPU image's) as well as the newest: both are supported and each has
 # broken code the other ran. An overlay on the venv (PYTHONPATH), so torch and the rest are shared.
+# The second pass runs the tests marked `transformers` only (tests/conftest.py marks those that reach
+# transformers code; tests/helpers/transformers_use.py gives the rule): the others run the same code twice.
 COMPAT := $(VENV)/compat-transformers-5.17
 COMPAT_PINS := transformers==5.17.0 huggingface_hub==1.33.0 httpx==0.28.1 httpcore==1.0.9 certifi==2026.7.22
 
@@ -33,7 +35,7 @@ $(COMPAT)/.installed: $(STAMP)
 
 test: $(STAMP) $(COMPAT)/.installed
 	$(OFFLINE_ENV) $(VPY) -m pytest -q
-	$(OFFLINE_ENV) PYTHONPATH=$(COMPAT) $(VPY) -m pytest -q
+	$(OFFLINE_ENV) PYTHONPATH=$(COMPAT) $(VPY) -m pytest -q -m transformers
 
 train: $(STAMP)
 	$(VPY) recipes/gpt2/train.py --elixir auto

@@ -1,11 +1,24 @@
-"""Suite-wide setup: force offline Hub access and skip ``gpu`` tests without CUDA."""
+"""Suite-wide setup: force offline Hub access, skip ``gpu`` tests without CUDA, and mark the tests
+that run transformers code (``make test`` runs only those again on transformers 5.17)."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import dist as dist_harness
+from helpers.transformers_use import uses_transformers
+
+# What every rank of a multi-rank test imports, done once by the forkserver the ranks fork from (the
+# modeling files load lazily otherwise); here, not in helpers/dist.py, so that an engine-only test of
+# the harness does not count as running transformers code (helpers/transformers_use.py).
+dist_harness.PRELOAD += [
+    "elixir_runtime", "helpers.models", "elixir_hf",
+    *(f"transformers.models.{m}.modeling_{m}" for m in ("gpt2", "opt", "llama")),
+]
 
 # Tests must never reach the Hub; set before transformers is imported by tests.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -19,7 +32,11 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Honour the ``gpu`` marker: skip rather than fail on CPU-only machines."""
+    """Mark ``transformers`` the tests of modules that reach transformers code (``helpers/transformers_use.py``
+    gives the rule); honour the ``gpu`` marker: skip rather than fail on CPU-only machines."""
+    for item in items:
+        if uses_transformers(Path(item.path)):
+            item.add_marker(pytest.mark.transformers)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")

@@ -1,8 +1,7 @@
-"""Self-tests for the shared helpers: the gloo harness and the tiny models."""
+"""Self-tests for the gloo harness (helpers/dist.py); test_tiny_models.py tests the tiny models."""
 
 from __future__ import annotations
 
-import math
 import os
 import time
 
@@ -11,7 +10,6 @@ import torch
 import torch.distributed as dist
 
 from helpers.dist import DistributedError, run_distributed
-from helpers.models import MODEL_BUILDERS, make_batch, make_mlp_batch, tiny_mlp
 
 
 # --- rank functions (module level so spawn can pickle them) -----------------
@@ -46,6 +44,10 @@ def _sleep_forever(rank: int, world_size: int) -> None:
     time.sleep(3600)
 
 
+def _environment(rank: int, world_size: int) -> tuple[str | None, str | None]:
+    return os.environ.get("ELIXIR_HARNESS_PROBE"), os.environ.get("OMP_NUM_THREADS")
+
+
 # --- harness ------------------------------------------------------------------
 
 
@@ -78,39 +80,10 @@ def test_timeout_kills_children() -> None:
         run_distributed(_sleep_forever, 2, timeout=5)
 
 
-# --- tiny models --------------------------------------------------------------
-
-
-@pytest.mark.parametrize("name", sorted(MODEL_BUILDERS))
-def test_tiny_model_finite_loss_and_deterministic(name: str) -> None:
-    build = MODEL_BUILDERS[name]
-    model = build(seed=0)
-    batch = make_batch(model.config.vocab_size)
-    loss = model(**batch).loss
-    assert loss is not None and math.isfinite(loss.item())
-    loss.backward()
-    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
-
-    again = build(seed=0)(**batch).loss
-    assert torch.equal(loss.detach(), again.detach())
-    other = build(seed=1)(**batch).loss
-    assert not torch.equal(loss.detach(), other.detach())
-
-
-def test_tiny_gpt2_tie_option() -> None:
-    tied = MODEL_BUILDERS["gpt2"](tie=True)
-    untied = MODEL_BUILDERS["gpt2"](tie=False)
-    assert tied.lm_head.weight is tied.transformer.wte.weight
-    assert untied.lm_head.weight is not untied.transformer.wte.weight
-
-
-def test_tiny_mlp_options() -> None:
-    model = tiny_mlp(unused_branch=True, freeze_first=True)
-    batch = make_mlp_batch()
-    out = model(**batch)
-    assert math.isfinite(out.loss.item())
-    out.loss.backward()
-    assert model.unused is not None and model.unused.weight.grad is None
-    assert not model.layers[0].weight.requires_grad and model.layers[0].weight.grad is None
-    assert model.head.weight.grad is not None
-    assert tiny_mlp().unused is None
+def test_ranks_see_the_environment_at_start(monkeypatch) -> None:
+    """Ranks fork from a forkserver started earlier: they must still see the variables the test set."""
+    run_distributed(_rank_sum, 2, 1, timeout=120)  # the forkserver runs before the variable exists
+    monkeypatch.setenv("ELIXIR_HARNESS_PROBE", "set-by-the-test")
+    assert run_distributed(_environment, 2, timeout=120) == [("set-by-the-test", "1")] * 2
+    monkeypatch.delenv("ELIXIR_HARNESS_PROBE")
+    assert run_distributed(_environment, 2, timeout=120) == [(None, "1")] * 2

@@ -130,7 +130,8 @@ def test_cpu_run_of_elixir_and_plain(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
     cmd = [sys.executable, "-m", "benchmarks.throughput", "--model", "tiny", "--batch-sizes", "2", "--systems", "elixir,plain",
            "--device", "cpu", "--seq", "64", "--steps", "2", "--warmup", "0", "--threads", "1", "--out", str(out)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO)]), HF_HUB_OFFLINE="1")
+    path = [str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")]  # keeps make test's transformers 5.17 overlay
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)), HF_HUB_OFFLINE="1")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())

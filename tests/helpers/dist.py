@@ -1,9 +1,15 @@
 """Multi-process gloo harness for CPU tests of distributed code.
 
-``run_distributed`` spawns one process per rank, wires them into a gloo
+``run_distributed`` starts one process per rank, wires them into a gloo
 process group through a FileStore (no TCP port races between parallel test
 runs), and turns any rank's exception, crash or hang into a parent-side
 failure instead of a deadlocked test session.
+
+The ranks are forked from a forkserver that has imported torch and transformers
+once per test session (``PRELOAD``): a spawned rank spent 10-25 s of a loaded
+2-core CI machine importing them, the larger part of most multi-rank tests.
+Each rank still starts from a fresh process's state (nothing of the test
+process is inherited) and with the test process's environment at start().
 """
 
 from __future__ import annotations
@@ -28,6 +34,9 @@ import torch.multiprocessing as mp
 # killing them (ranks blocked in a collective with the dead rank never report).
 _ERROR_GRACE_S = 2.0
 _POLL_S = 0.1
+PRELOAD = ["torch", "torch.distributed"]
+"""Imported once by the forkserver, before it forks any rank (one that fails to import is skipped);
+tests/conftest.py adds the suite's heavy imports (transformers, the tiny models' modeling files)."""
 
 
 class DistributedError(RuntimeError):
@@ -57,9 +66,11 @@ def _worker(
     timeout: float,
     results: Any,
     args: tuple[Any, ...],
+    environ: dict[str, str],
 ) -> None:
     """Child entry: join the group, run ``fn``, report a pickled result or traceback."""
-    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.clear()  # the test process's environment now, not the forkserver's at its start
+    os.environ.update(environ, OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     try:
         store = dist.FileStore(store_path, world_size)
@@ -101,17 +112,18 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
     results = ctx.Queue()
     tmpdir = tempfile.mkdtemp(prefix="elixir_dist_")
     store_path = os.path.join(tmpdir, "store")
     procs = []
     try:
-        with _env(OMP_NUM_THREADS="1"):
+        with _env(OMP_NUM_THREADS="1"):  # the forkserver's own environment, if this starts it
             for rank in range(world_size):
                 p = ctx.Process(
                     target=_worker,
-                    args=(fn, rank, world_size, store_path, timeout, results, args),
+                    args=(fn, rank, world_size, store_path, timeout, results, args, dict(os.environ)),
                     daemon=True,
                 )
                 p.start()

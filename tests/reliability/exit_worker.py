@@ -1,4 +1,4 @@
-"""A ``run_clm.py``-style job (train, save, return) run by ``torchrun`` in ``test_clean_exit.py``:
+"""A ``run_clm.py``-style job (train, save, return) run by ``torchrun`` in ``test_clean_exit_trainer.py``:
 it ends the way a user's script does, by returning from ``main`` (no ``destroy_process_group``,
 no ``os._exit``), so whatever the engine leaves running at interpreter exit shows here."""
 
