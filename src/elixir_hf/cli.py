@@ -136,8 +136,9 @@ def _parser() -> argparse.ArgumentParser:
                    "machine's GPU, measured once and cached; without a GPU the shipped h100)")
     p.add_argument("--dtype", default="bf16", type=_dtype, help="compute dtype: bf16, fp16 or fp32")
     p.add_argument("--no-ac", dest="ac", action="store_false", help="without activation checkpointing")
-    p.add_argument("--no-device-lane", dest="device_lane", action="store_false",
-                   help="plan without the device update lane (ElixirConfig.device_assisted_update=False)")
+    p.add_argument("--device-lane", choices=("off", "on", "auto"), default="off",
+                   help="the device update lane (ElixirConfig.device_assisted_update): off (default), on, or auto "
+                        "(kept where the predicted step is shorter)")
     p.add_argument("--exact", action="store_true", help="trace every block instead of replaying identical ones")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     p.add_argument("--plot", help="write placement and memory budget as a PNG")
@@ -213,7 +214,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         )
 
     t1 = time.perf_counter()
-    elixir = ElixirConfig(dtype=dtype, gpu_memory=cap, device_assisted_update="auto" if args.device_lane else False)
+    elixir = ElixirConfig(dtype=dtype, gpu_memory=cap, device_assisted_update={"off": False, "on": True, "auto": "auto"}[args.device_lane])
     gpu = torch.device("cuda")
     order, result, profile = search_model(
         model, units, {"input_ids": ids, "labels": ids}, elixir, gpu, dtype, args.gpus, hardware, budget_of,

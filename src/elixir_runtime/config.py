@@ -123,14 +123,16 @@ class ElixirConfig:
     predicts the overlap accordingly. ``False`` (no clipping, bf16/fp32): the host runs ahead of
     the GPU and those updates start during backward, as each chunk's gradients land."""
 
-    device_assisted_update: bool | Literal["auto"] = "auto"
+    device_assisted_update: bool | Literal["auto"] = False
     """Whether the GPU helps the CPU update offloaded chunks. After a clipped backward the CPU Adam of
     offloaded chunks runs while the link and the GPU idle; with this on, a second lane streams slices
     of their states to the GPU, updates them with the GPU kernel and copies them back, while the CPU
-    updates the others (the two split the work as they go; ``optim/device_lane.py``): the exposed CPU
-    Adam roughly halves on an H100. It takes two staging buffers of GPU memory (0.875 GiB in bf16,
-    counted in the plan). ``"auto"``: on when training on a GPU; ``True`` also on a CPU device (a
-    second CPU thread: tests); ``False``: the CPU alone updates offloaded chunks."""
+    updates the others (the two split the work as they go; ``optim/device_lane.py``). It takes two
+    staging buffers of GPU memory (0.875 GiB in bf16, counted in the plan), and its copies take the
+    host memory bandwidth the CPU update needs: measured on H100s (clipping on) it did not pay,
+    Llama-3-8B on one 303 vs 299 TFLOPS, GPT2-20b on four 360 vs 416 (batch 4) and 492 vs 484
+    (batch 8), so it is off by default. ``"auto"``: the planner keeps it where its predicted step is
+    shorter (a GPU only); ``True`` on (also on a CPU device, a second CPU thread: tests)."""
 
     lockstep_timeout_s: float = 60.0
     """How long a rank waits for the others when it starts a forward or gathers the weights (a
@@ -202,7 +204,7 @@ class ElixirConfig:
             "clips_grads": (isinstance(self.clips_grads, bool), "True or False"),
             "device_assisted_update": (
                 isinstance(self.device_assisted_update, bool) or self.device_assisted_update == "auto",
-                "True, False or 'auto' (on when training on a GPU)",
+                "True, False or 'auto' (the planner decides, on a GPU)",
             ),
             "lockstep_timeout_s": (
                 _real(self.lockstep_timeout_s) and self.lockstep_timeout_s > 0, "a positive number of seconds such as 60"

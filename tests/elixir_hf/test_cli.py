@@ -136,7 +136,8 @@ def test_cli_and_auto_make_the_same_plan_from_the_same_profile(capsys, tmp_path,
 
     gpu, host = 6 * 2**20, 64 * 2**30  # small enough that the choice is not "everything on the GPU"
     code, out, _ = _run(capsys, "--model", _tiny_config(tmp_path), "--seq-len", "128", "--batch-size", "2",
-                        "--gpu-mem", f"{gpu}B", "--host-mem", f"{host}B", "--hardware", "h100", "--json")
+                        "--gpu-mem", f"{gpu}B", "--host-mem", f"{host}B", "--hardware", "h100", "--device-lane", "auto",
+                        "--json")
     assert code == 0, out
     cli_plan = json.loads(out)["plan"]
 
@@ -145,7 +146,7 @@ def test_cli_and_auto_make_the_same_plan_from_the_same_profile(capsys, tmp_path,
     model = build_meta_model(model_config(_tiny_config(tmp_path), 128), torch.bfloat16, checkpointing=True)
     units = find_units(model, None)
     ids = torch.zeros(2, 128, dtype=torch.long, device="meta")
-    config, cuda = ElixirConfig(dtype="bf16"), torch.device("cuda")
+    config, cuda = ElixirConfig(dtype="bf16", device_assisted_update="auto"), torch.device("cuda")
     order, result = auto.auto_plan(model, units, {"input_ids": ids, "labels": ids}, config, cuda, torch.bfloat16,
                                    Collectives(None))
     _, _, plan = plan_model(param_table(model, units, order), config, world_size=1, device=cuda, dtype=torch.bfloat16,
