@@ -262,7 +262,8 @@ def parse_size(text: str) -> int:
 
 
 def device_lane_wanted(config: ElixirConfig, device: torch.device) -> bool:
-    """``ElixirConfig.device_assisted_update`` on ``device``: ``"auto"`` is on for a GPU."""
+    """Whether the search may plan the device lane on ``device``: ``True``; ``"auto"`` on a GPU (where
+    the search keeps it only if its predicted step is shorter, ``search/loop.py``); ``False`` never."""
     if config.device_assisted_update == "auto":
         return device.type == "cuda"
     return bool(config.device_assisted_update)
