@@ -231,7 +231,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     ap.add_argument("--ds-pin", type=int, default=1, choices=(0, 1), help="DeepSpeed pin_memory for offloaded states")
     ap.add_argument("--skip-nonfinite", type=int, default=1, choices=(0, 1), help="ElixirConfig.skip_nonfinite")
-    ap.add_argument("--device-lane", default="auto", choices=("auto", "on", "off"), help="ElixirConfig.device_assisted_update")
+    ap.add_argument("--device-lane", default="off", choices=("off", "on", "auto"), help="ElixirConfig.device_assisted_update")
     ap.add_argument("--clip", type=int, default=1, choices=(0, 1), help=f"clip gradients to a global norm of {MAX_GRAD_NORM}")
     return ap.parse_args(argv)
 

@@ -40,14 +40,11 @@ def time_steps(step, warmup: int, steps: int) -> list[float]:
     return times
 
 
-_LANE = {"off": False, "on": True, "auto": "auto"}
-
-
 def run(pristine: torch.nn.Module, batch: dict, offload: str, lane: str, threads: list[int], a: argparse.Namespace) -> list[dict]:
     model = copy.deepcopy(pristine)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     config = er.ElixirConfig(mode="auto", dtype="bf16", device="cuda", clips_grads=a.clip > 0,
-                             offload=None if offload == "auto" else float(offload), device_assisted_update=_LANE[lane])
+                             offload=None if offload == "auto" else float(offload), device_assisted_update=er.config.DEVICE_LANE_WORDS[lane])
     try:
         model, opt = er.prepare(model, opt, config, example_batch=batch)
     except er.PlanError as err:

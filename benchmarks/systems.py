@@ -47,7 +47,7 @@ class Context:
     skip_nonfinite: bool = True
     """Elixir's non-finite step check (``ElixirConfig.skip_nonfinite``): reads the gradient norm every
     step, a host sync before the update, so the offloaded chunks' CPU Adam starts after backward."""
-    device_lane: str = "auto"
+    device_lane: str = "off"
     """Elixir's device update lane (``ElixirConfig.device_assisted_update``: ``auto``, ``on``, ``off``)."""
 
 
@@ -98,7 +98,7 @@ def _elixir(p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
     cpu_threads = cpu_adam_threads(1, cores=ctx.threads) if ctx.threads else None
     config = er.ElixirConfig(mode="auto", dtype="bf16", device=ctx.device, clips_grads=ctx.clip, cpu_threads=cpu_threads,
                              skip_nonfinite=ctx.skip_nonfinite,
-                             device_assisted_update={"auto": "auto", "on": True, "off": False}[ctx.device_lane])
+                             device_assisted_update=er.config.DEVICE_LANE_WORDS[ctx.device_lane])
     model, opt = er.prepare(model, _adamw(model.parameters(), fused=False), config, example_batch=batch)
     plan = model._elixir.plan
     print(plan.table(), flush=True)

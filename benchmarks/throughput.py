@@ -167,7 +167,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / GPUs)")
     ap.add_argument("--ds-pin", type=int, default=1, choices=(0, 1),
                     help="DeepSpeed pin_memory (0: pageable; pinned OOM-killed a 126 GiB host on the 6.5B)")
-    ap.add_argument("--device-lane", default="auto", choices=("auto", "on", "off"),
+    ap.add_argument("--device-lane", default="off", choices=("off", "on", "auto"),
                     help="Elixir's device update lane (ElixirConfig.device_assisted_update): the GPU updates part of the offloaded chunks")
     ap.add_argument("--skip-nonfinite", type=int, default=1, choices=(0, 1),
                     help="Elixir's non-finite step check (ElixirConfig.skip_nonfinite, on by default): a host sync per step")

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
-from elixir_runtime.config import ElixirConfig, resolve_dtype
+from elixir_runtime.config import DEVICE_LANE_WORDS, ElixirConfig, resolve_dtype
 from elixir_runtime.config import ConfigError, PlanError
 from elixir_runtime.config import parse_size as config_parse_size
 from elixir_runtime.plan import ElixirPlan, format_step_time, plan_model
@@ -136,7 +136,7 @@ def _parser() -> argparse.ArgumentParser:
                    "machine's GPU, measured once and cached; without a GPU the shipped h100)")
     p.add_argument("--dtype", default="bf16", type=_dtype, help="compute dtype: bf16, fp16 or fp32")
     p.add_argument("--no-ac", dest="ac", action="store_false", help="without activation checkpointing")
-    p.add_argument("--device-lane", choices=("off", "on", "auto"), default="off",
+    p.add_argument("--device-lane", choices=tuple(DEVICE_LANE_WORDS), default="off",
                    help="the device update lane (ElixirConfig.device_assisted_update): off (default), on, or auto "
                         "(kept where the predicted step is shorter)")
     p.add_argument("--exact", action="store_true", help="trace every block instead of replaying identical ones")
@@ -214,7 +214,7 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         )
 
     t1 = time.perf_counter()
-    elixir = ElixirConfig(dtype=dtype, gpu_memory=cap, device_assisted_update={"off": False, "on": True, "auto": "auto"}[args.device_lane])
+    elixir = ElixirConfig(dtype=dtype, gpu_memory=cap, device_assisted_update=DEVICE_LANE_WORDS[args.device_lane])
     gpu = torch.device("cuda")
     order, result, profile = search_model(
         model, units, {"input_ids": ids, "labels": ids}, elixir, gpu, dtype, args.gpus, hardware, budget_of,

@@ -261,6 +261,10 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
+DEVICE_LANE_WORDS = {"off": False, "on": True, "auto": "auto"}
+"""``device_assisted_update`` by the word a command line takes (``--device-lane off|on|auto``)."""
+
+
 def device_lane_wanted(config: ElixirConfig, device: torch.device) -> bool:
     """Whether the search may plan the device lane on ``device``: ``True``; ``"auto"`` on a GPU (where
     the search keeps it only if its predicted step is shorter, ``search/loop.py``); ``False`` never."""
