@@ -168,7 +168,7 @@ def _count_memory(
     memory = {
         "rcache": n_blocks * arenas.buffer,
         "private": arenas.private,
-        "device_shards": int(arenas.arena[on_device].sum()),
+        "device_shards": int(arenas.device_arena[on_device].sum()),
         "lane_staging": arenas.staging(on_device),
         "host_shards": arenas.host(on_device),
     }

@@ -4,13 +4,21 @@ A placement is where a chunk's shard and optimizer states live: ``"device"`` (th
 device, updated there) or ``"host"`` (pinned host memory, updated on the CPU). Each placement
 holds five arenas laid out chunk after chunk, trainable chunks first:
 
-    param      compute dtype   gathered into the rCache before use
+    param      compute dtype   gathered into the rCache before use (see below for trainable chunks)
     grad       compute dtype   reduce-scattered gradients (trainable chunks only)
     master     fp32            the weights the optimizer updates (aliases ``param`` in fp32 runs)
     exp_avg    fp32            Adam m
     exp_avg_sq fp32            Adam v
 
 so one kernel call updates a placement, guided by a static list of per-group segments.
+
+On the device in a mixed-precision run the trainable chunks keep no compute-dtype copy: a gather
+casts the fp32 master straight into the rCache (``casts_on_gather``), bitwise what the update's
+bf16 copy held (both round to nearest even). That is 2 of the 16 bytes per element of every
+GPU-resident trainable parameter; on one H100 with Llama-3-8B the 7.4 GB hold ~0.5 G more
+parameters' optimizer state on the GPU instead of the CPU, whose update is the step's bottleneck.
+The cast costs nothing that matters: a gather reads 4 bytes instead of 2 from GPU memory (~3 TB/s).
+Offloaded chunks keep theirs: it is what crosses PCIe, at half the bytes of the master.
 """
 
 from __future__ import annotations
@@ -23,10 +31,16 @@ import torch
 from .host_memory import empty_host
 from .layout import ChunkLayout, ChunkSpec, GroupRange, Slot
 
-__all__ = ["Residence", "ShardArenas", "build_arenas", "write_param", "shard_overlap"]
+__all__ = ["Residence", "ShardArenas", "build_arenas", "casts_on_gather", "write_param", "shard_overlap"]
 
 Residence = Literal["device", "host"]
 """Where a chunk's shard and optimizer state live (the search's ``Placement`` chooses it per chunk)."""
+
+
+def casts_on_gather(placement: Residence, dtype: torch.dtype) -> bool:
+    """Whether trainable shards of this placement keep no compute-dtype copy and gathers cast their
+    fp32 master instead: on the device, in mixed precision (see the module docstring)."""
+    return placement == "device" and dtype != torch.float32
 
 
 @dataclass(eq=False)
@@ -34,18 +48,42 @@ class ShardArenas:
     placement: Residence
     device: torch.device
     param: torch.Tensor
+    """Compute-dtype shards: of every chunk, or of the frozen ones only where ``cast_on_gather``."""
     grad: torch.Tensor
     master: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     trainable_numel: int
+    cast_on_gather: bool = False
+    """Trainable shards have no compute-dtype copy: gathers cast the master (``casts_on_gather``)."""
     segments: list[GroupRange] = field(default_factory=list)
     offsets: dict[int, int] = field(default_factory=dict)
-    """Chunk index → offset of its shard in every arena of this placement."""
+    """Chunk index → offset of its shard in every arena of this placement (``param``: see ``param_base``)."""
 
     @property
     def master_is_param(self) -> bool:
         return self.master.data_ptr() == self.param.data_ptr() and self.param.numel() > 0
+
+    @property
+    def param_base(self) -> int:
+        """Arena offset of ``param[0]``: without trainable copies it starts at the first frozen shard."""
+        return self.trainable_numel if self.cast_on_gather else 0
+
+    @property
+    def param_copy(self) -> torch.Tensor | None:
+        """The compute-dtype copy of the trainable shards that every update rewrites from the
+        master; ``None`` where there is none (fp32: the master is the param; ``cast_on_gather``)."""
+        if self.cast_on_gather or self.master_is_param:
+            return None
+        return self.param[: self.trainable_numel]
+
+    def source(self, offset: int, numel: int, trainable: bool) -> torch.Tensor:
+        """What a gather of the shard at ``offset`` reads: the master (cast on the way) where
+        trainable shards have no compute-dtype copy, else the compute-dtype param."""
+        if trainable and self.cast_on_gather:
+            return self.master[offset : offset + numel]
+        start = offset - self.param_base
+        return self.param[start : start + numel]
 
 
 
@@ -78,7 +116,8 @@ def build_arenas(
                 return empty_host(numel, dt, pin=pin)
             return torch.zeros(numel, dtype=dt, device=device)
 
-        param = alloc(total, dtype)
+        cast = casts_on_gather(where, dtype)
+        param = alloc(total - trainable if cast else total, dtype)
         master = param[:trainable] if dtype == torch.float32 else alloc(trainable, torch.float32)
         arenas = ShardArenas(
             where,
@@ -89,6 +128,7 @@ def build_arenas(
             exp_avg=alloc(trainable, torch.float32),
             exp_avg_sq=alloc(trainable, torch.float32),
             trainable_numel=trainable,
+            cast_on_gather=cast,
         )
         offset = 0
         for c, size in zip(members, shard):
@@ -106,8 +146,8 @@ def _fill(layout: ChunkLayout, members, arenas: ShardArenas, rank: int, weights:
     for c in members:
         for s in c.slots:
             write_param(layout, arenas, c, s, weights(layout.params[s.param]), rank)
-    if not arenas.master_is_param and arenas.trainable_numel:
-        arenas.param[: arenas.trainable_numel].copy_(arenas.master)
+    if arenas.param_copy is not None:
+        arenas.param_copy.copy_(arenas.master)
 
 
 def shard_overlap(layout: ChunkLayout, chunk: ChunkSpec, slot: Slot, rank: int) -> tuple[int, int, int] | None:
@@ -127,6 +167,9 @@ def write_param(
     if part is None:
         return
     shard_off, param_off, n = part
-    base = arenas.offsets[chunk.index]
-    target = arenas.master if chunk.trainable else arenas.param
-    target[base + shard_off : base + shard_off + n].copy_(value.reshape(-1)[param_off : param_off + n])
+    start = arenas.offsets[chunk.index] + shard_off
+    if chunk.trainable:
+        target = arenas.master[start : start + n]
+    else:
+        target = arenas.source(start, n, trainable=False)
+    target.copy_(value.reshape(-1)[param_off : param_off + n])

@@ -81,8 +81,9 @@ class AdamKernel(Protocol):
     """Updates master/exp_avg/exp_avg_sq in place and writes the new params into ``param_out``.
 
     ``grad`` is divided by ``div_scale`` first (loss-scale unscaling and clipping fused);
-    ``step`` is the 1-based step number used for bias correction. ``param_out`` may be ``None``
-    when the compute dtype is fp32 and the master *is* the param (nothing to copy out).
+    ``step`` is the 1-based step number used for bias correction. ``param_out`` is ``None``
+    where there is no compute-dtype copy to keep: the master *is* the param (fp32), or gathers cast
+    the master (GPU-resident shards in mixed precision, ``chunk/store.py``).
     """
 
     def step(

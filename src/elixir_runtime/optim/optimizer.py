@@ -208,7 +208,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
     def _update(
         self, a: ShardArenas, work: list[tuple[int, list[GroupRange]]], hypers: list[AdamHyper], div_scale: float
     ) -> None:
-        param_out = None if a.master_is_param else a.param
+        param_out = a.param_copy
         kernel = self.kernels[a.placement]
         for step, segments in work:
             kernel.step(a.master, a.exp_avg, a.exp_avg_sq, a.grad, param_out, segments, hypers, step, div_scale)

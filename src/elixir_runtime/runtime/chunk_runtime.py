@@ -91,8 +91,9 @@ class ChunkState:
         return self.spec.index
 
     @property
-    def param_shard(self) -> torch.Tensor:
-        return self.shards.param[self.offset : self.offset + self.shard_numel]
+    def gather_source(self) -> torch.Tensor:
+        """This rank's shard as gathers read it (the fp32 master where no compute-dtype copy is kept)."""
+        return self.shards.source(self.offset, self.shard_numel, self.spec.trainable)
 
     @property
     def grad_shard(self) -> torch.Tensor:
@@ -270,7 +271,7 @@ class ChunkRuntime:
     def fill(self, c: ChunkState, full: torch.Tensor) -> None:
         """Gathers chunk ``c`` from every rank's shard into ``full`` (a collective, on the current stream)."""
         self.host_updates.wait(c.index)
-        self.coll.shard_of(full).copy_(c.param_shard, non_blocking=True)
+        self.coll.shard_of(full).copy_(c.gather_source, non_blocking=True)
         self.coll.all_gather_(full)
 
     def show_params(self, c: ChunkState, full: torch.Tensor) -> None:
@@ -506,8 +507,8 @@ class ChunkRuntime:
         """After master/frozen shards were overwritten (checkpoint load): recast and drop stale buffers."""
         self.wait_for_grads()
         for a in self.arenas.values():
-            if not a.master_is_param and a.trainable_numel:
-                a.param[: a.trainable_numel].copy_(a.master)
+            if a.param_copy is not None:
+                a.param_copy.copy_(a.master)
         for c in self.chunks:
             if c.valid:
                 assert c.pins == 0, "checkpoint load while a chunk is in use"

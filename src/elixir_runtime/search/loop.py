@@ -282,7 +282,7 @@ def _no_fit_message(evaluated: list[_Evaluated], profile: ModelProfile, budget: 
     device_need, host_all, e = min(needs, key=lambda x: x[0])
     host_bound = host_all > budget.host_allowed  # the host cannot take every chunk
     fixed = e.min_blocks * e.mem.buffer + e.mem.private  # rCache-min and private blocks: do not shrink with N
-    states = int(e.mem.arena.sum()) * n  # every rank's arenas together
+    states = int(e.mem.host_arena.sum()) * n  # every rank's arenas together, offloaded
     lines = [
         f"no plan fits: the smallest one (chunks of {e.layout.chunk_size:,} elements, rCache of {e.min_blocks} "
         f"blocks, as much offloaded as the host takes) needs {gib(device_need)} of GPU memory per rank for model "

@@ -2,7 +2,8 @@
 
 The engine's arenas (``chunk/store.py``) hold, per chunk shard: the compute-dtype parameter, and
 for trainable chunks the compute-dtype gradient, fp32 Adam m and v, and an fp32 master (aliased
-to the parameter in fp32 runs). The rCache is ``n_blocks`` blocks of the largest public chunk in
+to the parameter in fp32 runs). A trainable shard on the GPU in mixed precision has no
+compute-dtype parameter (gathers cast the master), so a chunk's bytes depend on where it is. The rCache is ``n_blocks`` blocks of the largest public chunk in
 the compute dtype; each private chunk (a tied parameter, or one larger than the chunk size) has a
 buffer of its own, as large as it. Host arenas are pinned at their exact size, so they are host
 memory that nothing else can use. With the device update lane (``optim/device_lane.py``) the GPU
@@ -16,8 +17,9 @@ import numpy as np
 import torch
 
 from ..chunk.layout import ChunkLayout
+from ..chunk.store import Residence, casts_on_gather
 
-__all__ = ["ArenaBytes", "state_bytes_per_element", "LANE_SLICE", "LANE_DEPTH", "lane_numel", "staging_bytes"]
+__all__ = ["ArenaBytes", "trainable_bytes_per_element", "LANE_SLICE", "LANE_DEPTH", "lane_numel", "staging_bytes"]
 
 LANE_SLICE = 2**25
 """Elements per staging buffer of the device update lane (32 M): ~0.45 GB each way per slice in
@@ -39,10 +41,12 @@ def staging_bytes(numel: int, dtype: torch.dtype) -> int:
     return LANE_DEPTH * numel * (12 + torch.empty((), dtype=dtype).element_size())
 
 
-def state_bytes_per_element(dtype: torch.dtype) -> int:
-    """Bytes per element a trainable shard adds to its parameter: grad, m, v (+ fp32 master)."""
+def trainable_bytes_per_element(dtype: torch.dtype, placement: Residence) -> int:
+    """Bytes per element of a trainable shard in ``placement``: param (none where gathers cast the
+    master), grad, m, v, and an fp32 master unless it is the param (fp32)."""
     elt = torch.empty((), dtype=dtype).element_size()
-    return elt + 8 + (0 if dtype == torch.float32 else 4)
+    param = 0 if casts_on_gather(placement, dtype) else elt
+    return param + elt + 8 + (0 if dtype == torch.float32 else 4)
 
 
 class ArenaBytes:
@@ -58,7 +62,10 @@ class ArenaBytes:
         shard = np.array([layout.shard_numel(c) for c in layout.chunks], dtype=np.int64)
         trainable = np.array([c.trainable for c in layout.chunks])
         self.trainable_shard = np.where(trainable, shard, 0)
-        self.arena = shard * (elt + np.where(trainable, state_bytes_per_element(dtype), 0))
+        self.device_arena, self.host_arena = (
+            shard * np.where(trainable, trainable_bytes_per_element(dtype, where), elt) for where in ("device", "host")
+        )
+        """Bytes of each chunk's arenas when it is on the device / offloaded."""
         self.private = int(sum(c.numel * elt for c in layout.chunks if c.private))
 
     def lane_numel(self, on_device: np.ndarray) -> int:
@@ -71,8 +78,8 @@ class ArenaBytes:
 
     def device(self, n_blocks: int, on_device: np.ndarray) -> int:
         """rCache + private buffers + the arenas of the chunks placed on the device + lane staging."""
-        return n_blocks * self.buffer + self.private + int(self.arena[on_device].sum()) + self.staging(on_device)
+        return n_blocks * self.buffer + self.private + int(self.device_arena[on_device].sum()) + self.staging(on_device)
 
     def host(self, on_device: np.ndarray) -> int:
         """Pinned host arenas of this rank."""
-        return int(self.arena[~on_device].sum())
+        return int(self.host_arena[~on_device].sum())

@@ -54,7 +54,7 @@ def _savings(model: StepModel, mem: ArenaBytes, blocks: int, uploaded: int, max_
     here = model.linear(blocks, _mask(model.k, uploaded))
     i = (here - model.linear(blocks + 1, _mask(model.k, uploaded))) / mem.buffer if blocks < max_blocks else -np.inf
     j = (
-        (here - model.linear(blocks, _mask(model.k, uploaded + 1))) / max(1, int(mem.arena[uploaded]))
+        (here - model.linear(blocks, _mask(model.k, uploaded + 1))) / max(1, int(mem.device_arena[uploaded]))
         if uploaded < model.k
         else -np.inf
     )

@@ -1,0 +1,73 @@
+"""``build_arenas``: what each placement allocates (the search's ``ArenaBytes`` counts exactly that),
+and what a gather reads: trainable shards on the device in mixed precision keep no compute-dtype
+copy, their gathers cast the fp32 master; frozen shards and offloaded ones keep theirs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from elixir_runtime.chunk.layout import build_layout
+from elixir_runtime.chunk.store import build_arenas
+from elixir_runtime.search.memory import ArenaBytes
+
+SIZES = [100, 37, 64, 210, 5, 90]
+GROUPS = [0, -1, 0, 1, -1, 0]  # -1: frozen
+
+
+def _case(world_size: int):
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(n) / 3) for n in SIZES]
+    layout = build_layout(
+        params, [[f"p{i}"] for i in range(len(SIZES))], GROUPS, [False] * len(SIZES),
+        world_size=world_size, chunk_size=128, alignment=8,
+    )
+    return layout, params
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_arena_bytes_match_the_allocation_per_placement(dtype: torch.dtype, world_size: int) -> None:
+    layout, _ = _case(world_size)
+    n = len(layout.chunks)
+    placement = ["device" if c % 2 else "host" for c in range(n)]
+    arenas = build_arenas(layout, placement, 0, torch.device("cpu"), dtype)
+    on_device = np.array([p == "device" for p in placement])
+    mem = ArenaBytes(layout, dtype)
+    for where, counted in (("device", mem.device(0, on_device) - mem.private), ("host", mem.host(on_device))):
+        a = arenas[where]
+        tensors = [a.param, a.grad, a.exp_avg, a.exp_avg_sq] + ([] if a.master_is_param else [a.master])
+        assert sum(_bytes(t) for t in tensors) == counted, where
+    device = arenas["device"]
+    trainable_on_device = sum(layout.shard_numel(c) for c in layout.chunks if c.trainable and on_device[c.index])
+    frozen_on_device = sum(layout.shard_numel(c) for c in layout.chunks if not c.trainable and on_device[c.index])
+    if dtype == torch.float32:  # the master is the param
+        assert device.param.numel() == trainable_on_device + frozen_on_device
+    else:  # no compute-dtype copy of the trainable shards on the device
+        assert device.cast_on_gather and device.param_copy is None
+        assert device.param.numel() == frozen_on_device
+        assert arenas["host"].param_copy is not None
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_gathers_read_bf16_of_the_master_or_the_frozen_copy(world_size: int) -> None:
+    layout, params = _case(world_size)
+    n = len(layout.chunks)
+    for placement in (["device"] * n, ["host"] * n, ["device" if c % 2 else "host" for c in range(n)]):
+        for rank in range(world_size):
+            arenas = build_arenas(layout, placement, rank, torch.device("cpu"), torch.bfloat16)
+            for c in layout.chunks:
+                a = arenas[placement[c.index]]
+                size = layout.shard_numel(c)
+                got = torch.empty(size, dtype=torch.bfloat16)
+                got.copy_(a.source(a.offsets[c.index], size, c.trainable))  # what a gather copies
+                full = torch.zeros(c.numel, dtype=torch.bfloat16)
+                for s in c.slots:
+                    full[s.offset : s.offset + s.numel] = params[s.param].detach().to(torch.bfloat16)
+                assert torch.equal(got, full[rank * size : (rank + 1) * size]), (c.index, placement[c.index], rank)
