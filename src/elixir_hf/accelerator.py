@@ -103,7 +103,10 @@ class ElixirAccelerator(Accelerator):
             if not isinstance(optimizer, (ElixirOptimizer, ElixirAcceleratedOptimizer)):
                 loader = next((o for o in objs if isinstance(o, torch.utils.data.DataLoader)), None)
                 batch = example_batch(loader.dataset, loader.collate_fn, loader.batch_size or 1) if loader else None
-                objs[optimizers[0]] = build_engine(model, optimizer, self.elixir_plugin, self.device, batch)
+                objs[optimizers[0]] = build_engine(
+                    model, optimizer, self.elixir_plugin, self.device, batch,
+                    grad_accum_steps=self.gradient_accumulation_steps,
+                )
                 # a scheduler built on `optimizer` sees its steps run by the engine (same param_groups);
                 # tell torch it has stepped, or its "scheduler before optimizer" warning fires
                 optimizer._opt_called = True

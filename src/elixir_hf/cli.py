@@ -214,11 +214,12 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
         )
 
     t1 = time.perf_counter()
-    elixir = ElixirConfig(dtype=dtype, gpu_memory=cap, device_assisted_update=DEVICE_LANE_WORDS[args.device_lane])
+    elixir = ElixirConfig(dtype=dtype, gpu_memory=cap, device_assisted_update=DEVICE_LANE_WORDS[args.device_lane],
+                          grad_accum_steps=args.grad_accum)
     gpu = torch.device("cuda")
     order, result, profile = search_model(
         model, units, {"input_ids": ids, "labels": ids}, elixir, gpu, dtype, args.gpus, hardware, budget_of,
-        micro_batches=args.grad_accum, exact=args.exact,
+        exact=args.exact,
     )
     budget = result.budget
     _, _, plan = plan_model(

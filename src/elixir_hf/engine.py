@@ -43,18 +43,22 @@ def build_engine(
     batch: Any | None = None,
     *,
     args: Any | None = None,
+    grad_accum_steps: int | None = None,
 ) -> ElixirOptimizer:
     """Checks the plan file (if any), then ``elixir_runtime.prepare``s the model in place and
     prints the plan as a table, once, on rank 0.
 
     ``batch`` (one training batch) lets the engine order chunks by first use in forward.
     ``args`` (the ``TrainingArguments``, if any) tells the planner whether the loop clips
-    gradients (``clips_grads``); without them it assumes it does.
+    gradients (``clips_grads``); without them it assumes it does. ``grad_accum_steps``: the
+    Trainer's or Accelerator's micro-batches per step (``ElixirConfig.grad_accum_steps``).
     """
     plugin.check_model(model)
     config = dataclasses.replace(plugin.config, device=device)
     if args is not None:
         config = dataclasses.replace(config, clips_grads=clips_grads(args))
+    if grad_accum_steps is not None:
+        config = dataclasses.replace(config, grad_accum_steps=grad_accum_steps)
     _, elixir_optimizer = elixir_runtime.prepare(model, optimizer, config=config, example_batch=batch)
     plan = model._elixir.plan
     plugin.check_plan(plan)

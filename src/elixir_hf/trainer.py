@@ -109,7 +109,10 @@ class ElixirTrainer(Trainer):
             if self.train_dataset is not None
             else None
         )
-        self.optimizer = build_engine(target, optimizer, self.elixir_plugin, self.args.device, batch, args=self.args)
+        self.optimizer = build_engine(
+            target, optimizer, self.elixir_plugin, self.args.device, batch, args=self.args,
+            grad_accum_steps=self.args.gradient_accumulation_steps,
+        )
         return self.optimizer
 
     def _ensure_engine(self) -> None:

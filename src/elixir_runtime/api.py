@@ -93,7 +93,8 @@ def prepare(
     lockstep = Lockstep(coll, config.lockstep_timeout_s)
     lane = DeviceLane(plan.device_lane, device, dtype) if plan.device_lane else None
     runtime = ChunkRuntime(
-        layout, plan.placement(), plan.n_blocks, coll, device, dtype, config.prefetch, lockstep, source.value, lane
+        layout, plan.placement(), plan.n_blocks, coll, device, dtype, config.prefetch, lockstep, source.value, lane,
+        grads_share_activations=search is not None and search.grad_window.slack > 0,
     )
     install_hooks(model, units, unit_chunks, runtime)
     model_state = ModelStateHooks(runtime, orig_dtypes)

@@ -123,6 +123,14 @@ class ElixirConfig:
     predicts the overlap accordingly. ``False`` (no clipping, bf16/fp32): the host runs ahead of
     the GPU and those updates start during backward, as each chunk's gradients land."""
 
+    grad_accum_steps: int = 1
+    """Micro-batches (backwards) per optimizer step. With one, the gradient shards of GPU-resident
+    chunks exist only from backward to ``zero_grad``, after the loss's activation peak, and the plan
+    lets them use the memory it frees (``search/memory.py``); with more they stay through the next
+    micro-batches' forwards and are counted beside the activations. A forward with gradients held
+    under a one-micro-batch plan warns: it may run out of GPU memory. The HF integration sets it
+    from ``gradient_accumulation_steps``."""
+
     device_assisted_update: bool | Literal["auto"] = False
     """Whether the GPU helps the CPU update offloaded chunks. After a clipped backward the CPU Adam of
     offloaded chunks runs while the link and the GPU idle; with this on, a second lane streams slices
@@ -202,6 +210,7 @@ class ElixirConfig:
                 self.cpu_threads is None or (_int(self.cpu_threads) and self.cpu_threads >= 1), "an int >= 1 or None"
             ),
             "clips_grads": (isinstance(self.clips_grads, bool), "True or False"),
+            "grad_accum_steps": (_int(self.grad_accum_steps) and self.grad_accum_steps >= 1, "an int >= 1 (micro-batches per step)"),
             "device_assisted_update": (
                 isinstance(self.device_assisted_update, bool) or self.device_assisted_update == "auto",
                 "True, False or 'auto' (the planner decides, on a GPU)",

@@ -23,7 +23,7 @@ from .config import ElixirConfig, PlanError, device_lane_wanted, offloaded_chunk
 from .gpu_limit import device_capacity, process_limit
 from .host import host_available, local_ranks
 from .search.loop import GIB, SearchResult
-from .search.memory import LANE_DEPTH, ArenaBytes
+from .search.memory import LANE_DEPTH, ArenaBytes, GradWindow
 from .units import ParamTable
 
 __all__ = ["ElixirPlan", "plan_model", "resolve_plan"]
@@ -45,8 +45,10 @@ class ElixirPlan:
     updates slices of offloaded chunks beside the CPU; 0: the CPU alone (nothing offloaded, or
     ``ElixirConfig.device_assisted_update`` off)."""
     memory: dict[str, int] = field(default_factory=dict)
-    """Predicted bytes per rank: ``rcache``, ``private``, ``device_shards``, ``lane_staging``,
-    ``host_shards``; from the search also ``activations`` (the profiled peak) and ``buffers``."""
+    """Predicted bytes per rank: ``rcache``, ``private``, ``device_shards``, ``device_grads`` (the
+    GPU's gradient shards beyond the activations freed under them, ``search.memory.ArenaBytes.grads``),
+    ``lane_staging``, ``host_shards``; from the search also ``activations`` (the profiled peak) and
+    ``buffers``."""
     predicted: dict[str, float | None] = field(default_factory=dict)
     """Predicted seconds per optimizer step and its parts (``search.step_time.StepTime``); empty when
     the plan was not searched."""
@@ -67,7 +69,7 @@ class ElixirPlan:
 
     @property
     def device_bytes(self) -> int:
-        return sum(self.memory.get(k, 0) for k in ("rcache", "private", "device_shards", "lane_staging"))
+        return sum(self.memory.get(k, 0) for k in ("rcache", "private", "device_shards", "device_grads", "lane_staging"))
 
     @property
     def host_bytes(self) -> int:
@@ -159,16 +161,17 @@ def format_step_time(t: dict[str, float | None]) -> str:
 
 
 def _count_memory(
-    layout: ChunkLayout, offload: set[int], n_blocks: int, dtype: torch.dtype, lane: bool
+    layout: ChunkLayout, offload: set[int], n_blocks: int, dtype: torch.dtype, lane: bool, window: GradWindow
 ) -> tuple[dict[str, int], int]:
     """Bytes per rank by arena, with the search's formula (``search.memory.ArenaBytes``): one count;
     and the device lane's elements per staging buffer (0: no lane)."""
-    arenas = ArenaBytes(layout, dtype, lane)
+    arenas = ArenaBytes(layout, dtype, lane, window)
     on_device = np.array([c.index not in offload for c in layout.chunks], dtype=bool)
     memory = {
         "rcache": n_blocks * arenas.buffer,
         "private": arenas.private,
         "device_shards": int(arenas.device_arena[on_device].sum()),
+        "device_grads": arenas.grads(on_device),
         "lane_staging": arenas.staging(on_device),
         "host_shards": arenas.host(on_device),
     }
@@ -244,7 +247,8 @@ def resolve_plan(
         offload = search.placement.offload if search is not None else []
 
     lane = search.device_lane if search is not None else device_lane_wanted(config, device)
-    memory, lane_numel = _count_memory(layout, set(offload), n_blocks, dtype, lane)
+    window = search.grad_window if search is not None else GradWindow()
+    memory, lane_numel = _count_memory(layout, set(offload), n_blocks, dtype, lane, window)
     plan = ElixirPlan(
         chunk_size=layout.chunk_size,
         n_blocks=n_blocks,

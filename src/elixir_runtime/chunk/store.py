@@ -5,7 +5,7 @@ device, updated there) or ``"host"`` (pinned host memory, updated on the CPU). E
 holds five arenas laid out chunk after chunk, trainable chunks first:
 
     param      compute dtype   gathered into the rCache before use (see below for trainable chunks)
-    grad       compute dtype   reduce-scattered gradients (trainable chunks only)
+    grad       compute dtype   reduce-scattered gradients (trainable chunks only; host only, see below)
     master     fp32            the weights the optimizer updates (aliases ``param`` in fp32 runs)
     exp_avg    fp32            Adam m
     exp_avg_sq fp32            Adam v
@@ -19,6 +19,14 @@ GPU-resident trainable parameter; on one H100 with Llama-3-8B the 7.4 GB hold ~0
 parameters' optimizer state on the GPU instead of the CPU, whose update is the step's bottleneck.
 The cast costs nothing that matters: a gather reads 4 bytes instead of 2 from GPU memory (~3 TB/s).
 Offloaded chunks keep theirs: it is what crosses PCIe, at half the bytes of the master.
+
+Gradient shards of GPU-resident chunks are not in an arena either: each is allocated when its
+chunk is first reduced in a step and freed by ``zero_grad`` (``ChunkState.grad``), so GPU memory
+holds them only from backward to the update, when the loss's activation peak is gone (on one H100
+with Llama-3-8B, 8 of the 14 GiB of activations are the loss's fp32 logits, and the gradients of
+~4.5 G GPU-resident parameters take 8.5 GiB): the search counts them against the activations freed
+after the loss (``search/memory.py``). Pinned host arenas keep theirs: the CPU update and the
+device lane read them by offset, and host memory has no activation peak to share.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ class ShardArenas:
     param: torch.Tensor
     """Compute-dtype shards: of every chunk, or of the frozen ones only where ``cast_on_gather``."""
     grad: torch.Tensor
+    """Gradient shards of the trainable chunks; empty on the device (allocated per chunk on demand)."""
     master: torch.Tensor
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
@@ -123,7 +132,7 @@ def build_arenas(
             where,
             device,
             param=param,
-            grad=alloc(trainable, dtype),
+            grad=alloc(0 if where == "device" else trainable, dtype),
             master=master,
             exp_avg=alloc(trainable, torch.float32),
             exp_avg_sq=alloc(trainable, torch.float32),

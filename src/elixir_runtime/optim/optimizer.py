@@ -3,7 +3,8 @@
 It shares the user's ``param_groups`` dicts, so hyperparameters (and a scheduler's LR changes)
 are read at every step; the per-parameter state lives in the chunk arenas instead of ``state``.
 One step: one host sync for the global grad norm (clipping, and the non-finite check below), then
-one kernel call per placement with loss-unscaling and clipping fused into ``div_scale``.
+one kernel call per GPU-resident chunk and per slice of an offloaded one, with loss-unscaling and
+clipping fused into ``div_scale``.
 
 As in ``torch.optim.AdamW``, a parameter without a gradient in a step (no rank's backward reached
 it, in any micro-step) is not touched: no decay, no moment update, and its own step count (bias
@@ -28,7 +29,7 @@ import torch
 
 from ..config import LossScaleConfig
 from ..runtime.chunk_runtime import ChunkRuntime, ChunkState
-from ..chunk.store import ShardArenas, shard_overlap
+from ..chunk.store import shard_overlap
 from ..chunk.layout import GroupRange
 from .device_lane import SliceUpdate, slice_updates
 from .kernel import AdamHyper
@@ -69,11 +70,9 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self.cpu_threads = cpu_threads
         """OpenMP threads of the CPU Adam (``None``: ``torch.get_num_threads()``)."""
         self.kernels = {name: select_kernel(a.device, cpu_threads) for name, a in runtime.arenas.items()}
-        host = runtime.arenas["host"]
         self._chunk_segments = {
-            c.index: [s for s in host.segments if c.offset <= s.offset < c.offset + c.shard_numel]
+            c.index: [s for s in c.shards.segments if c.offset <= s.offset < c.offset + c.shard_numel]
             for c in runtime.trainable
-            if c.shards is host
         }
         self._pieces = {c.index: _param_pieces(runtime, c) for c in runtime.trainable}
 
@@ -137,15 +136,13 @@ class ElixirOptimizer(torch.optim.Optimizer):
         uniform = next(iter(counts)) if len(counts) == 1 and all(used[i] for i in trainable) else None
         hypers = [self._hyper(g) for g in self.param_groups]
         div_scale = self.scaler.scale / self._clip_coef
-        device = self.runtime.arenas["device"]
-        if device.trainable_numel:
-            chunks = [c for c in self.runtime.trainable if c.shards is device]
-            self._update(device, self._work(chunks, device.segments, used, uniform), hypers, div_scale)
-        host, updates = self.runtime.arenas["host"], self.runtime.host_updates
+        updates = self.runtime.host_updates
         jobs = []
-        for c in self.runtime.trainable:
-            if c.shards is host:  # chunk order = the order the next forward needs them
-                work = self._work([c], self._chunk_segments[c.index], used, uniform)
+        for c in self.runtime.trainable:  # chunk order = the order the next forward needs them
+            work = self._work([c], self._chunk_segments[c.index], used, uniform)
+            if c.shards.placement == "device":
+                self._update(c, c.offset, c.offset + c.shard_numel, work, hypers, div_scale)
+            else:
                 size = updates.lane.numel if updates.lane is not None else c.shard_numel
                 jobs += slice_updates(c, work, hypers, div_scale, size)
         updates.submit(jobs, self._update_slice)
@@ -203,15 +200,26 @@ class ElixirOptimizer(torch.optim.Optimizer):
     def _update_slice(self, job: SliceUpdate) -> None:
         """The CPU lane's update of one slice of an offloaded chunk (``runtime/host_updates.py``)."""
         self.runtime.wait_host_chunk(job.chunk)
-        self._update(job.chunk.shards, job.work, job.hypers, job.div_scale)
+        self._update(job.chunk, job.lo, job.hi, job.work, job.hypers, job.div_scale)
 
     def _update(
-        self, a: ShardArenas, work: list[tuple[int, list[GroupRange]]], hypers: list[AdamHyper], div_scale: float
+        self,
+        c: ChunkState,
+        lo: int,
+        hi: int,
+        work: list[tuple[int, list[GroupRange]]],
+        hypers: list[AdamHyper],
+        div_scale: float,
     ) -> None:
-        param_out = a.param_copy
+        """The kernel calls of ``work`` (segments in arena offsets inside ``[lo, hi)``) on that
+        range of chunk ``c``'s shard: the kernels see the range as their whole arena."""
+        a, part = c.shards, slice(lo, hi)
+        param_out = None if a.param_copy is None else a.param_copy[part]
+        grad = c.grad[lo - c.offset : hi - c.offset]
         kernel = self.kernels[a.placement]
         for step, segments in work:
-            kernel.step(a.master, a.exp_avg, a.exp_avg_sq, a.grad, param_out, segments, hypers, step, div_scale)
+            local = [GroupRange(s.offset - lo, s.length, s.group) for s in segments]
+            kernel.step(a.master[part], a.exp_avg[part], a.exp_avg_sq[part], grad, param_out, local, hypers, step, div_scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.runtime.zero_grad()

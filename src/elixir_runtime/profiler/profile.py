@@ -65,6 +65,13 @@ class ModelProfile:
     """``fwd`` and ``bwd`` (the latter includes recomputation)."""
     blocks: BlockPlan | None
     seconds: float
+    late_peak: int | None = None
+    """Activation peak once backward is past the loss and head (the blocks' backward and after):
+    what is live beside the gradient shards GPU-resident chunks accumulate (``search/memory.py``);
+    ``None``: no head was found (no block stack), nothing is known to be freed."""
+    head_params: list[str] = field(default_factory=list)
+    """Parameters first used in the forward of the head and loss: their gradients arrive at the
+    activation peak."""
 
     @property
     def n_params(self) -> int:
@@ -286,6 +293,7 @@ def _assemble(
     for r in replays:
         compute[r.segment.phase].add(r.segment.cost)
     head = next((r for r in replays if r.segment.label == "head"), None)
+    late = replays[replays.index(head) + 1 :] if head is not None else []
     buffers = {id(b): b for b in model.buffers()}.values()
     return ModelProfile(
         model=type(model).__name__,
@@ -305,6 +313,8 @@ def _assemble(
         compute=compute,
         blocks=plan,
         seconds=seconds,
+        late_peak=max((r.segment.peak + r.shift for r in late), default=None),
+        head_params=[r.rename(plan, n) for r in replays if r.segment.label == "mid" for n in r.segment.params],
     )
 
 

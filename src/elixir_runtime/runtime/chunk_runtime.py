@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -85,6 +86,9 @@ class ChunkState:
     reduced_event: torch.cuda.Event | None = None
     """Last reduction (and D2H copy) finished: the grad shard may be read after it."""
     n_grad_params: int = 0
+    grad: torch.Tensor | None = None
+    """This rank's reduced gradient shard: a view of the host arena for an offloaded chunk; on the
+    device a tensor of its own from the chunk's first reduction of a step to ``zero_grad``."""
 
     @property
     def index(self) -> int:
@@ -95,9 +99,11 @@ class ChunkState:
         """This rank's shard as gathers read it (the fp32 master where no compute-dtype copy is kept)."""
         return self.shards.source(self.offset, self.shard_numel, self.spec.trainable)
 
-    @property
     def grad_shard(self) -> torch.Tensor:
-        return self.shards.grad[self.offset : self.offset + self.shard_numel]
+        """The gradient shard, allocated (uninitialised) on the current stream if it has none."""
+        if self.grad is None:
+            self.grad = torch.empty(self.shard_numel, dtype=self.shards.param.dtype, device=self.shards.device)
+        return self.grad
 
     @property
     def evictable(self) -> bool:
@@ -117,9 +123,13 @@ class ChunkRuntime:
         lockstep: Lockstep,
         weights: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.detach,
         lane: Lane | None = None,
+        grads_share_activations: bool = False,
     ) -> None:
         """``weights`` maps a parameter to the full value its shards start from (``WeightSource.value``);
-        ``lane``: the device lane that updates offloaded slices beside the CPU (``optim/device_lane.py``)."""
+        ``lane``: the device lane that updates offloaded slices beside the CPU (``optim/device_lane.py``);
+        ``grads_share_activations``: the plan let the GPU's gradient shards use memory the loss's
+        activations free (one micro-batch per step, ``search.memory.GradWindow``)."""
+        self.warn_accumulation = grads_share_activations
         self.layout, self.coll, self.device, self.dtype = layout, coll, device, dtype
         self.lockstep = lockstep
         self.residency = Residency.SHARDED
@@ -141,6 +151,8 @@ class ChunkRuntime:
         for c in self.chunks:
             if c.spec.private:
                 c.buffer = self.rcache.private_buffer(c.spec.numel, dtype, device)
+            if c.spec.trainable and c.shards.placement == "host":
+                c.grad = c.shards.grad[c.offset : c.offset + c.shard_numel]
         self.trainable = [c for c in self.chunks if c.spec.trainable]
         self._norm_parts: list[torch.Tensor] = []
         """Per-chunk grad norms taken on the device right after each fresh reduction."""
@@ -314,6 +326,26 @@ class ChunkRuntime:
             yield
 
     # ------------------------------------------------------------------ gradients
+    def note_grad_forward(self) -> None:
+        """A grad-enabled forward ran: its backward is pending. Warns, once, when the last
+        backward's gradient shards are still on the GPU under a plan for one micro-batch per step:
+        that plan let them use memory the activations now need too (``search/memory.py``)."""
+        if not self.backward_pending and self.warn_accumulation:
+            held = sum(c.grad.numel() * c.grad.element_size() for c in self.trainable
+                       if c.has_grad and c.grad is not None and c.shards.placement == "device")
+            if held:
+                self.warn_accumulation = False
+                warnings.warn(
+                    f"elixir: a forward started with {held / 2**30:.2f} GiB of the last backward's gradients still on "
+                    "the GPU (gradient accumulation, or no zero_grad() after step()), but the plan was made for one "
+                    "micro-batch per step (ElixirConfig.grad_accum_steps=1), which lets those gradients use memory "
+                    "the activations need: the step may run out of GPU memory. Set ElixirConfig(grad_accum_steps=N) "
+                    "to plan for N micro-batches per step",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        self.backward_pending = True
+
     def begin_backward(self) -> None:
         if not self.in_backward:
             self.in_backward = True
@@ -351,13 +383,15 @@ class ChunkRuntime:
         self._reduce_order = (self._reduce_order * 1_000_003 + c.index + 1) % _FINGERPRINT_MOD
         buffer = c.buffer if written else None
         event = None
+        dst = c.grad_shard()  # allocated on the compute stream, which frees it (zero_grad)
+        if self.cuda and dst.is_cuda:
+            dst.record_stream(self.reduce_stream)
         with self._on(self.reduce_stream, buffer):
             if buffer is None:
                 full = torch.zeros(c.spec.numel, dtype=self.dtype, device=self.device)
             else:
                 full = buffer.data[: c.spec.numel]
             shard = self.coll.reduce_scatter_avg_(full)
-            dst = c.grad_shard
             if c.grad_fresh:
                 self._norm_parts.append(torch.linalg.vector_norm(shard, dtype=torch.float32))
                 dst.copy_(shard, non_blocking=True)
@@ -393,7 +427,7 @@ class ChunkRuntime:
                 self._reduce(c, written=False)
             elif c.grad_fresh:
                 self.host_updates.wait(c.index)  # the last step's CPU update may still read it
-                c.grad_shard.zero_()
+                c.grad_shard().zero_()
                 c.grad_fresh = False
                 c.has_grad = True
         for c in self.trainable:
@@ -427,9 +461,13 @@ class ChunkRuntime:
         return any(c.has_grad for c in self.trainable)
 
     def zero_grad(self) -> None:
+        """Forgets the gradients; frees the device's gradient shards (the next backward allocates
+        them again), whose memory the next forward's activations then use."""
         for c in self.trainable:
             c.grad_fresh = True
             c.has_grad = False
+            if c.shards.placement == "device":
+                c.grad = None
         self._norm_parts = []
         self._norm_from_shards = False
         self.got_grad = [False] * len(self.layout.params)
@@ -484,11 +522,7 @@ class ChunkRuntime:
         """
         if self._norm_from_shards:
             self.wait_for_grads()
-            parts = [
-                torch.linalg.vector_norm(a.grad, dtype=torch.float32).to(self.device)
-                for a in self.arenas.values()
-                if a.trainable_numel
-            ]
+            parts = [torch.linalg.vector_norm(c.grad, dtype=torch.float32).to(self.device) for c in self.trainable if c.has_grad]
         else:
             self.device_grads_ready()
             parts = self._norm_parts

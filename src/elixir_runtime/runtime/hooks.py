@@ -85,7 +85,7 @@ class _UnitHooks:
         self.runtime.release(self.chunks)
         if not torch.is_grad_enabled():
             return
-        self.runtime.backward_pending = True
+        self.runtime.note_grad_forward()
         outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if outs:
             pin = self.post_backward_armed

@@ -75,7 +75,6 @@ def search_model(
     budget_of: Callable[[ModelProfile], Budget],
     *,
     busbw: float | None = None,
-    micro_batches: int = 1,
     exact: bool = False,
 ) -> tuple[list[int], SearchResult, ModelProfile]:
     """(unit indices in first-use order, the search's choice, the profile) for ``model`` trained on
@@ -85,7 +84,7 @@ def search_model(
     budget = budget_of(profile)
     if batch is None:
         budget.activations = int(UNPROFILED_ACTIVATION_SHARE * budget.capacity / F_FRAG)
-    settings = SearchSettings(world_size, dtype, config, micro_batches=micro_batches, busbw=busbw,
+    settings = SearchSettings(world_size, dtype, config, busbw=busbw,
                               device_lane=device_lane_wanted(config, device))
     result = search(param_table(model, units, order), profile, hardware, budget, settings)
     result.notes.insert(0, f"hardware: {hardware.device}, {hardware.source}")

@@ -28,7 +28,7 @@ from .budget import Budget
 from .candidates import chunk_size_candidates
 from .step_time import StepModel
 from ..hardware.profile import HardwareProfile
-from .memory import ArenaBytes
+from .memory import ArenaBytes, GradWindow, grad_window
 from .placement import Placement, best_placement
 
 __all__ = ["SearchSettings", "SearchResult", "search"]
@@ -49,13 +49,17 @@ class SearchSettings:
     dtype: torch.dtype
     config: ElixirConfig = field(default_factory=ElixirConfig)
     """The user's choices: ``chunk_size``, ``n_blocks`` and ``offload`` when given are honoured (the
-    rest is searched); ``alignment``, ``prefetch`` and ``clips_grads`` as the engine will run."""
-    micro_batches: int = 1
+    rest is searched); ``alignment``, ``prefetch``, ``clips_grads`` and ``grad_accum_steps`` as the
+    engine will run."""
     busbw: float | None = None
     """Collective bus bandwidth measured on the job's process group (``measure.collective_busbw``)."""
     device_lane: bool = False
     """The GPU helps update offloaded chunks (``ElixirConfig.device_assisted_update`` resolved for the
     device: ``config.device_lane_wanted``): its staging memory and its rate enter the plan."""
+
+    @property
+    def micro_batches(self) -> int:
+        return self.config.grad_accum_steps
 
     @property
     def clips_grads(self) -> bool:
@@ -88,6 +92,9 @@ class SearchResult:
     hardware: dict[str, Any] = field(default_factory=dict)
     """The whole hardware profile searched with (``HardwareProfile.to_dict``): enough to predict
     the same plan again offline (``benchmarks.replay``)."""
+    grad_window: GradWindow = field(default_factory=GradWindow)
+    """What the GPU's gradient shards share memory with (``memory.grad_window``): the plan counts its
+    memory with the same."""
 
 
 @dataclass
@@ -117,7 +124,9 @@ def search(
             alignment=settings.config.alignment,
         )
     work = _unit_work(table)
-    evaluated = [_evaluate(c, table, profile, rates, budget, settings, work) for c in sizes]
+    window = grad_window(budget.activations, profile.late_peak, profile.head_params, budget.f_alloc, budget.f_frag,
+                         settings.micro_batches)
+    evaluated = [_evaluate(c, table, profile, rates, budget, settings, window, work) for c in sizes]
     fitting = [e for e in evaluated if e.placement is not None]
     if not fitting and settings.device_lane and settings.config.device_assisted_update == "auto":
         # the lane's staging buffers may be what does not fit: without it, the CPU alone
@@ -159,6 +168,7 @@ def search(
         regions=[list(r.params) for r in profile.ac_regions],
         hardware=hardware.to_dict(),
         device_lane=settings.device_lane,
+        grad_window=window,
     )
 
 
@@ -175,6 +185,7 @@ def _evaluate(
     rates,
     budget: Budget,
     settings: SearchSettings,
+    window: GradWindow = GradWindow(),
     work: dict[str, float] | None = None,
 ) -> _Evaluated:
     layout = build_layout(
@@ -196,7 +207,7 @@ def _evaluate(
         min_blocks=lo, prefetch=settings.config.prefetch, micro_batches=settings.micro_batches,
         clips_grads=settings.clips_grads, device_lane=settings.device_lane,
     )
-    mem = ArenaBytes(layout, settings.dtype, settings.device_lane)
+    mem = ArenaBytes(layout, settings.dtype, settings.device_lane, window)
     n_blocks = {"min": lo, "max": hi}.get(settings.config.n_blocks, settings.config.n_blocks)  # type: ignore[arg-type]
     if isinstance(n_blocks, int):
         n_blocks = min(n_blocks, hi)

@@ -3,7 +3,16 @@
 The engine's arenas (``chunk/store.py``) hold, per chunk shard: the compute-dtype parameter, and
 for trainable chunks the compute-dtype gradient, fp32 Adam m and v, and an fp32 master (aliased
 to the parameter in fp32 runs). A trainable shard on the GPU in mixed precision has no
-compute-dtype parameter (gathers cast the master), so a chunk's bytes depend on where it is. The rCache is ``n_blocks`` blocks of the largest public chunk in
+compute-dtype parameter (gathers cast the master), so a chunk's bytes depend on where it is.
+
+The gradient shards of GPU-resident chunks are allocated at their first reduction of a step and
+freed by ``zero_grad`` (``ChunkState.grad``): they never meet the activation peak of the loss and
+head, only what backward keeps after it (``ModelProfile.late_peak``). So they count only beyond
+the activation memory freed by then (``GradWindow.slack``), except those of chunks reduced while
+the head's backward runs (``GradWindow.head``). Llama-3-8B, batch 4 x 2048 on one H100: the
+activation peak is 14.0 GiB (the loss's fp32 logits), 2.6 GiB after the head; ~9 GiB of
+gradients fit in the difference. With gradient accumulation they outlive the next forwards: no
+slack (``grad_window``). The rCache is ``n_blocks`` blocks of the largest public chunk in
 the compute dtype; each private chunk (a tied parameter, or one larger than the chunk size) has a
 buffer of its own, as large as it. Host arenas are pinned at their exact size, so they are host
 memory that nothing else can use. With the device update lane (``optim/device_lane.py``) the GPU
@@ -13,13 +22,18 @@ fp32 master, m, v and one compute-dtype gradient/param tensor.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from ..chunk.layout import ChunkLayout
 from ..chunk.store import Residence, casts_on_gather
 
-__all__ = ["ArenaBytes", "trainable_bytes_per_element", "LANE_SLICE", "LANE_DEPTH", "lane_numel", "staging_bytes"]
+__all__ = [
+    "ArenaBytes", "GradWindow", "grad_window", "trainable_bytes_per_element", "LANE_SLICE", "LANE_DEPTH", "lane_numel",
+    "staging_bytes",
+]
 
 LANE_SLICE = 2**25
 """Elements per staging buffer of the device update lane (32 M): ~0.45 GB each way per slice in
@@ -42,19 +56,41 @@ def staging_bytes(numel: int, dtype: torch.dtype) -> int:
 
 
 def trainable_bytes_per_element(dtype: torch.dtype, placement: Residence) -> int:
-    """Bytes per element of a trainable shard in ``placement``: param (none where gathers cast the
-    master), grad, m, v, and an fp32 master unless it is the param (fp32)."""
+    """Bytes per element of a trainable shard's arenas in ``placement``: param (none where gathers
+    cast the master), grad (host only: the device's are counted apart, ``ArenaBytes.grads``), m, v,
+    and an fp32 master unless it is the param (fp32)."""
     elt = torch.empty((), dtype=dtype).element_size()
     param = 0 if casts_on_gather(placement, dtype) else elt
-    return param + elt + 8 + (0 if dtype == torch.float32 else 4)
+    grad = elt if placement == "host" else 0
+    return param + grad + 8 + (0 if dtype == torch.float32 else 4)
+
+
+@dataclass(frozen=True)
+class GradWindow:
+    """What the GPU's gradient shards share memory with (see the module docstring)."""
+
+    slack: int = 0
+    """Bytes of the budgeted activation peak (``F_ALLOC x F_FRAG x`` activations) free again once
+    backward is past the loss and head; 0: none known, every gradient counts."""
+    head: tuple[str, ...] = ()
+    """Parameters whose chunks may be reduced during the head's backward, at the activation peak."""
+
+
+def grad_window(activation_peak: int, late_peak: int | None, head: list[str], f_alloc: float, f_frag: float,
+                micro_batches: int) -> GradWindow:
+    """The window of a profiled step: none with gradient accumulation (the gradients stay through
+    the next micro-batches' forwards) or when the profile found no head (``late_peak`` ``None``)."""
+    if micro_batches > 1 or late_peak is None:
+        return GradWindow()
+    return GradWindow(int(f_alloc * f_frag * max(0, activation_peak - late_peak)), tuple(head))
 
 
 class ArenaBytes:
     """Per-chunk arena sizes of one layout, for fast sums over placements."""
 
-    def __init__(self, layout: ChunkLayout, dtype: torch.dtype, lane: bool = False) -> None:
+    def __init__(self, layout: ChunkLayout, dtype: torch.dtype, lane: bool = False, window: GradWindow = GradWindow()) -> None:
         """``lane``: the device update lane is on (its staging buffers count while a trainable
-        chunk is offloaded)."""
+        chunk is offloaded); ``window``: what the device's gradient shards share memory with."""
         elt = torch.empty((), dtype=dtype).element_size()
         self.elt, self.dtype, self.lane = elt, dtype, lane
         self.buffer = layout.block_numel * elt
@@ -66,6 +102,13 @@ class ArenaBytes:
             shard * np.where(trainable, trainable_bytes_per_element(dtype, where), elt) for where in ("device", "host")
         )
         """Bytes of each chunk's arenas when it is on the device / offloaded."""
+        self.grad = self.trainable_shard * elt
+        """Bytes of each chunk's gradient shard when it is on the device."""
+        self.slack = window.slack
+        index = {n: i for i, names in enumerate(layout.names) for n in names}
+        self.head = np.zeros(len(layout.chunks), dtype=bool)
+        self.head[list(layout.chunks_of(index[n] for n in window.head if n in index))] = True
+        """Chunks reduced at the activation peak (they hold a parameter of the head)."""
         self.private = int(sum(c.numel * elt for c in layout.chunks if c.private))
 
     def lane_numel(self, on_device: np.ndarray) -> int:
@@ -76,9 +119,18 @@ class ArenaBytes:
         """Bytes of the device lane's staging buffers for this placement."""
         return staging_bytes(self.lane_numel(on_device), self.dtype)
 
+    def grads(self, on_device: np.ndarray) -> int:
+        """The device's gradient shards beyond the activations freed under them: those of the
+        head's chunks, or all of them less the slack, whichever is more."""
+        return max(int(self.grad[on_device & self.head].sum()), int(self.grad[on_device].sum()) - self.slack)
+
     def device(self, n_blocks: int, on_device: np.ndarray) -> int:
-        """rCache + private buffers + the arenas of the chunks placed on the device + lane staging."""
-        return n_blocks * self.buffer + self.private + int(self.device_arena[on_device].sum()) + self.staging(on_device)
+        """rCache + private buffers + the arenas of the chunks placed on the device + their gradient
+        shards beyond the activations' slack + lane staging: what the budget's ``allowed`` bounds."""
+        return (
+            n_blocks * self.buffer + self.private + int(self.device_arena[on_device].sum()) + self.grads(on_device)
+            + self.staging(on_device)
+        )
 
     def host(self, on_device: np.ndarray) -> int:
         """Pinned host arenas of this rank."""

@@ -40,11 +40,16 @@ def test_arena_bytes_match_the_allocation_per_placement(dtype: torch.dtype, worl
     arenas = build_arenas(layout, placement, 0, torch.device("cpu"), dtype)
     on_device = np.array([p == "device" for p in placement])
     mem = ArenaBytes(layout, dtype)
-    for where, counted in (("device", mem.device(0, on_device) - mem.private), ("host", mem.host(on_device))):
+    # without a window every gradient shard of the device counts; they are allocated per chunk later
+    grads = mem.grads(on_device)
+    assert grads == sum(layout.shard_numel(c) * _bytes(torch.empty(1, dtype=dtype)) for c in layout.chunks
+                        if c.trainable and on_device[c.index])
+    for where, counted in (("device", mem.device(0, on_device) - mem.private - grads), ("host", mem.host(on_device))):
         a = arenas[where]
         tensors = [a.param, a.grad, a.exp_avg, a.exp_avg_sq] + ([] if a.master_is_param else [a.master])
         assert sum(_bytes(t) for t in tensors) == counted, where
     device = arenas["device"]
+    assert device.grad.numel() == 0
     trainable_on_device = sum(layout.shard_numel(c) for c in layout.chunks if c.trainable and on_device[c.index])
     frozen_on_device = sum(layout.shard_numel(c) for c in layout.chunks if not c.trainable and on_device[c.index])
     if dtype == torch.float32:  # the master is the param

@@ -210,3 +210,18 @@ def test_a_forward_that_needs_every_block_is_traced_in_full() -> None:
     profile = profile_model(model, (torch.randn(4, 8),), device="cpu")
     assert profile.blocks is None
     assert [p.name for p in profile.params] == [n for n, _ in model.named_parameters()]
+
+
+def test_late_peak_and_head_params_of_a_large_vocabulary_llama() -> None:
+    """The loss's logits dominate the activation peak; once backward is past the head only the
+    blocks' checkpoints and one block's recomputation are live (what the GPU's gradient shards
+    share memory with, ``search/memory.py``). The head's parameters are named."""
+    from helpers.models import tiny_llama
+
+    model = tiny_llama(n_layer=4, n_embd=32, vocab=4096)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    profile = profile_model(model, make_batch(4096, batch=4, seq=64), device="cpu")
+    assert profile.peak_at == "backward of the loss and head"
+    assert profile.late_peak is not None and profile.late_peak < profile.activation_peak / 2
+    assert set(profile.head_params) == {"model.norm.weight", "lm_head.weight"}
+    assert ModelProfile.from_json(profile.to_json()).late_peak == profile.late_peak

@@ -33,3 +33,27 @@ def test_engine_is_freed_with_the_model_and_optimizer(offload: float) -> None:
     runtime = _trained_runtime(offload)
     gc.collect()
     assert runtime() is None
+
+
+def test_accumulating_under_a_one_micro_batch_plan_warns_once() -> None:
+    """A plan that let the GPU's gradient shards use the loss's activation memory warns when a
+    forward starts with them still held (accumulation); after zero_grad they are freed: no warning."""
+    import warnings
+
+    model = tiny_gpt2()
+    config = er.ElixirConfig(mode="static", n_blocks="min")
+    model, opt = er.prepare(model, torch.optim.AdamW(model.parameters()), config=config, example_batch=make_batch(128))
+    rt = model._elixir.runtime
+    rt.warn_accumulation = True  # as a searched one-micro-batch plan with a gradient window sets it
+    batch = make_batch(128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for _ in range(2):  # step + zero_grad between backwards: the shards are freed
+            opt.backward(model(**batch).loss)
+            opt.step()
+            opt.zero_grad()
+            assert all(c.grad is None for c in rt.trainable if c.shards.placement == "device")
+    with pytest.warns(RuntimeWarning, match="grad_accum_steps"):
+        for _ in range(3):  # accumulation without zero_grad
+            opt.backward(model(**batch).loss)
+    assert not rt.warn_accumulation  # once

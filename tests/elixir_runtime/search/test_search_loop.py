@@ -115,8 +115,10 @@ def test_plan_memory_is_what_the_engine_allocates(gpt2, lane) -> None:
     assert r.placement.offload and r.device_lane == lane
     layout = build_layout(table.params, table.names, table.groups, table.private, world_size=1,
                           chunk_size=r.chunk_size, alignment=64)
-    mem, lane_numel = _count_memory(layout, set(r.placement.offload), r.placement.n_blocks, BF16, lane)
-    assert mem["rcache"] + mem["private"] + mem["device_shards"] + mem["lane_staging"] == r.placement.device_bytes
+    mem, lane_numel = _count_memory(layout, set(r.placement.offload), r.placement.n_blocks, BF16, lane, r.grad_window)
+    assert mem["rcache"] + mem["private"] + mem["device_shards"] + mem["device_grads"] + mem["lane_staging"] == (
+        r.placement.device_bytes
+    )
     assert mem["host_shards"] == r.placement.host_bytes
     assert (lane_numel > 0) == lane and mem["lane_staging"] == 2 * lane_numel * (12 + 2)  # fp32 m, v, master + bf16
     _, _, plan = plan_model(table, ElixirConfig(), world_size=1, device=torch.device("cpu"), dtype=BF16, search=r,
@@ -220,6 +222,13 @@ def test_plan_memory_is_what_the_runtime_allocates_with_oversize_chunks(dtype) -
     assert plan.memory["rcache"] == nbytes(*(b.data for b in rt.rcache.buffers))
     assert plan.memory["private"] == nbytes(*(c.buffer.data for c in rt.chunks if c.spec.private))
     assert plan.memory["device_shards"] == arenas("device") and plan.memory["host_shards"] == arenas("host")
+    # a static plan has no profile to share activations with: every gradient shard of the device counts,
+    # and exactly those are allocated by a backward (and freed by zero_grad)
+    model(**make_batch(128)).loss.backward()
+    device_grads = [c.grad for c in rt.trainable if c.shards.placement == "device"]
+    assert plan.memory["device_grads"] == nbytes(*device_grads) > 0
+    rt.zero_grad()
+    assert all(c.grad is None for c in rt.trainable if c.shards.placement == "device")
 
 
 def test_search_is_fast_for_opt_175b() -> None:
