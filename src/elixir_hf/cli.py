@@ -284,6 +284,8 @@ def _profile_json(profile: ModelProfile) -> dict[str, Any]:
         "peak_at": profile.peak_at,
         "forward_peak": profile.forward_peak,
         "saved_bytes": profile.saved_bytes,
+        "late_peak": profile.late_peak,
+        "head_params": profile.head_params,
         "ac_regions": len(profile.ac_regions),
         "ac_buffer_numel": profile.ac_buffer_numel(),
         "tied": [p.name for p in profile.params if p.aliases],

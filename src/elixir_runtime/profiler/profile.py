@@ -122,7 +122,8 @@ class ModelProfile:
             ("model", f"{self.model}: {self.n_params / 1e9:.3f} B parameters, {self.param_bytes / gib:.2f} GiB in {self.dtype}"),
             ("batch", " ".join("x".join(map(str, s)) for s in self.inputs)),
             ("activation peak", f"{self.activation_peak / gib:.2f} GiB (at {self.peak_at}); forward peak "
-                                f"{self.forward_peak / gib:.2f} GiB, saved for backward {self.saved_bytes / gib:.2f} GiB"),
+                                f"{self.forward_peak / gib:.2f} GiB, saved for backward {self.saved_bytes / gib:.2f} GiB"
+                                + ("" if self.late_peak is None else f", after the head {self.late_peak / gib:.2f} GiB")),
             ("checkpointing", f"{len(self.ac_regions)} regions, largest {self.ac_buffer_numel() / 1e6:.1f} M elements"
                               if self.ac_regions else "off"),
             ("tied parameters", str(tied)),

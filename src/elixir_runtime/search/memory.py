@@ -10,7 +10,7 @@ freed by ``zero_grad`` (``ChunkState.grad``): they never meet the activation pea
 head, only what backward keeps after it (``ModelProfile.late_peak``). So they count only beyond
 the activation memory freed by then (``GradWindow.slack``), except those of chunks reduced while
 the head's backward runs (``GradWindow.head``). Llama-3-8B, batch 4 x 2048 on one H100: the
-activation peak is 14.0 GiB (the loss's fp32 logits), 2.6 GiB after the head; ~9 GiB of
+activation peak is 14.0 GiB (the loss's fp32 logits), 4.2 GiB after the head; the 9.1 GiB of
 gradients fit in the difference. With gradient accumulation they outlive the next forwards: no
 slack (``grad_window``). The rCache is ``n_blocks`` blocks of the largest public chunk in
 the compute dtype; each private chunk (a tied parameter, or one larger than the chunk size) has a
