@@ -34,6 +34,7 @@ BAD_CONFIG = {
     "alignment": 0,
     "cpu_threads": -2,
     "clips_grads": "yes",
+    "grad_accum_steps": 0,
     "device_assisted_update": "yes",
     "lockstep_timeout_s": 0,
     "skip_nonfinite": "yes",
