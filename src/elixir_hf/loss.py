@@ -8,7 +8,10 @@ fp32 copy: 12.6 GB of its 15 GB activation peak on one H100 is the loss. ``lean_
 computes the same value in fp32 a block of rows at a time (``BLOCK_BYTES``), keeps for backward
 only the logits (alive anyway: the lm_head's output) and the targets, and writes the gradient
 block by block into one tensor in the logits' dtype: its peak is the logits, their gradient
-(2.1 GB each in bf16) and an fp32 block.
+(2.1 GB each in bf16) and three fp32 blocks (384 MiB at most). Planned by ``elixir-plan`` for
+one H100 (shipped profile) at batch 4 x 2048: Llama-3-8B's activation peak 14.01 -> 6.68 GiB,
+offloaded chunks 54 of 99 -> 46 of 98, predicted step 1.597 -> 1.499 s; Qwen2.5-7B's 15.69 ->
+6.91 GiB, 1.451 -> 1.336 s (predictions; ``--stock-loss`` gives the first of each pair).
 
 The semantics are transformers' (``ForCausalLMLoss`` + ``fixed_cross_entropy``, the same in 5.17
 and 5.24): labels shifted left with ``ignore_index`` padded at the end unless ``shift_labels`` is
@@ -26,20 +29,26 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-__all__ = ["BLOCK_BYTES", "lean_causal_lm_loss", "use_lean_loss"]
+__all__ = ["lean_causal_lm_loss", "use_lean_loss"]
 
 logger = logging.getLogger(__name__)
 
 BLOCK_BYTES = 128 * 2**20
-"""fp32 bytes of one block of rows: at most 3 such temporaries are alive at once (backward's
-log-softmax, its incoming gradient and its result), 384 MiB. 261 rows of Llama-3-8B's vocab
-128256 (32 blocks for 8192 rows), 220 of Qwen2.5-7B's 152064. Against the 3 x 4.2 GB fp32 copies
-of the stock loss at 8192 rows that is noise in the activation peak; smaller blocks would only
-add kernel launches (about 6 a block, each over 34 M elements)."""
+"""fp32 bytes of one block of rows at most: at most 3 such temporaries are alive at once
+(backward's log-softmax, its incoming gradient and its result), 384 MiB. 261 rows of Llama-3-8B's
+vocab 128256 (32 blocks for 8192 rows), 220 of Qwen2.5-7B's 152064. Against the 3 x 4.2 GB fp32
+copies of the stock loss at 8192 rows that is noise in the activation peak; smaller blocks would
+only add kernel launches (about 6 a block, each over 34 M elements)."""
+
+MIN_BLOCKS = 8
+"""Blocks at least, however few the rows: 3 blocks then hold at most 3/8 of an fp32 copy of the
+logits, so that the lean loss's backward (logits + their gradient + 3 blocks: 1.4 fp32 copies in
+bf16, 2.4 in fp32) stays below the stock one's (3 fp32 copies) at any size; with one block a
+small batch would peak higher than the stock loss, by the logits it keeps."""
 
 
-def _block_rows(vocab: int) -> int:
-    return max(1, BLOCK_BYTES // (4 * vocab))
+def _block_rows(rows: int, vocab: int) -> int:
+    return max(1, min(BLOCK_BYTES // (4 * vocab), -(-rows // MIN_BLOCKS)))
 
 
 def _log_softmax(logits: torch.Tensor, rows: slice) -> torch.Tensor:
@@ -64,7 +73,7 @@ class _CrossEntropySum(torch.autograd.Function):
         keep = target != ignore_index
         safe = torch.where(keep, target, 0)  # any valid column: the row's weight is zero
         picked = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        step = _block_rows(logits.shape[1])
+        step = _block_rows(*logits.shape)
         for start in range(0, logits.shape[0], step):
             rows = slice(start, start + step)
             picked[rows] = _log_softmax(logits, rows).gather(1, safe[rows].unsqueeze(1)).squeeze(1)
@@ -79,7 +88,7 @@ class _CrossEntropySum(torch.autograd.Function):
         # sends an infinite grad (1 / 0), and an ignored row's zero must be +0 as nll_loss's
         at_target = torch.where(keep, -grad.float(), 0.0).unsqueeze(1)
         out = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        step = _block_rows(logits.shape[1])
+        step = _block_rows(*logits.shape)
         for start in range(0, logits.shape[0], step):
             rows = slice(start, start + step)
             log_p = _log_softmax(logits, rows)

@@ -123,13 +123,13 @@ def test_saves_the_logits_and_one_value_per_row(small_blocks) -> None:
     assert others and all(t.dim() <= 1 and t.numel() <= rows for t in others), [(t.dtype, t.shape) for t in others]
 
 
-def test_planner_sees_the_smaller_activation_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_planner_sees_the_smaller_activation_peak() -> None:
     """The profiler traces the step on fake tensors: the lean loss runs there, and the traced
-    activation peak (what the planner budgets for) drops by more than 1.5 fp32 copies of the
-    logits (the stock loss holds 3 at once in backward, the lean one 3 fp32 blocks of 16 rows;
-    26.9 -> 11.9 MiB observed, one fp32 copy being 8 MiB)."""
+    activation peak (what the planner budgets for) drops by more than 1.25 fp32 copies of the
+    logits (the stock loss holds 3 at once in backward; the lean one the bf16 logits, their
+    gradient and 3 blocks of 1/8 of the rows, ``MIN_BLOCKS``; 26.9 -> 14.9 MiB observed, one fp32
+    copy being 8 MiB)."""
     vocab, ids = 4096, torch.randint(0, 4096, (8, 64), generator=torch.Generator().manual_seed(0))
-    monkeypatch.setattr(lean, "BLOCK_BYTES", 4 * vocab * 16)
     peaks = []
     for use in (False, True):
         model = tiny_llama(vocab=vocab)
@@ -137,7 +137,7 @@ def test_planner_sees_the_smaller_activation_peak(monkeypatch: pytest.MonkeyPatc
             assert lean.use_lean_loss(model) == ["LlamaForCausalLM"]
         profile = profile_model(model, {"input_ids": ids, "labels": ids}, dtype=torch.bfloat16, device="cpu")
         peaks.append(profile.activation_peak)
-    assert peaks[0] - peaks[1] > 1.5 * ids.numel() * vocab * 4, peaks
+    assert peaks[0] - peaks[1] > 1.25 * ids.numel() * vocab * 4, peaks
 
 
 # --------------------------------------------------------------------------- installation
