@@ -1,11 +1,12 @@
 """``ElixirPlugin``: the ``ElixirConfig`` (and plan file) a user gives to the HF integration, and their grammar.
 
 One spec string is accepted everywhere (``--elixir``, ``ELIXIR_CONFIG``, ``ElixirAccelerator``):
-``off`` | ``auto`` | a JSON object of ``ElixirConfig`` fields | a path to a ``.json`` file holding either
-such an object, a plan saved by an earlier run (``elixir_plan.json``) or the ``--json`` report of
-the ``elixir-plan`` planner. A plan pins the layout (static mode) and records the world size (and,
-when saved by a run, the model) it was made for, so that a plan for another model or another
-number of ranks fails before any memory is allocated.
+``off`` | ``auto`` | a JSON object of ``ElixirConfig`` fields (and ``lean_loss``, the plugin's own) | a
+path to a ``.json`` file holding either such an object, a plan saved by an earlier run
+(``elixir_plan.json``) or the ``--json`` report of the ``elixir-plan`` planner. A plan pins the
+layout (static mode) and records the world size (and, when saved by a run, the model) it was made
+for, so that a plan for another model or another number of ranks fails before any memory is
+allocated.
 """
 
 from __future__ import annotations
