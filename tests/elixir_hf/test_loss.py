@@ -59,10 +59,10 @@ def _both(logits: torch.Tensor, labels: torch.Tensor, **kwargs):
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16}[t.dtype])
+    return t.view({torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[t.dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_transformers(small_blocks, case: str, dtype: torch.dtype) -> None:
     """The loss to fp32 rounding (relative 1e-6: the sum over rows runs in another order); the
