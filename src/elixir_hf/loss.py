@@ -10,8 +10,9 @@ only the logits (alive anyway: the lm_head's output) and the targets, and writes
 block by block into one tensor in the logits' dtype: its peak is the logits, their gradient
 (2.1 GB each in bf16) and three fp32 blocks (384 MiB at most). Planned by ``elixir-plan`` for
 one H100 (shipped profile) at batch 4 x 2048: Llama-3-8B's activation peak 14.01 -> 6.68 GiB,
-offloaded chunks 54 of 99 -> 46 of 98, predicted step 1.597 -> 1.499 s; Qwen2.5-7B's 15.69 ->
-6.91 GiB, 1.451 -> 1.336 s (predictions; ``--stock-loss`` gives the first of each pair).
+GPU memory for model states and rCache 58.6 -> 67.2 GiB, predicted step 1.364 -> 1.344 s;
+Qwen2.5-7B's 15.69 -> 6.91 GiB, 56.6 -> 66.9 GiB, 1.238 -> 1.182 s (predictions;
+``--stock-loss`` gives the first of each pair).
 
 The semantics are transformers' (``ForCausalLMLoss`` + ``fixed_cross_entropy``, the same in 5.17
 and 5.24): labels shifted left with ``ignore_index`` padded at the end unless ``shift_labels`` is
@@ -62,9 +63,9 @@ class _CrossEntropySum(torch.autograd.Function):
     floating dtype; a row whose target is ``ignore_index`` adds nothing and gets a zero gradient.
 
     Backward recomputes each block's log-softmax instead of saving it (the fp32 values stock
-    autograd saves are the memory this saves; the recomputation is memory traffic, about 8 ms a
-    step at Llama-3-8B's 8192 x 128256 on an H100 by the profiler's cost model, against a
-    predicted step 0.1 s shorter) and runs torch's own log-softmax backward on the gradient
+    autograd saves are the memory this saves; the recomputation is memory traffic, 8 ms of
+    predicted compute a step at Llama-3-8B's 8192 x 128256 on an H100, 1.055 -> 1.063 s, counted
+    in the predicted steps above) and runs torch's own log-softmax backward on the gradient
     ``nll_loss`` would give it: the stock gradient to the bit (tested on CPU). The fp32 copy of
     each block, rather than ``log_softmax(..., dtype=float32)`` on the bf16 logits, keeps the
     stock kernel and its summation order. (``exp`` and a product by hand differ in the last bit
