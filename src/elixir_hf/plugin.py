@@ -59,6 +59,12 @@ class ElixirPlugin:
     planner keeps more optimizer state on the GPU. A loss function the user set is kept. ``False``:
     the stock loss."""
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.lean_loss, bool):
+            raise ElixirSpecError(
+                f"ElixirPlugin.lean_loss must be true or false, got {self.lean_loss!r} ({type(self.lean_loss).__name__})"
+            )
+
     # ------------------------------------------------------------------ parsing
     @classmethod
     def from_spec(cls, spec: "str | dict | ElixirPlugin | None", source: str = "--elixir") -> "ElixirPlugin | None":
@@ -110,19 +116,17 @@ class ElixirPlugin:
     def _built(cls, source: str, plan: ElixirPlan | None = None, plan_model: dict[str, Any] | None = None,
                lean_loss: bool = True, **kwargs: Any) -> "ElixirPlugin":
         """``kwargs``: the spec keys (``_SPEC_KEYS``); ``loss_scale`` is an object of ``LossScaleConfig`` fields."""
-        if not isinstance(lean_loss, bool):
-            raise ElixirSpecError(f"{source}: lean_loss must be true or false, got {lean_loss!r} ({type(lean_loss).__name__})")
         loss_scale = kwargs.pop("loss_scale", {})
         if not isinstance(loss_scale, dict):
             raise ElixirSpecError(f"{source}: loss_scale must be an object such as {{\"init_scale\": 1024}}, got {loss_scale!r}")
         unknown = set(loss_scale) - _LOSS_SCALE_KEYS
         if unknown:
             raise ElixirSpecError(f"{source}: unknown loss_scale key(s) {sorted(unknown)}; valid keys: {sorted(_LOSS_SCALE_KEYS)}")
-        try:  # the config's own checks (ConfigError), one copy of each rule
+        try:  # the config's and the plugin's own checks, one copy of each rule
             config = ElixirConfig(loss_scale=LossScaleConfig(**loss_scale), **kwargs)
+            return cls(config=config, plan=plan, plan_model=plan_model, lean_loss=lean_loss)
         except ValueError as exc:
             raise ElixirSpecError(f"{source}: {exc}") from exc
-        return cls(config=config, plan=plan, plan_model=plan_model, lean_loss=lean_loss)
 
     @classmethod
     def _from_plan(cls, data: dict, source: str) -> "ElixirPlugin":
