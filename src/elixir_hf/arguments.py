@@ -44,8 +44,9 @@ class ElixirTrainingArguments(TrainingArguments):
     elixir: dict | str | None = field(
         default=None,
         metadata={
-            "help": "Train with the Elixir engine: 'auto', 'off', a JSON object of ElixirConfig fields, or a .json "
-            f"file (settings or a saved elixir_plan.json). Unset: the {ENV_VAR} environment variable, else off.",
+            "help": "Train with the Elixir engine: 'auto', 'off', a JSON object of ElixirConfig fields (and "
+            f"lean_loss), or a .json file (settings or a saved elixir_plan.json). Unset: the {ENV_VAR} environment "
+            "variable, else off.",
             "nargs": "?",
             "const": "auto",
         },

@@ -39,6 +39,7 @@ from elixir_runtime.hardware.load import ENV_HARDWARE, SHIPPED
 from elixir_runtime.search import Budget
 from elixir_runtime.search.auto import search_model
 
+from .loss import use_lean_loss
 from .presets import PRESETS, canonical_name
 
 __all__ = ["main", "PRESETS", "parse_size", "build_meta_model"]
@@ -139,6 +140,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device-lane", choices=tuple(DEVICE_LANE_WORDS), default="off",
                    help="the device update lane (ElixirConfig.device_assisted_update): off (default), on, or auto "
                         "(kept where the predicted step is shorter)")
+    p.add_argument("--stock-loss", "--stock_loss", dest="lean_loss", action="store_false",
+                   help="plan for transformers' own causal-LM loss (--elixir '{\"lean_loss\": false}'); default: the "
+                        "lean loss an Elixir run installs (elixir_hf/loss.py), without fp32 copies of the logits")
     p.add_argument("--exact", action="store_true", help="trace every block instead of replaying identical ones")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     p.add_argument("--plot", help="write placement and memory budget as a PNG")
@@ -199,6 +203,8 @@ def plan_report(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     config = model_config(args.model, args.seq_len)
     model = build_meta_model(config, dtype, args.ac)
+    if args.lean_loss:  # as build_engine does
+        use_lean_loss(model)
     build_s = time.perf_counter() - t0
     units = find_units(model, None)
     ids = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long, device="meta")

@@ -16,6 +16,7 @@ from torch import nn
 import elixir_runtime
 from elixir_runtime import ElixirOptimizer
 
+from .loss import use_lean_loss
 from .plugin import ElixirPlugin, ElixirSpecError, describe_model
 
 __all__ = ["build_engine", "check_launch", "clips_grads", "example_batch", "has_engine", "whole_model"]
@@ -45,8 +46,9 @@ def build_engine(
     args: Any | None = None,
     grad_accum_steps: int | None = None,
 ) -> ElixirOptimizer:
-    """Checks the plan file (if any), then ``elixir_runtime.prepare``s the model in place and
-    prints the plan as a table, once, on rank 0.
+    """Checks the plan file (if any), gives the model the lean causal-LM loss (``plugin.lean_loss``;
+    before the engine traces a training step, so the plan counts that loss's memory), then
+    ``elixir_runtime.prepare``s the model in place and prints the plan as a table, once, on rank 0.
 
     ``batch`` (one training batch) lets the engine order chunks by first use in forward.
     ``args`` (the ``TrainingArguments``, if any) tells the planner whether the loop clips
@@ -54,6 +56,8 @@ def build_engine(
     Trainer's or Accelerator's micro-batches per step (``ElixirConfig.grad_accum_steps``).
     """
     plugin.check_model(model)
+    if plugin.lean_loss:
+        use_lean_loss(model)
     config = dataclasses.replace(plugin.config, device=device)
     if args is not None:
         config = dataclasses.replace(config, clips_grads=clips_grads(args))

@@ -54,6 +54,20 @@ def test_preset_plan_as_json(capsys, hardware) -> None:
     assert set(doc["timings"]) == {"build_s", "profile_s", "search_s"}
 
 
+def test_plans_for_the_lean_loss_unless_told_otherwise(capsys, hardware) -> None:
+    """As an Elixir run installs it (``elixir_hf/loss.py``): GPT-2 at 4 x 256 tokens (vocab 50257, one
+    fp32 copy of the logits 206 MB) profiles a peak lower by more than 1.25 such copies than with
+    ``--stock-loss`` (the stock loss holds 3 in backward, the lean one the bf16 logits, their gradient
+    and 3/8 of a copy; 641 -> 333 MB observed)."""
+    peaks = []
+    for extra in ((), ("--stock-loss",)):
+        code, out, _ = _run(capsys, "--model", "gpt2", "--batch-size", "4", "--seq-len", "256", "--hardware", hardware,
+                            "--json", *extra)
+        assert code == 0
+        peaks.append(json.loads(out)["profile"]["activation_peak"])
+    assert peaks[1] - peaks[0] > 1.25 * 4 * 256 * 50257 * 4, peaks
+
+
 def test_the_issue_example_prints_tables_and_a_png(capsys, hardware, tmp_path) -> None:
     png = tmp_path / "plan.png"
     code, out, _ = _run(capsys, "--model", "gpt2-10b", "--seq-len", "1024", "--batch-size", "8", "--gpus", "2",
@@ -128,6 +142,7 @@ def test_cli_and_auto_make_the_same_plan_from_the_same_profile(capsys, tmp_path,
     with the same profile and memory give the same plan."""
     import elixir_runtime.search.auto as auto
     from elixir_hf.cli import build_meta_model, model_config
+    from elixir_hf.loss import use_lean_loss
     from elixir_runtime.chunk.collectives import Collectives
     from elixir_runtime.config import ElixirConfig
     from elixir_runtime.plan import plan_model
@@ -144,6 +159,7 @@ def test_cli_and_auto_make_the_same_plan_from_the_same_profile(capsys, tmp_path,
     monkeypatch.setenv("ELIXIR_HARDWARE", "h100")
     monkeypatch.setattr(auto, "device_budget", lambda device, act, buffers, ranks: Budget(gpu, act, buffers, host, ranks))
     model = build_meta_model(model_config(_tiny_config(tmp_path), 128), torch.bfloat16, checkpointing=True)
+    use_lean_loss(model)  # as build_engine does before prepare
     units = find_units(model, None)
     ids = torch.zeros(2, 128, dtype=torch.long, device="meta")
     config, cuda = ElixirConfig(dtype="bf16", device_assisted_update="auto"), torch.device("cuda")

@@ -3,7 +3,8 @@
 20 optimizer steps of gradient accumulation 2 (40 micro-batches), clipping active
 (max_grad_norm 0.5 < the typical norm), evaluation every 5 steps. Tolerance: relative 1e-5 on
 every logged training loss, grad norm and eval loss (fp32 on CPU; the two runs differ only in
-summation order inside Adam and the norm, ~1e-7 observed).
+summation order inside Adam, the norm and the loss: ElixirTrainer computes it with the lean
+causal-LM loss, ``elixir_hf/loss.py``; ~1e-7 observed).
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import json
 import math
 
 import pytest
+from transformers.loss.loss_utils import ForCausalLMLoss
 
+from elixir_hf.loss import lean_causal_lm_loss
 from hf_cases import OFFLOAD_PLAN, history, make_trainer, training_args
 
 RTOL = 1e-5
@@ -38,6 +41,7 @@ def test_losses_match_stock_trainer(tmp_path, model: str, elixir: str) -> None:
     ours.train()
 
     assert hasattr(ours.model, "_elixir") and not hasattr(stock.model, "_elixir")
+    assert ours.model.loss_function is lean_causal_lm_loss and stock.model.loss_function is ForCausalLMLoss
     assert len(history(ours, "loss")) == 20
     for key in ("loss", "grad_norm", "eval_loss", "learning_rate"):
         _assert_close(history(ours, key), history(stock, key), key)
