@@ -56,7 +56,7 @@ def setup(args: argparse.Namespace) -> Context:
         else:
             dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     return Context(dev, world, rank, seq=args.seq, ds_pin=bool(args.ds_pin), threads=args.threads, clip=bool(args.clip),
-                   skip_nonfinite=bool(args.skip_nonfinite), device_lane=args.device_lane)
+                   skip_nonfinite=bool(args.skip_nonfinite), device_lane=args.device_lane, lean_loss=bool(args.lean_loss))
 
 
 def gpu_peaks(dev: torch.device) -> dict[str, float]:
@@ -233,6 +233,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--skip-nonfinite", type=int, default=1, choices=(0, 1), help="ElixirConfig.skip_nonfinite")
     ap.add_argument("--device-lane", default="off", choices=("off", "on", "auto"), help="ElixirConfig.device_assisted_update")
     ap.add_argument("--clip", type=int, default=1, choices=(0, 1), help=f"clip gradients to a global norm of {MAX_GRAD_NORM}")
+    ap.add_argument("--lean-loss", type=int, default=1, choices=(0, 1), help="Elixir's model gets the lean causal-LM loss")
     return ap.parse_args(argv)
 
 

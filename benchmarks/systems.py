@@ -49,6 +49,9 @@ class Context:
     step, a host sync before the update, so the offloaded chunks' CPU Adam starts after backward."""
     device_lane: str = "off"
     """Elixir's device update lane (``ElixirConfig.device_assisted_update``: ``auto``, ``on``, ``off``)."""
+    lean_loss: bool = True
+    """Elixir's model gets the lean causal-LM loss, as ``ElixirTrainer`` installs it by default
+    (``elixir_hf.loss``; ``--lean-loss``); the baselines keep transformers' own."""
 
 
 @dataclass
@@ -81,6 +84,7 @@ def _adamw(params, fused: bool) -> torch.optim.AdamW:
 def _elixir(p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
     """Auto plan for this batch: the planner sizes rCache and offload against the batch's activations."""
     import elixir_runtime as er
+    from elixir_hf.loss import use_lean_loss
     from elixir_runtime.optim.threads import cpu_adam_threads
 
     # bf16 host weights: half the RAM and copy time of fp32; the engine keeps fp32 masters itself.
@@ -99,6 +103,8 @@ def _elixir(p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
     config = er.ElixirConfig(mode="auto", dtype="bf16", device=ctx.device, clips_grads=ctx.clip, cpu_threads=cpu_threads,
                              skip_nonfinite=ctx.skip_nonfinite,
                              device_assisted_update=er.config.DEVICE_LANE_WORDS[ctx.device_lane])
+    if ctx.lean_loss:
+        use_lean_loss(model)
     model, opt = er.prepare(model, _adamw(model.parameters(), fused=False), config, example_batch=batch)
     plan = model._elixir.plan
     print(plan.table(), flush=True)
@@ -113,7 +119,8 @@ def _elixir(p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
         info["runtime_stats"] = dict(opt.runtime.stats)  # totals since prepare: gathers, elements each update lane took
         return loss
 
-    info = {"optimizer": "ElixirOptimizer(AdamW)", "cpu_threads": opt.cpu_threads, "skip_nonfinite": ctx.skip_nonfinite, "device_lane": ctx.device_lane, "plan": plan_summary(plan),
+    info = {"optimizer": "ElixirOptimizer(AdamW)", "cpu_threads": opt.cpu_threads, "skip_nonfinite": ctx.skip_nonfinite, "device_lane": ctx.device_lane,
+            "lean_loss": ctx.lean_loss, "plan": plan_summary(plan),
             "plan_batch": len(example_ids)}
     return Trainer(step, info)
 

@@ -58,7 +58,7 @@ def worker_command(args: argparse.Namespace, system: str, model: str, batch_size
     worker = ["-m", "benchmarks._worker", "--system", system, "--model", model,
               "--batch-sizes", ",".join(map(str, batch_sizes)), "--steps", str(args.steps), "--warmup", str(args.warmup),
               "--seq", str(args.seqs[model]), "--clip", str(args.clip), "--device", args.device, "--threads", str(args.threads), "--ds-pin", str(args.ds_pin),
-              "--skip-nonfinite", str(args.skip_nonfinite), "--device-lane", args.device_lane]
+              "--skip-nonfinite", str(args.skip_nonfinite), "--device-lane", args.device_lane, "--lean-loss", str(args.lean_loss)]
     if args.gpus == 1:
         return [sys.executable, *worker]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}", *worker]
@@ -171,6 +171,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="Elixir's device update lane (ElixirConfig.device_assisted_update): the GPU updates part of the offloaded chunks")
     ap.add_argument("--skip-nonfinite", type=int, default=1, choices=(0, 1),
                     help="Elixir's non-finite step check (ElixirConfig.skip_nonfinite, on by default): a host sync per step")
+    ap.add_argument("--lean-loss", type=int, default=1, choices=(0, 1),
+                    help="Elixir's model gets the lean causal-LM loss, as ElixirTrainer installs it by default "
+                         "(elixir_hf.loss); the baselines keep transformers' own")
     ap.add_argument("--worker-timeout", type=float, default=420, help="seconds per worker process")
     args = ap.parse_args(argv)
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.gpus)
