@@ -62,9 +62,13 @@ def setup(args: argparse.Namespace) -> Context:
 def gpu_peaks(dev: torch.device) -> dict[str, float]:
     if dev.type != "cuda":
         return {"gpu_alloc_peak_GiB": 0.0, "gpu_reserved_peak_GiB": 0.0}
+    stats = torch.cuda.memory_stats(dev)
     return {
         "gpu_alloc_peak_GiB": torch.cuda.max_memory_allocated(dev) / GIB,
         "gpu_reserved_peak_GiB": torch.cuda.max_memory_reserved(dev) / GIB,
+        # the caching allocator freed its cache and retried a cudaMalloc: a device sync each, a
+        # step slower than its plan for want of GPU memory headroom
+        "gpu_alloc_retries": stats.get("num_alloc_retries", 0),
     }
 
 
