@@ -20,7 +20,7 @@ from .checkpoint import ModelStateHooks
 from .chunk.collectives import Collectives
 from .chunk.source import WeightSource, unmeta_parameters, weight_source
 from .config import ElixirConfig
-from .gpu_limit import limit_gpu_memory
+from .gpu_limit import expandable_segments, limit_gpu_memory
 from .optim.device_lane import DeviceLane
 from .optim.optimizer import ElixirOptimizer
 from .optim.threads import cpu_adam_threads
@@ -73,9 +73,11 @@ def prepare(
 
     units = find_units(model, config.unit_classes)
     _limit_gpu_memory(device, config.gpu_memory)
+    # gradient shards come and go during each backward (chunk/store.py): page-mapped segments keep that from fragmenting
+    expandable = device.type == "cuda" and expandable_segments()
     search = None
     if config.mode == "auto" and device.type == "cuda":
-        order, search = auto_plan(model, units, example_batch, config, device, dtype, coll)
+        order, search = auto_plan(model, units, example_batch, config, device, dtype, coll, grads_share_activations=expandable)
     else:
         order = coll.decided_by_rank0(lambda: trace_unit_order(model, units, example_batch, dtype, device), device)
     table = param_table(model, units, order)

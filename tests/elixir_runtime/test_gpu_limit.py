@@ -125,3 +125,19 @@ def test_prepare_on_a_gpu_holds_the_allocator_to_the_cap() -> None:
             torch.empty(cap, dtype=torch.uint8, device=device)
     finally:
         torch.cuda.set_per_process_memory_fraction(before, device)
+
+
+def test_expandable_segments_follow_the_users_allocator_settings(monkeypatch) -> None:
+    """The user's PYTORCH_CUDA_ALLOC_CONF decides; otherwise they are turned on (a setter call)."""
+    from elixir_runtime import gpu_limit
+
+    calls = []
+    monkeypatch.setattr(gpu_limit.torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128,expandable_segments:False")
+    assert gpu_limit.expandable_segments() is False and calls == []
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert gpu_limit.expandable_segments() is True and calls == []
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert gpu_limit.expandable_segments() is True and calls == ["expandable_segments:True"]
+

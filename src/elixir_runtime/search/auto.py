@@ -46,8 +46,10 @@ def auto_plan(
     device: torch.device,
     dtype: torch.dtype,
     coll: Collectives,
+    grads_share_activations: bool = True,
 ) -> tuple[list[int], SearchResult]:
-    """(unit indices in first-use order, the search's choice), identical on every rank."""
+    """(unit indices in first-use order, the search's choice), identical on every rank;
+    ``grads_share_activations``: ``SearchSettings.grads_share_activations``."""
     busbw = collective_busbw(coll, device, dtype) if coll.world_size > 1 else None
     hardware = job_hardware(coll, device, config.cpu_threads)
 
@@ -56,7 +58,8 @@ def auto_plan(
 
     def decide() -> tuple[list[int], SearchResult]:
         order, result, _ = search_model(
-            model, units, example_batch, config, device, dtype, coll.world_size, hardware, budget, busbw=busbw
+            model, units, example_batch, config, device, dtype, coll.world_size, hardware, budget, busbw=busbw,
+            grads_share_activations=grads_share_activations,
         )
         return order, result
 
@@ -75,6 +78,7 @@ def search_model(
     budget_of: Callable[[ModelProfile], Budget],
     *,
     busbw: float | None = None,
+    grads_share_activations: bool = True,
     exact: bool = False,
 ) -> tuple[list[int], SearchResult, ModelProfile]:
     """(unit indices in first-use order, the search's choice, the profile) for ``model`` trained on
@@ -84,8 +88,8 @@ def search_model(
     budget = budget_of(profile)
     if batch is None:
         budget.activations = int(UNPROFILED_ACTIVATION_SHARE * budget.capacity / F_FRAG)
-    settings = SearchSettings(world_size, dtype, config, busbw=busbw,
-                              device_lane=device_lane_wanted(config, device))
+    settings = SearchSettings(world_size, dtype, config, busbw=busbw, device_lane=device_lane_wanted(config, device),
+                              grads_share_activations=grads_share_activations)
     result = search(param_table(model, units, order), profile, hardware, budget, settings)
     result.notes.insert(0, f"hardware: {hardware.device}, {hardware.source}")
     result.notes.insert(1, f"profile: {profile.seconds:.2f} s; activation peak at {profile.peak_at}")

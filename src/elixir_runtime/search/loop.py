@@ -56,6 +56,9 @@ class SearchSettings:
     device_lane: bool = False
     """The GPU helps update offloaded chunks (``ElixirConfig.device_assisted_update`` resolved for the
     device: ``config.device_lane_wanted``): its staging memory and its rate enter the plan."""
+    grads_share_activations: bool = True
+    """The allocator lets the GPU's gradient shards reuse the memory the loss's activations free
+    (expandable segments, ``gpu_limit.expandable_segments``); otherwise all of them are counted."""
 
     @property
     def micro_batches(self) -> int:
@@ -124,7 +127,8 @@ def search(
             alignment=settings.config.alignment,
         )
     work = _unit_work(table)
-    window = grad_window(budget.activations, profile.late_peak, profile.head_params, budget.f_alloc, budget.f_frag,
+    late_peak = profile.late_peak if settings.grads_share_activations else None
+    window = grad_window(budget.activations, late_peak, profile.head_params, budget.f_alloc, budget.f_frag,
                          settings.micro_batches)
     evaluated = [_evaluate(c, table, profile, rates, budget, settings, window, work) for c in sizes]
     fitting = [e for e in evaluated if e.placement is not None]

@@ -36,3 +36,23 @@ def test_device_grads_beyond_the_slack_or_the_heads(slack: int) -> None:
         assert every.grads(on_device) == g_all
         assert mem.grads(on_device) == max(g_head, g_all - slack)
         assert mem.device(2, on_device) - every.device(2, on_device) == mem.grads(on_device) - g_all
+
+
+def test_the_search_uses_the_window_only_where_gradients_share_activations() -> None:
+    """Without expandable segments (``SearchSettings.grads_share_activations``) or with gradient
+    accumulation, every gradient shard of the GPU counts beside the activations."""
+    import dataclasses
+
+    from elixir_runtime.config import ElixirConfig
+    from elixir_runtime.search import Budget, SearchSettings, search
+    from search_cases import GIB, gpu_host, profiled
+
+    _, table, profile = profiled("llama", n_layer=4, batch=4, seq=64, vocab=4096)
+    assert profile.late_peak is not None and profile.late_peak < profile.activation_peak
+    budget = Budget(capacity=GIB, activations=profile.activation_peak, buffers=0, host_capacity=64 * GIB)
+    settings = SearchSettings(1, BF16, ElixirConfig(offload=0.5))
+    shared = search(table, profile, gpu_host(), budget, settings).grad_window
+    assert shared.slack > 0 and "lm_head.weight" in shared.head
+    for other in (dataclasses.replace(settings, grads_share_activations=False),
+                  SearchSettings(1, BF16, ElixirConfig(offload=0.5, grad_accum_steps=2))):
+        assert search(table, profile, gpu_host(), budget, other).grad_window == GradWindow()
