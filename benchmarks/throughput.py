@@ -8,6 +8,8 @@
 ``--model``: GPT-2 presets (seq 1024), ``llama3-8b``/``qwen2.5-7b`` (seq 2048) or any HF decoder's
 ``config.json`` / model folder, random init. ``--clip 1`` (default) clips every system's gradients to a
 global norm of 1.0, as the HF Trainer does by default; ``--clip 0`` does not (the older GPT-2 rows).
+``--lean-loss 1`` (default) gives Elixir's model the lean causal-LM loss, as ``ElixirTrainer`` does
+(``elixir_hf/loss.py``); the baselines keep transformers' own (recorded as ``info.lean_loss``).
 
 Each system runs in its own worker process (torchrun for several GPUs), so an OOM, a hang or a
 host OOM-kill of one cannot take down the others; a worker past ``--worker-timeout`` is killed
