@@ -154,8 +154,8 @@ def use_lean_loss(model: nn.Module) -> list[str]:
             installed.append(type(m).__name__)
     if installed:
         logger.info(
-            "%s: transformers' ForCausalLMLoss replaced by elixir_hf.loss.lean_causal_lm_loss (same value; saves "
-            "the logits in their dtype and an fp32 logsumexp per row for backward instead of fp32 copies of the "
-            "logits); --elixir '{\"lean_loss\": false}' keeps the stock loss", ", ".join(installed),
+            "%s: transformers' ForCausalLMLoss replaced by elixir_hf.loss.lean_causal_lm_loss (same value; keeps "
+            "the logits in their dtype and the targets for backward, which recomputes each block's log-softmax, "
+            "instead of fp32 copies of the logits); --elixir '{\"lean_loss\": false}' keeps the stock loss", ", ".join(installed),
         )
     return installed

@@ -39,7 +39,7 @@ import torch
 from .host_memory import empty_host
 from .layout import ChunkLayout, ChunkSpec, GroupRange, Slot
 
-__all__ = ["Residence", "ShardArenas", "build_arenas", "casts_on_gather", "write_param", "shard_overlap"]
+__all__ = ["Residence", "ShardArenas", "build_arenas", "casts_on_gather", "grads_on_demand", "write_param", "shard_overlap"]
 
 Residence = Literal["device", "host"]
 """Where a chunk's shard and optimizer state live (the search's ``Placement`` chooses it per chunk)."""
@@ -49,6 +49,12 @@ def casts_on_gather(placement: Residence, dtype: torch.dtype) -> bool:
     """Whether trainable shards of this placement keep no compute-dtype copy and gathers cast their
     fp32 master instead: on the device, in mixed precision (see the module docstring)."""
     return placement == "device" and dtype != torch.float32
+
+
+def grads_on_demand(placement: Residence) -> bool:
+    """Whether gradient shards of this placement are allocated per chunk at its first reduction of
+    a step and freed by ``zero_grad`` rather than kept in an arena: on the device (module docstring)."""
+    return placement == "device"
 
 
 @dataclass(eq=False)
@@ -132,7 +138,7 @@ def build_arenas(
             where,
             device,
             param=param,
-            grad=alloc(0 if where == "device" else trainable, dtype),
+            grad=alloc(0 if grads_on_demand(where) else trainable, dtype),
             master=master,
             exp_avg=alloc(trainable, torch.float32),
             exp_avg_sq=alloc(trainable, torch.float32),

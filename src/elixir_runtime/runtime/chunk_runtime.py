@@ -37,7 +37,7 @@ from ..chunk.collectives import Collectives
 from ..chunk.layout import ChunkLayout, ChunkSpec
 from ..chunk.rcache import Buffer, RCache
 from ..chunk.schedule import AccessSchedule
-from ..chunk.store import Residence, ShardArenas, build_arenas
+from ..chunk.store import Residence, ShardArenas, build_arenas, grads_on_demand
 from .host_updates import HostUpdates, Lane
 from .lockstep import Lockstep
 
@@ -151,7 +151,7 @@ class ChunkRuntime:
         for c in self.chunks:
             if c.spec.private:
                 c.buffer = self.rcache.private_buffer(c.spec.numel, dtype, device)
-            if c.spec.trainable and c.shards.placement == "host":
+            if c.spec.trainable and not grads_on_demand(c.shards.placement):
                 c.grad = c.shards.grad[c.offset : c.offset + c.shard_numel]
         self.trainable = [c for c in self.chunks if c.spec.trainable]
         self._norm_parts: list[torch.Tensor] = []
@@ -332,7 +332,7 @@ class ChunkRuntime:
         that plan let them use memory the activations now need too (``search/memory.py``)."""
         if not self.backward_pending and self.warn_accumulation:
             held = sum(c.grad.numel() * c.grad.element_size() for c in self.trainable
-                       if c.has_grad and c.grad is not None and c.shards.placement == "device")
+                       if c.has_grad and c.grad is not None and grads_on_demand(c.shards.placement))
             if held:
                 self.warn_accumulation = False
                 warnings.warn(
@@ -466,7 +466,7 @@ class ChunkRuntime:
         for c in self.trainable:
             c.grad_fresh = True
             c.has_grad = False
-            if c.shards.placement == "device":
+            if grads_on_demand(c.shards.placement):
                 c.grad = None
         self._norm_parts = []
         self._norm_from_shards = False

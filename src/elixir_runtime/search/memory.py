@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..chunk.layout import ChunkLayout
-from ..chunk.store import Residence, casts_on_gather
+from ..chunk.store import Residence, casts_on_gather, grads_on_demand
 
 __all__ = [
     "ArenaBytes", "GradWindow", "grad_window", "trainable_bytes_per_element", "LANE_SLICE", "LANE_DEPTH", "lane_numel",
@@ -61,7 +61,7 @@ def trainable_bytes_per_element(dtype: torch.dtype, placement: Residence) -> int
     and an fp32 master unless it is the param (fp32)."""
     elt = torch.empty((), dtype=dtype).element_size()
     param = 0 if casts_on_gather(placement, dtype) else elt
-    grad = elt if placement == "host" else 0
+    grad = 0 if grads_on_demand(placement) else elt
     return param + grad + 8 + (0 if dtype == torch.float32 else 4)
 
 
