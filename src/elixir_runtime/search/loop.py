@@ -311,7 +311,7 @@ def _no_fit_message(evaluated: list[_Evaluated], profile: ModelProfile, budget: 
     if host_bound:
         lines.append(
             f"The model states take {gib(states)} in all ({n} rank(s)); the host takes at most {gib(budget.host_allowed)} "
-            f"per rank ({budget.f_alloc} x {gib(budget.host_capacity)} over {budget.ranks_per_host} rank(s))."
+            f"per rank ({budget.f_host} x {gib(budget.host_capacity)} over {budget.ranks_per_host} rank(s))."
         )
     fixes = []
     headroom = (budget.capacity - budget.buffers - device_need / budget.f_alloc) / budget.f_frag
@@ -323,7 +323,7 @@ def _no_fit_message(evaluated: list[_Evaluated], profile: ModelProfile, budget: 
     if not profile.ac_regions:
         fixes.append("activation checkpointing (model.gradient_checkpointing_enable())")
     room = allowed - fixed
-    host_total = budget.f_alloc * budget.host_capacity * n / budget.ranks_per_host
+    host_total = budget.f_host * budget.host_capacity * n / budget.ranks_per_host
     if room > 0:
         gpus = -(-(states - host_total) // room) if states > host_total else n + 1
         fixes.append(f"at least {max(int(gpus), n + 1)} GPUs on this host (each rank holds 1/N of every chunk's states)")
@@ -332,6 +332,6 @@ def _no_fit_message(evaluated: list[_Evaluated], profile: ModelProfile, budget: 
             f"GPUs with more memory: the rCache minimum and the private blocks alone need {gib(fixed)} per rank"
         )
     if host_bound or room > 0:
-        host_need_total = (states - max(room, 0) * n) / budget.f_alloc
+        host_need_total = (states - max(room, 0) * n) / budget.f_host
         fixes.append(f"host RAM of at least {gib(host_need_total)} for these {n} rank(s)")
     return "\n".join(lines) + "\nTo make it fit: " + "; or ".join(fixes) + "."

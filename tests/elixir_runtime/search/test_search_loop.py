@@ -12,6 +12,7 @@ from elixir_runtime.chunk.layout import build_layout
 from elixir_runtime.config import ElixirConfig, PlanError
 from elixir_runtime.plan import ElixirPlan, _count_memory, plan_model
 from elixir_runtime.search import Budget, SearchSettings, search
+from elixir_runtime.search.budget import F_ALLOC, F_HOST
 from elixir_runtime.search.candidates import chunk_size_candidates
 from elixir_runtime.hardware.profile import CpuAdamRate
 from helpers.models import make_batch
@@ -167,8 +168,8 @@ def test_nothing_fits_says_why_and_what_would_fit(gpt2) -> None:
     with pytest.raises(PlanError) as info:
         search(table, profile, gpu_host(), budget, _settings())
     text = str(info.value)
-    assert "no plan fits" in text and "U_allowed = 0.95 x" in text and "To make it fit" in text
-    assert "host RAM of at least" in text and "more memory" in text
+    assert "no plan fits" in text and f"U_allowed = {F_ALLOC} x" in text and "To make it fit" in text
+    assert "host RAM of at least" in text and "more memory" in text and f"({F_HOST} x " in text
 
 
 def test_activations_alone_too_large() -> None:
