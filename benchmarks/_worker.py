@@ -130,7 +130,8 @@ def measure(trainer: Trainer, ctx: Context, bs: int, args: argparse.Namespace, s
 
 
 def combine(parts: list[dict[str, Any]], base: dict[str, Any], params: int) -> dict[str, Any]:
-    """Rank 0's record: the slowest rank's step times, GPU peaks of the worst rank, host RSS summed over ranks."""
+    """Rank 0's record: the slowest rank's step times, GPU peaks of the worst rank, host RSS and the
+    caching allocator's retries summed over ranks."""
     rec = dict(base)
     failed = [p for p in parts if p["status"] != "ok"]
     if failed:
@@ -152,6 +153,7 @@ def combine(parts: list[dict[str, Any]], base: dict[str, Any], params: int) -> d
     for key in ("gpu_alloc_peak_GiB", "gpu_reserved_peak_GiB", "host_used_peak_GiB"):
         rec[key] = max(p[key] for p in parts)
     rec["host_rss_peak_GiB"] = sum(p["host_rss_peak_GiB"] for p in parts)
+    rec["gpu_alloc_retries"] = sum(p.get("gpu_alloc_retries", 0) for p in parts)
     rec["host_rss_peak_per_rank_GiB"] = [p["host_rss_peak_GiB"] for p in parts]
     rec["host_rss_start_GiB"] = sum(p["host_rss_start_GiB"] for p in parts)
     predicted = (rec.get("info") or {}).get("plan", {}).get("predicted_step_s")

@@ -87,13 +87,14 @@ def test_combine_takes_slowest_rank_and_sums_host_rss() -> None:
     part = {"status": "ok", "loss": 10.0, "gpu_alloc_peak_GiB": 5.0, "gpu_reserved_peak_GiB": 6.0, "host_used_peak_GiB": 90.0}
     parts = [dict(part, step_times_s=[1.0, 2.0, 1.0], host_rss_peak_GiB=40.0, host_rss_start_GiB=1.5),
              dict(part, step_times_s=[1.5, 1.0, 1.2], host_rss_peak_GiB=41.0, host_rss_start_GiB=1.5,
-                  gpu_alloc_peak_GiB=7.0)]
+                  gpu_alloc_peak_GiB=7.0, gpu_alloc_retries=3)]
     base = {"system": "fsdp2_offload", "batch": 4, "seq": 1024, "gpus": 2}
     rec = combine(parts, base, params=10**9)
     assert rec["step_times_s"] == [1.5, 2.0, 1.2] and rec["step_s"] == 1.5
     assert rec["tflops"] == pytest.approx(8e9 * 4 * 1024 / 1.5 / 1e12)
     assert rec["tokens_per_s"] == pytest.approx(2 * 4 * 1024 / 1.5)
     assert rec["host_rss_peak_GiB"] == 81.0 and rec["gpu_alloc_peak_GiB"] == 7.0
+    assert rec["gpu_alloc_retries"] == 3  # a rank's retries reach the record
     assert report._added_rss(rec) == 78.0  # what the system holds beyond the bare processes
     parts[1] = dict(parts[1], status="OOM", error="CUDA out of memory")
     assert combine(parts, base, params=10**9)["status"] == "OOM"
