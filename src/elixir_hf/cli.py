@@ -317,6 +317,22 @@ def _alternatives_table(plan: ElixirPlan, budget: Budget) -> str:
     return "\n".join(lines)
 
 
+def memory_bars(plan: ElixirPlan, budget: Budget) -> list[tuple[str, int, str]]:
+    """(label, bytes, colour) of the plot's GPU bar, left to right: everything the plan's
+    ``device_bytes`` counts (what ``U_allowed`` bounds), then the activation budget and buffers.
+    Gradient shards count beyond the activation memory freed under them (``memory["device_grads"]``)."""
+    parts = [
+        ("rCache", plan.memory.get("rcache", 0), "tab:blue"),
+        ("private blocks", plan.memory.get("private", 0), "tab:purple"),
+        ("GPU-resident shards", plan.memory.get("device_shards", 0), "tab:green"),
+        ("their gradients beyond the activations' slack", plan.memory.get("device_grads", 0), "tab:olive"),
+        ("device-lane staging", plan.memory.get("lane_staging", 0), "tab:cyan"),
+        (f"activations x {budget.f_frag}", int(budget.f_frag * plan.memory.get("activations", 0)), "tab:orange"),
+        ("buffers", plan.memory.get("buffers", 0), "tab:gray"),
+    ]
+    return [part for part in parts if part[1] > 0]
+
+
 def plot_plan(plan: ElixirPlan, budget: Budget, path: str, title: str = "") -> None:
     """Two panels: the GPU memory budget of one rank, and where every chunk lives."""
     import matplotlib
@@ -325,15 +341,8 @@ def plot_plan(plan: ElixirPlan, budget: Budget, path: str, title: str = "") -> N
     import matplotlib.pyplot as plt
 
     fig, (mem_ax, chunk_ax) = plt.subplots(2, 1, figsize=(11, 5.5), gridspec_kw={"height_ratios": [1, 1]})
-    parts = [
-        ("rCache", plan.memory.get("rcache", 0), "tab:blue"),
-        ("private blocks", plan.memory.get("private", 0), "tab:purple"),
-        ("GPU-resident shards", plan.memory.get("device_shards", 0), "tab:green"),
-        (f"activations x {budget.f_frag}", budget.f_frag * plan.memory.get("activations", 0), "tab:orange"),
-        ("buffers", plan.memory.get("buffers", 0), "tab:gray"),
-    ]
     left = 0.0
-    for label, size, color in parts:
+    for label, size, color in memory_bars(plan, budget):
         mem_ax.barh(0, size / GIB, left=left, color=color, label=f"{label} {size / GIB:.1f}")
         left += size / GIB
     mem_ax.axvline(budget.capacity / GIB, color="black", label=f"capacity {budget.capacity / GIB:.1f}")

@@ -78,6 +78,22 @@ def test_the_issue_example_prints_tables_and_a_png(capsys, hardware, tmp_path) -
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_plot_bar_holds_everything_the_plan_puts_on_the_gpu(hardware) -> None:
+    """The model states in the picture end where the plan's device memory does (gradient shards
+    included: GPT2-10b at batch 8 keeps some beyond the activations' slack), inside U_allowed."""
+    from elixir_hf.cli import _hardware, _parser, memory_bars, plan_report
+
+    args = _parser().parse_args(["--model", "gpt2-10b", "--seq-len", "1024", "--batch-size", "8", "--gpus", "2",
+                                 "--gpu-mem", "80GiB", "--host-mem", "256GiB", "--hardware", hardware])
+    args.hardware_profile, args.hardware_note = _hardware(hardware)
+    report = plan_report(args)
+    plan, budget = report["plan"], report["budget"]
+    bars = dict((label, size) for label, size, _ in memory_bars(plan, budget))
+    assert plan.memory["device_grads"] > 0 and bars["their gradients beyond the activations' slack"] == plan.memory["device_grads"]
+    states = sum(size for label, size in bars.items() if not label.startswith(("activations", "buffers")))
+    assert states == plan.device_bytes <= budget.allowed
+
+
 def test_config_file_and_underscore_flags(capsys, hardware, tmp_path) -> None:
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
