@@ -31,7 +31,7 @@ import torch
 from elixir_runtime.config import DEVICE_LANE_WORDS, ElixirConfig, resolve_dtype
 from elixir_runtime.config import ConfigError, PlanError
 from elixir_runtime.config import parse_size as config_parse_size
-from elixir_runtime.plan import ElixirPlan, format_step_time, plan_model
+from elixir_runtime.plan import DEVICE_MEMORY, ElixirPlan, format_step_time, plan_model
 from elixir_runtime.profiler import ModelProfile
 from elixir_runtime.units import find_units, param_table
 from elixir_runtime.hardware import HardwareProfile, load_hardware
@@ -317,16 +317,22 @@ def _alternatives_table(plan: ElixirPlan, budget: Budget) -> str:
     return "\n".join(lines)
 
 
+_BARS = {
+    "rcache": ("rCache", "tab:blue"),
+    "private": ("private blocks", "tab:purple"),
+    "device_shards": ("GPU-resident shards", "tab:green"),
+    "device_grads": ("their gradients beyond the activations' slack", "tab:olive"),
+    "lane_staging": ("device-lane staging", "tab:cyan"),
+}
+"""Label and colour of each of the plan's ``DEVICE_MEMORY`` parts in the plot."""
+
+
 def memory_bars(plan: ElixirPlan, budget: Budget) -> list[tuple[str, int, str]]:
-    """(label, bytes, colour) of the plot's GPU bar, left to right: everything the plan's
-    ``device_bytes`` counts (what ``U_allowed`` bounds), then the activation budget and buffers.
-    Gradient shards count beyond the activation memory freed under them (``memory["device_grads"]``)."""
-    parts = [
-        ("rCache", plan.memory.get("rcache", 0), "tab:blue"),
-        ("private blocks", plan.memory.get("private", 0), "tab:purple"),
-        ("GPU-resident shards", plan.memory.get("device_shards", 0), "tab:green"),
-        ("their gradients beyond the activations' slack", plan.memory.get("device_grads", 0), "tab:olive"),
-        ("device-lane staging", plan.memory.get("lane_staging", 0), "tab:cyan"),
+    """(label, bytes, colour) of the plot's GPU bar, left to right: the plan's ``DEVICE_MEMORY``
+    (what ``U_allowed`` bounds; gradient shards beyond the activation memory freed under them), then
+    the activation budget and buffers. Empty parts are left out."""
+    parts = [(_BARS[k][0], plan.memory.get(k, 0), _BARS[k][1]) for k in DEVICE_MEMORY]
+    parts += [
         (f"activations x {budget.f_frag}", int(budget.f_frag * plan.memory.get("activations", 0)), "tab:orange"),
         ("buffers", plan.memory.get("buffers", 0), "tab:gray"),
     ]

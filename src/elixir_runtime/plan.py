@@ -26,7 +26,11 @@ from .search.loop import GIB, SearchResult
 from .search.memory import LANE_DEPTH, ArenaBytes, GradWindow
 from .units import ParamTable
 
-__all__ = ["ElixirPlan", "plan_model", "resolve_plan"]
+__all__ = ["DEVICE_MEMORY", "ElixirPlan", "plan_model", "resolve_plan"]
+
+DEVICE_MEMORY = ("rcache", "private", "device_shards", "device_grads", "lane_staging")
+"""The keys of ``ElixirPlan.memory`` that are GPU memory per rank for model states and rCache: what
+``device_bytes`` sums and the budget's ``U_allowed`` bounds (activations and buffers come on top)."""
 
 
 @dataclass
@@ -69,7 +73,7 @@ class ElixirPlan:
 
     @property
     def device_bytes(self) -> int:
-        return sum(self.memory.get(k, 0) for k in ("rcache", "private", "device_shards", "device_grads", "lane_staging"))
+        return sum(self.memory.get(k, 0) for k in DEVICE_MEMORY)
 
     @property
     def host_bytes(self) -> int:

@@ -13,7 +13,7 @@ what torch's allocator caches unused).
 the 78.6 GiB capacity never reserved (Llama-3-8B / Qwen2.5-7B batch 4 x 2048, the caching
 allocator's peak reserved 72.8-73.8 GiB with expandable segments), 5 % of ~70 GiB where the memory
 outside the allocator is a few hundred MiB (2 x H100 runs: 7-8 GiB never reserved). 2 % of it
-(1.4 GiB) is ~0.18 G elements of optimizer state more on the GPU, ~2 % of the Llama-3-8B step.
+(1.4 GiB) moved ~0.18 G elements of optimizer state to the GPU: 2 % off the predicted Llama-3-8B step.
 The host keeps the paper's 0.95 (``F_HOST``): pinned memory is allocated at its exact size, but
 the rest of the process (the model built on the CPU, the dataloader) lives beside it.
 """
