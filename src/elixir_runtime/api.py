@@ -96,7 +96,7 @@ def prepare(
     lane = DeviceLane(plan.device_lane, device, dtype) if plan.device_lane else None
     runtime = ChunkRuntime(
         layout, plan.placement(), plan.n_blocks, coll, device, dtype, config.prefetch, lockstep, source.value, lane,
-        grads_share_activations=search is not None and search.grad_window.slack > 0,
+        grads_share_activations=search is not None and search.grad_window.shares,
     )
     install_hooks(model, units, unit_chunks, runtime)
     model_state = ModelStateHooks(runtime, orig_dtypes)

@@ -28,7 +28,7 @@ from .recorder import Recorder
 from .timeline import BlockPlan, Cost, Region, Segment, Timeline, UnitEvent, replay
 from .trace import call_model
 
-__all__ = ["ParamInfo", "ModelProfile", "profile_model", "structural_profile", "PROFILED_BLOCKS"]
+__all__ = ["BackwardSegment", "ParamInfo", "ModelProfile", "profile_model", "structural_profile", "PROFILED_BLOCKS"]
 
 PROFILED_BLOCKS = 3
 """Blocks traced of a longer identical stack: the first, one standing for the middle, the last."""
@@ -42,6 +42,20 @@ class ParamInfo:
     used: bool
     aliases: list[str] = field(default_factory=list)
     """Every other name the same tensor is reachable under (tied weights)."""
+
+
+@dataclass
+class BackwardSegment:
+    """One segment of backward: the loss and head's, a block's, or the one after the blocks."""
+
+    peak: int
+    """Most activation bytes alive during it."""
+    params: list[str]
+    """Parameters whose gradients it produces: those first used by the forward segment it undoes."""
+
+
+_FORWARD_OF = {"head": "mid", "bwd": "fwd", "post": "pre"}
+"""The forward segment each backward segment undoes (``Timeline`` labels)."""
 
 
 @dataclass
@@ -65,13 +79,22 @@ class ModelProfile:
     """``fwd`` and ``bwd`` (the latter includes recomputation)."""
     blocks: BlockPlan | None
     seconds: float
-    late_peak: int | None = None
-    """Activation peak once backward is past the loss and head (the blocks' backward and after):
-    what is live beside the gradient shards GPU-resident chunks accumulate (``search/memory.py``);
-    ``None``: no head was found (no block stack), nothing is known to be freed."""
-    head_params: list[str] = field(default_factory=list)
-    """Parameters first used in the forward of the head and loss: their gradients arrive at the
-    activation peak."""
+    backward: list[BackwardSegment] = field(default_factory=list)
+    """Backward from the loss and head on, a segment per block: what is live beside the gradient
+    shards GPU-resident chunks accumulate as it goes (``search/memory.py``). Llama-3-8B, batch
+    4 x 2048 under AC: 6.68 GiB at the head, 4.17 at the last block, 2.24 at the first, 1.04 after
+    the blocks. Empty: no head was found (no block stack), nothing is known to be freed."""
+
+    @property
+    def late_peak(self) -> int | None:
+        """Activation peak once backward is past the loss and head; ``None``: none known."""
+        return max((b.peak for b in self.backward[1:]), default=None)
+
+    @property
+    def head_params(self) -> list[str]:
+        """Parameters first used in the forward of the head and loss: their gradients arrive at the
+        activation peak."""
+        return self.backward[0].params if self.backward else []
 
     @property
     def n_params(self) -> int:
@@ -106,6 +129,7 @@ class ModelProfile:
         d["ac_regions"] = [Region(**r) for r in d["ac_regions"]]
         d["unit_events"] = [UnitEvent(e["unit"], e["phase"], Cost(**e["before"])) for e in d["unit_events"]]
         d["compute"] = {k: Cost(**v) for k, v in d["compute"].items()}
+        d["backward"] = [BackwardSegment(**b) for b in d["backward"]]
         d["blocks"] = BlockPlan(**d["blocks"]) if d["blocks"] else None
         return cls(**d)
 
@@ -294,7 +318,10 @@ def _assemble(
     for r in replays:
         compute[r.segment.phase].add(r.segment.cost)
     head = next((r for r in replays if r.segment.label == "head"), None)
-    late = replays[replays.index(head) + 1 :] if head is not None else []
+    forward_params: dict[tuple[str, int | None], list[str]] = {}
+    for r in replays:
+        if r.segment.phase == "fwd":
+            forward_params.setdefault((r.segment.label, r.block), []).extend(r.rename(plan, n) for n in r.segment.params)
     buffers = {id(b): b for b in model.buffers()}.values()
     return ModelProfile(
         model=type(model).__name__,
@@ -314,8 +341,10 @@ def _assemble(
         compute=compute,
         blocks=plan,
         seconds=seconds,
-        late_peak=max((r.segment.peak + r.shift for r in late), default=None),
-        head_params=[r.rename(plan, n) for r in replays if r.segment.label == "mid" for n in r.segment.params],
+        backward=[
+            BackwardSegment(r.segment.peak + r.shift, forward_params.get((_FORWARD_OF.get(r.segment.label, ""), r.block), []))
+            for r in (replays[replays.index(head):] if head is not None else [])
+        ],
     )
 
 

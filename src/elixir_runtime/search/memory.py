@@ -6,13 +6,18 @@ to the parameter in fp32 runs). A trainable shard on the GPU in mixed precision 
 compute-dtype parameter (gathers cast the master), so a chunk's bytes depend on where it is.
 
 The gradient shards of GPU-resident chunks are allocated at their first reduction of a step and
-freed by ``zero_grad`` (``ChunkState.grad``): they never meet the activation peak of the loss and
-head, only what backward keeps after it (``ModelProfile.late_peak``). So they count only beyond
-the activation memory freed by then (``GradWindow.slack``), except those of chunks reduced while
-the head's backward runs (``GradWindow.head``). Llama-3-8B, batch 4 x 2048 on one H100: the
-activation peak is 14.0 GiB (the loss's fp32 logits), 4.2 GiB after the head; the 9.1 GiB of
-gradients fit in the difference. With gradient accumulation they outlive the next forwards: no
-slack (``grad_window``). The rCache is ``n_blocks`` blocks of the largest public chunk in
+freed by ``zero_grad`` (``ChunkState.grad``). Backward produces them block by block while it frees
+the activations (the loss's logits at the head, then a checkpoint per block), so each segment of
+backward (``ModelProfile.backward``) is a step of the ``GradWindow``: the shards that exist by its
+end (chunks holding a parameter it or an earlier segment produced a gradient for) count beyond the
+activation bytes freed by its peak (``WindowStep.slack``), and the plan holds the most of these
+over the steps. Freed bytes are credited at ``F_ALLOC / F_FRAG``: they are as fragmented as the
+activations were. Llama-3-8B, batch 4 x 2048 on one H100: the activation peak is 6.68 GiB at the
+head, 2.24 GiB at the first block's backward, by when the ~9 GiB of shards of the GPU-resident
+blocks exist. Credited one for one (``F_ALLOC`` alone), the plan's 75.36 GiB were 75.28 allocated
+at the peak but 78.05 reserved of 78.6: 2.8 GiB of fragmentation where ``F_FRAG`` budgets 1.7.
+With gradient accumulation they outlive the next forwards: no window
+(``grad_window``). The rCache is ``n_blocks`` blocks of the largest public chunk in
 the compute dtype; each private chunk (a tied parameter, or one larger than the chunk size) has a
 buffer of its own, as large as it. Host arenas are pinned at their exact size, so they are host
 memory that nothing else can use. With the device update lane (``optim/device_lane.py``) the GPU
@@ -28,10 +33,11 @@ import numpy as np
 import torch
 
 from ..chunk.layout import ChunkLayout
+from ..profiler.profile import BackwardSegment
 from ..chunk.store import Residence, casts_on_gather, grads_on_demand
 
 __all__ = [
-    "ArenaBytes", "GradWindow", "grad_window", "trainable_bytes_per_element", "LANE_SLICE", "LANE_DEPTH", "lane_numel",
+    "ArenaBytes", "GradWindow", "WindowStep", "grad_window", "trainable_bytes_per_element", "LANE_SLICE", "LANE_DEPTH", "lane_numel",
     "staging_bytes",
 ]
 
@@ -66,23 +72,38 @@ def trainable_bytes_per_element(dtype: torch.dtype, placement: Residence) -> int
 
 
 @dataclass(frozen=True)
+class WindowStep:
+    """One backward segment as the gradient shards meet it."""
+
+    slack: int
+    """Activation bytes of the profiled peak no longer alive at this segment's own peak, times
+    ``F_ALLOC / F_FRAG``: what gradient shards allocated by then may take."""
+    params: tuple[str, ...]
+    """Parameters whose gradients arrive in this segment (their chunks' shards exist from here on)."""
+
+
+@dataclass(frozen=True)
 class GradWindow:
-    """What the GPU's gradient shards share memory with (see the module docstring)."""
+    """When the GPU's gradient shards appear in backward and what activation memory is free by then
+    (see the module docstring); no steps: every gradient counts beside the activations."""
 
-    slack: int = 0
-    """Bytes of the budgeted activation peak (``F_ALLOC x F_FRAG x`` activations) free again once
-    backward is past the loss and head; 0: none known, every gradient counts."""
-    head: tuple[str, ...] = ()
-    """Parameters whose chunks may be reduced during the head's backward, at the activation peak."""
+    steps: tuple[WindowStep, ...] = ()
+
+    @property
+    def shares(self) -> bool:
+        """Some gradient shards are planned into memory the activations free."""
+        return any(s.slack > 0 for s in self.steps)
 
 
-def grad_window(activation_peak: int, late_peak: int | None, head: list[str], f_alloc: float, f_frag: float,
+def grad_window(activation_peak: int, backward: list[BackwardSegment], f_alloc: float, f_frag: float,
                 micro_batches: int) -> GradWindow:
     """The window of a profiled step: none with gradient accumulation (the gradients stay through
-    the next micro-batches' forwards) or when the profile found no head (``late_peak`` ``None``)."""
-    if micro_batches > 1 or late_peak is None:
+    the next micro-batches' forwards) or when the profile found no head (``backward`` empty)."""
+    if micro_batches > 1 or not backward:
         return GradWindow()
-    return GradWindow(int(f_alloc * f_frag * max(0, activation_peak - late_peak)), tuple(head))
+    return GradWindow(tuple(
+        WindowStep(int(f_alloc * max(0, activation_peak - b.peak) / f_frag), tuple(b.params)) for b in backward
+    ))
 
 
 class ArenaBytes:
@@ -104,11 +125,13 @@ class ArenaBytes:
         """Bytes of each chunk's arenas when it is on the device / offloaded."""
         self.grad = self.trainable_shard * elt
         """Bytes of each chunk's gradient shard when it is on the device."""
-        self.slack = window.slack
         index = {n: i for i, names in enumerate(layout.names) for n in names}
-        self.head = np.zeros(len(layout.chunks), dtype=bool)
-        self.head[list(layout.chunks_of(index[n] for n in window.head if n in index))] = True
-        """Chunks reduced at the activation peak (they hold a parameter of the head)."""
+        self.slack = np.array([s.slack for s in window.steps] or [0], dtype=np.int64)
+        self.step = np.zeros(len(layout.chunks), dtype=np.int64)
+        """The window step each chunk's gradient shard exists from: the first to produce a gradient
+        of one of its parameters; step 0 (the head, at the activation peak) for chunks no step names."""
+        for i in reversed(range(len(window.steps))):
+            self.step[list(layout.chunks_of(index[n] for n in window.steps[i].params if n in index))] = i
         self.private = int(sum(c.numel * elt for c in layout.chunks if c.private))
 
     def lane_numel(self, on_device: np.ndarray) -> int:
@@ -120,9 +143,10 @@ class ArenaBytes:
         return staging_bytes(self.lane_numel(on_device), self.dtype)
 
     def grads(self, on_device: np.ndarray) -> int:
-        """The device's gradient shards beyond the activations freed under them: those of the
-        head's chunks, or all of them less the slack, whichever is more."""
-        return max(int(self.grad[on_device & self.head].sum()), int(self.grad[on_device].sum()) - self.slack)
+        """The device's gradient shards beyond the activations freed under them: at each step of
+        the window, the shards existing by then less its slack; the most of these."""
+        per_step = np.bincount(self.step[on_device], weights=self.grad[on_device], minlength=len(self.slack))
+        return max(0, int((np.cumsum(per_step).round().astype(np.int64) - self.slack).max()))
 
     def device(self, n_blocks: int, on_device: np.ndarray) -> int:
         """rCache + private buffers + the arenas of the chunks placed on the device + their gradient

@@ -224,4 +224,23 @@ def test_late_peak_and_head_params_of_a_large_vocabulary_llama() -> None:
     assert profile.peak_at == "backward of the loss and head"
     assert profile.late_peak is not None and profile.late_peak < profile.activation_peak / 2
     assert set(profile.head_params) == {"model.norm.weight", "lm_head.weight"}
-    assert ModelProfile.from_json(profile.to_json()).late_peak == profile.late_peak
+    assert ModelProfile.from_json(profile.to_json()) == profile
+
+
+def test_backward_segments_name_each_gradient_once_and_free_a_checkpoint_per_block() -> None:
+    """``ModelProfile.backward``: the head, the blocks last to first, then the embeddings; each
+    trainable parameter's gradient arrives in exactly one segment, and under AC each block's
+    backward frees its checkpoint, so the peaks fall block by block (what lets the GPU's gradient
+    shards take the freed memory as they arrive, ``search/memory.py``)."""
+    from helpers.models import tiny_llama
+
+    model = tiny_llama(n_layer=4, n_embd=32, vocab=4096)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    profile = profile_model(model, make_batch(4096, batch=4, seq=64), device="cpu")
+    named = [n for b in profile.backward for n in b.params]
+    assert sorted(named) == sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    assert [b.params[0].split(".")[:3] for b in profile.backward[1:5]] == [["model", "layers", str(i)] for i in (3, 2, 1, 0)]
+    assert profile.backward[-1].params == ["model.embed_tokens.weight"]
+    peaks = [b.peak for b in profile.backward]
+    assert peaks[0] == profile.activation_peak and peaks[1:5] == sorted(peaks[1:5], reverse=True) and peaks[4] < peaks[1]
+    assert profile.late_peak == peaks[1]

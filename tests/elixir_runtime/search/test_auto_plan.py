@@ -14,6 +14,7 @@ import elixir_runtime.search.auto as auto
 from elixir_runtime.chunk.collectives import Collectives
 from elixir_runtime.units import find_units
 from elixir_runtime.search import Budget
+from elixir_runtime.search.memory import ArenaBytes
 from elixir_runtime.gpu_limit import limit_gpu_memory
 from helpers.dist import run_distributed
 from helpers.fake_cuda import FakeGPU
@@ -53,7 +54,11 @@ def test_auto_plan_runs_in_the_engine(monkeypatch) -> None:
     model, opt = er.prepare(model, torch.optim.AdamW(model.parameters()), config=static, example_batch=batch)
     plan = model._elixir.plan
     assert (plan.n_chunks, plan.chunk_size, plan.offload) == (len(result.placement.on_device), result.chunk_size, result.placement.offload)
-    assert plan.device_bytes == result.placement.device_bytes and plan.host_bytes == result.placement.host_bytes
+    # a static plan has no profile, so no gradient window: every GPU gradient shard counts
+    windowed = ArenaBytes(model._elixir.runtime.layout, torch.float32, window=result.grad_window)
+    assert plan.host_bytes == result.placement.host_bytes
+    assert plan.device_bytes - plan.memory["device_grads"] == result.placement.device_bytes - windowed.grads(
+        result.placement.on_device)
     for _ in range(2):
         opt.backward(model(**batch).loss)
         opt.step()

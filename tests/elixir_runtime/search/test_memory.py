@@ -1,5 +1,6 @@
-"""``search/memory.py``: the GPU's gradient shards counted against the activations freed after the
-loss and head (``GradWindow``), as the engine allocates them (per chunk, backward to zero_grad)."""
+"""``search/memory.py``: the GPU's gradient shards counted against the activations backward has
+freed by the time they exist (``GradWindow``), as the engine allocates them (per chunk, backward to
+zero_grad)."""
 
 from __future__ import annotations
 
@@ -9,33 +10,59 @@ import torch
 from torch import nn
 
 from elixir_runtime.chunk.layout import build_layout
-from elixir_runtime.search.memory import ArenaBytes, GradWindow, grad_window
+from elixir_runtime.profiler.profile import BackwardSegment
+from elixir_runtime.search.memory import ArenaBytes, GradWindow, WindowStep, grad_window
 
 BF16 = torch.bfloat16
 
 
-def test_grad_window_only_for_one_micro_batch_and_a_known_late_peak() -> None:
-    assert grad_window(100, 20, ["h"], 0.95, 1.25, 1) == GradWindow(int(0.95 * 1.25 * 80), ("h",))
-    assert grad_window(100, 20, ["h"], 0.95, 1.25, 2) == GradWindow()  # accumulation: grads meet the next peak
-    assert grad_window(100, None, [], 0.95, 1.25, 1) == GradWindow()  # no head found: nothing known freed
-    assert grad_window(100, 120, [], 1.0, 1.0, 1).slack == 0
+def test_grad_window_only_for_one_micro_batch_and_a_known_backward() -> None:
+    backward = [BackwardSegment(100, ["h"]), BackwardSegment(20, ["b1"]), BackwardSegment(10, ["b0", "e"])]
+    window = grad_window(100, backward, 0.98, 1.25, 1)
+    assert window == GradWindow((WindowStep(0, ("h",)), WindowStep(int(0.98 * 80 / 1.25), ("b1",)),
+                                 WindowStep(int(0.98 * 90 / 1.25), ("b0", "e"))))
+    assert window.shares
+    assert grad_window(100, backward, 0.98, 1.25, 2) == GradWindow()  # accumulation: grads meet the next peak
+    assert grad_window(100, [], 0.98, 1.25, 1) == GradWindow()  # no head found: nothing known freed
+    assert not grad_window(100, [BackwardSegment(120, ["h"])], 1.0, 1.0, 1).shares
 
 
-@pytest.mark.parametrize("slack", [0, 300, 10_000])
-def test_device_grads_beyond_the_slack_or_the_heads(slack: int) -> None:
-    sizes = [128, 128, 128, 128]  # one chunk each; the last is the head
-    params = [nn.Parameter(torch.empty(n)) for n in sizes]
+def _four_chunks(window: GradWindow) -> ArenaBytes:
+    """One chunk per parameter, in use order a, b, c, head (so backward meets head, c, b, a)."""
+    params = [nn.Parameter(torch.empty(128)) for _ in range(4)]
     names = [["a"], ["b"], ["c"], ["head.weight"]]
     layout = build_layout(params, names, [0] * 4, [False] * 4, world_size=1, chunk_size=128, alignment=8)
-    mem = ArenaBytes(layout, BF16, window=GradWindow(slack, ("head.weight",)))
-    every = ArenaBytes(layout, BF16)
-    grad = 128 * 2
-    for on_device in (np.array([True] * 4), np.array([True, True, True, False]), np.array([False, False, False, True])):
-        g_all = grad * int(on_device.sum())
-        g_head = grad * int(on_device[3])
-        assert every.grads(on_device) == g_all
-        assert mem.grads(on_device) == max(g_head, g_all - slack)
-        assert mem.device(2, on_device) - every.device(2, on_device) == mem.grads(on_device) - g_all
+    return ArenaBytes(layout, BF16, window=window)
+
+
+GRAD = 128 * 2
+
+
+@pytest.mark.parametrize("slacks", [(0, 0, 0), (0, 300, 600), (0, 10_000, 10_000), (100, 300, 200)])
+def test_device_grads_are_the_most_any_backward_step_holds_beyond_its_slack(slacks: tuple[int, int, int]) -> None:
+    """Step by step the shards of the chunks backward has reached by then, less that step's slack:
+    the head's at the peak, then c and b, then a."""
+    window = GradWindow((WindowStep(slacks[0], ("head.weight",)), WindowStep(slacks[1], ("c", "b")),
+                         WindowStep(slacks[2], ("a",))))
+    mem, every = _four_chunks(window), _four_chunks(GradWindow())
+    for on in ([True] * 4, [True, True, True, False], [False, False, False, True], [True, False, False, False]):
+        on_device = np.array(on)
+        head, middle, first = GRAD * on[3], GRAD * (on[1] + on[2]), GRAD * on[0]
+        expected = max(0, head - slacks[0], head + middle - slacks[1], head + middle + first - slacks[2])
+        assert every.grads(on_device) == GRAD * sum(on)
+        assert mem.grads(on_device) == expected
+        assert mem.device(2, on_device) - every.device(2, on_device) == expected - GRAD * sum(on)
+
+
+def test_a_chunk_counts_from_the_first_step_that_names_a_parameter_of_it_or_from_the_head() -> None:
+    """A chunk whose parameters two steps name exists from the earlier; one no step names (its
+    parameters did not appear in the profile) is counted at the peak, where nothing is freed."""
+    named_twice = _four_chunks(GradWindow((WindowStep(0, ("head.weight",)), WindowStep(1000, ("c",)),
+                                           WindowStep(5000, ("c", "b", "a")))))
+    assert named_twice.step.tolist() == [2, 2, 1, 0]
+    unnamed = _four_chunks(GradWindow((WindowStep(0, ("head.weight",)), WindowStep(5000, ("c", "b")))))
+    assert unnamed.step.tolist() == [0, 1, 1, 0]
+    assert unnamed.grads(np.array([True, False, False, False])) == GRAD
 
 
 def test_the_search_uses_the_window_only_where_gradients_share_activations() -> None:
@@ -52,7 +79,7 @@ def test_the_search_uses_the_window_only_where_gradients_share_activations() -> 
     budget = Budget(capacity=GIB, activations=profile.activation_peak, buffers=0, host_capacity=64 * GIB)
     settings = SearchSettings(1, BF16, ElixirConfig(offload=0.5))
     shared = search(table, profile, gpu_host(), budget, settings).grad_window
-    assert shared.slack > 0 and "lm_head.weight" in shared.head
+    assert shared.shares and "lm_head.weight" in shared.steps[0].params
     for other in (dataclasses.replace(settings, grads_share_activations=False),
                   SearchSettings(1, BF16, ElixirConfig(offload=0.5, grad_accum_steps=2))):
         assert search(table, profile, gpu_host(), budget, other).grad_window == GradWindow()
