@@ -133,6 +133,12 @@ class ModelProfile:
         d["blocks"] = BlockPlan(**d["blocks"]) if d["blocks"] else None
         return cls(**d)
 
+    def _late_summary(self) -> str:
+        if self.late_peak is None:
+            return ""
+        lowest = min(b.peak for b in self.backward[1:])
+        return f", after the head {self.late_peak / 2**30:.2f} GiB falling to {lowest / 2**30:.2f} GiB"
+
     def summary(self) -> str:
         gib = 2**30
         tied = sum(1 for p in self.params if p.aliases)
@@ -147,7 +153,7 @@ class ModelProfile:
             ("batch", " ".join("x".join(map(str, s)) for s in self.inputs)),
             ("activation peak", f"{self.activation_peak / gib:.2f} GiB (at {self.peak_at}); forward peak "
                                 f"{self.forward_peak / gib:.2f} GiB, saved for backward {self.saved_bytes / gib:.2f} GiB"
-                                + ("" if self.late_peak is None else f", after the head {self.late_peak / gib:.2f} GiB")),
+                                + self._late_summary()),
             ("checkpointing", f"{len(self.ac_regions)} regions, largest {self.ac_buffer_numel() / 1e6:.1f} M elements"
                               if self.ac_regions else "off"),
             ("tied parameters", str(tied)),

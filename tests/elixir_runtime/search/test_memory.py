@@ -83,3 +83,41 @@ def test_the_search_uses_the_window_only_where_gradients_share_activations() -> 
     for other in (dataclasses.replace(settings, grads_share_activations=False),
                   SearchSettings(1, BF16, ElixirConfig(offload=0.5, grad_accum_steps=2))):
         assert search(table, profile, gpu_host(), budget, other).grad_window == GradWindow()
+
+
+@pytest.mark.parametrize("chunk_size", [None, 4096])
+def test_each_window_step_holds_every_gradient_shard_the_engine_has_allocated_by_then(chunk_size) -> None:
+    """The engine beside its profile: when a block's backward starts, every chunk holding a
+    gradient shard is one a window step before that block's names (a shard arriving earlier than
+    its step would sit in activation memory the plan thinks is still in use)."""
+    import elixir_runtime as er
+    from elixir_runtime.profiler.profile import profile_model
+    from helpers.models import make_batch, tiny_llama
+
+    model = tiny_llama(n_layer=4, n_embd=32, vocab=512)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batch = make_batch(512, batch=2, seq=32)
+    profile = profile_model(model, batch, device="cpu")
+    window = grad_window(profile.activation_peak, profile.backward, 1.0, 1.0, 1)
+    config = er.ElixirConfig(mode="static", offload=0, chunk_size=chunk_size)
+    model, opt = er.prepare(model, torch.optim.AdamW(model.parameters()), config=config, example_batch=batch)
+    runtime = model._elixir.runtime
+    step = ArenaBytes(runtime.layout, torch.float32, window=window).step
+    layers = model.model.layers
+    held: dict[int, list[int]] = {}
+
+    def note(i: int) -> None:
+        held.setdefault(i, [c.index for c in runtime.chunks if c.grad is not None])
+
+    for i, layer in enumerate(layers):
+        layer.register_full_backward_pre_hook(lambda m, g, i=i: note(i))
+    for _ in range(2):  # the second step's shards are allocated afresh after zero_grad
+        held.clear()
+        opt.backward(model(**batch).loss)
+        opt.step()
+        opt.zero_grad()
+        assert sorted(held) == list(range(len(layers)))
+        for i, chunks in held.items():
+            segment = len(layers) - i  # backward[0] is the head's, then the blocks last to first
+            assert all(step[c] < segment for c in chunks), (i, chunks, step.tolist())
+        assert any(held.values())  # the test saw shards arrive before backward ended
