@@ -85,8 +85,8 @@ def test_the_search_uses_the_window_only_where_gradients_share_activations() -> 
         assert search(table, profile, gpu_host(), budget, other).grad_window == GradWindow()
 
 
-@pytest.mark.parametrize("chunk_size", [None, 4096])
-def test_each_window_step_holds_every_gradient_shard_the_engine_has_allocated_by_then(chunk_size) -> None:
+@pytest.mark.parametrize("chunk_size, checkpointing", [(None, True), (4096, True), (4096, False)])
+def test_each_window_step_holds_every_gradient_shard_the_engine_has_allocated_by_then(chunk_size, checkpointing) -> None:
     """The engine beside its profile: when a block's backward starts, every chunk holding a
     gradient shard is one a window step before that block's names (a shard arriving earlier than
     its step would sit in activation memory the plan thinks is still in use)."""
@@ -95,7 +95,8 @@ def test_each_window_step_holds_every_gradient_shard_the_engine_has_allocated_by
     from helpers.models import make_batch, tiny_llama
 
     model = tiny_llama(n_layer=4, n_embd=32, vocab=512)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     batch = make_batch(512, batch=2, seq=32)
     profile = profile_model(model, batch, device="cpu")
     window = grad_window(profile.activation_peak, profile.backward, 1.0, 1.0, 1)
