@@ -17,12 +17,12 @@ head, 2.24 GiB at the first block's backward, by when the ~9 GiB of shards of th
 blocks exist. Credited one for one (``F_ALLOC`` alone), the plan's 75.36 GiB were 75.28 allocated
 at the peak but 78.05 reserved of 78.6: 2.8 GiB of fragmentation where ``F_FRAG`` budgets 1.7.
 At ``F_ALLOC / F_FRAG`` one chunk more is offloaded (39 of 130): 74.49 GiB predicted, 74.29
-allocated, 76.94 reserved.
-With gradient accumulation they outlive the next forwards: no window
-(``grad_window``). The rCache is ``n_blocks`` blocks of the largest public chunk in
-the compute dtype; each private chunk (a tied parameter, or one larger than the chunk size) has a
-buffer of its own, as large as it. Host arenas are pinned at their exact size, so they are host
-memory that nothing else can use. With the device update lane (``optim/device_lane.py``) the GPU
+allocated, 76.94 reserved. With gradient accumulation the shards outlive the next forwards: no
+window (``grad_window``).
+
+The rCache is ``n_blocks`` blocks of the largest public chunk in the compute dtype; each private
+chunk (a tied parameter, or one larger than the chunk size) has a buffer of its own, as large as
+it. Host arenas are pinned at their exact size, so they are host memory that nothing else can use. With the device update lane (``optim/device_lane.py``) the GPU
 also holds its staging buffers whenever a trainable chunk is offloaded: ``LANE_DEPTH`` slices of
 fp32 master, m, v and one compute-dtype gradient/param tensor.
 """
