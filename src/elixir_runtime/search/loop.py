@@ -3,11 +3,11 @@
 For every candidate chunk size the parameters are laid out exactly as the engine will
 (``build_layout``), the profiled unit events become a chunk trace, Belady is simulated for every
 rCache size at once, and the I(n)/J(n) placement picks blocks and GPU-resident chunks within the
-budget. The candidate with the shortest serial step wins (compute plus every transfer and update
-back to back: ``step_time.py`` says why not the overlapped one); serial steps within
-``SERIAL_TIE`` of the shortest tie, and the fastest predicted (overlapped) step among them wins;
-within ``STEP_TIE`` of it the smallest chunk size, then the one moving fewest bytes through the
-rCache (the paper's criterion). If no candidate
+budget. The candidate with the shortest serial step wins (the device's transfers overlapped as
+predicted, the host's transfers and updates back to back: ``step_time.py`` says why not the
+overlapped step); serial steps within ``SERIAL_TIE`` of the shortest tie, and the fastest
+predicted (overlapped) step among them wins; within ``STEP_TIE`` of it the smallest chunk size,
+then the one moving fewest bytes through the rCache (the paper's criterion). If no candidate
 fits, ``PlanError`` says by how much and what would make it fit.
 """
 

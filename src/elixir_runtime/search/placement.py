@@ -8,7 +8,7 @@ update). Chunks are uploaded in forward order: the first chunks are also the one
 cannot keep from forward to backward, and offloading the last ones leaves their CPU updates the
 whole next forward to finish in. The greedy path takes the larger saving at each step.
 
-The plan is the point of that path that fits with the shortest serial step (``cost.py``), with
+The plan is the point of that path that fits with the shortest serial step (``step_time.py``), with
 any memory left over at that point given to rCache blocks. Taking the best point of a path that
 does not depend on the budget makes the choice monotone: more memory never offloads more nor
 lengthens the serial step.
