@@ -1,0 +1,34 @@
+"""``elixir_hf/__init__.py``: the public names resolve on first use, and the modules that do not need
+the Trainer stack (``elixir-plan``, the lean loss, the harness's workers) do not import it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import elixir_hf
+
+
+def test_every_public_name_resolves_to_its_module() -> None:
+    for name in elixir_hf.__all__:
+        value = getattr(elixir_hf, name)
+        assert value.__name__ == name and value.__module__.startswith("elixir_hf."), (name, value)
+    assert set(elixir_hf.__all__) <= set(dir(elixir_hf))
+
+
+def test_an_unknown_name_is_an_attribute_error() -> None:
+    try:
+        elixir_hf.ElixirTrainerr  # noqa: B018
+    except AttributeError as err:
+        assert "ElixirTrainerr" in str(err)
+    else:
+        raise AssertionError("no AttributeError")
+
+
+def test_the_planner_cli_and_the_loss_do_not_import_the_trainer_stack() -> None:
+    code = (
+        "import sys, elixir_hf.cli, elixir_hf.loss, elixir_hf.presets; "
+        "print(sorted(m for m in ('transformers.trainer', 'accelerate', 'peft', 'elixir_hf.trainer') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
