@@ -236,7 +236,9 @@ def render_png(results: dict[str, Any], path: Path) -> None:
     panels = [(k, t) for k, t in (("offload_regime", "offload regime"), ("in_gpu_regime", "in-GPU regime")) if results[k]]
     if not panels:
         return
-    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 4.5 * len(panels)), squeeze=False, layout="constrained")
+    groups = max(len(results[k]) for k, _ in panels)
+    width_in = max(12.0, 0.95 * groups)  # room for each group's three-line label (about 0.9 in at 8 pt)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(width_in, 4.5 * len(panels)), squeeze=False, layout="constrained")
     for ax, (key, title) in zip(axes[:, 0], panels):
         rows = results[key]
         systems = _systems(rows)
@@ -256,7 +258,7 @@ def render_png(results: dict[str, Any], path: Path) -> None:
                             + f"\n{_short_card(r['card'])}" for r in rows], fontsize=8)
         ax.set_ylabel("TFLOPS per GPU")
         ax.set_title(title)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, never on them
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
