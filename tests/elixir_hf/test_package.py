@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import elixir_hf
 
 
@@ -17,12 +19,8 @@ def test_every_public_name_resolves_to_its_module() -> None:
 
 
 def test_an_unknown_name_is_an_attribute_error() -> None:
-    try:
+    with pytest.raises(AttributeError, match="ElixirTrainerr"):
         elixir_hf.ElixirTrainerr  # noqa: B018
-    except AttributeError as err:
-        assert "ElixirTrainerr" in str(err)
-    else:
-        raise AssertionError("no AttributeError")
 
 
 def test_the_planner_cli_and_the_loss_do_not_import_the_trainer_stack() -> None:

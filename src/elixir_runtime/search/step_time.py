@@ -238,7 +238,15 @@ class StepModel:
 
     def _transfer(self, on_device: np.ndarray, link: float) -> np.ndarray:
         """Seconds to move each chunk's shard between its arena and the rCache."""
-        return np.where(on_device, 2 * self.shard / self.rates.memory_bandwidth, self.shard / link)
+        return self._device_copy(on_device) + self._host_link(on_device, link)
+
+    def _device_copy(self, on_device: np.ndarray) -> np.ndarray:
+        """The device's part: a copy from a GPU-resident arena (read and write)."""
+        return np.where(on_device, 2 * self.shard / self.rates.memory_bandwidth, 0.0)
+
+    def _host_link(self, on_device: np.ndarray, link: float) -> np.ndarray:
+        """The host's part: an offloaded shard over the link."""
+        return np.where(on_device, 0.0, self.shard / link)
 
     def misses(self, n_blocks: int) -> np.ndarray:
         m = self.table.misses(n_blocks).astype(np.float64)
@@ -250,12 +258,9 @@ class StepModel:
         ``host_only``: only the host's part (the links to offloaded chunks' arenas, the updates)."""
         m = self.misses(n_blocks)
         r = self.rates
-        if host_only:
-            gather = np.where(on_device, 0.0, self.shard / r.h2d)
-            reduce = np.where(on_device, 0.0, self.shard / r.d2h) * self.trainable
-        else:
-            gather = self._transfer(on_device, r.h2d) + self.coll
-            reduce = (self._transfer(on_device, r.d2h) + self.coll) * self.trainable
+        device = 0.0 if host_only else self._device_copy(on_device) + self.coll
+        gather = self._host_link(on_device, r.h2d) + device
+        reduce = (self._host_link(on_device, r.d2h) + device) * self.trainable
         host = ~on_device
         adam = (self.elements[on_device].sum() / r.gpu_adam) + (self.elements[host].sum() / (self.cpu_rate + self.lane_rate))
         return self.micro * (float((m[FWD] + m[BWD]) @ gather) + float(reduce.sum())) + adam
@@ -278,7 +283,7 @@ class StepModel:
         fwd, bwd = self._phases(m, gather_f, gather_b, reduce, compute_fwd, compute_bwd, overlap)
         # The device's own transfers alone (collectives, copies from GPU-resident arenas) as they
         # overlap: what ``serial`` trusts (see ``StepTime.serial``).
-        on_gpu = self._transfer(on_device, np.inf) + self.coll
+        on_gpu = self._device_copy(on_device) + self.coll
         fwd_gpu, bwd_gpu = self._phases(m, on_gpu, on_gpu, on_gpu * self.trainable, compute_fwd, compute_bwd, overlap)
         gpu_adam = float(self.elements[on_device].sum() / r.gpu_adam)
         submit = float(trainable_host.sum() * r.op_overhead)  # one CPU update handed to the host thread per chunk
