@@ -30,7 +30,7 @@ from accelerate.utils import SAFE_WEIGHTS_NAME, DynamoBackend
 from torch import nn
 
 from elixir_runtime import ElixirOptimizer, rank0_state_dict
-from elixir_runtime.checkpoint import load_safetensors
+from elixir_runtime.state_dict import load_safetensors
 
 from .checkpoint import (
     PLAN_NAME,

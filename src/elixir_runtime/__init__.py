@@ -10,7 +10,7 @@
 """
 
 from .api import ElixirState, prepare
-from .checkpoint import load_safetensors, rank0_state_dict
+from .state_dict import load_safetensors, rank0_state_dict
 from .config import ElixirConfig, LossScaleConfig, PlanError
 from .optim.optimizer import ElixirOptimizer
 from .plan import ElixirPlan

@@ -16,14 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import ModelStateHooks
+from .state_dict import ModelStateHooks
 from .chunk.collectives import Collectives
 from .chunk.source import WeightSource, unmeta_parameters, weight_source
 from .config import ElixirConfig
 from .gpu_limit import expandable_segments, limit_gpu_memory
-from .optim.device_lane import DeviceLane
+from .runtime.device_lane import DeviceLane
 from .optim.optimizer import ElixirOptimizer
-from .optim.threads import cpu_adam_threads
+from .kernels.threads import cpu_adam_threads
 from .plan import ElixirPlan, plan_model
 from .profiler.trace import trace_unit_order
 from .runtime.chunk_runtime import ChunkRuntime

@@ -115,7 +115,7 @@ class ElixirConfig:
 
     cpu_threads: int | None = None
     """Threads of the CPU Adam of offloaded chunks. ``None``: this rank's share of the host's cores
-    less one for the training loop (``optim/threads.py``), whatever ``OMP_NUM_THREADS`` says."""
+    less one for the training loop (``kernels/threads.py``), whatever ``OMP_NUM_THREADS`` says."""
 
     clips_grads: bool = True
     """Whether the training loop calls ``clip_grad_norm`` (or trains in fp16): one host sync before
@@ -135,7 +135,7 @@ class ElixirConfig:
     """Whether the GPU helps the CPU update offloaded chunks. After a clipped backward the CPU Adam of
     offloaded chunks runs while the link and the GPU idle; with this on, a second lane streams slices
     of their states to the GPU, updates them with the GPU kernel and copies them back, while the CPU
-    updates the others (the two split the work as they go; ``optim/device_lane.py``). It takes two
+    updates the others (the two split the work as they go; ``runtime/device_lane.py``). It takes two
     staging buffers of GPU memory (0.875 GiB in bf16, counted in the plan), and its copies take the
     host memory bandwidth the CPU update needs: measured on H100s (clipping on) it did not pay,
     Llama-3-8B on one 303 vs 299 TFLOPS, GPT2-20b on four 360 vs 416 (batch 4) and 492 vs 484

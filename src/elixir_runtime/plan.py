@@ -23,7 +23,8 @@ from .config import ElixirConfig, PlanError, device_lane_wanted, offloaded_chunk
 from .gpu_limit import device_capacity, process_limit
 from .host import host_available, local_ranks
 from .search.loop import GIB, SearchResult
-from .search.memory import LANE_DEPTH, ArenaBytes, GradWindow
+from .runtime.device_lane import LANE_DEPTH
+from .search.memory import ArenaBytes, GradWindow
 from .units import ParamTable
 
 __all__ = ["DEVICE_MEMORY", "ElixirPlan", "plan_model", "resolve_plan"]
@@ -45,7 +46,7 @@ class ElixirPlan:
     min_blocks: int
     max_blocks: int
     device_lane: int = 0
-    """Elements per staging buffer of the device update lane (``optim/device_lane.py``): the GPU
+    """Elements per staging buffer of the device update lane (``runtime/device_lane.py``): the GPU
     updates slices of offloaded chunks beside the CPU; 0: the CPU alone (nothing offloaded, or
     ``ElixirConfig.device_assisted_update`` off)."""
     memory: dict[str, int] = field(default_factory=dict)

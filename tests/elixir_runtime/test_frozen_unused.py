@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import elixir_runtime as er
-from elixir_runtime.search import memory
+from elixir_runtime.runtime import device_lane
 from helpers.dist import run_distributed
 from helpers.models import MLPOutput, TinyMLP, make_batch, make_mlp_batch, tiny_gpt2, tiny_mlp
 
@@ -166,8 +166,8 @@ def _plain_mlp_run(kind: str, world_size: int, grad_accum: int = 1) -> tuple[lis
 
 def _use_kernel(opt, kernel: str) -> None:
     """Swaps the engine's Adam kernels for ``kernel`` ("torch", "cpp" = the CPU default, "triton")."""
-    from elixir_runtime.optim.cpu_adam import CpuAdamKernel
-    from elixir_runtime.optim.kernel import TorchAdamKernel
+    from elixir_runtime.kernels.cpu_adam import CpuAdamKernel
+    from elixir_runtime.kernels.kernel import TorchAdamKernel
 
     if kernel == "cpp":
         assert all(isinstance(k, CpuAdamKernel) for k in opt.kernels.values())
@@ -248,7 +248,7 @@ def test_unused_branch_world1(kernel, monkeypatch) -> None:
 @pytest.mark.parametrize("offload", [0.5, 1.0])
 def test_unused_branch_device_lane(offload, monkeypatch) -> None:
     """The lane's slices follow the used parameters' ranges and their own step counts."""
-    monkeypatch.setattr(memory, "LANE_SLICE", LANE_SLICE)
+    monkeypatch.setattr(device_lane, "LANE_SLICE", LANE_SLICE)
     for kind, grad_accum in (("never", 1), ("sometimes", 2)):
         run = _engine_mlp_run(0, 1, kind, "min", offload, grad_accum, lane=True)
         _check_mlp(kind, 1, [run], grad_accum)
@@ -280,7 +280,7 @@ LANE_SLICE = 256
 
 
 def _world2_runs(rank: int, world_size: int) -> list:
-    memory.LANE_SLICE = LANE_SLICE  # in this spawned rank
+    device_lane.LANE_SLICE = LANE_SLICE  # in this spawned rank
     return [
         _engine_mlp_run(rank, world_size, kind, n_blocks, grad_accum=ga, lane=lane)
         for n_blocks, kind, ga, lane in WORLD2_CASES

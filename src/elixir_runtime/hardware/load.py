@@ -23,7 +23,7 @@ import torch
 
 from ..chunk.collectives import Collectives
 from ..host import local_ranks
-from ..optim.threads import cpu_adam_threads
+from ..kernels.threads import cpu_adam_threads
 from . import measure
 from .profile import PROFILE_VERSION, HardwareProfile
 

@@ -33,9 +33,9 @@ import torch.distributed as dist
 from ..chunk.collectives import Collectives
 from ..chunk.host_memory import empty_host
 from ..chunk.layout import GroupRange
-from ..optim.kernel import AdamHyper, AdamKernel
-from ..optim.select import select_kernel
-from ..optim.threads import cpu_adam_threads, usable_cores
+from ..kernels.kernel import AdamHyper, AdamKernel
+from ..kernels.select import select_kernel
+from ..kernels.threads import cpu_adam_threads, usable_cores
 from ..host import host_total
 from .profile import PROFILE_VERSION, CpuAdamRate, HardwareProfile, LinkRates
 

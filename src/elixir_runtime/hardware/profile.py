@@ -23,7 +23,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..optim.threads import cpu_adam_threads
+from ..kernels.threads import cpu_adam_threads
 
 __all__ = ["LinkRates", "CpuAdamRate", "HardwareProfile", "Rates", "PROFILE_VERSION"]
 

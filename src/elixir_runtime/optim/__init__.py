@@ -1,0 +1,1 @@
+"""The optimizer the user holds (``ElixirOptimizer``) and fp16 loss scaling."""

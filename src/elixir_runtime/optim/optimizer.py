@@ -31,9 +31,9 @@ from ..config import LossScaleConfig
 from ..runtime.chunk_runtime import ChunkRuntime, ChunkState
 from ..chunk.store import shard_overlap
 from ..chunk.layout import GroupRange
-from .device_lane import SliceUpdate, slice_updates
-from .kernel import AdamHyper
-from .select import select_kernel
+from ..runtime.device_lane import SliceUpdate, slice_updates
+from ..kernels.kernel import AdamHyper
+from ..kernels.select import select_kernel
 from .loss_scaler import LossScaler
 
 __all__ = ["ElixirOptimizer"]

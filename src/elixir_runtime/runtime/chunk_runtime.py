@@ -126,7 +126,7 @@ class ChunkRuntime:
         grads_share_activations: bool = False,
     ) -> None:
         """``weights`` maps a parameter to the full value its shards start from (``WeightSource.value``);
-        ``lane``: the device lane that updates offloaded slices beside the CPU (``optim/device_lane.py``);
+        ``lane``: the device lane that updates offloaded slices beside the CPU (``runtime/device_lane.py``);
         ``grads_share_activations``: the plan let the GPU's gradient shards use memory the loss's
         activations free (one micro-batch per step, ``search.memory.GradWindow``)."""
         self.warn_accumulation = grads_share_activations

@@ -22,7 +22,7 @@ window (``grad_window``).
 
 The rCache is ``n_blocks`` blocks of the largest public chunk in the compute dtype; each private
 chunk (a tied parameter, or one larger than the chunk size) has a buffer of its own, as large as
-it. Host arenas are pinned at their exact size, so they are host memory that nothing else can use. With the device update lane (``optim/device_lane.py``) the GPU
+it. Host arenas are pinned at their exact size, so they are host memory that nothing else can use. With the device update lane (``runtime/device_lane.py``) the GPU
 also holds its staging buffers whenever a trainable chunk is offloaded: ``LANE_DEPTH`` slices of
 fp32 master, m, v and one compute-dtype gradient/param tensor.
 """
@@ -37,25 +37,11 @@ import torch
 from ..chunk.layout import ChunkLayout
 from ..chunk.store import Residence, casts_on_gather, grads_on_demand
 from ..profiler.profile import BackwardSegment
+from ..runtime.device_lane import LANE_DEPTH, lane_numel
 
 __all__ = [
-    "ArenaBytes", "GradWindow", "WindowStep", "grad_window", "trainable_bytes_per_element", "LANE_SLICE", "LANE_DEPTH", "lane_numel",
-    "staging_bytes",
+    "ArenaBytes", "GradWindow", "WindowStep", "grad_window", "trainable_bytes_per_element", "staging_bytes",
 ]
-
-LANE_SLICE = 2**25
-"""Elements per staging buffer of the device update lane (32 M): ~0.45 GB each way per slice in
-bf16, ~10 ms on a PCIe 5 x16 link, so per-slice launches and host syncs cost well under 1 %; the
-two buffers take 0.875 GiB of GPU memory in bf16."""
-
-LANE_DEPTH = 2
-"""Staging buffers of the device lane (slices in flight): one uploading while the other downloads."""
-
-
-def lane_numel(offloaded_shards: list[int]) -> int:
-    """Elements per staging buffer for offloaded trainable shards of these sizes (0: none, no lane)."""
-    return min(LANE_SLICE, max(offloaded_shards, default=0))
-
 
 def staging_bytes(numel: int, dtype: torch.dtype) -> int:
     """GPU bytes of the lane's staging buffers for slices of ``numel`` elements: fp32 master, m, v

@@ -30,7 +30,7 @@ Per rank and micro-batch (all rates measured, see ``hardware.py``):
     the rest of the backward (over the GPU-resident early chunks) already. A chunk's update starts
     at ``max(its gradient shard landed, the previous update done)``.
 
-  With the device lane (``ElixirConfig.device_assisted_update``, ``optim/device_lane.py``) the
+  With the device lane (``ElixirConfig.device_assisted_update``, ``runtime/device_lane.py``) the
   updates are slices of ``LANE_SLICE`` elements in one queue: the host thread takes them from the
   front (chunk order), the device lane from the back, each the next one as soon as it is free (and
   the slice's gradients have landed): simulated slice by slice (``_two_lanes``). The lane streams
@@ -95,7 +95,7 @@ from ..profiler.timeline import Cost
 from .access import BWD, FWD, AccessTrace
 from .belady import MissTable
 from ..hardware.profile import Rates
-from .memory import LANE_SLICE
+from ..runtime.device_lane import LANE_SLICE
 
 __all__ = ["StepTime", "StepModel", "compute_time"]
 

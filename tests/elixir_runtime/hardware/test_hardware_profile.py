@@ -14,8 +14,8 @@ from elixir_runtime.hardware.load import ENV_HARDWARE, cache_path
 from elixir_runtime.hardware.profile import PROFILE_VERSION, CpuAdamRate
 import elixir_runtime.hardware.measure as measure
 from elixir_runtime.hardware.measure import measure_hardware
-from elixir_runtime.optim.cpu_adam import load_library
-from elixir_runtime.optim.threads import cpu_adam_threads
+from elixir_runtime.kernels.cpu_adam import load_library
+from elixir_runtime.kernels.threads import cpu_adam_threads
 from tests.elixir_runtime.search.search_cases import gpu_host
 from tests.elixir_runtime.hardware.job_ranks import job_measures_cpu_adam
 from tests.helpers.dist import run_distributed

@@ -7,10 +7,10 @@ import sys
 import pytest
 import torch
 
-from elixir_runtime.optim import cpu_adam, select
-from elixir_runtime.optim.cpu_adam import CpuAdamKernel
-from elixir_runtime.optim.kernel import TorchAdamKernel
-from elixir_runtime.optim.select import select_kernel
+from elixir_runtime.kernels import cpu_adam, select
+from elixir_runtime.kernels.cpu_adam import CpuAdamKernel
+from elixir_runtime.kernels.kernel import TorchAdamKernel
+from elixir_runtime.kernels.select import select_kernel
 
 
 @pytest.fixture(autouse=True)
@@ -53,7 +53,7 @@ def test_no_compiler_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch, 
 
 def test_cuda_without_triton_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
-    monkeypatch.delitem(sys.modules, "elixir_runtime.optim.triton_adam", raising=False)
+    monkeypatch.delitem(sys.modules, "elixir_runtime.kernels.triton_adam", raising=False)
     with pytest.warns(RuntimeWarning, match="triton is not importable"):
         kernel = select_kernel(torch.device("cuda"))
     assert isinstance(kernel, TorchAdamKernel)
@@ -61,6 +61,6 @@ def test_cuda_without_triton_falls_back_with_a_warning(monkeypatch: pytest.Monke
 
 @pytest.mark.gpu
 def test_cuda_gets_the_triton_kernel() -> None:
-    from elixir_runtime.optim.triton_adam import TritonAdamKernel
+    from elixir_runtime.kernels.triton_adam import TritonAdamKernel
 
     assert isinstance(select_kernel(torch.device("cuda", 0)), TritonAdamKernel)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import elixir_runtime as er
-from elixir_runtime.optim import threads
-from elixir_runtime.optim.threads import cpu_adam_threads
+from elixir_runtime.kernels import threads
+from elixir_runtime.kernels.threads import cpu_adam_threads
 from helpers.models import make_batch, tiny_gpt2
 
 

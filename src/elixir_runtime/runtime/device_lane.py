@@ -25,13 +25,23 @@ from dataclasses import dataclass
 import torch
 
 from ..chunk.layout import GroupRange
-from ..runtime.chunk_runtime import ChunkRuntime, ChunkState
-from ..search.memory import LANE_DEPTH
-from .kernel import AdamHyper, AdamKernel, TorchAdamKernel
-from .select import select_kernel
+from .chunk_runtime import ChunkRuntime, ChunkState
+from ..kernels.kernel import AdamHyper, AdamKernel, TorchAdamKernel
+from ..kernels.select import select_kernel
 
-__all__ = ["DeviceLane", "SliceUpdate", "slice_updates"]
+__all__ = ["DeviceLane", "SliceUpdate", "slice_updates", "LANE_SLICE", "LANE_DEPTH", "lane_numel"]
 
+LANE_SLICE = 2**25
+"""Elements per staging buffer of the lane (32 M): large enough that per-slice launches and host
+syncs are noise beside the copies (docs/runtime.md)."""
+
+LANE_DEPTH = 2
+"""Staging buffers of the device lane (slices in flight): one uploading while the other downloads."""
+
+
+def lane_numel(offloaded_shards: list[int]) -> int:
+    """Elements per staging buffer for offloaded trainable shards of these sizes (0: none, no lane)."""
+    return min(LANE_SLICE, max(offloaded_shards, default=0))
 
 @dataclass(frozen=True, eq=False)
 class SliceUpdate:

@@ -14,10 +14,10 @@ from adam_cases import (
     run_kernel,
 )
 
-from elixir_runtime.optim import cpu_adam
-from elixir_runtime.optim.cpu_adam import CpuAdamKernel, CpuAdamUnavailable
+from elixir_runtime.kernels import cpu_adam
+from elixir_runtime.kernels.cpu_adam import CpuAdamKernel, CpuAdamUnavailable
 from elixir_runtime.chunk.layout import GroupRange
-from elixir_runtime.optim.kernel import AdamHyper, TorchAdamKernel
+from elixir_runtime.kernels.kernel import AdamHyper, TorchAdamKernel
 
 _FLAGS = set(cpu_adam._cpu_flags().split())
 ISAS = ["native", "scalar"] + (["avx2"] if "avx2" in _FLAGS else []) + (["avx512"] if "avx512f" in _FLAGS else [])
@@ -134,7 +134,7 @@ def test_compile_error_raises_unavailable(monkeypatch: pytest.MonkeyPatch, tmp_p
 def test_segment_tables_are_bounded() -> None:
     """Parameters without a gradient give other segment lists each step; the kernel keeps at most
     TABLE_CACHE tables, and a dropped one is rebuilt when it comes back."""
-    from elixir_runtime.optim.kernel import TABLE_CACHE
+    from elixir_runtime.kernels.kernel import TABLE_CACHE
 
     kernel = CpuAdamKernel(threads=1)
     arena = make_arena(200, torch.float32, None)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from elixir_runtime.chunk.layout import GroupRange
-from elixir_runtime.optim.kernel import AdamHyper
+from elixir_runtime.kernels.kernel import AdamHyper
 
 GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OUT_DTYPES = (torch.bfloat16, torch.float16, None)

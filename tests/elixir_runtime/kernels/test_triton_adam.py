@@ -19,7 +19,7 @@ from adam_cases import (
 )
 
 from elixir_runtime.chunk.layout import GroupRange
-from elixir_runtime.optim.kernel import AdamHyper
+from elixir_runtime.kernels.kernel import AdamHyper
 from helpers.interpreted import interpreted_triton_adam
 
 pytest.importorskip("triton")
@@ -47,7 +47,7 @@ def test_interpreted_matches_float64_reference(interpreted, grad_dtype, out_dtyp
 
 def test_interpreted_agrees_with_cpu_kernel(interpreted) -> None:
     """Within an ulp or so: the interpreter (numpy) rounds a*b+c twice where the kernel says fma."""
-    from elixir_runtime.optim.cpu_adam import CpuAdamKernel
+    from elixir_runtime.kernels.cpu_adam import CpuAdamKernel
 
     segments, numel = make_segments(LENGTHS)
     start = make_arena(numel, torch.bfloat16, torch.float16)
@@ -59,7 +59,7 @@ def test_interpreted_agrees_with_cpu_kernel(interpreted) -> None:
 
 
 def test_tile_table_covers_each_segment_once() -> None:
-    from elixir_runtime.optim.triton_adam import build_tiles
+    from elixir_runtime.kernels.triton_adam import build_tiles
 
     segments, numel = make_segments(LENGTHS)
     block = 128
@@ -76,7 +76,7 @@ def test_tile_table_covers_each_segment_once() -> None:
 
 
 def test_rejects_bad_inputs_and_handles_no_segments() -> None:
-    from elixir_runtime.optim.triton_adam import TritonAdamKernel
+    from elixir_runtime.kernels.triton_adam import TritonAdamKernel
 
     kernel, n = TritonAdamKernel(), 64
     f = lambda: torch.zeros(n)  # noqa: E731
@@ -94,7 +94,7 @@ def test_rejects_bad_inputs_and_handles_no_segments() -> None:
 @pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
 def test_gpu_matches_torch_fused_and_float64(grad_dtype, out_dtype) -> None:
-    from elixir_runtime.optim.triton_adam import TritonAdamKernel
+    from elixir_runtime.kernels.triton_adam import TritonAdamKernel
 
     segments, numel = make_segments(GPU_LENGTHS)
     start = make_arena(numel, grad_dtype, out_dtype)
@@ -115,8 +115,8 @@ def test_gpu_matches_torch_fused_and_float64(grad_dtype, out_dtype) -> None:
 @pytest.mark.gpu
 def test_gpu_agrees_with_cpu_kernel() -> None:
     """Same constants, same fp32 op order (fma, IEEE sqrt/div): GPU and CPU results within a few ulps."""
-    from elixir_runtime.optim.cpu_adam import CpuAdamKernel
-    from elixir_runtime.optim.triton_adam import TritonAdamKernel
+    from elixir_runtime.kernels.cpu_adam import CpuAdamKernel
+    from elixir_runtime.kernels.triton_adam import TritonAdamKernel
 
     segments, numel = make_segments(GPU_LENGTHS)
     start = make_arena(numel, torch.bfloat16, torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The device update lane (``optim/device_lane.py``, ``runtime/host_updates.py``) against plain
+"""The device update lane (``runtime/device_lane.py``, ``runtime/host_updates.py``) against plain
 PyTorch, on CPU: the "device" is the CPU, its kernel the torch reference, so the slicing, the
 split between the lanes and the exactness are the code a GPU runs. Slices are made small
 (``LANE_SLICE``) so every chunk is cut into many and both lanes take several. Unused parameters
@@ -14,7 +14,7 @@ import torch
 
 import elixir_runtime as er
 from elixir_runtime.runtime.host_updates import HostUpdates
-from elixir_runtime.search import memory
+from elixir_runtime.runtime import device_lane
 from helpers.training import Recipe, assert_close_losses, build, max_weight_diff, run_elixir, run_reference
 
 LOSS_RTOL, WEIGHT_ATOL = 1e-6, 1e-5  # test_parity.py's: only summation orders differ
@@ -23,7 +23,7 @@ SLICE = 4096
 
 @pytest.fixture
 def small_slices(monkeypatch):
-    monkeypatch.setattr(memory, "LANE_SLICE", SLICE)
+    monkeypatch.setattr(device_lane, "LANE_SLICE", SLICE)
 
 
 def _offloaded_numel(recipe: Recipe, offload: float) -> int:
@@ -48,7 +48,7 @@ def test_lane_matches_pytorch_and_each_element_is_updated_once(small_slices, off
 def test_lane_with_params_larger_than_a_chunk(monkeypatch):
     """Chunks of 2048 elements: tiny Llama's embedding and lm_head (4096) get private chunks of
     their own; offloaded, the lanes cut them into slices like any other shard."""
-    monkeypatch.setattr(memory, "LANE_SLICE", 1024)
+    monkeypatch.setattr(device_lane, "LANE_SLICE", 1024)
     recipe = Recipe(model="llama", steps=6)
     want = run_reference(recipe)
     got = run_elixir(recipe, n_blocks="min", offload=1.0, device_assisted_update=True, chunk_size=2048)
@@ -113,9 +113,9 @@ def test_lane_slices_match_the_cpu_kernel(device, dtype):
     from elixir_runtime.chunk.host_memory import empty_host
     from elixir_runtime.chunk.layout import GroupRange
     from elixir_runtime.chunk.store import ShardArenas
-    from elixir_runtime.optim.cpu_adam import CpuAdamKernel
-    from elixir_runtime.optim.device_lane import DeviceLane, slice_updates
-    from elixir_runtime.optim.kernel import AdamHyper
+    from elixir_runtime.kernels.cpu_adam import CpuAdamKernel
+    from elixir_runtime.runtime.device_lane import DeviceLane, slice_updates
+    from elixir_runtime.kernels.kernel import AdamHyper
 
     n, pin = 3 * SLICE + 1000, device == "cuda"
     g = torch.Generator().manual_seed(0)
