@@ -1,16 +1,13 @@
 """The chunk accesses of one step for a candidate layout: the profiled unit events, in chunks.
 
-Each profiled event is a fetch unit acquiring its chunks (forward call, recomputation, or
-pre-backward). Private chunks (tied parameters) keep a block of their own and never enter the
-rCache, so they are left out of the cache trace but kept in ``touched``, which the cost model
-uses to know when each chunk is first needed.
+Each event is a fetch unit acquiring its chunks (forward call, recomputation, or pre-backward).
+Private chunks never enter the rCache: they are left out of ``groups`` but kept in ``touched``,
+which the step model uses to know when each chunk is first needed.
 
-The profiled compute before an event (``UnitEvent.before``) only runs back to the previous event
-*of the same traced segment*: the compute of a block that follows its own acquisition is in the
-step's totals but in no event's ``before``. ``work`` weighs each event's unit for sharing that
-remainder (see ``cost.StepModel``): the parameter elements it computes with, i.e. all of its
-parameters except embedding tables (a lookup reads one row per token, it does not multiply).
-"""
+``UnitEvent.before`` only runs back to the previous event *of the same traced segment*, so a
+unit's compute after its own acquisition is in no event's ``before``; ``work`` weighs each unit for
+sharing that remainder (``step_time.StepModel``): the parameter elements it multiplies with,
+embedding tables excluded (a lookup reads one row per token)."""
 
 from __future__ import annotations
 
@@ -36,7 +33,7 @@ class AccessTrace:
     costs: list[Cost]
     """Compute between the previous event of the same traced segment and this one."""
     work: list[float] = field(default_factory=list)
-    """Parameter elements each event's unit computes with (see the module docstring); empty:
+    """Parameter elements each event's unit computes with (``unit_work``); empty:
     all events weigh the same."""
 
 

@@ -2,21 +2,11 @@
 
     U_allowed = F_alloc · (capacity − U_buffer − F_frag · U_activation)
 
-``F_frag`` reserves room for the fragmentation activations cause (they are the only memory the
-caching allocator churns: everything else is allocated once, up front); ``F_alloc`` keeps a
-margin for what the allocator does not see (NCCL buffers, kernels loaded on first use).
-``capacity`` is at most the process's GPU limit (``ElixirConfig.gpu_memory``, torch's memory
-fraction: ``gpu_limit.py``) and excludes the CUDA context already (free memory at ``prepare`` plus
-what torch's allocator caches unused).
-
-``F_ALLOC`` is 0.98, not the paper's 0.95: on one H100 80GB the paper's factor left 4.8-5.8 GiB of
-the 78.6 GiB capacity never reserved (Llama-3-8B / Qwen2.5-7B batch 4 x 2048, the caching
-allocator's peak reserved 72.8-73.8 GiB with expandable segments), 5 % of ~70 GiB where the memory
-outside the allocator is a few hundred MiB (2 x H100 runs: 7-8 GiB never reserved). 2 % of it
-(1.4 GiB) moved ~0.18 G elements of optimizer state to the GPU: 2 % off the predicted Llama-3-8B step.
-The host keeps the paper's 0.95 (``F_HOST``): pinned memory is allocated at its exact size, but
-the rest of the process (the model built on the CPU, the dataloader) lives beside it.
-"""
+``F_frag`` reserves room for the fragmentation activations cause (the only memory the caching
+allocator churns); ``F_alloc`` a margin for what the allocator does not see (NCCL buffers, kernels
+loaded on first use): 0.98, not the paper's 0.95 (docs/planning.md, "Budget"). ``capacity`` is at
+most the process's GPU limit (``gpu_limit.py``) and excludes the CUDA context. The host keeps the
+paper's 0.95 (``F_HOST``): the rest of the process lives beside the pinned arenas."""
 
 from __future__ import annotations
 

@@ -1,15 +1,11 @@
 """Chunk sizes worth simulating (paper appendix A.2).
 
-A parameter never spans two chunks, and one larger than the chunk size gets a private chunk of
-its own (``build_layout``): a buffer of its size outside the rCache, never evicted. The smallest
-size worth trying is therefore the largest public parameter that fits in the most repeated unit
-(a transformer block): below it the block's own weights would each need a private buffer. The
-tensors larger than a block (an untied embedding and ``lm_head``: Llama-3-8B's 525 M elements
-against 218 M per block) no longer set the floor. Above it, what matters is how parameters pack:
-sizes that hold a whole number of fetch units, or a unit in a whole number of chunks, waste no
-padding and keep a unit's chunks few; a geometric grid between covers the rest. Every size is
-rounded to the layout's quantum (``world_size * alignment``) exactly as ``build_layout`` will.
-"""
+The floor is the largest public parameter that fits in the most repeated unit (a transformer
+block): below it the block's own weights would each need a private buffer; larger tensors (an
+untied embedding, ``lm_head``) get private chunks instead of raising it. Above it: the sizes that
+hold a whole number of fetch units or split a unit evenly (no padding, few chunks per unit), and a
+geometric grid between. Every size is rounded to the layout's quantum (``world_size * alignment``)
+exactly as ``build_layout`` will."""
 
 from __future__ import annotations
 

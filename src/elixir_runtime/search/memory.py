@@ -1,31 +1,18 @@
-"""Bytes per rank of a placement, counted exactly as the engine allocates them.
+"""Bytes per rank of a placement, counted exactly as the engine allocates them (``chunk/store.py``).
 
-The engine's arenas (``chunk/store.py``) hold, per chunk shard: the compute-dtype parameter, and
-for trainable chunks the compute-dtype gradient, fp32 Adam m and v, and an fp32 master (aliased
-to the parameter in fp32 runs). A trainable shard on the GPU in mixed precision has no
-compute-dtype parameter (gathers cast the master), so a chunk's bytes depend on where it is.
+Per chunk shard: the compute-dtype parameter (none for a trainable shard on the GPU in mixed
+precision: gathers cast the master), and for trainable chunks the compute-dtype gradient, fp32 m
+and v, and an fp32 master (aliased to the parameter in fp32 runs). The rCache is ``n_blocks``
+buffers of the largest public chunk; each private chunk has a buffer of its own size. Host arenas
+are pinned at their exact size. With the device lane the GPU also holds its staging
+(``LANE_DEPTH`` slices) while a trainable chunk is offloaded.
 
-The gradient shards of GPU-resident chunks are allocated at their first reduction of a step and
-freed by ``zero_grad`` (``ChunkState.grad``). Backward produces them block by block while it frees
-the activations (the loss's logits at the head, then a checkpoint per block), so each segment of
-backward (``ModelProfile.backward``) is a step of the ``GradWindow``: the shards that exist by its
-end (chunks holding a parameter it or an earlier segment produced a gradient for) count beyond the
-activation bytes freed by its peak (``WindowStep.slack``), and the plan holds the most of these
-over the steps. Freed bytes are credited at ``F_ALLOC / F_FRAG``: they are as fragmented as the
-activations were. Llama-3-8B, batch 4 x 2048 on one H100: the activation peak is 6.68 GiB at the
-head, 2.24 GiB at the first block's backward, by when the ~9 GiB of shards of the GPU-resident
-blocks exist. Credited one for one (``F_ALLOC`` alone), the plan's 75.36 GiB were 75.28 allocated
-at the peak but 78.05 reserved of 78.6: 2.8 GiB of fragmentation where ``F_FRAG`` budgets 1.7.
-At ``F_ALLOC / F_FRAG`` one chunk more is offloaded (39 of 130): 74.49 GiB predicted, 74.29
-allocated, 76.94 reserved. With gradient accumulation the shards outlive the next forwards: no
-window (``grad_window``).
-
-The rCache is ``n_blocks`` blocks of the largest public chunk in the compute dtype; each private
-chunk (a tied parameter, or one larger than the chunk size) has a buffer of its own, as large as
-it. Host arenas are pinned at their exact size, so they are host memory that nothing else can use. With the device update lane (``runtime/device_lane.py``) the GPU
-also holds its staging buffers whenever a trainable chunk is offloaded: ``LANE_DEPTH`` slices of
-fp32 master, m, v and one compute-dtype gradient/param tensor.
-"""
+[Note: gradient window] GPU-resident gradient shards exist from their first reduction to
+``zero_grad``. Each backward segment is a ``WindowStep``: the shards existing by its end may take
+the activation bytes freed by its peak, credited at ``F_ALLOC / F_FRAG`` (freed bytes are as
+fragmented as the activations were); the plan counts the most any step holds beyond its slack.
+No window with gradient accumulation (the shards outlive the next forwards). Measured:
+docs/planning.md, "Memory of a plan"."""
 
 from __future__ import annotations
 

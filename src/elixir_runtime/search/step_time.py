@@ -1,87 +1,26 @@
-"""Predicted time of one optimizer step for a placement: what the engine overlaps and what not.
+"""Predicted seconds of one optimizer step for a placement, per rank: what the engine overlaps and what not.
 
-Per rank and micro-batch (all rates measured, see ``hardware.py``):
+Rates come from the hardware profile (``hardware/profile.py`` ``Rates``), timelines (when each
+forward unit starts, when each chunk's gradients complete in backward) from the model profile,
+in compute seconds (``access.unit_work`` shares a phase's unplaced compute over its units).
+The model term by term, and its checks against measured steps: docs/planning.md, "Predicted step
+time" and "Exposed CPU Adam".
 
-* compute: a roofline per traced op class: GEMM FLOPs at the measured rate of their size class,
-  fused attention at its measured rate, other ops' bytes at the device memory bandwidth; never
-  faster than one dispatch per op, the engine's own included (two per gather, two per reduction
-  plus one for an offloaded chunk's copy, one per CPU update submitted): the Python thread that
-  issues them is the same for all.
-* gathers: each rCache miss (Belady, ``belady.py``) copies the chunk's shard into a block (H2D
-  from pinned memory for an offloaded chunk, a device copy otherwise) and all-gathers it; they
-  run on the fetch stream, overlapped with compute when the rCache has a block to prefetch into
-  (more blocks than the largest unit needs), serialized with it otherwise. The first gather of
-  a step is always exposed.
-* reductions: each trainable chunk is reduce-scattered once per micro-batch and its gradient
-  shard copied to its arena (D2H for an offloaded chunk), on the reduce stream alongside
-  backward; the last one is exposed. While backward uploads and offloads at once, the links run
-  at their measured duplex rate.
-* optimizer: the GPU Adam of resident shards runs on the compute stream before the next forward;
-  the CPU Adam of offloaded shards runs on one host thread, chunk after chunk in chunk order (=
-  the next forward's order, ``runtime/host_updates.py``), each chunk once its reduced gradient
-  shard has landed in host memory (``runtime.wait_host_chunk``). When the updates are handed to
-  that thread depends on the training loop (``clips_grads``):
+Invariants the code keeps:
 
-  - it clips gradients (or trains in fp16): ``clip_grad_norm``/the overflow check read the norm
-    with one host sync, so ``step()`` submits the updates only once the whole backward is done;
-  - it does not: nothing syncs the host, the Python thread runs ahead of the GPU through backward
-    and ``step()`` submits the updates while the GPU is still in backward. Offloaded chunks are
-    the *last* chunks, so their gradients are reduced *first* in backward: the updates run under
-    the rest of the backward (over the GPU-resident early chunks) already. A chunk's update starts
-    at ``max(its gradient shard landed, the previous update done)``.
+* Gathers run on the fetch stream, under compute only when the rCache has a block to prefetch into
+  (``n_blocks > min_blocks``); the first gather and the last reduction of a step are exposed.
+* CPU updates of offloaded chunks run on one host thread in chunk order, each starting at
+  ``max(its gradient shard landed, previous update done)``; after a host sync (``clips_grads``)
+  they start at the end of backward. With the device lane (``runtime/device_lane.py``) the CPU
+  takes ``LANE_SLICE`` slices from the front, the lane from the back (``_two_lanes``).
+* The next forward waits only for its latest chunk: ``exposed CPU Adam = max(0, max_k late_k)``
+  (stalls do not add).
 
-  With the device lane (``ElixirConfig.device_assisted_update``, ``runtime/device_lane.py``) the
-  updates are slices of ``LANE_SLICE`` elements in one queue: the host thread takes them from the
-  front (chunk order), the device lane from the back, each the next one as soon as it is free (and
-  the slice's gradients have landed): simulated slice by slice (``_two_lanes``). The lane streams
-  each element's fp32 master, m, v and gradient up and master, m, v and the compute-dtype param down
-  (``lane_bytes``); both directions run at once, at the measured duplex rate, so the lane runs at
-  ``min(duplex / bytes each way, GPU Adam rate)`` (an H100: 44.3 GB/s / 14 B = 3.2 G elements/s,
-  beside the CPU's 3.2 under copies). Not modelled: the lane's first upload and last download
-  (~20 ms), and the next forward's uploads of offloaded chunks sharing the link with it.
-
-  Which CPU Adam rate: the profile has it alone and under back-to-back duplex copies of every GPU
-  (``hardware/profile.py``). Updates that run during backward (no host sync) share the host with
-  its gathers and gradient offloads, and updates beside the device lane with the lane's streams:
-  the rate under copies. Updates after a clipped backward without the lane run beside no more than
-  the next forward's uploads (2 bytes per offloaded element against the update's ~28 bytes of host
-  memory traffic): the rate alone. Measured on one H100, Llama-3-8B (seq 2048, bs 4, clipping, 3 of
-  5 chunks offloaded): 1.76 s; predicted 1.77 s with the rate alone (6.0 G/s), 2.51 s with the rate
-  under copies (3.2 G/s). With the lane: 1.74 s where the lane was predicted to take half of a
-  twice-as-long update (the DMA halves the CPU's rate). Without clipping (GPT2-20b on 2 GPUs, batch
-  8), the rate under copies predicted 2.51 s for 2.48 s measured, and a blend towards the rate
-  alone 1.17x too fast.
-
-  The next forward reaches each chunk at its compute rate, after the device Adam (and, after a
-  host sync, the submissions). A prefetch never waits for an update (it stops prefetching
-  instead), so the Python thread waits for chunk ``k``'s update only at the demand acquire of its
-  first user; meanwhile the GPU still runs the units queued before, and stalls only once they
-  are done; the upload that follows the update must land before the first user. A chunk is late
-  by ``update done - (first use - upload)``; the forward is delayed by its latest chunk (a stall
-  delays everything after it by the same amount, so the delays do not add):
-  ``exposed CPU Adam = max(0, max over offloaded chunks)`` (+ the submissions after a host sync).
-
-The timelines (in compute seconds) come from the profile: when each forward unit event starts,
-and when each chunk's gradients are complete in backward (the end of the last backward unit that
-uses it: the start of the next backward event), both derived the same way: the compute the
-profile places before each unit event, plus the rest of the phase's compute (the units' own
-compute after their acquisition, which block replay does not place between events) shared over
-the units by the parameter elements they compute with (``access.unit_work``).
-
-The paper's comparison of I(n) and J(n) uses the *linear* total (every transfer and update
-counted as if nothing overlapped) — the time a block or an upload saves; the step itself is
-predicted with the overlaps above. The search minimises the *serial* step, not the overlapped
-one: the device's own transfers (collectives, copies from GPU-resident arenas) overlapped as
-predicted, then the host's part (the links to offloaded chunks' arenas, the updates) back to
-back. The host's overlaps are the ones the model calls free and the machine does not (an
-offloaded chunk's CPU update and copies slowed the GPU step by far more than predicted, on an
-H100, even where they were "hidden"), and ranking placements by the overlapped step offloaded
-states that fit the GPU to save their GPU Adam time. The device's overlaps are real, and a
-search blind to them keeps too few rCache blocks to prefetch: GPT2-20b on 4 H100s (batch 8,
-seq 1024) took 2 blocks and 1 offloaded chunk (2.59 s measured, 0.31 s of collectives exposed)
-over 4 blocks and 3 offloaded chunks, 4 % longer with every transfer back to back, which ran
-2.51 s.
-"""
+[Note: serial step] The search ranks by ``StepTime.serial``, not ``total``: it trusts the device's
+own overlaps (collectives, copies from GPU-resident arenas) and puts the host's transfers and
+updates back to back, because the host's overlaps are the ones the machine does not deliver
+(docs/planning.md, "Why not the overlapped prediction")."""
 
 from __future__ import annotations
 
@@ -119,9 +58,8 @@ class StepTime:
     rcache_bytes: int
     """Bytes gathered into the rCache per step (the paper's chunk-size criterion)."""
     serial: float
-    """What the search minimises: the step with the device's own transfers (collectives, copies
-    from GPU-resident arenas) overlapped as predicted, then every host transfer and update back
-    to back (module docstring)."""
+    """What the search minimises: the device's own transfers overlapped as predicted, then every
+    host transfer and update back to back ([Note: serial step])."""
     device_lane_adam: float = 0.0
     """Seconds the device lane updates offloaded slices (0: no lane); ``cpu_adam`` is then the CPU's part."""
 
@@ -161,15 +99,15 @@ class StepModel:
         updates start after backward; otherwise as each chunk's gradients land during backward."""
         elt = torch.empty((), dtype=dtype).element_size()
         self.lane_rate = 0.0
-        """Elements per second the device lane updates (0: no lane): see the module docstring."""
+        """Elements per second the device lane updates (0: no lane): ``min(duplex / lane_bytes, gpu_adam)``."""
         if device_lane:
             up, down = lane_bytes(dtype)
             link_up, link_down = rates.duplex or rates.h2d, rates.duplex or rates.d2h
             self.lane_rate = 1.0 / max(up / link_up, down / link_down, 1.0 / rates.gpu_adam)
         after_backward = clips_grads and not device_lane
         self.cpu_rate = rates.cpu_adam_alone if after_backward and rates.cpu_adam_alone else rates.cpu_adam
-        """Elements per second of the CPU Adam: alone when the updates run after backward beside no
-        more than the next forward's uploads, under back-to-back copies otherwise (module docstring)."""
+        """Elements per second of the CPU Adam: the rate alone when the updates run after a synced
+        backward without the lane, the rate under copies otherwise (docs/planning.md, ``cpu_adam[n]``)."""
         n = layout.world_size
         chunks = layout.chunks
         self.k = len(chunks)
@@ -351,8 +289,8 @@ class StepModel:
         gpu_adam: float,
         submit: float,
     ) -> tuple[float, float, float]:
-        """How long the next forward waits for the updates of offloaded chunks (see the module
-        docstring), and how long the CPU and the device lane work on them."""
+        """How long the next forward waits for the updates of offloaded chunks, and how long the
+        CPU and the device lane work on them (seconds)."""
         # In seconds since the end of backward: the host thread takes the chunks in chunk order,
         # each once its gradients are there and the previous update is done (the device lane, if
         # any, takes slices from the back).
