@@ -34,8 +34,8 @@ __all__ = [
 ENV_HARDWARE = "ELIXIR_HARDWARE"
 
 SHIPPED = {"h100": "h100.json"}
-"""Profiles measured on a card and shipped in ``hardware/profiles/``, by the name ``--hardware`` takes
-(h100: NVIDIA H100 80GB HBM3 with 16 cores and 126 GiB of host RAM, one GPU's PCIe link)."""
+"""Profiles shipped in ``hardware/profiles/``, by the name ``--hardware`` takes; the host each was
+measured on: its ``source`` field and docs/planning.md, "The hardware profile"."""
 
 
 def shipped_hardware(name: str) -> HardwareProfile:

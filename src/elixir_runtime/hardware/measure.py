@@ -1,23 +1,17 @@
-"""Measures a ``HardwareProfile`` on this machine in a few seconds (≤ 15 s on a GPU host, plus a
-few seconds per number of ranks whose CPU Adam is measured by processes of its own).
+"""Measures a ``HardwareProfile`` on this machine in seconds (plus a few per number of ranks whose
+CPU Adam is measured by processes of its own).
 
-Each number is timed the way the engine will use it: pinned copies of the engine's own exact-size
-page-locked arenas (``chunk/host_memory.py``), the engine's Adam kernels on arenas with the
-engine's dtypes (bf16 gradient in, bf16 parameter out), matmuls and fused attention in the
-compute dtype. Without a GPU the "device" is the host itself, which gives a valid profile for
-planning a CPU run (and for tests), not a GPU prediction.
+Each number is timed the way the engine uses it: copies of the engine's own exact-size page-locked
+arenas (``chunk/host_memory.py``), the engine's Adam kernels with its dtypes (bf16 gradient in,
+bf16 parameter out), matmuls and fused attention in the compute dtype. Without a GPU the "device"
+is the host: a valid profile for planning a CPU run (and for tests), never a GPU prediction.
 
 [Note: CPU Adam per rank] The CPU Adam of n ranks sharing a host is timed as n ranks run it: n
-processes at once (the job's own ranks at ``prepare``, ``rank_cpu_adam`` under a collective
-barrier; or n spawned processes, one per GPU, for ``--measure-hardware``), each with the engine's
-threads for n ranks (``cpu_adam_threads(n)``), on arenas it allocated itself (first touched by it,
-so on its NUMA node, as the engine's), while its own GPU copies up and down. Version 2 timed one
-process with every core but one while the other ranks of the job spun in the broadcast that waited
-for it (a busy CUDA sync each), on arenas and copy buffers all on rank 0's NUMA node, with blocks
-of work too few for 63 threads (128 for 2**25 elements: three rounds where two would do), and
-divided that by n: 1.26 G params/s for a 64-core 4-GPU host, where its four ranks of 15 threads
-ran gpt2-20b's update ~2x faster than planned.
-"""
+processes at once (the job's own ranks at ``prepare``, or n spawned processes, one per GPU, for
+``--measure-hardware``), each with the engine's threads for n ranks (``cpu_adam_threads(n)``), on
+arenas it first touched itself (its NUMA node), while its own GPU copies up and down; the slowest
+rank's rate counts. Why not one process divided by n: docs/planning.md, "Why per rank, measured
+together"."""
 
 from __future__ import annotations
 

@@ -1,18 +1,15 @@
 """The machine's speeds and sizes the cost model needs, measured once and cached as JSON.
 
 Everything here is measured (``measure.py``), never fitted or typed in: pinned-copy bandwidths
-B_c2g(n), B_g2c(n) for n GPUs copying at once, Adam update velocities V_g, V_c of this project's
-kernels, matmul rates per GEMM size class, attention and memory-stream rates, the per-op
-dispatch cost, GPU memory and host RAM. A profile is cached per machine under
-``~/.cache/elixir/`` (``$ELIXIR_CACHE_DIR``) and can be replaced by a file (``--hardware``,
-``$ELIXIR_HARDWARE``), e.g. one measured on the GPU machine a plan is made for.
+for n GPUs copying at once, the Adam rates of this project's kernels, matmul rates per GEMM size
+class, attention and memory-stream rates, the per-op dispatch cost, GPU memory and host RAM.
+Where a profile comes from: ``load.py``.
 
 [Note: more GPUs than measured] A plan for n GPUs on a machine measured with fewer takes each
 GPU's own link as measured (every GPU has its own PCIe link), and has no collective bandwidth
 (reported as not measured). CPU Adam is measured per rank for each number of ranks sharing the
 host (``cpu_adam``); for a number not measured, the nearest measured count's host total is shared
-among the ranks (noted).
-"""
+among the ranks (noted)."""
 
 from __future__ import annotations
 
@@ -30,9 +27,9 @@ __all__ = ["LinkRates", "CpuAdamRate", "HardwareProfile", "Rates", "PROFILE_VERS
 PROFILE_VERSION = 3
 """3: CPU Adam per rank, for each number of ranks sharing the host, every rank updating (and copying
 to its GPU) at once with the engine's threads per rank. 2: one process with every core but one,
-under every GPU's copies, divided among the ranks: on a 4-GPU host with 64 cores that came out 5x
-below what the four ranks of a job update. 1: alone, all cores. Files of version 1 and 2 still
-load: their single rate is the one-rank entry, shared among ranks as before (``Rates`` notes it)."""
+under every GPU's copies, divided among the ranks (too slow: docs/planning.md, "Why per rank").
+1: alone, all cores. Files of version 1 and 2 still load: their single rate is the one-rank
+entry, shared among ranks as before (``Rates`` notes it)."""
 
 
 @dataclass
@@ -52,18 +49,18 @@ class LinkRates:
 @dataclass
 class CpuAdamRate:
     """Parameters/s of the CPU Adam kernel of ONE rank while ``ranks`` ranks of the host run it at
-    once, each with ``threads`` OpenMP threads (``optim.threads.cpu_adam_threads``) on arenas it
+    once, each with ``threads`` OpenMP threads (``kernels.threads.cpu_adam_threads``) on arenas it
     allocated itself, as the engine's ranks do (``measure.rank_cpu_adam``); the slowest rank's."""
 
     ranks: int
     threads: int
     under_copies: float
-    """While every rank's GPU copies pinned buffers up and down, as they do whenever the engine's
-    CPU updates run (the copies take host memory bandwidth the update needs); the rate the
-    prediction uses. On a host without GPU: the rate alone."""
+    """While every rank's GPU copies pinned buffers up and down (the copies take host memory
+    bandwidth the update needs): the rate of updates during backward or beside the device lane.
+    On a host without GPU: the rate alone."""
     alone: float | None = None
-    """With no copies running: an upper bound, kept to judge how much the copies of a real step (a
-    small share of it) slow the update (``None``: not measured)."""
+    """With no copies running: the rate of updates after a synced backward without the device
+    lane (``None``: not measured)."""
 
 
 @dataclass
@@ -199,7 +196,8 @@ class HardwareProfile:
 
 @dataclass
 class Rates:
-    """What one of ``n`` ranks gets: its share of the host's links and CPU, its GPU's own rates."""
+    """What one of ``n`` ranks gets: its share of the host's links and CPU, its GPU's own rates
+    (bytes/s, FLOP/s, parameters/s; ``op_overhead`` in seconds)."""
 
     n: int
     h2d: float

@@ -1,7 +1,7 @@
 """The model's stack of identical transformer blocks, and a temporary cut of it to ``k`` blocks.
 
-Tracing three blocks of a 96-block model is what makes OPT-175B profile in well under a
-second; [Note: block extrapolation] in ``timeline.py`` says how the rest is replayed. Blocks
+Tracing a few blocks of a long stack keeps profiling time independent of depth;
+[Note: block extrapolation] in ``timeline.py`` says how the rest is replayed. Blocks
 count as identical only when nothing but their index tells them apart: same class, same
 parameter and buffer names/shapes/dtypes, same plain attributes (a ``layer_idx`` equal to the
 block's own index is allowed; an ``attention_type`` that alternates is not), and a uniform

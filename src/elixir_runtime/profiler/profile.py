@@ -81,9 +81,8 @@ class ModelProfile:
     seconds: float
     backward: list[BackwardSegment] = field(default_factory=list)
     """Backward from the loss and head on, a segment per block: what is live beside the gradient
-    shards GPU-resident chunks accumulate as it goes (``search/memory.py``). Llama-3-8B, batch
-    4 x 2048 under AC: 6.68 GiB at the head, 4.17 at the last block, 2.24 at the first, 1.04 after
-    the blocks. Empty: no head was found (no block stack), nothing is known to be freed."""
+    shards GPU-resident chunks accumulate as it goes (``search/memory.py``). Empty: no head was
+    found (no block stack), nothing is known to be freed."""
 
     @property
     def late_peak(self) -> int | None:
