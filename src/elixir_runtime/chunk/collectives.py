@@ -84,15 +84,10 @@ class Collectives:
         """``collective(*tensors)`` to completion; on gloo its work handle is kept until two later
         collectives have run, so that this thread, not gloo's worker, frees it.
 
-        gloo's worker thread drops its reference to a work just after the caller's wait returns.
-        When that is the last one, freeing the work's tensors (made in Python) takes the GIL on the
-        worker; if the interpreter is already exiting (rank 1 returns from ``main`` right after the
-        collective gather of a final save), taking the GIL ends the thread with ``pthread_exit``,
-        whose unwinding through C++ ``noexcept`` frames aborts the rank: ``terminate called without
-        an active exception``, SIGABRT (gdb: ``~AsyncAllgatherWork`` -> ``decref_pyobject`` ->
-        ``take_gil`` -> ``PyThread_exit_thread``). Measured with a bare 2-rank all-gather loop that
-        then exits: 6 aborts in 30 runs and 11 in 40 without the handles, 0 in 40 with them. Not
-        on NCCL: holding its handles would keep temporary chunk buffers alive on the GPU.
+        [Note: gloo at exit] If gloo's worker drops the last reference while the interpreter exits,
+        freeing the work's tensors takes the GIL there and aborts the rank (SIGABRT, ``terminate
+        called without an active exception``; docs/runtime.md, "Semantics worth knowing"). Not on
+        NCCL: holding its handles would keep temporary chunk buffers alive on the GPU.
         """
         work = collective(*tensors, group=self.group, async_op=self._hold_work)
         if self._hold_work:

@@ -5,18 +5,14 @@ byte of memory is touched. Rules:
 
 * parameters are packed in first-use order into chunks of ``chunk_size`` elements; a parameter
   never spans two chunks. On one rank a chunk ends at its last parameter (rounded up to
-  ``alignment``): padding costs the states of as many parameters (Llama-3-8B in chunks of one MLP
-  weight, 59 M elements, would carry 0.6 G elements of padding, on one GPU mostly offloaded and
-  updated by CPU Adam). On several ranks every public chunk keeps ``chunk_size``: ranks that
-  reduce chunks in different orders (a parameter used on some ranks only, see
-  ``ChunkRuntime.used_params``) then still pair collectives of one size, and the engine names the
-  parameter where gloo would abort on the size mismatch;
+  ``alignment``): padding would carry optimizer state like parameters. On several ranks every
+  public chunk keeps ``chunk_size``: ranks that reduce chunks in different orders (a parameter used
+  on some ranks only, see ``ChunkRuntime.used_params``) then still pair collectives of one size, and
+  the engine names the parameter where gloo would abort on the size mismatch;
 * a parameter used by more than one unit (tied ``wte``/``lm_head``) gets a *private* chunk of its
   own that is never evicted;
 * so does a parameter larger than ``chunk_size`` (an untied embedding or ``lm_head``): its chunk
-  is sized to it and its buffer is its own, so the rCache blocks stay ``chunk_size``: Llama-3-8B's
-  525 M-element embedding and ``lm_head`` no longer force every chunk to at least their size (a
-  transformer block is 218 M elements);
+  is sized to it and its buffer is its own, so the rCache blocks stay ``chunk_size``;
 * frozen parameters go to frozen chunks (no grad, no optimizer state);
 * inside a trainable chunk parameters are sorted by optimizer param group, so each rank's shard
   meets every group in at most one contiguous segment (one kernel range per group, not per param).

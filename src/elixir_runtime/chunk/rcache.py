@@ -2,8 +2,9 @@
 the largest public chunk (``ChunkLayout.block_numel``).
 
 A gathered chunk occupies one buffer; a private chunk (a multi-use parameter, or one larger than
-the chunk size) has a buffer of its own, as large as it, that is never evicted. Buffers carry the CUDA event after which their last reader or writer is done, so a
-gather into a recycled buffer waits exactly as long as it must.
+the chunk size) has a buffer of its own, as large as it, that is never evicted. Buffers carry the
+CUDA event after which their last reader or writer is done, so a gather into a recycled buffer
+waits exactly as long as it must.
 """
 
 from __future__ import annotations

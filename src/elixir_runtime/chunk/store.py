@@ -14,19 +14,15 @@ so one kernel call updates a placement, guided by a static list of per-group seg
 
 On the device in a mixed-precision run the trainable chunks keep no compute-dtype copy: a gather
 casts the fp32 master straight into the rCache (``casts_on_gather``), bitwise what the update's
-bf16 copy held (both round to nearest even). That is 2 of the 16 bytes per element of every
-GPU-resident trainable parameter; on one H100 with Llama-3-8B the 7.4 GB hold ~0.5 G more
-parameters' optimizer state on the GPU instead of the CPU, whose update is the step's bottleneck.
-The cast costs nothing that matters: a gather reads 4 bytes instead of 2 from GPU memory (~3 TB/s).
-Offloaded chunks keep theirs: it is what crosses PCIe, at half the bytes of the master.
+bf16 copy held (both round to nearest even), so 2 bytes per element more optimizer state fit on
+the GPU. Offloaded chunks keep theirs: it is what crosses PCIe, at half the bytes of the master.
 
 Gradient shards of GPU-resident chunks are not in an arena either: each is allocated when its
 chunk is first reduced in a step and freed by ``zero_grad`` (``ChunkState.grad``), so GPU memory
-holds them only from backward to the update, when the loss's activation peak is gone (on one H100
-with Llama-3-8B, 8 of the 14 GiB of activations are the loss's fp32 logits, and the gradients of
-~4.5 G GPU-resident parameters take 8.5 GiB): the search counts them against the activations freed
-after the loss (``search/memory.py``). Pinned host arenas keep theirs: the CPU update and the
-device lane read them by offset, and host memory has no activation peak to share.
+holds them only from backward to the update, past the loss's activation peak; the search counts
+them against the activations freed by then (``search/memory.py``). Pinned host arenas keep theirs:
+the CPU update and the device lane read them by offset, and host memory has no activation peak.
+Sizes: docs/runtime.md, "Semantics worth knowing".
 """
 
 from __future__ import annotations
