@@ -5,10 +5,8 @@ fraction (``torch.cuda.set_per_process_memory_fraction``) to ``gpu_memory / tota
 set a smaller one, and the planner reads the limit back from the allocator (``process_limit``), so
 the plan and the enforcement cannot disagree: the budget's capacity is
 ``min(free + cached, total x fraction - allocated)``. The limit counts what the allocator holds
-(every tensor, the allocator's cache included), not the CUDA context nor NCCL's buffers: on a
-141 GB card, ``gpu_memory`` = what an 80 GB card leaves the allocator (its total less its CUDA
-context, about 0.5 GiB, which that card's plan sees as used) gives that card's plan when the rates
-are equal (docs/planning.md, "The GPU-memory cap").
+(every tensor, the allocator's cache included), not the CUDA context nor NCCL's buffers; planning
+a larger card as a smaller one: docs/planning.md, "The GPU-memory cap".
 """
 
 from __future__ import annotations
@@ -74,11 +72,10 @@ def expandable_segments() -> bool:
     (``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``) choose; returns whether they are on.
 
     The GPU-resident chunks' gradient shards are allocated during backward, among the recomputed
-    activations, and freed after the update, when the next step's activations take their memory
-    (``chunk/store.py``). In fixed-size segments that interleaving fragments the cache: GPT2-6.5B at
-    batch 8 on one H100 ran out of memory with 70.6 GiB allocated and 7.7 GiB cached in pieces too
-    small to use. Expandable segments map pages into one growing range per stream, so freed memory
-    is whole again; without them the planner counts every gradient beside the activations.
+    activations, and freed after the update (``chunk/store.py``); in fixed-size segments that
+    interleaving fragments the cache (docs/runtime.md, "Semantics worth knowing"). Expandable segments
+    map pages into one growing range per stream, so freed memory is whole again; without them the
+    planner counts every gradient beside the activations.
     """
     conf = ",".join(os.environ.get(k, "") for k in _ALLOC_CONF).replace(" ", "")
     for item in conf.split(","):

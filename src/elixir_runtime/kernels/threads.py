@@ -3,9 +3,8 @@
 Not ``torch.get_num_threads()``: ``torchrun`` sets ``OMP_NUM_THREADS=1`` for every rank, which
 would leave the update of tens of GB of optimizer state to one core. Each rank takes its share of
 the cores this process may run on, less one kept for the rank's own Python thread, which issues
-every kernel of the forward and backward the update overlaps. (The 6.5B batch-4 plan on two
-16-core H100 machines of the same kind: 0.735 s a step with 16 threads, 0.739 s with 15. The update
-is bound by memory bandwidth, so the core given back cost nothing measurable.)
+every kernel of the forward and backward the update overlaps (the update is bound by memory
+bandwidth: docs/kernels.md, "Engine threads").
 """
 
 from __future__ import annotations
