@@ -2,17 +2,12 @@
 transformers' ``ForCausalLMLoss`` (``ElixirPlugin.lean_loss``, on by default).
 
 transformers' loss upcasts the whole logits tensor (``logits.float()``), ``cross_entropy`` saves
-its fp32 log-softmax for backward, and backward materialises fp32 gradients before casting them
-to the compute dtype. Llama-3-8B at batch 4 x 2048 (8192 rows, vocab 128256) holds 4.2 GB per
-fp32 copy: 12.6 GB of its 15 GB activation peak on one H100 is the loss. ``lean_causal_lm_loss``
-computes the same value in fp32 a block of rows at a time (``BLOCK_BYTES``), keeps for backward
-only the logits (alive anyway: the lm_head's output) and the targets, and writes the gradient
-block by block into one tensor in the logits' dtype: its peak is the logits, their gradient
-(2.1 GB each in bf16) and three fp32 blocks (384 MiB at most). Planned by ``elixir-plan`` for
-one H100 (shipped profile) at batch 4 x 2048: Llama-3-8B's activation peak 14.01 -> 6.68 GiB,
-GPU memory for model states and rCache 58.6 -> 67.2 GiB, predicted step 1.364 -> 1.344 s;
-Qwen2.5-7B's 15.69 -> 6.91 GiB, 56.6 -> 66.9 GiB, 1.238 -> 1.182 s (predictions;
-``--stock-loss`` gives the first of each pair).
+its fp32 log-softmax for backward, and backward materialises fp32 gradients: three fp32 copies of
+the logits at once. ``lean_causal_lm_loss`` computes the same value in fp32 a block of rows at a
+time (``BLOCK_BYTES``), keeps for backward only the logits (alive anyway: the lm_head's output)
+and the targets, and writes the gradient block by block into one tensor in the logits' dtype: its
+peak is the logits, their gradient and three fp32 blocks. What it saves: docs/hf.md, "What
+changes underneath, and why".
 
 The semantics are transformers' (``ForCausalLMLoss`` + ``fixed_cross_entropy``, the same in 5.17
 and 5.24): labels shifted left with ``ignore_index`` padded at the end unless ``shift_labels`` is
@@ -36,10 +31,8 @@ logger = logging.getLogger(__name__)
 
 BLOCK_BYTES = 128 * 2**20
 """fp32 bytes of one block of rows at most: at most 3 such temporaries are alive at once
-(backward's log-softmax, its incoming gradient and its result), 384 MiB. 261 rows of Llama-3-8B's
-vocab 128256 (32 blocks for 8192 rows), 220 of Qwen2.5-7B's 152064. Against the 3 x 4.2 GB fp32
-copies of the stock loss at 8192 rows that is noise in the activation peak; smaller blocks would
-only add kernel launches (about 6 a block, each over 34 M elements)."""
+(backward's log-softmax, its incoming gradient and its result), 384 MiB; smaller blocks would only
+add kernel launches."""
 
 MIN_BLOCKS = 8
 """Blocks at least, however few the rows: 3 blocks then hold at most 3/8 of an fp32 copy of the
@@ -62,15 +55,13 @@ class _CrossEntropySum(torch.autograd.Function):
     """Sum over the kept rows of ``-log_softmax(row)[target]``, in fp32, for logits ``(N, V)`` in any
     floating dtype; a row whose target is ``ignore_index`` adds nothing and gets a zero gradient.
 
-    Backward recomputes each block's log-softmax instead of saving it (the fp32 values stock
-    autograd saves are the memory this saves; the recomputation is memory traffic, 8 ms of
-    predicted compute a step at Llama-3-8B's 8192 x 128256 on an H100, 1.055 -> 1.063 s, counted
-    in the predicted steps above) and runs torch's own log-softmax backward on the gradient
-    ``nll_loss`` would give it: the stock gradient to the bit (tested on CPU). The fp32 copy of
-    each block, rather than ``log_softmax(..., dtype=float32)`` on the bf16 logits, keeps the
-    stock kernel and its summation order. (``exp`` and a product by hand differ in the last bit
-    of ~9% of fp32 elements: torch's kernel has its own exponential, and 20 Adam steps of the
-    Trainer parity test amplify that past its 1e-5.)"""
+    Backward recomputes each block's log-softmax instead of saving it (memory traffic, counted in
+    the profiled compute) and runs torch's own log-softmax backward on the gradient ``nll_loss``
+    would give it: the stock gradient to the bit (tested on CPU). The fp32 copy of each block, rather
+    than ``log_softmax(..., dtype=float32)`` on the bf16 logits, keeps the stock kernel and its
+    summation order. [Note: no hand-written exp] ``exp`` and a product by hand differ from torch's
+    kernel in the last bit of some fp32 elements, which the Trainer parity test's Adam steps amplify
+    past its 1e-5."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
