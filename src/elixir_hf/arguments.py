@@ -7,9 +7,7 @@ accelerate's ``mixed_precision``) become ``elixir_plugin.config.dtype`` and the 
 must not move the model to the GPU (the engine places each chunk) nor wrap it in DataParallel.
 
 A ``TrainingArguments`` subclass (TRL's ``SFTConfig``) gets ``--elixir`` through
-``elixir_args(SFTConfig)``: the subclass first in the MRO, so each of its defaults (SFTConfig's
-``learning_rate`` 2e-5, ``logging_steps`` 10, ``gradient_checkpointing`` True) is kept. The other
-order, ``class C(ElixirTrainingArguments, SFTConfig)``, resets them to ``TrainingArguments``'.
+``elixir_args(SFTConfig)``: the subclass first in the MRO, so its defaults are kept (``mixin.py``).
 
 No half-migration passes silently: Elixir arguments under a Trainer that is not an
 ``ElixirTrainer`` (which would drop ``--bf16`` and train without the engine) fail when that Trainer

@@ -4,7 +4,7 @@ One name per size: OpenAI's GPT-2 sizes under their Hub names up to ``gpt2-large
 ``gpt2-<size>`` as the Elixir paper names its models (appendix B.2, "Model Configurations":
 ``gpt2-4b`` ... ``gpt2-20b``), with ``gpt2-1.5b`` (OpenAI's largest) and ``gpt2-6.5b`` (just
 overflows one 80 GB card: 16 B/param of states) in the same style. ``tiny`` is the CPU model of the
-recipe (trains in about a minute on two cores) and of the benchmarks' smoke runs. Only the shape
+recipe and of the benchmarks' smoke runs. Only the shape
 lives here; each user adds its own context (sequence length, vocabulary, dropout). The other
 families carry their whole published config (vocabulary and rope included), since it is the shape:
 ``llama3-8b`` (Meta-Llama-3-8B's config.json, 8.03 B parameters) and ``qwen2.5-7b`` (Qwen2.5-7B's,

@@ -6,10 +6,11 @@ in compute seconds (``access.unit_work`` shares a phase's unplaced compute over 
 The model term by term, and its checks against measured steps: docs/planning.md, "Predicted step
 time" and "Exposed CPU Adam".
 
-Invariants the code keeps:
+What the model assumes of the engine:
 
-* Gathers run on the fetch stream, under compute only when the rCache has a block to prefetch into
-  (``n_blocks > min_blocks``); the first gather and the last reduction of a step are exposed.
+* Gathers run on the fetch stream, under compute only when the rCache has a block to prefetch
+  into (``prefetch > 0`` and ``n_blocks > min_blocks``); the first gather and the last reduction
+  of a step are exposed.
 * CPU updates of offloaded chunks run on one host thread in chunk order, each starting at
   ``max(its gradient shard landed, previous update done)``; after a host sync (``clips_grads``)
   they start at the end of backward. With the device lane (``runtime/device_lane.py``) the CPU
