@@ -60,7 +60,7 @@ class WindowStep:
 @dataclass(frozen=True)
 class GradWindow:
     """When the GPU's gradient shards appear in backward and what activation memory is free by then
-    (see the module docstring); no steps: every gradient counts beside the activations."""
+    ([Note: gradient window]); no steps: every gradient counts beside the activations."""
 
     steps: tuple[WindowStep, ...] = ()
 
