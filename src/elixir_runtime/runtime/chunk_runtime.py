@@ -29,7 +29,7 @@ from .lockstep import Lockstep
 from .residency import ChunkResidency, RCacheExhausted
 from .state import ChunkState, GradState, ParamState, Residency
 
-__all__ = ["ChunkState", "ChunkRuntime", "GradState", "ParamState", "RCacheExhausted", "Residency"]
+__all__ = ["ChunkRuntime", "ChunkState", "GradState", "ParamState", "RCacheExhausted", "Residency"]
 
 
 class ChunkRuntime:

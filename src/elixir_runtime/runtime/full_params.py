@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from .chunk_runtime import ChunkRuntime
-from .state import ChunkState, ParamState, Residency
 from .lockstep import Op
+from .state import ChunkState, ParamState, Residency
 
 __all__ = ["full_params"]
 

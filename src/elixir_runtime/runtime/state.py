@@ -39,8 +39,15 @@ from ..chunk.rcache import Buffer
 from ..chunk.store import ShardArenas
 
 __all__ = [
-    "ChunkState", "GradState", "GRAD_TRANSITIONS", "IllegalTransition", "ParamState", "PARAM_TRANSITIONS",
-    "Residency", "check_transitions", "checking_transitions",
+    "GRAD_TRANSITIONS",
+    "PARAM_TRANSITIONS",
+    "ChunkState",
+    "GradState",
+    "IllegalTransition",
+    "ParamState",
+    "Residency",
+    "check_transitions",
+    "checking_transitions",
 ]
 
 

@@ -11,8 +11,14 @@ import torch
 import elixir_runtime as er
 from elixir_runtime.runtime import state
 from elixir_runtime.runtime.state import (
-    GRAD_TRANSITIONS, PARAM_TRANSITIONS, ChunkState, GradState, IllegalTransition, ParamState,
+    GRAD_TRANSITIONS,
+    PARAM_TRANSITIONS,
+    ChunkState,
+    GradState,
+    IllegalTransition,
+    ParamState,
 )
+from helpers.dist import run_distributed
 from helpers.models import make_batch, make_mlp_batch, tiny_gpt2, tiny_mlp
 
 
@@ -119,9 +125,9 @@ def _assert_between_steps(rt) -> None:
 
 
 @pytest.mark.parametrize("cfg", [
-    dict(n_blocks="min", offload=0.5, prefetch=2),
-    dict(n_blocks="max", offload=0.0, prefetch=0),
-    dict(n_blocks="min", offload=1.0, prefetch=2, device_assisted_update=True),
+    {"n_blocks": "min", "offload": 0.5, "prefetch": 2},
+    {"n_blocks": "max", "offload": 0.0, "prefetch": 0},
+    {"n_blocks": "min", "offload": 1.0, "prefetch": 2, "device_assisted_update": True},
 ], ids=["min-offload-prefetch", "max", "offload-all-lane"])
 def test_training_walks_only_legal_transitions(walked, cfg):
     """Gradient accumulation under no_sync, clipping, an eval forward, full_params and activation
@@ -179,3 +185,24 @@ def test_zero_grad_inside_a_backward_is_caught(checking):
     hidden[0].register_hook(lambda g: opt.zero_grad())  # blocks 1 and 2 are reduced by then
     with pytest.raises(IllegalTransition, match=r"GradState transition REDUCED -> EMPTY"):
         opt.backward(loss)
+
+
+def _walk_on_ranks(rank: int, world_size: int) -> set[tuple[str, str]]:
+    state.check_transitions(True)
+    seen: set[tuple[str, str]] = set()
+    check = state._check
+    state._check = lambda c, old, new: (check(c, old, new), seen.add((old.name, new.name)))
+    model = tiny_mlp(unused_branch=True)
+    model, opt = er.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
+                            er.ElixirConfig(mode="static", n_blocks="min", offload=0.5), example_batch=make_mlp_batch())
+    for s in range(2):
+        _step(model, opt, [make_mlp_batch(seed=10 * s + m + 100 * rank) for m in range(2)])
+        _assert_between_steps(model._elixir.runtime)
+    return seen
+
+
+def test_several_ranks_walk_only_legal_transitions():
+    """Two ranks: a chunk no rank has a gradient for is reduced with zeros (EMPTY -> REDUCED), and
+    added to in the next micro-step (HELD -> REDUCED), so the ranks' collectives match."""
+    for seen in run_distributed(_walk_on_ranks, 2):
+        assert {("EMPTY", "REDUCED"), ("HELD", "REDUCED"), ("HELD", "ACCUMULATING")} <= seen, seen
