@@ -47,7 +47,6 @@ __all__ = [
     "ParamState",
     "Residency",
     "check_transitions",
-    "checking_transitions",
 ]
 
 
@@ -132,10 +131,6 @@ def check_transitions(on: bool) -> bool:
     global CHECKING
     old, CHECKING = CHECKING, bool(on)
     return old
-
-
-def checking_transitions() -> bool:
-    return CHECKING
 
 
 class IllegalTransition(RuntimeError):
