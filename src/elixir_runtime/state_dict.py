@@ -123,8 +123,7 @@ def load_safetensors(model: nn.Module, path: str) -> None:
     """``model.load_state_dict(safetensors.torch.load_file(path))``, one tensor at a time.
 
     Every rank reads only what it needs, when it needs it, so the host never holds the whole
-    file per rank (a 20B model in fp32 is 80 GB: four ranks loading it at once need 320 GB). Strict
-    as ``load_state_dict``: a missing weight, an unknown key or a wrong shape raises, naming them.
+    file per rank (docs/runtime.md). Strict as ``load_state_dict``: a missing weight, an unknown key or a wrong shape raises, naming them.
     """
     from safetensors import safe_open
 

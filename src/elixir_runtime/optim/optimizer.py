@@ -114,6 +114,15 @@ class ElixirOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One Adam step over every shard from the gradients reduced since ``zero_grad``.
+
+        Call between backwards (not inside one: no chunk may be pinned). Waits for the previous
+        step's CPU updates; no gradient since ``zero_grad`` is a no-op; a non-finite norm skips the
+        step on every rank (``step_was_skipped``). Device shards are updated on the compute stream
+        before it returns; offloaded ones are queued to the update lanes, and a gather, reduction,
+        ``step`` or ``state_dict`` of a chunk waits for its slices. The gathered copies of trainable
+        chunks are released (stale); gradients are kept until ``zero_grad``.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():

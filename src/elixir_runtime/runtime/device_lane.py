@@ -1,9 +1,8 @@
 """The device lane: offloaded chunks updated by the GPU while the CPU updates others.
 
 With clipping (the Trainer default) the CPU Adam of offloaded chunks starts only after the whole
-backward, and while it runs the link and the GPU idle (Llama-3-8B on one H100: ~0.97 s of a
-1.92 s step). This lane streams slices of an offloaded shard through ``depth`` staging buffers
-on the GPU: the fp32 master, exp_avg, exp_avg_sq and the gradient shard up (host to device),
+backward, and while it runs the link and the GPU idle. This lane streams slices of an offloaded
+shard through ``depth`` staging buffers on the GPU: the fp32 master, exp_avg, exp_avg_sq and the gradient shard up (host to device),
 the same kernel as GPU-resident shards (``select.select_kernel``) with the same hyperparameters,
 step counts and ``div_scale``, and master, m, v and the compute-dtype param shard the gather
 reads back down (the param only where the kernel wrote it), each buffer on its own stream, so

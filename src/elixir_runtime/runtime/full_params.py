@@ -30,8 +30,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .chunk_runtime import ChunkRuntime, ChunkState, Residency
+from .chunk_runtime import ChunkRuntime
 from .lockstep import Op
+from .state import ChunkState, ParamState, Residency
 
 __all__ = ["full_params"]
 
@@ -59,6 +60,7 @@ def full_params(model: nn.Module, *, rank0_only: bool = False) -> Iterator[nn.Mo
         rt.residency = Residency.SHARDED
         for c in copied:
             rt.hide_params(c)
+            c.transition(ParamState.RELEASED)
         for c in pinned:
             c.pins -= 1
         rt.lockstep.barrier()
@@ -67,7 +69,8 @@ def full_params(model: nn.Module, *, rank0_only: bool = False) -> Iterator[nn.Mo
 @torch.no_grad()
 def _gather_all(rt: ChunkRuntime, keep: bool) -> tuple[list[ChunkState], list[ChunkState]]:
     """Makes every chunk's parameters full on this rank (if ``keep``); returns the chunks pinned in
-    the rCache and those gathered into buffers of their own. The same on every rank: residency is."""
+    the rCache (``GATHERING``/``RESIDENT``, left so) and those gathered into buffers of their own
+    (``RELEASED -> COPIED``). The same on every rank: residency is."""
     rt.wait_for_grads()  # CPU updates, reductions and prefetches settled
     pinned, copied = [], []
     largest = max((c.spec.numel for c in rt.chunks), default=0)  # a private chunk may exceed chunk_size
@@ -82,5 +85,6 @@ def _gather_all(rt: ChunkRuntime, keep: bool) -> tuple[list[ChunkState], list[Ch
         rt.fill(c, full)
         if keep:
             rt.show_params(c, full)
+            c.transition(ParamState.COPIED)
             copied.append(c)
     return pinned, copied

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .chunk_runtime import ChunkRuntime, Residency
+from .chunk_runtime import ChunkRuntime
+from .state import Residency
 from .lockstep import Op
 from ..units import Unit
 

@@ -10,8 +10,7 @@ operations this rank has started) over a gloo group of their own, on the host, w
 of ``ElixirConfig.lockstep_timeout_s`` (60 s). Different entries fail on every rank at once,
 naming what each rank was starting; a rank that waits longer fails naming the operation it
 waited at, and the others fail at their next check-in (the group is gone) or when the launcher
-stops the job. Cost: one host all-gather of 16 bytes per forward (about 0.1 ms on one host),
-no GPU synchronization. ``full_params`` (``runtime/full_params.py``) is the supported way to
+stops the job. Cost: one host all-gather of 16 bytes per forward, no GPU synchronization. ``full_params`` (``runtime/full_params.py``) is the supported way to
 run forwards on some ranks only.
 """
 

@@ -1,0 +1,225 @@
+"""Residency: which chunks are gathered into rCache buffers, and when.
+
+``ChunkResidency`` moves every chunk's ``ParamState`` (``state.py``); the module hooks say when:
+
+* ``acquire`` makes chunks resident for the compute stream (gathering those that are not,
+  evicting the Belady victim for a buffer) and pins them while a unit runs; ``release`` unpins;
+* ``prefetch`` gathers the next chunks of the recorded trace early on the fetch stream
+  (``RELEASED -> GATHERING``), never waiting for a buffer or a CPU update to do so;
+* ``drop`` releases a chunk (after its reduction, on eviction, when a step or a load makes its
+  gathered copy stale): its parameters point at placeholders again and a public buffer is free.
+
+Contracts: a gather is a collective, so every rank gathers the same chunks in the same order
+(prefetch decisions depend only on the trace and on state that is the same on every rank). A
+buffer is reused only after its last user's event (``Buffer.free_event``). The compute stream
+waits for a chunk's gather (``ready``) before its first use: the ``GATHERING -> RESIDENT`` step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..chunk.collectives import Collectives
+from ..chunk.layout import ChunkLayout
+from ..chunk.rcache import Buffer, RCache
+from ..chunk.schedule import AccessSchedule
+from .host_updates import HostUpdates
+from .state import ChunkState, ParamState
+
+__all__ = ["ChunkResidency", "RCacheExhausted", "on_stream"]
+
+
+class RCacheExhausted(RuntimeError):
+    """Every rCache buffer holds a chunk that is in use: the plan's rCache is too small."""
+
+
+@contextlib.contextmanager
+def on_stream(stream: torch.cuda.Stream | None, buffer: Buffer | None, device: torch.device):
+    """Runs on ``stream`` after the current stream's work and the buffer's last user (inline on CPU)."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(device))
+    if buffer is not None and buffer.free_event is not None:
+        stream.wait_event(buffer.free_event)
+    with torch.cuda.stream(stream):
+        yield
+
+
+class ChunkResidency:
+    def __init__(
+        self,
+        layout: ChunkLayout,
+        chunks: list[ChunkState],
+        rcache: RCache,
+        coll: Collectives,
+        device: torch.device,
+        dtype: torch.dtype,
+        prefetch: int,
+        host_updates: HostUpdates,
+        stats: dict[str, int],
+    ) -> None:
+        self.layout, self.chunks, self.rcache, self.coll = layout, chunks, rcache, coll
+        self.device, self.dtype, self.prefetch_depth = device, dtype, prefetch
+        self.host_updates, self.stats = host_updates, stats
+        self.cuda = device.type == "cuda"
+        self.fetch_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.schedule = AccessSchedule()
+        self._resident: dict[int, ChunkState] = {}
+        """Public chunks holding an rCache buffer (``GATHERING`` or ``RESIDENT``)."""
+        self._buffer_by_ptr = {b.data.data_ptr(): b for b in rcache.buffers}
+        zero = torch.zeros((), dtype=dtype, device=device)
+        self._placeholders = [zero.expand(p.shape) for p in layout.params]
+        for i, p in enumerate(layout.params):
+            p.data = self._placeholders[i]
+
+    def acquire(self, ids: tuple[int, ...], pin: bool) -> None:
+        """Makes chunks ``ids`` resident for the current stream; pins them if ``pin``."""
+        for i in ids:
+            self.schedule.access(i)
+        for i in ids:
+            c = self.chunks[i]
+            c.pins += 1  # protects it while the others are gathered
+            if not c.valid:
+                self._gather(c)
+        for i in ids:
+            c = self.chunks[i]
+            if not pin:
+                c.pins -= 1
+            if c.param_state is ParamState.GATHERING:
+                self._use(c)
+        self.prefetch()
+
+    def release(self, ids: tuple[int, ...]) -> None:
+        for i in ids:
+            c = self.chunks[i]
+            assert c.pins > 0, f"chunk {i} released more often than acquired"
+            c.pins -= 1
+
+    def ensure_resident(self, i: int) -> ChunkState:
+        """Chunk ``i`` resident for the current stream, not pinned (saved-tensor unpacks, gradients)."""
+        c = self.chunks[i]
+        if not c.valid:
+            self.acquire((i,), pin=False)
+        elif c.param_state is ParamState.GATHERING:  # prefetched: its gather may still be running
+            self._use(c)
+        return c
+
+    def _use(self, c: ChunkState) -> None:
+        """``GATHERING -> RESIDENT``: the current stream waits for the chunk's gather."""
+        if c.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(c.ready)
+            c.ready = None
+        c.transition(ParamState.RESIDENT)
+
+    def buffer_of(self, t: torch.Tensor) -> Buffer | None:
+        """The rCache buffer ``t``'s storage belongs to (``None`` for anything else)."""
+        return self._buffer_by_ptr.get(t.untyped_storage().data_ptr())
+
+    def prefetch(self) -> None:
+        if self.prefetch_depth == 0:
+            return
+        fetched = scanned = 0
+        for i, distance in self.schedule.upcoming():
+            scanned += 1
+            if fetched >= self.prefetch_depth or scanned > self.prefetch_depth + 16:
+                return
+            c = self.chunks[i]
+            if c.valid:
+                continue
+            if self._update_in_the_way(i) or not (c.spec.private or self._has_buffer_for(distance)):
+                return  # never block the training loop on a prefetch (a private chunk has its own buffer)
+            self._gather(c)
+            self.stats["prefetches"] += 1
+            fetched += 1
+
+    def _update_in_the_way(self, i: int) -> bool:
+        """Whether prefetching chunk ``i`` would wait on its CPU update. With several ranks a
+        prefetch is a collective, so the answer must not depend on timing: any update not yet
+        waited for counts. Alone, only one still running does."""
+        if self.coll.world_size > 1:
+            return self.host_updates.pending(i)
+        return self.host_updates.busy(i)
+
+    def _has_buffer_for(self, distance: int) -> bool:
+        if self.rcache.free:
+            return True
+        victim = self._victim()
+        return victim is not None and self.schedule.eviction_score(victim.index) > distance
+
+    def _victim(self) -> ChunkState | None:
+        candidates = [c for c in self._resident.values() if c.evictable]
+        return max(candidates, key=lambda c: self.schedule.eviction_score(c.index), default=None)
+
+    def _take_buffer(self) -> Buffer:
+        if self.rcache.free:
+            return self.rcache.free.pop()
+        victim = self._victim()
+        if victim is None:
+            raise RCacheExhausted(
+                f"all {len(self.rcache.buffers)} rCache blocks hold chunks in use "
+                f"({sorted(self._resident)}); use a larger n_blocks"
+            )
+        self.drop(victim)
+        self.stats["evictions"] += 1
+        return self.rcache.free.pop()
+
+    def _gather(self, c: ChunkState) -> None:
+        """``RELEASED -> GATHERING``: all-gathers ``c`` into a buffer on the fetch stream."""
+        if c.buffer is None:
+            c.buffer = self._take_buffer()
+            c.buffer.chunk = c.index
+            self._resident[c.index] = c
+        full = c.buffer.data[: c.spec.numel]
+        self.stats["gathers"] += 1
+        with on_stream(self.fetch_stream, c.buffer, self.device):
+            self.fill(c, full)
+            if self.cuda:
+                c.ready = torch.cuda.Event()
+                c.ready.record(self.fetch_stream)
+                c.gathered = c.ready
+        c.transition(ParamState.GATHERING)
+        self.show_params(c, full)
+
+    def fill(self, c: ChunkState, full: torch.Tensor) -> None:
+        """Gathers chunk ``c`` from every rank's shard into ``full`` (a collective, on the current stream)."""
+        self.host_updates.wait(c.index)
+        self.coll.shard_of(full).copy_(c.gather_source, non_blocking=True)
+        self.coll.all_gather_(full)
+
+    def show_params(self, c: ChunkState, full: torch.Tensor) -> None:
+        """Points the parameters of ``c`` at their slots in the gathered buffer ``full``."""
+        for s in c.spec.slots:
+            self.layout.params[s.param].data = full[s.offset : s.offset + s.numel].view(self._placeholders[s.param].shape)
+
+    def hide_params(self, c: ChunkState) -> None:
+        """Points the parameters of ``c`` back at their zero-stride placeholders."""
+        for s in c.spec.slots:
+            self.layout.params[s.param].data = self._placeholders[s.param]
+
+    def drop(self, c: ChunkState, event: torch.cuda.Event | None = None) -> None:
+        """``-> RELEASED``: forgets the gathered params of ``c``; a public buffer goes back to the
+        free list, reusable after ``event`` (default: the current stream's work so far)."""
+        self.hide_params(c)
+        c.transition(ParamState.RELEASED)
+        buffer = c.buffer
+        assert buffer is not None
+        if self.cuda:
+            if event is None:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.device))
+            buffer.free_event = event
+        if not buffer.private:
+            buffer.chunk = None
+            c.buffer = None
+            del self._resident[c.index]
+            self.rcache.free.append(buffer)
+
+    def drop_all(self, chunks: list[ChunkState], why: str) -> None:
+        """Releases every gathered chunk of ``chunks`` (their copies are stale); none may be in use."""
+        for c in chunks:
+            if c.valid:
+                assert c.pins == 0, f"{why} while a chunk is in use"
+                self.drop(c)
