@@ -22,7 +22,7 @@ import time
 import torch
 
 import elixir_runtime as er
-from elixir_runtime.optim.select import select_kernel
+from elixir_runtime.kernels.select import select_kernel
 
 from .models import VOCAB, build_meta, count_params, materialize, preset
 

@@ -85,7 +85,7 @@ def _elixir(p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
     """Auto plan for this batch: the planner sizes rCache and offload against the batch's activations."""
     import elixir_runtime as er
     from elixir_hf.loss import use_lean_loss
-    from elixir_runtime.optim.threads import cpu_adam_threads
+    from elixir_runtime.kernels.threads import cpu_adam_threads
 
     # bf16 host weights: half the RAM and copy time of fp32; the engine keeps fp32 masters itself.
     # Random values are drawn on the GPU (ctx.device) and copied: far faster than drawing on the CPU.

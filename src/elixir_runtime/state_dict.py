@@ -60,7 +60,7 @@ class ModelStateHooks:
         for all of them on ranks other than 0 under ``rank0_only``."""
         rt, layout = self.runtime, self.runtime.layout
         rt.lockstep.check_in(Op.STATE_DICT)
-        rt.wait_for_grads()
+        rt.grads.wait_for_grads()
         keep = not self.rank0_only or rt.coll.rank == 0
         out: list[torch.Tensor | None] = [None] * len(layout.params)
         for c in rt.chunks:

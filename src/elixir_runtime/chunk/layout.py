@@ -7,7 +7,7 @@ byte of memory is touched. Rules:
   never spans two chunks. On one rank a chunk ends at its last parameter (rounded up to
   ``alignment``): padding would carry optimizer state like parameters. On several ranks every
   public chunk keeps ``chunk_size``: ranks that reduce chunks in different orders (a parameter used
-  on some ranks only, see ``ChunkRuntime.used_params``) then still pair collectives of one size, and
+  on some ranks only, see ``ChunkGradients.used_params``) then still pair collectives of one size, and
   the engine names the parameter where gloo would abort on the size mismatch;
 * a parameter used by more than one unit (tied ``wte``/``lm_head``) gets a *private* chunk of its
   own that is never evicted;

@@ -83,8 +83,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` with loss scaling; grads end up reduced in this rank's shards."""
         (loss * self.scaler.scale if self.scaler.enabled else loss).backward(**kwargs)
-        if self.runtime.backward_pending:
-            self.runtime.finish_backward()
+        if self.runtime.grads.backward_pending:
+            self.runtime.grads.finish_backward()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -100,7 +100,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
     def grad_norm(self) -> float:
         """Global L2 norm of the (unscaled) grads over all chunks and ranks; one host sync, cached."""
         if self._norm is None:
-            self._norm = math.sqrt(self.runtime.grad_norm_sq().item()) / self.scaler.scale
+            self._norm = math.sqrt(self.runtime.grads.grad_norm_sq().item()) / self.scaler.scale
         return self._norm
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -128,17 +128,17 @@ class ElixirOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.runtime.host_updates.wait_all()  # the previous step's CPU updates
-        self.runtime.device_grads_ready()
+        self.runtime.grads.device_grads_ready()
         self.step_was_skipped = False
-        if not self.runtime.has_grads:
+        if not self.runtime.grads.has_grads:
             return loss
         if (self.scaler.enabled or self.skip_nonfinite) and not math.isfinite(self.grad_norm()):
             self._skip()
             return loss
-        used = self.runtime.used_params()  # after the norm, whose all-reduce usually answers it
+        used = self.runtime.grads.used_params()  # after the norm, whose all-reduce usually answers it
         self.consecutive_skips = 0
         self.step_count += 1
-        trainable = self.runtime.trainable_params
+        trainable = self.runtime.grads.trainable_params
         for i in trainable:
             self.param_steps[i] += used[i]
         counts = {self.param_steps[i] for i in trainable}
@@ -208,7 +208,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
 
     def _update_slice(self, job: SliceUpdate) -> None:
         """The CPU lane's update of one slice of an offloaded chunk (``runtime/host_updates.py``)."""
-        self.runtime.wait_host_chunk(job.chunk)
+        self.runtime.grads.wait_host_chunk(job.chunk)
         self._update(job.chunk, job.lo, job.hi, job.work, job.hypers, job.div_scale)
 
     def _update(
@@ -231,7 +231,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
             kernel.step(a.master[part], a.exp_avg[part], a.exp_avg_sq[part], grad, param_out, local, hypers, step, div_scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.runtime.zero_grad()
+        self.runtime.grads.zero_grad()
         self._reset_norm()
 
     def _reset_norm(self) -> None:
@@ -253,7 +253,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state (every rank saves its own)."""
         rt = self.runtime
-        rt.wait_for_grads()
+        rt.grads.wait_for_grads()
         chunks = {}
         for c in rt.trainable:
             sl = slice(c.offset, c.offset + c.shard_numel)

@@ -8,14 +8,14 @@ It builds the arenas (``chunk/store.py``), the rCache and one ``ChunkState`` per
 * ``ChunkGradients`` (``gradients.py``): gradient write-back, reduce-scatter, end of backward,
   ``zero_grad``, the norm; each trainable chunk's ``GradState``.
 
-The hooks (``hooks.py``), ``full_params``, the optimizer and the state-dict hooks call the methods
-this facade re-exports; the states, their tables and where they are checked are in ``state.py``.
-Everything that moves chunk data lives in those two modules; the module hooks only say *when*.
+Callers address the part they need (``runtime.resident.acquire``, ``runtime.grads.on_grad``); the
+states, their tables and where they are checked are in ``state.py``. Everything that moves chunk
+data lives in those two modules; the module hooks only say *when*.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -81,44 +81,6 @@ class ChunkRuntime:
             layout, self.chunks, self.resident, coll, device, dtype, self.host_updates, self.stats, grads_share_activations
         )
         self.trainable = self.grads.trainable
-        self.trainable_params = self.grads.trainable_params
-        self.schedule = self.resident.schedule
-        self.on_finish_backward = self.grads.on_finish_backward
-        # the parts' methods, bound here (no extra call on the hooks' paths)
-        r, g = self.resident, self.grads
-        self.acquire, self.release, self.ensure_resident, self.buffer_of = r.acquire, r.release, r.ensure_resident, r.buffer_of
-        self.prefetch, self.fill, self.show_params, self.hide_params = r.prefetch, r.fill, r.show_params, r.hide_params
-        self.note_grad_forward, self.begin_backward, self.on_grad = g.note_grad_forward, g.begin_backward, g.on_grad
-        self.finish_backward, self.zero_grad, self.used_params = g.finish_backward, g.zero_grad, g.used_params
-        self.grad_norm_sq, self.wait_for_grads, self.device_grads_ready = g.grad_norm_sq, g.wait_for_grads, g.device_grads_ready
-
-    wait_host_chunk = staticmethod(ChunkGradients.wait_host_chunk)
-
-    @property
-    def in_backward(self) -> bool:
-        return self.grads.in_backward
-
-    @property
-    def backward_pending(self) -> bool:
-        """A grad-enabled forward ran whose backward has not been finished yet."""
-        return self.grads.backward_pending
-
-    @property
-    def got_grad(self) -> list[bool]:
-        """Params that received a gradient on this rank since the last ``zero_grad``."""
-        return self.grads.got_grad
-
-    @property
-    def warn_accumulation(self) -> bool:
-        return self.grads.warn_accumulation
-
-    @warn_accumulation.setter
-    def warn_accumulation(self, on: bool) -> None:
-        self.grads.warn_accumulation = on
-
-    @property
-    def has_grads(self) -> bool:
-        return self.grads.has_grads
 
     def invalidate_trainable(self) -> None:
         """After an update the gathered copies of trainable chunks are stale."""
@@ -127,7 +89,7 @@ class ChunkRuntime:
     @torch.no_grad()
     def reload_shards(self) -> None:
         """After master/frozen shards were overwritten (checkpoint load): recast and drop stale buffers."""
-        self.wait_for_grads()
+        self.grads.wait_for_grads()
         for a in self.arenas.values():
             if a.param_copy is not None:
                 a.param_copy.copy_(a.master)

@@ -25,6 +25,7 @@ import torch
 
 from ..chunk.layout import GroupRange
 from .chunk_runtime import ChunkRuntime, ChunkState
+from .gradients import ChunkGradients
 from ..kernels.kernel import AdamHyper, AdamKernel, TorchAdamKernel
 from ..kernels.select import select_kernel
 
@@ -107,7 +108,7 @@ class DeviceLane:
     def issue(self, job: SliceUpdate) -> torch.cuda.Event | None:
         """Queues ``job``'s upload, update and download on the next buffer's stream; returns the
         event that says its results are in host memory (``None`` on a CPU device: done already)."""
-        ChunkRuntime.wait_host_chunk(job.chunk)  # its grads have landed, no gather reads it
+        ChunkGradients.wait_host_chunk(job.chunk)  # its grads have landed, no gather reads it
         b = self._next
         self._next = (b + 1) % self.depth
         buf, stream, a, n = self._buffers[b], self._streams[b], job.chunk.shards, job.numel

@@ -47,7 +47,7 @@ def full_params(model: nn.Module, *, rank0_only: bool = False) -> Iterator[nn.Mo
     rt: ChunkRuntime = state.runtime
     if rt.residency is not Residency.SHARDED:
         raise RuntimeError("full_params is already entered on this model; leave it before entering it again")
-    if rt.in_backward or any(c.pins for c in rt.chunks):
+    if rt.grads.in_backward or any(c.pins for c in rt.chunks):
         raise RuntimeError("full_params cannot be entered during a forward or backward of the model; enter it between steps")
     rt.lockstep.check_in(Op.FULL_PARAMS)
     keep = not rank0_only or rt.coll.rank == 0
@@ -59,7 +59,7 @@ def full_params(model: nn.Module, *, rank0_only: bool = False) -> Iterator[nn.Mo
     finally:
         rt.residency = Residency.SHARDED
         for c in copied:
-            rt.hide_params(c)
+            rt.resident.hide_params(c)
             c.transition(ParamState.RELEASED)
         for c in pinned:
             c.pins -= 1
@@ -71,7 +71,7 @@ def _gather_all(rt: ChunkRuntime, keep: bool) -> tuple[list[ChunkState], list[Ch
     """Makes every chunk's parameters full on this rank (if ``keep``); returns the chunks pinned in
     the rCache (``GATHERING``/``RESIDENT``, left so) and those gathered into buffers of their own
     (``RELEASED -> COPIED``). The same on every rank: residency is."""
-    rt.wait_for_grads()  # CPU updates, reductions and prefetches settled
+    rt.grads.wait_for_grads()  # CPU updates, reductions and prefetches settled
     pinned, copied = [], []
     largest = max((c.spec.numel for c in rt.chunks), default=0)  # a private chunk may exceed chunk_size
     scratch = None if keep else torch.empty(largest, dtype=rt.dtype, device=rt.device)
@@ -82,9 +82,9 @@ def _gather_all(rt: ChunkRuntime, keep: bool) -> tuple[list[ChunkState], list[Ch
                 pinned.append(c)
             continue
         full = torch.empty(c.spec.numel, dtype=rt.dtype, device=rt.device) if keep else scratch[: c.spec.numel]
-        rt.fill(c, full)
+        rt.resident.fill(c, full)
         if keep:
-            rt.show_params(c, full)
+            rt.resident.show_params(c, full)
             c.transition(ParamState.COPIED)
             copied.append(c)
     return pinned, copied

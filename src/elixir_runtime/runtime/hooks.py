@@ -66,7 +66,7 @@ class _UnitHooks:
     def pre_forward(self, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.runtime.residency is not Residency.SHARDED:
             return args, kwargs  # inside full_params: the parameters are all here
-        self.runtime.acquire(self.chunks, pin=True)
+        self.runtime.resident.acquire(self.chunks, pin=True)
         self.post_backward_armed = False
         if not torch.is_grad_enabled():
             return args, kwargs
@@ -83,10 +83,10 @@ class _UnitHooks:
     def post_forward(self, _module: nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
         if self.runtime.residency is not Residency.SHARDED:
             return
-        self.runtime.release(self.chunks)
+        self.runtime.resident.release(self.chunks)
         if not torch.is_grad_enabled():
             return
-        self.runtime.note_grad_forward()
+        self.runtime.grads.note_grad_forward()
         outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         if outs:
             pin = self.post_backward_armed
@@ -95,15 +95,15 @@ class _UnitHooks:
     def pre_backward(self, pin: bool) -> None:
         """Pins only calls whose post-backward will fire (their inputs need grad); a call without
         one just gets its chunks made resident, and saved-tensor/grad hooks re-fetch on demand."""
-        self.runtime.begin_backward()
+        self.runtime.grads.begin_backward()
         if self.bwd_pinned:
             return
-        self.runtime.acquire(self.chunks, pin=pin)
+        self.runtime.resident.acquire(self.chunks, pin=pin)
         self.bwd_pinned = pin
 
     def post_backward(self) -> None:
         if self.bwd_pinned:
-            self.runtime.release(self.chunks)
+            self.runtime.resident.release(self.chunks)
             self.bwd_pinned = False
 
 
@@ -129,7 +129,7 @@ class _RootHooks:
         self.depth += 1
         if self.depth > 1:
             return
-        self.runtime.schedule.begin((grad, self.model.training))
+        self.runtime.resident.schedule.begin((grad, self.model.training))
         if grad:
             self.saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             self.saved_hooks.__enter__()
@@ -143,7 +143,7 @@ class _RootHooks:
             self.saved_hooks = None
 
     def pack(self, t: torch.Tensor) -> Any:
-        buffer = self.runtime.buffer_of(t)
+        buffer = self.runtime.resident.buffer_of(t)
         if buffer is None or buffer.chunk is None:
             return t
         return _Packed(buffer.chunk, t)
@@ -151,7 +151,7 @@ class _RootHooks:
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Packed):
             return packed
-        chunk = self.runtime.ensure_resident(packed.chunk)
+        chunk = self.runtime.resident.ensure_resident(packed.chunk)
         return chunk.buffer.data.as_strided(packed.size, packed.stride, packed.offset)
 
 
@@ -163,7 +163,7 @@ def install_hooks(model: nn.Module, units: list[Unit], unit_chunks: list[tuple[i
         h = _UnitHooks(runtime, chunks)
         handles.append(unit.module.register_forward_pre_hook(h.pre_forward, with_kwargs=True))
         handles.append(unit.module.register_forward_hook(h.post_forward, with_kwargs=True, always_call=True))
-        runtime.on_finish_backward.append(h.post_backward)
+        runtime.grads.on_finish_backward.append(h.post_backward)
     root = _RootHooks(runtime, model)
     handles.append(model.register_forward_pre_hook(root.pre_forward, prepend=True))
     handles.append(model.register_forward_hook(root.post_forward, always_call=True))
@@ -173,5 +173,5 @@ def install_hooks(model: nn.Module, units: list[Unit], unit_chunks: list[tuple[i
     weak = weakref.proxy(runtime)
     for i, p in enumerate(runtime.layout.params):
         if runtime.layout.groups[i] >= 0:
-            handles.append(p.register_post_accumulate_grad_hook(lambda p, i=i: weak.on_grad(i, p)))
+            handles.append(p.register_post_accumulate_grad_hook(lambda p, i=i: weak.grads.on_grad(i, p)))
     return handles

@@ -44,7 +44,7 @@ def test_accumulating_under_a_one_micro_batch_plan_warns_once() -> None:
     config = er.ElixirConfig(mode="static", n_blocks="min")
     model, opt = er.prepare(model, torch.optim.AdamW(model.parameters()), config=config, example_batch=make_batch(128))
     rt = model._elixir.runtime
-    rt.warn_accumulation = True  # as a searched one-micro-batch plan with a gradient window sets it
+    rt.grads.warn_accumulation = True  # as a searched one-micro-batch plan with a gradient window sets it
     batch = make_batch(128)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
@@ -56,4 +56,4 @@ def test_accumulating_under_a_one_micro_batch_plan_warns_once() -> None:
     with pytest.warns(RuntimeWarning, match="grad_accum_steps"):
         for _ in range(3):  # accumulation without zero_grad
             opt.backward(model(**batch).loss)
-    assert not rt.warn_accumulation  # once
+    assert not rt.grads.warn_accumulation  # once
