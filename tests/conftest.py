@@ -23,6 +23,8 @@ dist_harness.PRELOAD += [
 # Tests must never reach the Hub; set before transformers is imported by tests.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Every chunk state transition is checked against its table (runtime/state.py), in spawned ranks too.
+os.environ.setdefault("ELIXIR_DEBUG_STATES", "1")
 
 
 def pytest_report_header(config: pytest.Config) -> str:
