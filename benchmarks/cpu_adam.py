@@ -16,9 +16,9 @@ from typing import Callable
 
 import torch
 
-from elixir_runtime.optim.cpu_adam import CpuAdamKernel
+from elixir_runtime.kernels.cpu_adam import CpuAdamKernel
 from elixir_runtime.chunk.layout import GroupRange
-from elixir_runtime.optim.kernel import AdamHyper
+from elixir_runtime.kernels.kernel import AdamHyper
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 

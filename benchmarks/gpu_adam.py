@@ -17,8 +17,8 @@ from typing import Callable
 import torch
 
 from elixir_runtime.chunk.layout import GroupRange
-from elixir_runtime.optim.kernel import AdamHyper
-from elixir_runtime.optim.triton_adam import TritonAdamKernel
+from elixir_runtime.kernels.kernel import AdamHyper
+from elixir_runtime.kernels.triton_adam import TritonAdamKernel
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 BYTES_PER_PARAM = 28

@@ -14,8 +14,7 @@ from typing import Any, Literal, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["ConfigError", "ElixirConfig", "LossScaleConfig", "PlanError", "device_lane_wanted", "offloaded_chunks",
-           "parse_size"]
+__all__ = ["ConfigError", "ElixirConfig", "LossScaleConfig", "PlanError", "parse_size", "resolve_dtype"]
 
 BlockCount = int | Literal["min", "max"]
 
@@ -268,31 +267,6 @@ def parse_size(text: str) -> int:
     if match is None or unit not in _SIZE_UNITS:
         raise ValueError(f"not a memory size: {text!r} (e.g. 80GiB, 80GB, 512MiB)")
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
-
-
-DEVICE_LANE_WORDS = {"off": False, "on": True, "auto": "auto"}
-"""``device_assisted_update`` by the word a command line takes (``--device-lane off|on|auto``)."""
-
-
-def device_lane_wanted(config: ElixirConfig, device: torch.device) -> bool:
-    """Whether the search may plan the device lane on ``device``: ``True``; ``"auto"`` on a GPU (where
-    the search keeps it only if its predicted step is shorter, ``search/loop.py``); ``False`` never."""
-    if config.device_assisted_update == "auto":
-        return device.type == "cuda"
-    return bool(config.device_assisted_update)
-
-
-def offloaded_chunks(offload: float | Sequence[int], n_chunks: int, chunk_size: int) -> list[int]:
-    """``ElixirConfig.offload`` for a layout of ``n_chunks``: a fraction takes the last chunks (their
-    gradients arrive first in backward), a list is checked against the layout."""
-    if isinstance(offload, (float, int)) and not isinstance(offload, bool):
-        return list(range(n_chunks - round(float(offload) * n_chunks), n_chunks))
-    chunks = sorted({int(i) for i in offload})
-    bad = [i for i in chunks if not 0 <= i < n_chunks]
-    if bad:
-        raise PlanError(f"offload names chunks {bad}, but with chunks of {chunk_size:,} elements the layout "
-                        f"has chunks 0..{n_chunks - 1}: give chunk_size too, or offload as a fraction")
-    return chunks
 
 
 _DTYPE_NAMES = {

@@ -61,8 +61,13 @@ class Budget:
         """Bytes of pinned host arenas per rank."""
         return int(self.f_host * self.host_capacity / self.ranks_per_host)
 
-    def as_dict(self) -> dict[str, float]:
+    def to_dict(self) -> dict[str, float]:
         return {**asdict(self), "allowed": self.allowed, "host_allowed": self.host_allowed}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, float]) -> "Budget":
+        """``allowed`` and ``host_allowed`` are derived: ignored."""
+        return cls(**{k: v for k, v in data.items() if k not in ("allowed", "host_allowed")})
 
 
 def device_budget(device: torch.device, activations: int, buffers: int, ranks_per_host: int) -> Budget:
