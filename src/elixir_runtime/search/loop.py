@@ -57,7 +57,7 @@ class SearchSettings:
     """Collective bus bandwidth measured on the job's process group (``measure.collective_busbw``)."""
     device_lane: bool = False
     """The GPU helps update offloaded chunks (``ElixirConfig.device_assisted_update`` resolved for the
-    device: ``config.device_lane_wanted``): its staging memory and its rate enter the plan."""
+    device: ``planner.device_lane_wanted``): its staging memory and its rate enter the plan."""
     grads_share_activations: bool = True
     """The allocator lets the GPU's gradient shards reuse the memory the loss's activations free
     (expandable segments, ``gpu_limit.expandable_segments``); otherwise all of them are counted."""
