@@ -25,16 +25,17 @@ from .config import ElixirConfig
 from .hardware.load import job_hardware
 from .hardware.measure import collective_busbw
 from .hardware.profile import HardwareProfile
-from .host import local_ranks
+from .gpu_limit import device_capacity, process_limit
+from .host import host_available, local_ranks
 from .plan import ElixirPlan, check_fits, resolve_plan
 from .profiler.kernels import cuda_attention
 from .profiler.profile import ModelProfile, profile_model, structural_profile
 from .profiler.trace import trace_unit_order
-from .search.budget import F_FRAG, Budget, device_budget
+from .search.budget import F_FRAG, Budget
 from .search.loop import SearchResult, SearchSettings, search
 from .units import ParamTable, Unit, param_table
 
-__all__ = ["Target", "plan_model", "plan_static", "plan_job", "search_job", "device_lane_wanted",
+__all__ = ["Target", "plan_model", "plan_static", "plan_job", "search_job", "device_budget", "device_lane_wanted",
            "UNPROFILED_ACTIVATION_SHARE"]
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class Target:
     dtype: torch.dtype
     hardware: HardwareProfile
     budget: Callable[[ModelProfile], Budget]
-    """The memory budget for a profiled step (``search.budget.device_budget`` on the job's GPU)."""
+    """The memory budget for a profiled step (``device_budget`` on the job's GPU)."""
     busbw: float | None = None
     """Collective bus bandwidth measured on the job's process group (``measure.collective_busbw``)."""
     grads_share_activations: bool = True
@@ -68,6 +69,19 @@ def device_lane_wanted(config: ElixirConfig, device: torch.device) -> bool:
     if config.device_assisted_update == "auto":
         return device.type == "cuda"
     return bool(config.device_assisted_update)
+
+
+def device_budget(device: torch.device, activations: int, buffers: int, ranks_per_host: int) -> Budget:
+    """The budget of a live CUDA device: what is free now plus what torch's allocator holds unused,
+    within the process's limit."""
+    return Budget(
+        capacity=device_capacity(device),
+        activations=activations,
+        buffers=buffers,
+        host_capacity=host_available(),
+        ranks_per_host=ranks_per_host,
+        limit=process_limit(device),
+    )
 
 
 def plan_model(

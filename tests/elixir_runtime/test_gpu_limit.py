@@ -13,7 +13,7 @@ import torch
 import elixir_runtime as er
 from elixir_runtime.config import ConfigError, parse_size
 from elixir_runtime.gpu_limit import device_capacity, limit_gpu_memory, process_limit
-from elixir_runtime.search.budget import device_budget
+from elixir_runtime.planner import device_budget
 from helpers.fake_cuda import GIB, FakeGPU
 from helpers.models import make_batch, tiny_gpt2
 
