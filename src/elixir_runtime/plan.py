@@ -245,12 +245,13 @@ def resolve_plan(
     layout: ChunkLayout,
     dtype: torch.dtype,
     *,
-    lane: bool,
     search: SearchResult | None = None,
+    lane: bool = False,
 ) -> ElixirPlan:
     """The plan for ``layout`` (built from ``table``): the config's explicit choices, the search's for
     the rest (if it ran, it already honoured the explicit ones), else the static defaults (rCache max,
-    nothing offloaded). ``lane``: whether the device update lane is planned. The rCache holds at once
+    nothing offloaded). ``lane``: whether a static plan has the device update lane (a searched one has
+the search's). The rCache holds at once
     every unit's chunks and, when the search profiled them, every checkpointed region's
     (``ChunkLayout.block_bounds``)."""
     unit_chunks, regions = resident_chunks(layout, table, search.regions if search is not None else [])
@@ -258,28 +259,14 @@ def resolve_plan(
     resident.update({f"checkpointed region {i}": cs for i, cs in enumerate(regions)})
     lo, hi = layout.block_bounds(resident.values())
     n = len(layout.chunks)
-    if isinstance(config.n_blocks, int):
-        if config.n_blocks < lo:
-            biggest = max(resident, key=lambda k: len(resident[k]))
-            raise PlanError(
-                f"rCache of {config.n_blocks} blocks is smaller than {biggest}, whose parameters span "
-                f"{lo} chunks that must be resident together (a checkpointed region is recomputed as a whole): "
-                f"use n_blocks >= {lo}, or a larger chunk_size"
-            )
-        n_blocks = min(config.n_blocks, hi)
-    elif config.n_blocks == "min":
-        n_blocks = lo
-    elif config.n_blocks == "max" or search is None:
-        n_blocks = hi
-    else:
-        n_blocks = min(max(search.placement.n_blocks, lo), hi)
-
+    n_blocks = _rcache_blocks(config, resident, lo, hi, search)
     if config.offload is not None:
         offload = offloaded_chunks(config.offload, n, layout.chunk_size)
     else:
         offload = search.placement.offload if search is not None else []
 
     window = search.grad_window if search is not None else GradWindow()
+    lane = search.device_lane if search is not None else lane
     memory, lane_numel = _count_memory(layout, set(offload), n_blocks, dtype, lane, window)
     plan = ElixirPlan(
         chunk_size=layout.chunk_size,
@@ -301,6 +288,26 @@ def resolve_plan(
     if search is not None:
         _attach_search(plan, search)
     return plan
+
+
+def _rcache_blocks(
+    config: ElixirConfig, resident: dict[str, tuple[int, ...]], lo: int, hi: int, search: SearchResult | None
+) -> int:
+    """``config.n_blocks`` within the bounds, else the search's choice, else ``hi``."""
+    if isinstance(config.n_blocks, int):
+        if config.n_blocks < lo:
+            biggest = max(resident, key=lambda k: len(resident[k]))
+            raise PlanError(
+                f"rCache of {config.n_blocks} blocks is smaller than {biggest}, whose parameters span "
+                f"{lo} chunks that must be resident together (a checkpointed region is recomputed as a whole): "
+                f"use n_blocks >= {lo}, or a larger chunk_size"
+            )
+        return min(config.n_blocks, hi)
+    if config.n_blocks == "min":
+        return lo
+    if config.n_blocks == "max" or search is None:
+        return hi
+    return min(max(search.placement.n_blocks, lo), hi)
 
 
 def _attach_search(plan: ElixirPlan, search: SearchResult) -> None:

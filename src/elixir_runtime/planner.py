@@ -198,7 +198,7 @@ class _Searched:
         """The plan of the winning layout (built here from the chosen chunk size where the result came
         from another rank)."""
         layout = self.result.layout or _layout(self.table, config, target.world_size, self.result.chunk_size)
-        plan = resolve_plan(config, self.table, layout, target.dtype, lane=self.result.device_lane, search=self.result)
+        plan = resolve_plan(config, self.table, layout, target.dtype, search=self.result)
         plan.profile = self.profile
         return plan
 

@@ -33,7 +33,7 @@ def _budget(profile, capacity: int, host: int = 64 * GIB, ranks: int = 1) -> Bud
 
 def _plan(table, r) -> ElixirPlan:
     """The plan of search result ``r``: the chunk count and rCache bounds are the plan's to count."""
-    return resolve_plan(ElixirConfig(), table, r.layout, BF16, lane=r.device_lane, search=r)
+    return resolve_plan(ElixirConfig(), table, r.layout, BF16, search=r)
 
 
 def _settings(**kw) -> SearchSettings:
@@ -144,7 +144,7 @@ def test_plan_memory_is_what_the_engine_allocates(gpt2, lane) -> None:
     )
     assert mem.host_shards == r.placement.host_bytes
     assert (lane_numel > 0) == lane and mem.lane_staging == 2 * lane_numel * (12 + 2)  # fp32 m, v, master + bf16
-    plan = resolve_plan(ElixirConfig(), table, r.layout, BF16, lane=r.device_lane, search=r)
+    plan = resolve_plan(ElixirConfig(), table, r.layout, BF16, search=r)
     assert (plan.n_blocks, plan.offload, plan.device_lane) == (r.placement.n_blocks, r.placement.offload, lane_numel)
     assert plan.device_bytes == r.placement.device_bytes and plan.predicted.total == pytest.approx(r.placement.time.total)
     again = ElixirPlan.from_json(plan.to_json())
