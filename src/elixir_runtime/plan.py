@@ -75,6 +75,10 @@ def _runtime(default: Any = None, factory: Any = None) -> Any:
 
 @dataclass
 class ElixirPlan:
+    """What the engine runs: the decided values (the JSON file, ``to_json``/``from_json``), and, on a
+    plan the planner returned, the objects they were decided on (runtime fields: not in the file,
+    not compared; ``None`` on a plan read from a file, which drives ``prepare`` as a static config)."""
+
     chunk_size: int
     n_blocks: int
     offload: list[int]
