@@ -22,6 +22,7 @@ import time
 import torch
 
 import elixir_runtime as er
+from elixir_hf.cli import DEVICE_LANE_WORDS
 from elixir_runtime.kernels.select import select_kernel
 
 from .models import VOCAB, build_meta, count_params, materialize, preset
@@ -44,7 +45,7 @@ def run(pristine: torch.nn.Module, batch: dict, offload: str, lane: str, threads
     model = copy.deepcopy(pristine)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     config = er.ElixirConfig(mode="auto", dtype="bf16", device="cuda", clips_grads=a.clip > 0,
-                             offload=None if offload == "auto" else float(offload), device_assisted_update=er.config.DEVICE_LANE_WORDS[lane])
+                             offload=None if offload == "auto" else float(offload), device_assisted_update=DEVICE_LANE_WORDS[lane])
     try:
         model, opt = er.prepare(model, opt, config, example_batch=batch)
     except er.PlanError as err:
@@ -72,7 +73,7 @@ def run(pristine: torch.nn.Module, batch: dict, offload: str, lane: str, threads
             "predicted_s": plan.predicted_step_s, "measured_over_predicted": measured / plan.predicted_step_s,
             "n_offloaded": len(plan.offload), "n_chunks": plan.n_chunks, "n_blocks": plan.n_blocks,
             "host_GiB": plan.host_bytes / 2**30, "device_GiB": plan.device_bytes / 2**30,
-            "gpu_peak_GiB": torch.cuda.max_memory_allocated() / 2**30, "predicted": plan.predicted,
+            "gpu_peak_GiB": torch.cuda.max_memory_allocated() / 2**30, "predicted": plan.to_dict()["predicted"],
         })
         print(json.dumps(rows[-1]), flush=True)
     del model, opt

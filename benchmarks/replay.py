@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 from elixir_runtime.config import ElixirConfig
-from elixir_runtime.profiler.profile import profile_model
-from elixir_runtime.units import find_units, param_table
-from elixir_runtime.search import Budget, SearchSettings, search
+from elixir_runtime.planner import Target, plan_model
+from elixir_runtime.profiler.profile import ModelProfile
+from elixir_runtime.units import find_units
+from elixir_runtime.search import Budget
 from elixir_runtime.search.step_time import StepTime
 from elixir_runtime.hardware.profile import HardwareProfile
 
@@ -44,36 +45,32 @@ def replayable(run: dict[str, Any]) -> bool:
 def predict(run: dict[str, Any]) -> StepTime:
     """The step the current model predicts for the run's recorded plan, batch and hardware."""
     plan = run["info"]["plan"]
-    hardware = HardwareProfile.from_dict(plan["hardware"])
-    model = build_meta(preset(run["model"]), run["seq"], getattr(torch, plan["dtype"]))
-    units = find_units(model, None)
+    dtype = getattr(torch, plan["dtype"])
+    model = build_meta(preset(run["model"]), run["seq"], dtype)
     ids = torch.zeros(run["batch"], run["seq"], dtype=torch.long, device="meta")
-    profile = profile_model(model, {"input_ids": ids, "labels": ids}, dtype=getattr(torch, plan["dtype"]),
-                            device="cuda", units=units)
-    table = param_table(model, units, profile.unit_indices(units))
-    budget = Budget(
-        capacity=HEADROOM * hardware.gpu_memory,
-        activations=profile.activation_peak,
-        buffers=profile.buffer_bytes,
-        host_capacity=HEADROOM * hardware.host_memory,
-        ranks_per_host=run["gpus"],
-    )
+    hardware = HardwareProfile.from_dict(plan["hardware"])
+
+    def budget(profile: ModelProfile) -> Budget:
+        return Budget(
+            capacity=HEADROOM * hardware.gpu_memory,
+            activations=profile.activation_peak,
+            buffers=profile.buffer_bytes,
+            host_capacity=HEADROOM * hardware.host_memory,
+            ranks_per_host=run["gpus"],
+        )
+
     busbw = (plan.get("rates") or {}).get("busbw_GBps")
-    settings = SearchSettings(
-        world_size=run["gpus"],
-        dtype=getattr(torch, plan["dtype"]),
-        config=ElixirConfig(
-            chunk_size=plan["chunk_size"],
-            n_blocks=plan["n_blocks"],
-            offload=plan["offload"],
-            clips_grads=bool(run.get("clip", False)),  # runs before --clip did not clip
-            skip_nonfinite=bool(run["info"].get("skip_nonfinite", True)),
-            device_assisted_update=bool(plan.get("device_lane")),  # as recorded, not chosen again
-        ),
-        busbw=busbw * 1e9 if busbw and run["gpus"] > 1 else None,
-        device_lane=bool(plan.get("device_lane")),  # runs recorded with the device update lane
+    target = Target(run["gpus"], torch.device("cuda"), dtype, hardware, budget,
+                    busbw=busbw * 1e9 if busbw and run["gpus"] > 1 else None)
+    config = ElixirConfig(
+        chunk_size=plan["chunk_size"],
+        n_blocks=plan["n_blocks"],
+        offload=plan["offload"],
+        clips_grads=bool(run.get("clip", False)),  # runs before --clip did not clip
+        skip_nonfinite=bool(run["info"].get("skip_nonfinite", True)),
+        device_assisted_update=bool(plan.get("device_lane")),  # as recorded, not chosen again
     )
-    return search(table, profile, hardware, budget, settings).placement.time
+    return plan_model(model, find_units(model, None), {"input_ids": ids, "labels": ids}, config, target).predicted
 
 
 def replay(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -85,7 +82,7 @@ def replay(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         time = predict(run)
         rows.append({**row, "replayed_step_s": time.total, "measured_over_replayed": run["step_s"] / time.total,
-                     "replayed": time.as_dict()})
+                     "replayed": time.to_dict()})
     return rows
 
 

@@ -84,6 +84,7 @@ def _adamw(params, fused: bool) -> torch.optim.AdamW:
 def _elixir(p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
     """Auto plan for this batch: the planner sizes rCache and offload against the batch's activations."""
     import elixir_runtime as er
+    from elixir_hf.cli import DEVICE_LANE_WORDS
     from elixir_hf.loss import use_lean_loss
     from elixir_runtime.kernels.threads import cpu_adam_threads
 
@@ -102,7 +103,7 @@ def _elixir(p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
     cpu_threads = cpu_adam_threads(1, cores=ctx.threads) if ctx.threads else None
     config = er.ElixirConfig(mode="auto", dtype="bf16", device=ctx.device, clips_grads=ctx.clip, cpu_threads=cpu_threads,
                              skip_nonfinite=ctx.skip_nonfinite,
-                             device_assisted_update=er.config.DEVICE_LANE_WORDS[ctx.device_lane])
+                             device_assisted_update=DEVICE_LANE_WORDS[ctx.device_lane])
     if ctx.lean_loss:
         use_lean_loss(model)
     model, opt = er.prepare(model, _adamw(model.parameters(), fused=False), config, example_batch=batch)
@@ -128,10 +129,11 @@ def _elixir(p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
 def plan_summary(plan: "ElixirPlan") -> dict[str, Any]:
     """The plan's scalar fields, memory and predicted step, for the results file; with the offloaded
     chunks and the hardware profile, enough for ``benchmarks.replay`` to predict it again."""
-    out = {k: v for k, v in vars(plan).items() if v is None or isinstance(v, (bool, int, float, str))}
-    out.update(memory=dict(plan.memory), n_offloaded=len(plan.offload), offload=list(plan.offload),
+    saved = plan.to_dict()
+    out = {k: v for k, v in saved.items() if v is None or isinstance(v, (bool, int, float, str))}
+    out.update(memory=saved["memory"], n_offloaded=len(plan.offload), offload=list(plan.offload),
                device_bytes=plan.device_bytes, host_bytes=plan.host_bytes, predicted_step_s=plan.predicted_step_s,
-               predicted=dict(plan.predicted), rates=plan.search.get("rates"), hardware=plan.search.get("hardware"))
+               predicted=saved["predicted"], rates=plan.search.get("rates"), hardware=plan.search.get("hardware"))
     return out
 
 

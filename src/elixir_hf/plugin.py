@@ -55,8 +55,8 @@ class ElixirPlugin:
     lean_loss: bool = True
     """Replace transformers' causal-LM loss (``ForCausalLMLoss``, a model's default) by
     ``elixir_hf.loss.lean_causal_lm_loss`` before the engine is built: the same value, without the
-    fp32 copies of the logits (12.6 GB of Llama-3-8B's 15 GB activation peak at 8192 tokens), so the
-    planner keeps more optimizer state on the GPU. A loss function the user set is kept. ``False``:
+    fp32 copies of the logits (most of a large-vocabulary model's activation peak: docs/planning.md),
+    so the planner keeps more optimizer state on the GPU. A loss function the user set is kept. ``False``:
     the stock loss."""
 
     def __post_init__(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,13 +24,12 @@ from .gpu_limit import expandable_segments, limit_gpu_memory
 from .runtime.device_lane import DeviceLane
 from .optim.optimizer import ElixirOptimizer
 from .kernels.threads import cpu_adam_threads
-from .plan import ElixirPlan, plan_model
-from .profiler.trace import trace_unit_order
+from .plan import ElixirPlan
+from .planner import plan_job
 from .runtime.chunk_runtime import ChunkRuntime
 from .runtime.hooks import install_hooks
 from .runtime.lockstep import Lockstep
-from .units import Unit, find_units, param_table
-from .search.auto import auto_plan
+from .units import Unit, find_units
 from .host import local_ranks
 
 __all__ = ["prepare", "ElixirState"]
@@ -72,33 +71,26 @@ def prepare(
     source = weight_source(model, coll, device)
 
     units = find_units(model, config.unit_classes)
+    group_of = _param_groups(optimizer, model)
     _limit_gpu_memory(device, config.gpu_memory)
     # gradient shards come and go during each backward (chunk/store.py): page-mapped segments keep that from fragmenting
     expandable = device.type == "cuda" and expandable_segments()
-    search = None
-    if config.mode == "auto" and device.type == "cuda":
-        order, search = auto_plan(model, units, example_batch, config, device, dtype, coll, grads_share_activations=expandable)
-    else:
-        order = coll.decided_by_rank0(lambda: trace_unit_order(model, units, example_batch, dtype, device), device)
-    table = param_table(model, units, order)
-    table = replace(table, groups=_param_groups(optimizer, table.params, table.names))
-    layout, unit_chunks, plan = plan_model(
-        table, config, world_size=coll.world_size, device=device, dtype=dtype, search=search
-    )
+    plan = plan_job(model, units, example_batch, config, device, dtype, coll, param_group=lambda p: group_of[id(p)],
+                    grads_share_activations=expandable)
     if coll.rank == 0:  # the HF integration prints it; a debug record for runtime-only users
         logger.debug("Elixir plan:\n%s", plan.table())
 
-    params = table.params
+    params = plan.param_table.params
     orig_dtypes = [p.dtype for p in params]
     _move_buffers(model, device, source)
     unmeta_parameters(params)
     lockstep = Lockstep(coll, config.lockstep_timeout_s)
     lane = DeviceLane(plan.device_lane, device, dtype) if plan.device_lane else None
     runtime = ChunkRuntime(
-        layout, plan.placement(), plan.n_blocks, coll, device, dtype, config.prefetch, lockstep, source.value, lane,
-        grads_share_activations=search is not None and search.grad_window.shares,
+        plan.layout, plan.placement(), plan.n_blocks, coll, device, dtype, config.prefetch, lockstep, source.value, lane,
+        grads_share_activations=plan.grad_window.shares,
     )
-    install_hooks(model, units, unit_chunks, runtime)
+    install_hooks(model, units, plan.unit_chunks, runtime)
     model_state = ModelStateHooks(runtime, orig_dtypes)
     model_state.install(model)
     elixir_optimizer = ElixirOptimizer(
@@ -146,22 +138,23 @@ def _check_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, torch.optim.AdamW) or bool(optimizer.defaults.get("decoupled_weight_decay"))
 
 
-def _param_groups(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], names: list[list[str]]) -> list[int]:
-    """Group index of every model param (-1 if frozen); all trainable params must be in the optimizer."""
+def _param_groups(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[int, int]:
+    """``id(param)`` → its optimizer group; all trainable params of the model must be in the optimizer."""
     group_of: dict[int, int] = {}
     for gi, g in enumerate(optimizer.param_groups):
         for p in g["params"]:
             group_of[id(p)] = gi
-    model_ids = {id(p) for p in params}
+    named = list(model.named_parameters())
+    model_ids = {id(p) for _, p in named}
     if any(pid not in model_ids for pid in group_of):
         raise ValueError("the optimizer holds parameters that are not in the model; build it from model.parameters()")
-    missing = [names[i][0] for i, p in enumerate(params) if p.requires_grad and id(p) not in group_of]
+    missing = [name for name, p in named if p.requires_grad and id(p) not in group_of]
     if missing:
         raise ValueError(
             f"{len(missing)} trainable parameters are not in the optimizer (e.g. {missing[:3]}); pass all of "
             "model.parameters() or set requires_grad=False on the ones to freeze"
         )
-    return [group_of[id(p)] if p.requires_grad else -1 for p in params]
+    return group_of
 
 
 def _limit_gpu_memory(device: torch.device, gpu_memory: int | None) -> None:

@@ -14,8 +14,7 @@ from typing import Any, Literal, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["ConfigError", "ElixirConfig", "LossScaleConfig", "PlanError", "device_lane_wanted", "offloaded_chunks",
-           "parse_size"]
+__all__ = ["ConfigError", "ElixirConfig", "LossScaleConfig", "PlanError", "parse_size", "resolve_dtype"]
 
 BlockCount = int | Literal["min", "max"]
 
@@ -74,103 +73,73 @@ class LossScaleConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class ElixirConfig:
-    """How ``elixir_runtime.prepare`` trains a model.
+    """How ``elixir_runtime.prepare`` trains a model: flat keys (``ElixirConfig(**kwargs)``, the
+    ``--elixir`` JSON), grouped by what they govern.
 
     ``mode="auto"`` derives whatever is left ``None`` from the model, the batch and the machine;
     ``mode="static"`` requires nothing more but uses exactly what is given (``None`` then means
     the simple default: chunk size from the model, rCache max, nothing offloaded).
     """
 
+    # -- the plan: what the planner decides, or is told (planner.py, plan.py)
     mode: Literal["auto", "static"] = "auto"
-    dtype: torch.dtype | str | None = None
-    """Compute dtype of the gathered params (and so of activations). ``None``: the model's own dtype,
-    never a silent precision change. ``"bf16"``/``"fp16"``: mixed precision with fp32 master weights."""
-
+    """``"auto"``: searched on a GPU from a profiled step and the machine; ``"static"``: exactly as given."""
     chunk_size: int | None = None
-    """Elements per chunk (rounded up to a multiple of ``world_size * alignment``). A parameter larger
-    than this (an untied embedding) gets a chunk of its own size, outside the rCache."""
-
+    """Elements per chunk, rounded up to a multiple of ``world_size * alignment``; a larger parameter gets its own chunk."""
     n_blocks: BlockCount | None = None
-    """rCache size in chunks: an int, ``"min"`` (largest hooked unit) or ``"max"`` (every chunk)."""
-
+    """rCache size in chunks: an int, ``"min"`` (largest unit or checkpointed region) or ``"max"`` (every chunk)."""
     offload: float | Sequence[int] | None = None
-    """Which chunks keep their shard and optimizer states in (pinned) host memory and are updated on
-    the CPU: a fraction of the chunks (the ones whose gradients arrive first in backward) or
-    explicit chunk indices. ``0`` keeps everything on the compute device."""
-
-    prefetch: int = 1
-    """How many upcoming chunks to gather ahead of use on side streams."""
-
+    """Chunks whose shard and optimizer state live in pinned host memory, updated on the CPU: a
+    fraction (the last chunks, whose gradients arrive first) or chunk indices; ``0``: none."""
     unit_classes: Sequence[type | str] | None = None
-    """Module classes (or class names) hooked as one fetch unit, FSDP2 style. ``None``: the model's
-    ``_no_split_modules`` (its transformer blocks), and every other module holding parameters."""
-
-    device: torch.device | str | None = None
-    """Compute device. ``None``: ``cuda:<LOCAL_RANK>`` if CUDA is available, else CPU."""
-
-    process_group: dist.ProcessGroup | None = None
-    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """Module classes (or names) hooked as one fetch unit; ``None``: the model's ``_no_split_modules`` and
+    every other module holding parameters."""
     alignment: int = 64
-    """Each parameter starts at a multiple of this many elements inside its chunk (fast kernels)."""
-
-    cpu_threads: int | None = None
-    """Threads of the CPU Adam of offloaded chunks. ``None``: this rank's share of the host's cores
-    less one for the training loop (``kernels/threads.py``), whatever ``OMP_NUM_THREADS`` says."""
-
-    clips_grads: bool = True
-    """Whether the training loop calls ``clip_grad_norm`` (or trains in fp16): one host sync before
-    the update, so the CPU Adam of offloaded chunks starts only after backward; the planner
-    predicts the overlap accordingly. ``False`` (no clipping, bf16/fp32): the host runs ahead of
-    the GPU and those updates start during backward, as each chunk's gradients land."""
-
-    grad_accum_steps: int = 1
-    """Micro-batches (backwards) per optimizer step. With one, the gradient shards of GPU-resident
-    chunks exist only from backward to ``zero_grad``, after the loss's activation peak, and the plan
-    lets them use the memory it frees (``search/memory.py``); with more they stay through the next
-    micro-batches' forwards and are counted beside the activations. A forward with gradients held
-    under a one-micro-batch plan warns: it may run out of GPU memory. The HF integration sets it
-    from ``gradient_accumulation_steps``."""
-
-    device_assisted_update: bool | Literal["auto"] = False
-    """Whether the GPU helps the CPU update offloaded chunks. After a clipped backward the CPU Adam of
-    offloaded chunks runs while the link and the GPU idle; with this on, a second lane streams slices
-    of their states to the GPU, updates them with the GPU kernel and copies them back, while the CPU
-    updates the others (the two split the work as they go; ``runtime/device_lane.py``). It takes two
-    staging buffers of GPU memory (0.875 GiB in bf16, counted in the plan), and its copies take the
-    host memory bandwidth the CPU update needs: measured on H100s (clipping on) it did not pay,
-    Llama-3-8B on one 303 vs 299 TFLOPS, GPT2-20b on four 360 vs 416 (batch 4) and 492 vs 484
-    (batch 8), so it is off by default. ``"auto"``: the planner keeps it where its predicted step is
-    shorter (a GPU only); ``True`` on (also on a CPU device, a second CPU thread: tests)."""
-
-    lockstep_timeout_s: float = 60.0
-    """How long a rank waits for the others when it starts a forward or gathers the weights (a
-    host-side check that every rank is starting the same operation, ``runtime/lockstep.py``).
-    A forward run on some ranks only (outside ``full_params``) fails on every rank within this
-    time, naming the cause, instead of hanging until the process group's timeout (30 minutes).
-    Raise it if a rank legitimately works alone for longer while the others wait in their next
-    forward (rather than in a barrier)."""
-
-    skip_nonfinite: bool = True
-    """Skip (on every rank, with a warning) an optimizer step whose gradient norm is NaN or inf, as
-    fp16's loss scaling always does; counted in ``elixir/skipped_steps``. It needs the global grad
-    norm every step: one host sync, free when clipping (it computes the norm anyway), otherwise it
-    ends the overlap of offloaded chunks' CPU updates with the end of backward (see
-    ``clips_grads``). ``False``: plain PyTorch behaviour in bf16/fp32 (one NaN step makes the
-    weights NaN); fp16 still skips overflows."""
-
-    max_consecutive_skips: int = 25
-    """Training stops with an error after this many skipped steps in a row: more than the 16
-    back-offs fp16 loss scaling needs from the default ``init_scale`` 2**16 to ``min_scale`` 1."""
-
+    """Each parameter starts at a multiple of this many elements inside its chunk."""
     gpu_memory: int | str | None = None
-    """The most GPU memory this process may use, per GPU: an int of bytes, or a size string
-    (``"70GiB"``/``"70G"`` binary, ``"70GB"`` decimal, ``"512MiB"``; no unit: GiB, as
-    ``elixir-plan --gpu-mem``), stored as bytes. ``prepare`` lowers torch's per-process memory
-    fraction to ``gpu_memory / total`` (``torch.cuda.set_per_process_memory_fraction``; a smaller
-    fraction the user set stays), so the caching allocator enforces it (its out-of-memory error
-    then says "... allowed"), and the plan fits what is left of it (``gpu_limit.py``). For a GPU
-    shared with other jobs, for headroom, or to plan as on a smaller card. ``None``: the whole
-    card, or the fraction the user set."""
+    """The most GPU memory this process may use, per GPU (bytes, or a size such as ``"70GiB"``, stored
+    as bytes): enforced by torch's allocator, and the plan fits within it (``gpu_limit.py``); ``None``:
+    the whole card, or the fraction the user set."""
+    device_assisted_update: bool | Literal["auto"] = False
+    """Whether a GPU lane updates slices of offloaded chunks beside the CPU (``runtime/device_lane.py``;
+    its staging memory is in the plan); ``"auto"``: where the planner predicts a shorter step (a GPU
+    only). Off by default: measured, it did not pay (docs/runtime.md)."""
+
+    # -- the runtime: how the engine runs the plan
+    device: torch.device | str | None = None
+    """Compute device; ``None``: ``cuda:<LOCAL_RANK>`` if CUDA is available, else the CPU."""
+    process_group: dist.ProcessGroup | None = None
+    """The ranks that shard the model; ``None``: the default group."""
+    prefetch: int = 1
+    """Upcoming chunks gathered ahead of use on side streams."""
+    cpu_threads: int | None = None
+    """Threads of the CPU Adam of offloaded chunks; ``None``: this rank's share of the host's cores less
+    one (``kernels/threads.py``), whatever ``OMP_NUM_THREADS`` says."""
+    lockstep_timeout_s: float = 60.0
+    """Seconds a rank waits for the others at each forward and ``state_dict()`` before all fail naming
+    the operation (``runtime/lockstep.py``) rather than hang until the process group's timeout."""
+
+    # -- numerics
+    dtype: torch.dtype | str | None = None
+    """Compute dtype of the gathered params and activations; ``None``: the model's own (never a silent
+    change); ``"bf16"``/``"fp16"``: mixed precision with fp32 master weights."""
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    """Dynamic loss scaling, used in fp16 only."""
+    skip_nonfinite: bool = True
+    """Skip, on every rank, a step whose gradient norm is NaN or inf (one host sync per step, free when
+    clipping); ``False``: plain PyTorch in bf16/fp32 (fp16 still skips overflows)."""
+    max_consecutive_skips: int = 25
+    """Training stops with an error after this many skipped steps in a row (more than fp16's 16
+    back-offs from the default ``init_scale`` to ``min_scale``)."""
+
+    # -- facts of the training loop, which the plan predicts with
+    clips_grads: bool = True
+    """The loop syncs the host before ``step()`` (``clip_grad_norm``, fp16): offloaded chunks' CPU
+    updates are predicted to start after backward; ``False``: during it, as gradients land."""
+    grad_accum_steps: int = 1
+    """Backwards per optimizer step. With one, GPU-resident chunks' gradient shards are planned into
+    memory the activations free (``search/memory.py``); with more they are counted beside them. The
+    HF integration sets it from ``gradient_accumulation_steps``."""
 
     def __post_init__(self) -> None:
         offload = self.offload
@@ -268,31 +237,6 @@ def parse_size(text: str) -> int:
     if match is None or unit not in _SIZE_UNITS:
         raise ValueError(f"not a memory size: {text!r} (e.g. 80GiB, 80GB, 512MiB)")
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
-
-
-DEVICE_LANE_WORDS = {"off": False, "on": True, "auto": "auto"}
-"""``device_assisted_update`` by the word a command line takes (``--device-lane off|on|auto``)."""
-
-
-def device_lane_wanted(config: ElixirConfig, device: torch.device) -> bool:
-    """Whether the search may plan the device lane on ``device``: ``True``; ``"auto"`` on a GPU (where
-    the search keeps it only if its predicted step is shorter, ``search/loop.py``); ``False`` never."""
-    if config.device_assisted_update == "auto":
-        return device.type == "cuda"
-    return bool(config.device_assisted_update)
-
-
-def offloaded_chunks(offload: float | Sequence[int], n_chunks: int, chunk_size: int) -> list[int]:
-    """``ElixirConfig.offload`` for a layout of ``n_chunks``: a fraction takes the last chunks (their
-    gradients arrive first in backward), a list is checked against the layout."""
-    if isinstance(offload, (float, int)) and not isinstance(offload, bool):
-        return list(range(n_chunks - round(float(offload) * n_chunks), n_chunks))
-    chunks = sorted({int(i) for i in offload})
-    bad = [i for i in chunks if not 0 <= i < n_chunks]
-    if bad:
-        raise PlanError(f"offload names chunks {bad}, but with chunks of {chunk_size:,} elements the layout "
-                        f"has chunks 0..{n_chunks - 1}: give chunk_size too, or offload as a fraction")
-    return chunks
 
 
 _DTYPE_NAMES = {

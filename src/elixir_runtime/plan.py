@@ -1,10 +1,11 @@
 """``ElixirPlan``: chunk size, rCache size and where each chunk's shard lives, with its cost.
 
-A plan is resolved from the config and the chunk layout before any training memory is allocated,
-so an impossible plan fails early with the numbers. With ``mode="auto"`` on a GPU the search
-(``elixir_runtime.search``) has chosen the chunk size, the rCache size and the offloaded chunks
-from a profile of the step and of the machine; the plan then also carries the predicted memory,
-the predicted step time and the rigid alternatives it was compared with.
+The planner (``planner.py``) decides a plan before any training memory is allocated; this module
+holds what a plan is and its rules: the rCache bounds, the user's explicit choices (``n_blocks``,
+``offload``), the memory count and whether it fits this machine (``PlanError`` with the numbers).
+A searched plan also carries the predicted step time, the budget and the rigid alternatives it was
+compared with. The JSON file holds the decided values; the layout and table it was decided on are
+this process's objects and stay out of it.
 """
 
 from __future__ import annotations
@@ -13,29 +14,71 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from .chunk.layout import ChunkLayout, build_layout
-from .config import ElixirConfig, PlanError, device_lane_wanted, offloaded_chunks
+from .chunk.layout import ChunkLayout
+from .config import ElixirConfig, PlanError
 from .gpu_limit import device_capacity, process_limit
 from .host import host_available, local_ranks
-from .search.loop import GIB, SearchResult
+from .profiler.profile import ModelProfile
 from .runtime.device_lane import LANE_DEPTH
+from .search.budget import Budget
+from .search.loop import GIB, SearchResult, resident_chunks
 from .search.memory import ArenaBytes, GradWindow
+from .search.placement import offloaded_chunks
+from .search.step_time import StepTime
 from .units import ParamTable
 
-__all__ = ["DEVICE_MEMORY", "ElixirPlan", "plan_model", "resolve_plan"]
+__all__ = ["DEVICE_MEMORY", "ElixirPlan", "PlanMemory", "resolve_plan", "check_fits", "format_step_time"]
 
 DEVICE_MEMORY = ("rcache", "private", "device_shards", "device_grads", "lane_staging")
-"""The keys of ``ElixirPlan.memory`` that are GPU memory per rank for model states and rCache: what
+"""The fields of ``PlanMemory`` that are GPU memory per rank for model states and rCache: what
 ``device_bytes`` sums and the budget's ``U_allowed`` bounds (activations and buffers come on top)."""
 
 
 @dataclass
+class PlanMemory:
+    """Predicted bytes per rank by arena, with the search's formula (``search.memory.ArenaBytes``)."""
+
+    rcache: int = 0
+    private: int = 0
+    device_shards: int = 0
+    device_grads: int = 0
+    """The GPU's gradient shards beyond the activations freed under them (``ArenaBytes.grads``)."""
+    lane_staging: int = 0
+    host_shards: int = 0
+    activations: int | None = None
+    """The profiled activation peak; ``None``: not searched."""
+    buffers: int | None = None
+    """The model's buffers; ``None``: not searched."""
+
+    @property
+    def device(self) -> int:
+        return sum(getattr(self, k) for k in DEVICE_MEMORY)
+
+    def to_dict(self) -> dict[str, int]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, int]) -> "PlanMemory":
+        return cls(**data)
+
+
+def _runtime(default: Any = None, factory: Any = None) -> Any:
+    """A field of this process's objects: not in the file, not compared."""
+    kw = {"default_factory": factory} if factory is not None else {"default": default}
+    return field(repr=False, compare=False, metadata={"runtime": True}, **kw)
+
+
+@dataclass
 class ElixirPlan:
+    """What the engine runs: the decided values (the JSON file, ``to_json``/``from_json``), and, on a
+    plan the planner returned, the objects they were decided on (runtime fields: not in the file,
+    not compared; ``None`` on a plan read from a file, which drives ``prepare`` as a static config)."""
+
     chunk_size: int
     n_blocks: int
     offload: list[int]
@@ -49,16 +92,11 @@ class ElixirPlan:
     """Elements per staging buffer of the device update lane (``runtime/device_lane.py``): the GPU
     updates slices of offloaded chunks beside the CPU; 0: the CPU alone (nothing offloaded, or
     ``ElixirConfig.device_assisted_update`` off)."""
-    memory: dict[str, int] = field(default_factory=dict)
-    """Predicted bytes per rank: ``rcache``, ``private``, ``device_shards``, ``device_grads`` (the
-    GPU's gradient shards beyond the activations freed under them, ``search.memory.ArenaBytes.grads``),
-    ``lane_staging``, ``host_shards``; from the search also ``activations`` (the profiled peak) and
-    ``buffers``."""
-    predicted: dict[str, float | None] = field(default_factory=dict)
-    """Predicted seconds per optimizer step and its parts (``search.step_time.StepTime``); empty when
-    the plan was not searched."""
-    budget: dict[str, float] = field(default_factory=dict)
-    """The memory budget the search respected (``search.budget.Budget``)."""
+    memory: PlanMemory = field(default_factory=PlanMemory)
+    predicted: StepTime | None = None
+    """Predicted seconds per optimizer step and its parts; ``None`` when the plan was not searched."""
+    budget: Budget | None = None
+    """The memory budget the search respected; ``None`` when the plan was not searched."""
     search: dict[str, Any] = field(default_factory=dict)
     """Why this plan: the chunk sizes simulated, I(n)/J(n) at the choice, hardware, timings."""
     alternatives: list[dict[str, Any]] = field(default_factory=list)
@@ -68,54 +106,62 @@ class ElixirPlan:
     """``ElixirConfig.gpu_memory`` the plan was made under (bytes per GPU; ``None``: no cap); a run
     from this plan file is held to it again."""
 
+    param_table: ParamTable | None = _runtime()
+    """The parameters in first-use order the layout was built from (``None``: a plan read from a file)."""
+    layout: ChunkLayout | None = _runtime()
+    unit_chunks: list[tuple[int, ...]] = _runtime(factory=list)
+    """The chunks each unit's hooks acquire (``param_table.units`` order)."""
+    grad_window: GradWindow = _runtime(factory=GradWindow)
+    """What the GPU's gradient shards share memory with (``search.memory.grad_window``; none unsearched)."""
+    profile: ModelProfile | None = _runtime()
+    """The profiled step the search planned from (on the rank that searched)."""
+
     def placement(self) -> list[str]:
         off = set(self.offload)
         return ["host" if i in off else "device" for i in range(self.n_chunks)]
 
     @property
     def device_bytes(self) -> int:
-        return sum(self.memory.get(k, 0) for k in DEVICE_MEMORY)
+        return self.memory.device
 
     @property
     def host_bytes(self) -> int:
-        return self.memory.get("host_shards", 0)
+        return self.memory.host_shards
 
     @property
     def predicted_step_s(self) -> float | None:
-        """Predicted seconds per optimizer step (``predicted["total"]``); ``None`` when the plan was
-        not searched."""
-        total = self.predicted.get("total") if self.predicted else None
-        return None if total is None else float(total)
+        """Predicted seconds per optimizer step; ``None`` when the plan was not searched."""
+        return None if self.predicted is None else float(self.predicted.total)
 
     @property
     def device_peak_bytes(self) -> int:
         """Model states and rCache plus the profiled activation peak and buffers."""
-        return self.device_bytes + self.memory.get("activations", 0) + self.memory.get("buffers", 0)
+        return self.device_bytes + (self.memory.activations or 0) + (self.memory.buffers or 0)
 
     def table(self) -> str:
         gib = 2**30
         rows = [
             ("chunks", f"{self.n_chunks} of at most {self.chunk_size:,} elements, private ones aside ({self.dtype})"),
             ("rCache blocks", f"{self.n_blocks} (min {self.min_blocks}, max {self.max_blocks})"),
-            ("private buffers", f"{self.memory.get('private', 0) / gib:.3f} GiB (tied parameters and those larger "
+            ("private buffers", f"{self.memory.private / gib:.3f} GiB (tied parameters and those larger "
              "than a chunk: chunks of their own, never evicted)"),
             ("offloaded chunks", f"{len(self.offload)} of {self.n_chunks}"),
             ("world size", str(self.world_size)),
             ("device memory / rank", f"{self.device_bytes / gib:.3f} GiB (model states + rCache)"),
             ("host memory / rank", f"{self.host_bytes / gib:.3f} GiB (pinned)"),
             ("device update lane", f"on: {LANE_DEPTH} x {self.device_lane:,} elements staged "
-             f"({self.memory.get('lane_staging', 0) / gib:.3f} GiB)" if self.device_lane
+             f"({self.memory.lane_staging / gib:.3f} GiB)" if self.device_lane
              else "off (CPU alone)" if self.offload else "- (nothing offloaded)"),
         ]
-        if "activations" in self.memory:
+        if self.memory.activations is not None:
             rows.append(("device peak / rank", f"{self.device_peak_bytes / gib:.3f} GiB (+ activations "
-                         f"{self.memory['activations'] / gib:.3f}, buffers {self.memory.get('buffers', 0) / gib:.3f})"))
+                         f"{self.memory.activations / gib:.3f}, buffers {(self.memory.buffers or 0) / gib:.3f})"))
         if self.gpu_memory is not None:
             rows.append(("GPU memory cap", f"{self.gpu_memory / gib:.3f} GiB per GPU (ElixirConfig.gpu_memory)"))
-        if self.budget:
-            rows.append(("budget / rank", f"{self.budget['allowed'] / gib:.3f} GiB GPU (U_allowed), "
-                         f"{self.budget['host_allowed'] / gib:.3f} GiB host"))
-        if self.predicted:
+        if self.budget is not None:
+            rows.append(("budget / rank", f"{self.budget.allowed / gib:.3f} GiB GPU (U_allowed), "
+                         f"{self.budget.host_allowed / gib:.3f} GiB host"))
+        if self.predicted is not None:
             rows.append(("predicted step", format_step_time(self.predicted)))
         if self.search.get("rates"):
             r = self.search["rates"]
@@ -130,9 +176,17 @@ class ElixirPlan:
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The file's fields (the runtime ones left out); ``predicted``/``budget`` are ``{}`` when not searched."""
+        out = {f.name: getattr(self, f.name) for f in _file_fields()}
+        out["memory"] = self.memory.to_dict()
+        out["predicted"] = {} if self.predicted is None else self.predicted.to_dict()
+        out["budget"] = {} if self.budget is None else self.budget.to_dict()
+        return out
+
     def to_json(self) -> str:
-        """The fields, plus ``predicted_step_s`` for readers of the file (derived: ignored on load)."""
-        return json.dumps({**asdict(self), "predicted_step_s": self.predicted_step_s}, indent=2)
+        """``to_dict`` plus ``predicted_step_s`` for readers of the file (derived: ignored on load)."""
+        return json.dumps({**self.to_dict(), "predicted_step_s": self.predicted_step_s}, indent=2)
 
     @classmethod
     def from_json(cls, text_or_path: str | Path) -> "ElixirPlan":
@@ -147,112 +201,76 @@ class ElixirPlan:
         """The plan a saved ``to_json`` document describes: the one plan reader (``elixir_hf``'s plan
         files too). Unknown keys are an error naming them; ``predicted_step_s`` is derived, ignored."""
         data = {k: v for k, v in data.items() if k != "predicted_step_s"}
-        known = {f.name for f in fields(cls)}
+        known = {f.name for f in _file_fields()}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"not an ElixirPlan: unknown keys {unknown}; a plan has {sorted(known)}")
-        return cls(**data)
+        memory, predicted, budget = data.pop("memory", {}), data.pop("predicted", {}), data.pop("budget", {})
+        return cls(**data, memory=PlanMemory.from_dict(memory), predicted=StepTime.from_dict(predicted) if predicted
+                   else None, budget=Budget.from_dict(budget) if budget else None)
 
 
-def format_step_time(t: dict[str, float | None]) -> str:
-    """``1.234 s = compute 1.0 + exposed transfers 0.1 + exposed CPU Adam 0.0 + GPU Adam 0.1`` etc."""
-    coll = "not measured" if t.get("collectives") is None else f"{t['collectives']:.3f}"
+def _file_fields() -> list:
+    return [f for f in fields(ElixirPlan) if not f.metadata.get("runtime")]
+
+
+def format_step_time(t: StepTime) -> str:
+    """``1.234 s (compute 1.0, exposed transfers 0.1, GPU Adam 0.1, exposed CPU Adam 0.0; moved: ...)``."""
+    coll = "not measured" if t.collectives is None else f"{t.collectives:.3f}"
     return (
-        f"{t['total']:.3f} s (compute {t['compute']:.3f}, exposed transfers {t['exposed_transfers']:.3f}, "
-        f"GPU Adam {t['gpu_adam']:.3f}, exposed CPU Adam {t['exposed_cpu_adam']:.3f}; moved: H2D {t['h2d']:.3f}, "
-        f"D2H {t['d2h']:.3f}, collectives {coll}, CPU Adam {t['cpu_adam']:.3f}"
-        + (f", device lane Adam {t['device_lane_adam']:.3f}" if t.get("device_lane_adam") else "") + ")"
+        f"{t.total:.3f} s (compute {t.compute:.3f}, exposed transfers {t.exposed_transfers:.3f}, "
+        f"GPU Adam {t.gpu_adam:.3f}, exposed CPU Adam {t.exposed_cpu_adam:.3f}; moved: H2D {t.h2d:.3f}, "
+        f"D2H {t.d2h:.3f}, collectives {coll}, CPU Adam {t.cpu_adam:.3f}"
+        + (f", device lane Adam {t.device_lane_adam:.3f}" if t.device_lane_adam else "") + ")"
     )
 
 
 def _count_memory(
     layout: ChunkLayout, offload: set[int], n_blocks: int, dtype: torch.dtype, lane: bool, window: GradWindow
-) -> tuple[dict[str, int], int]:
+) -> tuple[PlanMemory, int]:
     """Bytes per rank by arena, with the search's formula (``search.memory.ArenaBytes``): one count;
     and the device lane's elements per staging buffer (0: no lane)."""
     arenas = ArenaBytes(layout, dtype, lane, window)
     on_device = np.array([c.index not in offload for c in layout.chunks], dtype=bool)
-    memory = {
-        "rcache": n_blocks * arenas.buffer,
-        "private": arenas.private,
-        "device_shards": int(arenas.device_arena[on_device].sum()),
-        "device_grads": arenas.grads(on_device),
-        "lane_staging": arenas.staging(on_device),
-        "host_shards": arenas.host(on_device),
-    }
-    return memory, arenas.lane_numel(on_device)
-
-
-def plan_model(
-    table: ParamTable,
-    config: ElixirConfig,
-    *,
-    world_size: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    search: SearchResult | None = None,
-    check: bool = True,
-) -> tuple[ChunkLayout, list[tuple[int, ...]], ElixirPlan]:
-    """Parameter table → ``build_layout`` → chunks of every unit → ``resolve_plan``: the one way
-    ``prepare``, ``elixir-plan`` and the tests go from a (searched) table to the layout, the chunks
-    each unit's hooks acquire, and the plan. The chunk size is the search's if it ran, else the config's."""
-    layout = build_layout(
-        table.params,
-        table.names,
-        table.groups,
-        table.private,
-        world_size=world_size,
-        chunk_size=config.chunk_size if search is None else search.chunk_size,
-        alignment=config.alignment,
+    memory = PlanMemory(
+        rcache=n_blocks * arenas.buffer,
+        private=arenas.private,
+        device_shards=int(arenas.device_arena[on_device].sum()),
+        device_grads=arenas.grads(on_device),
+        lane_staging=arenas.staging(on_device),
+        host_shards=arenas.host(on_device),
     )
-    unit_chunks = [layout.chunks_of(table.index[id(p)] for p in u.params) for u in table.units]
-    resident = {f"unit {u.name!r}": cs for u, cs in zip(table.units, unit_chunks)}
-    for i, names in enumerate(search.regions if search is not None else ()):
-        resident[f"checkpointed region {i}"] = layout.chunks_of(table.by_name[n] for n in names if n in table.by_name)
-    plan = resolve_plan(config, layout, resident, device, dtype, search, check=check)
-    return layout, unit_chunks, plan
+    return memory, arenas.lane_numel(on_device)
 
 
 def resolve_plan(
     config: ElixirConfig,
+    table: ParamTable,
     layout: ChunkLayout,
-    resident: dict[str, Sequence[int]],
-    device: torch.device,
     dtype: torch.dtype,
-    search: SearchResult | None = None,
     *,
-    check: bool = True,
+    search: SearchResult | None = None,
+    lane: bool = False,
 ) -> ElixirPlan:
-    """The plan for ``layout``: the config's explicit choices, the search's for the rest (if it ran,
-    it already honoured the explicit ones), else the static defaults (rCache max, nothing offloaded).
-    ``resident``: the chunk sets that must be in the rCache at once, by what needs them (units,
-    checkpointed regions: ``ChunkLayout.block_bounds``). ``check=False`` skips comparing the plan
-    with this machine's free memory (planning for another one)."""
+    """The plan for ``layout`` (built from ``table``): the config's explicit choices, the search's for
+    the rest (if it ran, it already honoured the explicit ones), else the static defaults (rCache max,
+    nothing offloaded). ``lane``: whether a static plan has the device update lane (a searched one has
+the search's). The rCache holds at once
+    every unit's chunks and, when the search profiled them, every checkpointed region's
+    (``ChunkLayout.block_bounds``)."""
+    unit_chunks, regions = resident_chunks(layout, table, search.regions if search is not None else [])
+    resident = {f"unit {u.name!r}": cs for u, cs in zip(table.units, unit_chunks)}
+    resident.update({f"checkpointed region {i}": cs for i, cs in enumerate(regions)})
     lo, hi = layout.block_bounds(resident.values())
     n = len(layout.chunks)
-    if isinstance(config.n_blocks, int):
-        if config.n_blocks < lo:
-            biggest = max(resident, key=lambda k: len(resident[k]))
-            raise PlanError(
-                f"rCache of {config.n_blocks} blocks is smaller than {biggest}, whose parameters span "
-                f"{lo} chunks that must be resident together (a checkpointed region is recomputed as a whole): "
-                f"use n_blocks >= {lo}, or a larger chunk_size"
-            )
-        n_blocks = min(config.n_blocks, hi)
-    elif config.n_blocks == "min":
-        n_blocks = lo
-    elif config.n_blocks == "max" or search is None:
-        n_blocks = hi
-    else:
-        n_blocks = min(max(search.placement.n_blocks, lo), hi)
-
+    n_blocks = _rcache_blocks(config, resident, lo, hi, search)
     if config.offload is not None:
         offload = offloaded_chunks(config.offload, n, layout.chunk_size)
     else:
         offload = search.placement.offload if search is not None else []
 
-    lane = search.device_lane if search is not None else device_lane_wanted(config, device)
     window = search.grad_window if search is not None else GradWindow()
+    lane = search.device_lane if search is not None else lane
     memory, lane_numel = _count_memory(layout, set(offload), n_blocks, dtype, lane, window)
     plan = ElixirPlan(
         chunk_size=layout.chunk_size,
@@ -266,20 +284,42 @@ def resolve_plan(
         device_lane=lane_numel,
         memory=memory,
         gpu_memory=config.gpu_memory,
+        param_table=table,
+        layout=layout,
+        unit_chunks=unit_chunks,
+        grad_window=window,
     )
     if search is not None:
         _attach_search(plan, search)
-    if check:
-        check_fits(plan, device)
     return plan
 
 
+def _rcache_blocks(
+    config: ElixirConfig, resident: dict[str, tuple[int, ...]], lo: int, hi: int, search: SearchResult | None
+) -> int:
+    """``config.n_blocks`` within the bounds, else the search's choice, else ``hi``."""
+    if isinstance(config.n_blocks, int):
+        if config.n_blocks < lo:
+            biggest = max(resident, key=lambda k: len(resident[k]))
+            raise PlanError(
+                f"rCache of {config.n_blocks} blocks is smaller than {biggest}, whose parameters span "
+                f"{lo} chunks that must be resident together (a checkpointed region is recomputed as a whole): "
+                f"use n_blocks >= {lo}, or a larger chunk_size"
+            )
+        return min(config.n_blocks, hi)
+    if config.n_blocks == "min":
+        return lo
+    if config.n_blocks == "max" or search is None:
+        return hi
+    return min(max(search.placement.n_blocks, lo), hi)
+
+
 def _attach_search(plan: ElixirPlan, search: SearchResult) -> None:
-    plan.memory["activations"] = int(search.budget.activations)
-    plan.memory["buffers"] = int(search.budget.buffers)
+    plan.memory.activations = int(search.budget.activations)
+    plan.memory.buffers = int(search.budget.buffers)
     chosen = search.placement
-    plan.predicted = chosen.time.as_dict()
-    plan.budget = search.budget.as_dict()
+    plan.predicted = chosen.time
+    plan.budget = search.budget
     plan.search = {
         "i_per_gib": chosen.i_per_byte * GIB if math.isfinite(chosen.i_per_byte) else None,
         "j_per_gib": chosen.j_per_byte * GIB if math.isfinite(chosen.j_per_byte) else None,

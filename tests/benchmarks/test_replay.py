@@ -10,10 +10,9 @@ from benchmarks import replay
 from benchmarks.models import PRESETS, build_meta
 from benchmarks.systems import plan_summary
 from elixir_runtime.config import ElixirConfig
-from elixir_runtime.plan import plan_model
-from elixir_runtime.profiler.profile import profile_model
-from elixir_runtime.units import find_units, param_table
-from elixir_runtime.search import Budget, SearchSettings, search
+from elixir_runtime.planner import Target, plan_model
+from elixir_runtime.units import find_units
+from elixir_runtime.search import Budget
 from elixir_runtime.hardware.profile import CpuAdamRate, HardwareProfile, LinkRates
 
 GIB = 2**30
@@ -33,15 +32,14 @@ def _recorded_run(batch: int = 2, gpus: int = 2) -> dict:
     """What the harness records for an Elixir run whose plan offloads half the chunks."""
     dtype = torch.bfloat16
     model = build_meta(PRESETS["tiny"], SEQ, dtype)
-    units = find_units(model, None)
     ids = torch.zeros(batch, SEQ, dtype=torch.long, device="meta")
-    profile = profile_model(model, {"input_ids": ids, "labels": ids}, dtype=dtype, device="cuda", units=units)
-    table = param_table(model, units, profile.unit_indices(units))
-    budget = Budget(80 * GIB, profile.activation_peak, profile.buffer_bytes, 256 * GIB, gpus)
-    settings = SearchSettings(gpus, dtype, ElixirConfig(offload=0.5, n_blocks="min", clips_grads=False), busbw=150e9)
-    result = search(table, profile, _hardware(), budget, settings)
-    _, _, plan = plan_model(table, ElixirConfig(), world_size=gpus, device=torch.device("cuda"), dtype=dtype,
-                            search=result, check=False)
+
+    def budget(profile):
+        return Budget(80 * GIB, profile.activation_peak, profile.buffer_bytes, 256 * GIB, gpus)
+
+    target = Target(gpus, torch.device("cuda"), dtype, _hardware(), budget, busbw=150e9)
+    config = ElixirConfig(offload=0.5, n_blocks="min", clips_grads=False)
+    plan = plan_model(model, find_units(model, None), {"input_ids": ids, "labels": ids}, config, target)
     assert plan.offload, "the case must offload"
     return {"system": "elixir", "status": "ok", "model": "tiny", "gpus": gpus, "batch": batch, "seq": SEQ,
             "card": "test GPU", "step_s": 1.1 * plan.predicted_step_s, "predicted_step_s": plan.predicted_step_s,

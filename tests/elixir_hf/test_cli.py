@@ -81,15 +81,16 @@ def test_the_issue_example_prints_tables_and_a_png(capsys, hardware, tmp_path) -
 def test_the_plot_bar_holds_everything_the_plan_puts_on_the_gpu(hardware) -> None:
     """The model states in the picture end where the plan's device memory does (gradient shards
     included: GPT2-10b at batch 8 keeps some beyond the activations' slack), inside U_allowed."""
-    from elixir_hf.cli import _hardware, _parser, memory_bars, plan_report
+    from elixir_hf.cli import _elixir_config, _hardware, _parser
+    from elixir_hf.plan_plot import memory_bars
+    from elixir_hf.plan_report import plan_report
 
     args = _parser().parse_args(["--model", "gpt2-10b", "--seq-len", "1024", "--batch-size", "8", "--gpus", "2",
                                  "--gpu-mem", "80GiB", "--host-mem", "256GiB", "--hardware", hardware])
-    args.hardware_profile, args.hardware_note = _hardware(hardware)
-    report = plan_report(args)
-    plan, budget = report["plan"], report["budget"]
-    bars = dict((label, size) for label, size, _ in memory_bars(plan, budget))
-    assert plan.memory["device_grads"] > 0 and bars["their gradients beyond the activations' slack"] == plan.memory["device_grads"]
+    plan = plan_report(args, _elixir_config(args), *_hardware(hardware)).plan
+    budget = plan.budget
+    bars = dict((label, size) for label, size, _ in memory_bars(plan))
+    assert plan.memory.device_grads > 0 and bars["their gradients beyond the activations' slack"] == plan.memory.device_grads
     states = sum(size for label, size in bars.items() if not label.startswith(("activations", "buffers")))
     assert states == plan.device_bytes <= budget.allowed
 
@@ -154,16 +155,15 @@ def test_a_cpu_profile_is_refused_for_a_gpu_plan(capsys, tmp_path) -> None:
 
 
 def test_cli_and_auto_make_the_same_plan_from_the_same_profile(capsys, tmp_path, monkeypatch) -> None:
-    """``elixir-plan --hardware h100`` and prepare's ``--elixir auto`` decision (``auto.auto_plan``)
+    """``elixir-plan --hardware h100`` and prepare's ``--elixir auto`` decision (``planner.search_job``)
     with the same profile and memory give the same plan."""
-    import elixir_runtime.search.auto as auto
-    from elixir_hf.cli import build_meta_model, model_config
+    import elixir_runtime.planner as planner
     from elixir_hf.loss import use_lean_loss
+    from elixir_hf.plan_report import build_meta_model, model_config
     from elixir_runtime.chunk.collectives import Collectives
     from elixir_runtime.config import ElixirConfig
-    from elixir_runtime.plan import plan_model
     from elixir_runtime.search import Budget
-    from elixir_runtime.units import find_units, param_table
+    from elixir_runtime.units import find_units
 
     gpu, host = 6 * 2**20, 64 * 2**30  # small enough that the choice is not "everything on the GPU"
     code, out, _ = _run(capsys, "--model", _tiny_config(tmp_path), "--seq-len", "128", "--batch-size", "2",
@@ -173,19 +173,18 @@ def test_cli_and_auto_make_the_same_plan_from_the_same_profile(capsys, tmp_path,
     cli_plan = json.loads(out)["plan"]
 
     monkeypatch.setenv("ELIXIR_HARDWARE", "h100")
-    monkeypatch.setattr(auto, "device_budget", lambda device, act, buffers, ranks: Budget(gpu, act, buffers, host, ranks))
+    monkeypatch.setattr(planner, "device_budget", lambda device, act, buffers, ranks: Budget(gpu, act, buffers, host, ranks))
     model = build_meta_model(model_config(_tiny_config(tmp_path), 128), torch.bfloat16, checkpointing=True)
     use_lean_loss(model)  # as build_engine does before prepare
     units = find_units(model, None)
     ids = torch.zeros(2, 128, dtype=torch.long, device="meta")
     config, cuda = ElixirConfig(dtype="bf16", device_assisted_update="auto"), torch.device("cuda")
-    order, result = auto.auto_plan(model, units, {"input_ids": ids, "labels": ids}, config, cuda, torch.bfloat16,
-                                   Collectives(None))
-    _, _, plan = plan_model(param_table(model, units, order), config, world_size=1, device=cuda, dtype=torch.bfloat16,
-                            search=result, check=False)
+    plan = planner.search_job(model, units, {"input_ids": ids, "labels": ids}, config, cuda, torch.bfloat16,
+                              Collectives(None))
     assert cli_plan["offload"] or cli_plan["n_blocks"] < cli_plan["max_blocks"], "the case must make a choice"
+    saved = plan.to_dict()
     for key in ("chunk_size", "n_chunks", "n_blocks", "offload", "device_lane", "memory", "predicted"):
-        assert cli_plan[key] == getattr(plan, key), key
+        assert cli_plan[key] == saved[key], key
     # on 6 MiB the device lane's staging leaves no plan: "auto" falls back to the CPU alone, saying so
     assert plan.device_lane == 0 and any("device update lane off" in n for n in plan.search["notes"])
 

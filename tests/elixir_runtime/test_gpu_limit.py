@@ -13,7 +13,7 @@ import torch
 import elixir_runtime as er
 from elixir_runtime.config import ConfigError, parse_size
 from elixir_runtime.gpu_limit import device_capacity, limit_gpu_memory, process_limit
-from elixir_runtime.search.budget import device_budget
+from elixir_runtime.planner import device_budget
 from helpers.fake_cuda import GIB, FakeGPU
 from helpers.models import make_batch, tiny_gpt2
 
@@ -65,7 +65,7 @@ def test_the_cap_becomes_the_allocators_limit_and_the_budgets(monkeypatch) -> No
     assert device_capacity(GPU) == 38 * GIB  # the limit less what is allocated now
     budget = device_budget(GPU, activations=GIB, buffers=0, ranks_per_host=1)
     assert (budget.capacity, budget.limit) == (38 * GIB, 40 * GIB)
-    assert budget.as_dict()["limit"] == 40 * GIB
+    assert budget.to_dict()["limit"] == 40 * GIB
 
 
 def test_a_smaller_fraction_the_user_set_stays(monkeypatch) -> None:
@@ -120,7 +120,7 @@ def test_prepare_on_a_gpu_holds_the_allocator_to_the_cap() -> None:
                               example_batch=make_batch(128))
         assert torch.cuda.get_per_process_memory_fraction(device) == pytest.approx(cap / total)
         plan = model._elixir.plan
-        assert plan.gpu_memory == cap and plan.budget["limit"] <= cap and plan.budget["capacity"] <= cap
+        assert plan.gpu_memory == cap and plan.budget.limit <= cap and plan.budget.capacity <= cap
         with pytest.raises(torch.OutOfMemoryError, match="allowed"):
             torch.empty(cap, dtype=torch.uint8, device=device)
     finally:

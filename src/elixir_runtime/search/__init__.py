@@ -2,7 +2,8 @@
 
 ``search(table, profile, hardware, budget, settings)`` turns a profiled step (``profiler``) and a
 measured machine (``hardware``) into the chunk size, rCache size and offloaded chunks with the
-fastest predicted step that fits the memory budget; ``auto_plan`` does it inside ``prepare``.
+fastest predicted step that fits the memory budget, with the winning layout. Pure: it measures
+nothing and decides nothing beyond its inputs (``planner.py`` gathers them and makes the plan).
 """
 
 from .budget import Budget

@@ -12,12 +12,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import torch
-
-from ..gpu_limit import device_capacity, process_limit
-from ..host import host_available
-
-__all__ = ["Budget", "device_budget", "F_ALLOC", "F_FRAG", "F_HOST"]
+__all__ = ["Budget", "F_ALLOC", "F_FRAG", "F_HOST"]
 
 F_ALLOC = 0.98
 F_FRAG = 1.25
@@ -51,18 +46,10 @@ class Budget:
         """Bytes of pinned host arenas per rank."""
         return int(self.f_host * self.host_capacity / self.ranks_per_host)
 
-    def as_dict(self) -> dict[str, float]:
+    def to_dict(self) -> dict[str, float]:
         return {**asdict(self), "allowed": self.allowed, "host_allowed": self.host_allowed}
 
-
-def device_budget(device: torch.device, activations: int, buffers: int, ranks_per_host: int) -> Budget:
-    """The budget of a live CUDA device: what is free now plus what torch's allocator holds unused,
-    within the process's limit."""
-    return Budget(
-        capacity=device_capacity(device),
-        activations=activations,
-        buffers=buffers,
-        host_capacity=host_available(),
-        ranks_per_host=ranks_per_host,
-        limit=process_limit(device),
-    )
+    @classmethod
+    def from_dict(cls, data: dict[str, float]) -> "Budget":
+        """``allowed`` and ``host_allowed`` are derived: ignored."""
+        return cls(**{k: v for k, v in data.items() if k not in ("allowed", "host_allowed")})

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from ..chunk.layout import ChunkLayout, build_layout, round_up
-from ..config import ElixirConfig, PlanError, offloaded_chunks
+from ..config import ElixirConfig, PlanError
 from ..profiler.profile import ModelProfile
 from ..units import ParamTable
 from .access import access_trace, unit_work
@@ -30,25 +30,19 @@ from .candidates import chunk_size_candidates
 from .step_time import StepModel
 from ..hardware.profile import HardwareProfile
 from .memory import ArenaBytes, GradWindow, grad_window
-from .placement import Placement, best_placement
+from .placement import Placement, best_placement, offloaded_chunks
 
-__all__ = ["SearchSettings", "SearchResult", "search"]
+__all__ = ["SearchSettings", "SearchResult", "search", "resident_chunks"]
 
 GIB = 2**30
 
 SERIAL_TIE = 0.01
-"""Chunk sizes whose serial steps are within 1 % of the shortest tie; the overlapped step decides.
-The serial step is blind to prefetching: Llama-3-8B on one H100 (shipped profile, batch 4 x 2048,
-clipping, no device update lane) has 16 chunk sizes from 59 M to 604 M elements within 1.2 % of each other (the same
-4.3-4.5 G elements offloaded), and the shortest of them by 0.01 % left one rCache block short of
-prefetching: 0.32 s of exposed gathers, a predicted 2.48 s step against 2.17 s at 59 M."""
+"""Chunk sizes whose serial steps are within 1 % of the shortest tie; the overlapped step decides
+(the serial step is blind to prefetching: docs/planning.md, "The search")."""
 
 STEP_TIE = 0.005
-"""Among those, predicted steps within 0.5 % of the fastest tie, and the smallest chunk size wins:
-the step model does not see how coarse the pipeline of gathers and offloaded updates is.
-Qwen2.5-7B on one H100 (batch 4 x 2048, clip): 68 M and 136 M element chunks predicted the same
-step to 1e-6 s (the same 2.04 G elements offloaded); the 136 M plan (3 rCache blocks) ran 1.306 s
-against 1.139 predicted, 91 M chunks 1.234 s against 1.161, Llama-3-8B's 66 M 1.337-1.366 s against 1.304."""
+"""Among those, predicted steps within 0.5 % of the fastest tie, and the smallest chunk size wins
+(the step model does not see how coarse the pipeline is: docs/planning.md, "Memory of a plan")."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +57,7 @@ class SearchSettings:
     """Collective bus bandwidth measured on the job's process group (``measure.collective_busbw``)."""
     device_lane: bool = False
     """The GPU helps update offloaded chunks (``ElixirConfig.device_assisted_update`` resolved for the
-    device: ``config.device_lane_wanted``): its staging memory and its rate enter the plan."""
+    device: ``planner.device_lane_wanted``): its staging memory and its rate enter the plan."""
     grads_share_activations: bool = True
     """The allocator lets the GPU's gradient shards reuse the memory the loss's activations free
     (expandable segments, ``gpu_limit.expandable_segments``); otherwise all of them are counted."""
@@ -83,9 +77,12 @@ class SearchSettings:
 @dataclass
 class SearchResult:
     """The search's choice and why. The plan's own numbers (chunk count, rCache bounds, memory) are
-    the plan's to count (``plan.resolve_plan``), from the layout of this ``chunk_size``."""
+    the plan's to count (``plan.resolve_plan``), from ``layout``."""
 
     chunk_size: int
+    layout: ChunkLayout | None = field(repr=False, compare=False)
+    """The winning layout, built from the table the search was given: this process's parameters,
+    so ``None`` in a copy sent to other ranks (they build it from ``chunk_size``)."""
     placement: Placement
     """rCache blocks, offloaded chunks, predicted step time and bytes, I(n)/J(n) of the winner."""
     budget: Budget
@@ -171,6 +168,7 @@ def search(
     p = best.placement
     return SearchResult(
         chunk_size=best.layout.chunk_size,
+        layout=best.layout,
         placement=p,
         budget=budget,
         candidates=[_row(e) for e in evaluated],
@@ -183,6 +181,16 @@ def search(
         device_lane=settings.device_lane,
         grad_window=window,
     )
+
+
+def resident_chunks(
+    layout: ChunkLayout, table: ParamTable, regions: Sequence[Sequence[str]]
+) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """The chunks of every unit (``table.units`` order) and of every checkpointed region (its
+    parameter names): each set must be resident at once (``ChunkLayout.block_bounds``)."""
+    units = [layout.chunks_of(table.index[id(p)] for p in u.params) for u in table.units]
+    held = [layout.chunks_of(table.by_name[n] for n in names if n in table.by_name) for names in regions]
+    return units, held
 
 
 def _unit_work(table: ParamTable) -> dict[str, float]:
@@ -210,10 +218,10 @@ def _evaluate(
         chunk_size=chunk_size,
         alignment=settings.config.alignment,
     )
-    unit_chunks = {u.name: layout.chunks_of(table.index[id(p)] for p in u.params) for u in table.units}
-    regions = [layout.chunks_of(table.by_name[n] for n in r.params if n in table.by_name) for r in profile.ac_regions]
-    lo, hi = layout.block_bounds([*unit_chunks.values(), *regions])
+    units, regions = resident_chunks(layout, table, [r.params for r in profile.ac_regions])
+    lo, hi = layout.block_bounds([*units, *regions])
     private = {c.index for c in layout.chunks if c.private}
+    unit_chunks = {u.name: cs for u, cs in zip(table.units, units)}
     trace = access_trace(profile.unit_events, unit_chunks, private, work if work is not None else _unit_work(table))
     model = StepModel(
         layout, trace, profile.compute, rates, settings.dtype,
@@ -276,7 +284,7 @@ def _alternatives(best: _Evaluated, budget: Budget) -> list[dict]:
                 "device_bytes": device,
                 "host_bytes": host,
                 "fits": device <= budget.allowed and host <= budget.host_allowed,
-                "time": best.model.step(blocks, on_device).as_dict(),
+                "time": best.model.step(blocks, on_device).to_dict(),
             }
         )
     return out

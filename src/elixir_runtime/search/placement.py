@@ -17,14 +17,16 @@ lengthens the serial step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 
+from ..config import PlanError
 from .budget import Budget
 from .step_time import StepModel, StepTime
 from .memory import ArenaBytes
 
-__all__ = ["Placement", "greedy_path", "best_placement"]
+__all__ = ["Placement", "greedy_path", "best_placement", "offloaded_chunks"]
 
 
 @dataclass
@@ -121,3 +123,16 @@ def _fill(mem: ArenaBytes, budget: Budget, on_device: np.ndarray, max_blocks: in
     """As many rCache blocks as the budget leaves room for (up to one per public chunk)."""
     free = budget.allowed - mem.device(0, on_device)
     return int(min(max_blocks, max(0, free // mem.buffer)))
+
+
+def offloaded_chunks(offload: float | Sequence[int], n_chunks: int, chunk_size: int) -> list[int]:
+    """``ElixirConfig.offload`` for a layout of ``n_chunks``: a fraction takes the last chunks (their
+    gradients arrive first in backward), a list is checked against the layout."""
+    if isinstance(offload, (float, int)) and not isinstance(offload, bool):
+        return list(range(n_chunks - round(float(offload) * n_chunks), n_chunks))
+    chunks = sorted({int(i) for i in offload})
+    bad = [i for i in chunks if not 0 <= i < n_chunks]
+    if bad:
+        raise PlanError(f"offload names chunks {bad}, but with chunks of {chunk_size:,} elements the layout "
+                        f"has chunks 0..{n_chunks - 1}: give chunk_size too, or offload as a fraction")
+    return chunks

@@ -64,8 +64,12 @@ class StepTime:
     device_lane_adam: float = 0.0
     """Seconds the device lane updates offloaded slices (0: no lane); ``cpu_adam`` is then the CPU's part."""
 
-    def as_dict(self) -> dict[str, float | None]:
+    def to_dict(self) -> dict[str, float | None]:
         return {k: (None if v is None else float(v) if k != "rcache_bytes" else int(v)) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, float | None]) -> "StepTime":
+        return cls(**data)
 
 
 def roofline(cost: Cost, rates: Rates) -> float:

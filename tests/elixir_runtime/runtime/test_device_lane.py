@@ -86,14 +86,14 @@ def test_plan_counts_the_staging_it_allocates(small_slices):
     on, _ = er.prepare(*build(recipe), config=er.ElixirConfig(mode="static", offload=0.5, device_assisted_update=True))
     plan, lane = on._elixir.plan, on._elixir.runtime.host_updates.lane
     allocated = sum(t.numel() * t.element_size() for b in lane._buffers for t in b.values())
-    assert plan.device_lane == lane.numel == SLICE and plan.memory["lane_staging"] == allocated > 0
+    assert plan.device_lane == lane.numel == SLICE and plan.memory.lane_staging == allocated > 0
     assert plan.device_bytes == (
-        plan.memory["rcache"] + plan.memory["private"] + plan.memory["device_shards"] + plan.memory["device_grads"]
+        plan.memory.rcache + plan.memory.private + plan.memory.device_shards + plan.memory.device_grads
         + allocated
     )
     for setting in (False, "auto"):  # "auto" is off on a CPU device
         off, _ = er.prepare(*build(recipe), config=er.ElixirConfig(mode="static", offload=0.5, device_assisted_update=setting))
-        assert off._elixir.plan.device_lane == 0 and off._elixir.plan.memory["lane_staging"] == 0
+        assert off._elixir.plan.device_lane == 0 and off._elixir.plan.memory.lane_staging == 0
         assert off._elixir.runtime.host_updates.lane is None
     nothing, _ = er.prepare(*build(recipe), config=er.ElixirConfig(mode="static", offload=0, device_assisted_update=True))
     assert nothing._elixir.plan.device_lane == 0 and nothing._elixir.runtime.host_updates.lane is None

@@ -6,13 +6,14 @@ hardware profile) are replaced, and the plan is then run by the engine on the CP
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 import elixir_runtime as er
-import elixir_runtime.search.auto as auto
+import elixir_runtime.planner as planner
 from elixir_runtime.chunk.collectives import Collectives
-from elixir_runtime.units import find_units
+from elixir_runtime.units import find_units, param_table
 from elixir_runtime.search import Budget
 from elixir_runtime.search.memory import ArenaBytes
 from elixir_runtime.gpu_limit import limit_gpu_memory
@@ -28,8 +29,8 @@ def _fake_machine(monkeypatch, model, share: float) -> None:
     def budget(device, activations, buffers, ranks):
         return Budget(int(1.25 * activations) + buffers + int(share * states), activations, buffers, 64 * GIB, ranks)
 
-    monkeypatch.setattr(auto, "device_budget", budget)
-    monkeypatch.setattr(auto, "job_hardware", lambda coll, device, cpu_threads=None: gpu_host())
+    monkeypatch.setattr(planner, "device_budget", budget)
+    monkeypatch.setattr(planner, "job_hardware", lambda coll, device, cpu_threads=None: gpu_host())
 
 
 def _model():
@@ -44,21 +45,20 @@ def test_auto_plan_runs_in_the_engine(monkeypatch) -> None:
     batch = make_batch(128)
     units = find_units(model, None)
     config = er.ElixirConfig()
-    order, result = auto.auto_plan(model, units, batch, config, torch.device("cpu"), torch.float32, Collectives(None))
-    assert sorted(order) == [u.index for u in units] and result.placement.offload
-    assert any("hardware: test GPU" in n for n in result.notes)
+    searched = planner.search_job(model, units, batch, config, torch.device("cpu"), torch.float32, Collectives(None))
+    assert {id(p) for p in searched.param_table.params} == {id(p) for p in model.parameters()} and searched.offload
+    assert any("hardware: test GPU" in n for n in searched.search["notes"])
 
-    static = er.ElixirConfig(
-        mode="static", chunk_size=result.chunk_size, n_blocks=result.placement.n_blocks, offload=result.placement.offload
-    )
+    static = er.ElixirConfig(mode="static", chunk_size=searched.chunk_size, n_blocks=searched.n_blocks,
+                             offload=searched.offload)
     model, opt = er.prepare(model, torch.optim.AdamW(model.parameters()), config=static, example_batch=batch)
     plan = model._elixir.plan
-    assert (plan.n_chunks, plan.chunk_size, plan.offload) == (len(result.placement.on_device), result.chunk_size, result.placement.offload)
+    assert (plan.n_chunks, plan.chunk_size, plan.offload) == (searched.n_chunks, searched.chunk_size, searched.offload)
     # a static plan has no profile, so no gradient window: every GPU gradient shard counts
-    windowed = ArenaBytes(model._elixir.runtime.layout, torch.float32, window=result.grad_window)
-    assert plan.host_bytes == result.placement.host_bytes
-    assert plan.device_bytes - plan.memory["device_grads"] == result.placement.device_bytes - windowed.grads(
-        result.placement.on_device)
+    windowed = ArenaBytes(model._elixir.runtime.layout, torch.float32, window=searched.grad_window)
+    on_device = np.array([s == "device" for s in plan.placement()])
+    assert plan.host_bytes == searched.host_bytes
+    assert plan.device_bytes - plan.memory.device_grads == searched.device_bytes - windowed.grads(on_device)
     for _ in range(2):
         opt.backward(model(**batch).loss)
         opt.step()
@@ -69,9 +69,9 @@ def test_without_a_batch_the_activations_get_a_fixed_share(monkeypatch) -> None:
     model = _model()
     _fake_machine(monkeypatch, model, share=3.0)
     units = find_units(model, None)
-    order, result = auto.auto_plan(model, units, None, er.ElixirConfig(), torch.device("cpu"), torch.float32, Collectives(None))
-    assert order == [u.index for u in units]
-    assert result.budget.activations == int(auto.UNPROFILED_ACTIVATION_SHARE * result.budget.capacity / 1.25)
+    plan = planner.search_job(model, units, None, er.ElixirConfig(), torch.device("cpu"), torch.float32, Collectives(None))
+    assert plan.param_table.params == param_table(model, units, [u.index for u in units]).params
+    assert plan.budget.activations == int(planner.UNPROFILED_ACTIVATION_SHARE * plan.budget.capacity / 1.25)
 
 
 def test_clips_grads_reaches_the_search(monkeypatch) -> None:
@@ -80,39 +80,42 @@ def test_clips_grads_reaches_the_search(monkeypatch) -> None:
     model = _model()
     _fake_machine(monkeypatch, model, share=0.3)
     seen = []
-    real = auto.search
+    real = planner.search
 
     def spy(table, profile, hardware, budget, settings):
         seen.append(settings.clips_grads)
         return real(table, profile, hardware, budget, settings)
 
-    monkeypatch.setattr(auto, "search", spy)
+    monkeypatch.setattr(planner, "search", spy)
     units = find_units(model, None)
     batch = make_batch(128)
     cpu, coll = torch.device("cpu"), Collectives(None)
     for clips, dtype in ((True, torch.float32), (False, torch.float32), (False, torch.bfloat16), (False, torch.float16)):
-        auto.auto_plan(model, units, batch, er.ElixirConfig(clips_grads=clips, skip_nonfinite=False), cpu, dtype, coll)
-    auto.auto_plan(model, units, batch, er.ElixirConfig(clips_grads=False), cpu, torch.bfloat16, coll)
+        planner.search_job(model, units, batch, er.ElixirConfig(clips_grads=clips, skip_nonfinite=False), cpu, dtype, coll)
+    planner.search_job(model, units, batch, er.ElixirConfig(clips_grads=False), cpu, torch.bfloat16, coll)
     assert seen == [True, False, False, True, True]
 
 
 def _plan_on_two_ranks(rank: int, world: int) -> tuple:
     model = _model()
     states = model_state_bytes(model)
-    auto.device_budget = lambda device, act, buffers, ranks: Budget(
+    planner.device_budget = lambda device, act, buffers, ranks: Budget(
         int(1.25 * act) + buffers + int(0.3 * states), act, buffers, 64 * GIB, ranks)
-    auto.job_hardware = lambda coll, device, cpu_threads=None: gpu_host(gpus=2)
-    seen, real = [], auto.search
+    planner.job_hardware = lambda coll, device, cpu_threads=None: gpu_host(gpus=2)
+    seen, real = [], planner.search
 
     def spy(table, profile, hardware, budget, settings):
         seen.append(settings.busbw)
         return real(table, profile, hardware, budget, settings)
 
-    auto.search = spy
+    planner.search = spy
     units = find_units(model, None)
     coll = Collectives(torch.distributed.group.WORLD)
-    order, r = auto.auto_plan(model, units, make_batch(128), er.ElixirConfig(), torch.device("cpu"), torch.float32, coll)
-    return (order, r.chunk_size, r.placement.offload, r.placement.n_blocks), seen, r.notes
+    p = planner.search_job(model, units, make_batch(128), er.ElixirConfig(), torch.device("cpu"), torch.float32, coll)
+    # rank 0 keeps the layout its search built, rank 1 builds it from the chunk size: the same layout
+    decided = ([n[0] for n in p.param_table.names], p.chunk_size, p.offload, p.n_blocks, p.layout.fingerprint(),
+               p.to_dict())
+    return decided, seen, p.search["notes"]
 
 
 def test_ranks_time_their_own_collectives_and_agree_on_the_plan() -> None:
@@ -130,27 +133,27 @@ def test_the_gpu_limit_shrinks_the_plan(monkeypatch) -> None:
     budget reads it back; a cap and the same fraction set by the user give the same plan. Without
     an example batch (a structural profile: fast), activations take a fixed share of the capacity."""
     model = _model()
-    monkeypatch.setattr(auto, "job_hardware", lambda coll, device, cpu_threads=None: gpu_host())
+    monkeypatch.setattr(planner, "job_hardware", lambda coll, device, cpu_threads=None: gpu_host())
     gpu = FakeGPU(total=64 * GIB).install(monkeypatch)
     coll = Collectives(None)
 
     def plan(gpu_memory=None, model=model):
         config = er.ElixirConfig(gpu_memory=gpu_memory)
         limit_gpu_memory(torch.device("cuda", 0), config.gpu_memory)
-        return auto.auto_plan(model, find_units(model, None), None, config, torch.device("cpu"), torch.float32, coll)[1]
+        return planner.search_job(model, find_units(model, None), None, config, torch.device("cpu"), torch.float32, coll)
 
     whole = plan()
-    assert whole.budget.limit is None and not whole.placement.offload
+    assert whole.budget.limit is None and not whole.offload
     cap = model_state_bytes(model)  # U_allowed is 57 % of it
     capped = plan(cap)
     assert (capped.budget.capacity, capped.budget.limit) == (cap, cap) and gpu.fraction == cap / gpu.total
-    assert capped.placement.offload and capped.placement.device_bytes <= capped.budget.allowed < whole.placement.device_bytes
+    assert capped.offload and capped.device_bytes <= capped.budget.allowed < whole.device_bytes
 
     gpu.fraction = 1.0
     torch.cuda.set_per_process_memory_fraction(cap / gpu.total)  # the user's own limit, no cap
     by_fraction = plan()
     assert by_fraction.budget.limit == int(cap / gpu.total * gpu.total)
-    same = lambda r: (r.chunk_size, r.placement.n_blocks, r.placement.offload)  # noqa: E731
+    same = lambda r: (r.chunk_size, r.n_blocks, r.offload)  # noqa: E731
     assert same(by_fraction) == same(capped)
 
     gpu.fraction = 1.0

@@ -10,7 +10,7 @@ import torch
 
 from elixir_runtime.chunk.layout import build_layout
 from elixir_runtime.config import ElixirConfig, PlanError
-from elixir_runtime.plan import ElixirPlan, _count_memory, plan_model
+from elixir_runtime.plan import ElixirPlan, _count_memory, resolve_plan
 from elixir_runtime.search import Budget, SearchSettings, search
 from elixir_runtime.search.budget import F_ALLOC, F_HOST
 from elixir_runtime.search.loop import SERIAL_TIE, STEP_TIE, _evaluate
@@ -31,10 +31,9 @@ def _budget(profile, capacity: int, host: int = 64 * GIB, ranks: int = 1) -> Bud
     return Budget(capacity, profile.activation_peak, profile.buffer_bytes, host, ranks)
 
 
-def _plan(table, r, world_size: int = 1) -> ElixirPlan:
+def _plan(table, r) -> ElixirPlan:
     """The plan of search result ``r``: the chunk count and rCache bounds are the plan's to count."""
-    return plan_model(table, ElixirConfig(), world_size=world_size, device=torch.device("cpu"), dtype=BF16, search=r,
-                      check=False)[2]
+    return resolve_plan(ElixirConfig(), table, r.layout, BF16, search=r)
 
 
 def _settings(**kw) -> SearchSettings:
@@ -140,15 +139,14 @@ def test_plan_memory_is_what_the_engine_allocates(gpt2, lane) -> None:
     layout = build_layout(table.params, table.names, table.groups, table.private, world_size=1,
                           chunk_size=r.chunk_size, alignment=64)
     mem, lane_numel = _count_memory(layout, set(r.placement.offload), r.placement.n_blocks, BF16, lane, r.grad_window)
-    assert mem["rcache"] + mem["private"] + mem["device_shards"] + mem["device_grads"] + mem["lane_staging"] == (
+    assert mem.rcache + mem.private + mem.device_shards + mem.device_grads + mem.lane_staging == (
         r.placement.device_bytes
     )
-    assert mem["host_shards"] == r.placement.host_bytes
-    assert (lane_numel > 0) == lane and mem["lane_staging"] == 2 * lane_numel * (12 + 2)  # fp32 m, v, master + bf16
-    _, _, plan = plan_model(table, ElixirConfig(), world_size=1, device=torch.device("cpu"), dtype=BF16, search=r,
-                            check=False)
+    assert mem.host_shards == r.placement.host_bytes
+    assert (lane_numel > 0) == lane and mem.lane_staging == 2 * lane_numel * (12 + 2)  # fp32 m, v, master + bf16
+    plan = resolve_plan(ElixirConfig(), table, r.layout, BF16, search=r)
     assert (plan.n_blocks, plan.offload, plan.device_lane) == (r.placement.n_blocks, r.placement.offload, lane_numel)
-    assert plan.device_bytes == r.placement.device_bytes and plan.predicted["total"] == pytest.approx(r.placement.time.total)
+    assert plan.device_bytes == r.placement.device_bytes and plan.predicted.total == pytest.approx(r.placement.time.total)
     again = ElixirPlan.from_json(plan.to_json())
     assert again == plan and "predicted step" in again.table()
 
@@ -170,7 +168,7 @@ def test_two_ranks_shard_the_states(gpt2) -> None:
     capacity = _capacities(model, profile)[2]
     one = search(table, profile, gpu_host(2), _budget(profile, capacity), _settings())
     two = search(table, profile, gpu_host(2), _budget(profile, capacity, ranks=2), _settings(world_size=2))
-    assert len(two.placement.offload) / _plan(table, two, 2).n_chunks <= len(one.placement.offload) / _plan(table, one).n_chunks
+    assert len(two.placement.offload) / _plan(table, two).n_chunks <= len(one.placement.offload) / _plan(table, one).n_chunks
     assert two.placement.time.collectives is not None and two.placement.time.collectives > 0
     # the plan records each rank's share of the host it was predicted with
     assert one.rates["ranks"] == 1 and two.rates["ranks"] == 2
@@ -264,7 +262,7 @@ def test_plan_memory_is_what_the_runtime_allocates_with_oversize_chunks(dtype) -
     config = er.ElixirConfig(mode="static", chunk_size=20000, n_blocks="min", offload=0.5, dtype=dtype)
     model, _ = er.prepare(model, torch.optim.AdamW(model.parameters()), config=config, example_batch=make_batch(128))
     rt, plan = model._elixir.runtime, model._elixir.plan
-    assert sum(c.spec.private for c in rt.chunks) == 2 and plan.memory["private"] > 0
+    assert sum(c.spec.private for c in rt.chunks) == 2 and plan.memory.private > 0
     assert rt.layout.block_numel < rt.layout.chunk_size  # no chunk fills 20 000: the blocks are smaller
 
     def nbytes(*tensors: torch.Tensor) -> int:
@@ -274,14 +272,14 @@ def test_plan_memory_is_what_the_runtime_allocates_with_oversize_chunks(dtype) -
         a = rt.arenas[where]
         return nbytes(a.param, a.grad, a.master, a.exp_avg, a.exp_avg_sq)
 
-    assert plan.memory["rcache"] == nbytes(*(b.data for b in rt.rcache.buffers))
-    assert plan.memory["private"] == nbytes(*(c.buffer.data for c in rt.chunks if c.spec.private))
-    assert plan.memory["device_shards"] == arenas("device") and plan.memory["host_shards"] == arenas("host")
+    assert plan.memory.rcache == nbytes(*(b.data for b in rt.rcache.buffers))
+    assert plan.memory.private == nbytes(*(c.buffer.data for c in rt.chunks if c.spec.private))
+    assert plan.memory.device_shards == arenas("device") and plan.memory.host_shards == arenas("host")
     # a static plan has no profile to share activations with: every gradient shard of the device counts,
     # and exactly those are allocated by a backward (and freed by zero_grad)
     model(**make_batch(128)).loss.backward()
     device_grads = [c.grad for c in rt.trainable if c.shards.placement == "device"]
-    assert plan.memory["device_grads"] == nbytes(*device_grads) > 0
+    assert plan.memory.device_grads == nbytes(*device_grads) > 0
     rt.grads.zero_grad()
     assert all(c.grad is None for c in rt.trainable if c.shards.placement == "device")
 

@@ -25,7 +25,7 @@ import torch
 
 from benchmarks.models import Preset, build_meta
 from elixir_runtime.config import ElixirConfig
-from elixir_runtime.plan import ElixirPlan, plan_model
+from elixir_runtime.plan import ElixirPlan, resolve_plan
 from elixir_runtime.profiler import profile_model
 from elixir_runtime.units import find_units, param_table
 from elixir_runtime.hardware import load_hardware
@@ -130,8 +130,7 @@ def test_offload_regime_within_15_percent_of_the_measured_step(name, h100) -> No
     # the CPU Adam is partly hidden under the backward and the next forward, never all exposed
     assert 0 <= t.exposed_cpu_adam < t.cpu_adam
     # the plan carries the same prediction
-    _, _, plan = plan_model(table, ElixirConfig(), world_size=1, device=torch.device("cpu"), dtype=BF16,
-                            search=result, check=False)
+    plan = resolve_plan(ElixirConfig(), table, result.layout, BF16, search=result)
     assert plan.predicted_step_s == pytest.approx(t.total)
     assert ElixirPlan.from_json(plan.to_json()).predicted_step_s == pytest.approx(t.total)
     assert any("during backward" in n for n in plan.search["notes"])

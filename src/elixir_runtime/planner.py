@@ -1,0 +1,265 @@
+"""The planner: the one place a plan is decided, for ``prepare``, ``elixir-plan`` and the benchmarks.
+
+``plan_model`` decides for a ``Target`` (world size, device, dtype, hardware profile, memory
+budget): profile the step → unit order → parameter table → search → the plan of the winning
+layout, which the search built; the plan carries that layout, the table and each unit's chunks,
+so nothing downstream builds them again. ``plan_static`` is a plan *given* (a static config or a
+plan file: its chunk size): the layout is built from it, nothing is searched. ``plan_job`` is
+``prepare``'s entry: searched (``search_job``: the job's hardware measured, decided on rank 0, the
+plan given to every rank) or static, then checked against this machine's memory. Runs before any
+training memory exists.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .chunk.collectives import Collectives
+from .chunk.layout import ChunkLayout, build_layout
+from .config import ElixirConfig
+from .hardware.load import job_hardware
+from .hardware.measure import collective_busbw
+from .hardware.profile import HardwareProfile
+from .gpu_limit import device_capacity, process_limit
+from .host import host_available, local_ranks
+from .plan import ElixirPlan, check_fits, resolve_plan
+from .profiler.kernels import cuda_attention
+from .profiler.profile import ModelProfile, profile_model, structural_profile
+from .profiler.trace import trace_unit_order
+from .search.budget import F_FRAG, Budget
+from .search.loop import SearchResult, SearchSettings, search
+from .units import ParamTable, Unit, param_table
+
+__all__ = ["Target", "plan_model", "plan_static", "plan_job", "search_job", "device_budget", "device_lane_wanted",
+           "UNPROFILED_ACTIVATION_SHARE"]
+
+logger = logging.getLogger(__name__)
+
+UNPROFILED_ACTIVATION_SHARE = 0.4
+"""Without an example batch the activations are unknown: this share of the GPU is kept for them."""
+
+ParamGroup = Callable[[nn.Parameter], int]
+"""The optimizer param group of a trainable parameter (``prepare``'s optimizer); ``None``: group 0."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """The machine and job a plan is decided for."""
+
+    world_size: int
+    device: torch.device
+    dtype: torch.dtype
+    hardware: HardwareProfile
+    budget: Callable[[ModelProfile], Budget]
+    """The memory budget for a profiled step (``device_budget`` on the job's GPU)."""
+    busbw: float | None = None
+    """Collective bus bandwidth measured on the job's process group (``measure.collective_busbw``)."""
+    grads_share_activations: bool = True
+    """``SearchSettings.grads_share_activations``: the allocator's expandable segments are on."""
+
+
+def device_lane_wanted(config: ElixirConfig, device: torch.device) -> bool:
+    """Whether the search may plan the device lane on ``device``: ``True``; ``"auto"`` on a GPU (where
+    the search keeps it only if its predicted step is shorter, ``search/loop.py``); ``False`` never."""
+    if config.device_assisted_update == "auto":
+        return device.type == "cuda"
+    return bool(config.device_assisted_update)
+
+
+def device_budget(device: torch.device, activations: int, buffers: int, ranks_per_host: int) -> Budget:
+    """The budget of a live CUDA device: what is free now plus what torch's allocator holds unused,
+    within the process's limit."""
+    return Budget(
+        capacity=device_capacity(device),
+        activations=activations,
+        buffers=buffers,
+        host_capacity=host_available(),
+        ranks_per_host=ranks_per_host,
+        limit=process_limit(device),
+    )
+
+
+def plan_model(
+    model: nn.Module,
+    units: list[Unit],
+    example_batch: Any | None,
+    config: ElixirConfig,
+    target: Target,
+    *,
+    param_group: ParamGroup | None = None,
+    exact: bool = False,
+) -> ElixirPlan:
+    """The searched plan of ``model`` trained on ``example_batch`` for ``target``; ``exact``: trace
+    every block (``profile_model``). Not checked against this machine's memory (``check_fits``)."""
+    return _searched(model, units, example_batch, config, target, param_group, exact).plan(config, target)
+
+
+def plan_static(
+    model: nn.Module,
+    units: list[Unit],
+    order: list[int],
+    config: ElixirConfig,
+    *,
+    world_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    param_group: ParamGroup | None = None,
+) -> ElixirPlan:
+    """The plan of ``config`` as given (its chunk size, else the default; rCache max and nothing
+    offloaded unless it says otherwise) for units called in ``order``."""
+    table = _table(model, units, order, param_group)
+    layout = _layout(table, config, world_size, config.chunk_size)
+    return resolve_plan(config, table, layout, dtype, lane=device_lane_wanted(config, device))
+
+
+def plan_job(
+    model: nn.Module,
+    units: list[Unit],
+    example_batch: Any | None,
+    config: ElixirConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    coll: Collectives,
+    *,
+    param_group: ParamGroup | None = None,
+    grads_share_activations: bool = True,
+) -> ElixirPlan:
+    """``prepare``'s plan, the same on every rank and checked against this machine's memory:
+    searched with ``mode="auto"`` on a GPU (``search_job``), else as the config gives it
+    (``plan_static``) in the use order traced on rank 0."""
+    if config.mode == "auto" and device.type == "cuda":
+        plan = search_job(model, units, example_batch, config, device, dtype, coll, param_group=param_group,
+                          grads_share_activations=grads_share_activations)
+    else:
+        order = coll.decided_by_rank0(lambda: trace_unit_order(model, units, example_batch, dtype, device), device)
+        plan = plan_static(model, units, order, config, world_size=coll.world_size, device=device, dtype=dtype,
+                           param_group=param_group)
+    check_fits(plan, device)
+    return plan
+
+
+def search_job(
+    model: nn.Module,
+    units: list[Unit],
+    example_batch: Any | None,
+    config: ElixirConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    coll: Collectives,
+    *,
+    param_group: ParamGroup | None = None,
+    grads_share_activations: bool = True,
+) -> ElixirPlan:
+    """The searched plan of the job ``coll`` spans, on ``device``'s free memory, identical on every rank.
+
+    [Note: one decision, every rank]
+    Every rank first times the engine's collectives on the job's own process group (the bandwidth
+    the plan's gathers and reductions will get) and gets the job's hardware profile
+    (``hardware.load.job_hardware``: rank 0 loads or measures it; a per-rank CPU Adam rate this
+    machine's profile lacks, all ranks measure at once). Then rank 0 decides, as free memory differs
+    a little from GPU to GPU, and sends the use order and the search's result. The layout the
+    search built holds rank 0's parameters, so it is not sent: the other ranks build theirs from
+    the chosen chunk size, as from any plan given.
+    """
+    busbw = collective_busbw(coll, device, dtype) if coll.world_size > 1 else None
+    hardware = job_hardware(coll, device, config.cpu_threads)
+
+    def budget(profile: ModelProfile) -> Budget:
+        return device_budget(device, profile.activation_peak, profile.buffer_bytes, local_ranks())
+
+    target = Target(coll.world_size, device, dtype, hardware, budget, busbw, grads_share_activations)
+    mine: list[_Searched] = []
+
+    def decide() -> tuple[list[int], SearchResult]:
+        mine.append(_searched(model, units, example_batch, config, target, param_group))
+        return mine[0].order, replace(mine[0].result, layout=None)
+
+    order, result = coll.decided_by_rank0(decide, device)
+    searched = mine[0] if mine else _Searched(order, _table(model, units, order, param_group), result)
+    return searched.plan(config, target)
+
+
+@dataclass
+class _Searched:
+    """The search's decision with what it was made from."""
+
+    order: list[int]
+    """Unit indices in first-use order."""
+    table: ParamTable
+    result: SearchResult
+    profile: ModelProfile | None = None
+
+    def plan(self, config: ElixirConfig, target: Target) -> ElixirPlan:
+        """The plan of the winning layout (built here from the chosen chunk size where the result came
+        from another rank)."""
+        layout = self.result.layout or _layout(self.table, config, target.world_size, self.result.chunk_size)
+        plan = resolve_plan(config, self.table, layout, target.dtype, search=self.result)
+        plan.profile = self.profile
+        return plan
+
+
+def _searched(
+    model: nn.Module,
+    units: list[Unit],
+    example_batch: Any | None,
+    config: ElixirConfig,
+    target: Target,
+    param_group: ParamGroup | None,
+    exact: bool = False,
+) -> _Searched:
+    """Profile → unit order → table → budget → search."""
+    profile = _profile(model, units, example_batch, target.dtype, target.device, exact)
+    order = profile.unit_indices(units)
+    table = _table(model, units, order, param_group)
+    budget = target.budget(profile)
+    if example_batch is None:
+        budget.activations = int(UNPROFILED_ACTIVATION_SHARE * budget.capacity / F_FRAG)
+    settings = SearchSettings(
+        target.world_size, target.dtype, config, busbw=target.busbw,
+        device_lane=device_lane_wanted(config, target.device), grads_share_activations=target.grads_share_activations,
+    )
+    result = search(table, profile, target.hardware, budget, settings)
+    result.notes.insert(0, f"hardware: {target.hardware.device}, {target.hardware.source}")
+    result.notes.insert(1, f"profile: {profile.seconds:.2f} s; activation peak at {profile.peak_at}")
+    return _Searched(order, table, result, profile)
+
+
+def _table(model: nn.Module, units: list[Unit], order: list[int], param_group: ParamGroup | None) -> ParamTable:
+    table = param_table(model, units, order)
+    if param_group is None:
+        return table
+    return replace(table, groups=[param_group(p) if p.requires_grad else -1 for p in table.params])
+
+
+def _layout(table: ParamTable, config: ElixirConfig, world_size: int, chunk_size: int | None) -> ChunkLayout:
+    return build_layout(table.params, table.names, table.groups, table.private, world_size=world_size,
+                        chunk_size=chunk_size, alignment=config.alignment)
+
+
+def _profile(
+    model: nn.Module, units: list[Unit], batch: Any | None, dtype: torch.dtype, device: torch.device, exact: bool = False
+) -> ModelProfile:
+    """The step's profile on fake tensors of ``device``, else of the CPU (CUDA attention kept), else
+    the structural one (no batch, or model code that cannot run on fake tensors)."""
+    if batch is None:
+        logger.warning(
+            "elixir auto plan without an example batch: activations are unknown, so %.0f%% of the GPU is kept for "
+            "them; pass example_batch to prepare() for a plan from a profiled step",
+            100 * UNPROFILED_ACTIVATION_SHARE,
+        )
+        return structural_profile(model, units, dtype)
+    try:
+        return profile_model(model, batch, dtype=dtype, device=device, units=units, exact=exact)
+    except Exception as exc:
+        logger.info("elixir: profile on fake %s tensors failed (%s: %s); retrying on fake CPU ones", device, type(exc).__name__, exc)
+    try:
+        with cuda_attention():
+            return profile_model(model, batch, dtype=dtype, device="cpu", units=units, exact=exact)
+    except Exception as exc:  # model code that cannot run on fake tensors (data-dependent control flow)
+        logger.warning("elixir: the fake-tensor profile failed (%s: %s); planning without it", type(exc).__name__, exc)
+        return _profile(model, units, None, dtype, device)

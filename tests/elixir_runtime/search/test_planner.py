@@ -1,0 +1,64 @@
+"""The planner decides a plan once: ``prepare`` installs the plan it returns, and a searched plan
+keeps the layout the search built."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import elixir_runtime as er
+import elixir_runtime.planner as planner
+from elixir_runtime.chunk.collectives import Collectives
+from elixir_runtime.search import Budget
+from elixir_runtime.units import find_units
+from helpers.models import make_batch, tiny_gpt2
+from search_cases import GIB, gpu_host, model_state_bytes
+
+
+def _optimizer(model: torch.nn.Module) -> torch.optim.AdamW:
+    """Two param groups (no decay on biases), so the layout orders each chunk by group."""
+    decay = [p for n, p in model.named_parameters() if not n.endswith("bias")]
+    rest = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}])
+
+
+def test_prepare_installs_the_plan_the_planner_makes() -> None:
+    model, batch = tiny_gpt2(n_layer=3, n_embd=64), make_batch(64)
+    config = er.ElixirConfig(mode="static", n_blocks="min", offload=0.5, chunk_size=20_000)
+    twin = copy.deepcopy(model)
+    opt = _optimizer(twin)
+    groups = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
+    planned = planner.plan_job(twin, find_units(twin, None), batch, config, torch.device("cpu"), torch.float32,
+                               Collectives(None), param_group=lambda p: groups[id(p)])
+
+    model, _ = er.prepare(model, _optimizer(model), config, example_batch=batch)
+    installed = model._elixir.plan
+    assert installed.to_dict() == planned.to_dict() and installed.offload
+    assert installed.layout.fingerprint() == planned.layout.fingerprint()
+    assert installed.unit_chunks == planned.unit_chunks
+    assert model._elixir.runtime.layout is installed.layout  # the runtime runs the plan's layout, not a rebuilt one
+
+
+def test_a_searched_plan_carries_the_layout_the_search_built(monkeypatch) -> None:
+    model = tiny_gpt2(n_layer=4, n_embd=64)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    states = model_state_bytes(model)
+    monkeypatch.setattr(planner, "device_budget", lambda device, act, buffers, ranks: Budget(
+        int(1.25 * act) + buffers + int(0.3 * states), act, buffers, 64 * GIB, ranks))
+    monkeypatch.setattr(planner, "job_hardware", lambda coll, device, cpu_threads=None: gpu_host())
+    results = []
+    real = planner.search
+
+    def spy(*args):
+        results.append(real(*args))
+        return results[-1]
+
+    monkeypatch.setattr(planner, "search", spy)
+    plan = planner.search_job(model, find_units(model, None), make_batch(128), er.ElixirConfig(), torch.device("cpu"),
+                              torch.float32, Collectives(None))
+    assert len(results) == 1 and plan.layout is results[0].layout and plan.offload
+    assert (plan.chunk_size, plan.n_blocks, plan.offload) == (
+        results[0].chunk_size, results[0].placement.n_blocks, results[0].placement.offload)
+    again = er.ElixirPlan.from_json(plan.to_json())
+    assert again == plan and again.layout is None and again.predicted == plan.predicted and again.budget == plan.budget
