@@ -17,7 +17,7 @@ from elixir_runtime.kernels.select import select_kernel
 def fresh_caches(monkeypatch: pytest.MonkeyPatch):
     """Each test sees its own environment; later tests get the real kernels back."""
     monkeypatch.delenv(select.ENV, raising=False)
-    caches = (select._cpu_kernel, select._gpu_kernel, cpu_adam.load_library)
+    caches = (select._cpu_kernel, select._gpu_kernel, cpu_adam._load)
     for c in caches:
         c.cache_clear()
     yield
