@@ -21,6 +21,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -103,11 +104,14 @@ def _name(directory: Path) -> str:
     return f"elixir_cpu_adam_{isa}_{key}"
 
 
+_NO_OPENMP = re.compile(r"omp\.h|cannot find -l[gi]?omp|library not found for -l[gi]?omp|unsupported option '-fopenmp'")
+"""What a compiler without OpenMP says (its header, its runtime library, or the flag itself). Not a
+bare ``-fopenmp``: every command line ninja echoes has one."""
+
+
 def _why_build_failed(output: str) -> str:
     """The likely cause of a failed build, from the compiler's output."""
-    if "omp.h" in output or "fopenmp" in output or "lgomp" in output or "lomp" in output:
-        return "the compiler has no OpenMP"
-    return "the compiler failed"
+    return "the compiler has no OpenMP" if _NO_OPENMP.search(output) else "the compiler failed"
 
 
 def _build(isa: str, directory: Path) -> Path:
@@ -148,6 +152,10 @@ def _build(isa: str, directory: Path) -> Path:
     return Path(path)
 
 
+_LOADED: dict[str, Path] = {}
+"""The file each ISA's library was loaded from in this process."""
+
+
 def load_library(isa: str = "native") -> ctypes.CDLL:
     """The kernel library of ``isa``, built once per machine, sources, flags and torch, loaded once
     per process; raises :class:`CpuAdamUnavailable`. Concurrent processes wait on a file lock for
@@ -176,9 +184,6 @@ def _load(isa: str) -> ctypes.CDLL:
     ]
     _LOADED[isa] = path
     return lib
-
-
-_LOADED: dict[str, Path] = {}
 
 
 def library_path(isa: str = "native") -> Path | None:

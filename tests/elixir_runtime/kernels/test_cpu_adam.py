@@ -171,3 +171,11 @@ def test_segment_tables_are_bounded() -> None:
         run_kernel(kernel, arena.clone(), (GroupRange(i, 3, 0),))
     assert len(kernel._tables) == TABLE_CACHE
     assert (GroupRange(0, 3, 0),) not in kernel._tables and (GroupRange(TABLE_CACHE + 9, 3, 0),) in kernel._tables
+
+
+def test_only_a_missing_openmp_is_called_one() -> None:
+    """Every compile line ninja echoes has -fopenmp: only what a compiler without OpenMP says counts."""
+    assert cpu_adam._why_build_failed("fatal error: omp.h: No such file or directory") == "the compiler has no OpenMP"
+    assert cpu_adam._why_build_failed("/usr/bin/ld: cannot find -lgomp") == "the compiler has no OpenMP"
+    assert cpu_adam._why_build_failed("clang: error: unsupported option '-fopenmp'") == "the compiler has no OpenMP"
+    assert cpu_adam._why_build_failed("c++ -O3 -fopenmp -c cpu_adam.cpp\nerror: expected ';'") == "the compiler failed"
