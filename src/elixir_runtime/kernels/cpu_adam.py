@@ -133,9 +133,10 @@ def _build(isa: str, directory: Path) -> Path:
         )
     stale = directory / "lock"  # cpp_extension's own baton: under our lock, only a dead build leaves one
     stale.unlink(missing_ok=True)
+    name = _name(directory)
     try:
-        path = load(
-            name=_name(directory),
+        load(  # returns nothing documented for a plain library: it is built as <name>.so in the directory
+            name=name,
             sources=[str(CSRC / "cpu_adam.cpp")],
             extra_cflags=[*_CFLAGS, *_ISA_FLAGS[isa]],  # lists of our own: load() appends to them
             extra_ldflags=list(_LDFLAGS),
@@ -149,7 +150,7 @@ def _build(isa: str, directory: Path) -> Path:
             f"building the C++ CPU Adam with {cxx!r} in {directory} failed ({_why_build_failed(text)}). "
             f"Fix: {_COMPILER_FIX}. The compiler said:\n{text[-4000:]}"
         ) from err
-    return Path(path)
+    return directory / f"{name}.so"
 
 
 _LOADED: dict[str, Path] = {}
