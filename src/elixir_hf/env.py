@@ -67,7 +67,7 @@ def _hardware_profile() -> str:
         return f"{kind} {given!r} ({ENV_HARDWARE})"
     if not torch.cuda.is_available():
         return (
-            "none: without a GPU `--elixir auto` plans no offload (no profile); elixir-plan uses the shipped "
+            "none: without a GPU `--elixir auto` makes a static plan (no hardware profile); elixir-plan uses the shipped "
             f"{'/'.join(SHIPPED)} profile unless given --hardware"
         )
     path = cache_path()
