@@ -18,6 +18,28 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's ``version``, the one source); in a
+    source tree that is not installed, pyproject.toml's own."""
+    from importlib import metadata
+    from pathlib import Path
+
+    try:
+        return metadata.version("elixir-hf")
+    except metadata.PackageNotFoundError:
+        pass
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    try:
+        import tomllib
+
+        return tomllib.loads(pyproject.read_text())["project"]["version"]
+    except (OSError, KeyError, ValueError):
+        return "0+unknown"
+
+
+__version__ = _version()
+
 _EXPORTS = {
     "ElixirAccelerator": "accelerator",
     "elixir_accelerator": "accelerator",

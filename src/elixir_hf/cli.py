@@ -29,6 +29,7 @@ from elixir_runtime.config import parse_size as config_parse_size
 from elixir_runtime.hardware import HardwareProfile, load_hardware
 from elixir_runtime.hardware.load import ENV_HARDWARE, SHIPPED
 
+from . import __version__
 from .plan_report import plan_report
 
 __all__ = ["main", "parse_size", "DEVICE_LANE_WORDS"]
@@ -72,6 +73,7 @@ def _gpu_memory(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="elixir-plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--model", "--model_config", "--model-config", dest="model", help="preset, config.json or Hub id")
     p.add_argument("--seq-len", "--seq_len", type=_positive, default=1024)
     p.add_argument("--batch-size", "--batch_size", type=_positive, default=8, help="per GPU")

@@ -30,3 +30,16 @@ def test_the_planner_cli_and_the_loss_do_not_import_the_trainer_stack() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_version_is_pyproject_s(capsys: pytest.CaptureFixture) -> None:
+    import tomllib
+    from pathlib import Path
+
+    from elixir_hf import cli
+
+    version = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["version"]
+    assert elixir_hf.__version__ == version
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"elixir-plan {version}"

@@ -117,18 +117,47 @@ def test_rejects_bad_inputs() -> None:
 
 
 def test_no_compiler_raises_unavailable(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    monkeypatch.setenv("ELIXIR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "no-such-compiler-elixir")
-    with pytest.raises(CpuAdamUnavailable, match="no C\\+\\+ compiler"):
-        cpu_adam.load_library.__wrapped__("native")
+    with pytest.raises(CpuAdamUnavailable, match="no C\\+\\+ compiler.*Fix: install g\\+\\+ with OpenMP"):
+        cpu_adam._load.__wrapped__("native")
 
 
 def test_compile_error_raises_unavailable(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    monkeypatch.setenv("ELIXIR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "false")  # on PATH, always fails
-    with pytest.raises(CpuAdamUnavailable, match="failed"):
-        cpu_adam.load_library.__wrapped__("native")
+    with pytest.raises(CpuAdamUnavailable, match="failed.*Fix: install g\\+\\+ with OpenMP"):
+        cpu_adam._load.__wrapped__("native")
     assert not list(tmp_path.rglob("*.so"))  # no half-written library left to load later
+
+
+def test_missing_openmp_is_named(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A compiler without OpenMP (clang without libomp) fails on omp.h: the reason says so."""
+    fake = tmp_path / "cxx-without-openmp"
+    fake.write_text("#!/bin/sh\necho 'fatal error: omp.h: No such file or directory' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setenv("CXX", str(fake))
+    with pytest.raises(CpuAdamUnavailable, match="the compiler has no OpenMP"):
+        cpu_adam._load.__wrapped__("native")
+
+
+def test_missing_ninja_names_the_fix(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr("torch.utils.cpp_extension.is_ninja_available", lambda: False)
+    with pytest.raises(CpuAdamUnavailable, match="pip install ninja"):
+        cpu_adam._load.__wrapped__("native")
+
+
+def test_build_directory_is_keyed_by_torch_cpu_and_isa(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    native = cpu_adam.build_directory("native")
+    assert native.parent == tmp_path / "elixir_cpu_adam" and native.name.startswith(torch.__version__ + "-")
+    assert cpu_adam.build_directory("scalar") != native
+    monkeypatch.setattr(cpu_adam, "_cpu_flags", lambda: "fpu sse2")
+    assert cpu_adam.build_directory("native") != native
+    with pytest.raises(ValueError, match="isa must be one of"):
+        cpu_adam.load_library("avx1024")
 
 
 def test_segment_tables_are_bounded() -> None:
@@ -142,3 +171,11 @@ def test_segment_tables_are_bounded() -> None:
         run_kernel(kernel, arena.clone(), (GroupRange(i, 3, 0),))
     assert len(kernel._tables) == TABLE_CACHE
     assert (GroupRange(0, 3, 0),) not in kernel._tables and (GroupRange(TABLE_CACHE + 9, 3, 0),) in kernel._tables
+
+
+def test_only_a_missing_openmp_is_called_one() -> None:
+    """Every compile line ninja echoes has -fopenmp: only what a compiler without OpenMP says counts."""
+    assert cpu_adam._why_build_failed("fatal error: omp.h: No such file or directory") == "the compiler has no OpenMP"
+    assert cpu_adam._why_build_failed("/usr/bin/ld: cannot find -lgomp") == "the compiler has no OpenMP"
+    assert cpu_adam._why_build_failed("clang: error: unsupported option '-fopenmp'") == "the compiler has no OpenMP"
+    assert cpu_adam._why_build_failed("c++ -O3 -fopenmp -c cpu_adam.cpp\nerror: expected ';'") == "the compiler failed"

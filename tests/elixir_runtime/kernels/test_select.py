@@ -17,7 +17,7 @@ from elixir_runtime.kernels.select import select_kernel
 def fresh_caches(monkeypatch: pytest.MonkeyPatch):
     """Each test sees its own environment; later tests get the real kernels back."""
     monkeypatch.delenv(select.ENV, raising=False)
-    caches = (select._cpu_kernel, select._gpu_kernel, cpu_adam.load_library)
+    caches = (select._cpu_kernel, select._gpu_kernel, cpu_adam._load)
     for c in caches:
         c.cache_clear()
     yield
@@ -44,11 +44,20 @@ def test_env_rejects_unknown_values(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_no_compiler_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    monkeypatch.setenv("ELIXIR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "no-such-compiler-elixir")
     with pytest.warns(RuntimeWarning, match="C\\+\\+ CPU Adam kernel is unavailable"):
         kernel = select_kernel(torch.device("cpu"))
     assert isinstance(kernel, TorchAdamKernel)
+
+
+def test_broken_compiler_falls_back_loudly_naming_the_fix(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "/bin/false")
+    with pytest.warns(RuntimeWarning, match="(?s)several times slower. Why: building .* failed.*Fix: install g\\+\\+ with OpenMP"):
+        kernel = select_kernel(torch.device("cpu"))
+    assert isinstance(kernel, TorchAdamKernel)
+    assert select.cpu_kernel_status()[0] == "torch"
 
 
 def test_cuda_without_triton_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:

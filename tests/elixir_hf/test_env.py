@@ -1,0 +1,58 @@
+"""``python -m elixir_hf.env``: the report's keys, the kernel it says offloaded chunks get, and why
+when that is the torch fallback. (An installed wheel's report: test_install.py.)"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from elixir_hf import env
+from elixir_runtime.kernels import cpu_adam
+
+VERSION = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["version"]
+
+
+@pytest.fixture
+def fresh_kernel():
+    """The report builds/loads the C++ kernel once per process: forget it around the test."""
+    cpu_adam._load.cache_clear()
+    yield
+    cpu_adam._load.cache_clear()
+
+
+def test_json_report(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ELIXIR_ADAM_KERNEL", raising=False)
+    assert env.main(["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["version"] == VERSION
+    assert report["cpu_adam"] == "cpp", report["cpu_adam_detail"]
+    assert report["triton_adam"] in ("triton", "torch") and report["triton_adam_detail"]
+    assert isinstance(report["gpus"], list) and report["host_memory_gib"] > 0 and report["cpu_cores"] >= 1
+    assert {"torch", "transformers", "accelerate", "triton", "hardware_profile"} <= report.keys()
+
+
+def test_text_report(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ELIXIR_HARDWARE", "h100")
+    assert env.main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"elixir-hf         {VERSION} (")
+    assert "CPU Adam" in out and "the shipped profile 'h100' (ELIXIR_HARDWARE)" in out
+
+
+def test_broken_compiler_reports_torch_and_the_fix(monkeypatch: pytest.MonkeyPatch, tmp_path, fresh_kernel) -> None:
+    monkeypatch.delenv("ELIXIR_ADAM_KERNEL", raising=False)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "/bin/false")
+    report = env.environment()
+    assert report["cpu_adam"] == "torch"
+    assert "failed" in report["cpu_adam_detail"] and "Fix: install g++ with OpenMP" in report["cpu_adam_detail"]
+
+
+def test_forced_torch_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ELIXIR_ADAM_KERNEL", "torch")
+    report = env.environment()
+    assert (report["cpu_adam"], report["cpu_adam_detail"]) == ("torch", "ELIXIR_ADAM_KERNEL=torch")
+    assert report["triton_adam"] == "torch"
