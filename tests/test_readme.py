@@ -136,8 +136,9 @@ def test_quickstart_runs_as_written(runs, name: str) -> None:
     assert proc.returncode == 0, f"{' '.join(proc.args)}:\n{out[-5000:]}"
 
     model_class, saved = EXPECTED[name]
-    if model_class is not None:
+    if model_class is not None:  # the HF integration logs the plan (log_level="info") and saves it
         assert f"Elixir plan for {model_class}" in out, out[-3000:]
+        assert (workdir / saved).with_name("elixir_plan.json").is_file()
     norms = [float(n) for n in re.findall(r"'grad_norm': '([^']+)'", out)]
     assert all(n > 0 for n in norms), f"a zero gradient norm: nothing trained ({norms})"
     weights = load_file(workdir / saved)
