@@ -32,6 +32,10 @@ FLOPS_NOTE = (
 )
 DEFAULT_OUT = Path("docs/benchmarks/results.json")
 DEFAULT_MD = Path("docs/benchmarks.md")
+NOTES_BEGIN = "<!-- hand-written notes: kept when `python -m benchmarks.report` rewrites this file -->"
+NOTES_END = "<!-- end of the hand-written notes -->"
+"""The markdown between these lines is written by hand (what the numbers mean, their spread, their
+history); a rewrite keeps it, before the Runs table."""
 CELL = {"OOM": "OOM", "unavailable": "n/a", "timeout": "timeout", "crashed": "crashed", "error": "error"}
 
 Run = dict[str, Any]
@@ -285,8 +289,23 @@ def write(runs: list[Run], out: Path, md: Path | None = None, render: bool = Tru
         png = out.with_name("throughput.png")
         render_png(results, png)
         md.parent.mkdir(parents=True, exist_ok=True)
-        md.write_text(render_markdown(results, png if png.exists() else None, md.parent))
+        notes = hand_written_notes(md.read_text()) if md.exists() else ""
+        md.write_text(with_notes(render_markdown(results, png if png.exists() else None, md.parent), notes))
     return results
+
+
+def hand_written_notes(markdown: str) -> str:
+    """The hand-written section of a rendered file, its two marker lines included ("" if none)."""
+    start, end = markdown.find(NOTES_BEGIN), markdown.find(NOTES_END)
+    return markdown[start : end + len(NOTES_END)] if 0 <= start < end else ""
+
+
+def with_notes(rendered: str, notes: str) -> str:
+    """``notes`` placed before the Runs table of ``rendered`` (at its end if it has none)."""
+    if not notes:
+        return rendered
+    head, runs, tail = rendered.partition("\n## Runs\n")
+    return f"{head}\n{notes}\n{runs}{tail}" if runs else f"{rendered}\n{notes}\n"
 
 
 def main(argv: list[str] | None = None) -> None:

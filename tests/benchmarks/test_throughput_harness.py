@@ -64,6 +64,18 @@ def test_report_regimes_and_ratio(tmp_path: Path) -> None:
     assert (tmp_path / "throughput.png").stat().st_size > 0
 
 
+def test_report_keeps_the_hand_written_notes(tmp_path: Path) -> None:
+    """docs/benchmarks.md's hand-written section survives a rewrite, before the Runs table."""
+    out, md = tmp_path / "results.json", tmp_path / "benchmarks.md"
+    report.write(report.parse_results(_log()), out, md)
+    notes = f"{report.NOTES_BEGIN}\n## Notes\n\nWritten by hand.\n{report.NOTES_END}"
+    md.write_text(md.read_text().replace("\n## Runs\n", f"\n{notes}\n\n## Runs\n"))
+    report.write(report.parse_results(_line("elixir", "6.5b", 6_654_210_048, 4, tflops=250.0)), out, md)
+    text = md.read_text()
+    assert text.count("Written by hand.") == 1 and text.index(report.NOTES_END) < text.index("## Runs")
+    assert "**2.96×** vs fsdp2_offload" in text  # the tables were rewritten
+
+
 def test_report_merge_replaces_same_run_keeps_others(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
     report.write(report.parse_results(_log()), out, render=False)
