@@ -70,8 +70,14 @@ def plan_report(
         build_s = time.perf_counter() - t0
         ids = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long, device="meta")
         t1 = time.perf_counter()
-        plan = plan_model(model, find_units(model, None), {"input_ids": ids, "labels": ids}, config,
-                          _target(args, hardware, card, host_bytes), exact=args.exact)
+        try:
+            plan = plan_model(model, find_units(model, None), {"input_ids": ids, "labels": ids}, config,
+                              _target(args, hardware, card, host_bytes), exact=args.exact)
+        except PlanError as exc:
+            if args.host_mem:
+                raise
+            raise PlanError(f"{exc}\n(host memory: {_size(host_bytes)}, {host_source}; --host-mem to plan for "
+                            "another host)") from exc
     timings = {"build_s": build_s, "profile_s": plan.profile.seconds,
                "search_s": time.perf_counter() - t1 - plan.profile.seconds}
     title = _title(args, card, plan.budget)
@@ -85,7 +91,7 @@ def host_memory(args: argparse.Namespace, hardware: HardwareProfile) -> tuple[in
     (no ``--hardware``), what this host has available now (``MemAvailable``, what ``--elixir auto``
     budgets with at ``prepare``); else the hardware profile's, measured on its machine."""
     if args.host_mem:
-        return args.host_mem, "--host-mem"
+        return args.host_mem, "as given (--host-mem)"
     if args.hardware is None:
         return host.host_available(), "available on this machine"
     return hardware.host_memory, f"the hardware profile's (--hardware {args.hardware})"
@@ -169,11 +175,15 @@ def _text(args: argparse.Namespace, plan: ElixirPlan, hardware: HardwareProfile,
     lines += [f"  {name:<{width}}{_size(size):>10}" + (f"  {what}" if what else "") for name, size, what in rows]
     ranks_per_host = budget.ranks_per_host
     pinned = plan.host_bytes
-    lines.append(
-        f"host memory: {_size(pinned)} pinned per GPU"
-        + (f", {_size(pinned * ranks_per_host)} for the {ranks_per_host} GPUs" if ranks_per_host > 1 else "")
-        + f", of {_size(budget.host_allowed * ranks_per_host)} usable"
-    )
+    usable = _size(budget.host_allowed * ranks_per_host)
+    if not pinned:
+        lines.append(f"host memory: nothing pinned ({usable} usable for offloaded chunks)")
+    else:
+        lines.append(
+            f"host memory: {_size(pinned)} pinned per GPU"
+            + (f", {_size(pinned * ranks_per_host)} for the {ranks_per_host} GPUs" if ranks_per_host > 1 else "")
+            + f", of {usable} usable"
+        )
     lines.append("offloaded: " + _offload_text(plan))
     return "\n".join(head) + "\n\n" + "\n".join(lines) + "\n\n" + _step_text(args, plan)
 

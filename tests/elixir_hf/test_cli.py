@@ -77,8 +77,8 @@ def test_the_issue_example_in_plain_words_and_a_png(capsys, hardware, tmp_path) 
                         "--gpu-mem", "80GiB", "--host-mem", "256GiB", "--hardware", hardware, "--plot", str(png))
     assert code == 0
     for words in ("GPU memory per GPU", "model states on the GPU", "gathered-parameter cache", "activations (peak)",
-                  "host memory:", "offloaded:", "predicted step", "TFLOPS per GPU", "ZeRO-3-like offload-all",
-                  "host: 256.00 GiB RAM, --host-mem", f"plot written to {png}"):
+                  "host memory: nothing pinned", "offloaded: nothing", "predicted step", "TFLOPS per GPU", "ZeRO-3-like offload-all",
+                  "host: 256.00 GiB RAM, as given (--host-mem)", f"plot written to {png}"):
         assert words in out, words
     assert out.count("8 x 1024") == 1, out  # the batch, once
     for jargon in ("U_allowed", "I(n)", "private ones", "== profile ==", "zero3-offload-all", "``"):
@@ -124,7 +124,7 @@ def test_host_memory_defaults_to_this_machines_when_planning_for_it(capsys, tmp_
     out, capacity = planned("--hardware", "h100")
     assert capacity == load_hardware("h100").host_memory and "the hardware profile's (--hardware h100)" in out
     out, capacity = planned("--host-mem", "64GiB")
-    assert capacity == 64 * 2**30 and "host: 64.00 GiB RAM, --host-mem" in out
+    assert capacity == 64 * 2**30 and "host: 64.00 GiB RAM, as given (--host-mem)" in out
 
 
 def test_no_third_party_warnings(capsys, tmp_path) -> None:
