@@ -81,7 +81,7 @@ def plan_report(
     timings = {"build_s": build_s, "profile_s": plan.profile.seconds,
                "search_s": time.perf_counter() - t1 - plan.profile.seconds}
     title = _title(args, card, plan.budget)
-    text = _text(args, plan, hardware, hw_note, host_source)
+    text = _text(args, plan, hardware, hw_note, card, host_source)
     details = _details(plan, hardware, hw_note, timings)
     return PlanReport(plan, title, text, details, _doc(args, plan, hardware, hw_note, timings))
 
@@ -146,46 +146,58 @@ def _title(args: argparse.Namespace, card: int, budget: Budget) -> str:
 
 # --------------------------------------------------------------------------- the default text
 
-def _text(args: argparse.Namespace, plan: ElixirPlan, hardware: HardwareProfile, hw_note: str,
+def _text(args: argparse.Namespace, plan: ElixirPlan, hardware: HardwareProfile, hw_note: str, card: int,
           host_source: str) -> str:
-    profile, budget, memory = plan.profile, plan.budget, plan.memory
+    """The default output: what was planned for, memory per GPU and host, what is offloaded, the step."""
+    return "\n\n".join([
+        _header(args, plan, hardware, hw_note, card, host_source),
+        "\n".join([*_gpu_memory(plan), _host_memory(plan), "offloaded: " + _offload_text(plan)]),
+        _step_text(args, plan),
+    ])
+
+
+def _header(args: argparse.Namespace, plan: ElixirPlan, hardware: HardwareProfile, hw_note: str, card: int,
+            host_source: str) -> str:
     gpus = f"{args.gpus} GPU{'s' if args.gpus > 1 else ''}"
     accum = f", {args.grad_accum} micro-batches per step" if args.grad_accum > 1 else ""
-    card = budget.capacity if budget.limit is None else budget.limit
-    capped = " (--gpu-memory)" if budget.limit is not None else ""
-    head = [
-        f"{args.model}: {profile.n_params / 1e9:.3f} B parameters, batch {args.batch_size} x {args.seq_len} tokens per "
-        f"GPU{accum}, {gpus}, {plan.dtype}, activation checkpointing {'on' if args.ac else 'off'}",
-        f"GPU:  {hardware.device}, {_size(card)}{capped}; {_gpu_source(args, hardware, hw_note)}",
-        f"host: {_size(budget.host_capacity)} RAM, {host_source}",
-    ]
-    gpu_rows = [
+    cap = plan.budget.limit
+    memory = _size(card) if cap is None else f"{_size(cap)} of its {_size(card)} (--gpu-memory)"
+    return "\n".join([
+        f"{args.model}: {plan.profile.n_params / 1e9:.3f} B parameters, batch {args.batch_size} x {args.seq_len} "
+        f"tokens per GPU{accum}, {gpus}, {plan.dtype}, activation checkpointing {'on' if args.ac else 'off'}",
+        f"GPU:  {hardware.device}, {memory}; {_gpu_source(args, hardware, hw_note)}",
+        f"host: {_size(plan.budget.host_capacity)} RAM, {host_source}",
+    ])
+
+
+def _gpu_memory(plan: ElixirPlan) -> list[str]:
+    """One GPU's memory by part, in words; the optional parts only where the plan has them."""
+    memory = plan.memory
+    rows = [  # (name, bytes, what it is, shown when empty)
         ("model states on the GPU", memory.device_shards + memory.device_grads,
-         "this GPU's share of weights, gradients and Adam state"),
+         "this GPU's share of weights, gradients and Adam state", True),
         ("gathered-parameter cache", memory.rcache + memory.private,
          f"{plan.n_blocks} blocks of {plan.chunk_size / 1e6:.1f} M parameters (rCache)"
-         + (" and tied or oversize weights" if memory.private else "")),
-        ("update-lane staging", memory.lane_staging, "the GPU updates slices of offloaded chunks"),
-        ("activations (peak)", memory.activations or 0, profile.peak_at),
-        ("buffers", memory.buffers or 0, ""),
+         + (" and tied or oversize weights" if memory.private else ""), True),
+        ("update-lane staging", memory.lane_staging, "the GPU updates slices of offloaded chunks", False),
+        ("activations (peak)", memory.activations or 0, f"at {plan.profile.peak_at}", True),
+        ("buffers", memory.buffers or 0, "the model's buffers", False),
     ]
-    rows = [(name, size, what) for name, size, what in gpu_rows if size or name.startswith(("model", "gathered", "act"))]
-    width = max(len(name) for name, _, _ in rows) + 2
-    lines = [f"GPU memory per GPU: {_size(plan.device_peak_bytes)} of {_size(card)}"]
-    lines += [f"  {name:<{width}}{_size(size):>10}" + (f"  {what}" if what else "") for name, size, what in rows]
-    ranks_per_host = budget.ranks_per_host
-    pinned = plan.host_bytes
-    usable = _size(budget.host_allowed * ranks_per_host)
+    rows = [row for row in rows if row[1] or row[3]]
+    width = max(len(name) for name, *_ in rows) + 2
+    capacity = plan.budget.capacity
+    return [f"GPU memory per GPU: {_size(plan.device_peak_bytes)} of {_size(capacity)}"] + [
+        f"  {name:<{width}}{_size(size):>10}  {what}" for name, size, what, _ in rows
+    ]
+
+
+def _host_memory(plan: ElixirPlan) -> str:
+    ranks, pinned = plan.budget.ranks_per_host, plan.host_bytes
+    usable = _size(plan.budget.host_allowed * ranks)
     if not pinned:
-        lines.append(f"host memory: nothing pinned ({usable} usable for offloaded chunks)")
-    else:
-        lines.append(
-            f"host memory: {_size(pinned)} pinned per GPU"
-            + (f", {_size(pinned * ranks_per_host)} for the {ranks_per_host} GPUs" if ranks_per_host > 1 else "")
-            + f", of {usable} usable"
-        )
-    lines.append("offloaded: " + _offload_text(plan))
-    return "\n".join(head) + "\n\n" + "\n".join(lines) + "\n\n" + _step_text(args, plan)
+        return f"host memory: nothing pinned ({usable} usable for offloaded chunks)"
+    both = f", {_size(pinned * ranks)} for the {ranks} GPUs" if ranks > 1 else ""
+    return f"host memory: {_size(pinned)} pinned per GPU{both}, of {usable} usable"
 
 
 def _size(n: int) -> str:
