@@ -95,7 +95,8 @@ def test_accelerate_launch_of_2_cpu_processes_without_use_cpu_says_it_once(tmp_p
     traceback from the ranks (the launcher's own report of the failed job follows)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    env.pop("ACCELERATE_USE_CPU", None)
+    for var in ("ACCELERATE_USE_CPU", "WORLD_SIZE", "RANK"):  # the launcher's to set, not this test's fixture
+        env.pop(var, None)
     tiny_gpt2(vocab=128).save_pretrained(tmp_path / "model")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes" / "elixir.yaml"),
            "-m", "elixir_hf.run", str(ROOT / "tests" / "elixir_hf" / "scripts" / "hf_trainer.py"),
