@@ -43,7 +43,8 @@ from .checkpoint import (
     unmark,
     verify,
 )
-from .engine import build_engine, check_launch, example_batch, has_engine, whole_model
+from .engine import build_engine, example_batch, has_engine, whole_model
+from .launch import check_devices, check_launch
 from .metrics import EngineMetrics
 from .mixin import mixed_class
 from .optimizer import ElixirAcceleratedOptimizer
@@ -72,6 +73,7 @@ class ElixirAccelerator(Accelerator):
             mixed = kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
             plugin.resolve_dtype(str(mixed))
             kwargs["mixed_precision"] = "no"
+            check_devices("Accelerator", cpu=bool(kwargs.get("cpu")))  # before Accelerate picks devices
         super().__init__(*args, **kwargs)
         self.elixir_plugin = plugin
         self._engine_metrics: EngineMetrics | None = None
@@ -82,7 +84,7 @@ class ElixirAccelerator(Accelerator):
                     "dynamo_config of the accelerate config, or pass --elixir off"
                 )
             plugin.check_world_size(self.num_processes)
-            check_launch(self.num_processes)
+            check_launch(self.num_processes, "Accelerator")
 
     @property
     def elixir_optimizer(self) -> ElixirAcceleratedOptimizer | None:

@@ -11,8 +11,9 @@ A ``TrainingArguments`` subclass (TRL's ``SFTConfig``) gets ``--elixir`` through
 
 No half-migration passes silently: Elixir arguments under a Trainer that is not an
 ``ElixirTrainer`` (which would drop ``--bf16`` and train without the engine) fail when that Trainer
-is built, and a process launched as one of N ranks whose arguments see another world size (an
-``accelerate launch`` of CPU processes without ``--use_cpu``) fails here, at parsing.
+is built, and a launch the engine cannot run (N processes that see no GPU and were not told to use
+the CPU, a rank without a GPU, a world size the arguments do not see: ``launch.py``) fails here,
+at parsing, with one message for the job.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
-from .engine import check_launch
+from .launch import check_devices, check_launch
 from .mixin import mixed_class
 from .plugin import ENV_VAR, ElixirPlugin, ElixirSpecError, check_exclusive
 
@@ -57,12 +58,13 @@ class ElixirTrainingArguments(TrainingArguments):
         plugin = ElixirPlugin.from_spec(self.elixir, source)
         if plugin is not None:
             self._reject_incompatible()
+            check_devices("Trainer", cpu=bool(self.use_cpu))  # before transformers and Accelerate pick devices
         super().__post_init__()
         self.elixir_plugin = plugin
         if plugin is not None:
             plugin.resolve_dtype(self.mixed_precision)
             plugin.check_world_size(self.world_size)
-            check_launch(self.world_size)
+            check_launch(self.world_size, "Trainer")
             self.mixed_precision = "no"
             self._n_gpu = min(self._n_gpu, 1)
 

@@ -10,8 +10,9 @@ tensors, and the planner picks chunk size, rCache size and offloaded chunks for 
 memory, through the same decision as ``--elixir auto`` (``elixir_runtime.planner.plan_model``). The
 GPU's rates come from ``--hardware`` (a shipped card: h100, or a profile file), else from this
 machine's GPU; without a GPU, from the shipped H100 profile (said in the output): a GPU plan is
-never timed with a CPU's rates. This module parses the command line; ``plan_report.py`` makes and
-writes the report, ``plan_plot.py`` draws it.
+never timed with a CPU's rates. Host memory is ``--host-mem``, else this machine's when planning
+for it (no ``--hardware``), else the profile's. This module parses the command line;
+``plan_report.py`` makes the report, ``plan_plot.py`` draws it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,18 @@ from . import __version__
 from .plan_report import plan_report
 
 __all__ = ["main", "parse_size", "DEVICE_LANE_WORDS"]
+
+DESCRIPTION = """\
+The plan --elixir auto would make for a model, without a GPU and without allocating: GPU memory per
+GPU (model states, gathered-parameter cache, activations), host memory, which chunks are offloaded
+to host memory and why, and the predicted step time.
+
+examples:
+  elixir-plan --model gpt2-10b --seq-len 1024 --batch-size 8 --gpus 2 --gpu-mem 80GiB --host-mem 256GiB
+  elixir-plan --model path/to/config.json --hardware h100 --gpu-memory 40GiB --plot plan.png
+  elixir-plan --measure-hardware hw.json   (on the GPU machine; then --hardware hw.json elsewhere)
+
+Sizes: 80GiB, 80G (binary), 80GB (decimal), 512MiB; a bare number is GiB."""
 
 DEVICE_LANE_WORDS = {"off": False, "on": True, "auto": "auto"}
 """``ElixirConfig.device_assisted_update`` by the word a command line takes (``--device-lane off|on|auto``)."""
@@ -72,7 +85,8 @@ def _gpu_memory(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="elixir-plan", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="elixir-plan", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--model", "--model_config", "--model-config", dest="model", help="preset, config.json or Hub id")
     p.add_argument("--seq-len", "--seq_len", type=_positive, default=1024)
@@ -82,7 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-mem", "--gpu_mem", type=parse_size, help="memory per GPU (default: the hardware profile's)")
     p.add_argument("--gpu-memory", "--gpu_memory", type=_gpu_memory, help="ElixirConfig.gpu_memory: the most GPU memory "
                    "the run may use per GPU (a GPU shared with other jobs, headroom); at most the card's")
-    p.add_argument("--host-mem", "--host_mem", type=parse_size, help="host RAM (default: the hardware profile's)")
+    p.add_argument("--host-mem", "--host_mem", type=parse_size, help="host RAM (default: what this machine has "
+                   "available when planning for it, i.e. without --hardware; else the hardware profile's)")
     p.add_argument("--hardware", help=f"a shipped card ({', '.join(SHIPPED)}) or a hardware profile JSON (default: this "
                    "machine's GPU, measured once and cached; without a GPU the shipped h100)")
     p.add_argument("--dtype", default="bf16", type=_dtype, help="compute dtype: bf16, fp16 or fp32")
@@ -94,8 +109,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="plan for transformers' own causal-LM loss (--elixir '{\"lean_loss\": false}'); default: the "
                         "lean loss an Elixir run installs (elixir_hf/loss.py), without fp32 copies of the logits")
     p.add_argument("--exact", action="store_true", help="trace every block instead of replaying identical ones")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
-    p.add_argument("--plot", help="write placement and memory budget as a PNG")
+    p.add_argument("-v", "--verbose", action="store_true", help="also print the planner's workings: the profile, "
+                   "the memory budget formula, I(n)/J(n), the rigid alternatives and every chunk size tried")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
+    p.add_argument("--plot", metavar="PNG", help="draw GPU and host memory and which layers each chunk holds "
+                   "(on the GPU or offloaded) into this PNG file")
     p.add_argument("--measure-hardware", metavar="PATH", help="measure this machine, write its profile to PATH, exit "
                    "(CPU Adam per rank for 1, 2, 4, 8 and all its GPUs' ranks, each count by as many processes at once)")
     return p
@@ -119,11 +137,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(f"elixir-plan: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(report.doc, indent=2) if args.json else report.text)
+    if args.json:
+        print(json.dumps(report.doc, indent=2))
+    else:
+        more = report.details if args.verbose else "more: --verbose (the planner's workings), --plot FILE.png, --json"
+        print(f"{report.text}\n\n{more}")
     if args.plot:
         from .plan_plot import plot_plan  # matplotlib only when asked for
 
         plot_plan(report.plan, args.plot, title=report.title)
+        # beside the JSON document, not in it: stdout stays one document
+        print(f"plot written to {os.path.abspath(args.plot)}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 

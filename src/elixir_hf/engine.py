@@ -6,20 +6,18 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import os
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import elixir_runtime
 from elixir_runtime import ElixirOptimizer
 
 from .loss import use_lean_loss
-from .plugin import ElixirPlugin, ElixirSpecError, describe_model
+from .plugin import ElixirPlugin, describe_model
 
-__all__ = ["build_engine", "check_launch", "clips_grads", "example_batch", "has_engine", "whole_model"]
+__all__ = ["build_engine", "clips_grads", "example_batch", "has_engine", "whole_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,21 +68,6 @@ def build_engine(
         m = describe_model(model)
         print(f"Elixir plan for {m['class']} ({m['parameters'] / 1e6:.1f}M parameters):\n{plan.table()}", flush=True)
     return elixir_optimizer
-
-
-def check_launch(world_size: int) -> None:
-    """The engine shards over every process of the job; the Trainer or Accelerator (``world_size``
-    ranks) must split the data over as many. Caught here: an ``accelerate launch`` of N CPU
-    processes without ``--use_cpu`` (a process group of N under a Trainer that counts 1) and a
-    torchrun of N processes under an Accelerator without ``cpu=True`` (N unconnected copies)."""
-    launched = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    if launched != world_size:
-        raise ElixirSpecError(
-            f"this process is one of {launched} launched ranks but the Trainer/Accelerator runs {world_size}: the Elixir "
-            "engine would not shard over the ranks the data is split over. On CPU pass --use_cpu "
-            "(TrainingArguments) or cpu=True / accelerate launch --cpu (Accelerator); on GPUs check that every rank "
-            "sees its GPU"
-        )
 
 
 def clips_grads(args: Any) -> bool:

@@ -1,75 +1,113 @@
-"""``elixir-plan --plot``: one rank's GPU memory budget and where every chunk lives, as a PNG."""
+"""``elixir-plan --plot``: one GPU's memory, the host's pinned memory, and which layers each chunk
+holds and where it lives, as a PNG."""
 
 from __future__ import annotations
 
 from elixir_runtime.plan import DEVICE_MEMORY, ElixirPlan
 
-__all__ = ["memory_bars", "plot_plan"]
+from .plan_report import chunk_layers
+
+__all__ = ["memory_bars", "host_bars", "plot_plan"]
 
 GIB = 2**30
+ON_GPU, OFFLOADED = "tab:green", "tab:red"
 
 _BARS = {
-    "rcache": ("rCache", "tab:blue"),
-    "private": ("private blocks", "tab:purple"),
-    "device_shards": ("GPU-resident shards", "tab:green"),
-    "device_grads": ("their gradients beyond the activations' slack", "tab:olive"),
-    "lane_staging": ("device-lane staging", "tab:cyan"),
+    "rcache": ("gathered-parameter cache (rCache)", "tab:blue"),
+    "private": ("tied / oversize weights, kept gathered", "tab:purple"),
+    "device_shards": ("model states on the GPU (weights, Adam state)", ON_GPU),
+    "device_grads": ("their gradients, beyond what the activations free", "tab:olive"),
+    "lane_staging": ("update-lane staging", "tab:cyan"),
 }
 """Label and colour of each of the plan's ``DEVICE_MEMORY`` parts in the plot."""
 
 
 def memory_bars(plan: ElixirPlan) -> list[tuple[str, int, str]]:
     """(label, bytes, colour) of the plot's GPU bar, left to right: the searched plan's
-    ``DEVICE_MEMORY`` (what ``U_allowed`` bounds; gradient shards beyond the activation memory freed
-    under them), then the activation budget and buffers. Empty parts are left out."""
+    ``DEVICE_MEMORY`` (what the budget for model states bounds; gradient shards beyond the
+    activation memory freed under them), then the activations as budgeted (x the fragmentation
+    factor) and buffers. Empty parts are left out."""
     parts = [(_BARS[k][0], getattr(plan.memory, k), _BARS[k][1]) for k in DEVICE_MEMORY]
     parts += [
-        (f"activations x {plan.budget.f_frag}", int(plan.budget.f_frag * (plan.memory.activations or 0)), "tab:orange"),
+        (f"activations (peak x {plan.budget.f_frag} for fragmentation)",
+         int(plan.budget.f_frag * (plan.memory.activations or 0)), "tab:orange"),
         ("buffers", plan.memory.buffers or 0, "tab:gray"),
     ]
     return [part for part in parts if part[1] > 0]
 
 
+def host_bars(plan: ElixirPlan) -> list[tuple[str, int, str]]:
+    """(label, bytes, colour) of the plot's host bar: the pinned shards of offloaded chunks of every
+    GPU on the host (empty when nothing is offloaded)."""
+    ranks = plan.budget.ranks_per_host
+    pinned = plan.host_bytes * ranks
+    label = "offloaded chunks, pinned" + (f" ({ranks} GPUs x {plan.host_bytes / GIB:.1f})" if ranks > 1 else "")
+    return [(label, pinned, OFFLOADED)] if pinned else []
+
+
 def plot_plan(plan: ElixirPlan, path: str, title: str = "") -> None:
-    """Two panels: the GPU memory budget of one rank (a searched plan's), and where every chunk lives."""
+    """Three panels: the GPU memory of one rank (a searched plan's), the host's pinned memory, and
+    every chunk in forward order with the layers it holds, on the GPU or offloaded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (mem_ax, chunk_ax) = plt.subplots(2, 1, figsize=(11, 5.5), gridspec_kw={"height_ratios": [1, 1]})
-    _memory_panel(mem_ax, plan, title)
+    fig, (gpu_ax, host_ax, chunk_ax) = plt.subplots(3, 1, figsize=(11, 7.5), gridspec_kw={"height_ratios": [1, 1, 1.3]})
+    _gpu_panel(gpu_ax, plan, title)
+    _host_panel(host_ax, plan)
     _chunk_panel(chunk_ax, plan)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # the legends sit right of the axes
     plt.close(fig)
 
 
-def _memory_panel(ax, plan: ElixirPlan, title: str) -> None:
-    budget = plan.budget
+def _stacked(ax, bars: list[tuple[str, int, str]]) -> None:
     left = 0.0
-    for label, size, color in memory_bars(plan):
-        ax.barh(0, size / GIB, left=left, color=color, label=f"{label} {size / GIB:.1f}")
+    for label, size, color in bars:
+        ax.barh(0, size / GIB, left=left, color=color, label=f"{label}: {size / GIB:.1f}")
         left += size / GIB
-    ax.axvline(budget.capacity / GIB, color="black", label=f"capacity {budget.capacity / GIB:.1f}")
-    ax.axvline(budget.allowed / GIB, color="red", linestyle="--",
-               label=f"U_allowed {budget.allowed / GIB:.1f}: model states end before it")
     ax.set_yticks([])
-    ax.set_xlabel("GiB per GPU")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=4, fontsize=8)
+
+
+def _gpu_panel(ax, plan: ElixirPlan, title: str) -> None:
+    budget = plan.budget
+    _stacked(ax, memory_bars(plan))
+    ax.axvline(budget.capacity / GIB, color="black", label=f"GPU memory: {budget.capacity / GIB:.1f}")
+    ax.axvline(budget.allowed / GIB, color="red", linestyle="--",
+               label=f"room for model states and cache: {budget.allowed / GIB:.1f}")
+    ax.set_xlabel("GPU memory per GPU, GiB")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     ax.set_title(title, fontsize=9)
 
 
-def _chunk_panel(ax, plan: ElixirPlan) -> None:
+def _host_panel(ax, plan: ElixirPlan) -> None:
+    budget = plan.budget
+    _stacked(ax, host_bars(plan))
+    ax.axvline(budget.host_capacity / GIB, color="black", label=f"host memory: {budget.host_capacity / GIB:.1f}")
+    usable = budget.host_allowed * budget.ranks_per_host
+    ax.axvline(usable / GIB, color="red", linestyle="--", label=f"usable for pinned chunks: {usable / GIB:.1f}")
+    ax.set_xlim(0, budget.host_capacity / GIB * 1.05)
+    ax.set_xlabel("host memory (this host), GiB" + ("" if plan.offload else ": nothing offloaded"))
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
+
+
+def _chunk_panel(ax, plan: ElixirPlan, max_labels: int = 40) -> None:
     off = set(plan.offload)
-    colors = ["tab:red" if i in off else "tab:green" for i in range(plan.n_chunks)]
-    ax.bar(range(plan.n_chunks), [1] * plan.n_chunks, width=1.0, color=colors, edgecolor="white", linewidth=0.3)
+    n = plan.n_chunks
+    ax.bar(range(n), [1] * n, width=1.0, color=[OFFLOADED if i in off else ON_GPU for i in range(n)],
+           edgecolor="white", linewidth=0.3)
     ax.set_yticks([])
-    ax.set_xlim(-0.5, plan.n_chunks - 0.5)
+    ax.set_xlim(-0.5, n - 0.5)
+    layers = chunk_layers(plan)
+    step = max(1, -(-n // max_labels))  # at most max_labels ticks, evenly spaced
+    ticks = list(range(0, n, step))
+    ax.set_xticks(ticks, [layers[i] or str(i) for i in ticks], rotation=90, fontsize=6)
     ax.set_xlabel(
-        f"chunk (forward order): green = shard + optimizer state on the GPU, red = offloaded to pinned host memory; "
-        f"rCache {plan.n_blocks} blocks of {plan.chunk_size / 2**20:.0f} Mi elements",
+        "chunks in forward order, labelled with the layers they hold\ngreen: on the GPU; red: offloaded to pinned host "
+        f"memory, updated by the CPU; gathered-parameter cache: {plan.n_blocks} blocks of "
+        f"{plan.chunk_size / 1e6:.1f} M parameters",
         fontsize=8,
     )
     if plan.predicted is not None:
-        ax.set_title(f"predicted step {plan.predicted.total:.3f} s", fontsize=9)
+        ax.set_title(f"{len(off)} of {n} chunks offloaded; predicted step {plan.predicted.total:.3f} s", fontsize=9)

@@ -138,29 +138,36 @@ class ElixirPlan:
         """Model states and rCache plus the profiled activation peak and buffers."""
         return self.device_bytes + (self.memory.activations or 0) + (self.memory.buffers or 0)
 
-    def table(self) -> str:
+    def table(self, verbose: bool = False) -> str:
+        """The plan in rows of plain words (printed by the HF integration when it builds the engine);
+        ``verbose`` adds the search's I(n)/J(n) at the choice (``elixir-plan --verbose``)."""
         gib = 2**30
+        own = "; tied or oversize parameters get chunks of their own" if self.memory.private else ""
         rows = [
-            ("chunks", f"{self.n_chunks} of at most {self.chunk_size:,} elements, private ones aside ({self.dtype})"),
-            ("rCache blocks", f"{self.n_blocks} (min {self.min_blocks}, max {self.max_blocks})"),
-            ("private buffers", f"{self.memory.private / gib:.3f} GiB (tied parameters and those larger "
-             "than a chunk: chunks of their own, never evicted)"),
+            ("chunks", f"{self.n_chunks} of at most {self.chunk_size:,} elements ({self.dtype}){own}"),
+            ("gathered-parameter cache", f"{self.n_blocks} blocks (rCache; at least {self.min_blocks}, at most "
+             f"{self.max_blocks} useful)"),
+        ]
+        if self.memory.private:
+            rows.append(("own-chunk buffers", f"{self.memory.private / gib:.3f} GiB (tied parameters and those larger "
+                         "than a chunk, kept gathered)"))
+        rows += [
             ("offloaded chunks", f"{len(self.offload)} of {self.n_chunks}"),
             ("world size", str(self.world_size)),
-            ("device memory / rank", f"{self.device_bytes / gib:.3f} GiB (model states + rCache)"),
+            ("GPU memory / rank", f"{self.device_bytes / gib:.3f} GiB (model states + gathered-parameter cache)"),
             ("host memory / rank", f"{self.host_bytes / gib:.3f} GiB (pinned)"),
             ("device update lane", f"on: {LANE_DEPTH} x {self.device_lane:,} elements staged "
              f"({self.memory.lane_staging / gib:.3f} GiB)" if self.device_lane
              else "off (CPU alone)" if self.offload else "- (nothing offloaded)"),
         ]
         if self.memory.activations is not None:
-            rows.append(("device peak / rank", f"{self.device_peak_bytes / gib:.3f} GiB (+ activations "
+            rows.append(("GPU peak / rank", f"{self.device_peak_bytes / gib:.3f} GiB (+ activations "
                          f"{self.memory.activations / gib:.3f}, buffers {(self.memory.buffers or 0) / gib:.3f})"))
         if self.gpu_memory is not None:
             rows.append(("GPU memory cap", f"{self.gpu_memory / gib:.3f} GiB per GPU (ElixirConfig.gpu_memory)"))
         if self.budget is not None:
-            rows.append(("budget / rank", f"{self.budget.allowed / gib:.3f} GiB GPU (U_allowed), "
-                         f"{self.budget.host_allowed / gib:.3f} GiB host"))
+            rows.append(("budget / rank", f"{self.budget.allowed / gib:.3f} GiB GPU for model states and cache, "
+                         f"{self.budget.host_allowed / gib:.3f} GiB pinned host"))
         if self.predicted is not None:
             rows.append(("predicted step", format_step_time(self.predicted)))
         if self.search.get("rates"):
@@ -169,7 +176,7 @@ class ElixirPlan:
             rows.append(("rates / rank", f"H2D {r['h2d_GBps']} / D2H {r['d2h_GBps']} GB/s, collectives "
                          f"{r['busbw_GBps'] or '-'} GB/s, Adam GPU {r['gpu_adam_Gps']} / CPU {r['cpu_adam_Gps']}{alone} G params/s"
                          + (f" ({r['cpu_threads']} threads)" if r.get("cpu_threads") else "")))
-        if "i_per_gib" in self.search:
+        if verbose and "i_per_gib" in self.search:
             i, j = (("-" if v is None else f"{v * 1e3:.2f}") for v in (self.search["i_per_gib"], self.search["j_per_gib"]))
             rows.append(("I(n) / J(n)", f"{i} / {j} ms per GiB saved by one more rCache block / by the next upload "
                          "(- : none left)"))

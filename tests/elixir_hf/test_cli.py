@@ -68,21 +68,115 @@ def test_plans_for_the_lean_loss_unless_told_otherwise(capsys, hardware) -> None
     assert peaks[1] - peaks[0] > 1.25 * 4 * 256 * 50257 * 4, peaks
 
 
-def test_the_issue_example_prints_tables_and_a_png(capsys, hardware, tmp_path) -> None:
+def test_the_issue_example_in_plain_words_and_a_png(capsys, hardware, tmp_path) -> None:
+    """The default text says what a user decides on, in their words: memory per GPU by part, host
+    memory, what is offloaded (which layers) and why, the predicted step and TFLOPS; the planner's
+    terms wait for --verbose. The plot's file is named."""
     png = tmp_path / "plan.png"
     code, out, _ = _run(capsys, "--model", "gpt2-10b", "--seq-len", "1024", "--batch-size", "8", "--gpus", "2",
                         "--gpu-mem", "80GiB", "--host-mem", "256GiB", "--hardware", hardware, "--plot", str(png))
     assert code == 0
-    for section in ("== profile ==", "== plan ==", "== alternatives", "predicted step", "zero3-offload-all", "profiled in"):
-        assert section in out
+    for words in ("GPU memory per GPU", "model states on the GPU", "gathered-parameter cache", "activations (peak)",
+                  "host memory: nothing pinned", "offloaded: nothing", "predicted step", "TFLOPS per GPU", "ZeRO-3-like offload-all",
+                  "host: 256.00 GiB RAM, as given (--host-mem)", f"plot written to {png}"):
+        assert words in out, words
+    assert out.count("8 x 1024") == 1, out  # the batch, once
+    for jargon in ("U_allowed", "I(n)", "private ones", "== profile ==", "zero3-offload-all", "``"):
+        assert jargon not in out, jargon
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_verbose_adds_the_planners_workings(capsys, tmp_path) -> None:
+    base = ["--model", _tiny_config(tmp_path), "--seq-len", "128", "--batch-size", "2", "--gpu-mem", "6MiB",
+            "--host-mem", "64GiB", "--hardware", "h100"]
+    code, plain, _ = _run(capsys, *base)
+    assert code == 0 and "--verbose" in plain  # said where the rest is
+    code, out, _ = _run(capsys, *base, "--verbose")
+    assert code == 0 and out.startswith(plain.split("\n\nmore:")[0])
+    for words in ("== profile ==", "== plan ==", "I(n) / J(n)", "U_allowed = F_alloc x (capacity", "== alternatives",
+                  "zero3-offload-all", "== chunk sizes tried ==", "<- chosen", "profiled in"):
+        assert words in out, words
+    assert out.count("2x128") == 1, out  # the profile's batch: input ids and labels, said once
+    # 6 MiB: every chunk offloaded, the layers they hold named, and why
+    assert "offloaded: 6 of 6 chunks (wte, wpe, h.0-3, ln_f)" in plain and "why: keeping every chunk on the GPU" in plain
+
+
+def test_host_memory_defaults_to_this_machines_when_planning_for_it(capsys, tmp_path, monkeypatch) -> None:
+    """No --hardware: the plan is for this machine, so its available RAM (``elixir_runtime.host``,
+    what prepare budgets with); --hardware: the profile's machine; --host-mem: as given. Said which."""
+    from elixir_runtime import host
+    from elixir_runtime.hardware import load_hardware
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("ELIXIR_HARDWARE", raising=False)
+    monkeypatch.setattr(host, "host_available", lambda: 12 * 2**30)
+    base = ["--model", _tiny_config(tmp_path), "--seq-len", "128", "--batch-size", "2"]
+
+    def planned(*flags: str) -> tuple[str, int]:
+        code, out, err = _run(capsys, *base, *flags)
+        assert code == 0, err
+        code, doc, err = _run(capsys, *base, *flags, "--json")
+        assert code == 0, err
+        return out, json.loads(doc)["plan"]["budget"]["host_capacity"]
+
+    out, capacity = planned()
+    assert capacity == 12 * 2**30 and "host: 12.00 GiB RAM, available on this machine" in out
+    out, capacity = planned("--hardware", "h100")
+    assert capacity == load_hardware("h100").host_memory and "the hardware profile's (--hardware h100)" in out
+    out, capacity = planned("--host-mem", "64GiB")
+    assert capacity == 64 * 2**30 and "host: 64.00 GiB RAM, as given (--host-mem)" in out
+
+
+def test_no_third_party_warnings(capsys, tmp_path) -> None:
+    """transformers' use_cache and token-id warnings (a checkpointed tiny GPT-2 with a small vocab
+    raises both) and Python warnings stay out of the output; the plot's file is named on stdout."""
+    import logging
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    logging.Logger.warning_once.cache_clear()  # transformers' say-once warnings, said by earlier tests
+    records: list[logging.LogRecord] = []
+    catcher = logging.Handler(logging.WARNING)
+    catcher.emit = records.append
+    library = hf_logging.get_logger()
+    library.addHandler(catcher)
+    png = tmp_path / "plan.png"
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            code, out, err = _run(capsys, "--model", _tiny_config(tmp_path), "--seq-len", "128", "--batch-size", "2",
+                                  "--hardware", "h100", "--plot", str(png))
+    finally:
+        library.removeHandler(catcher)
+    assert code == 0 and err == "", err
+    assert not records, [r.getMessage() for r in records]
+    assert not [w for w in caught if not issubclass(w.category, DeprecationWarning)], [str(w.message) for w in caught]
+    assert f"plot written to {png}" in out and png.is_file()
+
+
+def test_help_is_plain_text(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and "``" not in out and "--verbose" in out and "gathered-parameter cache" in out
+
+
+def test_chunks_are_named_by_the_layers_they_hold() -> None:
+    from elixir_hf.plan_report import describe_layers
+
+    names = ["transformer.wte.weight", "transformer.h.0.attn.c_attn.weight", "transformer.h.1.mlp.c_fc.bias",
+             "transformer.h.3.ln_1.weight", "transformer.ln_f.weight", "lm_head.weight"]
+    assert describe_layers(names) == "wte, h.0-1,3, ln_f, lm_head"
+    assert describe_layers(["model.layers.12.self_attn.q_proj.weight", "model.layers.13.mlp.up_proj.weight"]) == "layers.12-13"
 
 
 def test_the_plot_bar_holds_everything_the_plan_puts_on_the_gpu(hardware) -> None:
     """The model states in the picture end where the plan's device memory does (gradient shards
-    included: GPT2-10b at batch 8 keeps some beyond the activations' slack), inside U_allowed."""
+    included: GPT2-10b at batch 8 keeps some beyond the activations' slack), inside U_allowed; the
+    host bar holds the pinned shards of both GPUs."""
     from elixir_hf.cli import _elixir_config, _hardware, _parser
-    from elixir_hf.plan_plot import memory_bars
+    from elixir_hf.plan_plot import host_bars, memory_bars
     from elixir_hf.plan_report import plan_report
 
     args = _parser().parse_args(["--model", "gpt2-10b", "--seq-len", "1024", "--batch-size", "8", "--gpus", "2",
@@ -90,9 +184,10 @@ def test_the_plot_bar_holds_everything_the_plan_puts_on_the_gpu(hardware) -> Non
     plan = plan_report(args, _elixir_config(args), *_hardware(hardware)).plan
     budget = plan.budget
     bars = dict((label, size) for label, size, _ in memory_bars(plan))
-    assert plan.memory.device_grads > 0 and bars["their gradients beyond the activations' slack"] == plan.memory.device_grads
+    assert plan.memory.device_grads > 0 and bars["their gradients, beyond what the activations free"] == plan.memory.device_grads
     states = sum(size for label, size in bars.items() if not label.startswith(("activations", "buffers")))
     assert states == plan.device_bytes <= budget.allowed
+    assert sum(size for _, size, _ in host_bars(plan)) == 2 * plan.host_bytes
 
 
 def test_config_file_and_underscore_flags(capsys, hardware, tmp_path) -> None:
@@ -137,7 +232,7 @@ def test_without_a_gpu_the_shipped_h100_is_planned_for_and_named(capsys, tmp_pat
     monkeypatch.delenv("ELIXIR_HARDWARE", raising=False)
     code, out, _ = _run(capsys, "--model", _tiny_config(tmp_path), "--seq-len", "128", "--batch-size", "2")
     assert code == 0 and out.endswith("\n")
-    assert "planned for the shipped H100 profile" in out and "NVIDIA H100 80GB HBM3: shipped profile 'h100'" in out
+    assert "GPU:  NVIDIA H100 80GB HBM3, 79.18 GiB; no GPU here and no --hardware: planned for the shipped H100 profile" in out
     code, out, _ = _run(capsys, "--model", _tiny_config(tmp_path), "--seq-len", "128", "--batch-size", "2", "--json")
     doc = json.loads(out)
     assert doc["hardware"]["device"] == "NVIDIA H100 80GB HBM3" and "shipped" in doc["hardware"]["note"]

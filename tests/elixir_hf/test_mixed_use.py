@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +13,6 @@ import transformers.trainer
 from transformers import Trainer, TrainingArguments
 
 from elixir_hf import ElixirAccelerator, ElixirSpecError, ElixirTrainer, ElixirTrainingArguments, elixir_args, elixir_trainer
-from elixir_hf.engine import check_launch
 from hf_cases import OFFLOAD_PLAN, TokenDataset, history, make_trainer, save_tiny_lm, training_args
 from helpers.models import tiny_gpt2
 
@@ -74,31 +70,6 @@ def test_elixir_off_in_the_scripts_own_code_wins(tmp_path, monkeypatch) -> None:
     assert isinstance(trainer.accelerator, ElixirAccelerator) and trainer.accelerator.elixir_plugin is None
     trainer.train()
     assert not hasattr(trainer.model, "_elixir") and len(history(trainer, "loss")) == 3
-
-
-def test_launched_world_size_the_trainer_does_not_see_fails_early(tmp_path) -> None:
-    """``accelerate launch`` of 2 CPU processes without --use_cpu: a 2-rank process group under a
-    Trainer that counts 1 rank. Also the launcher form ``accelerate launch -m elixir_hf.run``."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    tiny_gpt2(vocab=128).save_pretrained(tmp_path / "model")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes" / "elixir.yaml"),
-           "-m", "elixir_hf.run", str(ROOT / "tests" / "elixir_hf" / "scripts" / "hf_trainer.py"),
-           "--model_name_or_path", str(tmp_path / "model"), "--output_dir", str(tmp_path / "out"), "--report_to", "none"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
-    assert "one of 2 launched ranks but the Trainer/Accelerator runs 1" in out and "pass --use_cpu" in out, out[-3000:]
-    assert "Elixir plan" not in out and not (tmp_path / "out" / "trainer_state.json").exists()
-
-
-def test_launch_check_compares_the_launched_ranks(monkeypatch) -> None:
-    """The rule both the arguments and ``ElixirAccelerator`` apply (torchrun's ``WORLD_SIZE`` when no
-    process group exists yet, e.g. an Accelerator on CPU without ``cpu=True``)."""
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ElixirSpecError, match="one of 2 launched ranks but the Trainer/Accelerator runs 1.*cpu=True"):
-        check_launch(1)
-    check_launch(2)
 
 
 # --------------------------------------------------------------------------- TRL in code

@@ -149,7 +149,7 @@ class ModelProfile:
         )
         rows = [
             ("model", f"{self.model}: {self.n_params / 1e9:.3f} B parameters, {self.param_bytes / gib:.2f} GiB in {self.dtype}"),
-            ("batch", " ".join("x".join(map(str, s)) for s in self.inputs)),
+            ("batch", " ".join(dict.fromkeys("x".join(map(str, s)) for s in self.inputs))),  # ids and labels: once
             ("activation peak", f"{self.activation_peak / gib:.2f} GiB (at {self.peak_at}); forward peak "
                                 f"{self.forward_peak / gib:.2f} GiB, saved for backward {self.saved_bytes / gib:.2f} GiB"
                                 + self._late_summary()),
