@@ -43,6 +43,7 @@ from .checkpoint import (
     unmark,
     verify,
 )
+from .console import follow_accelerator
 from .engine import build_engine, check_launch, example_batch, has_engine, whole_model
 from .metrics import EngineMetrics
 from .mixin import mixed_class
@@ -83,6 +84,7 @@ class ElixirAccelerator(Accelerator):
                 )
             plugin.check_world_size(self.num_processes)
             check_launch(self.num_processes)
+            follow_accelerator(self.is_main_process)
 
     @property
     def elixir_optimizer(self) -> ElixirAcceleratedOptimizer | None:
