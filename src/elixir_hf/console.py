@@ -31,7 +31,7 @@ from transformers.utils import logging as hf_logging
 
 from elixir_runtime.progress import BarFactory, set_progress_factory
 
-__all__ = ["LOGGER_TREES", "connect_logging", "follow_accelerator", "follow_trainer", "tqdm_bar"]
+__all__ = ["LOGGER_TREES", "connect_logging", "follow_accelerator", "follow_trainer", "show_progress", "tqdm_bar"]
 
 LOGGER_TREES = ("elixir_runtime", "elixir_hf")
 
@@ -46,6 +46,7 @@ def connect_logging() -> None:
     for name in LOGGER_TREES:
         tree = logging.getLogger(name)
         if tree.parent is not root:
+            # logging has no call for it; ``parent`` is what getEffectiveLevel and callHandlers walk
             tree.parent = root
             tree.setLevel(tree.level)  # same level; clears the loggers' cached levels
 

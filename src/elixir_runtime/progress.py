@@ -49,8 +49,8 @@ def set_progress_factory(factory: BarFactory | None) -> BarFactory | None:
 
 @contextlib.contextmanager
 def progress(total: int | None, desc: str, unit: str = "it") -> Iterator[Bar]:
-    """A bar for ``total`` steps (or bytes, ``unit="B"``), closed on exit."""
-    bar = _factory(total=total, desc=desc, unit=unit) if _factory is not None else _NoBar()
+    """A bar for ``total`` steps (or bytes, ``unit="B"``), closed on exit; none for nothing to do (0)."""
+    bar = _factory(total=total, desc=desc, unit=unit) if _factory is not None and total != 0 else _NoBar()
     try:
         yield bar
     finally:

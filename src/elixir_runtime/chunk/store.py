@@ -148,9 +148,8 @@ def build_arenas(
             if c.trainable:
                 arenas.segments += [GroupRange(offset + o, n, g) for o, n, g in c.shard_segments(rank, layout.world_size)]
             offset += size
-        if members:
-            with progress(len(members), f"elixir: filling {where} chunk shards", unit="chunk") as bar:
-                _fill(layout, members, arenas, rank, weights, bar)
+        with progress(len(members), f"elixir: filling {where} chunk shards", unit="chunk") as bar:
+            _fill(layout, members, arenas, rank, weights, bar)
         out[where] = arenas
     return out
 
