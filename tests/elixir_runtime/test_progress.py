@@ -2,32 +2,36 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import importlib.util
 from pathlib import Path
 
 import torch
 
 import elixir_runtime as er
+from elixir_runtime.progress import set_progress_factory
 from helpers.logs import recorded_bars
 from helpers.models import make_batch, tiny_gpt2
 
-SRC = Path(__file__).resolve().parents[2] / "src"
-
-ALONE = """
-import torch, elixir_runtime as er
-model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-model, opt = er.prepare(model, torch.optim.AdamW(model.parameters()), er.ElixirConfig(device=torch.device("cpu")))
-model.state_dict()
-"""
+ENGINE = Path(er.__file__).parent
 
 
-def test_the_engine_alone_draws_no_bars() -> None:
-    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", ALONE], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "\r" not in proc.stderr and "elixir: " not in proc.stderr + proc.stdout
+def test_the_engine_alone_draws_no_bars(capfd) -> None:
+    """No factory by default, none installed by the engine itself, and without one nothing is drawn."""
+    spec = importlib.util.spec_from_file_location("fresh_progress", ENGINE / "progress.py")
+    fresh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fresh)  # as a process without elixir_hf has it
+    with fresh.progress(3, "elixir: anything") as bar:
+        assert isinstance(bar, fresh._NoBar)
+    assert [p.name for p in ENGINE.rglob("*.py") if "set_progress_factory(" in p.read_text()] == ["progress.py"]
+    previous = set_progress_factory(None)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        er.prepare(model, torch.optim.AdamW(model.parameters()), er.ElixirConfig(device=torch.device("cpu")))
+        model.state_dict()
+    finally:
+        set_progress_factory(previous)
+    out, err = capfd.readouterr()
+    assert "elixir: " not in out + err and "\r" not in err
 
 
 def test_prepare_and_state_dict_bars() -> None:
