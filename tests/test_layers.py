@@ -13,8 +13,9 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 LAYERS: list[tuple[str, ...]] = [
-    # what the user asks for, and facts of this host (its memory, the GPU memory this process may use)
-    ("elixir_runtime.config", "elixir_runtime.host", "elixir_runtime.gpu_limit"),
+    # what the user asks for, and facts of this host (its memory, the GPU memory this process may use);
+    # the progress bars' protocol (no bars unless a caller installs a factory)
+    ("elixir_runtime.config", "elixir_runtime.host", "elixir_runtime.gpu_limit", "elixir_runtime.progress"),
     # the model as the planner and the engine see it: fetch units, parameter table
     ("elixir_runtime.units",),
     # chunk layout and the memory, copies and collectives of chunks

@@ -115,6 +115,7 @@ def training_defaults() -> dict:
         do_eval=True,
         eval_strategy="steps",
         logging_steps=10,
+        log_level="info",  # the Elixir plan, the Trainer's run summary
         per_device_train_batch_size=8,
         per_device_eval_batch_size=8,
         weight_decay=0.1,

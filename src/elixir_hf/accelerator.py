@@ -43,6 +43,7 @@ from .checkpoint import (
     unmark,
     verify,
 )
+from .console import follow_accelerator
 from .engine import build_engine, example_batch, has_engine, whole_model
 from .launch import check_devices, check_launch
 from .metrics import EngineMetrics
@@ -85,6 +86,7 @@ class ElixirAccelerator(Accelerator):
                 )
             plugin.check_world_size(self.num_processes)
             check_launch(self.num_processes, "Accelerator")
+            follow_accelerator(self.is_main_process)
 
     @property
     def elixir_optimizer(self) -> ElixirAcceleratedOptimizer | None:

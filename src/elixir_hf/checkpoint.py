@@ -37,6 +37,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
+from elixir_runtime.progress import Bar, progress
+
 __all__ = [
     "MARKER_NAME",
     "PLAN_NAME",
@@ -74,10 +76,11 @@ def shard_name(rank: int) -> str:
 
 class _Summing:
     """The file object ``write`` sees: sums what passes and keeps the first OS error, which
-    ``torch.save``'s C++ writer would turn into ``basic_ios::clear: iostream error``."""
+    ``torch.save``'s C++ writer would turn into ``basic_ios::clear: iostream error``. ``bar``
+    counts the bytes."""
 
-    def __init__(self, f: BinaryIO) -> None:
-        self.f, self.crc, self.bytes, self.error = f, 0, 0, None
+    def __init__(self, f: BinaryIO, bar: Bar) -> None:
+        self.f, self.crc, self.bytes, self.error, self.bar = f, 0, 0, None, bar
 
     def write(self, data: Any) -> int:
         try:
@@ -86,7 +89,9 @@ class _Summing:
             self.error = self.error or e
             raise
         self.crc = zlib.crc32(data, self.crc)
-        self.bytes += len(memoryview(data).cast("B"))
+        size = len(memoryview(data).cast("B"))
+        self.bytes += size
+        self.bar.update(size)
         return n
 
     def flush(self) -> None:
@@ -99,8 +104,8 @@ def _write_file(path: str | os.PathLike, write: Callable[[_Summing], None]) -> d
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     out = None
     try:
-        with open(tmp, "wb") as f:
-            out = _Summing(f)
+        with open(tmp, "wb") as f, progress(None, f"elixir: writing {path.name}", unit="B") as bar:
+            out = _Summing(f, bar)
             write(out)
             f.flush()
             os.fsync(f.fileno())
@@ -136,11 +141,12 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _sum_file(path: Path, fsync: bool = False) -> dict[str, int]:
+def _sum_file(path: Path, bar: Bar, fsync: bool = False) -> dict[str, int]:
     crc, size = 0, 0
     with open(path, "rb") as f:
         while block := f.read(_BLOCK):
             crc, size = zlib.crc32(block, crc), size + len(block)
+            bar.update(len(block))
         if fsync:
             os.fsync(f.fileno())
     return {"bytes": size, "crc32": crc}
@@ -219,11 +225,14 @@ def seal(folder: str | os.PathLike, digests: dict[str, dict[str, int]], *, step:
         folder = Path(folder)
 
         def write() -> None:
-            files = {}
+            paths = {}
             for p in sorted(folder.rglob("*")):
                 rel = p.relative_to(folder).as_posix()
                 if p.is_file() and rel != MARKER_NAME and not any(s.startswith(".") for s in rel.split("/")):
-                    files[rel] = everyone.get(rel) or _sum_file(p, fsync=True)
+                    paths[rel] = p
+            todo = sum(p.stat().st_size for rel, p in paths.items() if not everyone.get(rel))
+            with progress(todo, "elixir: summing the checkpoint's files", unit="B") as bar:
+                files = {rel: everyone.get(rel) or _sum_file(p, bar, fsync=True) for rel, p in paths.items()}
             marker = {"format": _MARKER_FORMAT, "step": step, "optimizer": optimizer,
                       "world_size": len(ranks) if optimizer else None, "files": files}
             atomic_write_text(json.dumps(marker, indent=1), folder / MARKER_NAME)
@@ -252,19 +261,11 @@ def verify(folder: str | os.PathLike, rank: int, is_main: bool) -> dict[str, Any
                 "resume_from_checkpoint=True picks the newest complete one"
             )
         bad = []
-        for name, want in marker["files"].items():
-            m = _SHARD_RE.match(name)
-            if (int(m.group(1)) != rank) if m else not is_main:
-                continue
-            path = folder / name
-            if not path.is_file():
-                bad.append(f"{path} is missing")
-                continue
-            got = _sum_file(path)
-            if got["bytes"] != want["bytes"]:
-                bad.append(f"{path} is truncated or overwritten: {got['bytes']} bytes, {want['bytes']} at save")
-            elif got["crc32"] != want["crc32"]:
-                bad.append(f"{path} is corrupt or from another checkpoint: its CRC-32 differs from the one saved")
+        mine = {name: want for name, want in marker["files"].items()
+                if ((int(m.group(1)) == rank) if (m := _SHARD_RE.match(name)) else is_main)}
+        with progress(sum(w["bytes"] for w in mine.values()), "elixir: verifying the checkpoint", unit="B") as bar:
+            for name, want in mine.items():
+                bad += _check_file(folder / name, want, bar)
         if bad:
             raise CheckpointError("; ".join(bad) + ". Resume from another checkpoint")
         return marker
@@ -272,6 +273,18 @@ def verify(folder: str | os.PathLike, rank: int, is_main: bool) -> dict[str, Any
     marker, error = _error(check)
     all_ranks_agree(error, f"verifying checkpoint {folder}")
     return marker
+
+
+def _check_file(path: Path, want: dict[str, int], bar: Bar) -> list[str]:
+    """What is wrong with ``path`` against its marker entry ``want``: nothing, or one message."""
+    if not path.is_file():
+        return [f"{path} is missing"]
+    got = _sum_file(path, bar)
+    if got["bytes"] != want["bytes"]:
+        return [f"{path} is truncated or overwritten: {got['bytes']} bytes, {want['bytes']} at save"]
+    if got["crc32"] != want["crc32"]:
+        return [f"{path} is corrupt or from another checkpoint: its CRC-32 differs from the one saved"]
+    return []
 
 
 def newest_complete(output_dir: str | os.PathLike) -> str:

@@ -14,6 +14,7 @@ from torch import nn
 import elixir_runtime
 from elixir_runtime import ElixirOptimizer
 
+from . import console  # noqa: F401  (this package's and the engine's loggers under transformers')
 from .loss import use_lean_loss
 from .plugin import ElixirPlugin, describe_model
 
@@ -46,7 +47,9 @@ def build_engine(
 ) -> ElixirOptimizer:
     """Checks the plan file (if any), gives the model the lean causal-LM loss (``plugin.lean_loss``;
     before the engine traces a training step, so the plan counts that loss's memory), then
-    ``elixir_runtime.prepare``s the model in place and prints the plan as a table, once, on rank 0.
+    ``elixir_runtime.prepare``s the model in place and logs the plan as a table (INFO; ``console.py``
+    says which processes show it: under the Trainer, rank 0 at ``--log_level``, the others at
+    ``--log_level_replica``).
 
     ``batch`` (one training batch) lets the engine order chunks by first use in forward.
     ``args`` (the ``TrainingArguments``, if any) tells the planner whether the loop clips
@@ -64,9 +67,9 @@ def build_engine(
     _, elixir_optimizer = elixir_runtime.prepare(model, optimizer, config=config, example_batch=batch)
     plan = model._elixir.plan
     plugin.check_plan(plan)
-    if model._elixir.runtime.coll.rank == 0:
+    if logger.isEnabledFor(logging.INFO):
         m = describe_model(model)
-        print(f"Elixir plan for {m['class']} ({m['parameters'] / 1e6:.1f}M parameters):\n{plan.table()}", flush=True)
+        logger.info("Elixir plan for %s (%.1fM parameters):\n%s", m["class"], m["parameters"] / 1e6, plan.table())
     return elixir_optimizer
 
 

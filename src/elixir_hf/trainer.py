@@ -60,6 +60,7 @@ from .checkpoint import (
     unmark,
     verify,
 )
+from .console import follow_trainer
 from .engine import build_engine, example_batch, has_engine
 from .mixin import mixed_class
 from .plugin import ENV_VAR, ElixirPlugin, describe_model
@@ -75,6 +76,7 @@ class ElixirTrainer(Trainer):
         args._elixir_trainer = True  # the Trainer reads args.place_model_on_device, which checks this
         super().__init__(model, args, *rest, **kwargs)
         if self.elixir_plugin is not None:
+            follow_trainer(self.args)
             callbacks = self.callback_handler.callbacks
             for i, callback in enumerate(callbacks):
                 if type(callback) in SHORT_CONSOLE:  # the Trainer built it with no arguments

@@ -31,6 +31,7 @@ from .plan import ElixirPlan, check_fits, resolve_plan
 from .profiler.kernels import cuda_attention
 from .profiler.profile import ModelProfile, profile_model, structural_profile
 from .profiler.trace import trace_unit_order
+from .progress import progress
 from .search.budget import F_FRAG, Budget
 from .search.loop import SearchResult, SearchSettings, search
 from .units import ParamTable, Unit, param_table
@@ -213,7 +214,9 @@ def _searched(
     exact: bool = False,
 ) -> _Searched:
     """Profile → unit order → table → budget → search."""
-    profile = _profile(model, units, example_batch, target.dtype, target.device, exact)
+    with progress(1, "elixir: profiling a training step") as bar:
+        profile = _profile(model, units, example_batch, target.dtype, target.device, exact)
+        bar.update()
     order = profile.unit_indices(units)
     table = _table(model, units, order, param_group)
     budget = target.budget(profile)

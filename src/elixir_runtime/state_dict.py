@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .chunk.store import write_param
+from .progress import track
 from .runtime.chunk_runtime import ChunkRuntime
 from .runtime.lockstep import Op
 
@@ -63,7 +64,7 @@ class ModelStateHooks:
         rt.grads.wait_for_grads()
         keep = not self.rank0_only or rt.coll.rank == 0
         out: list[torch.Tensor | None] = [None] * len(layout.params)
-        for c in rt.chunks:
+        for c in track(rt.chunks, "elixir: gathering the weights", unit="chunk"):
             src = c.shards.master if c.spec.trainable else c.shards.param
             full = torch.empty(c.spec.numel, dtype=src.dtype, device=rt.device)
             rt.coll.shard_of(full).copy_(src[c.offset : c.offset + c.shard_numel])

@@ -4,6 +4,8 @@ On every rank: a stock DDP Trainer run, the same run through ElixirTrainer (savi
 half-way and the final model), a resume from that checkpoint, the Elixir run again from the
 same initial weights saved to disk and loaded by ``elixir_hf.from_pretrained`` (rank 1 builds the
 model on meta), and a plain ElixirAccelerator loop with rank 1's model built on meta or not. Rank 0 writes what the test compares to ``<out>/result.json``.
+The runs differ in ``--log_level``/``--log_level_replica``/``--disable_tqdm``: what each showed on
+each rank's stderr (Elixir's INFO lines, its progress bars) is in the result too.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import io
 import json
 import logging
 import os
+import re
 import signal
 import sys
 
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
@@ -48,23 +52,39 @@ class _Tee(io.TextIOBase):
         self.stream.flush()
 
 
+def _shown(err: _Tee, since: int) -> dict:
+    """What this rank's stderr showed since offset ``since``: Elixir's INFO lines and its bars."""
+    text = err.text.getvalue()[since:]
+    return {"plan": text.count("Elixir plan for"), "lean_loss": text.count("ForCausalLMLoss replaced"),
+            "bars": sorted(set(re.findall(r"\r(elixir: [a-z' ]+[a-z])", text)))}
+
+
 def main(out: str) -> None:
     sys.stdout = tee = _Tee(sys.stdout)
+    sys.stderr = err = _Tee(sys.stderr)  # tqdm's bars
+    for handler in hf_logging.get_logger("transformers").handlers:
+        handler.setStream(err)
     logging.basicConfig(level=logging.INFO, stream=tee)
+    shown = {}
     common = dict(max_steps=STEPS, eval_steps=4, ddp_backend="gloo", ddp_timeout=120)
     ddp = make_trainer("gpt2", training_args(f"{out}/ddp", **common))
     ddp.train()
     ddp.save_model(f"{out}/ddp_final")
 
     elixir_args = dict(save_strategy="steps", save_steps=STEPS // 2, **common)
-    full = make_trainer("gpt2", training_args(f"{out}/elixir", OFFLOAD_PLAN, **elixir_args))
+    since = len(err.text.getvalue())
+    full = make_trainer("gpt2", training_args(f"{out}/elixir", OFFLOAD_PLAN, **elixir_args, log_level="info",
+                                              disable_tqdm=False))
     sampler = elixir_hf.GenerateCallback(PROMPT, every_n_steps=STEPS // 2, max_new_tokens=5, do_sample=False, pad_token_id=0)
     full.add_callback(sampler)  # rank 0 generates alone mid-training; the losses must still match DDP
     full.train()
     full.save_model(f"{out}/elixir_final")
+    shown["info"], since = _shown(err, since), len(err.text.getvalue())
 
-    resumed = make_trainer("gpt2", training_args(f"{out}/elixir", OFFLOAD_PLAN, **elixir_args))
+    resumed = make_trainer("gpt2", training_args(f"{out}/elixir", OFFLOAD_PLAN, **elixir_args, log_level="warning",
+                                                 disable_tqdm=False))
     resumed.train(resume_from_checkpoint=f"{out}/elixir/checkpoint-{STEPS // 2}")
+    shown["warning"] = _shown(err, since)
 
     if dist.get_rank() == 0:
         MODEL_BUILDERS["gpt2"](seed=0, vocab=VOCAB).save_pretrained(f"{out}/init")
@@ -74,22 +94,27 @@ def main(out: str) -> None:
     )
     on_meta: list = [None] * dist.get_world_size()
     dist.all_gather_object(on_meta, all(p.is_meta for p in loaded.parameters()))
-    from_rank0 = make_trainer(loaded, training_args(f"{out}/from_rank0", OFFLOAD_PLAN, **common))
+    since = len(err.text.getvalue())
+    from_rank0 = make_trainer(loaded, training_args(f"{out}/from_rank0", OFFLOAD_PLAN, **common, log_level="info",
+                                                    log_level_replica="info"))
     from_rank0.train()
+    shown["replica_info"] = _shown(err, since)
     # resuming with rank 1 on meta: only rank 0 reads the checkpoint's weights
     loaded = elixir_hf.from_pretrained(AutoModelForCausalLM, f"{out}/init", dtype=torch.float32, attn_implementation=ATTN_IMPL)
     from_rank0_resumed = make_trainer(loaded, training_args(f"{out}/elixir", OFFLOAD_PLAN, **elixir_args))
     from_rank0_resumed.train(resume_from_checkpoint=f"{out}/elixir/checkpoint-{STEPS // 2}")
 
+    hf_logging.set_verbosity_info()  # on every rank, as TRANSFORMERS_VERBOSITY=info would
+    since = len(err.text.getvalue())
     accelerate_runs = [_accelerate_loop(meta_ranks) for meta_ranks in (False, True)]
-    plan_shown: list = [None] * dist.get_world_size()
-    dist.all_gather_object(plan_shown, tee.text.getvalue().count("Elixir plan"))
+    shown["accelerate_info"] = _shown(err, since)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, shown)
 
     if dist.get_rank() == 0:
         result = {
             "world_size": dist.get_world_size(),
-            "engines_built": 4 + len(accelerate_runs),  # full, resumed, from_rank0(_resumed), the loops
-            "plan_shown": plan_shown,
+            "shown": everyone,
             "ddp": {k: history(ddp, k) for k in ("loss", "grad_norm", "eval_loss")},
             "elixir": {k: history(full, k) for k in ("loss", "grad_norm", "eval_loss")},
             "resumed": {k: history(resumed, k) for k in ("loss", "grad_norm", "eval_loss")},

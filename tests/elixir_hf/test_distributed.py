@@ -1,7 +1,8 @@
 """Two ranks (torchrun, CPU, gloo): ElixirTrainer matches the stock Trainer under DDP, a 2-rank
 checkpoint resumes with the same losses, a model loaded on rank 0 only trains the same, the
-consolidated model equals DDP's, the plan is shown once, by rank 0, and resuming that checkpoint on
-one rank fails with a clear message."""
+consolidated model equals DDP's, Elixir's log lines and progress bars follow --log_level,
+--log_level_replica and --disable_tqdm, and resuming that checkpoint on one rank fails with a clear
+message."""
 
 from __future__ import annotations
 
@@ -72,9 +73,26 @@ def test_two_ranks_match_ddp(two_rank_run) -> None:
         _close(result["elixir"][key], result["ddp"][key], key)
 
 
-def test_the_plan_is_shown_once_per_engine_on_rank_0(two_rank_run) -> None:
+SAVE_BARS = ["elixir: gathering the weights", "elixir: summing the checkpoint's files", "elixir: writing elixir",
+             "elixir: writing scheduler"]
+FILL_BARS = ["elixir: filling device chunk shards", "elixir: filling host chunk shards"]
+
+
+def test_log_lines_and_bars_follow_the_trainers_flags(two_rank_run) -> None:
+    """The plan and the lean-loss line: INFO, at --log_level on rank 0 and --log_level_replica on
+    rank 1 (default warning). Bars: rank 0 only, none with --disable_tqdm (the runs' flags:
+    dist_worker.py). In an Accelerate loop at INFO everywhere, rank 1 stays at WARNING."""
     _, result = two_rank_run
-    assert result["plan_shown"] == [result["engines_built"], 0]
+    rank0, rank1 = result["shown"]
+    none = {"plan": 0, "lean_loss": 0, "bars": []}
+    assert rank0["info"] == {"plan": 1, "lean_loss": 1, "bars": sorted(FILL_BARS + SAVE_BARS)}
+    assert rank1["info"] == none
+    verify = ["elixir: verifying the checkpoint"]
+    assert rank0["warning"] == {"plan": 0, "lean_loss": 0, "bars": sorted(FILL_BARS + SAVE_BARS + verify)}
+    assert rank1["warning"] == none
+    assert rank0["replica_info"] == rank1["replica_info"] == {"plan": 1, "lean_loss": 1, "bars": []}  # --disable_tqdm
+    assert rank0["accelerate_info"] == {"plan": 2, "lean_loss": 2, "bars": FILL_BARS + ["elixir: gathering the weights"]}
+    assert rank1["accelerate_info"] == none
 
 
 def test_two_rank_resume_gives_the_same_losses(two_rank_run) -> None:

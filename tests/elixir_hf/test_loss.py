@@ -14,6 +14,7 @@ import elixir_hf.loss as lean
 from elixir_hf import ElixirPlugin, ElixirSpecError
 from elixir_hf.engine import build_engine
 from elixir_runtime.profiler.profile import profile_model
+from helpers.logs import captured
 from helpers.models import make_batch, tiny_llama
 
 VOCAB, BATCH, SEQ = 1000, 4, 33
@@ -150,7 +151,7 @@ def _engine(model: torch.nn.Module, spec: str = "auto") -> torch.nn.Module:
 
 
 def test_build_engine_installs_the_lean_loss(caplog) -> None:
-    with caplog.at_level(logging.INFO, logger="elixir_hf.loss"):
+    with captured(caplog, logging.INFO, "elixir_hf.loss"):
         model = _engine(tiny_llama())
     assert model.loss_function is lean.lean_causal_lm_loss
     assert [r.getMessage().split(":")[0] for r in caplog.records] == ["LlamaForCausalLM"]

@@ -60,8 +60,8 @@ def _launch(cmd: list[str], env: dict[str, str] | None = None) -> str:
         "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
         **(env or {}),
     }
-    proc = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
+    proc = subprocess.run(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    out = proc.stdout  # one stream: the log lines stay between sequence.py's "== SCRIPT" lines
     assert proc.returncode == 0, out[-6000:]
     return out
 
@@ -73,7 +73,8 @@ def _elixir_run(ranks: int, *args: str, env: dict[str, str] | None = None) -> st
     launcher = [sys.executable] if ranks == 1 else [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes" / "elixir.yaml"),
         "--num_processes", str(ranks), "--mixed_precision", "no", "--main_process_port", "0"]
-    return _launch([*launcher, "-m", "elixir_hf.run", *args], env)
+    # the plan is an INFO log line: shown at TRANSFORMERS_VERBOSITY=info, on rank 0 only
+    return _launch([*launcher, "-m", "elixir_hf.run", *args], {"TRANSFORMERS_VERBOSITY": "info", **(env or {})})
 
 
 def _stock(ranks: int, script: Path, *args: str, monkeypatch: pytest.MonkeyPatch) -> None:

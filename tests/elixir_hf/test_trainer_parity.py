@@ -105,7 +105,7 @@ def test_engine_metrics_reach_log_history_and_reporters_not_the_console(tmp_path
 
     console = capsys.readouterr().out
     lines = [line for line in console.splitlines() if "'loss'" in line]
-    assert len(lines) == 4 and console.count("Elixir plan for GPT2LMHeadModel") == 1
+    assert len(lines) == 4  # (the plan is an INFO log line: test_distributed.py)
     for line in lines:
         assert "elixir/" not in line and "s/step, host" in line and len(line) < 200, line
 

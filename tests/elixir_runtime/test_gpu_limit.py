@@ -15,6 +15,7 @@ from elixir_runtime.config import ConfigError, parse_size
 from elixir_runtime.gpu_limit import device_capacity, limit_gpu_memory, process_limit
 from elixir_runtime.planner import device_budget
 from helpers.fake_cuda import GIB, FakeGPU
+from helpers.logs import captured
 from helpers.models import make_batch, tiny_gpt2
 
 GPU = torch.device("cuda", 0)
@@ -99,7 +100,7 @@ def test_a_cap_larger_than_the_card_is_refused(monkeypatch) -> None:
 def test_prepare_records_the_cap_and_says_it_is_ignored_on_a_cpu(caplog) -> None:
     model = tiny_gpt2()
     config = er.ElixirConfig(mode="static", gpu_memory="1GiB")
-    with caplog.at_level(logging.WARNING, logger="elixir_runtime.api"):
+    with captured(caplog, logging.WARNING, "elixir_runtime.api"):
         model, _ = er.prepare(model, torch.optim.AdamW(model.parameters()), config=config)
     plan = model._elixir.plan
     assert plan.gpu_memory == GIB and json.loads(plan.to_json())["gpu_memory"] == GIB

@@ -23,6 +23,7 @@ from elixir_hf.checkpoint import MARKER_NAME, CheckpointError
 from launch import run_script
 from save_worker import trainer as killed_run
 from hf_cases import OFFLOAD_PLAN, history, make_trainer, training_args
+from helpers.logs import captured
 
 SAVE = dict(max_steps=10, save_strategy="steps", save_steps=5, eval_strategy="no")
 SHARD = "elixir_optim_rank0.pt"
@@ -75,7 +76,7 @@ def test_kill_during_save_resumes_from_newest_complete(killed, caplog, uninterru
     run, resumes_from = out / phase, PHASES[phase]
     assert status[phase] == signal.SIGKILL
     assert (run / "checkpoint-4").is_dir()  # the torn folder a stock resume would pick
-    with caplog.at_level(logging.WARNING, logger="elixir_hf.checkpoint"):
+    with captured(caplog, logging.WARNING, "elixir_hf.checkpoint"):
         assert elixir_hf.checkpoint.newest_complete(run) == str(run / f"checkpoint-{resumes_from}")
     assert ("torn checkpoint" in caplog.text) == (resumes_from == 2)
     resumed = killed_run(str(run))

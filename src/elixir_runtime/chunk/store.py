@@ -32,6 +32,7 @@ from typing import Callable, Literal
 
 import torch
 
+from ..progress import Bar, progress
 from .host_memory import empty_host
 from .layout import ChunkLayout, ChunkSpec, GroupRange, Slot
 
@@ -110,7 +111,7 @@ def build_arenas(
 
     The master weights are filled from the parameters in their original precision, the
     compute-dtype copy is cast from the master: a bf16 run of an fp32 model starts from the exact
-    fp32 weights.
+    fp32 weights. A progress bar (``progress.py``) counts the chunks filled.
     """
     out: dict[Residence, ShardArenas] = {}
     for where in ("device", "host"):
@@ -147,16 +148,18 @@ def build_arenas(
             if c.trainable:
                 arenas.segments += [GroupRange(offset + o, n, g) for o, n, g in c.shard_segments(rank, layout.world_size)]
             offset += size
-        _fill(layout, members, arenas, rank, weights)
+        with progress(len(members), f"elixir: filling {where} chunk shards", unit="chunk") as bar:
+            _fill(layout, members, arenas, rank, weights, bar)
         out[where] = arenas
     return out
 
 
 @torch.no_grad()
-def _fill(layout: ChunkLayout, members, arenas: ShardArenas, rank: int, weights: Callable) -> None:
+def _fill(layout: ChunkLayout, members, arenas: ShardArenas, rank: int, weights: Callable, bar: Bar) -> None:
     for c in members:
         for s in c.slots:
             write_param(layout, arenas, c, s, weights(layout.params[s.param]), rank)
+        bar.update()
     if arenas.param_copy is not None:
         arenas.param_copy.copy_(arenas.master)
 

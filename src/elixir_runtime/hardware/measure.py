@@ -31,6 +31,7 @@ from ..kernels.kernel import AdamHyper, AdamKernel
 from ..kernels.select import select_kernel
 from ..kernels.threads import cpu_adam_threads, usable_cores
 from ..host import host_total
+from ..progress import progress
 from .profile import PROFILE_VERSION, CpuAdamRate, HardwareProfile, LinkRates
 
 __all__ = ["measure_hardware", "host_cpu_adam", "job_cpu_adam", "rank_cpu_adam", "rank_counts", "collective_busbw"]
@@ -45,9 +46,13 @@ def measure_hardware(
     the numbers of ranks sharing the host whose per-rank CPU Adam is measured (``host_cpu_adam``;
     default ``rank_counts()``; none: left to the job's ranks, ``job_cpu_adam``)."""
     start = time.perf_counter()
-    profile = _measure_gpu(quick, dtype) if torch.cuda.is_available() else _measure_cpu(quick)
-    for n in rank_counts() if ranks is None else ranks:
-        profile.cpu_adam[n] = host_cpu_adam(n, quick=quick, dtype=dtype)
+    counts = rank_counts() if ranks is None else ranks
+    with progress(1 + len(counts), "elixir: measuring this machine") as bar:
+        profile = _measure_gpu(quick, dtype) if torch.cuda.is_available() else _measure_cpu(quick)
+        bar.update()
+        for n in counts:
+            profile.cpu_adam[n] = host_cpu_adam(n, quick=quick, dtype=dtype)
+            bar.update()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # give the measurement's buffers back before the plan counts free memory
     stamp = datetime.datetime.now().isoformat(timespec="seconds")

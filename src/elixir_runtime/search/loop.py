@@ -23,6 +23,7 @@ import torch
 from ..chunk.layout import ChunkLayout, build_layout, round_up
 from ..config import ElixirConfig, PlanError
 from ..profiler.profile import ModelProfile
+from ..progress import track
 from ..units import ParamTable
 from .access import access_trace, unit_work
 from .budget import Budget
@@ -134,7 +135,8 @@ def search(
     work = _unit_work(table)
     backward = profile.backward if settings.grads_share_activations else []
     window = grad_window(budget.activations, backward, budget.f_alloc, budget.f_frag, settings.micro_batches)
-    evaluated = [_evaluate(c, table, profile, rates, budget, settings, window, work) for c in sizes]
+    evaluated = [_evaluate(c, table, profile, rates, budget, settings, window, work)
+                 for c in track(sizes, "elixir: searching chunk sizes", unit="size")]
     fitting = [e for e in evaluated if e.placement is not None]
     if not fitting and settings.device_lane and settings.config.device_assisted_update == "auto":
         # the lane's staging buffers may be what does not fit: without it, the CPU alone

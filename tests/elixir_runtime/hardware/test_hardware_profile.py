@@ -19,13 +19,16 @@ from elixir_runtime.kernels.threads import cpu_adam_threads
 from tests.elixir_runtime.search.search_cases import gpu_host
 from tests.elixir_runtime.hardware.job_ranks import job_measures_cpu_adam
 from tests.helpers.dist import run_distributed
+from tests.helpers.logs import recorded_bars
 
 
 def test_quick_measurement_is_a_valid_profile() -> None:
     """Of this machine: the host as the "device" on CI, the GPUs where there are some."""
     load_library()  # a first use builds the C++ kernel: not part of the measurement
     start = time.perf_counter()
-    hw = measure_hardware(quick=True, ranks=(1,))
+    with recorded_bars() as bars:
+        hw = measure_hardware(quick=True, ranks=(1,))
+    assert [(b.desc, b.total, b.n, b.closed) for b in bars] == [("elixir: measuring this machine", 2, 2, True)]
     assert time.perf_counter() - start < (60 if torch.cuda.is_available() else 15)
     if torch.cuda.is_available():
         assert not hw.cpu_only and hw.gpus == torch.cuda.device_count() and hw.links[hw.gpus].duplex > 0

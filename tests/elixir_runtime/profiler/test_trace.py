@@ -11,6 +11,7 @@ from torch import nn
 
 from elixir_runtime.profiler.trace import trace_unit_order
 from elixir_runtime.units import Unit, find_units
+from helpers.logs import captured
 from helpers.models import make_batch, tiny_gpt2, tiny_llama
 
 CPU = torch.device("cpu")
@@ -74,7 +75,7 @@ def _real_order(model: nn.Module, units: list[Unit], batch) -> list[int]:
 def test_order_is_the_real_forwards_first_calls(build, batch, dtype, caplog) -> None:
     model = build()
     units = find_units(model, None)
-    with caplog.at_level(logging.INFO, logger="elixir_runtime.profiler.trace"):
+    with captured(caplog, logging.INFO, "elixir_runtime.profiler.trace"):
         order = trace_unit_order(model, units, batch, dtype, CPU)
     assert FALLBACK not in caplog.text  # traced, not the fallback
     real = _real_order(model, units, batch)
@@ -93,7 +94,7 @@ def test_the_reversed_model_needs_the_trace() -> None:
 def test_data_dependent_branch_falls_back_to_registration_order(caplog) -> None:
     model = DataDependent()
     units = find_units(model, None)
-    with caplog.at_level(logging.INFO, logger="elixir_runtime.profiler.trace"):
+    with captured(caplog, logging.INFO, "elixir_runtime.profiler.trace"):
         order = trace_unit_order(model, units, torch.randn(2, 4), torch.float32, CPU)
     assert FALLBACK in caplog.text
     assert order == [u.index for u in units]

@@ -16,6 +16,7 @@ from elixir_runtime.search.budget import F_ALLOC, F_HOST
 from elixir_runtime.search.loop import SERIAL_TIE, STEP_TIE, _evaluate
 from elixir_runtime.search.candidates import chunk_size_candidates
 from elixir_runtime.hardware.profile import CpuAdamRate
+from helpers.logs import recorded_bars
 from helpers.models import make_batch
 from search_cases import GIB, gpu_host, model_state_bytes, profiled
 
@@ -110,8 +111,10 @@ def test_states_that_fit_stay_on_the_gpu_even_where_offload_would_hide(gpt2, cli
     (H100: a 1.5B that fits ran 20 % slower with two thirds of it offloaded). Nothing goes to the host."""
     model, table, profile = gpt2
     roomy = _budget(profile, 2 * model_state_bytes(model) + 4 * profile.activation_peak)
-    r = search(table, profile, gpu_host(cpu_adam=5e11), roomy, _settings(clips_grads=clips_grads))
+    with recorded_bars() as bars:
+        r = search(table, profile, gpu_host(cpu_adam=5e11), roomy, _settings(clips_grads=clips_grads))
     assert r.placement.offload == [] and r.placement.n_blocks == _plan(table, r).max_blocks
+    assert [(b.desc, b.total, b.n) for b in bars] == [("elixir: searching chunk sizes", len(r.candidates), len(r.candidates))]
 
 
 def test_little_memory_offloads_plenty_keeps_everything(gpt2) -> None:
