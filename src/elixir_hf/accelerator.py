@@ -25,7 +25,7 @@ import os
 from typing import Any, Iterator
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import SAFE_WEIGHTS_NAME, DynamoBackend
 from torch import nn
 
@@ -74,7 +74,8 @@ class ElixirAccelerator(Accelerator):
             mixed = kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
             plugin.resolve_dtype(str(mixed))
             kwargs["mixed_precision"] = "no"
-            check_devices("Accelerator", cpu=bool(kwargs.get("cpu")))  # before Accelerate picks devices
+            if not PartialState._shared_state:  # the Trainer's arguments picked the devices (and checked them) already
+                check_devices("Accelerator", cpu=bool(kwargs.get("cpu")))  # before Accelerate picks devices
         super().__init__(*args, **kwargs)
         self.elixir_plugin = plugin
         self._engine_metrics: EngineMetrics | None = None

@@ -28,6 +28,7 @@ def _launched_as_rank_0_of_2_without_a_gpu(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    AcceleratorState._reset_state(reset_partial_state=True)  # no devices picked yet, as in a fresh process
     yield
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
