@@ -9,7 +9,7 @@ The model is built from its config on the meta device, one training step is prof
 tensors, and the planner picks chunk size, rCache size and offloaded chunks for the given GPUs and
 memory, through the same decision as ``--elixir auto`` (``elixir_runtime.planner.plan_model``). The
 GPU's rates come from ``--hardware`` (a shipped card: h100, or a profile file), else from this
-machine's GPU; without a GPU, from the shipped H100 profile (said in the output): a GPU plan is
+machine's GPU; without a GPU, from the shipped ``h100`` profile (said in the output): a GPU plan is
 never timed with a CPU's rates. Host memory is ``--host-mem``, else this machine's when planning
 for it (no ``--hardware``), else the profile's. This module parses the command line;
 ``plan_report.py`` makes the report, ``plan_plot.py`` draws it.
