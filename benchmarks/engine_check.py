@@ -67,7 +67,7 @@ def memory(rank: int, device: torch.device) -> list[dict]:
         plan = model._elixir.plan
         times = []
         torch.cuda.reset_peak_memory_stats(device)
-        for step in range(7):
+        for _ in range(7):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             loss = model(**batch).loss

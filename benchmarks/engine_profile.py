@@ -73,7 +73,7 @@ def main() -> None:
         dt = timed(plain)
         rows.append({"system": "plain", "step_s": dt, "tflops": 8 * n * a.bs * SEQ / dt / 1e12,
                      "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
-        del model, opt
+        model = opt = None  # freed before the next build
         gc.collect()  # the engine's hooks form reference cycles
         torch.cuda.empty_cache()
     for off in [float(x) for x in a.offload.split(",")]:
@@ -84,7 +84,7 @@ def main() -> None:
         cfg = er.ElixirConfig(mode="static", dtype="bf16", offload=off, n_blocks="min" if a.min_blocks else "max")
         model, opt = er.prepare(model, opt, cfg, example_batch=batch)
 
-        def elixir():
+        def elixir(model=model, opt=opt):
             loss = model(**batch).loss
             opt.backward(loss)
             opt.step()
@@ -104,7 +104,7 @@ def main() -> None:
             prof.export_chrome_trace(f"{a.trace}/elixir_offload{off}.json")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
             print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12))
-        del model, opt
+        model = opt = None  # freed before the next build
         gc.collect()  # the engine's hooks form reference cycles
         torch.cuda.empty_cache()
     print(json.dumps({"card": torch.cuda.get_device_name(), "n_embd": a.n_embd, "n_layer": a.n_layer, "bs": a.bs, "rows": rows}, indent=1))

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
     dst = torch.empty_like(src)
     copy_ms = _median_ms(lambda: dst.copy_(src), args.iters)
     copy_gbps = 2 * src.numel() / copy_ms / 1e6
-    del src, dst
+    src = dst = None
 
     p, m, v = torch.randn(n, device=dev), torch.zeros(n, device=dev), torch.zeros(n, device=dev)
     g = torch.randn(n, device=dev).to(torch.bfloat16)
@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> dict:
     ours_ms = {}
     for block, warps in CONFIGS:
         kernel = TritonAdamKernel(block=block, num_warps=warps)
-        ours_ms[(block, warps)] = _median_ms(lambda: kernel.step(p, m, v, g, out, segs, hypers, 1, 1.0), args.iters)
+        ours_ms[(block, warps)] = _median_ms(lambda kernel=kernel: kernel.step(p, m, v, g, out, segs, hypers, 1, 1.0), args.iters)
     best = min(ours_ms, key=ours_ms.get)
-    del p, m, v, g
+    p = m = v = g = None
 
     param = torch.nn.Parameter(torch.randn(n, device=dev))
     param.grad = torch.randn(n, device=dev)

@@ -76,7 +76,7 @@ def run(pristine: torch.nn.Module, batch: dict, offload: str, lane: str, threads
             "gpu_peak_GiB": torch.cuda.max_memory_allocated() / 2**30, "predicted": plan.to_dict()["predicted"],
         })
         print(json.dumps(rows[-1]), flush=True)
-    del model, opt
+    model = opt = None  # freed before the next copy
     gc.collect()  # the engine's hooks form reference cycles
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()

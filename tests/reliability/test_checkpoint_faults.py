@@ -205,7 +205,7 @@ def test_save_only_model_resumes_weights_only_as_the_stock_trainer(tmp_path) -> 
         resumed = make_trainer("gpt2", training_args(str(tmp_path / name), plan, **args), n_train=80)
         resumed.train(resume_from_checkpoint=str(tmp_path / name / "checkpoint-5"))
         losses[name] = (history(first, "loss", after_step=5), history(resumed, "loss", after_step=5))
-    (stock_full, stock_resumed), (elixir_full, elixir_resumed) = losses["stock"], losses["elixir"]
+    (_, stock_resumed), (elixir_full, elixir_resumed) = losses["stock"], losses["elixir"]
     assert len(elixir_resumed) == len(stock_resumed) == 5
     for got, want in zip(elixir_resumed, stock_resumed):
         assert got == pytest.approx(want, rel=1e-5)

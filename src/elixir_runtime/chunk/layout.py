@@ -163,7 +163,7 @@ def build_layout(
             _place(entry[0], entry[1], aligned, groups, numels)
             open_chunk[trainable] = None
 
-    for i, p in enumerate(params):
+    for i in range(len(params)):
         trainable = groups[i] >= 0
         if private[i]:
             spec = ChunkSpec(len(chunks), round_up(aligned[i], quantum), trainable, private=True)

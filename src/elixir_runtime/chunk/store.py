@@ -123,7 +123,7 @@ def build_arenas(
         device = compute_device if where == "device" else torch.device("cpu")
         pin = where == "host" and compute_device.type == "cuda"
 
-        def alloc(numel: int, dt: torch.dtype) -> torch.Tensor:
+        def alloc(numel: int, dt: torch.dtype, device: torch.device = device, pin: bool = pin) -> torch.Tensor:
             if device.type == "cpu":
                 return empty_host(numel, dt, pin=pin)
             return torch.zeros(numel, dtype=dt, device=device)

@@ -48,7 +48,7 @@ def stack_distances(groups: Sequence[Sequence[int]]) -> np.ndarray:
     for t, x in enumerate(flat):
         g = group_of[t]
 
-        def keep(a: int, b: int) -> bool:  # does a outrank b?
+        def keep(a: int, b: int, g: int = g) -> bool:  # does a outrank b?
             pa, pb = pinned_in.get(a) == g, pinned_in.get(b) == g
             if pa != pb:
                 return pa

@@ -208,7 +208,7 @@ def _evaluate(
     rates,
     budget: Budget,
     settings: SearchSettings,
-    window: GradWindow = GradWindow(),
+    window: GradWindow | None = None,
     work: dict[str, float] | None = None,
 ) -> _Evaluated:
     layout = build_layout(
@@ -230,7 +230,7 @@ def _evaluate(
         min_blocks=lo, prefetch=settings.config.prefetch, micro_batches=settings.micro_batches,
         clips_grads=settings.clips_grads, device_lane=settings.device_lane,
     )
-    mem = ArenaBytes(layout, settings.dtype, settings.device_lane, window)
+    mem = ArenaBytes(layout, settings.dtype, settings.device_lane, window if window is not None else GradWindow())
     n_blocks = {"min": lo, "max": hi}.get(settings.config.n_blocks, settings.config.n_blocks)  # type: ignore[arg-type]
     if isinstance(n_blocks, int):
         n_blocks = min(n_blocks, hi)

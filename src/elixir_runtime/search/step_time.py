@@ -302,7 +302,6 @@ class StepModel:
         ready = self.update_start(trainable_host, reduce)
         mine = np.flatnonzero(trainable_host)
         done = np.zeros(self.k)
-        r = self.rates
         if self.lane_rate:
             done[mine], cpu_busy, lane_busy = _two_lanes(ready[mine], self.elements[mine], self.cpu_rate, self.lane_rate)
         else:

@@ -130,7 +130,7 @@ def test_random_group_ranges_and_shards(seed: int) -> None:
         # group ranges cover [0, numel) contiguously, one range per group, each holding its params
         ranges = c.group_ranges
         assert ranges[0][0] == 0 and ranges[-1][1] == c.numel
-        for (a0, a1, _), (b0, _, _) in zip(ranges, ranges[1:]):
+        for (_, a1, _), (b0, _, _) in zip(ranges, ranges[1:]):
             assert a1 == b0
         assert all(a < b for a, b, _ in ranges)
         assert [g for _, _, g in ranges] == sorted(set(member_groups))

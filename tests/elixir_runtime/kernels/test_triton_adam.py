@@ -66,9 +66,9 @@ def test_tile_table_covers_each_segment_once() -> None:
     blk, lo, hi, group = build_tiles(segments, block)
     assert bool((lo >= blk * block).all() and (hi <= (blk + 1) * block).all() and (lo < hi).all())
     owner = torch.full((numel,), -1)
-    for b, l, h, g in zip(blk.tolist(), lo.tolist(), hi.tolist(), group.tolist()):
-        assert bool((owner[l:h] == -1).all())
-        owner[l:h] = g
+    for start, end, g in zip(lo.tolist(), hi.tolist(), group.tolist()):
+        assert bool((owner[start:end] == -1).all())
+        owner[start:end] = g
     expected = torch.full((numel,), -1)
     for s in segments:
         expected[s.offset : s.offset + s.length] = s.group
