@@ -111,6 +111,9 @@ class ElixirPlan:
     layout: ChunkLayout | None = _runtime()
     unit_chunks: list[tuple[int, ...]] = _runtime(factory=list)
     """The chunks each unit's hooks acquire (``param_table.units`` order)."""
+    root_chunks: tuple[int, ...] = _runtime(default=())
+    """The (private) chunks of the parameters read outside their module's call (``ParamTable.resident``),
+    which the model's own forward acquires before anything else runs."""
     grad_window: GradWindow = _runtime(factory=GradWindow)
     """What the GPU's gradient shards share memory with (``search.memory.grad_window``; none unsearched)."""
     profile: ModelProfile | None = _runtime()
@@ -143,8 +146,8 @@ class ElixirPlan:
         rows = [
             ("chunks", f"{self.n_chunks} of at most {self.chunk_size:,} elements, private ones aside ({self.dtype})"),
             ("rCache blocks", f"{self.n_blocks} (min {self.min_blocks}, max {self.max_blocks})"),
-            ("private buffers", f"{self.memory.private / gib:.3f} GiB (tied parameters and those larger "
-             "than a chunk: chunks of their own, never evicted)"),
+            ("private buffers", f"{self.memory.private / gib:.3f} GiB (tied parameters, those larger than a "
+             "chunk and those read outside their module: chunks of their own, never evicted)"),
             ("offloaded chunks", f"{len(self.offload)} of {self.n_chunks}"),
             ("world size", str(self.world_size)),
             ("device memory / rank", f"{self.device_bytes / gib:.3f} GiB (model states + rCache)"),
@@ -287,6 +290,7 @@ the search's). The rCache holds at once
         param_table=table,
         layout=layout,
         unit_chunks=unit_chunks,
+        root_chunks=layout.chunks_of([i for i, r in enumerate(table.resident) if r]),
         grad_window=window,
     )
     if search is not None:

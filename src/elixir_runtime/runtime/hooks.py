@@ -15,7 +15,11 @@ tensors are recomputed in backward while the unit is pinned (from pre-backward t
 which is why the rCache can never be smaller than the largest unit.
 
 The root's pre-forward first checks in with the other ranks (``lockstep.py``: a forward on some
-ranks only fails everywhere, naming it). Inside ``full_params`` every hook stands by: the
+ranks only fails everywhere, naming it), then acquires the root's chunks: the private chunks of
+parameters read outside their module's call (``ParamTable.resident``, e.g. ``lm_head.weight`` under
+TRL's fused LM head). Private chunks are never evicted, so each stays gathered from there until its
+reduction in backward (or a step) releases it; the saved tensors of such a read are views of its
+own buffer, left unpacked, and its gradient arrives through the usual post-accumulate-grad hook. Inside ``full_params`` every hook stands by: the
 parameters are all on this rank and forwards run alone.
 """
 
@@ -110,8 +114,8 @@ class _UnitHooks:
 class _RootHooks:
     """Iteration boundaries for the access schedule, and the saved-tensor hooks around forward."""
 
-    def __init__(self, runtime: ChunkRuntime, model: nn.Module) -> None:
-        self.runtime, self.model = runtime, model
+    def __init__(self, runtime: ChunkRuntime, model: nn.Module, chunks: tuple[int, ...] = ()) -> None:
+        self.runtime, self.model, self.chunks = runtime, model, chunks
         self.depth = 0
         self.saved_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
@@ -130,6 +134,8 @@ class _RootHooks:
         if self.depth > 1:
             return
         self.runtime.resident.schedule.begin((grad, self.model.training))
+        if self.chunks:  # private: never evicted, so no pin is needed to keep them
+            self.runtime.resident.acquire(self.chunks, pin=False)
         if grad:
             self.saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             self.saved_hooks.__enter__()
@@ -155,16 +161,24 @@ class _RootHooks:
         return chunk.buffer.data.as_strided(packed.size, packed.stride, packed.offset)
 
 
-def install_hooks(model: nn.Module, units: list[Unit], unit_chunks: list[tuple[int, ...]], runtime: ChunkRuntime) -> list:
-    """Installs every hook (``unit_chunks[i]``: the chunks unit ``i`` acquires); returns the handles
-    (removing them detaches the engine)."""
+def install_hooks(
+    model: nn.Module,
+    units: list[Unit],
+    unit_chunks: list[tuple[int, ...]],
+    runtime: ChunkRuntime,
+    root_chunks: tuple[int, ...] = (),
+) -> list:
+    """Installs every hook (``unit_chunks[i]``: the chunks unit ``i`` acquires; ``root_chunks``: the
+    private ones every forward of ``model`` acquires first); returns the handles (removing them
+    detaches the engine)."""
     handles = []
     for unit, chunks in zip(units, unit_chunks, strict=True):
         h = _UnitHooks(runtime, chunks)
         handles.append(unit.module.register_forward_pre_hook(h.pre_forward, with_kwargs=True))
         handles.append(unit.module.register_forward_hook(h.post_forward, with_kwargs=True, always_call=True))
         runtime.grads.on_finish_backward.append(h.post_backward)
-    root = _RootHooks(runtime, model)
+    assert all(runtime.chunks[i].spec.private for i in root_chunks), "the root acquires private chunks only"
+    root = _RootHooks(runtime, model, root_chunks)
     handles.append(model.register_forward_pre_hook(root.pre_forward, prepend=True))
     handles.append(model.register_forward_hook(root.post_forward, always_call=True))
     # A tensor's grad hooks live in its C++ autograd meta, out of the garbage collector's sight: a
