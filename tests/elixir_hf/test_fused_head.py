@@ -12,13 +12,13 @@ import math
 import pytest
 import torch
 from datasets import Dataset
+from hf_cases import OFFLOAD_PLAN, VOCAB, history, save_tiny_lm
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import SFTConfig, SFTTrainer
 
 from elixir_hf import elixir_args, elixir_trainer
 from elixir_hf.engine import read_outside_modules, whole_model
-from hf_cases import OFFLOAD_PLAN, VOCAB, history, save_tiny_lm
 
 RTOL = 1e-5
 
@@ -38,8 +38,9 @@ def _sft(llama_dir: str, out: str, elixir: str | None, lora: bool) -> SFTTrainer
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
     words = sorted(w for w in tokenizer.get_vocab() if w.isalpha())
     dataset = Dataset.from_dict({"text": [" ".join(words[(5 * i + 3 * j) % len(words)] for j in range(12)) for i in range(16)]})
-    settings = dict(max_steps=4, per_device_train_batch_size=2, learning_rate=1e-2, adam_epsilon=1e-6, logging_steps=1,
-                    max_length=16, bf16=False, use_cpu=True, report_to=[], save_strategy="no", seed=0, disable_tqdm=True)
+    settings = {"max_steps": 4, "per_device_train_batch_size": 2, "learning_rate": 1e-2, "adam_epsilon": 1e-6,
+                "logging_steps": 1, "max_length": 16, "bf16": False, "use_cpu": True, "report_to": [],
+                "save_strategy": "no", "seed": 0, "disable_tqdm": True}
     if elixir is None:
         cls, args = SFTTrainer, SFTConfig(output_dir=out, **settings)
     else:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import state
 from .chunk_runtime import ChunkRuntime
 from .state import Residency
 from .lockstep import Op
@@ -62,8 +63,8 @@ class _Packed:
 
 
 class _UnitHooks:
-    def __init__(self, runtime: ChunkRuntime, chunks: tuple[int, ...]) -> None:
-        self.runtime, self.chunks = runtime, chunks
+    def __init__(self, runtime: ChunkRuntime, chunks: tuple[int, ...], unit: int = -1) -> None:
+        self.runtime, self.chunks, self.unit = runtime, chunks, unit
         self.post_backward_armed = False
         self.bwd_pinned = False
 
@@ -71,6 +72,8 @@ class _UnitHooks:
         if self.runtime.residency is not Residency.SHARDED:
             return args, kwargs  # inside full_params: the parameters are all here
         self.runtime.resident.acquire(self.chunks, pin=True)
+        if state.CHECKING:  # gradients.py, [Note: reads outside a module]
+            self.runtime.grads.ran.add(self.unit)
         self.post_backward_armed = False
         if not torch.is_grad_enabled():
             return args, kwargs
@@ -173,11 +176,18 @@ def install_hooks(
     detaches the engine)."""
     handles = []
     for unit, chunks in zip(units, unit_chunks, strict=True):
-        h = _UnitHooks(runtime, chunks)
+        h = _UnitHooks(runtime, chunks, unit.index)
         handles.append(unit.module.register_forward_pre_hook(h.pre_forward, with_kwargs=True))
         handles.append(unit.module.register_forward_hook(h.post_forward, with_kwargs=True, always_call=True))
         runtime.grads.on_finish_backward.append(h.post_backward)
     assert all(runtime.chunks[i].spec.private for i in root_chunks), "the root acquires private chunks only"
+    index = {id(p): i for i, p in enumerate(runtime.layout.params)}
+    read_by: list[set[int]] = [set() for _ in runtime.layout.params]
+    for unit in units:
+        for p in unit.params:
+            read_by[index[id(p)]].add(unit.index)
+    resident = {s.param for i in root_chunks for s in runtime.chunks[i].spec.slots}
+    runtime.grads.track_reads([frozenset() if i in resident else frozenset(u) for i, u in enumerate(read_by)])
     root = _RootHooks(runtime, model, root_chunks)
     handles.append(model.register_forward_pre_hook(root.pre_forward, prepend=True))
     handles.append(model.register_forward_hook(root.post_forward, always_call=True))

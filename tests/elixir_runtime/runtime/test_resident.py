@@ -12,10 +12,19 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.dist import run_distributed
+from helpers.training import (
+    VOCAB,
+    Recipe,
+    assert_close_losses,
+    batch_for,
+    build,
+    lr_at,
+    max_weight_diff,
+)
 
 import elixir_runtime as er
-from helpers.dist import run_distributed
-from helpers.training import VOCAB, Recipe, assert_close_losses, batch_for, build, lr_at, max_weight_diff
+from elixir_runtime.runtime.state import check_transitions
 
 STEPS = 4
 GRAD_ACCUM = 2
@@ -70,10 +79,18 @@ def test_a_head_read_outside_its_module_trains_as_pytorch() -> None:
         assert max_weight_diff(state, want) < 1e-5, offload
 
 
-def test_without_resident_the_read_sees_the_placeholder() -> None:
-    """What ``resident`` fixes: the silent failure (loss ln(vocab) with a zero head)."""
-    losses, state = _run(0, 1, resident=False)
-    assert math.isclose(losses[0] * GRAD_ACCUM, math.log(VOCAB), rel_tol=1e-6)
+def test_without_resident_the_read_is_wrong_and_caught_in_debug_runs() -> None:
+    """What ``resident`` fixes: silently, a zero head (loss ln(vocab)); with the state checks on
+    (``ELIXIR_DEBUG_STATES=1``), the head's gradient without a call of its module is an error."""
+    old = check_transitions(False)
+    try:
+        losses, _ = _run(0, 1, resident=False)
+        assert math.isclose(losses[0] * GRAD_ACCUM, math.log(VOCAB), rel_tol=1e-6)
+        check_transitions(True)
+        with pytest.raises(RuntimeError, match=r"'lm_head.weight' got a gradient, but no module holding it ran"):
+            _run(0, 1, resident=False)
+    finally:
+        check_transitions(old)
 
 
 def test_the_resident_chunk_is_private_and_counted() -> None:
@@ -96,3 +113,4 @@ def test_two_ranks_match_pytorch() -> None:
     _, want = _run(None, 2, resident=False)
     for _, state in run_distributed(_rank, 2):
         assert max_weight_diff(state, want) < 1e-5
+
