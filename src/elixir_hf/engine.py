@@ -106,7 +106,16 @@ def build_engine(
                     "of their own that every forward gathers", len(resident))
     _, elixir_optimizer = elixir_runtime.prepare(model, optimizer, config=config, example_batch=batch, resident=resident)
     plan = model._elixir.plan
-    plugin.check_plan(plan)
+    try:
+        plugin.check_plan(plan)
+    except ElixirSpecError as exc:
+        if not resident:
+            raise
+        names = [plan.param_table.names[plan.param_table.index[id(p)]][0] for p in resident]
+        raise ElixirSpecError(
+            f"{exc}. Here {names} have chunks of their own because TRL's fused LM head reads them outside their "
+            "module, which elixir-plan cannot know: use --elixir auto or a JSON config instead of the plan file"
+        ) from None
     if model._elixir.runtime.coll.rank == 0:
         m = describe_model(model)
         print(f"Elixir plan for {m['class']} ({m['parameters'] / 1e6:.1f}M parameters):\n{plan.table()}", flush=True)

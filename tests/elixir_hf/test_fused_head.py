@@ -98,3 +98,18 @@ def test_the_fused_forward_is_recognised(llama_dir) -> None:
     assert read_outside_modules(model) == []
     add_fused_lm_head(model)
     assert read_outside_modules(model) == [model.lm_head.weight]
+
+
+def test_a_plan_file_made_without_the_fused_head_is_refused_naming_it(llama_dir, tmp_path) -> None:
+    """A plan file (elixir-plan's) packs the head with other parameters; the SFT run gives it a chunk
+    of its own, so the file's layout does not fit: an error naming the head and the cause."""
+    import elixir_runtime as er
+
+    from elixir_hf import ElixirSpecError
+
+    model = AutoModelForCausalLM.from_pretrained(llama_dir)
+    er.prepare(model, torch.optim.AdamW(model.parameters()), er.ElixirConfig(mode="static", chunk_size=16384))
+    plan = tmp_path / "plan.json"
+    plan.write_text(model._elixir.plan.to_json())
+    with pytest.raises(ElixirSpecError, match=r"\['lm_head.weight'\] have chunks of their own because TRL's fused"):
+        _sft(llama_dir, str(tmp_path / "out"), str(plan), lora=False)

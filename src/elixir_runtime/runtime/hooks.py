@@ -19,8 +19,9 @@ ranks only fails everywhere, naming it), then acquires the root's chunks: the pr
 parameters read outside their module's call (``ParamTable.resident``, e.g. ``lm_head.weight`` under
 TRL's fused LM head). Private chunks are never evicted, so each stays gathered from there until its
 reduction in backward (or a step) releases it; the saved tensors of such a read are views of its
-own buffer, left unpacked, and its gradient arrives through the usual post-accumulate-grad hook. Inside ``full_params`` every hook stands by: the
-parameters are all on this rank and forwards run alone.
+own buffer, left unpacked, and its gradient arrives through the usual post-accumulate-grad hook.
+Inside ``full_params`` every hook stands by: the parameters are all on this rank and forwards run
+alone.
 """
 
 from __future__ import annotations
