@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import itertools
 import logging
 from typing import Any, Callable, Sequence
@@ -16,9 +17,9 @@ from elixir_runtime import ElixirOptimizer
 
 from . import console  # noqa: F401  (this package's and the engine's loggers under transformers')
 from .loss import use_lean_loss
-from .plugin import ElixirPlugin, describe_model
+from .plugin import ElixirPlugin, ElixirSpecError, describe_model
 
-__all__ = ["build_engine", "clips_grads", "example_batch", "has_engine", "whole_model"]
+__all__ = ["build_engine", "clips_grads", "example_batch", "has_engine", "read_outside_modules", "whole_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,40 @@ def whole_model(model: nn.Module, rank0_only: bool = False) -> contextlib.Abstra
     if has_engine(model):
         return elixir_runtime.full_params(model, rank0_only=rank0_only)
     return contextlib.nullcontext(model)
+
+
+def read_outside_modules(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters ``model``'s forward reads without calling the module holding them, which the
+    engine must therefore gather itself (``elixir_runtime.prepare(..., resident=...)``): today, the
+    output embedding's weight and bias under TRL's fused LM head.
+
+    [Note: TRL's fused LM head] ``trl.trainer.utils.add_fused_lm_head`` (``SFTTrainer``, GRPO, RLOO,
+    KTO; TRL >= 1.16) replaces a model's ``forward`` on the instance by ``_fused_forward``: called
+    with ``fused_lm_head=True`` it runs the backbone, then multiplies the hidden states by
+    ``get_output_embeddings().weight`` in tiles, never calling the head module, whose hooks are where
+    the engine gathers a module's chunks. It is recognised by what it is, not by name:
+    ``functools.wraps`` gives it the model class's ``forward`` name, qualname and (through
+    ``__wrapped__``) signature, so the check reads the instance's own ``forward`` attribute and its
+    unwrapped signature, which takes a ``fused_lm_head`` argument. Every module is checked, as PEFT
+    patches the model it wraps (``get_base_model()``), not the ``PeftModel``.
+    """
+    found: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        forward = module.__dict__.get("forward")  # patched on the instance, not the class's own
+        if forward is None or not _takes_fused_lm_head(forward):
+            continue
+        head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+        for p in (getattr(head, "weight", None), getattr(head, "bias", None)):
+            if isinstance(p, nn.Parameter):
+                found.setdefault(id(p), p)
+    return list(found.values())
+
+
+def _takes_fused_lm_head(forward: Any) -> bool:
+    try:
+        return "fused_lm_head" in inspect.signature(forward, follow_wrapped=False).parameters
+    except (TypeError, ValueError):  # not introspectable: not TRL's
+        return False
 
 
 def build_engine(
@@ -64,9 +99,22 @@ def build_engine(
         config = dataclasses.replace(config, clips_grads=clips_grads(args))
     if grad_accum_steps is not None:
         config = dataclasses.replace(config, grad_accum_steps=grad_accum_steps)
-    _, elixir_optimizer = elixir_runtime.prepare(model, optimizer, config=config, example_batch=batch)
+    resident = read_outside_modules(model)
+    if resident:
+        logger.info("elixir: %d parameters are read outside their module (TRL's fused LM head): they get chunks "
+                    "of their own that every forward gathers", len(resident))
+    _, elixir_optimizer = elixir_runtime.prepare(model, optimizer, config=config, example_batch=batch, resident=resident)
     plan = model._elixir.plan
-    plugin.check_plan(plan)
+    try:
+        plugin.check_plan(plan)
+    except ElixirSpecError as exc:
+        if not resident:
+            raise
+        names = [plan.param_table.names[plan.param_table.index[id(p)]][0] for p in resident]
+        raise ElixirSpecError(
+            f"{exc}. Here {names} have chunks of their own because TRL's fused LM head reads them outside their "
+            "module, which elixir-plan cannot know: use --elixir auto or a JSON config instead of the plan file"
+        ) from None
     if logger.isEnabledFor(logging.INFO):
         m = describe_model(model)
         logger.info("Elixir plan for %s (%.1fM parameters):\n%s", m["class"], m["parameters"] / 1e6, plan.table())

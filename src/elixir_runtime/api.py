@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,8 @@ def prepare(
     optimizer: torch.optim.Optimizer,
     config: ElixirConfig | None = None,
     example_batch: Any | None = None,
+    *,
+    resident: Iterable[nn.Parameter] = (),
 ) -> tuple[nn.Module, ElixirOptimizer]:
     """Installs the Elixir engine on ``model`` in place and returns ``(model, elixir_optimizer)``.
 
@@ -61,6 +64,13 @@ def prepare(
     which parameters are used, so chunks follow the forward pass; without it, registration order.
     With ``mode="auto"`` on a GPU it is also the batch whose training step is profiled (on fake
     tensors) for the search, which picks chunk size, rCache size and offloaded chunks.
+
+    ``resident``: parameters the model's forward reads without calling the module that holds them
+    (a patched forward that multiplies by ``lm_head.weight`` itself, as TRL's fused LM head does).
+    The engine gathers a unit's chunks in that unit's hooks, so such a read would see a zero
+    placeholder, silently. Each of these parameters gets a private chunk (never evicted; counted in
+    ``plan.memory.private``) that every forward of ``model`` gathers first; its gradient is written
+    back, reduced and updated like any other's.
     """
     config = config or ElixirConfig()
     _check_model(model)
@@ -76,7 +86,7 @@ def prepare(
     # gradient shards come and go during each backward (chunk/store.py): page-mapped segments keep that from fragmenting
     expandable = device.type == "cuda" and expandable_segments()
     plan = plan_job(model, units, example_batch, config, device, dtype, coll, param_group=lambda p: group_of[id(p)],
-                    grads_share_activations=expandable)
+                    grads_share_activations=expandable, resident=list(resident))
     if coll.rank == 0:  # the HF integration prints it; a debug record for runtime-only users
         logger.debug("Elixir plan:\n%s", plan.table())
 
@@ -90,7 +100,7 @@ def prepare(
         plan.layout, plan.placement(), plan.n_blocks, coll, device, dtype, config.prefetch, lockstep, source.value, lane,
         grads_share_activations=plan.grad_window.shares,
     )
-    install_hooks(model, units, plan.unit_chunks, runtime)
+    install_hooks(model, units, plan.unit_chunks, runtime, plan.root_chunks)
     model_state = ModelStateHooks(runtime, orig_dtypes)
     model_state.install(model)
     elixir_optimizer = ElixirOptimizer(

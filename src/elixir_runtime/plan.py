@@ -111,6 +111,9 @@ class ElixirPlan:
     layout: ChunkLayout | None = _runtime()
     unit_chunks: list[tuple[int, ...]] = _runtime(factory=list)
     """The chunks each unit's hooks acquire (``param_table.units`` order)."""
+    root_chunks: tuple[int, ...] = _runtime(default=())
+    """The (private) chunks of the parameters read outside their module's call (``ParamTable.resident``),
+    which the model's own forward acquires before anything else runs."""
     grad_window: GradWindow = _runtime(factory=GradWindow)
     """What the GPU's gradient shards share memory with (``search.memory.grad_window``; none unsearched)."""
     profile: ModelProfile | None = _runtime()
@@ -150,7 +153,7 @@ class ElixirPlan:
         ]
         if self.memory.private:
             rows.append(("own-chunk buffers", f"{self.memory.private / gib:.3f} GiB (tied parameters and those larger "
-                         "than a chunk, kept gathered)"))
+                         "than a chunk, or read outside their module: kept gathered)"))
         rows += [
             ("offloaded chunks", f"{len(self.offload)} of {self.n_chunks}"),
             ("world size", str(self.world_size)),
@@ -294,6 +297,7 @@ the search's). The rCache holds at once
         param_table=table,
         layout=layout,
         unit_chunks=unit_chunks,
+        root_chunks=layout.chunks_of([i for i, r in enumerate(table.resident) if r]),
         grad_window=window,
     )
     if search is not None:

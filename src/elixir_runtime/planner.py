@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 from torch import nn
@@ -46,6 +46,9 @@ UNPROFILED_ACTIVATION_SHARE = 0.4
 
 ParamGroup = Callable[[nn.Parameter], int]
 """The optimizer param group of a trainable parameter (``prepare``'s optimizer); ``None``: group 0."""
+
+Resident = Collection[nn.Parameter]
+"""Parameters read outside their module's call (``prepare``'s ``resident``; ``units.param_table``)."""
 
 
 @dataclass(frozen=True)
@@ -94,10 +97,11 @@ def plan_model(
     *,
     param_group: ParamGroup | None = None,
     exact: bool = False,
+    resident: Resident = (),
 ) -> ElixirPlan:
     """The searched plan of ``model`` trained on ``example_batch`` for ``target``; ``exact``: trace
     every block (``profile_model``). Not checked against this machine's memory (``check_fits``)."""
-    return _searched(model, units, example_batch, config, target, param_group, exact).plan(config, target)
+    return _searched(model, units, example_batch, config, target, param_group, exact, resident).plan(config, target)
 
 
 def plan_static(
@@ -110,10 +114,11 @@ def plan_static(
     device: torch.device,
     dtype: torch.dtype,
     param_group: ParamGroup | None = None,
+    resident: Resident = (),
 ) -> ElixirPlan:
     """The plan of ``config`` as given (its chunk size, else the default; rCache max and nothing
     offloaded unless it says otherwise) for units called in ``order``."""
-    table = _table(model, units, order, param_group)
+    table = _table(model, units, order, param_group, resident)
     layout = _layout(table, config, world_size, config.chunk_size)
     return resolve_plan(config, table, layout, dtype, lane=device_lane_wanted(config, device))
 
@@ -129,17 +134,18 @@ def plan_job(
     *,
     param_group: ParamGroup | None = None,
     grads_share_activations: bool = True,
+    resident: Resident = (),
 ) -> ElixirPlan:
     """``prepare``'s plan, the same on every rank and checked against this machine's memory:
     searched with ``mode="auto"`` on a GPU (``search_job``), else as the config gives it
     (``plan_static``) in the use order traced on rank 0."""
     if config.mode == "auto" and device.type == "cuda":
         plan = search_job(model, units, example_batch, config, device, dtype, coll, param_group=param_group,
-                          grads_share_activations=grads_share_activations)
+                          grads_share_activations=grads_share_activations, resident=resident)
     else:
         order = coll.decided_by_rank0(lambda: trace_unit_order(model, units, example_batch, dtype, device), device)
         plan = plan_static(model, units, order, config, world_size=coll.world_size, device=device, dtype=dtype,
-                           param_group=param_group)
+                           param_group=param_group, resident=resident)
     check_fits(plan, device)
     return plan
 
@@ -155,6 +161,7 @@ def search_job(
     *,
     param_group: ParamGroup | None = None,
     grads_share_activations: bool = True,
+    resident: Resident = (),
 ) -> ElixirPlan:
     """The searched plan of the job ``coll`` spans, on ``device``'s free memory, identical on every rank.
 
@@ -177,11 +184,11 @@ def search_job(
     mine: list[_Searched] = []
 
     def decide() -> tuple[list[int], SearchResult]:
-        mine.append(_searched(model, units, example_batch, config, target, param_group))
+        mine.append(_searched(model, units, example_batch, config, target, param_group, resident=resident))
         return mine[0].order, replace(mine[0].result, layout=None)
 
     order, result = coll.decided_by_rank0(decide, device)
-    searched = mine[0] if mine else _Searched(order, _table(model, units, order, param_group), result)
+    searched = mine[0] if mine else _Searched(order, _table(model, units, order, param_group, resident), result)
     return searched.plan(config, target)
 
 
@@ -212,13 +219,14 @@ def _searched(
     target: Target,
     param_group: ParamGroup | None,
     exact: bool = False,
+    resident: Resident = (),
 ) -> _Searched:
     """Profile → unit order → table → budget → search."""
     with progress(1, "elixir: profiling a training step") as bar:
         profile = _profile(model, units, example_batch, target.dtype, target.device, exact)
         bar.update()
     order = profile.unit_indices(units)
-    table = _table(model, units, order, param_group)
+    table = _table(model, units, order, param_group, resident)
     budget = target.budget(profile)
     if example_batch is None:
         budget.activations = int(UNPROFILED_ACTIVATION_SHARE * budget.capacity / F_FRAG)
@@ -232,8 +240,10 @@ def _searched(
     return _Searched(order, table, result, profile)
 
 
-def _table(model: nn.Module, units: list[Unit], order: list[int], param_group: ParamGroup | None) -> ParamTable:
-    table = param_table(model, units, order)
+def _table(
+    model: nn.Module, units: list[Unit], order: list[int], param_group: ParamGroup | None, resident: Resident = ()
+) -> ParamTable:
+    table = param_table(model, units, order, resident)
     if param_group is None:
         return table
     return replace(table, groups=[param_group(p) if p.requires_grad else -1 for p in table.params])

@@ -6,13 +6,18 @@ style). All chunks holding a unit's parameters are resident while the unit runs,
 can be no smaller than the largest unit. The parameter table lists the parameters in the order
 and with the flags the chunk layout packs them with; ``prepare``, ``elixir-plan`` and the search
 build it here, once.
+
+A parameter the model's forward reads without calling the module that holds it (a patched forward
+multiplying by ``lm_head.weight`` directly, e.g. TRL's fused LM head) would stay a placeholder:
+``prepare(..., resident=...)`` names such parameters; the table marks them ``resident`` and, like
+tied ones, ``private``, and the root's forward gathers their chunks (``runtime/hooks.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Sequence
+from typing import Collection, Sequence
 
 from torch import nn
 
@@ -102,7 +107,10 @@ class ParamTable:
     groups: list[int]
     """Optimizer param group of each parameter, -1 for frozen ones."""
     private: list[bool]
-    """Held by more than one unit (tied ``wte``/``lm_head``): a private chunk of its own."""
+    """Held by more than one unit (tied ``wte``/``lm_head``) or ``resident``: a private chunk of its own."""
+    resident: list[bool]
+    """Read outside its module's call (``prepare``'s ``resident``): the model's own forward gathers its
+    (private) chunk before anything else runs."""
     units: list[Unit]
 
     @cached_property
@@ -115,9 +123,12 @@ class ParamTable:
         return {n: i for i, names in enumerate(self.names) for n in names}
 
 
-def param_table(model: nn.Module, units: list[Unit], unit_order: Sequence[int]) -> ParamTable:
+def param_table(
+    model: nn.Module, units: list[Unit], unit_order: Sequence[int], resident: Collection[nn.Parameter] = ()
+) -> ParamTable:
     """The table for ``units`` called in ``unit_order``; one optimizer group (``groups`` 0, -1 for
-    frozen parameters) until ``prepare`` puts in the optimizer's."""
+    frozen parameters) until ``prepare`` puts in the optimizer's. ``resident``: parameters read outside
+    their module's call (see the module's docstring)."""
     params = list(dict.fromkeys(p for u in unit_order for p in units[u].params))
     index = {id(p): i for i, p in enumerate(params)}
     names: list[list[str]] = [[] for _ in params]
@@ -125,6 +136,10 @@ def param_table(model: nn.Module, units: list[Unit], unit_order: Sequence[int]) 
         if id(p) in index:
             names[index[id(p)]].append(name)
     owners = unit_owner_count(units)
-    return ParamTable(
-        params, names, [0 if p.requires_grad else -1 for p in params], [owners[id(p)] > 1 for p in params], units
-    )
+    outside = {id(p) for p in resident}
+    unknown = outside - set(index)
+    if unknown:
+        raise ValueError(f"{len(unknown)} of the resident parameters are not parameters of this model's units")
+    read_outside = [id(p) in outside for p in params]
+    private = [owners[id(p)] > 1 or r for p, r in zip(params, read_outside)]
+    return ParamTable(params, names, [0 if p.requires_grad else -1 for p in params], private, read_outside, units)

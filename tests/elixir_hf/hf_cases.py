@@ -79,13 +79,14 @@ def history(trainer: Trainer, key: str, after_step: int = 0) -> list[float]:
     return [h[key] for h in trainer.state.log_history if key in h and h["step"] > after_step]
 
 
-def save_tiny_lm(path: Path) -> Path:
-    """A tiny GPT-2 (seed 0) and a word-level tokenizer over its vocabulary (two-letter words), as a
-    ``from_pretrained`` folder: what a script's ``--model_name_or_path`` loads."""
+def save_tiny_lm(path: Path, arch: str = "gpt2") -> Path:
+    """A tiny ``arch`` model (``MODEL_BUILDERS``: GPT-2's head is tied, Llama's is not; seed 0) and a
+    word-level tokenizer over its vocabulary (two-letter words), as a ``from_pretrained`` folder:
+    what a script's ``--model_name_or_path`` loads."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    MODEL_BUILDERS["gpt2"](seed=0, vocab=VOCAB).save_pretrained(path)
+    MODEL_BUILDERS[arch](seed=0, vocab=VOCAB).save_pretrained(path)
     specials = {PAD_ID: "<pad>", BOS_ID: "<s>", EOS_ID: "</s>", 3: "<unk>"}
     words = ["".join(p) for p in itertools.product(string.ascii_lowercase, repeat=2)][: VOCAB - len(specials)]
     tokenizer = Tokenizer(models.WordLevel({t: i for i, t in enumerate([*specials.values(), *words])}, "<unk>"))

@@ -10,7 +10,7 @@ byte of memory is touched. Rules:
   on some ranks only, see ``ChunkGradients.used_params``) then still pair collectives of one size, and
   the engine names the parameter where gloo would abort on the size mismatch;
 * a parameter used by more than one unit (tied ``wte``/``lm_head``) gets a *private* chunk of its
-  own that is never evicted;
+  own that is never evicted; so does one read outside its module's call (``units.ParamTable.resident``);
 * so does a parameter larger than ``chunk_size`` (an untied embedding or ``lm_head``): its chunk
   is sized to it and its buffer is its own, so the rCache blocks stay ``chunk_size``;
 * frozen parameters go to frozen chunks (no grad, no optimizer state);

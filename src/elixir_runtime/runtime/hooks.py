@@ -15,8 +15,13 @@ tensors are recomputed in backward while the unit is pinned (from pre-backward t
 which is why the rCache can never be smaller than the largest unit.
 
 The root's pre-forward first checks in with the other ranks (``lockstep.py``: a forward on some
-ranks only fails everywhere, naming it). Inside ``full_params`` every hook stands by: the
-parameters are all on this rank and forwards run alone.
+ranks only fails everywhere, naming it), then acquires the root's chunks: the private chunks of
+parameters read outside their module's call (``ParamTable.resident``, e.g. ``lm_head.weight`` under
+TRL's fused LM head). Private chunks are never evicted, so each stays gathered from there until its
+reduction in backward (or a step) releases it; the saved tensors of such a read are views of its
+own buffer, left unpacked, and its gradient arrives through the usual post-accumulate-grad hook.
+Inside ``full_params`` every hook stands by: the parameters are all on this rank and forwards run
+alone.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import state
 from .chunk_runtime import ChunkRuntime
 from .state import Residency
 from .lockstep import Op
@@ -58,8 +64,8 @@ class _Packed:
 
 
 class _UnitHooks:
-    def __init__(self, runtime: ChunkRuntime, chunks: tuple[int, ...]) -> None:
-        self.runtime, self.chunks = runtime, chunks
+    def __init__(self, runtime: ChunkRuntime, chunks: tuple[int, ...], unit: int = -1) -> None:
+        self.runtime, self.chunks, self.unit = runtime, chunks, unit
         self.post_backward_armed = False
         self.bwd_pinned = False
 
@@ -67,6 +73,8 @@ class _UnitHooks:
         if self.runtime.residency is not Residency.SHARDED:
             return args, kwargs  # inside full_params: the parameters are all here
         self.runtime.resident.acquire(self.chunks, pin=True)
+        if state.CHECKING:  # gradients.py, [Note: reads outside a module]
+            self.runtime.grads.ran.add(self.unit)
         self.post_backward_armed = False
         if not torch.is_grad_enabled():
             return args, kwargs
@@ -110,8 +118,8 @@ class _UnitHooks:
 class _RootHooks:
     """Iteration boundaries for the access schedule, and the saved-tensor hooks around forward."""
 
-    def __init__(self, runtime: ChunkRuntime, model: nn.Module) -> None:
-        self.runtime, self.model = runtime, model
+    def __init__(self, runtime: ChunkRuntime, model: nn.Module, chunks: tuple[int, ...] = ()) -> None:
+        self.runtime, self.model, self.chunks = runtime, model, chunks
         self.depth = 0
         self.saved_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
@@ -130,6 +138,8 @@ class _RootHooks:
         if self.depth > 1:
             return
         self.runtime.resident.schedule.begin((grad, self.model.training))
+        if self.chunks:  # private: never evicted, so no pin is needed to keep them
+            self.runtime.resident.acquire(self.chunks, pin=False)
         if grad:
             self.saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             self.saved_hooks.__enter__()
@@ -155,16 +165,31 @@ class _RootHooks:
         return chunk.buffer.data.as_strided(packed.size, packed.stride, packed.offset)
 
 
-def install_hooks(model: nn.Module, units: list[Unit], unit_chunks: list[tuple[int, ...]], runtime: ChunkRuntime) -> list:
-    """Installs every hook (``unit_chunks[i]``: the chunks unit ``i`` acquires); returns the handles
-    (removing them detaches the engine)."""
+def install_hooks(
+    model: nn.Module,
+    units: list[Unit],
+    unit_chunks: list[tuple[int, ...]],
+    runtime: ChunkRuntime,
+    root_chunks: tuple[int, ...] = (),
+) -> list:
+    """Installs every hook (``unit_chunks[i]``: the chunks unit ``i`` acquires; ``root_chunks``: the
+    private ones every forward of ``model`` acquires first); returns the handles (removing them
+    detaches the engine)."""
     handles = []
     for unit, chunks in zip(units, unit_chunks, strict=True):
-        h = _UnitHooks(runtime, chunks)
+        h = _UnitHooks(runtime, chunks, unit.index)
         handles.append(unit.module.register_forward_pre_hook(h.pre_forward, with_kwargs=True))
         handles.append(unit.module.register_forward_hook(h.post_forward, with_kwargs=True, always_call=True))
         runtime.grads.on_finish_backward.append(h.post_backward)
-    root = _RootHooks(runtime, model)
+    assert all(runtime.chunks[i].spec.private for i in root_chunks), "the root acquires private chunks only"
+    index = {id(p): i for i, p in enumerate(runtime.layout.params)}
+    read_by: list[set[int]] = [set() for _ in runtime.layout.params]
+    for unit in units:
+        for p in unit.params:
+            read_by[index[id(p)]].add(unit.index)
+    resident = {s.param for i in root_chunks for s in runtime.chunks[i].spec.slots}
+    runtime.grads.track_reads([frozenset() if i in resident else frozenset(u) for i, u in enumerate(read_by)])
+    root = _RootHooks(runtime, model, root_chunks)
     handles.append(model.register_forward_pre_hook(root.pre_forward, prepend=True))
     handles.append(model.register_forward_hook(root.post_forward, always_call=True))
     # A tensor's grad hooks live in its C++ autograd meta, out of the garbage collector's sight: a

@@ -12,7 +12,7 @@ import elixir_runtime.planner as planner
 from elixir_runtime.chunk.collectives import Collectives
 from elixir_runtime.search import Budget
 from elixir_runtime.units import find_units
-from helpers.models import make_batch, tiny_gpt2
+from helpers.models import make_batch, tiny_gpt2, tiny_llama
 from search_cases import GIB, gpu_host, model_state_bytes
 
 
@@ -62,3 +62,19 @@ def test_a_searched_plan_carries_the_layout_the_search_built(monkeypatch) -> Non
         results[0].chunk_size, results[0].placement.n_blocks, results[0].placement.offload)
     again = er.ElixirPlan.from_json(plan.to_json())
     assert again == plan and again.layout is None and again.predicted == plan.predicted and again.budget == plan.budget
+
+
+def test_the_search_plans_the_resident_chunk(monkeypatch) -> None:
+    """``prepare(..., resident=...)`` (``tests/elixir_runtime/runtime/test_resident.py``) under
+    ``mode="auto"``: the search (GPU budget and hardware faked) builds its layouts with the head in a
+    private chunk, which the plan has the root acquire and counts."""
+    monkeypatch.setattr(planner, "device_budget", lambda device, act, buffers, ranks: Budget(GIB, act, buffers, GIB, ranks))
+    monkeypatch.setattr(planner, "job_hardware", lambda coll, device, cpu_threads=None: gpu_host())
+    model = tiny_llama()
+    head = model.lm_head.weight
+    plan = planner.search_job(model, find_units(model, None), make_batch(128), er.ElixirConfig(),
+                              torch.device("cpu"), torch.float32, Collectives(None), resident=[head])
+    i = plan.param_table.index[id(head)]
+    assert plan.param_table.resident[i] and plan.predicted is not None
+    assert plan.root_chunks == (plan.layout.param_chunk[i],) and plan.layout.chunks[plan.root_chunks[0]].private
+    assert plan.memory.private == head.numel() * 4
