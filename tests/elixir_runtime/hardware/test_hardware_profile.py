@@ -18,7 +18,7 @@ from elixir_runtime.optim.cpu_adam import load_library
 from elixir_runtime.optim.threads import cpu_adam_threads
 from tests.elixir_runtime.search.search_cases import gpu_host
 from tests.elixir_runtime.hardware.job_ranks import job_measures_cpu_adam
-from tests.helpers.dist import run_distributed
+from helpers.dist import run_distributed
 
 
 def test_quick_measurement_is_a_valid_profile() -> None:
