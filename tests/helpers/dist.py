@@ -87,6 +87,9 @@ def _worker(
             world_size=world_size,
             timeout=timedelta(seconds=timeout),
         )
+        # Every rank's connections are up before any rank can run ``fn`` and leave: a rank that
+        # finished (or died) early closed its sockets under a peer still in connectFullMesh.
+        dist.barrier()
         try:
             value = fn(rank, world_size, *args)
         finally:
