@@ -25,6 +25,8 @@ $(STAMP): pyproject.toml
 # broken code the other ran. An overlay on the venv (PYTHONPATH), so torch and the rest are shared.
 # The second pass runs the tests marked `transformers` only (tests/conftest.py marks those that reach
 # transformers code; tests/helpers/transformers_use.py gives the rule): the others run the same code twice.
+# Nor does it run those marked `engine_ranks` (multi-rank tests of the engine's own distributed code on
+# tiny models, whose model code the one-rank tests run on 5.17): they run once, in the first pass.
 COMPAT := $(VENV)/compat-transformers-5.17
 COMPAT_PINS := transformers==5.17.0 huggingface_hub==1.33.0 httpx==0.28.1 httpcore==1.0.9 certifi==2026.7.22
 
@@ -33,9 +35,12 @@ $(COMPAT)/.installed: $(STAMP)
 	$(VPY) -m pip install -q --no-deps --target $(COMPAT) $(COMPAT_PINS)
 	touch $@
 
+# Both passes on every core (pytest-xdist), a module per worker at a time (its fixtures built once).
+XDIST := -n auto --dist loadfile
+
 test: $(STAMP) $(COMPAT)/.installed
-	$(OFFLINE_ENV) $(VPY) -m pytest -q
-	$(OFFLINE_ENV) PYTHONPATH=$(COMPAT) $(VPY) -m pytest -q -m transformers
+	$(OFFLINE_ENV) $(VPY) -m pytest -q $(XDIST)
+	$(OFFLINE_ENV) PYTHONPATH=$(COMPAT) $(VPY) -m pytest -q $(XDIST) -m "transformers and not engine_ranks"
 
 train: $(STAMP)
 	$(VPY) recipes/gpt2/train.py --elixir auto

@@ -3,6 +3,7 @@ that run transformers code (``make test`` runs only those again on transformers 
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -33,9 +34,21 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"elixir: torch {torch.__version__}, transformers {transformers.__version__}"
 
 
+_LAUNCHES = ("run_distributed(", "run_script(", "subprocess.")
+
+
+@functools.cache
+def _launches_processes(path: Path) -> bool:
+    source = path.read_text()
+    return any(s in source for s in _LAUNCHES)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark ``transformers`` the tests of modules that reach transformers code (``helpers/transformers_use.py``
-    gives the rule); honour the ``gpu`` marker: skip rather than fail on CPU-only machines."""
+    gives the rule); honour the ``gpu`` marker: skip rather than fail on CPU-only machines. Modules that
+    launch processes (the slow ones) run first, each in its own order: under ``make test``'s xdist the
+    workers then end on short modules together instead of one waiting for the other's last long one."""
+    items.sort(key=lambda item: not _launches_processes(Path(item.path)))  # stable
     for item in items:
         if uses_transformers(Path(item.path)):
             item.add_marker(pytest.mark.transformers)

@@ -14,7 +14,7 @@ from benchmarks.models import (DecoderModel, Preset, build_meta, causal_lm, coun
                                restore_buffers_, vocab_size)
 from benchmarks.systems import MAX_GRAD_NORM, ds_config
 from benchmarks.throughput import parse_args, worker_command
-from tests.helpers.dist import run_distributed
+from helpers.dist import run_distributed
 
 TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 128,

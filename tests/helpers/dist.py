@@ -30,6 +30,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+if __name__ != "helpers.dist" and __name__.endswith("helpers.dist"):
+    # A second copy of this module (``tests.helpers.dist``) has its own PRELOAD, without what
+    # tests/conftest.py adds: if it starts the forkserver first, every rank of the session imports
+    # transformers itself (4-5 s more per launch on 2 cores).
+    raise ImportError(f"import helpers.dist, not {__name__}: the forkserver must preload what tests/conftest.py adds")
+
 # After the first failure, how long to wait for other ranks' reports before
 # killing them (ranks blocked in a collective with the dead rank never report).
 _ERROR_GRACE_S = 2.0
@@ -81,6 +87,9 @@ def _worker(
             world_size=world_size,
             timeout=timedelta(seconds=timeout),
         )
+        # Every rank's connections are up before any rank can run ``fn`` and leave: a rank that
+        # finished (or died) early closed its sockets under a peer still in connectFullMesh.
+        dist.barrier()
         try:
             value = fn(rank, world_size, *args)
         finally:

@@ -109,10 +109,13 @@ def _generate_inside_full_params(rank: int, rank0_only: bool):
 def _forward_nobody_joins(rank: int):
     model, optimizer = _prepared(lockstep_timeout_s=1.0)
     _step(model, optimizer, rank, 0)
+    store = dist.distributed_c10d._get_default_store()
     if rank == 0:
         with torch.no_grad():
-            return _failure(lambda: model(**make_batch(VOCAB)))
-    time.sleep(3)  # rank 1 is busy elsewhere; when it comes back, rank 0 has given up
+            failure = _failure(lambda: model(**make_batch(VOCAB)))
+        store.set("rank 0 gave up", "1")
+        return failure
+    store.wait(["rank 0 gave up"])  # rank 1 is busy elsewhere; when it comes back, rank 0 has given up
     return _failure(lambda: _step(model, optimizer, rank, 1))
 
 

@@ -18,8 +18,8 @@ from elixir_runtime.kernels.cpu_adam import load_library
 from elixir_runtime.kernels.threads import cpu_adam_threads
 from tests.elixir_runtime.search.search_cases import gpu_host
 from tests.elixir_runtime.hardware.job_ranks import job_measures_cpu_adam
-from tests.helpers.dist import run_distributed
-from tests.helpers.logs import recorded_bars
+from helpers.dist import run_distributed
+from helpers.logs import recorded_bars
 
 
 def test_quick_measurement_is_a_valid_profile() -> None:
@@ -121,6 +121,7 @@ def test_a_version_2_profile_loads_as_the_one_rank_rate_and_warns(tmp_path) -> N
     assert shipped.cpu_adam[1].ranks == 1 and shipped.rates(1).cpu_adam == shipped.cpu_adam[1].under_copies > 1e9
 
 
+@pytest.mark.engine_ranks
 def test_a_job_measures_cpu_adam_on_all_its_ranks_at_once_and_caches_it(tmp_path, monkeypatch) -> None:
     """2 gloo ranks on one host: each times the kernel with its own threads for 2 ranks per host,
     in the same window as the other (not rank 0 alone while the other waits); the slowest rank's
