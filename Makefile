@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 OFFLINE_ENV := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1
 
-.PHONY: venv test train clean-venv
+.PHONY: venv lint test train clean-venv
 
 venv: $(STAMP)
 
@@ -38,7 +38,14 @@ $(COMPAT)/.installed: $(STAMP)
 # Both passes on every core (pytest-xdist), a module per worker at a time (its fixtures built once).
 XDIST := -n auto --dist loadfile
 
-test: $(STAMP) $(COMPAT)/.installed
+# The lint and format gate (pyproject.toml [tool.ruff]); `ruff format` and `ruff check --fix` repair most of it.
+LINTED := src tests benchmarks recipes
+
+lint: $(STAMP)
+	$(VPY) -m ruff check $(LINTED)
+	$(VPY) -m ruff format --check $(LINTED)
+
+test: $(STAMP) $(COMPAT)/.installed lint
 	$(OFFLINE_ENV) $(VPY) -m pytest -q $(XDIST)
 	$(OFFLINE_ENV) PYTHONPATH=$(COMPAT) $(VPY) -m pytest -q $(XDIST) -m "transformers and not engine_ranks"
 

@@ -47,7 +47,13 @@ def setup(args: argparse.Namespace) -> Context:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world > 1 or args.system in _DIST_SYSTEMS:
-        for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        for key, value in (
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29517"),
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("LOCAL_RANK", "0"),
+        ):
             os.environ.setdefault(key, value)
         timeout = datetime.timedelta(seconds=PG_TIMEOUT_S)
         if dev.type == "cuda":
@@ -55,8 +61,18 @@ def setup(args: argparse.Namespace) -> Context:
             dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, device_id=dev)
         else:
             dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
-    return Context(dev, world, rank, seq=args.seq, ds_pin=bool(args.ds_pin), threads=args.threads, clip=bool(args.clip),
-                   skip_nonfinite=bool(args.skip_nonfinite), device_lane=args.device_lane, lean_loss=bool(args.lean_loss))
+    return Context(
+        dev,
+        world,
+        rank,
+        seq=args.seq,
+        ds_pin=bool(args.ds_pin),
+        threads=args.threads,
+        clip=bool(args.clip),
+        skip_nonfinite=bool(args.skip_nonfinite),
+        device_lane=args.device_lane,
+        lean_loss=bool(args.lean_loss),
+    )
 
 
 def gpu_peaks(dev: torch.device) -> dict[str, float]:
@@ -75,7 +91,11 @@ def gpu_peaks(dev: torch.device) -> dict[str, float]:
 def env_info(dev: torch.device) -> dict[str, Any]:
     import transformers
 
-    info: dict[str, Any] = {"torch": torch.__version__, "transformers": transformers.__version__, "threads": torch.get_num_threads()}
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+    }
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
         info.update(card=props.name, gpu_total_GiB=props.total_memory / GIB, cuda=torch.version.cuda)
@@ -85,7 +105,9 @@ def env_info(dev: torch.device) -> dict[str, Any]:
     return info
 
 
-def time_steps(trainer: Trainer, ids: torch.Tensor, warmup: int, steps: int, dev: torch.device, label: str) -> tuple[list[float], float]:
+def time_steps(
+    trainer: Trainer, ids: torch.Tensor, warmup: int, steps: int, dev: torch.device, label: str
+) -> tuple[list[float], float]:
     """Wall time of each timed step, synchronized at both ends; returns (times, last loss)."""
     times, loss_value = [], float("nan")
     for i in range(warmup + steps):
@@ -103,7 +125,9 @@ def time_steps(trainer: Trainer, ids: torch.Tensor, warmup: int, steps: int, dev
     return times, loss_value
 
 
-def measure(trainer: Trainer, ctx: Context, bs: int, args: argparse.Namespace, sampler: HostMemorySampler, vocab: int) -> dict[str, Any]:
+def measure(
+    trainer: Trainer, ctx: Context, bs: int, args: argparse.Namespace, sampler: HostMemorySampler, vocab: int
+) -> dict[str, Any]:
     """One batch size on this rank: step times and peaks, or how it failed."""
     gc.collect()
     if ctx.device.type == "cuda":
@@ -115,7 +139,9 @@ def measure(trainer: Trainer, ctx: Context, bs: int, args: argparse.Namespace, s
     ids = torch.randint(0, vocab, (bs, args.seq), device=ctx.device, generator=gen)
     out: dict[str, Any] = {"status": "ok"}
     try:
-        out["step_times_s"], out["loss"] = time_steps(trainer, ids, args.warmup, args.steps, ctx.device, f"{args.system} bs {bs}")
+        out["step_times_s"], out["loss"] = time_steps(
+            trainer, ids, args.warmup, args.steps, ctx.device, f"{args.system} bs {bs}"
+        )
         if not math.isfinite(out["loss"]):  # skipped or garbage steps: their times are no result
             out.update(status="error", error=f"non-finite loss {out['loss']} in the timed steps")
     except torch.OutOfMemoryError as exc:
@@ -125,7 +151,9 @@ def measure(trainer: Trainer, ctx: Context, bs: int, args: argparse.Namespace, s
         traceback.print_exc()
         out.update(status="error", error=f"{type(exc).__name__}: {exc}"[:400])
     sampler.sample()
-    out.update(gpu_peaks(ctx.device), host_rss_peak_GiB=sampler.peak_rss / GIB, host_used_peak_GiB=sampler.peak_used / GIB)
+    out.update(
+        gpu_peaks(ctx.device), host_rss_peak_GiB=sampler.peak_rss / GIB, host_used_peak_GiB=sampler.peak_used / GIB
+    )
     return out
 
 
@@ -186,9 +214,20 @@ def run(args: argparse.Namespace) -> None:
     model = preset(args.model)
     params, vocab = param_count(model, args.seq), vocab_size(model)
     env = env_info(ctx.device)
-    base = {"system": args.system, "model": args.model, "params": params, "gpus": ctx.world, "seq": args.seq,
-            **clip_fields(ctx.clip), "warmup": args.warmup, "steps": args.steps, **env}
-    log(f"{args.system} {args.model} ({params / 1e9:.2f} B params) on {env['card']} x{ctx.world}, batch sizes {batch_sizes}")
+    base = {
+        "system": args.system,
+        "model": args.model,
+        "params": params,
+        "gpus": ctx.world,
+        "seq": args.seq,
+        **clip_fields(ctx.clip),
+        "warmup": args.warmup,
+        "steps": args.steps,
+        **env,
+    }
+    log(
+        f"{args.system} {args.model} ({params / 1e9:.2f} B params) on {env['card']} x{ctx.world}, batch sizes {batch_sizes}"
+    )
 
     t0 = time.perf_counter()
     example = torch.randint(0, vocab, (batch_sizes[0], args.seq), device=ctx.device)
@@ -203,17 +242,34 @@ def run(args: argparse.Namespace) -> None:
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
         oom = type(exc).__name__ == "PlanError"  # Elixir refusing a plan that cannot fit
-        trainer, build_error = None, {"status": "OOM" if oom else "error", "error": f"build: {type(exc).__name__}: {exc}"[:400]}
-    base.update(build_s=time.perf_counter() - t0, host_rss_build_peak_GiB=sampler.peak_rss / GIB,
-                info=trainer.info if trainer else {})
+        trainer, build_error = (
+            None,
+            {"status": "OOM" if oom else "error", "error": f"build: {type(exc).__name__}: {exc}"[:400]},
+        )
+    base.update(
+        build_s=time.perf_counter() - t0,
+        host_rss_build_peak_GiB=sampler.peak_rss / GIB,
+        info=trainer.info if trainer else {},
+    )
     log(f"built in {base['build_s']:.1f}s" if trainer else f"build failed: {build_error['error']}")
 
     oom_at: int | None = None
     for bs in batch_sizes:
         if trainer is None:
-            part = dict(build_error, **gpu_peaks(ctx.device), host_rss_peak_GiB=sampler.peak_rss / GIB, host_used_peak_GiB=sampler.peak_used / GIB)
+            part = dict(
+                build_error,
+                **gpu_peaks(ctx.device),
+                host_rss_peak_GiB=sampler.peak_rss / GIB,
+                host_used_peak_GiB=sampler.peak_used / GIB,
+            )
         elif oom_at is not None:  # a larger batch cannot fit where a smaller one did not
-            part = dict(status="OOM", error=f"not run: OOM at batch {oom_at}", **gpu_peaks(ctx.device), host_rss_peak_GiB=0.0, host_used_peak_GiB=0.0)
+            part = dict(
+                status="OOM",
+                error=f"not run: OOM at batch {oom_at}",
+                **gpu_peaks(ctx.device),
+                host_rss_peak_GiB=0.0,
+                host_used_peak_GiB=0.0,
+            )
         else:
             part = measure(trainer, ctx, bs, args, sampler, vocab)
         part["host_rss_start_GiB"] = rss_start
@@ -234,12 +290,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    ap.add_argument(
+        "--threads", type=int, default=max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    )
     ap.add_argument("--ds-pin", type=int, default=1, choices=(0, 1), help="DeepSpeed pin_memory for offloaded states")
     ap.add_argument("--skip-nonfinite", type=int, default=1, choices=(0, 1), help="ElixirConfig.skip_nonfinite")
-    ap.add_argument("--device-lane", default="off", choices=("off", "on", "auto"), help="ElixirConfig.device_assisted_update")
-    ap.add_argument("--clip", type=int, default=1, choices=(0, 1), help=f"clip gradients to a global norm of {MAX_GRAD_NORM}")
-    ap.add_argument("--lean-loss", type=int, default=1, choices=(0, 1), help="Elixir's model gets the lean causal-LM loss")
+    ap.add_argument(
+        "--device-lane", default="off", choices=("off", "on", "auto"), help="ElixirConfig.device_assisted_update"
+    )
+    ap.add_argument(
+        "--clip", type=int, default=1, choices=(0, 1), help=f"clip gradients to a global norm of {MAX_GRAD_NORM}"
+    )
+    ap.add_argument(
+        "--lean-loss", type=int, default=1, choices=(0, 1), help="Elixir's model gets the lean causal-LM loss"
+    )
     return ap.parse_args(argv)
 
 

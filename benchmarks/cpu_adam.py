@@ -12,12 +12,12 @@ import json
 import platform
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from elixir_runtime.kernels.cpu_adam import CpuAdamKernel
 from elixir_runtime.chunk.layout import GroupRange
+from elixir_runtime.kernels.cpu_adam import CpuAdamKernel
 from elixir_runtime.kernels.kernel import AdamHyper
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01

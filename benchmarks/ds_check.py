@@ -26,8 +26,11 @@ def check() -> float:
     from deepspeed.accelerator import get_accelerator
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    print(f"deepspeed {deepspeed.__version__}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
-          f"accelerator {get_accelerator()._name}", flush=True)
+    print(
+        f"deepspeed {deepspeed.__version__}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+        f"accelerator {get_accelerator()._name}",
+        flush=True,
+    )
     gen = torch.Generator().manual_seed(0)
     ours = torch.nn.Parameter(torch.randn(ELEMENTS, generator=gen))
     ours.grad = torch.randn(ELEMENTS, generator=gen)
@@ -49,8 +52,11 @@ def main() -> None:
         print(f"FAILED: {type(exc).__name__}: {exc}", flush=True)
         sys.exit(1)
     ok = diff <= TOLERANCE
-    print(f"{'OK' if ok else 'FAILED'}: one step of DeepSpeedCPUAdam vs torch AdamW, max abs diff {diff:.2e} "
-          f"(tolerance {TOLERANCE:.0e})", flush=True)
+    print(
+        f"{'OK' if ok else 'FAILED'}: one step of DeepSpeedCPUAdam vs torch AdamW, max abs diff {diff:.2e} "
+        f"(tolerance {TOLERANCE:.0e})",
+        flush=True,
+    )
     sys.exit(0 if ok else 1)
 
 

@@ -32,18 +32,35 @@ def parity(rank: int, world: int, device: str) -> list[dict]:
     cases = [
         (Recipe(model="gpt2", ac=False, grad_accum=3, world_size=world, device=device), ("min", 0.5)),
         (Recipe(model="llama", ac=True, world_size=world, device=device), ("max", 1.0)),
-        (Recipe(model="gpt2", dtype=torch.bfloat16, ac=False, clip=None, steps=4, grad_accum=3, world_size=world, device=device), ("min", 1.0)),
+        (
+            Recipe(
+                model="gpt2",
+                dtype=torch.bfloat16,
+                ac=False,
+                clip=None,
+                steps=4,
+                grad_accum=3,
+                world_size=world,
+                device=device,
+            ),
+            ("min", 1.0),
+        ),
     ]
     for recipe, (nb, off) in cases:
         got = run_elixir(recipe, rank, n_blocks=nb, offload=off)
         if rank == 0:
             want = run_reference(recipe)
-            rows.append({
-                "model": recipe.model, "dtype": str(recipe.dtype), "n_blocks": nb, "offload": off,
-                "max_loss_diff": max(abs(a - b) for a, b in zip(got.losses, want.losses)),
-                "max_weight_diff": max_weight_diff(got.state, want.state),
-                "stats": got.stats,
-            })
+            rows.append(
+                {
+                    "model": recipe.model,
+                    "dtype": str(recipe.dtype),
+                    "n_blocks": nb,
+                    "offload": off,
+                    "max_loss_diff": max(abs(a - b) for a, b in zip(got.losses, want.losses)),
+                    "max_weight_diff": max_weight_diff(got.state, want.state),
+                    "stats": got.stats,
+                }
+            )
     return rows
 
 
@@ -61,7 +78,12 @@ def memory(rank: int, device: torch.device) -> list[dict]:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated(device)
-        model, opt = er.prepare(model, opt, er.ElixirConfig(mode="static", dtype="bf16", n_blocks=n_blocks, offload=offload), example_batch=batch)
+        model, opt = er.prepare(
+            model,
+            opt,
+            er.ElixirConfig(mode="static", dtype="bf16", n_blocks=n_blocks, offload=offload),
+            example_batch=batch,
+        )
         torch.cuda.synchronize()
         states = torch.cuda.memory_allocated(device) - base
         plan = model._elixir.plan
@@ -77,13 +99,19 @@ def memory(rank: int, device: torch.device) -> list[dict]:
             opt.zero_grad()
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-        rows.append({
-            "n_blocks": plan.n_blocks, "min_blocks": plan.min_blocks, "offload": offload,
-            "states_gib": states / 2**30, "plan_device_gib": plan.device_bytes / 2**30,
-            "plan_host_gib": plan.host_bytes / 2**30,
-            "peak_step_gib": torch.cuda.max_memory_allocated(device) / 2**30,
-            "step_s": sum(times[2:]) / len(times[2:]), "loss": loss.item(),
-        })
+        rows.append(
+            {
+                "n_blocks": plan.n_blocks,
+                "min_blocks": plan.min_blocks,
+                "offload": offload,
+                "states_gib": states / 2**30,
+                "plan_device_gib": plan.device_bytes / 2**30,
+                "plan_host_gib": plan.host_bytes / 2**30,
+                "peak_step_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                "step_s": sum(times[2:]) / len(times[2:]),
+                "loss": loss.item(),
+            }
+        )
         del model, opt
         torch.cuda.empty_cache()
     return rows
@@ -103,12 +131,16 @@ def main() -> None:
     if rank == 0:
         print(json.dumps(result, indent=1))
         for r in result["parity"]:
-            print(f"parity {r['model']:6s} {r['dtype']:15s} blocks={r['n_blocks']} offload={r['offload']}: "
-                  f"loss diff {r['max_loss_diff']:.2e}  weight diff {r['max_weight_diff']:.2e}")
+            print(
+                f"parity {r['model']:6s} {r['dtype']:15s} blocks={r['n_blocks']} offload={r['offload']}: "
+                f"loss diff {r['max_loss_diff']:.2e}  weight diff {r['max_weight_diff']:.2e}"
+            )
         print(f"{'blocks':>6} {'offload':>7} {'states GiB':>10} {'plan GiB':>9} {'peak GiB':>9} {'step s':>7}")
         for r in result["memory"]:
-            print(f"{r['n_blocks']:>6} {r['offload']:>7} {r['states_gib']:>10.3f} {r['plan_device_gib']:>9.3f} "
-                  f"{r['peak_step_gib']:>9.3f} {r['step_s']:>7.3f}")
+            print(
+                f"{r['n_blocks']:>6} {r['offload']:>7} {r['states_gib']:>10.3f} {r['plan_device_gib']:>9.3f} "
+                f"{r['peak_step_gib']:>9.3f} {r['step_s']:>7.3f}"
+            )
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))
     dist.destroy_process_group()

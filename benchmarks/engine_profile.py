@@ -24,8 +24,18 @@ SEQ, VOCAB = 1024, 50257
 def build(n_embd: int, n_layer: int, device: torch.device):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(n_embd=n_embd, n_layer=n_layer, n_head=n_embd // 64, n_positions=SEQ, vocab_size=VOCAB,
-                     use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
+    cfg = GPT2Config(
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_embd // 64,
+        n_positions=SEQ,
+        vocab_size=VOCAB,
+        use_cache=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = GPT2LMHeadModel(cfg)
@@ -71,8 +81,14 @@ def main() -> None:
             opt.zero_grad()
 
         dt = timed(plain)
-        rows.append({"system": "plain", "step_s": dt, "tflops": 8 * n * a.bs * SEQ / dt / 1e12,
-                     "peak_gib": torch.cuda.max_memory_allocated() / 2**30})
+        rows.append(
+            {
+                "system": "plain",
+                "step_s": dt,
+                "tflops": 8 * n * a.bs * SEQ / dt / 1e12,
+                "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            }
+        )
         model = opt = None  # freed before the next build
         gc.collect()  # the engine's hooks form reference cycles
         torch.cuda.empty_cache()
@@ -92,9 +108,18 @@ def main() -> None:
 
         dt = timed(elixir)
         plan = model._elixir.plan
-        rows.append({"system": f"elixir offload={off}", "step_s": dt, "tflops": 8 * n * a.bs * SEQ / dt / 1e12,
-                     "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "plan_device_gib": plan.device_bytes / 2**30,
-                     "n_blocks": plan.n_blocks, "n_chunks": plan.n_chunks, "stats": dict(model._elixir.runtime.stats)})
+        rows.append(
+            {
+                "system": f"elixir offload={off}",
+                "step_s": dt,
+                "tflops": 8 * n * a.bs * SEQ / dt / 1e12,
+                "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+                "plan_device_gib": plan.device_bytes / 2**30,
+                "n_blocks": plan.n_blocks,
+                "n_chunks": plan.n_chunks,
+                "stats": dict(model._elixir.runtime.stats),
+            }
+        )
         if a.trace:
             from torch.profiler import ProfilerActivity, profile
 
@@ -107,7 +132,12 @@ def main() -> None:
         model = opt = None  # freed before the next build
         gc.collect()  # the engine's hooks form reference cycles
         torch.cuda.empty_cache()
-    print(json.dumps({"card": torch.cuda.get_device_name(), "n_embd": a.n_embd, "n_layer": a.n_layer, "bs": a.bs, "rows": rows}, indent=1))
+    print(
+        json.dumps(
+            {"card": torch.cuda.get_device_name(), "n_embd": a.n_embd, "n_layer": a.n_layer, "bs": a.bs, "rows": rows},
+            indent=1,
+        )
+    )
     for r in rows:
         print(f"{r['system']:24s} {r['step_s']:.3f} s  {r['tflops']:.1f} TFLOPS  peak {r['peak_gib']:.1f} GiB")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -68,7 +68,9 @@ def main(argv: list[str] | None = None) -> dict:
     ours_ms = {}
     for block, warps in CONFIGS:
         kernel = TritonAdamKernel(block=block, num_warps=warps)
-        ours_ms[(block, warps)] = _median_ms(lambda kernel=kernel: kernel.step(p, m, v, g, out, segs, hypers, 1, 1.0), args.iters)
+        ours_ms[(block, warps)] = _median_ms(
+            lambda kernel=kernel: kernel.step(p, m, v, g, out, segs, hypers, 1, 1.0), args.iters
+        )
     best = min(ours_ms, key=ours_ms.get)
     p = m = v = g = None
 
@@ -103,8 +105,10 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{f'triton adam block={b} warps={w}':36} {t:8.3f} {gbps(t):16.1f} {100 * gbps(t) / copy_gbps:9.1f}%")
     for name, t in (("torch AdamW(fused=True)", fused_ms), ("torch fused + bf16 copy", fused_copy_ms)):
         print(f"{name:36} {t:8.3f} {gbps(t):16.1f} {100 * gbps(t) / copy_gbps:9.1f}%")
-    print(f"best: {result['ours_frac_of_copy']:.1%} of copy, {result['speedup_vs_torch_fused']:.2f}x torch fused "
-          f"({result['speedup_vs_torch_fused_with_copy']:.2f}x with its bf16 copy)")
+    print(
+        f"best: {result['ours_frac_of_copy']:.1%} of copy, {result['speedup_vs_torch_fused']:.2f}x torch fused "
+        f"({result['speedup_vs_torch_fused_with_copy']:.2f}x with its bf16 copy)"
+    )
     if args.json:
         print(json.dumps(result))
     return result

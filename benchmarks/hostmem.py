@@ -46,7 +46,7 @@ class HostMemorySampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="host-mem-sampler", daemon=True)
 
-    def start(self) -> "HostMemorySampler":
+    def start(self) -> HostMemorySampler:
         self._thread.start()
         return self
 

@@ -11,9 +11,10 @@ configuration of the table runs in minutes.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,7 +63,9 @@ class DecoderModel:
     def config(self, seq: int = DECODER_SEQ):
         limit = getattr(self.hf_config, "max_position_embeddings", None)
         if limit is not None and seq > limit:
-            raise ValueError(f"--seq {seq} exceeds {self.name}'s max_position_embeddings ({limit}); pass --seq <= {limit}")
+            raise ValueError(
+                f"--seq {seq} exceeds {self.name}'s max_position_embeddings ({limit}); pass --seq <= {limit}"
+            )
         config = copy.deepcopy(self.hf_config)
         config.use_cache = False
         config._attn_implementation = "sdpa"
@@ -93,8 +96,10 @@ def preset(name: str) -> Model:
         from transformers import AutoConfig
 
         return DecoderModel(name, AutoConfig.from_pretrained(name))
-    raise ValueError(f"unknown model {name!r}: pass a preset ({', '.join((*_SIZES, *DECODER_PRESETS))}), "
-                     "a config.json or a local model folder")
+    raise ValueError(
+        f"unknown model {name!r}: pass a preset ({', '.join((*_SIZES, *DECODER_PRESETS))}), "
+        "a config.json or a local model folder"
+    )
 
 
 def gpt2_config(p: Preset, seq: int = SEQ):
@@ -147,8 +152,10 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     names = set(model._no_split_modules or ())
     found = [m for m in model.modules() if type(m).__name__ in names]
     if not found:
-        raise ValueError(f"{type(model).__name__} names no decoder layer class in _no_split_modules ({names}): "
-                         "FSDP2 needs the layers to shard one by one")
+        raise ValueError(
+            f"{type(model).__name__} names no decoder layer class in _no_split_modules ({names}): "
+            "FSDP2 needs the layers to shard one by one"
+        )
     return found
 
 
@@ -166,7 +173,9 @@ def vocab_size(p: Model) -> int:
     return p.hf_config.vocab_size if isinstance(p, DecoderModel) else VOCAB
 
 
-def materialize(model: nn.Module, device: torch.device | str, fill_device: torch.device | str, seed: int = 0) -> nn.Module:
+def materialize(
+    model: nn.Module, device: torch.device | str, fill_device: torch.device | str, seed: int = 0
+) -> nn.Module:
     """Allocates a ``meta`` model's storage on ``device`` and fills it with GPT-2 init.
 
     ``to_empty`` unties the embeddings of a plain module, so a tied model's are tied again here.

@@ -41,11 +41,19 @@ def time_steps(step, warmup: int, steps: int) -> list[float]:
     return times
 
 
-def run(pristine: torch.nn.Module, batch: dict, offload: str, lane: str, threads: list[int], a: argparse.Namespace) -> list[dict]:
+def run(
+    pristine: torch.nn.Module, batch: dict, offload: str, lane: str, threads: list[int], a: argparse.Namespace
+) -> list[dict]:
     model = copy.deepcopy(pristine)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
-    config = er.ElixirConfig(mode="auto", dtype="bf16", device="cuda", clips_grads=a.clip > 0,
-                             offload=None if offload == "auto" else float(offload), device_assisted_update=DEVICE_LANE_WORDS[lane])
+    config = er.ElixirConfig(
+        mode="auto",
+        dtype="bf16",
+        device="cuda",
+        clips_grads=a.clip > 0,
+        offload=None if offload == "auto" else float(offload),
+        device_assisted_update=DEVICE_LANE_WORDS[lane],
+    )
     try:
         model, opt = er.prepare(model, opt, config, example_batch=batch)
     except er.PlanError as err:
@@ -67,14 +75,27 @@ def run(pristine: torch.nn.Module, batch: dict, offload: str, lane: str, threads
         times = time_steps(step, a.warmup, a.steps)
         updated = {k: model._elixir.runtime.stats[k] - stats[k] for k in ("updated_cpu", "updated_device")}
         measured = sorted(times)[len(times) // 2]
-        rows.append({
-            "offload": offload, "device_lane": lane, "lane_numel": plan.device_lane, "updated": updated,
-            "threads": t, "status": "ok", "step_s": measured, "step_times_s": times,
-            "predicted_s": plan.predicted_step_s, "measured_over_predicted": measured / plan.predicted_step_s,
-            "n_offloaded": len(plan.offload), "n_chunks": plan.n_chunks, "n_blocks": plan.n_blocks,
-            "host_GiB": plan.host_bytes / 2**30, "device_GiB": plan.device_bytes / 2**30,
-            "gpu_peak_GiB": torch.cuda.max_memory_allocated() / 2**30, "predicted": plan.to_dict()["predicted"],
-        })
+        rows.append(
+            {
+                "offload": offload,
+                "device_lane": lane,
+                "lane_numel": plan.device_lane,
+                "updated": updated,
+                "threads": t,
+                "status": "ok",
+                "step_s": measured,
+                "step_times_s": times,
+                "predicted_s": plan.predicted_step_s,
+                "measured_over_predicted": measured / plan.predicted_step_s,
+                "n_offloaded": len(plan.offload),
+                "n_chunks": plan.n_chunks,
+                "n_blocks": plan.n_blocks,
+                "host_GiB": plan.host_bytes / 2**30,
+                "device_GiB": plan.device_bytes / 2**30,
+                "gpu_peak_GiB": torch.cuda.max_memory_allocated() / 2**30,
+                "predicted": plan.to_dict()["predicted"],
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     model = opt = None  # freed before the next copy
     gc.collect()  # the engine's hooks form reference cycles
@@ -91,7 +112,9 @@ def main() -> None:
     ap.add_argument("--offload", default="auto", help="comma-separated: auto or fractions of the chunks")
     ap.add_argument("--threads", default="", help="comma-separated CPU Adam threads (default: the engine's choice)")
     ap.add_argument("--clip", type=float, default=0.0, help="clip_grad_norm each step (0: no clipping)")
-    ap.add_argument("--device-lane", default="auto", help="comma-separated: off, on, auto (ElixirConfig.device_assisted_update)")
+    ap.add_argument(
+        "--device-lane", default="auto", help="comma-separated: off, on, auto (ElixirConfig.device_assisted_update)"
+    )
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default=None)
@@ -112,14 +135,18 @@ def main() -> None:
     if a.out:
         with open(a.out, "w") as f:
             json.dump(result, f, indent=1)
-    print(f"{'offload':>8} {'lane':>5} {'threads':>7} {'chunks off':>10} {'host GiB':>8} {'step s':>7} {'pred s':>7} {'meas/pred':>9} {'TFLOPS':>7}")
+    print(
+        f"{'offload':>8} {'lane':>5} {'threads':>7} {'chunks off':>10} {'host GiB':>8} {'step s':>7} {'pred s':>7} {'meas/pred':>9} {'TFLOPS':>7}"
+    )
     for r in rows:
         if r["status"] != "ok":
             print(f"{r['offload']:>8} {r['device_lane']:>5} {r['status']}: {r['error']}")
             continue
         tflops = 8 * params * a.batch * a.seq / r["step_s"] / 1e12
-        print(f"{r['offload']:>8} {r['device_lane']:>5} {r['threads']:>7} {r['n_offloaded']:>4}/{r['n_chunks']:<5} {r['host_GiB']:>8.1f} "
-              f"{r['step_s']:>7.3f} {r['predicted_s']:>7.3f} {r['measured_over_predicted']:>9.2f} {tflops:>7.1f}")
+        print(
+            f"{r['offload']:>8} {r['device_lane']:>5} {r['threads']:>7} {r['n_offloaded']:>4}/{r['n_chunks']:<5} {r['host_GiB']:>8.1f} "
+            f"{r['step_s']:>7.3f} {r['predicted_s']:>7.3f} {r['measured_over_predicted']:>9.2f} {tflops:>7.1f}"
+        )
 
 
 if __name__ == "__main__":

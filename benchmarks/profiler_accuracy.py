@@ -96,7 +96,6 @@ def predict(model: torch.nn.Module, batch: dict) -> tuple[ModelProfile, ModelPro
         return on_cpu, on_cpu, f"fake-CUDA trace failed: {type(exc).__name__}: {exc}"
 
 
-
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rates = None
     if args.timing:
@@ -186,8 +185,10 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(doc, f, indent=2)
     errors = [abs(r["error"]) for r in rows if r.get("error") is not None]
     if errors:
-        print(f"max |error| {max(errors):.1%} over {len(errors)} measured configurations",
-              file=sys.stderr if args.json else sys.stdout)
+        print(
+            f"max |error| {max(errors):.1%} over {len(errors)} measured configurations",
+            file=sys.stderr if args.json else sys.stdout,
+        )
     return 0
 
 

@@ -23,12 +23,12 @@ from typing import Any
 import torch
 
 from elixir_runtime.config import ElixirConfig
+from elixir_runtime.hardware.profile import HardwareProfile
 from elixir_runtime.planner import Target, plan_model
 from elixir_runtime.profiler.profile import ModelProfile
-from elixir_runtime.units import find_units
 from elixir_runtime.search import Budget
 from elixir_runtime.search.step_time import StepTime
-from elixir_runtime.hardware.profile import HardwareProfile
+from elixir_runtime.units import find_units
 
 from . import report
 from .models import build_meta, preset
@@ -39,7 +39,9 @@ HEADROOM = 16
 
 def replayable(run: dict[str, Any]) -> bool:
     plan = (run.get("info") or {}).get("plan") or {}
-    return run.get("system") == "elixir" and run.get("status") == "ok" and bool(plan.get("hardware")) and "offload" in plan
+    return (
+        run.get("system") == "elixir" and run.get("status") == "ok" and bool(plan.get("hardware")) and "offload" in plan
+    )
 
 
 def predict(run: dict[str, Any]) -> StepTime:
@@ -60,8 +62,14 @@ def predict(run: dict[str, Any]) -> StepTime:
         )
 
     busbw = (plan.get("rates") or {}).get("busbw_GBps")
-    target = Target(run["gpus"], torch.device("cuda"), dtype, hardware, budget,
-                    busbw=busbw * 1e9 if busbw and run["gpus"] > 1 else None)
+    target = Target(
+        run["gpus"],
+        torch.device("cuda"),
+        dtype,
+        hardware,
+        budget,
+        busbw=busbw * 1e9 if busbw and run["gpus"] > 1 else None,
+    )
     config = ElixirConfig(
         chunk_size=plan["chunk_size"],
         n_blocks=plan["n_blocks"],
@@ -81,23 +89,35 @@ def replay(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             rows.append({**row, "skipped": "no recorded plan inputs (hardware, offloaded chunks)"})
             continue
         time = predict(run)
-        rows.append({**row, "replayed_step_s": time.total, "measured_over_replayed": run["step_s"] / time.total,
-                     "replayed": time.to_dict()})
+        rows.append(
+            {
+                **row,
+                "replayed_step_s": time.total,
+                "measured_over_replayed": run["step_s"] / time.total,
+                "replayed": time.to_dict(),
+            }
+        )
     return rows
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    lines = ["| card | model | GPUs | bs | measured s | predicted then | predicted now | measured / now |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| card | model | GPUs | bs | measured s | predicted then | predicted now | measured / now |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         now = "skipped" if "skipped" in r else f"{r['replayed_step_s']:.3f}"
         ratio = "" if "skipped" in r else f"{r['measured_over_replayed']:.2f}"
         then = f"{r['predicted_step_s']:.3f}" if r.get("predicted_step_s") else "–"
-        lines.append(f"| {r['card']} | {r['model']} | {r['gpus']} | {r['batch']} | {r['step_s']:.3f} | {then} | {now} | {ratio} |")
+        lines.append(
+            f"| {r['card']} | {r['model']} | {r['gpus']} | {r['batch']} | {r['step_s']:.3f} | {then} | {now} | {ratio} |"
+        )
     done = [r["measured_over_replayed"] for r in rows if "skipped" not in r]
     if done:
-        lines.append(f"\n{len(done)} runs replayed; mean |measured / predicted - 1| = "
-                     f"{sum(abs(x - 1) for x in done) / len(done):.3f}, worst {max(done, key=lambda x: abs(x - 1)):.2f}")
+        lines.append(
+            f"\n{len(done)} runs replayed; mean |measured / predicted - 1| = "
+            f"{sum(abs(x - 1) for x in done) / len(done):.3f}, worst {max(done, key=lambda x: abs(x - 1)):.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -106,8 +126,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("inputs", nargs="*", type=Path, default=[report.DEFAULT_OUT])
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = ap.parse_args(argv)
-    runs = [r for path in args.inputs for r in report.load_runs(path)
-            if r.get("system") == "elixir" and r.get("status") == "ok"]
+    runs = [
+        r
+        for path in args.inputs
+        for r in report.load_runs(path)
+        if r.get("system") == "elixir" and r.get("status") == "ok"
+    ]
     rows = replay(runs)
     print(json.dumps(rows, indent=1) if args.json else render(rows))
 

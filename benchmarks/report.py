@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 SYSTEM_ORDER = ("elixir", "plain", "fsdp2", "fsdp2_offload", "ds2_offload", "ds3_offload")
 IN_GPU_SYSTEMS = ("plain", "fsdp2")
@@ -142,7 +143,9 @@ def summarize(runs: list[Run]) -> dict[str, list[dict[str, Any]]]:
 
 def build_results(runs: list[Run]) -> dict[str, Any]:
     order = {s: i for i, s in enumerate(SYSTEM_ORDER)}
-    runs = sorted(runs, key=lambda r: (str(r.get("card")), r["params"], r["gpus"], r["batch"], order.get(r["system"], 99)))
+    runs = sorted(
+        runs, key=lambda r: (str(r.get("card")), r["params"], r["gpus"], r["batch"], order.get(r["system"], 99))
+    )
     return {"metric": METRIC, **summarize(runs), "runs": runs}
 
 
@@ -167,59 +170,139 @@ def _systems(rows: list[dict[str, Any]]) -> list[str]:
 
 def _regime_table(rows: list[dict[str, Any]]) -> list[str]:
     systems = _systems(rows)
-    head = ["card", "model", "GPUs", "seq", "bs/GPU", "clip", *systems, "Elixir / best baseline", "Elixir step s (predicted)"]
+    head = [
+        "card",
+        "model",
+        "GPUs",
+        "seq",
+        "bs/GPU",
+        "clip",
+        *systems,
+        "Elixir / best baseline",
+        "Elixir step s (predicted)",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         ratio = row["elixir_over_best_baseline"]
         ratio_cell = f"**{ratio:.2f}×** vs {row['best_baseline']}" if ratio is not None else "–"
         step = f"{_f(row.get('elixir_step_s'))} ({_f(row.get('elixir_predicted_step_s'))})"
-        cells = [row["card"], row["model"], row["gpus"], row["seq"], row["batch"], _on(row["clip"]),
-                 *(_cell(row, s) for s in systems), ratio_cell, step]
+        cells = [
+            row["card"],
+            row["model"],
+            row["gpus"],
+            row["seq"],
+            row["batch"],
+            _on(row["clip"]),
+            *(_cell(row, s) for s in systems),
+            ratio_cell,
+            step,
+        ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines
 
 
 def _runs_table(runs: list[Run]) -> list[str]:
-    head = ["card", "model", "GPUs", "seq", "bs", "clip", "system", "status", "TFLOPS/GPU", "tokens/s", "step s", "predicted s",
-            "GPU alloc GiB", "GPU reserved GiB", "host RSS GiB", "RSS added GiB", "plan host GiB", "note"]
+    head = [
+        "card",
+        "model",
+        "GPUs",
+        "seq",
+        "bs",
+        "clip",
+        "system",
+        "status",
+        "TFLOPS/GPU",
+        "tokens/s",
+        "step s",
+        "predicted s",
+        "GPU alloc GiB",
+        "GPU reserved GiB",
+        "host RSS GiB",
+        "RSS added GiB",
+        "plan host GiB",
+        "note",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in runs:
         plan = (r.get("info") or {}).get("plan") or {}
         host = plan.get("host_bytes")
         system = r["system"] + (" (pageable)" if _pageable(r) else "")
-        cells = [r.get("card"), r["model"], r["gpus"], r.get("seq"), r["batch"], _on(clipped(r)), system, r.get("status"), _f(r.get("tflops"), ".1f"),
-                 _f(r.get("tokens_per_s"), ".0f"), _f(r.get("step_s"), ".3f"), _f(r.get("predicted_step_s"), ".3f"),
-                 _f(r.get("gpu_alloc_peak_GiB"), ".1f"), _f(r.get("gpu_reserved_peak_GiB"), ".1f"),
-                 _f(r.get("host_rss_peak_GiB"), ".1f"), _f(_added_rss(r), ".1f"),
-                 _f(host * r["gpus"] / 2**30 if host is not None else None, ".1f"),
-                 (r.get("error") or "").replace("|", "/")[:120]]
+        cells = [
+            r.get("card"),
+            r["model"],
+            r["gpus"],
+            r.get("seq"),
+            r["batch"],
+            _on(clipped(r)),
+            system,
+            r.get("status"),
+            _f(r.get("tflops"), ".1f"),
+            _f(r.get("tokens_per_s"), ".0f"),
+            _f(r.get("step_s"), ".3f"),
+            _f(r.get("predicted_step_s"), ".3f"),
+            _f(r.get("gpu_alloc_peak_GiB"), ".1f"),
+            _f(r.get("gpu_reserved_peak_GiB"), ".1f"),
+            _f(r.get("host_rss_peak_GiB"), ".1f"),
+            _f(_added_rss(r), ".1f"),
+            _f(host * r["gpus"] / 2**30 if host is not None else None, ".1f"),
+            (r.get("error") or "").replace("|", "/")[:120],
+        ]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return lines
 
 
 def render_markdown(results: dict[str, Any], png: Path | None, md_dir: Path) -> str:
     runs = results["runs"]
-    lines = ["# Training throughput: Elixir against the baselines", "",
-             f"{METRIC}; tokens = batch per GPU × sequence length; {FLOPS_NOTE}. HF models from configs, random init "
-             "(GPT-2 presets: GPT2LMHeadModel, vocab 50257, tied, seq 1024; Llama-3-8B / Qwen2.5-7B: their published "
-             "configs, untied, seq 2048), SDPA, activation checkpointing on every block, bf16 compute, AdamW, random "
-             "tokens. clip 1.0: every system clips gradients to a global norm of 1.0 (the HF Trainer's default "
-             "`max_grad_norm`); off: no clipping (every run before the `--clip` switch). Each row compares systems "
-             "measured on the same card; median of the timed steps of the slowest rank. Generated by "
-             "`python -m benchmarks.report` from `results.json`.", ""]
+    lines = [
+        "# Training throughput: Elixir against the baselines",
+        "",
+        f"{METRIC}; tokens = batch per GPU × sequence length; {FLOPS_NOTE}. HF models from configs, random init "
+        "(GPT-2 presets: GPT2LMHeadModel, vocab 50257, tied, seq 1024; Llama-3-8B / Qwen2.5-7B: their published "
+        "configs, untied, seq 2048), SDPA, activation checkpointing on every block, bf16 compute, AdamW, random "
+        "tokens. clip 1.0: every system clips gradients to a global norm of 1.0 (the HF Trainer's default "
+        "`max_grad_norm`); off: no clipping (every run before the `--clip` switch). Each row compares systems "
+        "measured on the same card; median of the timed steps of the slowest rank. Generated by "
+        "`python -m benchmarks.report` from `results.json`.",
+        "",
+    ]
     if png is not None:
         lines += [f"![throughput]({os.path.relpath(png, md_dir)})", ""]
-    for key, title in (("offload_regime", "Offload regime (model states do not fit the GPUs)"),
-                       ("in_gpu_regime", "In-GPU regime (model states fit)")):
+    for key, title in (
+        ("offload_regime", "Offload regime (model states do not fit the GPUs)"),
+        ("in_gpu_regime", "In-GPU regime (model states fit)"),
+    ):
         if results[key]:
             lines += [f"## {title}", "", *_regime_table(results[key]), ""]
-    lines += ["OOM: out of GPU memory (or Elixir's planner refused: nothing fits); n/a: system not installed "
-              "(see the note below); crashed: the process died (exit -9 is usually the host OOM killer).", "",
-              "## Runs", "", *_runs_table(runs), "", "## Environment", ""]
-    envs = sorted({(r.get("card"), r.get("driver"), r.get("torch"), r.get("transformers"), (r.get("info") or {}).get("deepspeed"))
-                   for r in runs if r.get("torch")}, key=str)  # runs killed before reporting carry no versions
+    lines += [
+        "OOM: out of GPU memory (or Elixir's planner refused: nothing fits); n/a: system not installed "
+        "(see the note below); crashed: the process died (exit -9 is usually the host OOM killer).",
+        "",
+        "## Runs",
+        "",
+        *_runs_table(runs),
+        "",
+        "## Environment",
+        "",
+    ]
+    envs = sorted(
+        {
+            (
+                r.get("card"),
+                r.get("driver"),
+                r.get("torch"),
+                r.get("transformers"),
+                (r.get("info") or {}).get("deepspeed"),
+            )
+            for r in runs
+            if r.get("torch")
+        },
+        key=str,
+    )  # runs killed before reporting carry no versions
     for card, driver, torch_v, tf_v, ds_v in envs:
-        lines.append(f"- {card}, driver {driver or '?'}, torch {torch_v}, transformers {tf_v}" + (f", DeepSpeed {ds_v}" if ds_v else ""))
+        lines.append(
+            f"- {card}, driver {driver or '?'}, torch {torch_v}, transformers {tf_v}"
+            + (f", DeepSpeed {ds_v}" if ds_v else "")
+        )
     missing = sorted({r["system"] for r in runs if r.get("status") == "unavailable"})
     if missing:
         notes = sorted({f"{r['system']}: {r.get('error')}" for r in runs if r.get("status") == "unavailable"})
@@ -237,7 +320,9 @@ def render_png(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [(k, t) for k, t in (("offload_regime", "offload regime"), ("in_gpu_regime", "in-GPU regime")) if results[k]]
+    panels = [
+        (k, t) for k, t in (("offload_regime", "offload regime"), ("in_gpu_regime", "in-GPU regime")) if results[k]
+    ]
     if not panels:
         return
     groups = max(len(results[k]) for k, _ in panels)
@@ -258,8 +343,15 @@ def render_png(results: dict[str, Any], path: Path) -> None:
                 elif s == "elixir" and row["elixir_over_best_baseline"] is not None:
                     ax.text(x, y, f"{row['elixir_over_best_baseline']:.2f}×", ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(rows)))
-        ax.set_xticklabels([f"{r['model']} ×{r['gpus']}\nbs {r['batch']}" + (" clip" if r["clip"] else "")
-                            + f"\n{_short_card(r['card'])}" for r in rows], fontsize=8)
+        ax.set_xticklabels(
+            [
+                f"{r['model']} ×{r['gpus']}\nbs {r['batch']}"
+                + (" clip" if r["clip"] else "")
+                + f"\n{_short_card(r['card'])}"
+                for r in rows
+            ],
+            fontsize=8,
+        )
         ax.set_ylabel("TFLOPS per GPU")
         ax.set_title(title)
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, never on them
@@ -269,7 +361,7 @@ def render_png(results: dict[str, Any], path: Path) -> None:
 
 
 def _short_card(card: str) -> str:
-    """"NVIDIA H100 80GB HBM3" → "H100 80GB": tick labels stay inside their bar group."""
+    """ "NVIDIA H100 80GB HBM3" → "H100 80GB": tick labels stay inside their bar group."""
     return " ".join(card.removeprefix("NVIDIA ").split()[:2])
 
 

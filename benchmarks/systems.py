@@ -12,13 +12,23 @@ measured before the switch existed).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from .models import Model, blocks, build_meta, causal_lm, enable_checkpointing, fill_init_, materialize, restore_buffers_
+from .models import (
+    Model,
+    blocks,
+    build_meta,
+    causal_lm,
+    enable_checkpointing,
+    fill_init_,
+    materialize,
+    restore_buffers_,
+)
 
 if TYPE_CHECKING:
     from elixir_runtime import ElixirPlan
@@ -101,9 +111,15 @@ def _elixir(p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
     # clip_grad_norm (or, without clipping, the non-finite check --skip-nonfinite) syncs the host before the update
     # The share of the host the baselines get (--threads), less the core the engine keeps for the loop.
     cpu_threads = cpu_adam_threads(1, cores=ctx.threads) if ctx.threads else None
-    config = er.ElixirConfig(mode="auto", dtype="bf16", device=ctx.device, clips_grads=ctx.clip, cpu_threads=cpu_threads,
-                             skip_nonfinite=ctx.skip_nonfinite,
-                             device_assisted_update=DEVICE_LANE_WORDS[ctx.device_lane])
+    config = er.ElixirConfig(
+        mode="auto",
+        dtype="bf16",
+        device=ctx.device,
+        clips_grads=ctx.clip,
+        cpu_threads=cpu_threads,
+        skip_nonfinite=ctx.skip_nonfinite,
+        device_assisted_update=DEVICE_LANE_WORDS[ctx.device_lane],
+    )
     if ctx.lean_loss:
         use_lean_loss(model)
     model, opt = er.prepare(model, _adamw(model.parameters(), fused=False), config, example_batch=batch)
@@ -120,20 +136,34 @@ def _elixir(p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
         info["runtime_stats"] = dict(opt.runtime.stats)  # totals since prepare: gathers, elements each update lane took
         return loss
 
-    info = {"optimizer": "ElixirOptimizer(AdamW)", "cpu_threads": opt.cpu_threads, "skip_nonfinite": ctx.skip_nonfinite, "device_lane": ctx.device_lane,
-            "lean_loss": ctx.lean_loss, "plan": plan_summary(plan),
-            "plan_batch": len(example_ids)}
+    info = {
+        "optimizer": "ElixirOptimizer(AdamW)",
+        "cpu_threads": opt.cpu_threads,
+        "skip_nonfinite": ctx.skip_nonfinite,
+        "device_lane": ctx.device_lane,
+        "lean_loss": ctx.lean_loss,
+        "plan": plan_summary(plan),
+        "plan_batch": len(example_ids),
+    }
     return Trainer(step, info)
 
 
-def plan_summary(plan: "ElixirPlan") -> dict[str, Any]:
+def plan_summary(plan: ElixirPlan) -> dict[str, Any]:
     """The plan's scalar fields, memory and predicted step, for the results file; with the offloaded
     chunks and the hardware profile, enough for ``benchmarks.replay`` to predict it again."""
     saved = plan.to_dict()
     out = {k: v for k, v in saved.items() if v is None or isinstance(v, (bool, int, float, str))}
-    out.update(memory=saved["memory"], n_offloaded=len(plan.offload), offload=list(plan.offload),
-               device_bytes=plan.device_bytes, host_bytes=plan.host_bytes, predicted_step_s=plan.predicted_step_s,
-               predicted=saved["predicted"], rates=plan.search.get("rates"), hardware=plan.search.get("hardware"))
+    out.update(
+        memory=saved["memory"],
+        n_offloaded=len(plan.offload),
+        offload=list(plan.offload),
+        device_bytes=plan.device_bytes,
+        host_bytes=plan.host_bytes,
+        predicted_step_s=plan.predicted_step_s,
+        predicted=saved["predicted"],
+        rates=plan.search.get("rates"),
+        hardware=plan.search.get("hardware"),
+    )
     return out
 
 
@@ -192,7 +222,11 @@ def _fsdp2(p: Model, ctx: Context, offload: bool) -> Trainer:
         return loss
 
     where = "CPU" if offload else ctx.device.type.upper()
-    return Trainer(step, {"optimizer": f"{name} on {where} shards", "pin_memory": offload}, after_oom=lambda: opt.zero_grad(set_to_none=True))
+    return Trainer(
+        step,
+        {"optimizer": f"{name} on {where} shards", "pin_memory": offload},
+        after_oom=lambda: opt.zero_grad(set_to_none=True),
+    )
 
 
 def ds_config(stage: int, pin: bool, clip: bool, micro_batch: int) -> dict[str, Any]:
@@ -206,13 +240,15 @@ def ds_config(stage: int, pin: bool, clip: bool, micro_batch: int) -> dict[str, 
         "reduce_bucket_size": 2e8,
     }
     if stage == 3:
-        zero.update({
-            "offload_param": {"device": "cpu", "pin_memory": pin},
-            "stage3_prefetch_bucket_size": 2e8,
-            "stage3_param_persistence_threshold": 1e5,
-            "stage3_max_live_parameters": 1e9,
-            "stage3_max_reuse_distance": 1e9,
-        })
+        zero.update(
+            {
+                "offload_param": {"device": "cpu", "pin_memory": pin},
+                "stage3_prefetch_bucket_size": 2e8,
+                "stage3_param_persistence_threshold": 1e5,
+                "stage3_max_live_parameters": 1e9,
+                "stage3_max_reuse_distance": 1e9,
+            }
+        )
     else:
         zero["allgather_bucket_size"] = 2e8
     return {
@@ -221,7 +257,10 @@ def ds_config(stage: int, pin: bool, clip: bool, micro_batch: int) -> dict[str, 
         "gradient_accumulation_steps": 1,
         "gradient_clipping": MAX_GRAD_NORM if clip else 0.0,
         "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "betas": [0.9, 0.999], "eps": 1e-8}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "betas": [0.9, 0.999], "eps": 1e-8},
+        },
         "zero_optimization": zero,
         "steps_per_print": 10**9,
     }
@@ -235,7 +274,9 @@ def _deepspeed(p: Model, ctx: Context, stage: int, micro_batch: int) -> Trainer:
     config = ds_config(stage, ctx.ds_pin, ctx.clip, micro_batch)
     if stage == 3:
         # Partitioned at construction; HF's init then sees empty params, so fill the partitions here.
-        with deepspeed.zero.Init(config_dict_or_path=config, remote_device="cpu", pin_memory=ctx.ds_pin, dtype=torch.bfloat16):
+        with deepspeed.zero.Init(
+            config_dict_or_path=config, remote_device="cpu", pin_memory=ctx.ds_pin, dtype=torch.bfloat16
+        ):
             model = causal_lm(p.config(ctx.seq))
         enable_checkpointing(model)
         fill_init_(((n, q.ds_tensor) for n, q in model.named_parameters()), ctx.device, seed=ctx.rank)
@@ -251,6 +292,10 @@ def _deepspeed(p: Model, ctx: Context, stage: int, micro_batch: int) -> Trainer:
         engine.step()
         return loss
 
-    info = {"optimizer": type(opt).__name__, "pin_memory": ctx.ds_pin, "deepspeed": deepspeed.__version__,
-            "gradient_clipping": config["gradient_clipping"]}
+    info = {
+        "optimizer": type(opt).__name__,
+        "pin_memory": ctx.ds_pin,
+        "deepspeed": deepspeed.__version__,
+        "gradient_clipping": config["gradient_clipping"],
+    }
     return Trainer(step, info)

@@ -35,8 +35,8 @@ from typing import Any
 from elixir_hf.presets import canonical_name
 
 from . import report
-from .models import DECODER_PRESETS, PRESETS, param_count, preset
 from ._worker import clip_fields
+from .models import DECODER_PRESETS, PRESETS, param_count, preset
 from .systems import MAX_GRAD_NORM, SYSTEMS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,8 +48,13 @@ TERM_GRACE_S = 60
 def gpu_info() -> dict[str, Any]:
     """Card, driver and memory from nvidia-smi (no CUDA context in this process: the workers need the GPU)."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
         name, driver, mib = (x.strip() for x in out.splitlines()[0].split(","))
         return {"card": name, "driver": driver, "gpu_total_GiB": float(mib) / 1024}
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
@@ -57,10 +62,36 @@ def gpu_info() -> dict[str, Any]:
 
 
 def worker_command(args: argparse.Namespace, system: str, model: str, batch_sizes: list[int]) -> list[str]:
-    worker = ["-m", "benchmarks._worker", "--system", system, "--model", model,
-              "--batch-sizes", ",".join(map(str, batch_sizes)), "--steps", str(args.steps), "--warmup", str(args.warmup),
-              "--seq", str(args.seqs[model]), "--clip", str(args.clip), "--device", args.device, "--threads", str(args.threads), "--ds-pin", str(args.ds_pin),
-              "--skip-nonfinite", str(args.skip_nonfinite), "--device-lane", args.device_lane, "--lean-loss", str(args.lean_loss)]
+    worker = [
+        "-m",
+        "benchmarks._worker",
+        "--system",
+        system,
+        "--model",
+        model,
+        "--batch-sizes",
+        ",".join(map(str, batch_sizes)),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--seq",
+        str(args.seqs[model]),
+        "--clip",
+        str(args.clip),
+        "--device",
+        args.device,
+        "--threads",
+        str(args.threads),
+        "--ds-pin",
+        str(args.ds_pin),
+        "--skip-nonfinite",
+        str(args.skip_nonfinite),
+        "--device-lane",
+        args.device_lane,
+        "--lean-loss",
+        str(args.lean_loss),
+    ]
     if args.gpus == 1:
         return [sys.executable, *worker]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}", *worker]
@@ -76,8 +107,16 @@ def worker_env(threads: int) -> dict[str, str]:
 def run_worker(cmd: list[str], env: dict[str, str], timeout_s: float) -> tuple[int | None, list[dict], list[str]]:
     """Streams the worker's output here; returns (exit code or None on timeout, its records, its last lines)."""
     print("$ " + shlex.join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        start_new_session=True,
+    )
     records: list[dict] = []
     tail: collections.deque[str] = collections.deque(maxlen=30)
 
@@ -123,7 +162,9 @@ def failure(rc: int | None, tail: list[str], timeout_s: float) -> tuple[str, str
     return "crashed", f"worker exit {rc}{hint}: {last}"[:400]
 
 
-def run_system(args: argparse.Namespace, system: str, model: str, gpu: dict[str, Any], env: dict[str, str]) -> list[dict]:
+def run_system(
+    args: argparse.Namespace, system: str, model: str, gpu: dict[str, Any], env: dict[str, str]
+) -> list[dict]:
     """Records of one system on one model for every batch size, failures included."""
     groups = [[b] for b in args.batch_sizes] if system in PER_BATCH_SYSTEMS else [args.batch_sizes]
     records: list[dict] = []
@@ -134,8 +175,21 @@ def run_system(args: argparse.Namespace, system: str, model: str, gpu: dict[str,
             status, error = failure(rc, tail, args.worker_timeout)
             seq = args.seqs[model]
             params = param_count(preset(model), seq)
-            got += [{"system": system, "model": model, "params": params, "gpus": args.gpus, "batch": b, "seq": seq,
-                     **clip_fields(bool(args.clip)), **gpu, "status": status, "error": error} for b in missing]
+            got += [
+                {
+                    "system": system,
+                    "model": model,
+                    "params": params,
+                    "gpus": args.gpus,
+                    "batch": b,
+                    "seq": seq,
+                    **clip_fields(bool(args.clip)),
+                    **gpu,
+                    "status": status,
+                    "error": error,
+                }
+                for b in missing
+            ]
         records += got
     return records
 
@@ -144,7 +198,9 @@ def print_summary(results: dict[str, Any], card: str, models: list[str], gpus: i
     for key in ("offload_regime", "in_gpu_regime"):
         for row in results[key]:
             if row["card"] == card and row["model"] in models and row["gpus"] == gpus and row["clip"] == clip:
-                cells = [f"{s} {v:.1f}" if v is not None else f"{s} {row['status'][s]}" for s, v in row["tflops"].items()]
+                cells = [
+                    f"{s} {v:.1f}" if v is not None else f"{s} {row['status'][s]}" for s, v in row["tflops"].items()
+                ]
                 ratio = row["elixir_over_best_baseline"]
                 best = f" | elixir/best {ratio:.2f}x ({row['best_baseline']})" if ratio is not None else ""
                 head = f"{key:15s} {row['model']:9s} x{gpus} seq {row['seq']} bs {row['batch']:3d} clip {int(clip)}"
@@ -153,34 +209,66 @@ def print_summary(results: dict[str, Any], card: str, models: list[str], gpus: i
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help=f"comma-separated presets ({', '.join((*PRESETS, *DECODER_PRESETS))}) "
-                    "or paths to an HF decoder's config.json / model folder (random init)")
+    ap.add_argument(
+        "--model",
+        required=True,
+        help=f"comma-separated presets ({', '.join((*PRESETS, *DECODER_PRESETS))}) "
+        "or paths to an HF decoder's config.json / model folder (random init)",
+    )
     ap.add_argument("--batch-sizes", required=True, help="comma-separated, per GPU")
     ap.add_argument("--gpus", type=int, default=1)
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated: {', '.join(SYSTEMS)}")
     ap.add_argument("--out", type=Path, default=report.DEFAULT_OUT)
-    ap.add_argument("--md", type=Path, default=None, help="default: docs/benchmarks.md, or benchmarks.md beside a non-default --out")
+    ap.add_argument(
+        "--md", type=Path, default=None, help="default: docs/benchmarks.md, or benchmarks.md beside a non-default --out"
+    )
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seq", type=int, default=None, help="default: 1024 for GPT-2 presets, 2048 for the others")
-    ap.add_argument("--clip", type=int, default=1, choices=(0, 1),
-                    help=f"clip gradients to a global norm of {MAX_GRAD_NORM} (the HF Trainer's default max_grad_norm) in every system")
+    ap.add_argument(
+        "--clip",
+        type=int,
+        default=1,
+        choices=(0, 1),
+        help=f"clip gradients to a global norm of {MAX_GRAD_NORM} (the HF Trainer's default max_grad_norm) in every system",
+    )
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: smoke tests only")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / GPUs)")
-    ap.add_argument("--ds-pin", type=int, default=1, choices=(0, 1),
-                    help="DeepSpeed pin_memory (0: pageable; pinned OOM-killed a 126 GiB host on the 6.5B)")
-    ap.add_argument("--device-lane", default="off", choices=("off", "on", "auto"),
-                    help="Elixir's device update lane (ElixirConfig.device_assisted_update): the GPU updates part of the offloaded chunks")
-    ap.add_argument("--skip-nonfinite", type=int, default=1, choices=(0, 1),
-                    help="Elixir's non-finite step check (ElixirConfig.skip_nonfinite, on by default): a host sync per step")
-    ap.add_argument("--lean-loss", type=int, default=1, choices=(0, 1),
-                    help="Elixir's model gets the lean causal-LM loss, as ElixirTrainer installs it by default "
-                         "(elixir_hf.loss); the baselines keep transformers' own")
+    ap.add_argument(
+        "--ds-pin",
+        type=int,
+        default=1,
+        choices=(0, 1),
+        help="DeepSpeed pin_memory (0: pageable; pinned OOM-killed a 126 GiB host on the 6.5B)",
+    )
+    ap.add_argument(
+        "--device-lane",
+        default="off",
+        choices=("off", "on", "auto"),
+        help="Elixir's device update lane (ElixirConfig.device_assisted_update): the GPU updates part of the offloaded chunks",
+    )
+    ap.add_argument(
+        "--skip-nonfinite",
+        type=int,
+        default=1,
+        choices=(0, 1),
+        help="Elixir's non-finite step check (ElixirConfig.skip_nonfinite, on by default): a host sync per step",
+    )
+    ap.add_argument(
+        "--lean-loss",
+        type=int,
+        default=1,
+        choices=(0, 1),
+        help="Elixir's model gets the lean causal-LM loss, as ElixirTrainer installs it by default "
+        "(elixir_hf.loss); the baselines keep transformers' own",
+    )
     ap.add_argument("--worker-timeout", type=float, default=420, help="seconds per worker process")
     args = ap.parse_args(argv)
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.gpus)
     # a config path absolute: the workers run in the repository root
-    args.models = [m if canonical_name(m) or not Path(m).exists() else str(Path(m).resolve()) for m in args.model.split(",")]
+    args.models = [
+        m if canonical_name(m) or not Path(m).exists() else str(Path(m).resolve()) for m in args.model.split(",")
+    ]
     args.systems = args.systems.split(",")
     args.batch_sizes = sorted(int(b) for b in args.batch_sizes.split(","))
     try:
@@ -198,8 +286,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     gpu = gpu_info() if args.device == "cuda" else {"card": "cpu", "driver": None, "gpu_total_GiB": 0.0}
-    call = {"command": "PYTHONPATH=src python -m benchmarks.throughput " + shlex.join(sys.argv[1:] if argv is None else argv),
-            "driver": gpu["driver"], "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    call = {
+        "command": "PYTHONPATH=src python -m benchmarks.throughput "
+        + shlex.join(sys.argv[1:] if argv is None else argv),
+        "driver": gpu["driver"],
+        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
     env = worker_env(args.threads)
     runs: list[dict] = []
     for model in args.models:

@@ -17,7 +17,9 @@ from helpers.transformers_use import uses_transformers
 # modeling files load lazily otherwise); here, not in helpers/dist.py, so that an engine-only test of
 # the harness does not count as running transformers code (helpers/transformers_use.py).
 dist_harness.PRELOAD += [
-    "elixir_runtime", "helpers.models", "elixir_hf",
+    "elixir_runtime",
+    "helpers.models",
+    "elixir_hf",
     *(f"transformers.models.{m}.modeling_{m}" for m in ("gpt2", "opt", "llama")),
 ]
 

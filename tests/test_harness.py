@@ -11,7 +11,6 @@ import torch.distributed as dist
 
 from helpers.dist import DistributedError, run_distributed
 
-
 # --- rank functions (module level so spawn can pickle them) -----------------
 
 

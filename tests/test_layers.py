@@ -52,7 +52,11 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     deps = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            base = ".".join(package[: len(package) - node.level + 1] + [node.module or ""]).strip(".") if node.level else node.module
+            base = (
+                ".".join(package[: len(package) - node.level + 1] + [node.module or ""]).strip(".")
+                if node.level
+                else node.module
+            )
             for alias in node.names:
                 full = f"{base}.{alias.name}"
                 deps.add(full if full in modules else base)
@@ -95,7 +99,7 @@ def test_no_import_cycles() -> None:
         state[m] = 1
         for d in sorted(graph[m]):
             if state.get(d) == 1:
-                cycles.append(" -> ".join(path[path.index(d):] + [d]))
+                cycles.append(" -> ".join(path[path.index(d) :] + [d]))
             elif d not in state:
                 visit(d, path + [d])
         state[m] = 2

@@ -69,8 +69,10 @@ def write_tiny_model(folder: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     rng = random.Random(0)
-    words = ("the a model train chunk memory offload GPU host rank plan batch step loss token layer weight "
-             "gradient adam fast slow large small data text line").split()
+    words = (
+        "the a model train chunk memory offload GPU host rank plan batch step loss token layer weight "
+        "gradient adam fast slow large small data text line"
+    ).split()
     lines = [" ".join(rng.choices(words, k=rng.randint(8, 24))).capitalize() + "." for _ in range(400)]
     (folder / "train.txt").write_text("\n".join(lines) + "\n")
 
@@ -78,16 +80,29 @@ def write_tiny_model(folder: Path) -> None:
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(lines, trainers.BpeTrainer(
-        vocab_size=384, special_tokens=[bos, eos], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+    bpe.train_from_iterator(
+        lines,
+        trainers.BpeTrainer(
+            vocab_size=384,
+            special_tokens=[bos, eos],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     bpe.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, bpe.token_to_id(bos))])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=bos, eos_token=eos, model_max_length=1024)
     tokenizer.save_pretrained(folder / "my-model")
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -102,17 +117,26 @@ def runs(tmp_path_factory) -> Iterator[dict[str, tuple[Path, subprocess.Popen]]]
     folder = tmp_path_factory.mktemp("readme")
     write_tiny_model(folder)
     env = {k: v for k, v in os.environ.items() if k != "ELIXIR_CONFIG"}
-    env.update({
-        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-        "CUDA_VISIBLE_DEVICES": "", "HF_DATASETS_CACHE": str(folder / "datasets-cache"),
-        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p),
-    })
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "OMP_NUM_THREADS": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+            "HF_DATASETS_CACHE": str(folder / "datasets-cache"),
+            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p),
+        }
+    )
     started = {}
     with contextlib.ExitStack() as logs:
         for name, (code, command) in quickstarts().items():
             (folder / name).write_text(code)
             log = logs.enter_context(open(folder / f"{name}.log", "w"))
-            started[name] = (folder, subprocess.Popen(argv(command), cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT))
+            started[name] = (
+                folder,
+                subprocess.Popen(argv(command), cwd=folder, env=env, stdout=log, stderr=subprocess.STDOUT),
+            )
         try:
             yield started
         finally:

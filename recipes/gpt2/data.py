@@ -29,8 +29,9 @@ import os
 import shutil
 import sys
 import sysconfig
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import datasets
 from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -52,7 +53,8 @@ def stdlib_corpus(max_mb: float | None = None) -> Path:
     """The default corpus as a JSON-lines file (``{"text": <a source file>}`` per line), built once."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = [
-        p for p in root.rglob("*.py")
+        p
+        for p in root.rglob("*.py")
         if not {"test", "tests", "site-packages", "__pycache__"} & set(p.relative_to(root).parts[:-1])
     ]
     files.sort(key=lambda p: hashlib.sha256(p.relative_to(root).as_posix().encode()).hexdigest())

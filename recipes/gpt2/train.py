@@ -24,11 +24,13 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields
-from typing import Callable, Iterable
 
 import datasets
 import torch
+from data import lm_datasets, load_raw, train_tokenizer, training_texts
+from presets import PRESETS
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -40,10 +42,8 @@ from transformers import (
     set_seed,
 )
 
-from data import lm_datasets, load_raw, train_tokenizer, training_texts
 import elixir_hf
 from elixir_hf import ElixirTrainer, ElixirTrainingArguments
-from presets import PRESETS
 
 logger = logging.getLogger("gpt2-recipe")
 ON_GPU = torch.cuda.is_available()
@@ -158,7 +158,9 @@ def resolve_block_size(requested: int | None, default: int, config) -> int:
     if requested is None:
         return min(default, positions or default)
     if positions is not None and requested > positions:
-        raise SystemExit(f"--block_size {requested} is more than the model's {positions} positions: pass at most {positions}")
+        raise SystemExit(
+            f"--block_size {requested} is more than the model's {positions} positions: pass at most {positions}"
+        )
     return requested
 
 
@@ -224,9 +226,7 @@ def main() -> None:
     default_block = preset.block_size if preset else min(1024, tokenizer.model_max_length)
     block_size = resolve_block_size(data_args.block_size, default_block, model.config)
     with training_args.main_process_first(desc="tokenizing and grouping"):
-        blocks = lm_datasets(
-            raw, tokenizer, block_size, data_args.preprocessing_num_workers, data_args.overwrite_cache
-        )
+        blocks = lm_datasets(raw, tokenizer, block_size, data_args.preprocessing_num_workers, data_args.overwrite_cache)
     train_set, eval_set = blocks["train"], blocks["validation"]
     if data_args.max_train_samples is not None:
         train_set = truncate(train_set, data_args.max_train_samples)

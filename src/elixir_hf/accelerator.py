@@ -22,7 +22,8 @@ import dataclasses
 import functools
 import math
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -109,7 +110,11 @@ class ElixirAccelerator(Accelerator):
                 loader = next((o for o in objs if isinstance(o, torch.utils.data.DataLoader)), None)
                 batch = example_batch(loader.dataset, loader.collate_fn, loader.batch_size or 1) if loader else None
                 objs[optimizers[0]] = build_engine(
-                    model, optimizer, self.elixir_plugin, self.device, batch,
+                    model,
+                    optimizer,
+                    self.elixir_plugin,
+                    self.device,
+                    batch,
                     grad_accum_steps=self.gradient_accumulation_steps,
                 )
                 # a scheduler built on `optimizer` sees its steps run by the engine (same param_groups);

@@ -29,8 +29,9 @@ import re
 import shutil
 import tempfile
 import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
@@ -211,8 +212,9 @@ def unmark(folder: str | os.PathLike) -> None:
         (Path(folder) / MARKER_NAME).unlink()
 
 
-def seal(folder: str | os.PathLike, digests: dict[str, dict[str, int]], *, step: int | None, optimizer: bool,
-         is_main: bool) -> None:
+def seal(
+    folder: str | os.PathLike, digests: dict[str, dict[str, int]], *, step: int | None, optimizer: bool, is_main: bool
+) -> None:
     """A collective, once every rank has written its files into ``folder``: the main process sums
     (and fsyncs) the files no rank summed while writing (``digests``: this rank's) and writes the
     marker last. Any rank's failure is raised on every rank."""
@@ -233,8 +235,13 @@ def seal(folder: str | os.PathLike, digests: dict[str, dict[str, int]], *, step:
             todo = sum(p.stat().st_size for rel, p in paths.items() if not everyone.get(rel))
             with progress(todo, "elixir: summing the checkpoint's files", unit="B") as bar:
                 files = {rel: everyone.get(rel) or _sum_file(p, bar, fsync=True) for rel, p in paths.items()}
-            marker = {"format": _MARKER_FORMAT, "step": step, "optimizer": optimizer,
-                      "world_size": len(ranks) if optimizer else None, "files": files}
+            marker = {
+                "format": _MARKER_FORMAT,
+                "step": step,
+                "optimizer": optimizer,
+                "world_size": len(ranks) if optimizer else None,
+                "files": files,
+            }
             atomic_write_text(json.dumps(marker, indent=1), folder / MARKER_NAME)
 
         _, error = _error(write)
@@ -261,8 +268,11 @@ def verify(folder: str | os.PathLike, rank: int, is_main: bool) -> dict[str, Any
                 "resume_from_checkpoint=True picks the newest complete one"
             )
         bad = []
-        mine = {name: want for name, want in marker["files"].items()
-                if ((int(m.group(1)) == rank) if (m := _SHARD_RE.match(name)) else is_main)}
+        mine = {
+            name: want
+            for name, want in marker["files"].items()
+            if ((int(m.group(1)) == rank) if (m := _SHARD_RE.match(name)) else is_main)
+        }
         with progress(sum(w["bytes"] for w in mine.values()), "elixir: verifying the checkpoint", unit="B") as bar:
             for name, want in mine.items():
                 bad += _check_file(folder / name, want, bar)
@@ -298,7 +308,9 @@ def newest_complete(output_dir: str | os.PathLike) -> str:
             if torn:
                 logger.warning(
                     "skipping torn checkpoint(s) %s (no %s: a save was interrupted); resuming from %s",
-                    ", ".join(map(str, torn)), MARKER_NAME, p,
+                    ", ".join(map(str, torn)),
+                    MARKER_NAME,
+                    p,
                 )
             return str(p)
         torn.append(p)
@@ -321,8 +333,9 @@ def saved_world_size(checkpoint: str | os.PathLike) -> int | None:
     return max(ranks) + 1 if ranks else None
 
 
-def check_resume(checkpoint: str | os.PathLike, model: nn.Module, world_size: int, rank: int,
-                 is_main: bool) -> dict[str, Any]:
+def check_resume(
+    checkpoint: str | os.PathLike, model: nn.Module, world_size: int, rank: int, is_main: bool
+) -> dict[str, Any]:
     """Fails before any weight is loaded, on every rank, when the checkpoint cannot continue this
     run (another number of ranks, a plain PyTorch optimizer, a bad file, another model); returns
     its marker."""

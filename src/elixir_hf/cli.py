@@ -21,7 +21,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -85,8 +85,9 @@ def _gpu_memory(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="elixir-plan", description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="elixir-plan", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--model", "--model_config", "--model-config", dest="model", help="preset, config.json or Hub id")
     p.add_argument("--seq-len", "--seq_len", type=_positive, default=1024)
@@ -94,28 +95,62 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", "--grad_accum", type=_positive, default=1, help="micro-batches per optimizer step")
     p.add_argument("--gpus", type=_positive, default=1, help="GPUs (ranks) on one host")
     p.add_argument("--gpu-mem", "--gpu_mem", type=parse_size, help="memory per GPU (default: the hardware profile's)")
-    p.add_argument("--gpu-memory", "--gpu_memory", type=_gpu_memory, help="ElixirConfig.gpu_memory: the most GPU memory "
-                   "the run may use per GPU (a GPU shared with other jobs, headroom); at most the card's")
-    p.add_argument("--host-mem", "--host_mem", type=parse_size, help="host RAM (default: what this machine has "
-                   "available when planning for it, i.e. without --hardware; else the hardware profile's)")
-    p.add_argument("--hardware", help=f"a shipped card ({', '.join(SHIPPED)}) or a hardware profile JSON (default: this "
-                   "machine's GPU, measured once and cached; without a GPU the shipped h100)")
+    p.add_argument(
+        "--gpu-memory",
+        "--gpu_memory",
+        type=_gpu_memory,
+        help="ElixirConfig.gpu_memory: the most GPU memory "
+        "the run may use per GPU (a GPU shared with other jobs, headroom); at most the card's",
+    )
+    p.add_argument(
+        "--host-mem",
+        "--host_mem",
+        type=parse_size,
+        help="host RAM (default: what this machine has "
+        "available when planning for it, i.e. without --hardware; else the hardware profile's)",
+    )
+    p.add_argument(
+        "--hardware",
+        help=f"a shipped card ({', '.join(SHIPPED)}) or a hardware profile JSON (default: this "
+        "machine's GPU, measured once and cached; without a GPU the shipped h100)",
+    )
     p.add_argument("--dtype", default="bf16", type=_dtype, help="compute dtype: bf16, fp16 or fp32")
     p.add_argument("--no-ac", dest="ac", action="store_false", help="without activation checkpointing")
-    p.add_argument("--device-lane", choices=tuple(DEVICE_LANE_WORDS), default="off",
-                   help="the device update lane (ElixirConfig.device_assisted_update): off (default), on, or auto "
-                        "(kept where the predicted step is shorter)")
-    p.add_argument("--stock-loss", "--stock_loss", dest="lean_loss", action="store_false",
-                   help="plan for transformers' own causal-LM loss (--elixir '{\"lean_loss\": false}'); default: the "
-                        "lean loss an Elixir run installs (elixir_hf/loss.py), without fp32 copies of the logits")
+    p.add_argument(
+        "--device-lane",
+        choices=tuple(DEVICE_LANE_WORDS),
+        default="off",
+        help="the device update lane (ElixirConfig.device_assisted_update): off (default), on, or auto "
+        "(kept where the predicted step is shorter)",
+    )
+    p.add_argument(
+        "--stock-loss",
+        "--stock_loss",
+        dest="lean_loss",
+        action="store_false",
+        help="plan for transformers' own causal-LM loss (--elixir '{\"lean_loss\": false}'); default: the "
+        "lean loss an Elixir run installs (elixir_hf/loss.py), without fp32 copies of the logits",
+    )
     p.add_argument("--exact", action="store_true", help="trace every block instead of replaying identical ones")
-    p.add_argument("-v", "--verbose", action="store_true", help="also print the planner's workings: the profile, "
-                   "the memory budget formula, I(n)/J(n), the rigid alternatives and every chunk size tried")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also print the planner's workings: the profile, "
+        "the memory budget formula, I(n)/J(n), the rigid alternatives and every chunk size tried",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
-    p.add_argument("--plot", metavar="PNG", help="draw GPU and host memory and which layers each chunk holds "
-                   "(on the GPU or offloaded) into this PNG file")
-    p.add_argument("--measure-hardware", metavar="PATH", help="measure this machine, write its profile to PATH, exit "
-                   "(CPU Adam per rank for 1, 2, 4, 8 and all its GPUs' ranks, each count by as many processes at once)")
+    p.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="draw GPU and host memory and which layers each chunk holds (on the GPU or offloaded) into this PNG file",
+    )
+    p.add_argument(
+        "--measure-hardware",
+        metavar="PATH",
+        help="measure this machine, write its profile to PATH, exit "
+        "(CPU Adam per rank for 1, 2, 4, 8 and all its GPUs' ranks, each count by as many processes at once)",
+    )
     return p
 
 
@@ -153,8 +188,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _elixir_config(args: argparse.Namespace) -> ElixirConfig:
     """What the command line asks of the engine, as ``--elixir`` would."""
-    return ElixirConfig(dtype=args.dtype, gpu_memory=args.gpu_memory, grad_accum_steps=args.grad_accum,
-                        device_assisted_update=DEVICE_LANE_WORDS[args.device_lane])
+    return ElixirConfig(
+        dtype=args.dtype,
+        gpu_memory=args.gpu_memory,
+        grad_accum_steps=args.grad_accum,
+        device_assisted_update=DEVICE_LANE_WORDS[args.device_lane],
+    )
 
 
 def _measure(path: str) -> int:

@@ -7,7 +7,8 @@ import dataclasses
 import inspect
 import itertools
 import logging
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -101,9 +102,14 @@ def build_engine(
         config = dataclasses.replace(config, grad_accum_steps=grad_accum_steps)
     resident = read_outside_modules(model)
     if resident:
-        logger.info("elixir: %d parameters are read outside their module (TRL's fused LM head): they get chunks "
-                    "of their own that every forward gathers", len(resident))
-    _, elixir_optimizer = elixir_runtime.prepare(model, optimizer, config=config, example_batch=batch, resident=resident)
+        logger.info(
+            "elixir: %d parameters are read outside their module (TRL's fused LM head): they get chunks "
+            "of their own that every forward gathers",
+            len(resident),
+        )
+    _, elixir_optimizer = elixir_runtime.prepare(
+        model, optimizer, config=config, example_batch=batch, resident=resident
+    )
     plan = model._elixir.plan
     try:
         plugin.check_plan(plan)

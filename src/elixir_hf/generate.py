@@ -13,7 +13,8 @@ together. It also works on a stock Trainer (DDP), where the model is already who
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from transformers import TrainerCallback

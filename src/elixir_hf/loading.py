@@ -61,7 +61,9 @@ def from_pretrained(
     return from_config(model_class, config, **{k: kwargs[k] for k in _BUILD_KWARGS if k in kwargs})
 
 
-def from_config(model_class: Any, config: PretrainedConfig, *, rank0_only: bool = True, **kwargs: Any) -> PreTrainedModel:
+def from_config(
+    model_class: Any, config: PretrainedConfig, *, rank0_only: bool = True, **kwargs: Any
+) -> PreTrainedModel:
     """A new model from ``config``: initialised on rank 0, on meta elsewhere (its values come from rank 0)."""
     if kwargs.get("dtype") == "auto":
         kwargs["dtype"] = getattr(config, "dtype", None) or torch.float32

@@ -147,6 +147,7 @@ def use_lean_loss(model: nn.Module) -> list[str]:
         logger.info(
             "%s: transformers' ForCausalLMLoss replaced by elixir_hf.loss.lean_causal_lm_loss (same value; keeps "
             "the logits in their dtype and the targets for backward, which recomputes each block's log-softmax, "
-            "instead of fp32 copies of the logits); --elixir '{\"lean_loss\": false}' keeps the stock loss", ", ".join(installed),
+            "instead of fp32 copies of the logits); --elixir '{\"lean_loss\": false}' keeps the stock loss",
+            ", ".join(installed),
         )
     return installed

@@ -11,7 +11,8 @@ from the last class in the reversed MRO that declares it.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["mixed_class", "construct_elixir"]
 

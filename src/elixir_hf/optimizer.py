@@ -10,7 +10,8 @@ unscale + clip + Adam and then clears the gradient shards, because the Trainer o
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from accelerate.optimizer import AcceleratedOptimizer
 

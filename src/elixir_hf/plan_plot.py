@@ -29,8 +29,11 @@ def memory_bars(plan: ElixirPlan) -> list[tuple[str, int, str]]:
     factor) and buffers. Empty parts are left out."""
     parts = [(_BARS[k][0], getattr(plan.memory, k), _BARS[k][1]) for k in DEVICE_MEMORY]
     parts += [
-        (f"activations (peak x {plan.budget.f_frag} for fragmentation)",
-         int(plan.budget.f_frag * (plan.memory.activations or 0)), "tab:orange"),
+        (
+            f"activations (peak x {plan.budget.f_frag} for fragmentation)",
+            int(plan.budget.f_frag * (plan.memory.activations or 0)),
+            "tab:orange",
+        ),
         ("buffers", plan.memory.buffers or 0, "tab:gray"),
     ]
     return [part for part in parts if part[1] > 0]
@@ -74,8 +77,12 @@ def _gpu_panel(ax, plan: ElixirPlan, title: str) -> None:
     budget = plan.budget
     _stacked(ax, memory_bars(plan))
     ax.axvline(budget.capacity / GIB, color="black", label=f"GPU memory: {budget.capacity / GIB:.1f}")
-    ax.axvline(budget.allowed / GIB, color="red", linestyle="--",
-               label=f"room for model states and cache: {budget.allowed / GIB:.1f}")
+    ax.axvline(
+        budget.allowed / GIB,
+        color="red",
+        linestyle="--",
+        label=f"room for model states and cache: {budget.allowed / GIB:.1f}",
+    )
     ax.set_xlabel("GPU memory per GPU, GiB")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
     ax.set_title(title, fontsize=9)
@@ -95,8 +102,14 @@ def _host_panel(ax, plan: ElixirPlan) -> None:
 def _chunk_panel(ax, plan: ElixirPlan, max_labels: int = 40) -> None:
     off = set(plan.offload)
     n = plan.n_chunks
-    ax.bar(range(n), [1] * n, width=1.0, color=[OFFLOADED if i in off else ON_GPU for i in range(n)],
-           edgecolor="white", linewidth=0.3)
+    ax.bar(
+        range(n),
+        [1] * n,
+        width=1.0,
+        color=[OFFLOADED if i in off else ON_GPU for i in range(n)],
+        edgecolor="white",
+        linewidth=0.3,
+    )
     ax.set_yticks([])
     ax.set_xlim(-0.5, n - 0.5)
     layers = chunk_layers(plan)

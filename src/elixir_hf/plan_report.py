@@ -15,9 +15,10 @@ import copy
 import json
 import re
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -33,8 +34,15 @@ from elixir_runtime.units import find_units
 from .loss import use_lean_loss
 from .presets import PRESETS, canonical_name
 
-__all__ = ["PlanReport", "plan_report", "host_memory", "chunk_layers", "describe_layers", "model_config",
-           "build_meta_model"]
+__all__ = [
+    "PlanReport",
+    "plan_report",
+    "host_memory",
+    "chunk_layers",
+    "describe_layers",
+    "model_config",
+    "build_meta_model",
+]
 
 GIB = 2**30
 
@@ -71,15 +79,25 @@ def plan_report(
         ids = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long, device="meta")
         t1 = time.perf_counter()
         try:
-            plan = plan_model(model, find_units(model, None), {"input_ids": ids, "labels": ids}, config,
-                              _target(args, hardware, card, host_bytes), exact=args.exact)
+            plan = plan_model(
+                model,
+                find_units(model, None),
+                {"input_ids": ids, "labels": ids},
+                config,
+                _target(args, hardware, card, host_bytes),
+                exact=args.exact,
+            )
         except PlanError as exc:
             if args.host_mem:
                 raise
-            raise PlanError(f"{exc}\n(host memory: {_size(host_bytes)}, {host_source}; --host-mem to plan for "
-                            "another host)") from exc
-    timings = {"build_s": build_s, "profile_s": plan.profile.seconds,
-               "search_s": time.perf_counter() - t1 - plan.profile.seconds}
+            raise PlanError(
+                f"{exc}\n(host memory: {_size(host_bytes)}, {host_source}; --host-mem to plan for another host)"
+            ) from exc
+    timings = {
+        "build_s": build_s,
+        "profile_s": plan.profile.seconds,
+        "search_s": time.perf_counter() - t1 - plan.profile.seconds,
+    }
     title = _title(args, card, plan.budget)
     text = _text(args, plan, hardware, hw_note, card, host_source)
     details = _details(plan, hardware, hw_note, timings)
@@ -140,45 +158,62 @@ def _target(args: argparse.Namespace, hardware: HardwareProfile, card: int, host
 def _title(args: argparse.Namespace, card: int, budget: Budget) -> str:
     capped = "" if args.gpu_memory is None else f" capped at {args.gpu_memory / GIB:.1f} (--gpu-memory)"
     gpus = f"{args.gpus} GPU{'s' if args.gpus > 1 else ''}"
-    return (f"{args.model}: batch {args.batch_size} x {args.seq_len} tokens per GPU, {gpus} of {card / GIB:.0f} GiB"
-            f"{capped}, host {budget.host_capacity / GIB:.0f} GiB, checkpointing {'on' if args.ac else 'off'}")
+    return (
+        f"{args.model}: batch {args.batch_size} x {args.seq_len} tokens per GPU, {gpus} of {card / GIB:.0f} GiB"
+        f"{capped}, host {budget.host_capacity / GIB:.0f} GiB, checkpointing {'on' if args.ac else 'off'}"
+    )
 
 
 # --------------------------------------------------------------------------- the default text
 
-def _text(args: argparse.Namespace, plan: ElixirPlan, hardware: HardwareProfile, hw_note: str, card: int,
-          host_source: str) -> str:
+
+def _text(
+    args: argparse.Namespace, plan: ElixirPlan, hardware: HardwareProfile, hw_note: str, card: int, host_source: str
+) -> str:
     """The default output: what was planned for, memory per GPU and host, what is offloaded, the step."""
-    return "\n\n".join([
-        _header(args, plan, hardware, hw_note, card, host_source),
-        "\n".join([*_gpu_memory(plan), _host_memory(plan), "offloaded: " + _offload_text(plan)]),
-        _step_text(args, plan),
-    ])
+    return "\n\n".join(
+        [
+            _header(args, plan, hardware, hw_note, card, host_source),
+            "\n".join([*_gpu_memory(plan), _host_memory(plan), "offloaded: " + _offload_text(plan)]),
+            _step_text(args, plan),
+        ]
+    )
 
 
-def _header(args: argparse.Namespace, plan: ElixirPlan, hardware: HardwareProfile, hw_note: str, card: int,
-            host_source: str) -> str:
+def _header(
+    args: argparse.Namespace, plan: ElixirPlan, hardware: HardwareProfile, hw_note: str, card: int, host_source: str
+) -> str:
     gpus = f"{args.gpus} GPU{'s' if args.gpus > 1 else ''}"
     accum = f", {args.grad_accum} micro-batches per step" if args.grad_accum > 1 else ""
     cap = plan.budget.limit
     memory = _size(card) if cap is None else f"{_size(cap)} of its {_size(card)} (--gpu-memory)"
-    return "\n".join([
-        f"{args.model}: {plan.profile.n_params / 1e9:.3f} B parameters, batch {args.batch_size} x {args.seq_len} "
-        f"tokens per GPU{accum}, {gpus}, {plan.dtype}, activation checkpointing {'on' if args.ac else 'off'}",
-        f"GPU:  {hardware.device}, {memory}; {_gpu_source(args, hardware, hw_note)}",
-        f"host: {_size(plan.budget.host_capacity)} RAM, {host_source}",
-    ])
+    return "\n".join(
+        [
+            f"{args.model}: {plan.profile.n_params / 1e9:.3f} B parameters, batch {args.batch_size} x {args.seq_len} "
+            f"tokens per GPU{accum}, {gpus}, {plan.dtype}, activation checkpointing {'on' if args.ac else 'off'}",
+            f"GPU:  {hardware.device}, {memory}; {_gpu_source(args, hardware, hw_note)}",
+            f"host: {_size(plan.budget.host_capacity)} RAM, {host_source}",
+        ]
+    )
 
 
 def _gpu_memory(plan: ElixirPlan) -> list[str]:
     """One GPU's memory by part, in words; the optional parts only where the plan has them."""
     memory = plan.memory
     rows = [  # (name, bytes, what it is, shown when empty)
-        ("model states on the GPU", memory.device_shards + memory.device_grads,
-         "this GPU's share of weights, gradients and Adam state", True),
-        ("gathered-parameter cache", memory.rcache + memory.private,
-         f"{plan.n_blocks} blocks of {plan.chunk_size / 1e6:.1f} M parameters (rCache)"
-         + (" and tied or oversize weights" if memory.private else ""), True),
+        (
+            "model states on the GPU",
+            memory.device_shards + memory.device_grads,
+            "this GPU's share of weights, gradients and Adam state",
+            True,
+        ),
+        (
+            "gathered-parameter cache",
+            memory.rcache + memory.private,
+            f"{plan.n_blocks} blocks of {plan.chunk_size / 1e6:.1f} M parameters (rCache)"
+            + (" and tied or oversize weights" if memory.private else ""),
+            True,
+        ),
         ("update-lane staging", memory.lane_staging, "the GPU updates slices of offloaded chunks", False),
         ("activations (peak)", memory.activations or 0, f"at {plan.profile.peak_at}", True),
         ("buffers", memory.buffers or 0, "the model's buffers", False),
@@ -218,14 +253,18 @@ def _offload_text(plan: ElixirPlan) -> str:
     if not plan.offload:
         return f"nothing: all {plan.n_chunks} chunks keep weights, gradients and Adam state on the GPU"
     layers = describe_layers(n for i in plan.offload for n in _chunk_names(plan, i))
-    text = (f"{len(plan.offload)} of {plan.n_chunks} chunks ({layers}) keep their weights and Adam state in pinned "
-            "host memory; the CPU updates them while the GPU computes")
+    text = (
+        f"{len(plan.offload)} of {plan.n_chunks} chunks ({layers}) keep their weights and Adam state in pinned "
+        "host memory; the CPU updates them while the GPU computes"
+    )
     on_gpu = [a for a in plan.alternatives if a["name"] in ("rcache-min", "rcache-max") and not a["offloaded"]]
     smallest = min(on_gpu, key=lambda a: a["device_bytes"], default=None)
     if smallest is not None and not smallest["fits"]:
-        text += (f"\n  why: keeping every chunk on the GPU needs {_size(smallest['device_bytes'])} per GPU for "
-                 f"model states and cache, more than the {_size(plan.budget.allowed)} the GPU has for them "
-                 "beside the activations")
+        text += (
+            f"\n  why: keeping every chunk on the GPU needs {_size(smallest['device_bytes'])} per GPU for "
+            f"model states and cache, more than the {_size(plan.budget.allowed)} the GPU has for them "
+            "beside the activations"
+        )
     return text
 
 
@@ -234,18 +273,31 @@ def _step_text(args: argparse.Namespace, plan: ElixirPlan) -> str:
     tokens = args.batch_size * args.seq_len * args.grad_accum
     tflops = 8 * plan.profile.n_params * tokens / t.total / 1e12
     parts = [f"compute {t.compute:.3f} s"]
-    parts += [f"{name} {v:.3f} s" for name, v in (("transfers not hidden", t.exposed_transfers),
-                                                   ("Adam on the GPU", t.gpu_adam),
-                                                   ("CPU Adam not hidden", t.exposed_cpu_adam)) if v >= 0.0005]
+    parts += [
+        f"{name} {v:.3f} s"
+        for name, v in (
+            ("transfers not hidden", t.exposed_transfers),
+            ("Adam on the GPU", t.gpu_adam),
+            ("CPU Adam not hidden", t.exposed_cpu_adam),
+        )
+        if v >= 0.0005
+    ]
     rigid = {a["name"]: a for a in plan.alternatives}
-    zero = [f"{label} {rigid[k]['time']['total']:.3f} s" for k, label in
-            (("zero2-offload-all", "ZeRO-2-like offload-all"), ("zero3-offload-all", "ZeRO-3-like offload-all"))
-            if k in rigid]
-    return "\n".join([
-        f"predicted step: {t.total:.3f} s per optimizer step ({', '.join(parts)})",
-        f"  {tflops:.{0 if tflops >= 100 else 1 if tflops >= 1 else 3}f} TFLOPS per GPU (8 x parameters x tokens / step time)"
-        + (f"; for comparison {', '.join(zero)}" if zero else ""),
-    ])
+    zero = [
+        f"{label} {rigid[k]['time']['total']:.3f} s"
+        for k, label in (
+            ("zero2-offload-all", "ZeRO-2-like offload-all"),
+            ("zero3-offload-all", "ZeRO-3-like offload-all"),
+        )
+        if k in rigid
+    ]
+    return "\n".join(
+        [
+            f"predicted step: {t.total:.3f} s per optimizer step ({', '.join(parts)})",
+            f"  {tflops:.{0 if tflops >= 100 else 1 if tflops >= 1 else 3}f} TFLOPS per GPU (8 x parameters x tokens / step time)"
+            + (f"; for comparison {', '.join(zero)}" if zero else ""),
+        ]
+    )
 
 
 # --------------------------------------------------------------------------- layers of chunks
@@ -299,29 +351,34 @@ def chunk_layers(plan: ElixirPlan) -> list[str]:
 
 # --------------------------------------------------------------------------- --verbose
 
+
 def _details(plan: ElixirPlan, hardware: HardwareProfile, hw_note: str, timings: dict[str, float]) -> str:
     notes = "".join(f"\nnote: {n}" for n in plan.search["notes"])
-    return "\n\n".join([
-        "== profile ==\n" + plan.profile.summary(),
-        f"== hardware ==\n{hardware.device}: {hardware.source}" + (f"\n{hw_note}" if hw_note else ""),
-        "== plan ==\n" + plan.table(verbose=True),
-        "== memory budget per GPU ==\n" + _budget_text(plan.budget),
-        "== alternatives (same chunks) ==\n" + _alternatives_table(plan),
-        "== chunk sizes tried ==\n" + _candidates_table(plan),
-        f"model built in {timings['build_s']:.2f} s, profiled in {timings['profile_s']:.2f} s, searched "
-        f"{len(plan.search['candidates'])} chunk sizes in {timings['search_s']:.2f} s" + notes,
-    ])
+    return "\n\n".join(
+        [
+            "== profile ==\n" + plan.profile.summary(),
+            f"== hardware ==\n{hardware.device}: {hardware.source}" + (f"\n{hw_note}" if hw_note else ""),
+            "== plan ==\n" + plan.table(verbose=True),
+            "== memory budget per GPU ==\n" + _budget_text(plan.budget),
+            "== alternatives (same chunks) ==\n" + _alternatives_table(plan),
+            "== chunk sizes tried ==\n" + _candidates_table(plan),
+            f"model built in {timings['build_s']:.2f} s, profiled in {timings['profile_s']:.2f} s, searched "
+            f"{len(plan.search['candidates'])} chunk sizes in {timings['search_s']:.2f} s" + notes,
+        ]
+    )
 
 
 def _budget_text(budget: Budget) -> str:
     g = GIB
-    return "\n".join([
-        f"U_allowed = F_alloc x (capacity - U_buffer - F_frag x U_act) = {budget.f_alloc} x ({budget.capacity / g:.2f} "
-        f"- {budget.buffers / g:.2f} - {budget.f_frag} x {budget.activations / g:.2f}) = {budget.allowed / g:.2f} GiB "
-        "for model states and rCache",
-        f"host: F_host x host memory / GPUs per host = {budget.f_host} x {budget.host_capacity / g:.2f} / "
-        f"{budget.ranks_per_host} = {budget.host_allowed / g:.2f} GiB pinned per GPU",
-    ])
+    return "\n".join(
+        [
+            f"U_allowed = F_alloc x (capacity - U_buffer - F_frag x U_act) = {budget.f_alloc} x ({budget.capacity / g:.2f} "
+            f"- {budget.buffers / g:.2f} - {budget.f_frag} x {budget.activations / g:.2f}) = {budget.allowed / g:.2f} GiB "
+            "for model states and rCache",
+            f"host: F_host x host memory / GPUs per host = {budget.f_host} x {budget.host_capacity / g:.2f} / "
+            f"{budget.ranks_per_host} = {budget.host_allowed / g:.2f} GiB pinned per GPU",
+        ]
+    )
 
 
 def _candidates_table(plan: ElixirPlan) -> str:
@@ -331,14 +388,19 @@ def _candidates_table(plan: ElixirPlan) -> str:
         fits = c["step_s"] is not None
         lines.append(
             f"{c['chunk_size']:>12,} {c['n_chunks']:>6} {c['min_blocks']:>10} "
-            + (f"{c['n_blocks']:>6} {c['offloaded']:>9} {c['step_s']:>8.3f}" if fits else f"{'-':>6} {'-':>9} {'no fit':>8}")
+            + (
+                f"{c['n_blocks']:>6} {c['offloaded']:>9} {c['step_s']:>8.3f}"
+                if fits
+                else f"{'-':>6} {'-':>9} {'no fit':>8}"
+            )
             + ("  <- chosen" if c["chunk_size"] == plan.chunk_size else "")
         )
     return "\n".join(lines)
 
 
-def _doc(args: argparse.Namespace, plan: ElixirPlan, hardware: HardwareProfile, hw_note: str,
-         timings: dict[str, float]) -> dict[str, Any]:
+def _doc(
+    args: argparse.Namespace, plan: ElixirPlan, hardware: HardwareProfile, hw_note: str, timings: dict[str, float]
+) -> dict[str, Any]:
     return {
         "model": args.model,
         "settings": {
@@ -375,9 +437,21 @@ def _profile_json(profile: ModelProfile) -> dict[str, Any]:
 
 
 def _alternatives_table(plan: ElixirPlan) -> str:
-    rows = [("elixir (chosen)", plan.n_blocks, len(plan.offload), plan.device_bytes, plan.host_bytes, True, plan.predicted)]
-    rows += [(a["name"], a["n_blocks"], a["offloaded"], a["device_bytes"], a["host_bytes"], a["fits"],
-              StepTime.from_dict(a["time"])) for a in plan.alternatives]
+    rows = [
+        ("elixir (chosen)", plan.n_blocks, len(plan.offload), plan.device_bytes, plan.host_bytes, True, plan.predicted)
+    ]
+    rows += [
+        (
+            a["name"],
+            a["n_blocks"],
+            a["offloaded"],
+            a["device_bytes"],
+            a["host_bytes"],
+            a["fits"],
+            StepTime.from_dict(a["time"]),
+        )
+        for a in plan.alternatives
+    ]
     head = f"{'plan':<18} {'blocks':>6} {'offloaded':>9} {'GPU GiB':>8} {'host GiB':>8} {'fits':>5} {'step s':>8}  breakdown"
     lines = [head]
     for name, blocks, off, dev, host_b, fits, t in rows:

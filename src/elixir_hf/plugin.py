@@ -29,8 +29,19 @@ ENV_VAR = "ELIXIR_CONFIG"
 
 _LOSS_SCALE_KEYS = {f.name for f in fields(LossScaleConfig)}
 _SPEC_KEYS = (  # the ElixirConfig fields a spec may set (device, process group, alignment, clips_grads: the run's)
-    "mode", "dtype", "chunk_size", "n_blocks", "offload", "prefetch", "unit_classes", "cpu_threads",
-    "lockstep_timeout_s", "loss_scale", "skip_nonfinite", "max_consecutive_skips", "gpu_memory",
+    "mode",
+    "dtype",
+    "chunk_size",
+    "n_blocks",
+    "offload",
+    "prefetch",
+    "unit_classes",
+    "cpu_threads",
+    "lockstep_timeout_s",
+    "loss_scale",
+    "skip_nonfinite",
+    "max_consecutive_skips",
+    "gpu_memory",
     "device_assisted_update",
 )
 _PLUGIN_KEYS = ("lean_loss",)  # the ElixirPlugin fields a spec may set (the HF glue's, not the engine's)
@@ -67,7 +78,7 @@ class ElixirPlugin:
 
     # ------------------------------------------------------------------ parsing
     @classmethod
-    def from_spec(cls, spec: "str | dict | ElixirPlugin | None", source: str = "--elixir") -> "ElixirPlugin | None":
+    def from_spec(cls, spec: str | dict | ElixirPlugin | None, source: str = "--elixir") -> ElixirPlugin | None:
         """Parses the spec grammar; ``None``/``"off"`` mean Elixir is disabled (returns ``None``).
         ``source`` (``--elixir``, ``ELIXIR_CONFIG``, ...) is named in every error."""
         if spec is None or isinstance(spec, ElixirPlugin):
@@ -97,7 +108,7 @@ class ElixirPlugin:
         )
 
     @classmethod
-    def _from_mapping(cls, data: Any, source: str) -> "ElixirPlugin":
+    def _from_mapping(cls, data: Any, source: str) -> ElixirPlugin:
         if not isinstance(data, dict):
             raise ElixirSpecError(f"{source} must hold a JSON object, got {type(data).__name__}")
         if "n_chunks" in data and "world_size" in data:
@@ -113,15 +124,25 @@ class ElixirPlugin:
         return cls._built(source, **data)
 
     @classmethod
-    def _built(cls, source: str, plan: ElixirPlan | None = None, plan_model: dict[str, Any] | None = None,
-               lean_loss: bool = True, **kwargs: Any) -> "ElixirPlugin":
+    def _built(
+        cls,
+        source: str,
+        plan: ElixirPlan | None = None,
+        plan_model: dict[str, Any] | None = None,
+        lean_loss: bool = True,
+        **kwargs: Any,
+    ) -> ElixirPlugin:
         """``kwargs``: the spec keys (``_SPEC_KEYS``); ``loss_scale`` is an object of ``LossScaleConfig`` fields."""
         loss_scale = kwargs.pop("loss_scale", {})
         if not isinstance(loss_scale, dict):
-            raise ElixirSpecError(f"{source}: loss_scale must be an object such as {{\"init_scale\": 1024}}, got {loss_scale!r}")
+            raise ElixirSpecError(
+                f'{source}: loss_scale must be an object such as {{"init_scale": 1024}}, got {loss_scale!r}'
+            )
         unknown = set(loss_scale) - _LOSS_SCALE_KEYS
         if unknown:
-            raise ElixirSpecError(f"{source}: unknown loss_scale key(s) {sorted(unknown)}; valid keys: {sorted(_LOSS_SCALE_KEYS)}")
+            raise ElixirSpecError(
+                f"{source}: unknown loss_scale key(s) {sorted(unknown)}; valid keys: {sorted(_LOSS_SCALE_KEYS)}"
+            )
         try:  # the config's and the plugin's own checks, one copy of each rule
             config = ElixirConfig(loss_scale=LossScaleConfig(**loss_scale), **kwargs)
             return cls(config=config, plan=plan, plan_model=plan_model, lean_loss=lean_loss)
@@ -129,7 +150,7 @@ class ElixirPlugin:
             raise ElixirSpecError(f"{source}: {exc}") from exc
 
     @classmethod
-    def _from_plan(cls, data: dict, source: str) -> "ElixirPlugin":
+    def _from_plan(cls, data: dict, source: str) -> ElixirPlugin:
         try:
             plan = ElixirPlan.from_dict({k: v for k, v in data.items() if k != "model"})
         except (TypeError, ValueError) as exc:
@@ -152,9 +173,7 @@ class ElixirPlugin:
         so a conflicting explicit choice is an error rather than a silent override."""
         mp = (mixed_precision or "no").lower()
         if mp not in _MIXED_PRECISION_DTYPES:
-            raise ElixirSpecError(
-                f"mixed precision {mp!r} is not supported with Elixir; use bf16, fp16 or no (fp32)"
-            )
+            raise ElixirSpecError(f"mixed precision {mp!r} is not supported with Elixir; use bf16, fp16 or no (fp32)")
         wanted = _MIXED_PRECISION_DTYPES[mp]
         dtype = self.config.dtype
         if dtype is None:

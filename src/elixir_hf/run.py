@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import runpy
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from accelerate import Accelerator
 from transformers import Trainer, TrainingArguments

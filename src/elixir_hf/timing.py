@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -33,8 +33,9 @@ import functools
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 from unittest import mock
 
 import torch
@@ -112,7 +113,12 @@ class ElixirTrainer(Trainer):
             else None
         )
         self.optimizer = build_engine(
-            target, optimizer, self.elixir_plugin, self.args.device, batch, args=self.args,
+            target,
+            optimizer,
+            self.elixir_plugin,
+            self.args.device,
+            batch,
+            args=self.args,
             grad_accum_steps=self.args.gradient_accumulation_steps,
         )
         return self.optimizer
@@ -156,8 +162,13 @@ class ElixirTrainer(Trainer):
         rotations: list[dict] = []
         with mock.patch.object(transformers.trainer, "rotate_checkpoints", lambda **kw: rotations.append(kw)):
             super()._save_checkpoint(model, trial)
-        seal(folder, self._digests, step=self.state.global_step, optimizer=not self.args.save_only_model,
-             is_main=self.args.should_save)
+        seal(
+            folder,
+            self._digests,
+            step=self.state.global_step,
+            optimizer=not self.args.save_only_model,
+            is_main=self.args.should_save,
+        )
         for kwargs in rotations:
             transformers.trainer.rotate_checkpoints(**kwargs)
 
@@ -215,7 +226,9 @@ class ElixirTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or not has_engine(self.model):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        marker = getattr(self, "_resume_marker", None) or verify(checkpoint, self.args.process_index, self.args.should_save)
+        marker = getattr(self, "_resume_marker", None) or verify(
+            checkpoint, self.args.process_index, self.args.should_save
+        )
         if not marker["optimizer"]:
             return  # weights only (save_only_model): fresh optimizer and scheduler, as the stock Trainer does
         error = None

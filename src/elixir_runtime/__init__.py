@@ -1,23 +1,32 @@
 """elixir_runtime: chunk-based ZeRO with an rCache and partial CPU offload (torch only).
 
-    model, optimizer = elixir_runtime.prepare(model, torch.optim.AdamW(model.parameters()), example_batch=batch)
-    loss = model(**batch).loss
-    optimizer.backward(loss)
-    optimizer.clip_grad_norm(1.0)
-    optimizer.step(); optimizer.zero_grad()
-    with elixir_runtime.full_params(model):   # every rank; then forwards on any rank (sampling, eval)
-        ...
+model, optimizer = elixir_runtime.prepare(model, torch.optim.AdamW(model.parameters()), example_batch=batch)
+loss = model(**batch).loss
+optimizer.backward(loss)
+optimizer.clip_grad_norm(1.0)
+optimizer.step(); optimizer.zero_grad()
+with elixir_runtime.full_params(model):   # every rank; then forwards on any rank (sampling, eval)
+    ...
 """
 
 from .api import ElixirState, prepare
-from .state_dict import load_safetensors, rank0_state_dict
 from .config import ElixirConfig, LossScaleConfig, PlanError
 from .optim.optimizer import ElixirOptimizer
 from .plan import ElixirPlan
 from .runtime.full_params import full_params
 from .runtime.lockstep import LockstepError
+from .state_dict import load_safetensors, rank0_state_dict
 
 __all__ = [
-    "prepare", "ElixirConfig", "LossScaleConfig", "ElixirOptimizer", "ElixirPlan", "PlanError", "ElixirState",
-    "load_safetensors", "rank0_state_dict", "full_params", "LockstepError",
+    "prepare",
+    "ElixirConfig",
+    "LossScaleConfig",
+    "ElixirOptimizer",
+    "ElixirPlan",
+    "PlanError",
+    "ElixirState",
+    "load_safetensors",
+    "rank0_state_dict",
+    "full_params",
+    "LockstepError",
 ]

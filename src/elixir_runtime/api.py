@@ -17,21 +17,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from .state_dict import ModelStateHooks
 from .chunk.collectives import Collectives
 from .chunk.source import WeightSource, unmeta_parameters, weight_source
 from .config import ElixirConfig
 from .gpu_limit import expandable_segments, limit_gpu_memory
-from .runtime.device_lane import DeviceLane
-from .optim.optimizer import ElixirOptimizer
+from .host import local_ranks
 from .kernels.threads import cpu_adam_threads
+from .optim.optimizer import ElixirOptimizer
 from .plan import ElixirPlan
 from .planner import plan_job
 from .runtime.chunk_runtime import ChunkRuntime
+from .runtime.device_lane import DeviceLane
 from .runtime.hooks import install_hooks
 from .runtime.lockstep import Lockstep
+from .state_dict import ModelStateHooks
 from .units import Unit, find_units
-from .host import local_ranks
 
 __all__ = ["prepare", "ElixirState"]
 
@@ -85,8 +85,18 @@ def prepare(
     _limit_gpu_memory(device, config.gpu_memory)
     # gradient shards come and go during each backward (chunk/store.py): page-mapped segments keep that from fragmenting
     expandable = device.type == "cuda" and expandable_segments()
-    plan = plan_job(model, units, example_batch, config, device, dtype, coll, param_group=lambda p: group_of[id(p)],
-                    grads_share_activations=expandable, resident=list(resident))
+    plan = plan_job(
+        model,
+        units,
+        example_batch,
+        config,
+        device,
+        dtype,
+        coll,
+        param_group=lambda p: group_of[id(p)],
+        grads_share_activations=expandable,
+        resident=list(resident),
+    )
     if coll.rank == 0:  # the HF integration prints it; a debug record for runtime-only users
         logger.debug("Elixir plan:\n%s", plan.table())
 
@@ -97,16 +107,29 @@ def prepare(
     lockstep = Lockstep(coll, config.lockstep_timeout_s)
     lane = DeviceLane(plan.device_lane, device, dtype) if plan.device_lane else None
     runtime = ChunkRuntime(
-        plan.layout, plan.placement(), plan.n_blocks, coll, device, dtype, config.prefetch, lockstep, source.value, lane,
+        plan.layout,
+        plan.placement(),
+        plan.n_blocks,
+        coll,
+        device,
+        dtype,
+        config.prefetch,
+        lockstep,
+        source.value,
+        lane,
         grads_share_activations=plan.grad_window.shares,
     )
     install_hooks(model, units, plan.unit_chunks, runtime, plan.root_chunks)
     model_state = ModelStateHooks(runtime, orig_dtypes)
     model_state.install(model)
     elixir_optimizer = ElixirOptimizer(
-        optimizer, runtime, decoupled=decoupled, loss_scale=config.loss_scale,
+        optimizer,
+        runtime,
+        decoupled=decoupled,
+        loss_scale=config.loss_scale,
         cpu_threads=cpu_adam_threads(local_ranks(), config.cpu_threads),
-        skip_nonfinite=config.skip_nonfinite, max_consecutive_skips=config.max_consecutive_skips,
+        skip_nonfinite=config.skip_nonfinite,
+        max_consecutive_skips=config.max_consecutive_skips,
     )
     model._elixir = ElixirState(runtime, plan, units, elixir_optimizer, model_state)
     return model, elixir_optimizer
@@ -144,7 +167,9 @@ def _check_optimizer(optimizer: torch.optim.Optimizer) -> bool:
     for g in optimizer.param_groups:
         for flag in ("amsgrad", "maximize"):
             if g.get(flag):
-                raise ValueError(f"{flag}=True is not supported by the Elixir optimizer; create the optimizer without it")
+                raise ValueError(
+                    f"{flag}=True is not supported by the Elixir optimizer; create the optimizer without it"
+                )
     return isinstance(optimizer, torch.optim.AdamW) or bool(optimizer.defaults.get("decoupled_weight_decay"))
 
 
@@ -172,8 +197,11 @@ def _limit_gpu_memory(device: torch.device, gpu_memory: int | None) -> None:
     if device.type == "cuda":
         limit_gpu_memory(device, gpu_memory)
     elif gpu_memory is not None:
-        logger.warning("elixir: ElixirConfig.gpu_memory=%d bytes is ignored: this run computes on %s, not a GPU",
-                       gpu_memory, device)
+        logger.warning(
+            "elixir: ElixirConfig.gpu_memory=%d bytes is ignored: this run computes on %s, not a GPU",
+            gpu_memory,
+            device,
+        )
 
 
 def _resolve_device(config: ElixirConfig) -> torch.device:

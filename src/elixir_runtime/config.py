@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -43,9 +44,7 @@ def _check(config: object, rules: dict[str, tuple[bool, str]]) -> None:
     for name, (ok, need) in rules.items():
         if not ok:
             value = getattr(config, name)
-            raise ConfigError(
-                f"{type(config).__name__}.{name} must be {need}, got {value!r} ({type(value).__name__})"
-            )
+            raise ConfigError(f"{type(config).__name__}.{name} must be {need}, got {value!r} ({type(value).__name__})")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -59,16 +58,32 @@ class LossScaleConfig:
     min_scale: float = 1.0
 
     def __post_init__(self) -> None:
-        _check(self, {
-            "init_scale": (_real(self.init_scale) and self.init_scale > 0, "a positive finite number such as 65536.0"),
-            "growth_factor": (_real(self.growth_factor) and self.growth_factor > 1, "a finite number > 1 such as 2.0"),
-            "backoff_factor": (_real(self.backoff_factor) and 0 < self.backoff_factor < 1, "a number in (0, 1) such as 0.5"),
-            "growth_interval": (_int(self.growth_interval) and self.growth_interval >= 1, "an int >= 1 (steps) such as 2000"),
-            "min_scale": (
-                _real(self.min_scale) and 0 < self.min_scale <= (self.init_scale if _real(self.init_scale) else math.inf),
-                "a positive finite number no larger than init_scale, such as 1.0",
-            ),
-        })
+        _check(
+            self,
+            {
+                "init_scale": (
+                    _real(self.init_scale) and self.init_scale > 0,
+                    "a positive finite number such as 65536.0",
+                ),
+                "growth_factor": (
+                    _real(self.growth_factor) and self.growth_factor > 1,
+                    "a finite number > 1 such as 2.0",
+                ),
+                "backoff_factor": (
+                    _real(self.backoff_factor) and 0 < self.backoff_factor < 1,
+                    "a number in (0, 1) such as 0.5",
+                ),
+                "growth_interval": (
+                    _int(self.growth_interval) and self.growth_interval >= 1,
+                    "an int >= 1 (steps) such as 2000",
+                ),
+                "min_scale": (
+                    _real(self.min_scale)
+                    and 0 < self.min_scale <= (self.init_scale if _real(self.init_scale) else math.inf),
+                    "a positive finite number no larger than init_scale, such as 1.0",
+                ),
+            },
+        )
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -145,64 +160,86 @@ class ElixirConfig:
         offload = self.offload
         indices = isinstance(offload, (list, tuple)) and all(_int(i) and i >= 0 for i in offload)
         classes = self.unit_classes
-        _check(self, {
-            "mode": (self.mode in ("auto", "static"), "'auto' (planned from the model and the machine) or 'static'"),
-            "dtype": (self.dtype is None or isinstance(self.dtype, (str, torch.dtype)), "'bf16', 'fp16', 'fp32' or None"),
-            "chunk_size": (
-                self.chunk_size is None or (_int(self.chunk_size) and self.chunk_size >= 1),
-                "a positive int (elements per chunk) or None (sized from the model)",
-            ),
-            "n_blocks": (
-                self.n_blocks is None or self.n_blocks in ("min", "max") or (_int(self.n_blocks) and self.n_blocks >= 1),
-                "an int >= 1 (chunks in the rCache), 'min', 'max' or None",
-            ),
-            "offload": (
-                offload is None or (_real(offload) and 0 <= offload <= 1) or (indices and len(set(offload)) == len(offload)),
-                "a fraction of the chunks in [0, 1] (1.0: all), a list of distinct chunk indices, or None",
-            ),
-            "prefetch": (_int(self.prefetch) and self.prefetch >= 0, "an int >= 0 (chunks gathered ahead)"),
-            "unit_classes": (
-                classes is None
-                or (isinstance(classes, (list, tuple)) and all(isinstance(c, (str, type)) for c in classes)),
-                "a list of module classes or class names such as ['GPT2Block'], or None",
-            ),
-            "device": (
-                self.device is None or isinstance(self.device, (str, torch.device)), "a device such as 'cuda:0', or None"
-            ),
-            "process_group": (
-                self.process_group is None or isinstance(self.process_group, dist.ProcessGroup),
-                "a torch.distributed.ProcessGroup or None (the default group)",
-            ),
-            "loss_scale": (isinstance(self.loss_scale, LossScaleConfig), "a LossScaleConfig(...)"),
-            "alignment": (_int(self.alignment) and self.alignment >= 1, "an int >= 1 (elements)"),
-            "cpu_threads": (
-                self.cpu_threads is None or (_int(self.cpu_threads) and self.cpu_threads >= 1), "an int >= 1 or None"
-            ),
-            "clips_grads": (isinstance(self.clips_grads, bool), "True or False"),
-            "grad_accum_steps": (_int(self.grad_accum_steps) and self.grad_accum_steps >= 1, "an int >= 1 (micro-batches per step)"),
-            "device_assisted_update": (
-                isinstance(self.device_assisted_update, bool) or self.device_assisted_update == "auto",
-                "True, False or 'auto' (the planner decides, on a GPU)",
-            ),
-            "lockstep_timeout_s": (
-                _real(self.lockstep_timeout_s) and self.lockstep_timeout_s > 0, "a positive number of seconds such as 60"
-            ),
-            "skip_nonfinite": (isinstance(self.skip_nonfinite, bool), "True or False"),
-            "max_consecutive_skips": (
-                _int(self.max_consecutive_skips) and self.max_consecutive_skips >= 1, "an int >= 1 (skipped steps in a row)"
-            ),
-            "gpu_memory": (
-                self.gpu_memory is None or isinstance(self.gpu_memory, str) or _int(self.gpu_memory),
-                "a size such as '70GiB' or '70GB', an int of bytes, or None (the whole GPU)",
-            ),
-        })
+        _check(
+            self,
+            {
+                "mode": (
+                    self.mode in ("auto", "static"),
+                    "'auto' (planned from the model and the machine) or 'static'",
+                ),
+                "dtype": (
+                    self.dtype is None or isinstance(self.dtype, (str, torch.dtype)),
+                    "'bf16', 'fp16', 'fp32' or None",
+                ),
+                "chunk_size": (
+                    self.chunk_size is None or (_int(self.chunk_size) and self.chunk_size >= 1),
+                    "a positive int (elements per chunk) or None (sized from the model)",
+                ),
+                "n_blocks": (
+                    self.n_blocks is None
+                    or self.n_blocks in ("min", "max")
+                    or (_int(self.n_blocks) and self.n_blocks >= 1),
+                    "an int >= 1 (chunks in the rCache), 'min', 'max' or None",
+                ),
+                "offload": (
+                    offload is None
+                    or (_real(offload) and 0 <= offload <= 1)
+                    or (indices and len(set(offload)) == len(offload)),
+                    "a fraction of the chunks in [0, 1] (1.0: all), a list of distinct chunk indices, or None",
+                ),
+                "prefetch": (_int(self.prefetch) and self.prefetch >= 0, "an int >= 0 (chunks gathered ahead)"),
+                "unit_classes": (
+                    classes is None
+                    or (isinstance(classes, (list, tuple)) and all(isinstance(c, (str, type)) for c in classes)),
+                    "a list of module classes or class names such as ['GPT2Block'], or None",
+                ),
+                "device": (
+                    self.device is None or isinstance(self.device, (str, torch.device)),
+                    "a device such as 'cuda:0', or None",
+                ),
+                "process_group": (
+                    self.process_group is None or isinstance(self.process_group, dist.ProcessGroup),
+                    "a torch.distributed.ProcessGroup or None (the default group)",
+                ),
+                "loss_scale": (isinstance(self.loss_scale, LossScaleConfig), "a LossScaleConfig(...)"),
+                "alignment": (_int(self.alignment) and self.alignment >= 1, "an int >= 1 (elements)"),
+                "cpu_threads": (
+                    self.cpu_threads is None or (_int(self.cpu_threads) and self.cpu_threads >= 1),
+                    "an int >= 1 or None",
+                ),
+                "clips_grads": (isinstance(self.clips_grads, bool), "True or False"),
+                "grad_accum_steps": (
+                    _int(self.grad_accum_steps) and self.grad_accum_steps >= 1,
+                    "an int >= 1 (micro-batches per step)",
+                ),
+                "device_assisted_update": (
+                    isinstance(self.device_assisted_update, bool) or self.device_assisted_update == "auto",
+                    "True, False or 'auto' (the planner decides, on a GPU)",
+                ),
+                "lockstep_timeout_s": (
+                    _real(self.lockstep_timeout_s) and self.lockstep_timeout_s > 0,
+                    "a positive number of seconds such as 60",
+                ),
+                "skip_nonfinite": (isinstance(self.skip_nonfinite, bool), "True or False"),
+                "max_consecutive_skips": (
+                    _int(self.max_consecutive_skips) and self.max_consecutive_skips >= 1,
+                    "an int >= 1 (skipped steps in a row)",
+                ),
+                "gpu_memory": (
+                    self.gpu_memory is None or isinstance(self.gpu_memory, str) or _int(self.gpu_memory),
+                    "a size such as '70GiB' or '70GB', an int of bytes, or None (the whole GPU)",
+                ),
+            },
+        )
         if self.gpu_memory is not None:
             object.__setattr__(self, "gpu_memory", _gpu_memory(self.gpu_memory))
         if isinstance(self.device, str):
             try:
                 torch.device(self.device)
             except RuntimeError as exc:
-                raise ConfigError(f"ElixirConfig.device {self.device!r} is not a device ({exc}); use e.g. 'cuda:0' or 'cpu'") from exc
+                raise ConfigError(
+                    f"ElixirConfig.device {self.device!r} is not a device ({exc}); use e.g. 'cuda:0' or 'cpu'"
+                ) from exc
         if self.dtype is not None:
             try:
                 object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
@@ -225,8 +262,22 @@ def _gpu_memory(value: int | str) -> int:
     return value
 
 
-_SIZE_UNITS = {"": 2**30, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "kib": 2**10, "mib": 2**20,
-               "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_SIZE_UNITS = {
+    "": 2**30,
+    "b": 1,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+}
 
 
 def parse_size(text: str) -> int:

@@ -40,11 +40,21 @@ def limit_gpu_memory(device: torch.device, gpu_memory: int | None) -> None:
     fraction = torch.cuda.get_per_process_memory_fraction(device)
     if gpu_memory < fraction * total:
         torch.cuda.set_per_process_memory_fraction(gpu_memory / total, device)
-        logger.info("elixir: %s limited to %.2f GiB (ElixirConfig.gpu_memory): memory fraction %.4f",
-                    device, gpu_memory / GIB, gpu_memory / total)
+        logger.info(
+            "elixir: %s limited to %.2f GiB (ElixirConfig.gpu_memory): memory fraction %.4f",
+            device,
+            gpu_memory / GIB,
+            gpu_memory / total,
+        )
     else:
-        logger.info("elixir: ElixirConfig.gpu_memory %.2f GiB: the memory fraction %.4f already set on %s allows "
-                    "no more (%.2f GiB) and stays", gpu_memory / GIB, fraction, device, fraction * total / GIB)
+        logger.info(
+            "elixir: ElixirConfig.gpu_memory %.2f GiB: the memory fraction %.4f already set on %s allows "
+            "no more (%.2f GiB) and stays",
+            gpu_memory / GIB,
+            fraction,
+            device,
+            fraction * total / GIB,
+        )
 
 
 def process_limit(device: torch.device) -> int | None:
@@ -91,6 +101,8 @@ def expandable_segments() -> bool:
     except (RuntimeError, AttributeError) as err:  # a build without them (e.g. not Linux)
         logger.info("elixir: expandable segments unavailable (%s): gradients are planned beside the activations", err)
         return False
-    logger.info("elixir: turned on the CUDA caching allocator's expandable segments (set PYTORCH_CUDA_ALLOC_CONF="
-                "expandable_segments:False to keep fixed segments; the plan then counts gradients beside activations)")
+    logger.info(
+        "elixir: turned on the CUDA caching allocator's expandable segments (set PYTORCH_CUDA_ALLOC_CONF="
+        "expandable_segments:False to keep fixed segments; the plan then counts gradients beside activations)"
+    )
     return True

@@ -63,7 +63,7 @@ class PlanMemory:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
     @classmethod
-    def from_dict(cls, data: dict[str, int]) -> "PlanMemory":
+    def from_dict(cls, data: dict[str, int]) -> PlanMemory:
         return cls(**data)
 
 
@@ -148,41 +148,74 @@ class ElixirPlan:
         own = "; tied or oversize parameters get chunks of their own" if self.memory.private else ""
         rows = [
             ("chunks", f"{self.n_chunks} of at most {self.chunk_size:,} elements ({self.dtype}){own}"),
-            ("gathered-parameter cache", f"{self.n_blocks} blocks (rCache; at least {self.min_blocks}, at most "
-             f"{self.max_blocks} useful)"),
+            (
+                "gathered-parameter cache",
+                f"{self.n_blocks} blocks (rCache; at least {self.min_blocks}, at most {self.max_blocks} useful)",
+            ),
         ]
         if self.memory.private:
-            rows.append(("own-chunk buffers", f"{self.memory.private / gib:.3f} GiB (tied parameters and those larger "
-                         "than a chunk, or read outside their module: kept gathered)"))
+            rows.append(
+                (
+                    "own-chunk buffers",
+                    f"{self.memory.private / gib:.3f} GiB (tied parameters and those larger "
+                    "than a chunk, or read outside their module: kept gathered)",
+                )
+            )
         rows += [
             ("offloaded chunks", f"{len(self.offload)} of {self.n_chunks}"),
             ("world size", str(self.world_size)),
             ("GPU memory / rank", f"{self.device_bytes / gib:.3f} GiB (model states + gathered-parameter cache)"),
             ("host memory / rank", f"{self.host_bytes / gib:.3f} GiB (pinned)"),
-            ("device update lane", f"on: {LANE_DEPTH} x {self.device_lane:,} elements staged "
-             f"({self.memory.lane_staging / gib:.3f} GiB)" if self.device_lane
-             else "off (CPU alone)" if self.offload else "- (nothing offloaded)"),
+            (
+                "device update lane",
+                f"on: {LANE_DEPTH} x {self.device_lane:,} elements staged ({self.memory.lane_staging / gib:.3f} GiB)"
+                if self.device_lane
+                else "off (CPU alone)"
+                if self.offload
+                else "- (nothing offloaded)",
+            ),
         ]
         if self.memory.activations is not None:
-            rows.append(("GPU peak / rank", f"{self.device_peak_bytes / gib:.3f} GiB (+ activations "
-                         f"{self.memory.activations / gib:.3f}, buffers {(self.memory.buffers or 0) / gib:.3f})"))
+            rows.append(
+                (
+                    "GPU peak / rank",
+                    f"{self.device_peak_bytes / gib:.3f} GiB (+ activations "
+                    f"{self.memory.activations / gib:.3f}, buffers {(self.memory.buffers or 0) / gib:.3f})",
+                )
+            )
         if self.gpu_memory is not None:
             rows.append(("GPU memory cap", f"{self.gpu_memory / gib:.3f} GiB per GPU (ElixirConfig.gpu_memory)"))
         if self.budget is not None:
-            rows.append(("budget / rank", f"{self.budget.allowed / gib:.3f} GiB GPU for model states and cache, "
-                         f"{self.budget.host_allowed / gib:.3f} GiB pinned host"))
+            rows.append(
+                (
+                    "budget / rank",
+                    f"{self.budget.allowed / gib:.3f} GiB GPU for model states and cache, "
+                    f"{self.budget.host_allowed / gib:.3f} GiB pinned host",
+                )
+            )
         if self.predicted is not None:
             rows.append(("predicted step", format_step_time(self.predicted)))
         if self.search.get("rates"):
             r = self.search["rates"]
             alone = f" ({r['cpu_adam_alone_Gps']} alone)" if r.get("cpu_adam_alone_Gps") else ""
-            rows.append(("rates / rank", f"H2D {r['h2d_GBps']} / D2H {r['d2h_GBps']} GB/s, collectives "
-                         f"{r['busbw_GBps'] or '-'} GB/s, Adam GPU {r['gpu_adam_Gps']} / CPU {r['cpu_adam_Gps']}{alone} G params/s"
-                         + (f" ({r['cpu_threads']} threads)" if r.get("cpu_threads") else "")))
+            rows.append(
+                (
+                    "rates / rank",
+                    f"H2D {r['h2d_GBps']} / D2H {r['d2h_GBps']} GB/s, collectives "
+                    f"{r['busbw_GBps'] or '-'} GB/s, Adam GPU {r['gpu_adam_Gps']} / CPU {r['cpu_adam_Gps']}{alone} G params/s"
+                    + (f" ({r['cpu_threads']} threads)" if r.get("cpu_threads") else ""),
+                )
+            )
         if verbose and "i_per_gib" in self.search:
-            i, j = (("-" if v is None else f"{v * 1e3:.2f}") for v in (self.search["i_per_gib"], self.search["j_per_gib"]))
-            rows.append(("I(n) / J(n)", f"{i} / {j} ms per GiB saved by one more rCache block / by the next upload "
-                         "(- : none left)"))
+            i, j = (
+                ("-" if v is None else f"{v * 1e3:.2f}") for v in (self.search["i_per_gib"], self.search["j_per_gib"])
+            )
+            rows.append(
+                (
+                    "I(n) / J(n)",
+                    f"{i} / {j} ms per GiB saved by one more rCache block / by the next upload (- : none left)",
+                )
+            )
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -199,7 +232,7 @@ class ElixirPlan:
         return json.dumps({**self.to_dict(), "predicted_step_s": self.predicted_step_s}, indent=2)
 
     @classmethod
-    def from_json(cls, text_or_path: str | Path) -> "ElixirPlan":
+    def from_json(cls, text_or_path: str | Path) -> ElixirPlan:
         """A JSON text or the path of a file holding one (plans from before the search included)."""
         text = str(text_or_path)
         if not text.lstrip().startswith("{"):
@@ -207,7 +240,7 @@ class ElixirPlan:
         return cls.from_dict(json.loads(text))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ElixirPlan":
+    def from_dict(cls, data: dict[str, Any]) -> ElixirPlan:
         """The plan a saved ``to_json`` document describes: the one plan reader (``elixir_hf``'s plan
         files too). Unknown keys are an error naming them; ``predicted_step_s`` is derived, ignored."""
         data = {k: v for k, v in data.items() if k != "predicted_step_s"}
@@ -216,8 +249,12 @@ class ElixirPlan:
         if unknown:
             raise ValueError(f"not an ElixirPlan: unknown keys {unknown}; a plan has {sorted(known)}")
         memory, predicted, budget = data.pop("memory", {}), data.pop("predicted", {}), data.pop("budget", {})
-        return cls(**data, memory=PlanMemory.from_dict(memory), predicted=StepTime.from_dict(predicted) if predicted
-                   else None, budget=Budget.from_dict(budget) if budget else None)
+        return cls(
+            **data,
+            memory=PlanMemory.from_dict(memory),
+            predicted=StepTime.from_dict(predicted) if predicted else None,
+            budget=Budget.from_dict(budget) if budget else None,
+        )
 
 
 def _file_fields() -> list:
@@ -231,7 +268,8 @@ def format_step_time(t: StepTime) -> str:
         f"{t.total:.3f} s (compute {t.compute:.3f}, exposed transfers {t.exposed_transfers:.3f}, "
         f"GPU Adam {t.gpu_adam:.3f}, exposed CPU Adam {t.exposed_cpu_adam:.3f}; moved: H2D {t.h2d:.3f}, "
         f"D2H {t.d2h:.3f}, collectives {coll}, CPU Adam {t.cpu_adam:.3f}"
-        + (f", device lane Adam {t.device_lane_adam:.3f}" if t.device_lane_adam else "") + ")"
+        + (f", device lane Adam {t.device_lane_adam:.3f}" if t.device_lane_adam else "")
+        + ")"
     )
 
 
@@ -263,11 +301,11 @@ def resolve_plan(
     lane: bool = False,
 ) -> ElixirPlan:
     """The plan for ``layout`` (built from ``table``): the config's explicit choices, the search's for
-    the rest (if it ran, it already honoured the explicit ones), else the static defaults (rCache max,
-    nothing offloaded). ``lane``: whether a static plan has the device update lane (a searched one has
-the search's). The rCache holds at once
-    every unit's chunks and, when the search profiled them, every checkpointed region's
-    (``ChunkLayout.block_bounds``)."""
+        the rest (if it ran, it already honoured the explicit ones), else the static defaults (rCache max,
+        nothing offloaded). ``lane``: whether a static plan has the device update lane (a searched one has
+    the search's). The rCache holds at once
+        every unit's chunks and, when the search profiled them, every checkpointed region's
+        (``ChunkLayout.block_bounds``)."""
     unit_chunks, regions = resident_chunks(layout, table, search.regions if search is not None else [])
     resident = {f"unit {u.name!r}": cs for u, cs in zip(table.units, unit_chunks)}
     resident.update({f"checkpointed region {i}": cs for i, cs in enumerate(regions)})
@@ -350,9 +388,13 @@ def check_fits(plan: ElixirPlan, device: torch.device) -> None:
         capacity, limit = device_capacity(device), process_limit(device)
         if plan.device_bytes > capacity:
             total = torch.cuda.mem_get_info(device)[1]
-            capped = "" if limit is None else (
-                f" within this process's limit of {limit / gib:.2f} GiB (ElixirConfig.gpu_memory or "
-                "torch.cuda.set_per_process_memory_fraction; or raise it)"
+            capped = (
+                ""
+                if limit is None
+                else (
+                    f" within this process's limit of {limit / gib:.2f} GiB (ElixirConfig.gpu_memory or "
+                    "torch.cuda.set_per_process_memory_fraction; or raise it)"
+                )
             )
             raise PlanError(
                 f"the plan needs {plan.device_bytes / gib:.2f} GiB of GPU memory per rank for model states and "

@@ -13,8 +13,9 @@ training memory exists.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Collection
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,10 +23,10 @@ from torch import nn
 from .chunk.collectives import Collectives
 from .chunk.layout import ChunkLayout, build_layout
 from .config import ElixirConfig
+from .gpu_limit import device_capacity, process_limit
 from .hardware.load import job_hardware
 from .hardware.measure import collective_busbw
 from .hardware.profile import HardwareProfile
-from .gpu_limit import device_capacity, process_limit
 from .host import host_available, local_ranks
 from .plan import ElixirPlan, check_fits, resolve_plan
 from .profiler.kernels import cuda_attention
@@ -36,8 +37,16 @@ from .search.budget import F_FRAG, Budget
 from .search.loop import SearchResult, SearchSettings, search
 from .units import ParamTable, Unit, param_table
 
-__all__ = ["Target", "plan_model", "plan_static", "plan_job", "search_job", "device_budget", "device_lane_wanted",
-           "UNPROFILED_ACTIVATION_SHARE"]
+__all__ = [
+    "Target",
+    "plan_model",
+    "plan_static",
+    "plan_job",
+    "search_job",
+    "device_budget",
+    "device_lane_wanted",
+    "UNPROFILED_ACTIVATION_SHARE",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -140,12 +149,31 @@ def plan_job(
     searched with ``mode="auto"`` on a GPU (``search_job``), else as the config gives it
     (``plan_static``) in the use order traced on rank 0."""
     if config.mode == "auto" and device.type == "cuda":
-        plan = search_job(model, units, example_batch, config, device, dtype, coll, param_group=param_group,
-                          grads_share_activations=grads_share_activations, resident=resident)
+        plan = search_job(
+            model,
+            units,
+            example_batch,
+            config,
+            device,
+            dtype,
+            coll,
+            param_group=param_group,
+            grads_share_activations=grads_share_activations,
+            resident=resident,
+        )
     else:
         order = coll.decided_by_rank0(lambda: trace_unit_order(model, units, example_batch, dtype, device), device)
-        plan = plan_static(model, units, order, config, world_size=coll.world_size, device=device, dtype=dtype,
-                           param_group=param_group, resident=resident)
+        plan = plan_static(
+            model,
+            units,
+            order,
+            config,
+            world_size=coll.world_size,
+            device=device,
+            dtype=dtype,
+            param_group=param_group,
+            resident=resident,
+        )
     check_fits(plan, device)
     return plan
 
@@ -231,8 +259,12 @@ def _searched(
     if example_batch is None:
         budget.activations = int(UNPROFILED_ACTIVATION_SHARE * budget.capacity / F_FRAG)
     settings = SearchSettings(
-        target.world_size, target.dtype, config, busbw=target.busbw,
-        device_lane=device_lane_wanted(config, target.device), grads_share_activations=target.grads_share_activations,
+        target.world_size,
+        target.dtype,
+        config,
+        busbw=target.busbw,
+        device_lane=device_lane_wanted(config, target.device),
+        grads_share_activations=target.grads_share_activations,
     )
     result = search(table, profile, target.hardware, budget, settings)
     result.notes.insert(0, f"hardware: {target.hardware.device}, {target.hardware.source}")
@@ -250,12 +282,24 @@ def _table(
 
 
 def _layout(table: ParamTable, config: ElixirConfig, world_size: int, chunk_size: int | None) -> ChunkLayout:
-    return build_layout(table.params, table.names, table.groups, table.private, world_size=world_size,
-                        chunk_size=chunk_size, alignment=config.alignment)
+    return build_layout(
+        table.params,
+        table.names,
+        table.groups,
+        table.private,
+        world_size=world_size,
+        chunk_size=chunk_size,
+        alignment=config.alignment,
+    )
 
 
 def _profile(
-    model: nn.Module, units: list[Unit], batch: Any | None, dtype: torch.dtype, device: torch.device, exact: bool = False
+    model: nn.Module,
+    units: list[Unit],
+    batch: Any | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    exact: bool = False,
 ) -> ModelProfile:
     """The step's profile on fake tensors of ``device``, else of the CPU (CUDA attention kept), else
     the structural one (no batch, or model code that cannot run on fake tensors)."""
@@ -269,7 +313,12 @@ def _profile(
     try:
         return profile_model(model, batch, dtype=dtype, device=device, units=units, exact=exact)
     except Exception as exc:
-        logger.info("elixir: profile on fake %s tensors failed (%s: %s); retrying on fake CPU ones", device, type(exc).__name__, exc)
+        logger.info(
+            "elixir: profile on fake %s tensors failed (%s: %s); retrying on fake CPU ones",
+            device,
+            type(exc).__name__,
+            exc,
+        )
     try:
         with cuda_attention():
             return profile_model(model, batch, dtype=dtype, device="cpu", units=units, exact=exact)

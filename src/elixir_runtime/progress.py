@@ -11,7 +11,8 @@ decision, made where it is installed.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Iterator, Protocol, TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol, TypeVar
 
 __all__ = ["Bar", "BarFactory", "progress", "set_progress_factory", "track"]
 

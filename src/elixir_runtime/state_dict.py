@@ -12,7 +12,8 @@ the given full tensors into its shards.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -109,8 +110,10 @@ class ModelStateHooks:
         layout = self.runtime.layout
         shape = layout.params[i].shape
         if value.shape != shape:
-            return (f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from checkpoint, the "
-                    f"shape in current model is {tuple(shape)}.")
+            return (
+                f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} from checkpoint, the "
+                f"shape in current model is {tuple(shape)}."
+            )
         c = self.runtime.chunks[layout.param_chunk[i]]
         write_param(layout, c.shards, c.spec, layout.param_slot[i], value, self.runtime.coll.rank)
         return None

@@ -15,9 +15,9 @@ tied ones, ``private``, and the root's forward gathers their chunks (``runtime/h
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Collection, Sequence
 
 from torch import nn
 
@@ -70,7 +70,9 @@ def _check_classes_exist(model: nn.Module, classes: list[type | str]) -> None:
     """``ElixirConfig.unit_classes`` naming no module of the model would silently give other units."""
     missing = [c for c in classes if not any(_matches(m, [c]) for m in model.modules() if m is not model)]
     if missing:
-        names = sorted({type(m).__name__ for m in model.modules() if m is not model and any(True for _ in m.parameters())})
+        names = sorted(
+            {type(m).__name__ for m in model.modules() if m is not model and any(True for _ in m.parameters())}
+        )
         shown = [c if isinstance(c, str) else c.__name__ for c in missing]
         raise ConfigError(
             f"ElixirConfig.unit_classes names {shown}, which no module of this {type(model).__name__} is; its modules "

@@ -3,17 +3,16 @@ replays to exactly the prediction its plan carried, and runs without plan inputs
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from benchmarks import replay
 from benchmarks.models import PRESETS, build_meta
 from benchmarks.systems import plan_summary
 from elixir_runtime.config import ElixirConfig
-from elixir_runtime.planner import Target, plan_model
-from elixir_runtime.units import find_units
-from elixir_runtime.search import Budget
 from elixir_runtime.hardware.profile import CpuAdamRate, HardwareProfile, LinkRates
+from elixir_runtime.planner import Target, plan_model
+from elixir_runtime.search import Budget
+from elixir_runtime.units import find_units
 
 GIB = 2**30
 SEQ = 64
@@ -21,9 +20,17 @@ SEQ = 64
 
 def _hardware() -> HardwareProfile:
     return HardwareProfile(
-        device="test GPU", gpus=2, gpu_memory=80 * GIB, host_memory=256 * GIB, cpu_cores=32,
-        matmul={"256": 50e12, "1024": 300e12}, attention=300e12, memory_bandwidth=3e12, op_overhead=1e-5,
-        gpu_adam=80e9, cpu_adam={2: CpuAdamRate(2, 15, 1.5e9, 3e9)},
+        device="test GPU",
+        gpus=2,
+        gpu_memory=80 * GIB,
+        host_memory=256 * GIB,
+        cpu_cores=32,
+        matmul={"256": 50e12, "1024": 300e12},
+        attention=300e12,
+        memory_bandwidth=3e12,
+        op_overhead=1e-5,
+        gpu_adam=80e9,
+        cpu_adam={2: CpuAdamRate(2, 15, 1.5e9, 3e9)},
         links={n: LinkRates(n, 50e9 * n, 50e9 * n, 35e9 * n, 200e9 if n > 1 else None) for n in (1, 2)},
     )
 
@@ -41,9 +48,18 @@ def _recorded_run(batch: int = 2, gpus: int = 2) -> dict:
     config = ElixirConfig(offload=0.5, n_blocks="min", clips_grads=False)
     plan = plan_model(model, find_units(model, None), {"input_ids": ids, "labels": ids}, config, target)
     assert plan.offload, "the case must offload"
-    return {"system": "elixir", "status": "ok", "model": "tiny", "gpus": gpus, "batch": batch, "seq": SEQ,
-            "card": "test GPU", "step_s": 1.1 * plan.predicted_step_s, "predicted_step_s": plan.predicted_step_s,
-            "info": {"plan": plan_summary(plan)}}
+    return {
+        "system": "elixir",
+        "status": "ok",
+        "model": "tiny",
+        "gpus": gpus,
+        "batch": batch,
+        "seq": SEQ,
+        "card": "test GPU",
+        "step_s": 1.1 * plan.predicted_step_s,
+        "predicted_step_s": plan.predicted_step_s,
+        "info": {"plan": plan_summary(plan)},
+    }
 
 
 def test_a_recorded_run_replays_to_its_own_prediction() -> None:

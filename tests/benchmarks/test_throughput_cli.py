@@ -10,15 +10,32 @@ import pytest
 import torch
 
 from benchmarks import report
-from benchmarks.models import (DecoderModel, Preset, build_meta, causal_lm, count_params, materialize, preset,
-                               restore_buffers_, vocab_size)
+from benchmarks.models import (
+    DecoderModel,
+    Preset,
+    build_meta,
+    causal_lm,
+    count_params,
+    materialize,
+    preset,
+    restore_buffers_,
+    vocab_size,
+)
 from benchmarks.systems import MAX_GRAD_NORM, ds_config
 from benchmarks.throughput import parse_args, worker_command
 from helpers.dist import run_distributed
 
-TINY_LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 128,
-              "tie_word_embeddings": False}
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+}
 
 
 def _config_file(tmp_path: Path, **fields) -> Path:
@@ -27,14 +44,38 @@ def _config_file(tmp_path: Path, **fields) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name, billions, fields", [
-    ("llama3-8b", 8_030_261_248, {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
-                                  "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256,
-                                  "max_position_embeddings": 8192, "rms_norm_eps": 1e-5}),
-    ("qwen2.5-7b", 7_615_616_512, {"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
-                                   "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
-                                   "rms_norm_eps": 1e-6}),
-])
+@pytest.mark.parametrize(
+    "name, billions, fields",
+    [
+        (
+            "llama3-8b",
+            8_030_261_248,
+            {
+                "hidden_size": 4096,
+                "num_hidden_layers": 32,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 8,
+                "intermediate_size": 14336,
+                "vocab_size": 128256,
+                "max_position_embeddings": 8192,
+                "rms_norm_eps": 1e-5,
+            },
+        ),
+        (
+            "qwen2.5-7b",
+            7_615_616_512,
+            {
+                "hidden_size": 3584,
+                "num_hidden_layers": 28,
+                "num_attention_heads": 28,
+                "num_key_value_heads": 4,
+                "intermediate_size": 18944,
+                "vocab_size": 152064,
+                "rms_norm_eps": 1e-6,
+            },
+        ),
+    ],
+)
 def test_decoder_presets_are_the_published_models(name: str, billions: int, fields: dict) -> None:
     p = preset(name)
     assert isinstance(p, DecoderModel) and p.default_seq == 2048
@@ -55,7 +96,11 @@ def test_decoder_presets_are_the_published_models(name: str, billions: int, fiel
 def test_parse_args_seq_follows_the_model_and_clip_is_on_by_default(tmp_path: Path) -> None:
     cfg = _config_file(tmp_path)
     args = parse_args(["--model", f"gpt2-4b,llama3-8b,{cfg}", "--batch-sizes", "8,4", "--gpus", "2"])
-    assert args.seqs == {"gpt2-4b": 1024, "llama3-8b": 2048, str(cfg.resolve()): 128}  # capped at the config's positions
+    assert args.seqs == {
+        "gpt2-4b": 1024,
+        "llama3-8b": 2048,
+        str(cfg.resolve()): 128,
+    }  # capped at the config's positions
     assert args.clip == 1 and args.batch_sizes == [4, 8]
     cmd = worker_command(args, "ds3_offload", "llama3-8b", [4])
     assert cmd[cmd.index("--seq") + 1] == "2048" and cmd[cmd.index("--clip") + 1] == "1"
@@ -64,12 +109,15 @@ def test_parse_args_seq_follows_the_model_and_clip_is_on_by_default(tmp_path: Pa
     assert args.seqs == {"qwen2.5-7b": 4096} and args.clip == 0
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "llama3-70b"], "unknown model 'llama3-70b'"),
-    (["--model", "llama3-8b", "--seq", "16384"], "exceeds llama3-8b's max_position_embeddings (8192)"),
-    (["--model", "llama3-8b", "--systems", "elixir,ds4_offload"], "unknown systems ['ds4_offload']"),
-    (["--model", "llama3-8b", "--clip", "2"], "invalid choice"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "llama3-70b"], "unknown model 'llama3-70b'"),
+        (["--model", "llama3-8b", "--seq", "16384"], "exceeds llama3-8b's max_position_embeddings (8192)"),
+        (["--model", "llama3-8b", "--systems", "elixir,ds4_offload"], "unknown systems ['ds4_offload']"),
+        (["--model", "llama3-8b", "--clip", "2"], "invalid choice"),
+    ],
+)
 def test_parse_args_rejects_bad_input_naming_it(argv: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args([*argv, "--batch-sizes", "4"])
@@ -117,7 +165,10 @@ def test_deepspeed_config(stage: int, clip: bool) -> None:
     assert config["gradient_clipping"] == (MAX_GRAD_NORM if clip else 0.0)
     assert config["bf16"] == {"enabled": True} and config["train_micro_batch_size_per_gpu"] == 4
     assert config["optimizer"]["type"] == "AdamW"
-    assert ds_config(stage, pin=False, clip=clip, micro_batch=4)["zero_optimization"]["offload_optimizer"]["pin_memory"] is False
+    assert (
+        ds_config(stage, pin=False, clip=clip, micro_batch=4)["zero_optimization"]["offload_optimizer"]["pin_memory"]
+        is False
+    )
 
 
 def _clip_norms(rank: int, world: int, config_path: str) -> dict[str, list[float]]:
@@ -166,11 +217,22 @@ def test_every_system_clips_the_same_norm_when_clip_is_on(tmp_path: Path) -> Non
 
 
 def test_report_keeps_clip_settings_apart_and_old_runs_read_as_unclipped(tmp_path: Path) -> None:
-    base = {"model": "llama3-8b", "params": 8_030_261_248, "gpus": 1, "seq": 2048, "batch": 4, "status": "ok",
-            "card": "NVIDIA H100 80GB HBM3", "gpu_total_GiB": 79.2}
-    runs = [dict(base, system="elixir", tflops=300.0, clip=True), dict(base, system="elixir", tflops=310.0),
-            dict(base, system="fsdp2_offload", status="crashed", clip=True),
-            dict(base, system="ds2_offload", status="error", error="build: RuntimeError: CPU Adam failed", clip=True)]
+    base = {
+        "model": "llama3-8b",
+        "params": 8_030_261_248,
+        "gpus": 1,
+        "seq": 2048,
+        "batch": 4,
+        "status": "ok",
+        "card": "NVIDIA H100 80GB HBM3",
+        "gpu_total_GiB": 79.2,
+    }
+    runs = [
+        dict(base, system="elixir", tflops=300.0, clip=True),
+        dict(base, system="elixir", tflops=310.0),
+        dict(base, system="fsdp2_offload", status="crashed", clip=True),
+        dict(base, system="ds2_offload", status="error", error="build: RuntimeError: CPU Adam failed", clip=True),
+    ]
     results = report.write(runs, tmp_path / "results.json")
     assert len(results["runs"]) == 4
     rows = {row["clip"]: row for row in results["offload_regime"]}

@@ -19,8 +19,20 @@ REPO = Path(__file__).resolve().parents[2]
 H100 = {"card": "NVIDIA H100 80GB HBM3", "gpu_total_GiB": 79.2, "torch": "2.11.0+cu130", "transformers": "5.17.0"}
 
 
-def _line(system: str, model: str, params: int, batch: int, status: str = "ok", tflops: float | None = None, **extra) -> str:
-    rec = {"system": system, "model": model, "params": params, "gpus": 1, "batch": batch, "seq": 1024, "status": status, **H100, **extra}
+def _line(
+    system: str, model: str, params: int, batch: int, status: str = "ok", tflops: float | None = None, **extra
+) -> str:
+    rec = {
+        "system": system,
+        "model": model,
+        "params": params,
+        "gpus": 1,
+        "batch": batch,
+        "seq": 1024,
+        "status": status,
+        **H100,
+        **extra,
+    }
     if tflops is not None:
         rec.update(tflops=tflops, step_s=8 * params * batch * 1024 / tflops / 1e12)
     return "[12:00:00] RESULT " + json.dumps(rec)
@@ -29,18 +41,29 @@ def _line(system: str, model: str, params: int, batch: int, status: str = "ok", 
 def _log() -> str:
     p65, p4 = 6_654_210_048, 3_775_340_544
     plan = {"plan": {"host_bytes": 50 * 2**30, "predicted_step_s": 1.0}}
-    return "\n".join([
-        "some worker noise",
-        _line("elixir", "6.5b", p65, 4, tflops=200.0, info=plan, predicted_step_s=1.0, measured_over_predicted=1.08),
-        _line("plain", "6.5b", p65, 4, status="OOM", error="CUDA out of memory"),
-        _line("fsdp2", "6.5b", p65, 4, status="OOM", error="CUDA out of memory"),
-        _line("fsdp2_offload", "6.5b", p65, 4, tflops=84.4),
-        _line("ds2_offload", "6.5b", p65, 4, status="crashed", error="worker exit -9 (SIGKILL: likely the host's OOM killer)"),
-        _line("ds3_offload", "6.5b", p65, 4, status="unavailable", error="deepspeed not installed"),
-        _line("elixir", "gpt2-4b", p4, 8, tflops=295.0),
-        _line("plain", "gpt2-4b", p4, 8, tflops=302.0),
-        _line("fsdp2_offload", "gpt2-4b", p4, 8, tflops=138.7),
-    ])
+    return "\n".join(
+        [
+            "some worker noise",
+            _line(
+                "elixir", "6.5b", p65, 4, tflops=200.0, info=plan, predicted_step_s=1.0, measured_over_predicted=1.08
+            ),
+            _line("plain", "6.5b", p65, 4, status="OOM", error="CUDA out of memory"),
+            _line("fsdp2", "6.5b", p65, 4, status="OOM", error="CUDA out of memory"),
+            _line("fsdp2_offload", "6.5b", p65, 4, tflops=84.4),
+            _line(
+                "ds2_offload",
+                "6.5b",
+                p65,
+                4,
+                status="crashed",
+                error="worker exit -9 (SIGKILL: likely the host's OOM killer)",
+            ),
+            _line("ds3_offload", "6.5b", p65, 4, status="unavailable", error="deepspeed not installed"),
+            _line("elixir", "gpt2-4b", p4, 8, tflops=295.0),
+            _line("plain", "gpt2-4b", p4, 8, tflops=302.0),
+            _line("fsdp2_offload", "gpt2-4b", p4, 8, tflops=138.7),
+        ]
+    )
 
 
 def test_report_regimes_and_ratio(tmp_path: Path) -> None:
@@ -80,7 +103,9 @@ def test_report_merge_replaces_same_run_keeps_others(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
     report.write(report.parse_results(_log()), out, render=False)
     rerun = report.parse_results(_line("elixir", "6.5b", 6_654_210_048, 4, tflops=250.0))
-    h200 = report.parse_results(_line("plain", "6.5b", 6_654_210_048, 4, tflops=357.0).replace("NVIDIA H100 80GB HBM3", "NVIDIA H200"))
+    h200 = report.parse_results(
+        _line("plain", "6.5b", 6_654_210_048, 4, tflops=357.0).replace("NVIDIA H100 80GB HBM3", "NVIDIA H200")
+    )
     results = report.write(rerun + h200, out, render=False)
     assert len(results["runs"]) == 10
     h100_row = next(r for r in results["offload_regime"] if r["card"].startswith("NVIDIA H100"))
@@ -96,10 +121,24 @@ def test_regime_from_state_bytes_when_no_in_gpu_baseline_ran() -> None:
 
 
 def test_combine_takes_slowest_rank_and_sums_host_rss() -> None:
-    part = {"status": "ok", "loss": 10.0, "gpu_alloc_peak_GiB": 5.0, "gpu_reserved_peak_GiB": 6.0, "host_used_peak_GiB": 90.0}
-    parts = [dict(part, step_times_s=[1.0, 2.0, 1.0], host_rss_peak_GiB=40.0, host_rss_start_GiB=1.5),
-             dict(part, step_times_s=[1.5, 1.0, 1.2], host_rss_peak_GiB=41.0, host_rss_start_GiB=1.5,
-                  gpu_alloc_peak_GiB=7.0, gpu_alloc_retries=3)]
+    part = {
+        "status": "ok",
+        "loss": 10.0,
+        "gpu_alloc_peak_GiB": 5.0,
+        "gpu_reserved_peak_GiB": 6.0,
+        "host_used_peak_GiB": 90.0,
+    }
+    parts = [
+        dict(part, step_times_s=[1.0, 2.0, 1.0], host_rss_peak_GiB=40.0, host_rss_start_GiB=1.5),
+        dict(
+            part,
+            step_times_s=[1.5, 1.0, 1.2],
+            host_rss_peak_GiB=41.0,
+            host_rss_start_GiB=1.5,
+            gpu_alloc_peak_GiB=7.0,
+            gpu_alloc_retries=3,
+        ),
+    ]
     base = {"system": "fsdp2_offload", "batch": 4, "seq": 1024, "gpus": 2}
     rec = combine(parts, base, params=10**9)
     assert rec["step_times_s"] == [1.5, 2.0, 1.2] and rec["step_s"] == 1.5
@@ -141,9 +180,34 @@ def test_preset_sizes_match_the_anchors() -> None:
 def test_cpu_run_of_elixir_and_plain(tmp_path: Path) -> None:
     """The whole path on CPU: parent, one worker per system, RESULT lines, results.json, table and chart."""
     out = tmp_path / "results.json"
-    cmd = [sys.executable, "-m", "benchmarks.throughput", "--model", "tiny", "--batch-sizes", "2", "--systems", "elixir,plain",
-           "--device", "cpu", "--seq", "64", "--steps", "2", "--warmup", "0", "--threads", "1", "--out", str(out)]
-    path = [str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")]  # keeps make test's transformers 5.17 overlay
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.throughput",
+        "--model",
+        "tiny",
+        "--batch-sizes",
+        "2",
+        "--systems",
+        "elixir,plain",
+        "--device",
+        "cpu",
+        "--seq",
+        "64",
+        "--steps",
+        "2",
+        "--warmup",
+        "0",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+    ]
+    path = [
+        str(REPO / "src"),
+        str(REPO),
+        os.environ.get("PYTHONPATH", ""),
+    ]  # keeps make test's transformers 5.17 overlay
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)), HF_HUB_OFFLINE="1")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -27,8 +27,9 @@ from transformers.utils import logging as hf_logging
 
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
-import elixir_hf  # noqa: E402
 from hf_cases import OFFLOAD_PLAN, VOCAB, TokenDataset, history, make_trainer, training_args  # noqa: E402
+
+import elixir_hf  # noqa: E402
 from helpers.models import ATTN_IMPL, MODEL_BUILDERS  # noqa: E402
 
 STEPS = 8
@@ -55,8 +56,11 @@ class _Tee(io.TextIOBase):
 def _shown(err: _Tee, since: int) -> dict:
     """What this rank's stderr showed since offset ``since``: Elixir's INFO lines and its bars."""
     text = err.text.getvalue()[since:]
-    return {"plan": text.count("Elixir plan for"), "lean_loss": text.count("ForCausalLMLoss replaced"),
-            "bars": sorted(set(re.findall(r"\r(elixir: [a-z' ]+[a-z])", text)))}
+    return {
+        "plan": text.count("Elixir plan for"),
+        "lean_loss": text.count("ForCausalLMLoss replaced"),
+        "bars": sorted(set(re.findall(r"\r(elixir: [a-z' ]+[a-z])", text))),
+    }
 
 
 def main(out: str) -> None:
@@ -73,16 +77,20 @@ def main(out: str) -> None:
 
     elixir_args = dict(save_strategy="steps", save_steps=STEPS // 2, **common)
     since = len(err.text.getvalue())
-    full = make_trainer("gpt2", training_args(f"{out}/elixir", OFFLOAD_PLAN, **elixir_args, log_level="info",
-                                              disable_tqdm=False))
-    sampler = elixir_hf.GenerateCallback(PROMPT, every_n_steps=STEPS // 2, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    full = make_trainer(
+        "gpt2", training_args(f"{out}/elixir", OFFLOAD_PLAN, **elixir_args, log_level="info", disable_tqdm=False)
+    )
+    sampler = elixir_hf.GenerateCallback(
+        PROMPT, every_n_steps=STEPS // 2, max_new_tokens=5, do_sample=False, pad_token_id=0
+    )
     full.add_callback(sampler)  # rank 0 generates alone mid-training; the losses must still match DDP
     full.train()
     full.save_model(f"{out}/elixir_final")
     shown["info"], since = _shown(err, since), len(err.text.getvalue())
 
-    resumed = make_trainer("gpt2", training_args(f"{out}/elixir", OFFLOAD_PLAN, **elixir_args, log_level="warning",
-                                                 disable_tqdm=False))
+    resumed = make_trainer(
+        "gpt2", training_args(f"{out}/elixir", OFFLOAD_PLAN, **elixir_args, log_level="warning", disable_tqdm=False)
+    )
     resumed.train(resume_from_checkpoint=f"{out}/elixir/checkpoint-{STEPS // 2}")
     shown["warning"] = _shown(err, since)
 
@@ -95,12 +103,15 @@ def main(out: str) -> None:
     on_meta: list = [None] * dist.get_world_size()
     dist.all_gather_object(on_meta, all(p.is_meta for p in loaded.parameters()))
     since = len(err.text.getvalue())
-    from_rank0 = make_trainer(loaded, training_args(f"{out}/from_rank0", OFFLOAD_PLAN, **common, log_level="info",
-                                                    log_level_replica="info"))
+    from_rank0 = make_trainer(
+        loaded, training_args(f"{out}/from_rank0", OFFLOAD_PLAN, **common, log_level="info", log_level_replica="info")
+    )
     from_rank0.train()
     shown["replica_info"] = _shown(err, since)
     # resuming with rank 1 on meta: only rank 0 reads the checkpoint's weights
-    loaded = elixir_hf.from_pretrained(AutoModelForCausalLM, f"{out}/init", dtype=torch.float32, attn_implementation=ATTN_IMPL)
+    loaded = elixir_hf.from_pretrained(
+        AutoModelForCausalLM, f"{out}/init", dtype=torch.float32, attn_implementation=ATTN_IMPL
+    )
     from_rank0_resumed = make_trainer(loaded, training_args(f"{out}/elixir", OFFLOAD_PLAN, **elixir_args))
     from_rank0_resumed.train(resume_from_checkpoint=f"{out}/elixir/checkpoint-{STEPS // 2}")
 

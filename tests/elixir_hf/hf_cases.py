@@ -61,12 +61,16 @@ def training_args(output_dir: str, elixir: str | None = None, **overrides: Any) 
     return ElixirTrainingArguments(elixir=elixir, **kwargs)
 
 
-def make_trainer(model: str | torch.nn.Module, args: TrainingArguments, n_train: int = 200, **model_kwargs: Any) -> Trainer:
+def make_trainer(
+    model: str | torch.nn.Module, args: TrainingArguments, n_train: int = 200, **model_kwargs: Any
+) -> Trainer:
     """``ElixirTrainer`` when the args enable Elixir, else the stock ``Trainer``; ``model``: a
     builder's name (seed 0) or a built model."""
     cls = ElixirTrainer if getattr(args, "elixir_plugin", None) is not None else Trainer
     return cls(
-        model=model if isinstance(model, torch.nn.Module) else MODEL_BUILDERS[model](seed=0, vocab=VOCAB, **model_kwargs),
+        model=model
+        if isinstance(model, torch.nn.Module)
+        else MODEL_BUILDERS[model](seed=0, vocab=VOCAB, **model_kwargs),
         args=args,
         train_dataset=TokenDataset(n_train),
         eval_dataset=TokenDataset(16, seed=1),
@@ -95,4 +99,3 @@ def save_tiny_lm(path: Path, arch: str = "gpt2") -> Path:
         tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     ).save_pretrained(path)
     return path
-

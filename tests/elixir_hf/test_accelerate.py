@@ -14,11 +14,11 @@ from accelerate import Accelerator
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.state import AcceleratorState, GradientState
 from accelerate.tracking import GeneralTracker
+from hf_cases import OFFLOAD_PLAN, VOCAB, TokenDataset
 
 from elixir_hf import ElixirAccelerator
 from elixir_hf.optimizer import ElixirAcceleratedOptimizer
 from helpers.models import tiny_gpt2
-from hf_cases import OFFLOAD_PLAN, VOCAB, TokenDataset
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 MICRO_STEPS = 12
@@ -107,8 +107,9 @@ class _Recorder(GeneralTracker):
 
 def test_accelerator_log_carries_the_engine_metrics() -> None:
     recorder = _Recorder()
-    accelerator = ElixirAccelerator(elixir_plugin=OFFLOAD_PLAN, cpu=True, gradient_accumulation_steps=GA,
-                                    log_with=[recorder])
+    accelerator = ElixirAccelerator(
+        elixir_plugin=OFFLOAD_PLAN, cpu=True, gradient_accumulation_steps=GA, log_with=[recorder]
+    )
     accelerator.init_trackers("elixir-test")
     model, optimizer, loader, scheduler = _setup(accelerator)
     for i, batch in enumerate(loader):

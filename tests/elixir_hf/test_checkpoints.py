@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from hf_cases import OFFLOAD_PLAN, VOCAB, history, make_trainer, training_args
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from helpers.models import ATTN_IMPL, make_batch
-from hf_cases import OFFLOAD_PLAN, VOCAB, history, make_trainer, training_args
 
 SAVE = dict(max_steps=10, save_strategy="steps", save_steps=5, eval_strategy="no")
 
@@ -38,8 +38,15 @@ def saved_run(tmp_path_factory) -> tuple[Path, list[float]]:
 def test_checkpoint_files(saved_run) -> None:
     ckpt = saved_run[0] / "checkpoint-5"
     names = {p.name for p in ckpt.iterdir()}
-    assert {"model.safetensors", "config.json", "elixir_optim_rank0.pt", "scheduler.pt", "elixir_plan.json",
-            "trainer_state.json", "rng_state.pth"} <= names
+    assert {
+        "model.safetensors",
+        "config.json",
+        "elixir_optim_rank0.pt",
+        "scheduler.pt",
+        "elixir_plan.json",
+        "trainer_state.json",
+        "rng_state.pth",
+    } <= names
     assert "optimizer.pt" not in names
     assert not [n for n in names if n.startswith(".")], "temporary files left behind"
     plan = json.loads((ckpt / "elixir_plan.json").read_text())

@@ -16,9 +16,18 @@ from elixir_runtime.hardware.profile import CpuAdamRate
 def hardware(tmp_path) -> str:
     """A made-up two-GPU host (test data; the CLI measures or loads real ones)."""
     hw = HardwareProfile(
-        device="test GPU", gpus=2, gpu_memory=80 * 2**30, host_memory=256 * 2**30, cpu_cores=16,
-        matmul={"1024": 300e12, "4096": 600e12}, attention=300e12, memory_bandwidth=3e12, op_overhead=1e-5,
-        gpu_adam=80e9, cpu_adam={1: CpuAdamRate(1, 15, 5e9)}, links={n: LinkRates(n, 50e9 * n, 50e9 * n, 35e9 * n) for n in (1, 2)},
+        device="test GPU",
+        gpus=2,
+        gpu_memory=80 * 2**30,
+        host_memory=256 * 2**30,
+        cpu_cores=16,
+        matmul={"1024": 300e12, "4096": 600e12},
+        attention=300e12,
+        memory_bandwidth=3e12,
+        op_overhead=1e-5,
+        gpu_adam=80e9,
+        cpu_adam={1: CpuAdamRate(1, 15, 5e9)},
+        links={n: LinkRates(n, 50e9 * n, 50e9 * n, 35e9 * n) for n in (1, 2)},
         source="test data",
     )
     path = tmp_path / "hw.json"
@@ -42,14 +51,36 @@ def test_parse_size() -> None:
 
 
 def test_preset_plan_as_json(capsys, hardware) -> None:
-    code, out, _ = _run(capsys, "--model", "gpt2", "--batch-size", "4", "--seq-len", "256", "--gpu-mem", "3GiB",
-                        "--host-mem", "64GiB", "--hardware", hardware, "--json")
+    code, out, _ = _run(
+        capsys,
+        "--model",
+        "gpt2",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "256",
+        "--gpu-mem",
+        "3GiB",
+        "--host-mem",
+        "64GiB",
+        "--hardware",
+        hardware,
+        "--json",
+    )
     assert code == 0
     doc = json.loads(out)
     plan = doc["plan"]
     assert plan["n_chunks"] > 0 and plan["predicted"]["total"] > 0
-    assert plan["memory"]["rcache"] + plan["memory"]["private"] + plan["memory"]["device_shards"] <= plan["budget"]["allowed"]
-    assert [a["name"] for a in plan["alternatives"]] == ["zero2-offload-all", "zero3-offload-all", "rcache-max", "rcache-min"]
+    assert (
+        plan["memory"]["rcache"] + plan["memory"]["private"] + plan["memory"]["device_shards"]
+        <= plan["budget"]["allowed"]
+    )
+    assert [a["name"] for a in plan["alternatives"]] == [
+        "zero2-offload-all",
+        "zero3-offload-all",
+        "rcache-max",
+        "rcache-min",
+    ]
     assert doc["profile"]["ac_regions"] == 12 and doc["profile"]["tied"] == ["transformer.wte.weight"]
     assert set(doc["timings"]) == {"build_s", "profile_s", "search_s"}
 
@@ -61,8 +92,9 @@ def test_plans_for_the_lean_loss_unless_told_otherwise(capsys, hardware) -> None
     and 3/8 of a copy; 641 -> 333 MB observed)."""
     peaks = []
     for extra in ((), ("--stock-loss",)):
-        code, out, _ = _run(capsys, "--model", "gpt2", "--batch-size", "4", "--seq-len", "256", "--hardware", hardware,
-                            "--json", *extra)
+        code, out, _ = _run(
+            capsys, "--model", "gpt2", "--batch-size", "4", "--seq-len", "256", "--hardware", hardware, "--json", *extra
+        )
         assert code == 0
         peaks.append(json.loads(out)["profile"]["activation_peak"])
     assert peaks[1] - peaks[0] > 1.25 * 4 * 256 * 50257 * 4, peaks
@@ -73,12 +105,39 @@ def test_the_issue_example_in_plain_words_and_a_png(capsys, hardware, tmp_path) 
     memory, what is offloaded (which layers) and why, the predicted step and TFLOPS; the planner's
     terms wait for --verbose. The plot's file is named."""
     png = tmp_path / "plan.png"
-    code, out, _ = _run(capsys, "--model", "gpt2-10b", "--seq-len", "1024", "--batch-size", "8", "--gpus", "2",
-                        "--gpu-mem", "80GiB", "--host-mem", "256GiB", "--hardware", hardware, "--plot", str(png))
+    code, out, _ = _run(
+        capsys,
+        "--model",
+        "gpt2-10b",
+        "--seq-len",
+        "1024",
+        "--batch-size",
+        "8",
+        "--gpus",
+        "2",
+        "--gpu-mem",
+        "80GiB",
+        "--host-mem",
+        "256GiB",
+        "--hardware",
+        hardware,
+        "--plot",
+        str(png),
+    )
     assert code == 0
-    for words in ("GPU memory per GPU", "model states on the GPU", "gathered-parameter cache", "activations (peak)",
-                  "host memory: nothing pinned", "offloaded: nothing", "predicted step", "TFLOPS per GPU", "ZeRO-3-like offload-all",
-                  "host: 256.00 GiB RAM, as given (--host-mem)", f"plot written to {png}"):
+    for words in (
+        "GPU memory per GPU",
+        "model states on the GPU",
+        "gathered-parameter cache",
+        "activations (peak)",
+        "host memory: nothing pinned",
+        "offloaded: nothing",
+        "predicted step",
+        "TFLOPS per GPU",
+        "ZeRO-3-like offload-all",
+        "host: 256.00 GiB RAM, as given (--host-mem)",
+        f"plot written to {png}",
+    ):
         assert words in out, words
     assert out.count("8 x 1024") == 1, out  # the batch, once
     for jargon in ("U_allowed", "I(n)", "private ones", "== profile ==", "zero3-offload-all", "``"):
@@ -87,18 +146,41 @@ def test_the_issue_example_in_plain_words_and_a_png(capsys, hardware, tmp_path) 
 
 
 def test_verbose_adds_the_planners_workings(capsys, tmp_path) -> None:
-    base = ["--model", _tiny_config(tmp_path), "--seq-len", "128", "--batch-size", "2", "--gpu-mem", "6MiB",
-            "--host-mem", "64GiB", "--hardware", "h100"]
+    base = [
+        "--model",
+        _tiny_config(tmp_path),
+        "--seq-len",
+        "128",
+        "--batch-size",
+        "2",
+        "--gpu-mem",
+        "6MiB",
+        "--host-mem",
+        "64GiB",
+        "--hardware",
+        "h100",
+    ]
     code, plain, _ = _run(capsys, *base)
     assert code == 0 and "--verbose" in plain  # said where the rest is
     code, out, _ = _run(capsys, *base, "--verbose")
     assert code == 0 and out.startswith(plain.split("\n\nmore:")[0])
-    for words in ("== profile ==", "== plan ==", "I(n) / J(n)", "U_allowed = F_alloc x (capacity", "== alternatives",
-                  "zero3-offload-all", "== chunk sizes tried ==", "<- chosen", "profiled in"):
+    for words in (
+        "== profile ==",
+        "== plan ==",
+        "I(n) / J(n)",
+        "U_allowed = F_alloc x (capacity",
+        "== alternatives",
+        "zero3-offload-all",
+        "== chunk sizes tried ==",
+        "<- chosen",
+        "profiled in",
+    ):
         assert words in out, words
     assert out.count("2x128") == 1, out  # the profile's batch: input ids and labels, said once
     # 6 MiB: every chunk offloaded, the layers they hold named, and why
-    assert "offloaded: 6 of 6 chunks (wte, wpe, h.0-3, ln_f)" in plain and "why: keeping every chunk on the GPU" in plain
+    assert (
+        "offloaded: 6 of 6 chunks (wte, wpe, h.0-3, ln_f)" in plain and "why: keeping every chunk on the GPU" in plain
+    )
 
 
 def test_host_memory_defaults_to_this_machines_when_planning_for_it(capsys, tmp_path, monkeypatch) -> None:
@@ -145,8 +227,19 @@ def test_no_third_party_warnings(capsys, tmp_path) -> None:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            code, out, err = _run(capsys, "--model", _tiny_config(tmp_path), "--seq-len", "128", "--batch-size", "2",
-                                  "--hardware", "h100", "--plot", str(png))
+            code, out, err = _run(
+                capsys,
+                "--model",
+                _tiny_config(tmp_path),
+                "--seq-len",
+                "128",
+                "--batch-size",
+                "2",
+                "--hardware",
+                "h100",
+                "--plot",
+                str(png),
+            )
     finally:
         library.removeHandler(catcher)
     assert code == 0 and err == "", err
@@ -165,10 +258,19 @@ def test_help_is_plain_text(capsys) -> None:
 def test_chunks_are_named_by_the_layers_they_hold() -> None:
     from elixir_hf.plan_report import describe_layers
 
-    names = ["transformer.wte.weight", "transformer.h.0.attn.c_attn.weight", "transformer.h.1.mlp.c_fc.bias",
-             "transformer.h.3.ln_1.weight", "transformer.ln_f.weight", "lm_head.weight"]
+    names = [
+        "transformer.wte.weight",
+        "transformer.h.0.attn.c_attn.weight",
+        "transformer.h.1.mlp.c_fc.bias",
+        "transformer.h.3.ln_1.weight",
+        "transformer.ln_f.weight",
+        "lm_head.weight",
+    ]
     assert describe_layers(names) == "wte, h.0-1,3, ln_f, lm_head"
-    assert describe_layers(["model.layers.12.self_attn.q_proj.weight", "model.layers.13.mlp.up_proj.weight"]) == "layers.12-13"
+    assert (
+        describe_layers(["model.layers.12.self_attn.q_proj.weight", "model.layers.13.mlp.up_proj.weight"])
+        == "layers.12-13"
+    )
 
 
 def test_the_plot_bar_holds_everything_the_plan_puts_on_the_gpu(hardware) -> None:
@@ -179,12 +281,31 @@ def test_the_plot_bar_holds_everything_the_plan_puts_on_the_gpu(hardware) -> Non
     from elixir_hf.plan_plot import host_bars, memory_bars
     from elixir_hf.plan_report import plan_report
 
-    args = _parser().parse_args(["--model", "gpt2-10b", "--seq-len", "1024", "--batch-size", "8", "--gpus", "2",
-                                 "--gpu-mem", "80GiB", "--host-mem", "256GiB", "--hardware", hardware])
+    args = _parser().parse_args(
+        [
+            "--model",
+            "gpt2-10b",
+            "--seq-len",
+            "1024",
+            "--batch-size",
+            "8",
+            "--gpus",
+            "2",
+            "--gpu-mem",
+            "80GiB",
+            "--host-mem",
+            "256GiB",
+            "--hardware",
+            hardware,
+        ]
+    )
     plan = plan_report(args, _elixir_config(args), *_hardware(hardware)).plan
     budget = plan.budget
     bars = dict((label, size) for label, size, _ in memory_bars(plan))
-    assert plan.memory.device_grads > 0 and bars["their gradients, beyond what the activations free"] == plan.memory.device_grads
+    assert (
+        plan.memory.device_grads > 0
+        and bars["their gradients, beyond what the activations free"] == plan.memory.device_grads
+    )
     states = sum(size for label, size in bars.items() if not label.startswith(("activations", "buffers")))
     assert states == plan.device_bytes <= budget.allowed
     assert sum(size for _, size, _ in host_bars(plan)) == 2 * plan.host_bytes
@@ -192,10 +313,35 @@ def test_the_plot_bar_holds_everything_the_plan_puts_on_the_gpu(hardware) -> Non
 
 def test_config_file_and_underscore_flags(capsys, hardware, tmp_path) -> None:
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
-                                  "num_hidden_layers": 6, "num_attention_heads": 4, "vocab_size": 1000}))
-    code, out, _ = _run(capsys, "--model_config", str(config), "--gpu_mem", "1GiB", "--host_mem", "8GiB",
-                        "--seq_len", "128", "--batch_size", "2", "--hardware", hardware, "--no-ac", "--json")
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 256,
+                "intermediate_size": 512,
+                "num_hidden_layers": 6,
+                "num_attention_heads": 4,
+                "vocab_size": 1000,
+            }
+        )
+    )
+    code, out, _ = _run(
+        capsys,
+        "--model_config",
+        str(config),
+        "--gpu_mem",
+        "1GiB",
+        "--host_mem",
+        "8GiB",
+        "--seq_len",
+        "128",
+        "--batch_size",
+        "2",
+        "--hardware",
+        hardware,
+        "--no-ac",
+        "--json",
+    )
     assert code == 0
     doc = json.loads(out)
     assert doc["profile"]["ac_regions"] == 0 and doc["plan"]["n_chunks"] > 0
@@ -208,8 +354,24 @@ def test_nothing_fits_exits_2_with_the_numbers(capsys, hardware) -> None:
 
 
 def test_opt_175b_profile_and_search_times(capsys, hardware) -> None:
-    code, out, _ = _run(capsys, "--model", "opt-175b", "--seq-len", "2048", "--batch-size", "1", "--gpus", "2",
-                        "--gpu-mem", "80GiB", "--host-mem", "4TiB", "--hardware", hardware, "--json")
+    code, out, _ = _run(
+        capsys,
+        "--model",
+        "opt-175b",
+        "--seq-len",
+        "2048",
+        "--batch-size",
+        "1",
+        "--gpus",
+        "2",
+        "--gpu-mem",
+        "80GiB",
+        "--host-mem",
+        "4TiB",
+        "--hardware",
+        hardware,
+        "--json",
+    )
     assert code == 0
     timings = json.loads(out)["timings"]
     assert timings["profile_s"] < 5 and timings["search_s"] < 10, timings
@@ -232,7 +394,10 @@ def test_without_a_gpu_the_shipped_h100_is_planned_for_and_named(capsys, tmp_pat
     monkeypatch.delenv("ELIXIR_HARDWARE", raising=False)
     code, out, _ = _run(capsys, "--model", _tiny_config(tmp_path), "--seq-len", "128", "--batch-size", "2")
     assert code == 0 and out.endswith("\n")
-    assert "GPU:  NVIDIA H100 80GB HBM3, 79.18 GiB; no GPU here and no --hardware: planned for the shipped H100 profile" in out
+    assert (
+        "GPU:  NVIDIA H100 80GB HBM3, 79.18 GiB; no GPU here and no --hardware: planned for the shipped H100 profile"
+        in out
+    )
     code, out, _ = _run(capsys, "--model", _tiny_config(tmp_path), "--seq-len", "128", "--batch-size", "2", "--json")
     doc = json.loads(out)
     assert doc["hardware"]["device"] == "NVIDIA H100 80GB HBM3" and "shipped" in doc["hardware"]["note"]
@@ -240,9 +405,21 @@ def test_without_a_gpu_the_shipped_h100_is_planned_for_and_named(capsys, tmp_pat
 
 
 def test_a_cpu_profile_is_refused_for_a_gpu_plan(capsys, tmp_path) -> None:
-    cpu = HardwareProfile(device="cpu", gpus=0, gpu_memory=64 * 2**30, host_memory=64 * 2**30, cpu_cores=2,
-                          matmul={"1024": 1e11}, attention=1e11, memory_bandwidth=1e10, op_overhead=1e-5,
-                          gpu_adam=1e9, cpu_adam={1: CpuAdamRate(1, 15, 1e9)}, links={1: LinkRates(1, 1e10, 1e10)}, source="a laptop")
+    cpu = HardwareProfile(
+        device="cpu",
+        gpus=0,
+        gpu_memory=64 * 2**30,
+        host_memory=64 * 2**30,
+        cpu_cores=2,
+        matmul={"1024": 1e11},
+        attention=1e11,
+        memory_bandwidth=1e10,
+        op_overhead=1e-5,
+        gpu_adam=1e9,
+        cpu_adam={1: CpuAdamRate(1, 15, 1e9)},
+        links={1: LinkRates(1, 1e10, 1e10)},
+        source="a laptop",
+    )
     cpu.save(tmp_path / "cpu.json")
     with pytest.raises(SystemExit) as exc:
         main(["--model", "gpt2", "--hardware", str(tmp_path / "cpu.json")])
@@ -261,21 +438,39 @@ def test_cli_and_auto_make_the_same_plan_from_the_same_profile(capsys, tmp_path,
     from elixir_runtime.units import find_units
 
     gpu, host = 6 * 2**20, 64 * 2**30  # small enough that the choice is not "everything on the GPU"
-    code, out, _ = _run(capsys, "--model", _tiny_config(tmp_path), "--seq-len", "128", "--batch-size", "2",
-                        "--gpu-mem", f"{gpu}B", "--host-mem", f"{host}B", "--hardware", "h100", "--device-lane", "auto",
-                        "--json")
+    code, out, _ = _run(
+        capsys,
+        "--model",
+        _tiny_config(tmp_path),
+        "--seq-len",
+        "128",
+        "--batch-size",
+        "2",
+        "--gpu-mem",
+        f"{gpu}B",
+        "--host-mem",
+        f"{host}B",
+        "--hardware",
+        "h100",
+        "--device-lane",
+        "auto",
+        "--json",
+    )
     assert code == 0, out
     cli_plan = json.loads(out)["plan"]
 
     monkeypatch.setenv("ELIXIR_HARDWARE", "h100")
-    monkeypatch.setattr(planner, "device_budget", lambda device, act, buffers, ranks: Budget(gpu, act, buffers, host, ranks))
+    monkeypatch.setattr(
+        planner, "device_budget", lambda device, act, buffers, ranks: Budget(gpu, act, buffers, host, ranks)
+    )
     model = build_meta_model(model_config(_tiny_config(tmp_path), 128), torch.bfloat16, checkpointing=True)
     use_lean_loss(model)  # as build_engine does before prepare
     units = find_units(model, None)
     ids = torch.zeros(2, 128, dtype=torch.long, device="meta")
     config, cuda = ElixirConfig(dtype="bf16", device_assisted_update="auto"), torch.device("cuda")
-    plan = planner.search_job(model, units, {"input_ids": ids, "labels": ids}, config, cuda, torch.bfloat16,
-                              Collectives(None))
+    plan = planner.search_job(
+        model, units, {"input_ids": ids, "labels": ids}, config, cuda, torch.bfloat16, Collectives(None)
+    )
     assert cli_plan["offload"] or cli_plan["n_blocks"] < cli_plan["max_blocks"], "the case must make a choice"
     saved = plan.to_dict()
     for key in ("chunk_size", "n_chunks", "n_blocks", "offload", "device_lane", "memory", "predicted"):
@@ -284,13 +479,16 @@ def test_cli_and_auto_make_the_same_plan_from_the_same_profile(capsys, tmp_path,
     assert plan.device_lane == 0 and any("device update lane off" in n for n in plan.search["notes"])
 
 
-@pytest.mark.parametrize(("flag", "value", "message"), [
-    ("--gpus", "0", "must be a positive integer"),
-    ("--batch-size", "-1", "must be a positive integer"),
-    ("--dtype", "int8", "unknown dtype 'int8'"),
-    ("--gpu-memory", "0GiB", "ElixirConfig.gpu_memory must be at least 1 MiB, got 0 bytes"),
-    ("--gpu-memory", "lots", "ElixirConfig.gpu_memory: not a memory size: 'lots'"),
-])
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--gpus", "0", "must be a positive integer"),
+        ("--batch-size", "-1", "must be a positive integer"),
+        ("--dtype", "int8", "unknown dtype 'int8'"),
+        ("--gpu-memory", "0GiB", "ElixirConfig.gpu_memory must be at least 1 MiB, got 0 bytes"),
+        ("--gpu-memory", "lots", "ElixirConfig.gpu_memory: not a memory size: 'lots'"),
+    ],
+)
 def test_bad_arguments_are_argparse_errors(capsys, flag, value, message) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--model", "gpt2", flag, value])
@@ -302,8 +500,19 @@ def test_gpu_memory_caps_the_card(capsys, tmp_path) -> None:
     """``--gpu-memory`` (``ElixirConfig.gpu_memory``) shrinks the shipped H100's budget, and a card
     capped at X plans as a card of X with the same rates (the 80 GB regime on a 141 GB card)."""
     cap = 6 * 2**20  # small enough that the choice is not "everything on the GPU"
-    base = ["--model", _tiny_config(tmp_path), "--seq-len", "128", "--batch-size", "2", "--host-mem", "64GiB",
-            "--hardware", "h100", "--json"]
+    base = [
+        "--model",
+        _tiny_config(tmp_path),
+        "--seq-len",
+        "128",
+        "--batch-size",
+        "2",
+        "--host-mem",
+        "64GiB",
+        "--hardware",
+        "h100",
+        "--json",
+    ]
 
     def plan(*flags: str) -> dict:
         code, out, err = _run(capsys, *base, *flags)
@@ -324,9 +533,27 @@ def test_gpu_memory_caps_the_card(capsys, tmp_path) -> None:
 
 def test_a_model_without_sdpa_is_built_with_its_own_attention(capsys, tmp_path) -> None:
     """Gemma-2 has no sdpa path in transformers: the CLI plans it with its own (eager) attention."""
-    gemma2 = {"model_type": "gemma2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "vocab_size": 256}
-    code, out, err = _run(capsys, "--model", _tiny_config(tmp_path, gemma2), "--seq-len", "64", "--batch-size", "2",
-                          "--hardware", "h100", "--json")
+    gemma2 = {
+        "model_type": "gemma2",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "vocab_size": 256,
+    }
+    code, out, err = _run(
+        capsys,
+        "--model",
+        _tiny_config(tmp_path, gemma2),
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "2",
+        "--hardware",
+        "h100",
+        "--json",
+    )
     assert code == 0, err
     assert json.loads(out)["plan"]["n_chunks"] > 0

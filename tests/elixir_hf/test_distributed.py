@@ -19,10 +19,10 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from hf_cases import OFFLOAD_PLAN, VOCAB, make_trainer, training_args
 from transformers import AutoModelForCausalLM
 
 from helpers.models import ATTN_IMPL, make_batch
-from hf_cases import OFFLOAD_PLAN, VOCAB, make_trainer, training_args
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 RTOL = 1e-5
@@ -73,8 +73,12 @@ def test_two_ranks_match_ddp(two_rank_run) -> None:
         _close(result["elixir"][key], result["ddp"][key], key)
 
 
-SAVE_BARS = ["elixir: gathering the weights", "elixir: summing the checkpoint's files", "elixir: writing elixir",
-             "elixir: writing scheduler"]
+SAVE_BARS = [
+    "elixir: gathering the weights",
+    "elixir: summing the checkpoint's files",
+    "elixir: writing elixir",
+    "elixir: writing scheduler",
+]
 FILL_BARS = ["elixir: filling device chunk shards", "elixir: filling host chunk shards"]
 
 
@@ -91,7 +95,11 @@ def test_log_lines_and_bars_follow_the_trainers_flags(two_rank_run) -> None:
     assert rank0["warning"] == {"plan": 0, "lean_loss": 0, "bars": sorted(FILL_BARS + SAVE_BARS + verify)}
     assert rank1["warning"] == none
     assert rank0["replica_info"] == rank1["replica_info"] == {"plan": 1, "lean_loss": 1, "bars": []}  # --disable_tqdm
-    assert rank0["accelerate_info"] == {"plan": 2, "lean_loss": 2, "bars": FILL_BARS + ["elixir: gathering the weights"]}
+    assert rank0["accelerate_info"] == {
+        "plan": 2,
+        "lean_loss": 2,
+        "bars": FILL_BARS + ["elixir: gathering the weights"],
+    }
     assert rank1["accelerate_info"] == none
 
 
@@ -137,7 +145,9 @@ def test_generate_callback_on_rank_0_of_two(two_rank_run) -> None:
     assert [step for step, _ in result["samples"]] == [4, 8]
     model = AutoModelForCausalLM.from_pretrained(str(out / "elixir_final"), attn_implementation=ATTN_IMPL).eval()
     prompt = torch.tensor([[5, 17, 3, 9], [8, 8, 40, 2]])
-    want = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False, pad_token_id=0)
+    want = model.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False, pad_token_id=0
+    )
     assert result["samples"][-1][1] == want.tolist()
 
 

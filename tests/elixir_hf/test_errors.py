@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
+from hf_cases import OFFLOAD_PLAN, make_trainer, training_args
 from transformers import HfArgumentParser
 
 from elixir_hf import ElixirAccelerator, ElixirPlugin, ElixirSpecError, ElixirTrainingArguments
 from helpers.models import tiny_gpt2
-from hf_cases import OFFLOAD_PLAN, make_trainer, training_args
 
 
 @pytest.fixture(autouse=True)
@@ -71,8 +71,10 @@ def test_precision_goes_to_the_engine(tmp_path, monkeypatch) -> None:
         ('{"loss_scale": {"init": 8}}', "--elixir: unknown loss_scale key"),
         ('{"offload": 2}', "--elixir: ElixirConfig.offload must be a fraction of the chunks in \\[0, 1\\]"),
         ('{"mode": "fast"}', "ElixirConfig.mode must be 'auto'"),
-        ('{"gpu_memory": 80}', "--elixir: ElixirConfig.gpu_memory must be at least 1 MiB, got 80 bytes; give a size "
-                               "such as '70GiB'"),
+        (
+            '{"gpu_memory": 80}',
+            "--elixir: ElixirConfig.gpu_memory must be at least 1 MiB, got 80 bytes; give a size such as '70GiB'",
+        ),
         ('{"gpu_memory": "80 GiBs"}', "--elixir: ElixirConfig.gpu_memory: not a memory size: '80 GiBs'"),
         ('{"offload": 0.5', "not valid JSON"),
         ('{"dtype": "bf16"}', "asks for dtype 'bf16' but mixed precision is 'fp16'"),
@@ -111,8 +113,10 @@ def test_deepspeed_from_the_launcher_environment(tmp_path, monkeypatch) -> None:
 
 def _saved_plan(tmp_path) -> dict:
     trainer = make_trainer(
-        "gpt2", training_args(str(tmp_path / "run"), OFFLOAD_PLAN, max_steps=1, save_strategy="steps", save_steps=1,
-                              eval_strategy="no")
+        "gpt2",
+        training_args(
+            str(tmp_path / "run"), OFFLOAD_PLAN, max_steps=1, save_strategy="steps", save_steps=1, eval_strategy="no"
+        ),
     )
     trainer.train()
     return json.loads((tmp_path / "run" / "checkpoint-1" / "elixir_plan.json").read_text())

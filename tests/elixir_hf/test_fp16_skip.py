@@ -10,7 +10,6 @@ import math
 
 import pytest
 import torch
-
 from hf_cases import history, make_trainer, training_args
 
 STEPS = 6
@@ -24,7 +23,9 @@ def _no_env_config(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_overflow_skips_the_step_and_the_schedule(tmp_path) -> None:
     args = training_args(str(tmp_path), SPEC, fp16=True, max_steps=STEPS, eval_strategy="no")
-    assert args.elixir_plugin.config.dtype == torch.float16 and args.mixed_precision == "no"  # the engine owns precision
+    assert (
+        args.elixir_plugin.config.dtype == torch.float16 and args.mixed_precision == "no"
+    )  # the engine owns precision
     trainer = make_trainer("gpt2", args)
     trainer.train()
 

@@ -37,10 +37,23 @@ def llama_dir(tmp_path_factory) -> str:
 def _sft(llama_dir: str, out: str, elixir: str | None, lora: bool) -> SFTTrainer:
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
     words = sorted(w for w in tokenizer.get_vocab() if w.isalpha())
-    dataset = Dataset.from_dict({"text": [" ".join(words[(5 * i + 3 * j) % len(words)] for j in range(12)) for i in range(16)]})
-    settings = {"max_steps": 4, "per_device_train_batch_size": 2, "learning_rate": 1e-2, "adam_epsilon": 1e-6,
-                "logging_steps": 1, "max_length": 16, "bf16": False, "use_cpu": True, "report_to": [],
-                "save_strategy": "no", "seed": 0, "disable_tqdm": True}
+    dataset = Dataset.from_dict(
+        {"text": [" ".join(words[(5 * i + 3 * j) % len(words)] for j in range(12)) for i in range(16)]}
+    )
+    settings = {
+        "max_steps": 4,
+        "per_device_train_batch_size": 2,
+        "learning_rate": 1e-2,
+        "adam_epsilon": 1e-6,
+        "logging_steps": 1,
+        "max_length": 16,
+        "bf16": False,
+        "use_cpu": True,
+        "report_to": [],
+        "save_strategy": "no",
+        "seed": 0,
+        "disable_tqdm": True,
+    }
     if elixir is None:
         cls, args = SFTTrainer, SFTConfig(output_dir=out, **settings)
     else:
@@ -57,7 +70,9 @@ def _trained(trainer: SFTTrainer, lora: bool) -> dict[str, torch.Tensor]:
     """The weights that must move: the head (full fine-tune) or the adapters' B (LoRA, zero at start)."""
     model = trainer.model
     with torch.no_grad(), whole_model(model):
-        return {n: p.detach().clone() for n, p in model.named_parameters() if ("lora_B" in n if lora else "lm_head" in n)}
+        return {
+            n: p.detach().clone() for n, p in model.named_parameters() if ("lora_B" in n if lora else "lm_head" in n)
+        }
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -104,7 +119,6 @@ def test_a_plan_file_made_without_the_fused_head_is_refused_naming_it(llama_dir,
     """A plan file (elixir-plan's) packs the head with other parameters; the SFT run gives it a chunk
     of its own, so the file's layout does not fit: an error naming the head and the cause."""
     import elixir_runtime as er
-
     from elixir_hf import ElixirSpecError
 
     model = AutoModelForCausalLM.from_pretrained(llama_dir)

@@ -5,10 +5,10 @@ with ``unwrap_model(model).generate`` give what a plain model with the same weig
 from __future__ import annotations
 
 import torch
+from hf_cases import OFFLOAD_PLAN, VOCAB, TokenDataset, make_trainer, training_args
 from transformers import default_data_collator
 
 from elixir_hf import ElixirAccelerator, GenerateCallback
-from hf_cases import OFFLOAD_PLAN, VOCAB, TokenDataset, make_trainer, training_args
 from helpers.models import tiny_gpt2
 
 PROMPT = torch.tensor([[5, 17, 3, 9], [8, 8, 40, 2]])
@@ -23,7 +23,9 @@ def _plain_generate(state: dict) -> torch.Tensor:
 
 def test_generate_callback_samples_on_the_main_process_during_training(tmp_path) -> None:
     trainer = make_trainer("gpt2", training_args(str(tmp_path), OFFLOAD_PLAN, max_steps=4, eval_strategy="no"))
-    callback = GenerateCallback({"input_ids": PROMPT, "attention_mask": torch.ones_like(PROMPT)}, every_n_steps=2, **GENERATE)
+    callback = GenerateCallback(
+        {"input_ids": PROMPT, "attention_mask": torch.ones_like(PROMPT)}, every_n_steps=2, **GENERATE
+    )
     trainer.add_callback(callback)
     trainer.train()
     assert [step for step, _ in callback.samples] == [2, 4]

@@ -34,8 +34,12 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     shutil.copy2(REPO / "pyproject.toml", clone)
     shutil.copytree(REPO / "src", clone / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(root / "dist"),
-                    str(clone)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(root / "dist"), str(clone)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (whl,) = (root / "dist").glob("elixir_hf-*.whl")
     return whl
 
@@ -47,17 +51,39 @@ def test_the_wheel_ships_the_kernel_sources_and_the_commands(wheel: Path) -> Non
     assert "elixir_runtime/hardware/profiles/h100.json" in names
     (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]
     scripts = zipfile.ZipFile(wheel).read(entry_points).decode()
-    for script in ("elixir-env = elixir_hf.env:main", "elixir-plan = elixir_hf.cli:main", "elixir-run = elixir_hf.run:main"):
+    for script in (
+        "elixir-env = elixir_hf.env:main",
+        "elixir-plan = elixir_hf.cli:main",
+        "elixir-run = elixir_hf.run:main",
+    ):
         assert script in scripts
 
 
-def test_an_installed_wheel_selects_the_cpp_kernel(wheel: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_installed_wheel_selects_the_cpp_kernel(
+    wheel: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Two processes start at once on a fresh extensions directory holding a stale cpp_extension
     baton (a build killed earlier): both report ``"cpu_adam": "cpp"`` from the installed copy,
     the library was compiled once, and neither hangs on the baton."""
     site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "install", "--no-deps",
-                    "--no-index", "--target", str(site), str(wheel)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--disable-pip-version-check",
+            "-q",
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--target",
+            str(site),
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     ext = tmp_path / "torch_extensions"
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ext))
     monkeypatch.delenv("ELIXIR_ADAM_KERNEL", raising=False)
@@ -67,8 +93,10 @@ def test_an_installed_wheel_selects_the_cpp_kernel(wheel: Path, tmp_path: Path, 
     (build_dir / "lock").touch()
 
     cmd = [sys.executable, "-m", "elixir_hf.env", "--json"]
-    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     try:
         results = [p.communicate(timeout=240) for p in procs]
     finally:

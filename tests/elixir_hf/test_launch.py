@@ -46,7 +46,9 @@ def test_no_gpu_and_no_cpu_flag_stops_the_accelerator_before_accelerate_builds_i
 
 def test_the_trainer_is_stopped_at_its_arguments_before_transformers_checks_bf16(tmp_path) -> None:
     """Without the check, transformers would fail on ``--bf16`` ("Your setup doesn't support bf16/gpu")."""
-    with pytest.raises(LaunchError, match=r"(?s)the Trainer was not told to run on the CPU.*--use_cpu in its arguments"):
+    with pytest.raises(
+        LaunchError, match=r"(?s)the Trainer was not told to run on the CPU.*--use_cpu in its arguments"
+    ):
         ElixirTrainingArguments(output_dir=str(tmp_path), elixir="auto", bf16=True, report_to=[])
 
 
@@ -72,8 +74,11 @@ def test_a_rank_without_a_gpu_of_its_own_says_so(monkeypatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     for var, value in (("WORLD_SIZE", "4"), ("LOCAL_WORLD_SIZE", "4"), ("RANK", "3"), ("LOCAL_RANK", "3")):
         monkeypatch.setenv(var, value)
-    with pytest.raises(LaunchError, match=r"rank 3 \(local rank 3\) has no GPU of its own: this host shows 2 GPU\(s\) "
-                                          r"\(CUDA_VISIBLE_DEVICES='0,1'\) to 4 processes.*--num_processes 2"):
+    with pytest.raises(
+        LaunchError,
+        match=r"rank 3 \(local rank 3\) has no GPU of its own: this host shows 2 GPU\(s\) "
+        r"\(CUDA_VISIBLE_DEVICES='0,1'\) to 4 processes.*--num_processes 2",
+    ):
         check_devices("Trainer", cpu=False)
     monkeypatch.setenv("LOCAL_RANK", "1")
     check_devices("Trainer", cpu=False)
@@ -94,14 +99,32 @@ def test_accelerate_launch_of_2_cpu_processes_without_use_cpu_says_it_once(tmp_p
     """The mistake as a user makes it: ``accelerate launch`` with a 2-GPU config on a host without
     GPUs, a Trainer script without --use_cpu, through ``elixir-run``. One message, from rank 0; no
     traceback from the ranks (the launcher's own report of the failed job follows)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
     for var in ("ACCELERATE_USE_CPU", "WORLD_SIZE", "RANK"):  # the launcher's to set, not this test's fixture
         env.pop(var, None)
     tiny_gpt2(vocab=128).save_pretrained(tmp_path / "model")
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes" / "elixir.yaml"),
-           "-m", "elixir_hf.run", str(ROOT / "tests" / "elixir_hf" / "scripts" / "hf_trainer.py"),
-           "--model_name_or_path", str(tmp_path / "model"), "--output_dir", str(tmp_path / "out"), "--report_to", "none"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "recipes" / "elixir.yaml"),
+        "-m",
+        "elixir_hf.run",
+        str(ROOT / "tests" / "elixir_hf" / "scripts" / "hf_trainer.py"),
+        "--model_name_or_path",
+        str(tmp_path / "model"),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--report_to",
+        "none",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]

@@ -172,7 +172,9 @@ def test_lean_loss_off_keeps_the_stock_loss() -> None:
 
 
 def test_lean_loss_must_be_a_bool() -> None:
-    with pytest.raises(ElixirSpecError, match=r"^--elixir: ElixirPlugin.lean_loss must be true or false, got 'no' \(str\)"):
+    with pytest.raises(
+        ElixirSpecError, match=r"^--elixir: ElixirPlugin.lean_loss must be true or false, got 'no' \(str\)"
+    ):
         ElixirPlugin.from_spec('{"lean_loss": "no"}')
     with pytest.raises(ElixirSpecError, match=r"^ElixirPlugin.lean_loss must be true or false, got 1 \(int\)"):
         ElixirPlugin(lean_loss=1)

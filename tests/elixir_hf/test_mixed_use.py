@@ -10,10 +10,17 @@ from pathlib import Path
 
 import pytest
 import transformers.trainer
+from hf_cases import OFFLOAD_PLAN, TokenDataset, history, make_trainer, save_tiny_lm, training_args
 from transformers import Trainer, TrainingArguments
 
-from elixir_hf import ElixirAccelerator, ElixirSpecError, ElixirTrainer, ElixirTrainingArguments, elixir_args, elixir_trainer
-from hf_cases import OFFLOAD_PLAN, TokenDataset, history, make_trainer, save_tiny_lm, training_args
+from elixir_hf import (
+    ElixirAccelerator,
+    ElixirSpecError,
+    ElixirTrainer,
+    ElixirTrainingArguments,
+    elixir_args,
+    elixir_trainer,
+)
 from helpers.models import tiny_gpt2
 
 ROOT = Path(__file__).parents[2]
@@ -36,7 +43,9 @@ def test_elixir_arguments_under_a_stock_trainer_fail_when_it_is_built(tmp_path) 
     args = training_args(str(tmp_path), "auto", bf16=True, max_steps=2, eval_strategy="no")
     with pytest.raises(ElixirSpecError, match="not an ElixirTrainer.*elixir_hf.elixir_trainer\\(YourTrainer\\)"):
         Trainer(model=tiny_gpt2(), args=args, train_dataset=TokenDataset(8))
-    Trainer(model=tiny_gpt2(), args=training_args(str(tmp_path), "off", eval_strategy="no"), train_dataset=TokenDataset(8))  # off: fine
+    Trainer(
+        model=tiny_gpt2(), args=training_args(str(tmp_path), "off", eval_strategy="no"), train_dataset=TokenDataset(8)
+    )  # off: fine
 
 
 def test_elixir_trainer_with_plain_arguments_reads_elixir_config(tmp_path, monkeypatch) -> None:
@@ -78,8 +87,9 @@ def test_elixir_off_in_the_scripts_own_code_wins(tmp_path, monkeypatch) -> None:
 def test_elixir_args_keep_every_sftconfig_default(tmp_path) -> None:
     from trl import SFTConfig
 
-    ours, stock = elixir_args(SFTConfig)(output_dir=str(tmp_path), elixir="auto", use_cpu=True), SFTConfig(
-        output_dir=str(tmp_path), use_cpu=True
+    ours, stock = (
+        elixir_args(SFTConfig)(output_dir=str(tmp_path), elixir="auto", use_cpu=True),
+        SFTConfig(output_dir=str(tmp_path), use_cpu=True),
     )
     assert (ours.learning_rate, ours.logging_steps, ours.gradient_checkpointing) == (2e-5, 10, True)
     for field in dataclasses.fields(stock):
@@ -97,13 +107,31 @@ def test_sft_trainer_in_code_gives_the_stock_losses(tmp_path) -> None:
     folder = save_tiny_lm(tmp_path / "model")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     words = sorted(w for w in tokenizer.get_vocab() if w.isalpha())
-    dataset = Dataset.from_dict({"text": [" ".join(words[(5 * i + 3 * j) % len(words)] for j in range(12)) for i in range(16)]})
-    settings = dict(max_steps=4, per_device_train_batch_size=2, learning_rate=1e-2, adam_epsilon=1e-6, logging_steps=1,
-                    max_length=16, bf16=False, use_cpu=True, report_to=[], save_strategy="no", seed=0, disable_tqdm=True)
+    dataset = Dataset.from_dict(
+        {"text": [" ".join(words[(5 * i + 3 * j) % len(words)] for j in range(12)) for i in range(16)]}
+    )
+    settings = dict(
+        max_steps=4,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        adam_epsilon=1e-6,
+        logging_steps=1,
+        max_length=16,
+        bf16=False,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
     runs = {}
     for name, trainer_cls, args in (
         ("stock", SFTTrainer, SFTConfig(output_dir=str(tmp_path / "stock"), **settings)),
-        ("elixir", elixir_trainer(SFTTrainer), elixir_args(SFTConfig)(output_dir=str(tmp_path / "e"), elixir=OFFLOAD_PLAN, **settings)),
+        (
+            "elixir",
+            elixir_trainer(SFTTrainer),
+            elixir_args(SFTConfig)(output_dir=str(tmp_path / "e"), elixir=OFFLOAD_PLAN, **settings),
+        ),
     ):
         model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager")
         runs[name] = trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)

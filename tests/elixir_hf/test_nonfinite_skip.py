@@ -10,9 +10,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from transformers import TrainerCallback
-
 from hf_cases import OFFLOAD_PLAN, history, make_trainer, training_args
+from transformers import TrainerCallback
 
 STEPS, NAN_STEP = 6, 2
 

@@ -10,8 +10,9 @@ import pytest
 from elixir_hf.plugin import ElixirPlugin, ElixirSpecError
 from elixir_runtime import ElixirPlan
 
-PLAN = ElixirPlan(chunk_size=4096, n_blocks=3, offload=[2], n_chunks=4, world_size=1, dtype="float32",
-                  min_blocks=2, max_blocks=4)
+PLAN = ElixirPlan(
+    chunk_size=4096, n_blocks=3, offload=[2], n_chunks=4, world_size=1, dtype="float32", min_blocks=2, max_blocks=4
+)
 
 
 def test_a_saved_plan_round_trips_and_pins_the_layout(tmp_path) -> None:
@@ -19,7 +20,12 @@ def test_a_saved_plan_round_trips_and_pins_the_layout(tmp_path) -> None:
     path.write_text(PLAN.to_json())
     assert ElixirPlan.from_json(path) == PLAN
     plugin = ElixirPlugin.from_spec(str(path))
-    assert (plugin.config.mode, plugin.config.chunk_size, plugin.config.n_blocks, plugin.config.offload) == ("static", 4096, 3, [2])
+    assert (plugin.config.mode, plugin.config.chunk_size, plugin.config.n_blocks, plugin.config.offload) == (
+        "static",
+        4096,
+        3,
+        [2],
+    )
 
 
 def test_a_plan_with_an_unknown_key_names_it(tmp_path) -> None:

@@ -48,13 +48,29 @@ def test_default_recipe_trains_offline(tmp_path) -> None:
     }
     env.pop("ELIXIR_CONFIG", None)
     env.pop("CI", None)  # CI=1: transformers' records (Elixir's too) also reach the recipe's basicConfig handler
-    args = ["--output_dir", str(out), "--max_steps", "16", "--logging_steps", "4", "--eval_steps", "8",
-            "--max_eval_samples", "16", "--disable_tqdm", "true", "--corpus_mb", "0.5"]  # 16 steps need 0.1 MB
+    args = [
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "16",
+        "--logging_steps",
+        "4",
+        "--eval_steps",
+        "8",
+        "--max_eval_samples",
+        "16",
+        "--disable_tqdm",
+        "true",
+        "--corpus_mb",
+        "0.5",
+    ]  # 16 steps need 0.1 MB
     proc = subprocess.run([sys.executable, str(TRAIN), *args], env=env, capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-5000:]
 
-    assert proc.stderr.count("Elixir plan for GPT2LMHeadModel") == 1 and "gathered-parameter cache" in proc.stderr  # --log_level info
+    assert (
+        proc.stderr.count("Elixir plan for GPT2LMHeadModel") == 1 and "gathered-parameter cache" in proc.stderr
+    )  # --log_level info
     assert "elixir/" not in proc.stdout and "s/step" in proc.stdout  # the console line stays short
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
     losses = [h["loss"] for h in history if "loss" in h]
@@ -75,8 +91,16 @@ def test_default_recipe_trains_offline(tmp_path) -> None:
 
 
 def _data_args(**overrides) -> SimpleNamespace:
-    args = dict(dataset_name=None, dataset_config_name=None, train_file=None, validation_file=None,
-                validation_split_percentage=5, streaming=False, keep_linebreaks=True, corpus_mb=0.1)
+    args = dict(
+        dataset_name=None,
+        dataset_config_name=None,
+        train_file=None,
+        validation_file=None,
+        validation_split_percentage=5,
+        streaming=False,
+        keep_linebreaks=True,
+        corpus_mb=0.1,
+    )
     return SimpleNamespace(**{**args, **overrides})
 
 
@@ -135,25 +159,60 @@ def _local_model(recipe, folder: Path, kind: str) -> None:
     """A tiny Llama or Qwen2 folder with its own (local BPE) tokenizer, as a user's checkpoint is."""
     texts = [json.loads(line)["text"] for line in recipe.data.stdlib_corpus(0.1).read_text().splitlines()]
     tokenizer = recipe.data.train_tokenizer(texts, 320, 64)
-    common = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                  bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     config = LlamaConfig(**common) if kind == "llama" else Qwen2Config(**common)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
 
-@pytest.mark.parametrize("kind, extra", [("llama", []), ("qwen2", ["--streaming", "true"])], ids=["llama", "qwen2-streaming"])
+@pytest.mark.parametrize(
+    "kind, extra", [("llama", []), ("qwen2", ["--streaming", "true"])], ids=["llama", "qwen2-streaming"]
+)
 def test_recipe_trains_a_local_model_folder(recipe, tmp_path, monkeypatch, kind: str, extra: list[str]) -> None:
     folder, out = tmp_path / kind, tmp_path / "run"
     _local_model(recipe, folder, kind)
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n".join(json.loads(line)["text"] for line in recipe.data.stdlib_corpus(0.1).read_text().splitlines()))
-    args = ["--model_name_or_path", str(folder), "--train_file", str(corpus), "--cache_dir", str(tmp_path / "hf"),
-            "--output_dir", str(out), "--max_steps", "8", "--logging_steps", "2", "--eval_steps", "8",
-            "--max_eval_samples", "8", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3",
-            "--report_to", "none", "--disable_tqdm", "true", *extra]
+    corpus.write_text(
+        "\n".join(json.loads(line)["text"] for line in recipe.data.stdlib_corpus(0.1).read_text().splitlines())
+    )
+    args = [
+        "--model_name_or_path",
+        str(folder),
+        "--train_file",
+        str(corpus),
+        "--cache_dir",
+        str(tmp_path / "hf"),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "8",
+        "--logging_steps",
+        "2",
+        "--eval_steps",
+        "8",
+        "--max_eval_samples",
+        "8",
+        "--per_device_train_batch_size",
+        "4",
+        "--learning_rate",
+        "3e-3",
+        "--report_to",
+        "none",
+        "--disable_tqdm",
+        "true",
+        *extra,
+    ]
     monkeypatch.setattr(sys, "argv", ["train.py", *args])
     recipe.train.main()
 

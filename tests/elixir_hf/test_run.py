@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_cases import OFFLOAD_PLAN, save_tiny_lm
 from safetensors.torch import load_file
 
 from elixir_hf.checkpoint import shard_name
 from elixir_hf.run import main, split_elixir
-from hf_cases import OFFLOAD_PLAN, save_tiny_lm
 
 SCRIPTS = Path(__file__).with_name("scripts")
 ROOT = Path(__file__).parents[2]
@@ -71,17 +71,41 @@ def _elixir_run(ranks: int, *args: str, env: dict[str, str] | None = None) -> st
     """1 rank: ``python -m elixir_hf.run``. 2 ranks: the recipe's own ``accelerate launch`` line
     (recipes/elixir.yaml: 2 processes, bf16), with mixed precision off for the fp32 comparison and a
     free port; the scripts' ``--use_cpu``/``--cpu`` make the Trainer and Accelerator count both ranks."""
-    launcher = [sys.executable] if ranks == 1 else [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "recipes" / "elixir.yaml"),
-        "--num_processes", str(ranks), "--mixed_precision", "no", "--main_process_port", "0"]
+    launcher = (
+        [sys.executable]
+        if ranks == 1
+        else [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(ROOT / "recipes" / "elixir.yaml"),
+            "--num_processes",
+            str(ranks),
+            "--mixed_precision",
+            "no",
+            "--main_process_port",
+            "0",
+        ]
+    )
     # the plan is an INFO log line: shown at TRANSFORMERS_VERBOSITY=info, on rank 0 only
     return _launch([*launcher, "-m", "elixir_hf.run", *args], {"TRANSFORMERS_VERBOSITY": "info", **(env or {})})
 
 
 def _stock(ranks: int, script: Path, *args: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if ranks > 1:
-        _launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-                 str(script), *args])
+        _launch(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                str(ranks),
+                str(script),
+                *args,
+            ]
+        )
         return
     with monkeypatch.context() as m:
         m.setattr(sys, "argv", [str(script), *args])
@@ -110,7 +134,7 @@ def test_elixir_is_taken_out_of_the_scripts_arguments() -> None:
     assert split_elixir(["t.py", "--lr", "1", "--elixir", "off"]) == ("off", ["t.py", "--lr", "1"])
     assert split_elixir(["--elixir", "t.py", "--x"]) == ("auto", ["t.py", "--x"])  # bare flag: auto
     assert split_elixir(["t.py", "--elixir", "--x", "1"]) == ("auto", ["t.py", "--x", "1"])
-    assert split_elixir(["t.py", "--elixir={\"offload\": 0.5}"]) == ('{"offload": 0.5}', ["t.py"])
+    assert split_elixir(["t.py", '--elixir={"offload": 0.5}']) == ('{"offload": 0.5}', ["t.py"])
     assert split_elixir(["t.py", "--elixir", "plan.json", "y"]) == ("plan.json", ["t.py", "y"])
     assert split_elixir(["t.py", "--elixirx"]) == (None, ["t.py", "--elixirx"])
 
@@ -140,8 +164,17 @@ def test_trainer_script_and_accelerate_loop(model_dir, tmp_path, monkeypatch, ra
     loop_args = ["--model_name_or_path", str(model_dir), "--cpu"]
 
     def scripts(run: str) -> list[str]:
-        return [str(SCRIPTS / "hf_trainer.py"), *trainer_args, "--output_dir", str(tmp_path / run / "trainer"), "--",
-                str(SCRIPTS / "accelerate_loop.py"), *loop_args, "--output_dir", str(tmp_path / run / "loop")]
+        return [
+            str(SCRIPTS / "hf_trainer.py"),
+            *trainer_args,
+            "--output_dir",
+            str(tmp_path / run / "trainer"),
+            "--",
+            str(SCRIPTS / "accelerate_loop.py"),
+            *loop_args,
+            "--output_dir",
+            str(tmp_path / run / "loop"),
+        ]
 
     _stock(ranks, SCRIPTS / "sequence.py", *scripts("stock"), monkeypatch=monkeypatch)
     if ranks == 1:

@@ -13,10 +13,10 @@ import json
 import math
 
 import pytest
+from hf_cases import OFFLOAD_PLAN, history, make_trainer, training_args
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from elixir_hf.loss import lean_causal_lm_loss
-from hf_cases import OFFLOAD_PLAN, history, make_trainer, training_args
 
 RTOL = 1e-5
 
@@ -80,8 +80,15 @@ def test_engine_metrics_reach_log_history_and_reporters_not_the_console(tmp_path
             if logs and "loss" in logs:
                 seen.append(dict(logs))
 
-    args = training_args(str(tmp_path), OFFLOAD_PLAN, max_steps=4, eval_strategy="no", save_strategy="steps",
-                         save_steps=4, disable_tqdm=disable_tqdm)
+    args = training_args(
+        str(tmp_path),
+        OFFLOAD_PLAN,
+        max_steps=4,
+        eval_strategy="no",
+        save_strategy="steps",
+        save_steps=4,
+        disable_tqdm=disable_tqdm,
+    )
     trainer = make_trainer("gpt2", args)
     trainer.add_callback(Reporter())
     trainer.train()
@@ -96,8 +103,16 @@ def test_engine_metrics_reach_log_history_and_reporters_not_the_console(tmp_path
     first, last = logged[0], logged[-1]
     assert first["elixir/plan_offloaded_chunks"] > 0 and "elixir/plan_chunks" in first
     assert "elixir/plan_chunks" not in last
-    for key in ("elixir/loss_scale", "elixir/skipped_steps", "elixir/host_rss_gib", "elixir/step_s",
-                "elixir/backward_s", "elixir/optimizer_s", "elixir/forward_other_s", "elixir/reduces_per_step"):
+    for key in (
+        "elixir/loss_scale",
+        "elixir/skipped_steps",
+        "elixir/host_rss_gib",
+        "elixir/step_s",
+        "elixir/backward_s",
+        "elixir/optimizer_s",
+        "elixir/forward_other_s",
+        "elixir/reduces_per_step",
+    ):
         assert key in last, key
     assert last["elixir/loss_scale"] == 1.0 and last["elixir/skipped_steps"] == 0
     assert last["elixir/backward_s"] > 0 and last["elixir/reduces_per_step"] > 0
@@ -113,8 +128,15 @@ def test_engine_metrics_reach_log_history_and_reporters_not_the_console(tmp_path
 def test_console_summary() -> None:
     from elixir_hf.callback import console_logs
 
-    logs = {"loss": 1.5, "elixir/step_s": 0.2134, "elixir/gpu_peak_gib": 4.12, "elixir/host_rss_gib": 2.31,
-            "elixir/skipped_steps": 0, "elixir/loss_scale": 1.0, "elixir/gathers_per_step": 40.0}
+    logs = {
+        "loss": 1.5,
+        "elixir/step_s": 0.2134,
+        "elixir/gpu_peak_gib": 4.12,
+        "elixir/host_rss_gib": 2.31,
+        "elixir/skipped_steps": 0,
+        "elixir/loss_scale": 1.0,
+        "elixir/gathers_per_step": 40.0,
+    }
     assert console_logs(logs) == {"loss": 1.5, "elixir": "0.213 s/step, GPU peak 4.12 GiB, host 2.31 GiB"}
     fp16 = {**logs, "elixir/skipped_steps": 2, "elixir/loss_scale": 16384.0}
     assert console_logs(fp16)["elixir"].endswith("host 2.31 GiB, 2 skipped, loss scale 1.64e+04")

@@ -182,7 +182,9 @@ def test_load_safetensors_is_strict(tmp_path) -> None:
 # --------------------------------------------------------------------------- (c) resume
 
 
-def _resume_run(tmp: str, build_name: str, rank: int = 0, load_optimizer: bool = True) -> tuple[list[float], list[float]]:
+def _resume_run(
+    tmp: str, build_name: str, rank: int = 0, load_optimizer: bool = True
+) -> tuple[list[float], list[float]]:
     """(uninterrupted 6 steps, 3 steps + save + fresh engine + load + 3 steps) losses on this rank."""
     build = MODEL_BUILDERS[build_name]
     vocab = build().config.vocab_size
@@ -227,7 +229,10 @@ def _resume_world2(rank: int, world_size: int, tmp: str) -> dict:
     # (e) a shard of the world-1 run, or of the other rank, must not load here
     model, opt = _prepare(tiny_gpt2(seed=0), make_batch(128))
     errors = {}
-    for key, path in (("world1", os.path.join(tmp, "world1_optim.pt")), ("other_rank", os.path.join(tmp, f"optim.rank{1 - rank}.pt"))):
+    for key, path in (
+        ("world1", os.path.join(tmp, "world1_optim.pt")),
+        ("other_rank", os.path.join(tmp, f"optim.rank{1 - rank}.pt")),
+    ):
         try:
             opt.load_state_dict(torch.load(path))
         except ValueError as e:
@@ -297,7 +302,9 @@ def test_save_pretrained_round_trip(tmp_path) -> None:
     torch.testing.assert_close(_logits(loaded, batch), want, rtol=0, atol=1e-6)
     # and the trained weights really moved away from the initial ones
     init = tiny_gpt2(seed=0).state_dict()
-    assert not torch.equal(loaded.state_dict()["transformer.h.0.mlp.c_fc.weight"], init["transformer.h.0.mlp.c_fc.weight"])
+    assert not torch.equal(
+        loaded.state_dict()["transformer.h.0.mlp.c_fc.weight"], init["transformer.h.0.mlp.c_fc.weight"]
+    )
 
 
 # --------------------------------------------------------------------------- (e) bad optimizer loads

@@ -203,12 +203,20 @@ def _param_steps(model, opt) -> dict[str, int]:
 
 
 def _engine_mlp_run(
-    rank: int, world_size: int, kind: str, n_blocks="min", offload=0.5, grad_accum: int = 1, kernel: str = "cpp",
+    rank: int,
+    world_size: int,
+    kind: str,
+    n_blocks="min",
+    offload=0.5,
+    grad_accum: int = 1,
+    kernel: str = "cpp",
     lane: bool = False,
 ) -> tuple[list[float], dict, dict]:
     """``lane``: the device update lane takes slices of offloaded chunks beside the CPU."""
     model = _build_mlp(kind)
-    model, opt = _prepare(model, _mlp_batch(0, 0, rank), n_blocks=n_blocks, offload=offload, device_assisted_update=lane)
+    model, opt = _prepare(
+        model, _mlp_batch(0, 0, rank), n_blocks=n_blocks, offload=offload, device_assisted_update=lane
+    )
     assert (model._elixir.runtime.host_updates.lane is not None) == lane
     _use_kernel(opt, kernel)
     losses = _engine_mlp_steps(model, opt, kind, range(MLP_STEPS), rank, grad_accum, kernel)

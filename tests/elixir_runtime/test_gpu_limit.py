@@ -23,8 +23,16 @@ GPU = torch.device("cuda", 0)
 
 @pytest.mark.parametrize(
     "value, expected",
-    [("70GiB", 70 * GIB), ("70G", 70 * GIB), ("70GB", 70 * 10**9), ("512MiB", 512 * 2**20), ("70", 70 * GIB),
-     (" 1.5 TiB ", int(1.5 * 2**40)), (85017493504, 85017493504), (None, None)],
+    [
+        ("70GiB", 70 * GIB),
+        ("70G", 70 * GIB),
+        ("70GB", 70 * 10**9),
+        ("512MiB", 512 * 2**20),
+        ("70", 70 * GIB),
+        (" 1.5 TiB ", int(1.5 * 2**40)),
+        (85017493504, 85017493504),
+        (None, None),
+    ],
 )
 def test_gpu_memory_is_stored_in_bytes(value, expected) -> None:
     assert er.ElixirConfig(gpu_memory=value).gpu_memory == expected
@@ -89,8 +97,11 @@ def test_a_fraction_alone_limits_the_budget(monkeypatch) -> None:
 
 def test_a_cap_larger_than_the_card_is_refused(monkeypatch) -> None:
     gpu = FakeGPU(total=80 * GIB).install(monkeypatch)
-    with pytest.raises(ConfigError, match=r"gpu_memory is 90.00 GiB .*more than the 80.00 GiB of cuda:0 \(Fake GPU\): "
-                                          r"use at most 85899345920 bytes, or None"):
+    with pytest.raises(
+        ConfigError,
+        match=r"gpu_memory is 90.00 GiB .*more than the 80.00 GiB of cuda:0 \(Fake GPU\): "
+        r"use at most 85899345920 bytes, or None",
+    ):
         limit_gpu_memory(GPU, 90 * GIB)
     assert gpu.set_calls == 0
     limit_gpu_memory(GPU, 80 * GIB)  # the whole card: nothing to lower
@@ -117,8 +128,9 @@ def test_prepare_on_a_gpu_holds_the_allocator_to_the_cap() -> None:
     cap = 4 * GIB
     try:
         model = tiny_gpt2()
-        model, _ = er.prepare(model, torch.optim.AdamW(model.parameters()), er.ElixirConfig(gpu_memory=cap),
-                              example_batch=make_batch(128))
+        model, _ = er.prepare(
+            model, torch.optim.AdamW(model.parameters()), er.ElixirConfig(gpu_memory=cap), example_batch=make_batch(128)
+        )
         assert torch.cuda.get_per_process_memory_fraction(device) == pytest.approx(cap / total)
         plan = model._elixir.plan
         assert plan.gpu_memory == cap and plan.budget.limit <= cap and plan.budget.capacity <= cap
@@ -141,4 +153,3 @@ def test_expandable_segments_follow_the_users_allocator_settings(monkeypatch) ->
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     assert gpu_limit.expandable_segments() is True and calls == ["expandable_segments:True"]
-

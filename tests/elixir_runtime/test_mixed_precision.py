@@ -80,7 +80,9 @@ def test_on_a_gpu_against_the_reference(grad_accum):
     """On CUDA the GPU-resident shards are gathered by casting the fp32 master on the fetch stream,
     their gradient shards allocated per chunk for the reduce stream and freed by zero_grad, and
     updated by the Triton kernel without a bf16 copy to write: the same training as plain PyTorch."""
-    recipe = Recipe(model="llama", dtype=torch.bfloat16, grad_accum=grad_accum, ac=True, clip=1.0, steps=8, device="cuda")
+    recipe = Recipe(
+        model="llama", dtype=torch.bfloat16, grad_accum=grad_accum, ac=True, clip=1.0, steps=8, device="cuda"
+    )
     want = run_reference(recipe)
     for shape in [("min", 0.5), ("max", 0.0)]:
         got = run_elixir(recipe, n_blocks=shape[0], offload=shape[1])

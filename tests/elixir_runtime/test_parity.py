@@ -71,7 +71,8 @@ def test_multi_rank_matches_pytorch(world_size):
     cases = [
         (Recipe(model=m, ac=ac, grad_accum=ga, world_size=world_size, steps=MULTI_RANK_STEPS), shape)
         for (m, ac, ga), shape in zip(
-            itertools.product(["gpt2", "opt", "llama"], [False], [1, 3]) if world_size == 2
+            itertools.product(["gpt2", "opt", "llama"], [False], [1, 3])
+            if world_size == 2
             else [("gpt2", False, 3), ("llama", True, 1), ("opt", None, 3)],
             itertools.cycle(PLAN_SHAPES),
         )
@@ -111,7 +112,10 @@ def test_params_larger_than_a_chunk_match_pytorch():
 def test_ranks_built_on_meta_start_from_rank_0_weights():
     """Rank 1 builds the model on meta (the host holds it once): prepare broadcasts rank 0's
     parameters and buffers (Llama's rotary ``inv_freq``), and training matches PyTorch."""
-    cases = [(Recipe(model=m, world_size=2, meta_ranks=True, steps=MULTI_RANK_STEPS), s) for m, s in zip(["gpt2", "llama"], PLAN_SHAPES)]
+    cases = [
+        (Recipe(model=m, world_size=2, meta_ranks=True, steps=MULTI_RANK_STEPS), s)
+        for m, s in zip(["gpt2", "llama"], PLAN_SHAPES)
+    ]
     recipes = [r for r, _ in cases]
     results = run_distributed(_rank_runs, 2, recipes, [s for _, s in cases])
     for i, recipe in enumerate(recipes):

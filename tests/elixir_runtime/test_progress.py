@@ -37,11 +37,18 @@ def test_the_engine_alone_draws_no_bars(capfd) -> None:
 def test_prepare_and_state_dict_bars() -> None:
     model = tiny_gpt2()
     with recorded_bars() as bars:
-        er.prepare(model, torch.optim.AdamW(model.parameters()), er.ElixirConfig(device=torch.device("cpu"), offload=0.5),
-                   example_batch=make_batch(128))
+        er.prepare(
+            model,
+            torch.optim.AdamW(model.parameters()),
+            er.ElixirConfig(device=torch.device("cpu"), offload=0.5),
+            example_batch=make_batch(128),
+        )
         model.state_dict()
     chunks = len(model._elixir.runtime.layout.chunks)
-    assert [b.desc for b in bars] == ["elixir: filling device chunk shards", "elixir: filling host chunk shards",
-                                      "elixir: gathering the weights"]
+    assert [b.desc for b in bars] == [
+        "elixir: filling device chunk shards",
+        "elixir: filling host chunk shards",
+        "elixir: gathering the weights",
+    ]
     assert sum(b.total for b in bars[:2]) == bars[2].total == chunks
     assert all(b.n == b.total and b.closed and b.unit == "chunk" for b in bars)

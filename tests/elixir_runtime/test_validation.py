@@ -92,7 +92,12 @@ def test_trainable_param_missing_from_optimizer(no_allocation) -> None:
     skip = model.transformer.h[1].mlp.c_proj.bias
     opt = torch.optim.AdamW([p for p in model.parameters() if p is not skip], lr=1e-2)
     _expect_untouched_failure(
-        model, opt, ValueError, r"not in the optimizer.*transformer\.h\.1\.mlp\.c_proj\.bias", er.ElixirConfig(**STATIC), batch
+        model,
+        opt,
+        ValueError,
+        r"not in the optimizer.*transformer\.h\.1\.mlp\.c_proj\.bias",
+        er.ElixirConfig(**STATIC),
+        batch,
     )
 
 
@@ -200,7 +205,9 @@ def test_prepare_twice_is_rejected() -> None:
     opt.backward(loss)
     opt.step()
     opt.zero_grad()
-    assert not torch.equal(model.state_dict()["transformer.h.0.mlp.c_fc.weight"], before["transformer.h.0.mlp.c_fc.weight"])
+    assert not torch.equal(
+        model.state_dict()["transformer.h.0.mlp.c_fc.weight"], before["transformer.h.0.mlp.c_fc.weight"]
+    )
 
 
 def test_meta_params_are_rejected(no_allocation) -> None:

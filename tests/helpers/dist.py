@@ -109,9 +109,7 @@ def _kill(procs: list[Any]) -> None:
         p.join(timeout=5)
 
 
-def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300
-) -> list[Any]:
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
 
     ``fn`` and ``args`` must be picklable (``fn`` defined at module level).
@@ -155,12 +153,7 @@ def run_distributed(
             except queue_mod.Empty:
                 # A rank that died without reporting (segfault, os._exit) never will.
                 for r, p in enumerate(procs):
-                    if (
-                        r not in values
-                        and r not in errors
-                        and p.exitcode is not None
-                        and results.empty()
-                    ):
+                    if r not in values and r not in errors and p.exitcode is not None and results.empty():
                         errors[r] = f"exited with code {p.exitcode} without reporting"
                 if errors and grace_deadline is None:
                     grace_deadline = time.monotonic() + _ERROR_GRACE_S
@@ -175,12 +168,9 @@ def run_distributed(
         if errors:
             _kill(procs)
             report = "\n".join(
-                f"--- rank {r} ---\n{msg}" if r >= 0 else f"--- harness ---\n{msg}"
-                for r, msg in sorted(errors.items())
+                f"--- rank {r} ---\n{msg}" if r >= 0 else f"--- harness ---\n{msg}" for r, msg in sorted(errors.items())
             )
-            raise DistributedError(
-                f"{len(errors)} failure(s) in run_distributed(world_size={world_size}):\n{report}"
-            )
+            raise DistributedError(f"{len(errors)} failure(s) in run_distributed(world_size={world_size}):\n{report}")
         for p in procs:
             p.join(timeout=30)
         return [values[r] for r in range(world_size)]

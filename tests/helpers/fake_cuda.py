@@ -25,9 +25,11 @@ class FakeGPU:
     fraction: float = 1.0
     set_calls: int = 0
 
-    def install(self, monkeypatch: pytest.MonkeyPatch) -> "FakeGPU":
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> FakeGPU:
         cuda = torch.cuda
-        monkeypatch.setattr(cuda, "mem_get_info", lambda device=None: (self.total - self.used_elsewhere - self.reserved, self.total))
+        monkeypatch.setattr(
+            cuda, "mem_get_info", lambda device=None: (self.total - self.used_elsewhere - self.reserved, self.total)
+        )
         monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: self.allocated)
         monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: self.reserved)
         monkeypatch.setattr(cuda, "get_per_process_memory_fraction", lambda device=None: self.fraction)

@@ -135,9 +135,7 @@ MODEL_BUILDERS: dict[str, Callable[..., PreTrainedModel]] = {
 }
 
 
-def make_batch(
-    vocab: int, batch: int = 2, seq: int = 16, seed: int = 0
-) -> dict[str, torch.Tensor]:
+def make_batch(vocab: int, batch: int = 2, seq: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random token batch; ``labels`` equals ``input_ids`` because HF shifts internally."""
     gen = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab, (batch, seq), generator=gen, dtype=torch.long)
@@ -193,9 +191,7 @@ def tiny_mlp(seed: int = 0, **kwargs: Any) -> TinyMLP:
         return TinyMLP(**kwargs)
 
 
-def make_mlp_batch(
-    d_in: int = 8, n_classes: int = 4, batch: int = 4, seed: int = 0
-) -> dict[str, torch.Tensor]:
+def make_mlp_batch(d_in: int = 8, n_classes: int = 4, batch: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random inputs and class labels matching :class:`TinyMLP` defaults."""
     gen = torch.Generator().manual_seed(seed)
     return {

@@ -84,7 +84,9 @@ def lr_at(recipe: Recipe, step: int) -> float:
 def run_elixir(recipe: Recipe, rank: int = 0, **config) -> Result:
     """``n_blocks="mid"`` means halfway between the plan's minimum and maximum rCache size."""
     if config.get("n_blocks") == "mid":
-        probe_cfg = er.ElixirConfig(mode="static", n_blocks="min", dtype=recipe.dtype, chunk_size=config.get("chunk_size"))
+        probe_cfg = er.ElixirConfig(
+            mode="static", n_blocks="min", dtype=recipe.dtype, chunk_size=config.get("chunk_size")
+        )
         probe = er.prepare(*build(recipe), config=probe_cfg)[0]
         plan = probe._elixir.plan
         config["n_blocks"] = (plan.min_blocks + plan.max_blocks) // 2
@@ -130,7 +132,10 @@ def run_reference(recipe: Recipe) -> Result:
         for micro in range(recipe.grad_accum):
             full = batch_for(recipe, step, micro, None)
             # mean over ranks of per-rank mean losses == what Elixir's averaged gradients give
-            parts = [{k: v[r * MICRO_BATCH : (r + 1) * MICRO_BATCH] for k, v in full.items()} for r in range(recipe.world_size)]
+            parts = [
+                {k: v[r * MICRO_BATCH : (r + 1) * MICRO_BATCH] for k, v in full.items()}
+                for r in range(recipe.world_size)
+            ]
             for r, part in enumerate(parts):
                 loss = work(**part).loss / recipe.grad_accum
                 (loss * scale / recipe.world_size).backward()

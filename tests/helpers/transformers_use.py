@@ -45,7 +45,9 @@ def _module_files(name: str, folder: Path, imported: bool) -> list[Path]:
         if module is not None:
             inits = (root.joinpath(*parts[:i], "__init__.py") for i in range(1, len(parts)))
             return [module, *(f for f in inits if f.is_file())]
-    top_found = any((root / parts[0]).is_dir() or (root / f"{parts[0]}.py").is_file() for root in (folder, *_IMPORT_ROOTS))
+    top_found = any(
+        (root / parts[0]).is_dir() or (root / f"{parts[0]}.py").is_file() for root in (folder, *_IMPORT_ROOTS)
+    )
     if not imported or top_found or not parts[0] or parts[0].startswith("__"):  # found, or `from pkg import name`
         return []
     spec = importlib.util.find_spec(parts[0])

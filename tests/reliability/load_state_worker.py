@@ -9,11 +9,14 @@ import sys
 
 import torch
 
-sys.path[:0] = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "elixir_hf"),
-                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+sys.path[:0] = [
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "elixir_hf"),
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+]
+
+from hf_cases import OFFLOAD_PLAN, VOCAB, TokenDataset  # noqa: E402
 
 import elixir_hf  # noqa: E402
-from hf_cases import OFFLOAD_PLAN, VOCAB, TokenDataset  # noqa: E402
 from helpers.models import MODEL_BUILDERS  # noqa: E402
 
 

@@ -11,13 +11,14 @@ import os
 import signal
 import sys
 
-sys.path[:0] = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "elixir_hf"),
-                os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+sys.path[:0] = [
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "elixir_hf"),
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+]
 
 import transformers.trainer  # noqa: E402
-from transformers import TrainerState  # noqa: E402
-
 from hf_cases import OFFLOAD_PLAN, make_trainer, training_args  # noqa: E402
+from transformers import TrainerState  # noqa: E402
 
 VICTIM = "checkpoint-4"
 # phase -> the file whose move into place is replaced by the kill (the temporary file is written)
@@ -43,8 +44,9 @@ def arm(phase: str) -> None:
         TrainerState.save_to_json = lambda self, path: die() if VICTIM in path else save(self, path)
     elif phase == "rotation":  # after the marker, before older checkpoints are deleted
         rotate = transformers.trainer.rotate_checkpoints
-        transformers.trainer.rotate_checkpoints = lambda **kw: die() if os.path.isdir(
-            os.path.join(kw["output_dir"], VICTIM)) else rotate(**kw)
+        transformers.trainer.rotate_checkpoints = lambda **kw: (
+            die() if os.path.isdir(os.path.join(kw["output_dir"], VICTIM)) else rotate(**kw)
+        )
     else:
         raise SystemExit(f"unknown phase {phase!r}")
 
@@ -64,7 +66,9 @@ def main(out: str, phases: list[str]) -> None:
             os._exit(3)  # not killed: the phase was never reached
         status[phase] = os.waitpid(pid, 0)[1]
     with open(os.path.join(out, "status.json"), "w") as f:
-        json.dump({phase: os.WTERMSIG(s) if os.WIFSIGNALED(s) else -os.WEXITSTATUS(s) for phase, s in status.items()}, f)
+        json.dump(
+            {phase: os.WTERMSIG(s) if os.WIFSIGNALED(s) else -os.WEXITSTATUS(s) for phase, s in status.items()}, f
+        )
 
 
 if __name__ == "__main__":

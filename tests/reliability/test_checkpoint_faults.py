@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_cases import OFFLOAD_PLAN, history, make_trainer, training_args
+from launch import run_script
+from save_worker import trainer as killed_run
 
 import elixir_hf.checkpoint
 from elixir_hf.checkpoint import MARKER_NAME, CheckpointError
-from launch import run_script
-from save_worker import trainer as killed_run
-from hf_cases import OFFLOAD_PLAN, history, make_trainer, training_args
 from helpers.logs import captured
 
 SAVE = dict(max_steps=10, save_strategy="steps", save_steps=5, eval_strategy="no")
@@ -110,11 +110,15 @@ class _FullDisk(io.FileIO):
 
 
 def test_disk_full_names_the_file_and_leaves_no_temporary(tmp_path, monkeypatch) -> None:
-    monkeypatch.setattr(elixir_hf.checkpoint, "open", lambda path, mode: _FullDisk(path, mode.replace("b", "")),
-                        raising=False)
+    monkeypatch.setattr(
+        elixir_hf.checkpoint, "open", lambda path, mode: _FullDisk(path, mode.replace("b", "")), raising=False
+    )
     trainer = make_trainer("gpt2", training_args(str(tmp_path), OFFLOAD_PLAN, **SAVE), n_train=80)
-    with pytest.raises(CheckpointError, match=rf"No space left on device \(writing checkpoint file {tmp_path}/"
-                                              rf"checkpoint-5/{SHARD}; the partial file was removed\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"No space left on device \(writing checkpoint file {tmp_path}/"
+        rf"checkpoint-5/{SHARD}; the partial file was removed\)",
+    ):
         trainer.train()
     ckpt = tmp_path / "checkpoint-5"
     assert not [p for p in ckpt.iterdir() if p.name.startswith(".")], "a temporary file was left behind"
@@ -123,8 +127,9 @@ def test_disk_full_names_the_file_and_leaves_no_temporary(tmp_path, monkeypatch)
 
 def test_disk_full_in_a_torch_save_keeps_the_os_error(tmp_path, monkeypatch) -> None:
     """torch.save's own C++ writer reports ``basic_ios::clear: iostream error``; ours, errno."""
-    monkeypatch.setattr(elixir_hf.checkpoint, "open", lambda path, mode: _FullDisk(path, mode.replace("b", "")),
-                        raising=False)
+    monkeypatch.setattr(
+        elixir_hf.checkpoint, "open", lambda path, mode: _FullDisk(path, mode.replace("b", "")), raising=False
+    )
     path = tmp_path / "big.pt"
     with pytest.raises(OSError) as info:
         elixir_hf.checkpoint.atomic_torch_save({"w": torch.zeros(10_000)}, path)

@@ -8,4 +8,6 @@ from launch import LONG, assert_clean_exits, run_script
 
 
 def test_trainer_job_exits_cleanly(tmp_path) -> None:
-    assert_clean_exits([run_script("exit_worker.py", str(tmp_path / str(i)), ranks=2) for i in range(50 if LONG else 1)])
+    assert_clean_exits(
+        [run_script("exit_worker.py", str(tmp_path / str(i)), ranks=2) for i in range(50 if LONG else 1)]
+    )

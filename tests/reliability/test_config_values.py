@@ -75,8 +75,16 @@ def test_no_field_is_left_unchecked() -> None:
 
 
 def test_good_values_still_pass() -> None:
-    config = er.ElixirConfig(chunk_size=1024, n_blocks="min", offload=[0, 2], prefetch=0, unit_classes=["GPT2Block"],
-                             device="cpu", dtype="bf16", lockstep_timeout_s=5)
+    config = er.ElixirConfig(
+        chunk_size=1024,
+        n_blocks="min",
+        offload=[0, 2],
+        prefetch=0,
+        unit_classes=["GPT2Block"],
+        device="cpu",
+        dtype="bf16",
+        lockstep_timeout_s=5,
+    )
     assert config.dtype == torch.bfloat16
     assert er.ElixirConfig(offload=1).offload == 1 and er.ElixirConfig(offload=0.25).offload == 0.25
     er.LossScaleConfig(init_scale=1024, min_scale=1024, growth_interval=1)

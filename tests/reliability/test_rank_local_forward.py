@@ -37,8 +37,9 @@ def _step(model, optimizer, rank: int, step: int) -> float:
 
 
 def _generate(model, max_new_tokens: int = 6) -> torch.Tensor:
-    return model.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=max_new_tokens,
-                          do_sample=False, pad_token_id=0)
+    return model.generate(
+        PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+    )
 
 
 def _failure(fn) -> tuple[str, float]:
@@ -153,7 +154,9 @@ def test_an_extra_training_step_on_one_rank_is_detected(two_ranks) -> None:
 
 def test_a_forward_nobody_joins_fails_after_the_timeout_on_every_rank(two_ranks) -> None:
     (first, waited), (second, _) = (r["nobody_joins"] for r in two_ranks)
-    assert "rank 0 started a no-grad forward (its operation #1) and the other ranks did not start one within 1 s" in first
+    assert (
+        "rank 0 started a no-grad forward (its operation #1) and the other ranks did not start one within 1 s" in first
+    )
     assert "lockstep_timeout_s" in first and 1 <= waited < 30
     assert "rank 1 start" in second and "full_params" in second  # it timed out too, or saw rank 0's entry
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist

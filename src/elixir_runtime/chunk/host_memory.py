@@ -22,7 +22,9 @@ def empty_host(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
         try:
             _register(t)
         except (RuntimeError, AttributeError) as exc:
-            warnings.warn(f"cudaHostRegister unavailable ({exc}); falling back to the caching pinned allocator", stacklevel=2)
+            warnings.warn(
+                f"cudaHostRegister unavailable ({exc}); falling back to the caching pinned allocator", stacklevel=2
+            )
             t = t.pin_memory()
     return t
 

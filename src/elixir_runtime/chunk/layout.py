@@ -21,8 +21,8 @@ byte of memory is touched. Rules:
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 from torch import nn
 

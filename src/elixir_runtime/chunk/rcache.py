@@ -33,4 +33,3 @@ class RCache:
 
     def private_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> Buffer:
         return Buffer(-1, torch.zeros(numel, dtype=dtype, device=device), private=True)
-

@@ -90,8 +90,12 @@ def weight_source(model: nn.Module, coll: Collectives, device: torch.device) -> 
     backend = dist.get_backend(coll.group)
     if coll.rank == 0:
         on_meta_ranks = [rank for rank, (meta, _) in enumerate(everyone) if meta]
-        logger.info("elixir: ranks %s hold no weights: every rank's shards start from rank 0's %d tensors, broadcast "
-                    "one at a time", on_meta_ranks, len(tensors))
+        logger.info(
+            "elixir: ranks %s hold no weights: every rank's shards start from rank 0's %d tensors, broadcast "
+            "one at a time",
+            on_meta_ranks,
+            len(tensors),
+        )
     return WeightSource(coll, device if backend == "nccl" else torch.device("cpu"))
 
 

@@ -27,8 +27,9 @@ Sizes: docs/runtime.md, "Semantics worth knowing".
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 
@@ -36,7 +37,15 @@ from ..progress import Bar, progress
 from .host_memory import empty_host
 from .layout import ChunkLayout, ChunkSpec, GroupRange, Slot
 
-__all__ = ["Residence", "ShardArenas", "build_arenas", "casts_on_gather", "grads_on_demand", "write_param", "shard_overlap"]
+__all__ = [
+    "Residence",
+    "ShardArenas",
+    "build_arenas",
+    "casts_on_gather",
+    "grads_on_demand",
+    "write_param",
+    "shard_overlap",
+]
 
 Residence = Literal["device", "host"]
 """Where a chunk's shard and optimizer state live (the search's ``Placement`` chooses it per chunk)."""
@@ -98,7 +107,6 @@ class ShardArenas:
         return self.param[start : start + numel]
 
 
-
 def build_arenas(
     layout: ChunkLayout,
     placement: list[Residence],
@@ -146,7 +154,9 @@ def build_arenas(
         for c, size in zip(members, shard):
             arenas.offsets[c.index] = offset
             if c.trainable:
-                arenas.segments += [GroupRange(offset + o, n, g) for o, n, g in c.shard_segments(rank, layout.world_size)]
+                arenas.segments += [
+                    GroupRange(offset + o, n, g) for o, n, g in c.shard_segments(rank, layout.world_size)
+                ]
             offset += size
         with progress(len(members), f"elixir: filling {where} chunk shards", unit="chunk") as bar:
             _fill(layout, members, arenas, rank, weights, bar)

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -28,7 +28,13 @@ from . import measure
 from .profile import PROFILE_VERSION, HardwareProfile
 
 __all__ = [
-    "cache_path", "machine_key", "load_hardware", "job_hardware", "shipped_hardware", "ENV_HARDWARE", "SHIPPED",
+    "cache_path",
+    "machine_key",
+    "load_hardware",
+    "job_hardware",
+    "shipped_hardware",
+    "ENV_HARDWARE",
+    "SHIPPED",
 ]
 
 ENV_HARDWARE = "ELIXIR_HARDWARE"

@@ -19,7 +19,7 @@ import datetime
 import platform
 import statistics
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,10 +27,10 @@ import torch.distributed as dist
 from ..chunk.collectives import Collectives
 from ..chunk.host_memory import empty_host
 from ..chunk.layout import GroupRange
-from ..kernels.kernel import AdamHyper, AdamKernel
+from ..host import host_total
+from ..kernels.kernel import AdamHyper
 from ..kernels.select import select_kernel
 from ..kernels.threads import cpu_adam_threads, usable_cores
-from ..host import host_total
 from ..progress import progress
 from .profile import PROFILE_VERSION, CpuAdamRate, HardwareProfile, LinkRates
 
@@ -160,12 +160,16 @@ def _adam_rate(device: torch.device, numel: int, dtype: torch.dtype, threads: in
     return numel / _median_time(_adam_update(device, numel, dtype, threads), sync=lambda: _sync(device))
 
 
-def _adam_update(device: torch.device, numel: int, dtype: torch.dtype, threads: int | None = None) -> Callable[[], None]:
+def _adam_update(
+    device: torch.device, numel: int, dtype: torch.dtype, threads: int | None = None
+) -> Callable[[], None]:
     """One update of ``numel`` elements on ``device`` by the engine's kernel (on the CPU with
     ``threads`` OpenMP threads), on arenas allocated (and first touched) by this process."""
     kernel = select_kernel(device, threads if device.type == "cpu" else None)
-    alloc = (lambda n, dt: torch.zeros(n, dtype=dt, device=device)) if device.type == "cuda" else (
-        lambda n, dt: empty_host(n, dt, pin=False).zero_()
+    alloc = (
+        (lambda n, dt: torch.zeros(n, dtype=dt, device=device))
+        if device.type == "cuda"
+        else (lambda n, dt: empty_host(n, dt, pin=False).zero_())
     )
     master, m, v = alloc(numel, torch.float32), alloc(numel, torch.float32), alloc(numel, torch.float32)
     grad, out = alloc(numel, dtype), alloc(numel, dtype)
@@ -189,7 +193,11 @@ def rank_counts(gpus: int | None = None) -> list[int]:
 
 
 def rank_cpu_adam(
-    threads: int, device: torch.device | None, barrier: Callable[[], None], *, quick: bool = False,
+    threads: int,
+    device: torch.device | None,
+    barrier: Callable[[], None],
+    *,
+    quick: bool = False,
     dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[float, float]:
     """(under copies, alone): this rank's CPU Adam parameters/s while every rank of the host runs
@@ -232,8 +240,9 @@ def rank_cpu_adam(
     return under, alone
 
 
-def host_cpu_adam(ranks: int, *, threads: int | None = None, quick: bool = False,
-                  dtype: torch.dtype = torch.bfloat16) -> CpuAdamRate:
+def host_cpu_adam(
+    ranks: int, *, threads: int | None = None, quick: bool = False, dtype: torch.dtype = torch.bfloat16
+) -> CpuAdamRate:
     """CPU Adam per rank for ``ranks`` ranks sharing this host, each with ``cpu_adam_threads(ranks,
     threads)``: this process for one rank, else ``ranks`` processes spawned at once, one per GPU
     (``OMP_NUM_THREADS=1`` as under torchrun), the slowest rank's."""
@@ -242,12 +251,16 @@ def host_cpu_adam(ranks: int, *, threads: int | None = None, quick: bool = False
         raise ValueError(f"CPU Adam for {ranks} ranks per host needs {ranks} GPUs to copy to; this host has {gpus}")
     n_threads = cpu_adam_threads(ranks, threads)
     if ranks == 1:
-        under, alone = rank_cpu_adam(n_threads, torch.device("cuda", 0) if gpus else None, lambda: None, quick=quick, dtype=dtype)
+        under, alone = rank_cpu_adam(
+            n_threads, torch.device("cuda", 0) if gpus else None, lambda: None, quick=quick, dtype=dtype
+        )
         return CpuAdamRate(1, n_threads, under, alone)
     ctx = torch.multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(ranks), ctx.Queue()
-    procs = [ctx.Process(target=_spawned_rank, args=(r, n_threads, bool(gpus), quick, dtype, barrier, results))
-             for r in range(ranks)]
+    procs = [
+        ctx.Process(target=_spawned_rank, args=(r, n_threads, bool(gpus), quick, dtype, barrier, results))
+        for r in range(ranks)
+    ]
     for proc in procs:
         proc.start()
     try:
@@ -278,10 +291,18 @@ def _spawned_rank(rank: int, threads: int, gpu: bool, quick: bool, dtype: torch.
         results.put(f"rank {rank}: {type(exc).__name__}: {exc}")
 
 
-def job_cpu_adam(coll: Collectives, device: torch.device, ranks: int, threads: int, *, quick: bool = False,
-                 dtype: torch.dtype = torch.bfloat16) -> CpuAdamRate:
+def job_cpu_adam(
+    coll: Collectives,
+    device: torch.device,
+    ranks: int,
+    threads: int,
+    *,
+    quick: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+) -> CpuAdamRate:
     """The job's CPU Adam per rank: ``rank_cpu_adam`` on every rank of ``coll`` at once (``ranks``
     of them on each host) with ``threads`` threads, the slowest rank's. Every rank must call it."""
+
     def barrier() -> None:
         t = torch.zeros(1, device=device)
         coll.all_reduce_sum_(t)

@@ -108,7 +108,7 @@ class HardwareProfile:
         return json.dumps(self.to_dict(), indent=2)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "HardwareProfile":
+    def from_dict(cls, d: dict) -> HardwareProfile:
         """Also reads versions 1 and 2, whose single ``cpu_adam`` (one process, every core but one)
         becomes the one-rank entry: plans and replays of old records predict what they did."""
         d = dict(d)
@@ -116,15 +116,17 @@ class HardwareProfile:
         if isinstance(d.get("cpu_adam"), (int, float)):
             rate, alone = d.pop("cpu_adam"), d.pop("cpu_adam_alone", None)
             d["cpu_adam"] = {1: CpuAdamRate(1, cpu_adam_threads(1, cores=d["cpu_cores"]), rate, alone)}
-        d["cpu_adam"] = {int(k): v if isinstance(v, CpuAdamRate) else CpuAdamRate(**v) for k, v in d.get("cpu_adam", {}).items()}
+        d["cpu_adam"] = {
+            int(k): v if isinstance(v, CpuAdamRate) else CpuAdamRate(**v) for k, v in d.get("cpu_adam", {}).items()
+        }
         return cls(**d)
 
     @classmethod
-    def from_json(cls, text: str) -> "HardwareProfile":
+    def from_json(cls, text: str) -> HardwareProfile:
         return cls.from_dict(json.loads(text))
 
     @classmethod
-    def load(cls, path: str | Path) -> "HardwareProfile":
+    def load(cls, path: str | Path) -> HardwareProfile:
         raw = json.loads(Path(path).read_text())
         profile = cls.from_dict(raw)
         profile.source = profile.source or str(path)
@@ -143,7 +145,7 @@ class HardwareProfile:
         tmp.write_text(self.to_json())
         tmp.replace(path)
 
-    def rates(self, n: int, busbw: float | None = None, ranks_per_host: int | None = None) -> "Rates":
+    def rates(self, n: int, busbw: float | None = None, ranks_per_host: int | None = None) -> Rates:
         """Per-rank rates for ``n`` ranks, ``ranks_per_host`` of them (default all ``n``) on each host
         like this one (see [Note: more GPUs than measured]); ``busbw``: the collective bus bandwidth
         measured on the job's own process group, which replaces the profile's peer-copy proxy."""
@@ -184,14 +186,20 @@ class HardwareProfile:
         if ranks in self.cpu_adam:
             return self.cpu_adam[ranks]
         if not self.cpu_adam:
-            raise ValueError(f"hardware profile {self.source!r} has no CPU Adam rate: measure it again with "
-                             "`elixir-plan --measure-hardware PATH`")
+            raise ValueError(
+                f"hardware profile {self.source!r} has no CPU Adam rate: measure it again with "
+                "`elixir-plan --measure-hardware PATH`"
+            )
         m = max((k for k in self.cpu_adam if k <= ranks), default=min(self.cpu_adam))
         base = self.cpu_adam[m]
-        notes.append(f"CPU Adam for {ranks} ranks per host not measured: {m} ranks' rate shared among {ranks} "
-                     "(re-measure with `elixir-plan --measure-hardware`, or let a job on this machine measure it)")
+        notes.append(
+            f"CPU Adam for {ranks} ranks per host not measured: {m} ranks' rate shared among {ranks} "
+            "(re-measure with `elixir-plan --measure-hardware`, or let a job on this machine measure it)"
+        )
         threads = cpu_adam_threads(ranks, cores=self.cpu_cores)  # what the engine would run with
-        return CpuAdamRate(ranks, threads, base.under_copies * m / ranks, base.alone * m / ranks if base.alone else None)
+        return CpuAdamRate(
+            ranks, threads, base.under_copies * m / ranks, base.alone * m / ranks if base.alone else None
+        )
 
 
 @dataclass
@@ -217,13 +225,20 @@ class Rates:
 
     def summary(self) -> dict[str, float | int | None]:
         """The per-rank transfer, collective and update rates a plan was made with (GB/s, G params/s)."""
+
         def giga(x: float | None) -> float | None:
             return round(x / 1e9, 3) if x else None
 
         return {
-            "ranks": self.n, "h2d_GBps": giga(self.h2d), "d2h_GBps": giga(self.d2h), "duplex_GBps": giga(self.duplex),
-            "busbw_GBps": giga(self.busbw), "gpu_adam_Gps": giga(self.gpu_adam), "cpu_adam_Gps": giga(self.cpu_adam),
-            "cpu_adam_alone_Gps": giga(self.cpu_adam_alone), "cpu_threads": self.cpu_threads,
+            "ranks": self.n,
+            "h2d_GBps": giga(self.h2d),
+            "d2h_GBps": giga(self.d2h),
+            "duplex_GBps": giga(self.duplex),
+            "busbw_GBps": giga(self.busbw),
+            "gpu_adam_Gps": giga(self.gpu_adam),
+            "cpu_adam_Gps": giga(self.cpu_adam),
+            "cpu_adam_alone_Gps": giga(self.cpu_adam_alone),
+            "cpu_threads": self.cpu_threads,
         }
 
     def flop_rate(self, size_class: str) -> float:

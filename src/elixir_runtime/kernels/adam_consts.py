@@ -7,7 +7,7 @@ so they run the same fp32 math and agree with each other bit for bit on IEEE har
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from .kernel import AdamHyper
 
@@ -24,15 +24,17 @@ def step_constants(hypers: Sequence[AdamHyper], step: int, div_scale: float) -> 
         raise ValueError("step is 1-based and div_scale must be positive")
     out = []
     for h in hypers:
-        out.append((
-            h.lr / (1.0 - h.beta1**step),
-            1.0 / math.sqrt(1.0 - h.beta2**step),
-            1.0 - h.beta1,
-            h.beta2,
-            1.0 - h.beta2,
-            h.eps,
-            1.0 - h.lr * h.weight_decay if h.decoupled else 1.0,
-            0.0 if h.decoupled else h.weight_decay,
-            1.0 / div_scale,
-        ))
+        out.append(
+            (
+                h.lr / (1.0 - h.beta1**step),
+                1.0 / math.sqrt(1.0 - h.beta2**step),
+                1.0 - h.beta1,
+                h.beta2,
+                1.0 - h.beta2,
+                h.eps,
+                1.0 - h.lr * h.weight_decay if h.decoupled else 1.0,
+                0.0 if h.decoupled else h.weight_decay,
+                1.0 / div_scale,
+            )
+        )
     return out

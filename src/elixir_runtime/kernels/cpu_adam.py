@@ -25,14 +25,14 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
-from .adam_consts import CONST_NAMES, step_constants
 from ..chunk.layout import GroupRange
+from .adam_consts import CONST_NAMES, step_constants
 from .kernel import AdamHyper, bounded_put, check_arenas, segment_extent
 
 __all__ = ["CpuAdamKernel", "CpuAdamUnavailable", "load_library", "library_path", "build_directory", "CSRC"]
@@ -50,7 +50,9 @@ _CFLAGS = ["-O3", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
 _DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _NO_OUT = 3
-_COMPILER_FIX = "install g++ with OpenMP (Debian/Ubuntu: apt-get install g++; RHEL: dnf install gcc-c++) or set CXX to one"
+_COMPILER_FIX = (
+    "install g++ with OpenMP (Debian/Ubuntu: apt-get install g++; RHEL: dnf install gcc-c++) or set CXX to one"
+)
 
 
 class CpuAdamUnavailable(RuntimeError):
@@ -180,8 +182,16 @@ def _load(isa: str) -> ctypes.CDLL:
     lib.elixir_adam_isa.restype = ctypes.c_char_p
     lib.elixir_adam_step.restype = ctypes.c_int
     lib.elixir_adam_step.argtypes = [
-        *[ctypes.c_void_p] * 4, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-        ctypes.POINTER(_Seg), ctypes.c_int64, ctypes.POINTER(_Group), ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+        *[ctypes.c_void_p] * 4,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.POINTER(_Seg),
+        ctypes.c_int64,
+        ctypes.POINTER(_Group),
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_int,
     ]
     _LOADED[isa] = path
     return lib
@@ -236,10 +246,18 @@ class CpuAdamKernel:
         table, end, groups = self._table(segments)
         check_arenas(master, exp_avg, exp_avg_sq, grad, param_out, end, groups, len(hypers))
         rc = self._lib.elixir_adam_step(
-            master.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), grad.data_ptr(), _DTYPE_CODE[grad.dtype],
+            master.data_ptr(),
+            exp_avg.data_ptr(),
+            exp_avg_sq.data_ptr(),
+            grad.data_ptr(),
+            _DTYPE_CODE[grad.dtype],
             None if param_out is None else param_out.data_ptr(),
             _NO_OUT if param_out is None else _DTYPE_CODE[param_out.dtype],
-            table, len(table), (_Group * len(consts))(*consts), 0, n,
+            table,
+            len(table),
+            (_Group * len(consts))(*consts),
+            0,
+            n,
             self._threads or torch.get_num_threads(),
         )
         if rc != 0:

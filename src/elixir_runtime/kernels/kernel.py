@@ -8,8 +8,9 @@ kernel updates a whole placement in one call with no per-parameter Python work.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -65,11 +66,19 @@ def check_arenas(master, exp_avg, exp_avg_sq, grad, param_out, end: int, groups:
     grad, a bf16/fp16 ``param_out`` (or none), and segments (``end``, ``groups`` from
     ``segment_extent``) that fit the arena and the hyperparameters."""
     n, dev = master.numel(), master.device
-    arenas = [("master", master, _FP32), ("exp_avg", exp_avg, _FP32), ("exp_avg_sq", exp_avg_sq, _FP32),
-              ("grad", grad, _GRAD)] + ([("param_out", param_out, _OUT)] if param_out is not None else [])
+    arenas = [
+        ("master", master, _FP32),
+        ("exp_avg", exp_avg, _FP32),
+        ("exp_avg_sq", exp_avg_sq, _FP32),
+        ("grad", grad, _GRAD),
+    ] + ([("param_out", param_out, _OUT)] if param_out is not None else [])
     for name, t, dtypes in arenas:
-        if t.dtype not in dtypes or t.device != dev or not t.is_contiguous() or t.numel() != n or (
-            t.data_ptr() % t.element_size()
+        if (
+            t.dtype not in dtypes
+            or t.device != dev
+            or not t.is_contiguous()
+            or t.numel() != n
+            or (t.data_ptr() % t.element_size())
         ):
             kinds = "/".join(str(d).removeprefix("torch.") for d in dtypes)
             raise ValueError(f"{name} must be a contiguous, element-aligned {kinds} tensor of {n} elements on {dev}")

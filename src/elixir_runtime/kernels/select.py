@@ -94,6 +94,7 @@ def gpu_kernel_status() -> tuple[str, str]:
         return "torch", f"{ENV}=torch"
     try:
         import triton
+
         from . import triton_adam  # noqa: F401
     except ImportError as err:
         return "torch", f"triton is not importable ({err}). Fix: pip install triton (it comes with CUDA torch wheels)"

@@ -10,14 +10,14 @@ the low-precision param.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
-from .adam_consts import CONST_NAMES, step_constants
 from ..chunk.layout import GroupRange
+from .adam_consts import CONST_NAMES, step_constants
 from .kernel import AdamHyper, bounded_put, check_arenas, segment_extent
 
 __all__ = ["TritonAdamKernel"]
@@ -71,8 +71,19 @@ def _update(p_ptr, m_ptr, v_ptr, g_ptr, out_ptr, offs, lo, hi, hyp, HAS_OUT: tl.
 
 
 @triton.jit
-def _adam_kernel(p_ptr, m_ptr, v_ptr, g_ptr, out_ptr, tiles_ptr, n_tiles, hyp_ptr, NCONST: tl.constexpr,
-                 HAS_OUT: tl.constexpr, BLOCK: tl.constexpr):
+def _adam_kernel(
+    p_ptr,
+    m_ptr,
+    v_ptr,
+    g_ptr,
+    out_ptr,
+    tiles_ptr,
+    n_tiles,
+    hyp_ptr,
+    NCONST: tl.constexpr,
+    HAS_OUT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Program t updates tile t: rows of ``tiles`` are (block index, lo, hi, group)."""
     t = tl.program_id(0)
     blk = tl.load(tiles_ptr + t)
@@ -145,7 +156,16 @@ class TritonAdamKernel:
             return
         hyp = torch.tensor(consts, dtype=torch.float32).to(dev, non_blocking=True)
         _adam_kernel[(n_tiles,)](
-            master, exp_avg, exp_avg_sq, grad, master if param_out is None else param_out,
-            tiles, n_tiles, hyp, NCONST=_NCONST, HAS_OUT=param_out is not None, BLOCK=self.block,
+            master,
+            exp_avg,
+            exp_avg_sq,
+            grad,
+            master if param_out is None else param_out,
+            tiles,
+            n_tiles,
+            hyp,
+            NCONST=_NCONST,
+            HAS_OUT=param_out is not None,
+            BLOCK=self.block,
             num_warps=self.num_warps,
         )

@@ -23,17 +23,18 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
-from ..config import LossScaleConfig
-from ..runtime.chunk_runtime import ChunkRuntime, ChunkState
-from ..chunk.store import shard_overlap
 from ..chunk.layout import GroupRange
-from ..runtime.device_lane import SliceUpdate, slice_updates
+from ..chunk.store import shard_overlap
+from ..config import LossScaleConfig
 from ..kernels.kernel import AdamHyper
 from ..kernels.select import select_kernel
+from ..runtime.chunk_runtime import ChunkRuntime, ChunkState
+from ..runtime.device_lane import SliceUpdate, slice_updates
 from .loss_scaler import LossScaler
 
 __all__ = ["ElixirOptimizer"]
@@ -228,7 +229,9 @@ class ElixirOptimizer(torch.optim.Optimizer):
         kernel = self.kernels[a.placement]
         for step, segments in work:
             local = [GroupRange(s.offset - lo, s.length, s.group) for s in segments]
-            kernel.step(a.master[part], a.exp_avg[part], a.exp_avg_sq[part], grad, param_out, local, hypers, step, div_scale)
+            kernel.step(
+                a.master[part], a.exp_avg[part], a.exp_avg_sq[part], grad, param_out, local, hypers, step, div_scale
+            )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.runtime.grads.zero_grad()
@@ -257,7 +260,9 @@ class ElixirOptimizer(torch.optim.Optimizer):
         chunks = {}
         for c in rt.trainable:
             sl = slice(c.offset, c.offset + c.shard_numel)
-            chunks[c.index] = {k: getattr(c.shards, k)[sl].detach().cpu().clone() for k in ("master", "exp_avg", "exp_avg_sq")}
+            chunks[c.index] = {
+                k: getattr(c.shards, k)[sl].detach().cpu().clone() for k in ("master", "exp_avg", "exp_avg_sq")
+            }
         return {
             "format": _FORMAT,
             "rank": rt.coll.rank,

@@ -11,8 +11,8 @@ block's own index is allowed; an ``attention_type`` that alternates is not), and
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from torch import nn
 

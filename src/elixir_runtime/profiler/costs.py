@@ -11,7 +11,8 @@ attention is its own class.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.flop_counter import flop_registry
@@ -128,4 +129,3 @@ def op_cost(func: torch._ops.OpOverload, args: tuple, kwargs: dict, inputs: list
         return 0, "", 0
     moved = sum(_nbytes(t) for t in inputs if isinstance(t, torch.Tensor)) + sum(_nbytes(t) for t in written)
     return 0, "", moved
-

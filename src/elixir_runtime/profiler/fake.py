@@ -11,8 +11,9 @@ checkpointing re-runs the forward.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,10 +40,15 @@ class FakeRun:
 def fake_run(model: nn.Module, batch: Any, dtype: torch.dtype | None, device: torch.device) -> Iterator[FakeRun]:
     """``model`` in training mode on fake parameters and buffers, inside a fake tensor mode in which
     0-dim ``torch.rand`` draws are constant; call ``model`` on the yielded ``FakeRun.batch``."""
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode, _fake_state(model, dtype, device) as (
-        params,
-        buffers,
-    ), _train_mode(model), _constant_scalar_draws(mode):
+    with (
+        FakeTensorMode(allow_non_fake_inputs=True) as mode,
+        _fake_state(model, dtype, device) as (
+            params,
+            buffers,
+        ),
+        _train_mode(model),
+        _constant_scalar_draws(mode),
+    ):
         yield FakeRun(params, buffers, _fake_batch(batch, device))
 
 

@@ -12,7 +12,7 @@ meta kernels give the exact shapes of what they allocate and save.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F

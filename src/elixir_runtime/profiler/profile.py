@@ -122,7 +122,7 @@ class ModelProfile:
         return json.dumps(asdict(self), indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "ModelProfile":
+    def from_json(cls, text: str) -> ModelProfile:
         d = json.loads(text)
         d["params"] = [ParamInfo(**p) for p in d["params"]]
         d["ac_regions"] = [Region(**r) for r in d["ac_regions"]]
@@ -148,17 +148,30 @@ class ModelProfile:
             else "every block traced"
         )
         rows = [
-            ("model", f"{self.model}: {self.n_params / 1e9:.3f} B parameters, {self.param_bytes / gib:.2f} GiB in {self.dtype}"),
+            (
+                "model",
+                f"{self.model}: {self.n_params / 1e9:.3f} B parameters, {self.param_bytes / gib:.2f} GiB in {self.dtype}",
+            ),
             ("batch", " ".join(dict.fromkeys("x".join(map(str, s)) for s in self.inputs))),  # ids and labels: once
-            ("activation peak", f"{self.activation_peak / gib:.2f} GiB (at {self.peak_at}); forward peak "
-                                f"{self.forward_peak / gib:.2f} GiB, saved for backward {self.saved_bytes / gib:.2f} GiB"
-                                + self._late_summary()),
-            ("checkpointing", f"{len(self.ac_regions)} regions, largest {self.ac_buffer_numel() / 1e6:.1f} M elements"
-                              if self.ac_regions else "off"),
+            (
+                "activation peak",
+                f"{self.activation_peak / gib:.2f} GiB (at {self.peak_at}); forward peak "
+                f"{self.forward_peak / gib:.2f} GiB, saved for backward {self.saved_bytes / gib:.2f} GiB"
+                + self._late_summary(),
+            ),
+            (
+                "checkpointing",
+                f"{len(self.ac_regions)} regions, largest {self.ac_buffer_numel() / 1e6:.1f} M elements"
+                if self.ac_regions
+                else "off",
+            ),
             ("tied parameters", str(tied)),
             ("buffers", f"{self.buffer_bytes / 2**20:.1f} MiB"),
-            ("compute", f"forward {self.compute['fwd'].total_flops / 1e12:.2f} TFLOP, "
-                        f"backward {self.compute['bwd'].total_flops / 1e12:.2f} TFLOP (incl. recomputation)"),
+            (
+                "compute",
+                f"forward {self.compute['fwd'].total_flops / 1e12:.2f} TFLOP, "
+                f"backward {self.compute['bwd'].total_flops / 1e12:.2f} TFLOP (incl. recomputation)",
+            ),
             ("traced", f"{blocks}, in {self.seconds:.2f} s on {self.device}"),
         ]
         width = max(len(k) for k, _ in rows)
@@ -196,7 +209,9 @@ def profile_model(
         try:
             with truncated(stack, PROFILED_BLOCKS):
                 kept = {id(m) for m in model.modules()}
-                segments = _trace(model, batch, dtype, device, [u for u in units if id(u.module) in kept], stack, emulate)
+                segments = _trace(
+                    model, batch, dtype, device, [u for u in units if id(u.module) in kept], stack, emulate
+                )
         except Exception:  # a forward that needs all its blocks (e.g. indexes them by config): trace them all
             segments = None
         if segments is None or not _replayable(segments, plan):
@@ -214,7 +229,9 @@ def structural_profile(model: nn.Module, units: list[Unit], dtype: torch.dtype) 
     for n, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(n)
     params = [ParamInfo(n, p.numel(), p.requires_grad, True, aliases[id(p)][1:]) for n, p in model.named_parameters()]
-    events = [UnitEvent(u.name, "fwd", Cost()) for u in units] + [UnitEvent(u.name, "bwd", Cost()) for u in reversed(units)]
+    events = [UnitEvent(u.name, "fwd", Cost()) for u in units] + [
+        UnitEvent(u.name, "bwd", Cost()) for u in reversed(units)
+    ]
     buffers = {id(b): b for b in model.buffers()}.values()
     return ModelProfile(
         model=type(model).__name__,
@@ -276,6 +293,7 @@ def _replayable(segments: list[Segment], plan: BlockPlan) -> bool:
         return False
     if not any(s.label == "mid" for s in segments):
         return False
+
     def pattern(label: str, b: int, inside_only: bool) -> tuple:
         def keep(name: str) -> bool:
             return not inside_only or plan.rename(name, b, -1) != name
@@ -326,7 +344,9 @@ def _assemble(
     forward_params: dict[tuple[str, int | None], list[str]] = {}
     for r in replays:
         if r.segment.phase == "fwd":
-            forward_params.setdefault((r.segment.label, r.block), []).extend(r.rename(plan, n) for n in r.segment.params)
+            forward_params.setdefault((r.segment.label, r.block), []).extend(
+                r.rename(plan, n) for n in r.segment.params
+            )
     buffers = {id(b): b for b in model.buffers()}.values()
     return ModelProfile(
         model=type(model).__name__,
@@ -340,15 +360,19 @@ def _assemble(
         forward_peak=max(r.segment.peak + r.shift for r in replays if r.segment.phase == "fwd"),
         saved_bytes=head.segment.start + head.shift if head else 0,
         ac_regions=[
-            Region(r.rename(plan, g.name), [r.rename(plan, p) for p in g.params]) for r in replays for g in r.segment.regions
+            Region(r.rename(plan, g.name), [r.rename(plan, p) for p in g.params])
+            for r in replays
+            for g in r.segment.regions
         ],
         unit_events=[UnitEvent(r.rename(plan, e.unit), e.phase, e.before) for r in replays for e in r.segment.events],
         compute=compute,
         blocks=plan,
         seconds=seconds,
         backward=[
-            BackwardSegment(r.segment.peak + r.shift, forward_params.get((_FORWARD_OF.get(r.segment.label, ""), r.block), []))
-            for r in (replays[replays.index(head):] if head is not None else [])
+            BackwardSegment(
+                r.segment.peak + r.shift, forward_params.get((_FORWARD_OF.get(r.segment.label, ""), r.block), [])
+            )
+            for r in (replays[replays.index(head) :] if head is not None else [])
         ],
     )
 

@@ -11,7 +11,7 @@ before the step (parameters, buffers, the batch) are not activations and are nev
 from __future__ import annotations
 
 import weakref
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -34,7 +34,7 @@ class Cost:
     def total_flops(self) -> int:
         return sum(self.flops.values())
 
-    def add(self, other: "Cost", times: int = 1) -> None:
+    def add(self, other: Cost, times: int = 1) -> None:
         for cls, f in other.flops.items():
             self.flops[cls] = self.flops.get(cls, 0) + f * times
         self.bytes += other.bytes * times
@@ -153,7 +153,7 @@ class BlockPlan:
             return name
         old = f"{self.prefix}.{src}"
         if name == old or name.startswith(old + "."):
-            return f"{self.prefix}.{dst}{name[len(old):]}"
+            return f"{self.prefix}.{dst}{name[len(old) :]}"
         return name
 
 

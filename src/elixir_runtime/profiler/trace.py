@@ -49,9 +49,7 @@ def _fake_forward_calls(
     model: nn.Module, units: list[Unit], batch: Any, dtype: torch.dtype, device: torch.device
 ) -> list[int] | None:
     calls: list[int] = []
-    handles = [
-        u.module.register_forward_pre_hook(lambda _m, _a, i=u.index: calls.append(i)) for u in units
-    ]
+    handles = [u.module.register_forward_pre_hook(lambda _m, _a, i=u.index: calls.append(i)) for u in units]
     try:
         with fake_run(model, batch, dtype, device) as fake, torch.no_grad():
             call_model(model, fake.batch)

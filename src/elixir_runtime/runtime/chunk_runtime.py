@@ -73,12 +73,29 @@ class ChunkRuntime:
                 c.buffer = self.rcache.private_buffer(c.spec.numel, dtype, device)
             if c.spec.trainable and not grads_on_demand(c.shards.placement):
                 c.grad = c.shards.grad[c.offset : c.offset + c.shard_numel]
-        self.stats = {"gathers": 0, "prefetches": 0, "evictions": 0, "reduces": 0, "updated_cpu": 0, "updated_device": 0}
+        self.stats = {
+            "gathers": 0,
+            "prefetches": 0,
+            "evictions": 0,
+            "reduces": 0,
+            "updated_cpu": 0,
+            "updated_device": 0,
+        }
         """Counters since prepare, for logging and tests (``updated_*``: offloaded elements each update lane updated)."""
         self.host_updates = HostUpdates(lane, self.stats)
-        self.resident = ChunkResidency(layout, self.chunks, self.rcache, coll, device, dtype, prefetch, self.host_updates, self.stats)
+        self.resident = ChunkResidency(
+            layout, self.chunks, self.rcache, coll, device, dtype, prefetch, self.host_updates, self.stats
+        )
         self.grads = ChunkGradients(
-            layout, self.chunks, self.resident, coll, device, dtype, self.host_updates, self.stats, grads_share_activations
+            layout,
+            self.chunks,
+            self.resident,
+            coll,
+            device,
+            dtype,
+            self.host_updates,
+            self.stats,
+            grads_share_activations,
         )
         self.trainable = self.grads.trainable
 

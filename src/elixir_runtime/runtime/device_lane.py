@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from ..chunk.layout import GroupRange
-from .chunk_runtime import ChunkRuntime, ChunkState
-from .gradients import ChunkGradients
 from ..kernels.kernel import AdamHyper, AdamKernel, TorchAdamKernel
 from ..kernels.select import select_kernel
+from .chunk_runtime import ChunkState
+from .gradients import ChunkGradients
 
 __all__ = ["DeviceLane", "SliceUpdate", "slice_updates", "LANE_SLICE", "LANE_DEPTH", "lane_numel"]
 
@@ -42,6 +42,7 @@ LANE_DEPTH = 2
 def lane_numel(offloaded_shards: list[int]) -> int:
     """Elements per staging buffer for offloaded trainable shards of these sizes (0: none, no lane)."""
     return min(LANE_SLICE, max(offloaded_shards, default=0))
+
 
 @dataclass(frozen=True, eq=False)
 class SliceUpdate:
@@ -74,8 +75,11 @@ def slice_updates(
         hi = min(lo + size, c.offset + c.shard_numel)
         cut = []
         for step, segments in work:
-            parts = [GroupRange(max(s.offset, lo), min(s.offset + s.length, hi) - max(s.offset, lo), s.group)
-                     for s in segments if s.offset < hi and s.offset + s.length > lo]
+            parts = [
+                GroupRange(max(s.offset, lo), min(s.offset + s.length, hi) - max(s.offset, lo), s.group)
+                for s in segments
+                if s.offset < hi and s.offset + s.length > lo
+            ]
             if parts:
                 cut.append((step, parts))
         if cut:
@@ -95,8 +99,12 @@ class DeviceLane:
         self._kernels: list[AdamKernel] = [kind() for _ in range(self.depth)]
         f32 = dict(dtype=torch.float32, device=device)
         self._buffers = [
-            {"master": torch.zeros(numel, **f32), "exp_avg": torch.zeros(numel, **f32),
-             "exp_avg_sq": torch.zeros(numel, **f32), "grad": torch.zeros(numel, dtype=dtype, device=device)}
+            {
+                "master": torch.zeros(numel, **f32),
+                "exp_avg": torch.zeros(numel, **f32),
+                "exp_avg_sq": torch.zeros(numel, **f32),
+                "grad": torch.zeros(numel, dtype=dtype, device=device),
+            }
             for _ in range(self.depth)
         ]
         self._streams = [torch.cuda.Stream(device) if self.cuda else None for _ in range(self.depth)]
@@ -113,8 +121,9 @@ class DeviceLane:
         self._next = (b + 1) % self.depth
         buf, stream, a, n = self._buffers[b], self._streams[b], job.chunk.shards, job.numel
         host = slice(job.lo, job.hi)
-        with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext(), (
-            torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with (
+            torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext(),
+            torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(),
         ):
             staged = {k: t[:n] for k, t in buf.items()}
             for k in ("master", "exp_avg", "exp_avg_sq", "grad"):
@@ -122,8 +131,17 @@ class DeviceLane:
             out = None if a.master_is_param else buf["grad"]  # each gradient is read before its param is written
             for step, segments in job.work:
                 shifted = [GroupRange(s.offset - job.lo, s.length, s.group) for s in segments]
-                self._kernels[b].step(buf["master"], buf["exp_avg"], buf["exp_avg_sq"], buf["grad"], out, shifted,
-                                 job.hypers, step, job.div_scale)
+                self._kernels[b].step(
+                    buf["master"],
+                    buf["exp_avg"],
+                    buf["exp_avg_sq"],
+                    buf["grad"],
+                    out,
+                    shifted,
+                    job.hypers,
+                    step,
+                    job.div_scale,
+                )
             for k in ("master", "exp_avg", "exp_avg_sq"):
                 getattr(a, k)[host].copy_(staged[k], non_blocking=True)
             if out is not None:  # only where the kernel wrote params: elsewhere the buffer holds gradients

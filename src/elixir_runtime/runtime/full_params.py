@@ -25,7 +25,7 @@ ranks gather through one chunk-sized buffer and may run no forward inside.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -48,7 +48,9 @@ def full_params(model: nn.Module, *, rank0_only: bool = False) -> Iterator[nn.Mo
     if rt.residency is not Residency.SHARDED:
         raise RuntimeError("full_params is already entered on this model; leave it before entering it again")
     if rt.grads.in_backward or any(c.pins for c in rt.chunks):
-        raise RuntimeError("full_params cannot be entered during a forward or backward of the model; enter it between steps")
+        raise RuntimeError(
+            "full_params cannot be entered during a forward or backward of the model; enter it between steps"
+        )
     rt.lockstep.check_in(Op.FULL_PARAMS)
     keep = not rank0_only or rt.coll.rank == 0
     pinned, copied = _gather_all(rt, keep)

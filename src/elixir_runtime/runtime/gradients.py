@@ -107,8 +107,11 @@ class ChunkGradients:
         backward's gradient shards are still on the GPU under a plan for one micro-batch per step:
         that plan let them use memory the activations now need too (``search/memory.py``)."""
         if not self.backward_pending and self.warn_accumulation:
-            held = sum(c.grad.numel() * c.grad.element_size() for c in self.trainable
-                       if c.has_grad and c.grad is not None and grads_on_demand(c.shards.placement))
+            held = sum(
+                c.grad.numel() * c.grad.element_size()
+                for c in self.trainable
+                if c.has_grad and c.grad is not None and grads_on_demand(c.shards.placement)
+            )
             if held:
                 self.warn_accumulation = False
                 warnings.warn(
@@ -282,7 +285,11 @@ class ChunkGradients:
         """
         if self._norm_from_shards:
             self.wait_for_grads()
-            parts = [torch.linalg.vector_norm(c.grad, dtype=torch.float32).to(self.device) for c in self.trainable if c.has_grad]
+            parts = [
+                torch.linalg.vector_norm(c.grad, dtype=torch.float32).to(self.device)
+                for c in self.trainable
+                if c.has_grad
+            ]
         else:
             self.device_grads_ready()
             parts = self._norm_parts

@@ -33,11 +33,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..units import Unit
 from . import state
 from .chunk_runtime import ChunkRuntime
-from .state import Residency
 from .lockstep import Op
-from ..units import Unit
+from .state import Residency
 
 __all__ = ["install_hooks"]
 

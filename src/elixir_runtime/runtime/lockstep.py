@@ -83,7 +83,9 @@ class Lockstep:
                 "in a barrier (accelerator.wait_for_everyone()) or raise ElixirConfig.lockstep_timeout_s."
             ) from exc
         if any(not torch.equal(t, mine) for t in everyone):
-            each = "; ".join(f"rank {r} starts {_WHAT[Op(int(t[0]))]} (operation #{t[1]})" for r, t in enumerate(everyone))
+            each = "; ".join(
+                f"rank {r} starts {_WHAT[Op(int(t[0]))]} (operation #{t[1]})" for r, t in enumerate(everyone)
+            )
             raise LockstepError(f"Elixir: the ranks are not running the same operation: {each}. {FIX}")
 
     def barrier(self) -> None:

@@ -192,7 +192,9 @@ class ChunkResidency:
     def show_params(self, c: ChunkState, full: torch.Tensor) -> None:
         """Points the parameters of ``c`` at their slots in the gathered buffer ``full``."""
         for s in c.spec.slots:
-            self.layout.params[s.param].data = full[s.offset : s.offset + s.numel].view(self._placeholders[s.param].shape)
+            self.layout.params[s.param].data = full[s.offset : s.offset + s.numel].view(
+                self._placeholders[s.param].shape
+            )
 
     def hide_params(self, c: ChunkState) -> None:
         """Points the parameters of ``c`` back at their zero-stride placeholders."""

@@ -102,19 +102,23 @@ PARAM_TRANSITIONS: dict[ParamState, frozenset[ParamState]] = {
 """The legal changes of ``ParamState``: from each state, the states it may go to."""
 
 GRAD_TRANSITIONS: dict[GradState, frozenset[GradState]] = {
-    GradState.EMPTY: frozenset({
-        GradState.WRITING,  # a parameter's gradient arrives
-        GradState.REDUCED,  # end of backward, several ranks: reduced with zeros from this rank
-        GradState.HELD,  # end of backward, one rank: no gradient, the shard is zeroed
-    }),
+    GradState.EMPTY: frozenset(
+        {
+            GradState.WRITING,  # a parameter's gradient arrives
+            GradState.REDUCED,  # end of backward, several ranks: reduced with zeros from this rank
+            GradState.HELD,  # end of backward, one rank: no gradient, the shard is zeroed
+        }
+    ),
     GradState.WRITING: frozenset({GradState.REDUCED}),  # the last gradient arrives, or end of backward
     GradState.ACCUMULATING: frozenset({GradState.REDUCED}),
     GradState.REDUCED: frozenset({GradState.HELD}),  # end of backward
-    GradState.HELD: frozenset({
-        GradState.ACCUMULATING,  # the next micro-step's first gradient
-        GradState.REDUCED,  # end of the next backward, several ranks: zeros added
-        GradState.EMPTY,  # zero_grad
-    }),
+    GradState.HELD: frozenset(
+        {
+            GradState.ACCUMULATING,  # the next micro-step's first gradient
+            GradState.REDUCED,  # end of the next backward, several ranks: zeros added
+            GradState.EMPTY,  # zero_grad
+        }
+    ),
 }
 """The legal changes of ``GradState``: from each state, the states it may go to."""
 
@@ -218,7 +222,9 @@ def _check(c: ChunkState, old: ParamState | GradState, new: ParamState | GradSta
     where = f"chunk {c.index} (first param {c.name!r})"
     if new not in table[old]:
         legal = ", ".join(sorted(s.name for s in table[old])) or "nothing"
-        raise IllegalTransition(f"{where}: illegal {kind} transition {old.name} -> {new.name} (from {old.name}: {legal})")
+        raise IllegalTransition(
+            f"{where}: illegal {kind} transition {old.name} -> {new.name} (from {old.name}: {legal})"
+        )
     if new in _GRAD_IN_BUFFER and c.param_state is not ParamState.RESIDENT:
         raise IllegalTransition(
             f"{where}: {kind} {old.name} -> {new.name} while its params are {c.param_state.name}, not RESIDENT"

@@ -7,8 +7,8 @@ nothing and decides nothing beyond its inputs (``planner.py`` gathers them and m
 """
 
 from .budget import Budget
-from .step_time import StepTime
 from .loop import SearchResult, SearchSettings, search
+from .step_time import StepTime
 
 __all__ = [
     "Budget",

@@ -11,8 +11,8 @@ embedding tables excluded (a lookup reads one row per token)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from torch import nn
 

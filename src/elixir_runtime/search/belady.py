@@ -17,7 +17,7 @@ are pinned (highest); otherwise a sooner next use ranks higher.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -50,6 +50,6 @@ class Budget:
         return {**asdict(self), "allowed": self.allowed, "host_allowed": self.host_allowed}
 
     @classmethod
-    def from_dict(cls, data: dict[str, float]) -> "Budget":
+    def from_dict(cls, data: dict[str, float]) -> Budget:
         """``allowed`` and ``host_allowed`` are derived: ignored."""
         return cls(**{k: v for k, v in data.items() if k not in ("allowed", "host_allowed")})

@@ -10,7 +10,7 @@ exactly as ``build_layout`` will."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..chunk.layout import round_up
 

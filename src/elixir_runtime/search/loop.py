@@ -14,24 +14,25 @@ fits, ``PlanError`` says by how much and what would make it fit.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..chunk.layout import ChunkLayout, build_layout, round_up
 from ..config import ElixirConfig, PlanError
+from ..hardware.profile import HardwareProfile
 from ..profiler.profile import ModelProfile
 from ..progress import track
 from ..units import ParamTable
 from .access import access_trace, unit_work
 from .budget import Budget
 from .candidates import chunk_size_candidates
-from .step_time import StepModel
-from ..hardware.profile import HardwareProfile
 from .memory import ArenaBytes, GradWindow, grad_window
 from .placement import Placement, best_placement, offloaded_chunks
+from .step_time import StepModel
 
 __all__ = ["SearchSettings", "SearchResult", "search", "resident_chunks"]
 
@@ -135,8 +136,10 @@ def search(
     work = _unit_work(table)
     backward = profile.backward if settings.grads_share_activations else []
     window = grad_window(budget.activations, backward, budget.f_alloc, budget.f_frag, settings.micro_batches)
-    evaluated = [_evaluate(c, table, profile, rates, budget, settings, window, work)
-                 for c in track(sizes, "elixir: searching chunk sizes", unit="size")]
+    evaluated = [
+        _evaluate(c, table, profile, rates, budget, settings, window, work)
+        for c in track(sizes, "elixir: searching chunk sizes", unit="size")
+    ]
     fitting = [e for e in evaluated if e.placement is not None]
     if not fitting and settings.device_lane and settings.config.device_assisted_update == "auto":
         # the lane's staging buffers may be what does not fit: without it, the CPU alone
@@ -155,8 +158,10 @@ def search(
     shortest = min(e.placement.time.serial for e in fitting)
     near = [e for e in fitting if e.placement.time.serial <= shortest * (1 + SERIAL_TIE)]
     fastest = min(e.placement.time.total for e in near)
-    best = min((e for e in near if e.placement.time.total <= fastest * (1 + STEP_TIE)),
-               key=lambda e: (e.layout.chunk_size, e.placement.time.total, e.placement.time.rcache_bytes))
+    best = min(
+        (e for e in near if e.placement.time.total <= fastest * (1 + STEP_TIE)),
+        key=lambda e: (e.layout.chunk_size, e.placement.time.total, e.placement.time.rcache_bytes),
+    )
     if settings.device_lane and settings.config.device_assisted_update == "auto":
         # The lane takes link bandwidth the CPU update needs (its rate under copies, not alone)
         # and staging memory: it is kept only where the predicted step says it pays.
@@ -226,9 +231,16 @@ def _evaluate(
     unit_chunks = {u.name: cs for u, cs in zip(table.units, units)}
     trace = access_trace(profile.unit_events, unit_chunks, private, work if work is not None else _unit_work(table))
     model = StepModel(
-        layout, trace, profile.compute, rates, settings.dtype,
-        min_blocks=lo, prefetch=settings.config.prefetch, micro_batches=settings.micro_batches,
-        clips_grads=settings.clips_grads, device_lane=settings.device_lane,
+        layout,
+        trace,
+        profile.compute,
+        rates,
+        settings.dtype,
+        min_blocks=lo,
+        prefetch=settings.config.prefetch,
+        micro_batches=settings.micro_batches,
+        clips_grads=settings.clips_grads,
+        device_lane=settings.device_lane,
     )
     mem = ArenaBytes(layout, settings.dtype, settings.device_lane, window if window is not None else GradWindow())
     n_blocks = {"min": lo, "max": hi}.get(settings.config.n_blocks, settings.config.n_blocks)  # type: ignore[arg-type]
@@ -236,7 +248,11 @@ def _evaluate(
         n_blocks = min(n_blocks, hi)
         if n_blocks < lo:
             return _Evaluated(layout, model, mem, lo, hi, None)
-    offload = None if settings.config.offload is None else offloaded_chunks(settings.config.offload, len(layout.chunks), chunk_size)
+    offload = (
+        None
+        if settings.config.offload is None
+        else offloaded_chunks(settings.config.offload, len(layout.chunks), chunk_size)
+    )
     placement = best_placement(model, mem, budget, lo, hi, n_blocks=n_blocks, offload=offload)
     return _Evaluated(layout, model, mem, lo, hi, placement)
 
@@ -245,10 +261,14 @@ def _update_note(offload: list[int], clips_grads: bool) -> list[str]:
     if not offload:
         return []
     if clips_grads:
-        return ["CPU Adam of offloaded chunks predicted to start after backward (the loop clips gradients or "
-                "checks for non-finite steps or trains in fp16: one host sync before the update)"]
-    return ["CPU Adam of offloaded chunks predicted to start during backward, as their gradients land "
-            "(no host sync before the update: clips_grads=False, skip_nonfinite=False)"]
+        return [
+            "CPU Adam of offloaded chunks predicted to start after backward (the loop clips gradients or "
+            "checks for non-finite steps or trains in fp16: one host sync before the update)"
+        ]
+    return [
+        "CPU Adam of offloaded chunks predicted to start during backward, as their gradients land "
+        "(no host sync before the update: clips_grads=False, skip_nonfinite=False)"
+    ]
 
 
 def _row(e: _Evaluated) -> dict:
@@ -292,7 +312,9 @@ def _alternatives(best: _Evaluated, budget: Budget) -> list[dict]:
     return out
 
 
-def _no_fit_message(evaluated: list[_Evaluated], profile: ModelProfile, budget: Budget, settings: SearchSettings) -> str:
+def _no_fit_message(
+    evaluated: list[_Evaluated], profile: ModelProfile, budget: Budget, settings: SearchSettings
+) -> str:
     def gib(x: float) -> str:
         for unit, size in (("GiB", GIB), ("MiB", 2**20)):
             if abs(x) >= size:
@@ -345,7 +367,9 @@ def _no_fit_message(evaluated: list[_Evaluated], profile: ModelProfile, budget: 
     host_total = budget.f_host * budget.host_capacity * n / budget.ranks_per_host
     if room > 0:
         gpus = -(-(states - host_total) // room) if states > host_total else n + 1
-        fixes.append(f"at least {max(int(gpus), n + 1)} GPUs on this host (each rank holds 1/N of every chunk's states)")
+        fixes.append(
+            f"at least {max(int(gpus), n + 1)} GPUs on this host (each rank holds 1/N of every chunk's states)"
+        )
     else:
         fixes.append(
             f"GPUs with more memory: the rCache minimum and the private blocks alone need {gib(fixed)} per rank"

@@ -27,8 +27,14 @@ from ..profiler.profile import BackwardSegment
 from ..runtime.device_lane import LANE_DEPTH, lane_numel
 
 __all__ = [
-    "ArenaBytes", "GradWindow", "WindowStep", "grad_window", "trainable_bytes_per_element", "staging_bytes",
+    "ArenaBytes",
+    "GradWindow",
+    "WindowStep",
+    "grad_window",
+    "trainable_bytes_per_element",
+    "staging_bytes",
 ]
+
 
 def staging_bytes(numel: int, dtype: torch.dtype) -> int:
     """GPU bytes of the lane's staging buffers for slices of ``numel`` elements: fp32 master, m, v
@@ -70,21 +76,24 @@ class GradWindow:
         return any(s.slack > 0 for s in self.steps)
 
 
-def grad_window(activation_peak: int, backward: list[BackwardSegment], f_alloc: float, f_frag: float,
-                micro_batches: int) -> GradWindow:
+def grad_window(
+    activation_peak: int, backward: list[BackwardSegment], f_alloc: float, f_frag: float, micro_batches: int
+) -> GradWindow:
     """The window of a profiled step: none with gradient accumulation (the gradients stay through
     the next micro-batches' forwards) or when the profile found no head (``backward`` empty)."""
     if micro_batches > 1 or not backward:
         return GradWindow()
-    return GradWindow(tuple(
-        WindowStep(int(f_alloc * max(0, activation_peak - b.peak) / f_frag), tuple(b.params)) for b in backward
-    ))
+    return GradWindow(
+        tuple(WindowStep(int(f_alloc * max(0, activation_peak - b.peak) / f_frag), tuple(b.params)) for b in backward)
+    )
 
 
 class ArenaBytes:
     """Per-chunk arena sizes of one layout, for fast sums over placements."""
 
-    def __init__(self, layout: ChunkLayout, dtype: torch.dtype, lane: bool = False, window: GradWindow = GradWindow()) -> None:
+    def __init__(
+        self, layout: ChunkLayout, dtype: torch.dtype, lane: bool = False, window: GradWindow = GradWindow()
+    ) -> None:
         """``lane``: the device update lane is on (its staging buffers count while a trainable
         chunk is offloaded); ``window``: what the device's gradient shards share memory with."""
         elt = torch.empty((), dtype=dtype).element_size()
@@ -127,7 +136,10 @@ class ArenaBytes:
         """rCache + private buffers + the arenas of the chunks placed on the device + their gradient
         shards beyond the activations' slack + lane staging: what the budget's ``allowed`` bounds."""
         return (
-            n_blocks * self.buffer + self.private + int(self.device_arena[on_device].sum()) + self.grads(on_device)
+            n_blocks * self.buffer
+            + self.private
+            + int(self.device_arena[on_device].sum())
+            + self.grads(on_device)
             + self.staging(on_device)
         )
 

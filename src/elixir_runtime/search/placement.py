@@ -16,15 +16,15 @@ lengthens the serial step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
 from ..config import PlanError
 from .budget import Budget
-from .step_time import StepModel, StepTime
 from .memory import ArenaBytes
+from .step_time import StepModel, StepTime
 
 __all__ = ["Placement", "greedy_path", "best_placement", "offloaded_chunks"]
 
@@ -133,6 +133,8 @@ def offloaded_chunks(offload: float | Sequence[int], n_chunks: int, chunk_size: 
     chunks = sorted({int(i) for i in offload})
     bad = [i for i in chunks if not 0 <= i < n_chunks]
     if bad:
-        raise PlanError(f"offload names chunks {bad}, but with chunks of {chunk_size:,} elements the layout "
-                        f"has chunks 0..{n_chunks - 1}: give chunk_size too, or offload as a fraction")
+        raise PlanError(
+            f"offload names chunks {bad}, but with chunks of {chunk_size:,} elements the layout "
+            f"has chunks 0..{n_chunks - 1}: give chunk_size too, or offload as a fraction"
+        )
     return chunks

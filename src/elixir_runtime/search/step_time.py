@@ -31,11 +31,11 @@ import numpy as np
 import torch
 
 from ..chunk.layout import ChunkLayout
+from ..hardware.profile import Rates
 from ..profiler.timeline import Cost
+from ..runtime.device_lane import LANE_SLICE
 from .access import BWD, FWD, AccessTrace
 from .belady import MissTable
-from ..hardware.profile import Rates
-from ..runtime.device_lane import LANE_SLICE
 
 __all__ = ["StepTime", "StepModel", "compute_time"]
 
@@ -65,10 +65,12 @@ class StepTime:
     """Seconds the device lane updates offloaded slices (0: no lane); ``cpu_adam`` is then the CPU's part."""
 
     def to_dict(self) -> dict[str, float | None]:
-        return {k: (None if v is None else float(v) if k != "rcache_bytes" else int(v)) for k, v in asdict(self).items()}
+        return {
+            k: (None if v is None else float(v) if k != "rcache_bytes" else int(v)) for k, v in asdict(self).items()
+        }
 
     @classmethod
-    def from_dict(cls, data: dict[str, float | None]) -> "StepTime":
+    def from_dict(cls, data: dict[str, float | None]) -> StepTime:
         return cls(**data)
 
 
@@ -205,7 +207,9 @@ class StepModel:
         gather = self._host_link(on_device, r.h2d) + device
         reduce = (self._host_link(on_device, r.d2h) + device) * self.trainable
         host = ~on_device
-        adam = (self.elements[on_device].sum() / r.gpu_adam) + (self.elements[host].sum() / (self.cpu_rate + self.lane_rate))
+        adam = (self.elements[on_device].sum() / r.gpu_adam) + (
+            self.elements[host].sum() / (self.cpu_rate + self.lane_rate)
+        )
         return self.micro * (float((m[FWD] + m[BWD]) @ gather) + float(reduce.sum())) + adam
 
     def step(self, n_blocks: int, on_device: np.ndarray) -> StepTime:
@@ -303,7 +307,9 @@ class StepModel:
         mine = np.flatnonzero(trainable_host)
         done = np.zeros(self.k)
         if self.lane_rate:
-            done[mine], cpu_busy, lane_busy = _two_lanes(ready[mine], self.elements[mine], self.cpu_rate, self.lane_rate)
+            done[mine], cpu_busy, lane_busy = _two_lanes(
+                ready[mine], self.elements[mine], self.cpu_rate, self.lane_rate
+            )
         else:
             cpu_each = self.elements[mine] / self.cpu_rate
             done[mine], cpu_busy, lane_busy = _queue(ready[mine], cpu_each), float(cpu_each.sum()), 0.0
@@ -329,7 +335,9 @@ def lane_bytes(dtype: torch.dtype) -> tuple[int, int]:
 _MAX_SLICES = 256
 
 
-def _two_lanes(ready: np.ndarray, elements: np.ndarray, cpu_rate: float, lane_rate: float) -> tuple[np.ndarray, float, float]:
+def _two_lanes(
+    ready: np.ndarray, elements: np.ndarray, cpu_rate: float, lane_rate: float
+) -> tuple[np.ndarray, float, float]:
     """When each chunk's update is done with the two lanes of ``runtime/host_updates.py``: slices of
     ``LANE_SLICE`` elements in chunk order, the CPU taking them from the front and the device lane
     from the back, each lane its next slice once it is free, a slice starting once its chunk's

@@ -26,7 +26,11 @@ def main() -> None:
     words = sorted(w for w in tokenizer.get_vocab() if w.isalpha())
     rng = random.Random(0)
     dataset = Dataset.from_dict({"text": [" ".join(rng.choices(words, k=12)) for _ in range(script_args.n_train)]})
-    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], lora_dropout=0.0) if script_args.use_peft else None
+    peft_config = (
+        LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], lora_dropout=0.0)
+        if script_args.use_peft
+        else None
+    )
     trainer = SFTTrainer(
         model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
     )

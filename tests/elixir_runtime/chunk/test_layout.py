@@ -60,9 +60,7 @@ def test_chunk_size_rounded_to_world_times_alignment() -> None:
 @pytest.mark.parametrize("seed", CASES)
 def test_random_layout_invariants(seed: int) -> None:
     sizes, groups, private, world_size, alignment, chunk_size = _random_case(seed)
-    layout, params = _layout(
-        sizes, groups, private, world_size=world_size, chunk_size=chunk_size, alignment=alignment
-    )
+    layout, params = _layout(sizes, groups, private, world_size=world_size, chunk_size=chunk_size, alignment=alignment)
     quantum = world_size * alignment
     own = [p or round_up(n, alignment) > layout.chunk_size for p, n in zip(private, sizes)]
     """Multi-use parameters and those larger than the chunk size: a private chunk each."""
@@ -102,11 +100,7 @@ def test_random_layout_invariants(seed: int) -> None:
     # packed in the given order: for public chunks of one kind, chunk indices never decrease
     # along the param order, and inside a chunk the params of one group keep their order
     for trainable in (True, False):
-        seq = [
-            layout.param_chunk[i]
-            for i in range(len(sizes))
-            if not own[i] and (groups[i] >= 0) == trainable
-        ]
+        seq = [layout.param_chunk[i] for i in range(len(sizes)) if not own[i] and (groups[i] >= 0) == trainable]
         assert seq == sorted(seq)
     for c in layout.chunks:
         by_offset = [s.param for s in sorted(c.slots, key=lambda s: s.offset)]

@@ -102,7 +102,7 @@ def _opt_exhaustive(trace: list[int], capacity: int) -> int:
     """Minimum misses over every possible eviction choice (demand paging), by memoised search."""
     trace_t = tuple(trace)
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def best(pos: int, cache: frozenset[int]) -> int:
         if pos == len(trace_t):
             return 0

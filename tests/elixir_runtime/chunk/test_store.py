@@ -21,8 +21,13 @@ def _case(world_size: int):
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(n) / 3) for n in SIZES]
     layout = build_layout(
-        params, [[f"p{i}"] for i in range(len(SIZES))], GROUPS, [False] * len(SIZES),
-        world_size=world_size, chunk_size=128, alignment=8,
+        params,
+        [[f"p{i}"] for i in range(len(SIZES))],
+        GROUPS,
+        [False] * len(SIZES),
+        world_size=world_size,
+        chunk_size=128,
+        alignment=8,
     )
     return layout, params
 
@@ -42,8 +47,11 @@ def test_arena_bytes_match_the_allocation_per_placement(dtype: torch.dtype, worl
     mem = ArenaBytes(layout, dtype)
     # without a window every gradient shard of the device counts; they are allocated per chunk later
     grads = mem.grads(on_device)
-    assert grads == sum(layout.shard_numel(c) * _bytes(torch.empty(1, dtype=dtype)) for c in layout.chunks
-                        if c.trainable and on_device[c.index])
+    assert grads == sum(
+        layout.shard_numel(c) * _bytes(torch.empty(1, dtype=dtype))
+        for c in layout.chunks
+        if c.trainable and on_device[c.index]
+    )
     for where, counted in (("device", mem.device(0, on_device) - mem.private - grads), ("host", mem.host(on_device))):
         a = arenas[where]
         tensors = [a.param, a.grad, a.exp_avg, a.exp_avg_sq] + ([] if a.master_is_param else [a.master])

@@ -9,17 +9,17 @@ import time
 import pytest
 import torch
 
+import elixir_runtime.hardware.measure as measure
 from elixir_runtime.hardware import HardwareProfile, load_hardware
 from elixir_runtime.hardware.load import ENV_HARDWARE, cache_path
-from elixir_runtime.hardware.profile import PROFILE_VERSION, CpuAdamRate
-import elixir_runtime.hardware.measure as measure
 from elixir_runtime.hardware.measure import measure_hardware
+from elixir_runtime.hardware.profile import PROFILE_VERSION, CpuAdamRate
 from elixir_runtime.kernels.cpu_adam import load_library
 from elixir_runtime.kernels.threads import cpu_adam_threads
-from tests.elixir_runtime.search.search_cases import gpu_host
-from tests.elixir_runtime.hardware.job_ranks import job_measures_cpu_adam
 from helpers.dist import run_distributed
 from helpers.logs import recorded_bars
+from tests.elixir_runtime.hardware.job_ranks import job_measures_cpu_adam
+from tests.elixir_runtime.search.search_cases import gpu_host
 
 
 def test_quick_measurement_is_a_valid_profile() -> None:
@@ -35,7 +35,9 @@ def test_quick_measurement_is_a_valid_profile() -> None:
     else:
         assert hw.cpu_only and hw.gpus == 1 and hw.gpu_memory == hw.host_memory > 0
     assert hw.version == PROFILE_VERSION
-    assert all(v > 0 for v in (hw.attention, hw.memory_bandwidth, hw.op_overhead, hw.gpu_adam, hw.cpu_adam[1].under_copies))
+    assert all(
+        v > 0 for v in (hw.attention, hw.memory_bandwidth, hw.op_overhead, hw.gpu_adam, hw.cpu_adam[1].under_copies)
+    )
     assert list(hw.cpu_adam) == [1] and hw.cpu_adam[1].threads == cpu_adam_threads(1)
     assert hw.matmul and all(v > 0 for v in hw.matmul.values())
     assert hw.links[1].c2g > 0 and hw.links[1].g2c > 0
@@ -72,7 +74,10 @@ def test_a_cached_profile_of_an_older_measurement_is_measured_again(tmp_path, mo
     fresh = dataclasses.replace(gpu_host(cpu_adam=6e9), version=PROFILE_VERSION)
     monkeypatch.setattr(measure, "rank_counts", lambda gpus=None: [1])
     monkeypatch.setattr(measure, "measure_hardware", lambda quick=False, ranks=None: fresh)
-    assert load_hardware().cpu_adam[1].under_copies == 6e9 and HardwareProfile.load(cache_path()).version == PROFILE_VERSION
+    assert (
+        load_hardware().cpu_adam[1].under_copies == 6e9
+        and HardwareProfile.load(cache_path()).version == PROFILE_VERSION
+    )
 
 
 def test_rates_share_the_host_and_scale_beyond_what_was_measured() -> None:
@@ -91,8 +96,9 @@ def test_rates_share_the_host_and_scale_beyond_what_was_measured() -> None:
 def test_rates_take_the_cpu_adam_measured_for_the_ranks_per_host() -> None:
     """Per rank as measured for that many ranks on the host; a count not measured shares the
     nearest measured count's host total, and says so."""
-    hw = dataclasses.replace(gpu_host(gpus=4), cpu_adam={
-        1: CpuAdamRate(1, 63, 6e9, 7e9), 4: CpuAdamRate(4, 15, 2.5e9, 3e9)})
+    hw = dataclasses.replace(
+        gpu_host(gpus=4), cpu_adam={1: CpuAdamRate(1, 63, 6e9, 7e9), 4: CpuAdamRate(4, 15, 2.5e9, 3e9)}
+    )
     one, four = hw.rates(1), hw.rates(4)
     assert (one.cpu_adam, one.cpu_adam_alone, one.cpu_threads) == (6e9, 7e9, 63)
     assert (four.cpu_adam, four.cpu_adam_alone, four.cpu_threads) == (2.5e9, 3e9, 15)

@@ -58,11 +58,11 @@ class Arena:
     """One (scaled, low-precision) grad per step."""
     out: torch.Tensor | None
 
-    def clone(self) -> "Arena":
+    def clone(self) -> Arena:
         c = lambda t: None if t is None else t.clone()  # noqa: E731
         return Arena(c(self.master), c(self.exp_avg), c(self.exp_avg_sq), [g.clone() for g in self.grads], c(self.out))
 
-    def to(self, device: str) -> "Arena":
+    def to(self, device: str) -> Arena:
         t = lambda x: None if x is None else x.to(device)  # noqa: E731
         return Arena(t(self.master), t(self.exp_avg), t(self.exp_avg_sq), [t(g) for g in self.grads], t(self.out))
 

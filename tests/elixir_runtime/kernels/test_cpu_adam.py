@@ -14,9 +14,9 @@ from adam_cases import (
     run_kernel,
 )
 
+from elixir_runtime.chunk.layout import GroupRange
 from elixir_runtime.kernels import cpu_adam
 from elixir_runtime.kernels.cpu_adam import CpuAdamKernel, CpuAdamUnavailable
-from elixir_runtime.chunk.layout import GroupRange
 from elixir_runtime.kernels.kernel import AdamHyper, TorchAdamKernel
 
 _FLAGS = set(cpu_adam._cpu_flags().split())
@@ -91,7 +91,9 @@ def test_param_out_rounds_like_torch(isa: str, out_dtype: torch.dtype) -> None:
     expected = master.to(out_dtype)
     out = torch.empty(n, dtype=out_dtype)
     hyper = AdamHyper(lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
-    _kernel(isa).step(master, torch.zeros(n), torch.zeros(n), torch.zeros(n), out, [GroupRange(0, n, 0)], [hyper], 1, 1.0)
+    _kernel(isa).step(
+        master, torch.zeros(n), torch.zeros(n), torch.zeros(n), out, [GroupRange(0, n, 0)], [hyper], 1, 1.0
+    )
     nan = expected.isnan()
     assert torch.equal(out.isnan(), nan)
     assert torch.equal(out[~nan].view(torch.int16), expected[~nan].view(torch.int16))

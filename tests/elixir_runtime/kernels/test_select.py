@@ -54,7 +54,9 @@ def test_no_compiler_falls_back_with_a_warning(monkeypatch: pytest.MonkeyPatch, 
 def test_broken_compiler_falls_back_loudly_naming_the_fix(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", "/bin/false")
-    with pytest.warns(RuntimeWarning, match="(?s)several times slower. Why: building .* failed.*Fix: install g\\+\\+ with OpenMP"):
+    with pytest.warns(
+        RuntimeWarning, match="(?s)several times slower. Why: building .* failed.*Fix: install g\\+\\+ with OpenMP"
+    ):
         kernel = select_kernel(torch.device("cpu"))
     assert isinstance(kernel, TorchAdamKernel)
     assert select.cpu_kernel_status()[0] == "torch"

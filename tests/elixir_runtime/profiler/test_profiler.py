@@ -116,9 +116,7 @@ def test_block_replay_equals_the_full_trace(kind: str, ac: bool) -> None:
 def test_checkpointing_keeps_one_hidden_state_per_block() -> None:
     """Under AC what a block leaves for backward is its input: B x S x hidden (fp32 here)."""
     batch = make_batch(VOCAB, batch=2, seq=16)
-    saved = [
-        profile_model(_build("gpt2", ac=True, n_layer=n), batch, device="cpu").saved_bytes for n in (5, 7)
-    ]
+    saved = [profile_model(_build("gpt2", ac=True, n_layer=n), batch, device="cpu").saved_bytes for n in (5, 7)]
     assert saved[1] - saved[0] == 2 * (2 * 16 * 32 * 4)
 
 
@@ -179,8 +177,13 @@ def test_opt_175b_profiles_in_5_seconds() -> None:
     from transformers import AutoModelForCausalLM, OPTConfig
 
     config = OPTConfig(
-        hidden_size=12288, num_hidden_layers=96, num_attention_heads=96, ffn_dim=49152,
-        max_position_embeddings=2048, word_embed_proj_dim=12288, vocab_size=50272,
+        hidden_size=12288,
+        num_hidden_layers=96,
+        num_attention_heads=96,
+        ffn_dim=49152,
+        max_position_embeddings=2048,
+        word_embed_proj_dim=12288,
+        vocab_size=50272,
     )
     start = time.perf_counter()
     with torch.device("meta"):
@@ -239,8 +242,12 @@ def test_backward_segments_name_each_gradient_once_and_free_a_checkpoint_per_blo
     profile = profile_model(model, make_batch(4096, batch=4, seq=64), device="cpu")
     named = [n for b in profile.backward for n in b.params]
     assert sorted(named) == sorted(n for n, p in model.named_parameters() if p.requires_grad)
-    assert [b.params[0].split(".")[:3] for b in profile.backward[1:5]] == [["model", "layers", str(i)] for i in (3, 2, 1, 0)]
+    assert [b.params[0].split(".")[:3] for b in profile.backward[1:5]] == [
+        ["model", "layers", str(i)] for i in (3, 2, 1, 0)
+    ]
     assert profile.backward[-1].params == ["model.embed_tokens.weight"]
     peaks = [b.peak for b in profile.backward]
-    assert peaks[0] == profile.activation_peak and peaks[1:5] == sorted(peaks[1:5], reverse=True) and peaks[4] < peaks[1]
+    assert (
+        peaks[0] == profile.activation_peak and peaks[1:5] == sorted(peaks[1:5], reverse=True) and peaks[4] < peaks[1]
+    )
     assert profile.late_peak == peaks[1]

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import elixir_runtime as er
-from elixir_runtime.runtime.host_updates import HostUpdates
 from elixir_runtime.runtime import device_lane
+from elixir_runtime.runtime.host_updates import HostUpdates
 from helpers.training import Recipe, assert_close_losses, build, max_weight_diff, run_elixir, run_reference
 
 LOSS_RTOL, WEIGHT_ATOL = 1e-6, 1e-5  # test_parity.py's: only summation orders differ
@@ -58,7 +58,9 @@ def test_lane_with_params_larger_than_a_chunk(monkeypatch):
     rt = model._elixir.runtime
     assert [c.spec.numel for c in rt.trainable if c.spec.private] == [4096, 4096]
     assert got.stats["updated_device"] > 1024 and got.stats["updated_cpu"] > 1024
-    assert got.stats["updated_cpu"] + got.stats["updated_device"] == recipe.steps * sum(c.shard_numel for c in rt.trainable)
+    assert got.stats["updated_cpu"] + got.stats["updated_device"] == recipe.steps * sum(
+        c.shard_numel for c in rt.trainable
+    )
 
 
 def test_clip_coefficient_below_one_in_the_clipped_case():
@@ -88,14 +90,17 @@ def test_plan_counts_the_staging_it_allocates(small_slices):
     allocated = sum(t.numel() * t.element_size() for b in lane._buffers for t in b.values())
     assert plan.device_lane == lane.numel == SLICE and plan.memory.lane_staging == allocated > 0
     assert plan.device_bytes == (
-        plan.memory.rcache + plan.memory.private + plan.memory.device_shards + plan.memory.device_grads
-        + allocated
+        plan.memory.rcache + plan.memory.private + plan.memory.device_shards + plan.memory.device_grads + allocated
     )
     for setting in (False, "auto"):  # "auto" is off on a CPU device
-        off, _ = er.prepare(*build(recipe), config=er.ElixirConfig(mode="static", offload=0.5, device_assisted_update=setting))
+        off, _ = er.prepare(
+            *build(recipe), config=er.ElixirConfig(mode="static", offload=0.5, device_assisted_update=setting)
+        )
         assert off._elixir.plan.device_lane == 0 and off._elixir.plan.memory.lane_staging == 0
         assert off._elixir.runtime.host_updates.lane is None
-    nothing, _ = er.prepare(*build(recipe), config=er.ElixirConfig(mode="static", offload=0, device_assisted_update=True))
+    nothing, _ = er.prepare(
+        *build(recipe), config=er.ElixirConfig(mode="static", offload=0, device_assisted_update=True)
+    )
     assert nothing._elixir.plan.device_lane == 0 and nothing._elixir.runtime.host_updates.lane is None
 
 
@@ -114,8 +119,8 @@ def test_lane_slices_match_the_cpu_kernel(device, dtype):
     from elixir_runtime.chunk.layout import GroupRange
     from elixir_runtime.chunk.store import ShardArenas
     from elixir_runtime.kernels.cpu_adam import CpuAdamKernel
-    from elixir_runtime.runtime.device_lane import DeviceLane, slice_updates
     from elixir_runtime.kernels.kernel import AdamHyper
+    from elixir_runtime.runtime.device_lane import DeviceLane, slice_updates
 
     n, pin = 3 * SLICE + 1000, device == "cuda"
     g = torch.Generator().manual_seed(0)
@@ -128,8 +133,16 @@ def test_lane_slices_match_the_cpu_kernel(device, dtype):
     def arenas():
         master = arena(torch.float32)
         param = master if dtype == torch.float32 else arena(dtype).copy_(master)  # as build_arenas fills it
-        return ShardArenas("host", torch.device("cpu"), param, arena(dtype, 0.1), master, arena(torch.float32, 0.01),
-                           arena(torch.float32, 1e-4).abs_(), n)
+        return ShardArenas(
+            "host",
+            torch.device("cpu"),
+            param,
+            arena(dtype, 0.1),
+            master,
+            arena(torch.float32, 0.01),
+            arena(torch.float32, 1e-4).abs_(),
+            n,
+        )
 
     ours = arenas()
     g.manual_seed(0)
@@ -145,8 +158,17 @@ def test_lane_slices_match_the_cpu_kernel(device, dtype):
     tokens.append(lane.issue(jobs[2]))
     for t in tokens[1:]:
         lane.finish(t)
-    CpuAdamKernel().step(want.master, want.exp_avg, want.exp_avg_sq, want.grad,
-                         None if want.master_is_param else want.param, segments, hypers, 3, 2.5)
+    CpuAdamKernel().step(
+        want.master,
+        want.exp_avg,
+        want.exp_avg_sq,
+        want.grad,
+        None if want.master_is_param else want.param,
+        segments,
+        hypers,
+        3,
+        2.5,
+    )
     for k in ("master", "exp_avg", "exp_avg_sq"):
         torch.testing.assert_close(getattr(ours, k), getattr(want, k), rtol=1e-6, atol=1e-7, msg=k)
     assert torch.equal(ours.param, ours.master.to(dtype))  # also in the gap and the tail, left alone

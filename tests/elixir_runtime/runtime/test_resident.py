@@ -12,6 +12,9 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+
+import elixir_runtime as er
+from elixir_runtime.runtime.state import check_transitions
 from helpers.dist import run_distributed
 from helpers.training import (
     VOCAB,
@@ -22,9 +25,6 @@ from helpers.training import (
     lr_at,
     max_weight_diff,
 )
-
-import elixir_runtime as er
-from elixir_runtime.runtime.state import check_transitions
 
 STEPS = 4
 GRAD_ACCUM = 2
@@ -113,4 +113,3 @@ def test_two_ranks_match_pytorch() -> None:
     _, want = _run(None, 2, resident=False)
     for _, state in run_distributed(_rank, 2):
         assert max_weight_diff(state, want) < 1e-5
-

@@ -57,7 +57,10 @@ def _setup_for(new) -> dict:
 
 
 def test_tables_cover_every_state_and_reach_them_all():
-    for enum, table, start in ((ParamState, PARAM_TRANSITIONS, ParamState.RELEASED), (GradState, GRAD_TRANSITIONS, GradState.EMPTY)):
+    for enum, table, start in (
+        (ParamState, PARAM_TRANSITIONS, ParamState.RELEASED),
+        (GradState, GRAD_TRANSITIONS, GradState.EMPTY),
+    ):
         assert set(table) == set(enum)
         reached, todo = {start}, [start]
         while todo:
@@ -124,18 +127,24 @@ def _assert_between_steps(rt) -> None:
         assert c.param_state is not ParamState.COPIED, c
 
 
-@pytest.mark.parametrize("cfg", [
-    {"n_blocks": "min", "offload": 0.5, "prefetch": 2},
-    {"n_blocks": "max", "offload": 0.0, "prefetch": 0},
-    {"n_blocks": "min", "offload": 1.0, "prefetch": 2, "device_assisted_update": True},
-], ids=["min-offload-prefetch", "max", "offload-all-lane"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"n_blocks": "min", "offload": 0.5, "prefetch": 2},
+        {"n_blocks": "max", "offload": 0.0, "prefetch": 0},
+        {"n_blocks": "min", "offload": 1.0, "prefetch": 2, "device_assisted_update": True},
+    ],
+    ids=["min-offload-prefetch", "max", "offload-all-lane"],
+)
 def test_training_walks_only_legal_transitions(walked, cfg):
     """Gradient accumulation under no_sync, clipping, an eval forward, full_params and activation
     checkpointing, with every transition checked; the walk covers the tables' main paths."""
     model = tiny_gpt2(n_layer=3)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt = er.prepare(model, opt, er.ElixirConfig(mode="static", device="cpu", **cfg), example_batch=make_batch(128))
+    model, opt = er.prepare(
+        model, opt, er.ElixirConfig(mode="static", device="cpu", **cfg), example_batch=make_batch(128)
+    )
     rt = model._elixir.runtime
     batches = [make_batch(128, seed=s) for s in range(2)]
     for _ in range(3):
@@ -152,9 +161,15 @@ def test_training_walks_only_legal_transitions(walked, cfg):
     _assert_between_steps(rt)
     P, G = ParamState, GradState
     expected = {
-        (P.RELEASED, P.GATHERING), (P.GATHERING, P.RESIDENT), (P.RESIDENT, P.RELEASED),
-        (G.EMPTY, G.WRITING), (G.WRITING, G.REDUCED), (G.REDUCED, G.HELD),
-        (G.HELD, G.ACCUMULATING), (G.ACCUMULATING, G.REDUCED), (G.HELD, G.EMPTY),
+        (P.RELEASED, P.GATHERING),
+        (P.GATHERING, P.RESIDENT),
+        (P.RESIDENT, P.RELEASED),
+        (G.EMPTY, G.WRITING),
+        (G.WRITING, G.REDUCED),
+        (G.REDUCED, G.HELD),
+        (G.HELD, G.ACCUMULATING),
+        (G.ACCUMULATING, G.REDUCED),
+        (G.HELD, G.EMPTY),
     }
     if cfg["n_blocks"] == "min":  # rCache max keeps every chunk resident: nothing left to copy
         expected |= {(P.RELEASED, P.COPIED), (P.COPIED, P.RELEASED)}
@@ -165,8 +180,12 @@ def test_unused_and_frozen_parameters_walk_only_legal_transitions(walked):
     """One rank: a chunk without any gradient gets a zeroed shard at the end of backward (EMPTY -> HELD)."""
     model = tiny_mlp(unused_branch=True, freeze_first=True)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-    model, opt = er.prepare(model, opt, er.ElixirConfig(mode="static", n_blocks="min", offload=0.5, device="cpu"),
-                            example_batch=make_mlp_batch())
+    model, opt = er.prepare(
+        model,
+        opt,
+        er.ElixirConfig(mode="static", n_blocks="min", offload=0.5, device="cpu"),
+        example_batch=make_mlp_batch(),
+    )
     for s in range(2):
         _step(model, opt, [make_mlp_batch(seed=s)])
         _assert_between_steps(model._elixir.runtime)
@@ -177,10 +196,13 @@ def test_zero_grad_inside_a_backward_is_caught(checking):
     """A misuse the table rules out: zero_grad while chunks are reduced in a running backward."""
     model = tiny_gpt2(n_layer=3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt = er.prepare(model, opt, er.ElixirConfig(mode="static", n_blocks="min", device="cpu"),
-                            example_batch=make_batch(128))
+    model, opt = er.prepare(
+        model, opt, er.ElixirConfig(mode="static", n_blocks="min", device="cpu"), example_batch=make_batch(128)
+    )
     hidden = []
-    model.transformer.h[0].register_forward_hook(lambda _m, _a, out: hidden.append(out[0] if isinstance(out, tuple) else out))
+    model.transformer.h[0].register_forward_hook(
+        lambda _m, _a, out: hidden.append(out[0] if isinstance(out, tuple) else out)
+    )
     loss = model(**make_batch(128)).loss
     hidden[0].register_hook(lambda g: opt.zero_grad())  # blocks 1 and 2 are reduced by then
     with pytest.raises(IllegalTransition, match=r"GradState transition REDUCED -> EMPTY"):
@@ -193,8 +215,12 @@ def _walk_on_ranks(rank: int, world_size: int) -> set[tuple[str, str]]:
     check = state._check
     state._check = lambda c, old, new: (check(c, old, new), seen.add((old.name, new.name)))
     model = tiny_mlp(unused_branch=True)
-    model, opt = er.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3),
-                            er.ElixirConfig(mode="static", n_blocks="min", offload=0.5), example_batch=make_mlp_batch())
+    model, opt = er.prepare(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        er.ElixirConfig(mode="static", n_blocks="min", offload=0.5),
+        example_batch=make_mlp_batch(),
+    )
     for s in range(2):
         _step(model, opt, [make_mlp_batch(seed=10 * s + m + 100 * rank) for m in range(2)])
         _assert_between_steps(model._elixir.runtime)

@@ -10,10 +10,10 @@ import dataclasses
 
 from torch import nn
 
-from elixir_runtime.profiler import ModelProfile, profile_model
-from elixir_runtime.units import ParamTable, find_units, param_table
 from elixir_runtime.hardware import HardwareProfile, LinkRates
 from elixir_runtime.hardware.profile import CpuAdamRate
+from elixir_runtime.profiler import ModelProfile, profile_model
+from elixir_runtime.units import ParamTable, find_units, param_table
 from helpers.models import MODEL_BUILDERS, make_batch
 
 GIB = 2**30
@@ -40,15 +40,18 @@ def gpu_host(gpus: int = 1, cpu_adam: float = 5e9) -> HardwareProfile:
 
 def cpu_adam_times(hardware: HardwareProfile, factor: float) -> HardwareProfile:
     """``hardware`` with every CPU Adam rate ``factor`` times as fast."""
-    return dataclasses.replace(hardware, cpu_adam={
-        n: dataclasses.replace(r, under_copies=r.under_copies * factor, alone=r.alone and r.alone * factor)
-        for n, r in hardware.cpu_adam.items()
-    })
+    return dataclasses.replace(
+        hardware,
+        cpu_adam={
+            n: dataclasses.replace(r, under_copies=r.under_copies * factor, alone=r.alone and r.alone * factor)
+            for n, r in hardware.cpu_adam.items()
+        },
+    )
 
 
-def profiled(kind: str = "gpt2", n_layer: int = 6, ac: bool = True, batch: int = 2, seq: int = 16, **kw) -> tuple[
-    nn.Module, ParamTable, ModelProfile
-]:
+def profiled(
+    kind: str = "gpt2", n_layer: int = 6, ac: bool = True, batch: int = 2, seq: int = 16, **kw
+) -> tuple[nn.Module, ParamTable, ModelProfile]:
     model = MODEL_BUILDERS[kind](n_layer=n_layer, **kw)
     if ac:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -9,18 +9,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from search_cases import GIB, gpu_host, model_state_bytes
 
 import elixir_runtime as er
 import elixir_runtime.planner as planner
 from elixir_runtime.chunk.collectives import Collectives
-from elixir_runtime.units import find_units, param_table
+from elixir_runtime.gpu_limit import limit_gpu_memory
 from elixir_runtime.search import Budget
 from elixir_runtime.search.memory import ArenaBytes
-from elixir_runtime.gpu_limit import limit_gpu_memory
+from elixir_runtime.units import find_units, param_table
 from helpers.dist import run_distributed
 from helpers.fake_cuda import FakeGPU
 from helpers.models import make_batch, tiny_gpt2
-from search_cases import GIB, gpu_host, model_state_bytes
 
 
 def _fake_machine(monkeypatch, model, share: float) -> None:
@@ -49,8 +49,9 @@ def test_auto_plan_runs_in_the_engine(monkeypatch) -> None:
     assert {id(p) for p in searched.param_table.params} == {id(p) for p in model.parameters()} and searched.offload
     assert any("hardware: test GPU" in n for n in searched.search["notes"])
 
-    static = er.ElixirConfig(mode="static", chunk_size=searched.chunk_size, n_blocks=searched.n_blocks,
-                             offload=searched.offload)
+    static = er.ElixirConfig(
+        mode="static", chunk_size=searched.chunk_size, n_blocks=searched.n_blocks, offload=searched.offload
+    )
     model, opt = er.prepare(model, torch.optim.AdamW(model.parameters()), config=static, example_batch=batch)
     plan = model._elixir.plan
     assert (plan.n_chunks, plan.chunk_size, plan.offload) == (searched.n_chunks, searched.chunk_size, searched.offload)
@@ -69,7 +70,9 @@ def test_without_a_batch_the_activations_get_a_fixed_share(monkeypatch) -> None:
     model = _model()
     _fake_machine(monkeypatch, model, share=3.0)
     units = find_units(model, None)
-    plan = planner.search_job(model, units, None, er.ElixirConfig(), torch.device("cpu"), torch.float32, Collectives(None))
+    plan = planner.search_job(
+        model, units, None, er.ElixirConfig(), torch.device("cpu"), torch.float32, Collectives(None)
+    )
     assert plan.param_table.params == param_table(model, units, [u.index for u in units]).params
     assert plan.budget.activations == int(planner.UNPROFILED_ACTIVATION_SHARE * plan.budget.capacity / 1.25)
 
@@ -90,8 +93,15 @@ def test_clips_grads_reaches_the_search(monkeypatch) -> None:
     units = find_units(model, None)
     batch = make_batch(128)
     cpu, coll = torch.device("cpu"), Collectives(None)
-    for clips, dtype in ((True, torch.float32), (False, torch.float32), (False, torch.bfloat16), (False, torch.float16)):
-        planner.search_job(model, units, batch, er.ElixirConfig(clips_grads=clips, skip_nonfinite=False), cpu, dtype, coll)
+    for clips, dtype in (
+        (True, torch.float32),
+        (False, torch.float32),
+        (False, torch.bfloat16),
+        (False, torch.float16),
+    ):
+        planner.search_job(
+            model, units, batch, er.ElixirConfig(clips_grads=clips, skip_nonfinite=False), cpu, dtype, coll
+        )
     planner.search_job(model, units, batch, er.ElixirConfig(clips_grads=False), cpu, torch.bfloat16, coll)
     assert seen == [True, False, False, True, True]
 
@@ -100,7 +110,8 @@ def _plan_on_two_ranks(rank: int, world: int) -> tuple:
     model = _model()
     states = model_state_bytes(model)
     planner.device_budget = lambda device, act, buffers, ranks: Budget(
-        int(1.25 * act) + buffers + int(0.3 * states), act, buffers, 64 * GIB, ranks)
+        int(1.25 * act) + buffers + int(0.3 * states), act, buffers, 64 * GIB, ranks
+    )
     planner.job_hardware = lambda coll, device, cpu_threads=None: gpu_host(gpus=2)
     seen, real = [], planner.search
 
@@ -113,8 +124,14 @@ def _plan_on_two_ranks(rank: int, world: int) -> tuple:
     coll = Collectives(torch.distributed.group.WORLD)
     p = planner.search_job(model, units, make_batch(128), er.ElixirConfig(), torch.device("cpu"), torch.float32, coll)
     # rank 0 keeps the layout its search built, rank 1 builds it from the chunk size: the same layout
-    decided = ([n[0] for n in p.param_table.names], p.chunk_size, p.offload, p.n_blocks, p.layout.fingerprint(),
-               p.to_dict())
+    decided = (
+        [n[0] for n in p.param_table.names],
+        p.chunk_size,
+        p.offload,
+        p.n_blocks,
+        p.layout.fingerprint(),
+        p.to_dict(),
+    )
     return decided, seen, p.search["notes"]
 
 
@@ -126,7 +143,6 @@ def test_ranks_time_their_own_collectives_and_agree_on_the_plan() -> None:
     assert plan0 == plan1
     assert len(seen0) == 1 and seen0[0] > 0 and seen1 == []
     assert any("measured on the job's process group" in n for n in notes)
-
 
 
 def test_the_gpu_limit_shrinks_the_plan(monkeypatch) -> None:
@@ -141,7 +157,9 @@ def test_the_gpu_limit_shrinks_the_plan(monkeypatch) -> None:
     def plan(gpu_memory=None, model=model):
         config = er.ElixirConfig(gpu_memory=gpu_memory)
         limit_gpu_memory(torch.device("cuda", 0), config.gpu_memory)
-        return planner.search_job(model, find_units(model, None), None, config, torch.device("cpu"), torch.float32, coll)
+        return planner.search_job(
+            model, find_units(model, None), None, config, torch.device("cpu"), torch.float32, coll
+        )
 
     whole = plan()
     assert whole.budget.limit is None and not whole.offload
@@ -159,5 +177,7 @@ def test_the_gpu_limit_shrinks_the_plan(monkeypatch) -> None:
 
     gpu.fraction = 1.0
     wide = tiny_gpt2(n_layer=1, n_embd=512)  # a 512 x 2048 matrix: 4 MiB in one chunk
-    with pytest.raises(er.PlanError, match=r"no plan fits(.|\n)*capped at 4.00 MiB per process \(ElixirConfig.gpu_memory"):
+    with pytest.raises(
+        er.PlanError, match=r"no plan fits(.|\n)*capped at 4.00 MiB per process \(ElixirConfig.gpu_memory"
+    ):
         plan("4MiB", model=wide)

@@ -7,8 +7,8 @@ the planner's own simulator, with the runtime's rule that a unit's chunks are pi
 from __future__ import annotations
 
 import functools
-from typing import Sequence
 import random
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -20,7 +20,7 @@ def _brute_force(groups: list[tuple[int, ...]], blocks: int) -> int:
     """Fewest misses of any eviction choices that never evict a chunk of the group being acquired."""
     flat = [(g, c) for g, group in enumerate(groups) for c in group]
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def best(t: int, cache: frozenset) -> float:
         if t == len(flat):
             return 0

@@ -19,8 +19,13 @@ BF16 = torch.bfloat16
 def test_grad_window_only_for_one_micro_batch_and_a_known_backward() -> None:
     backward = [BackwardSegment(100, ["h"]), BackwardSegment(20, ["b1"]), BackwardSegment(10, ["b0", "e"])]
     window = grad_window(100, backward, 0.98, 1.25, 1)
-    assert window == GradWindow((WindowStep(0, ("h",)), WindowStep(int(0.98 * 80 / 1.25), ("b1",)),
-                                 WindowStep(int(0.98 * 90 / 1.25), ("b0", "e"))))
+    assert window == GradWindow(
+        (
+            WindowStep(0, ("h",)),
+            WindowStep(int(0.98 * 80 / 1.25), ("b1",)),
+            WindowStep(int(0.98 * 90 / 1.25), ("b0", "e")),
+        )
+    )
     assert window.shares
     assert grad_window(100, backward, 0.98, 1.25, 2) == GradWindow()  # accumulation: grads meet the next peak
     assert grad_window(100, [], 0.98, 1.25, 1) == GradWindow()  # no head found: nothing known freed
@@ -42,8 +47,9 @@ GRAD = 128 * 2
 def test_device_grads_are_the_most_any_backward_step_holds_beyond_its_slack(slacks: tuple[int, int, int]) -> None:
     """Step by step the shards of the chunks backward has reached by then, less that step's slack:
     the head's at the peak, then c and b, then a."""
-    window = GradWindow((WindowStep(slacks[0], ("head.weight",)), WindowStep(slacks[1], ("c", "b")),
-                         WindowStep(slacks[2], ("a",))))
+    window = GradWindow(
+        (WindowStep(slacks[0], ("head.weight",)), WindowStep(slacks[1], ("c", "b")), WindowStep(slacks[2], ("a",)))
+    )
     mem, every = _four_chunks(window), _four_chunks(GradWindow())
     for on in ([True] * 4, [True, True, True, False], [False, False, False, True], [True, False, False, False]):
         on_device = np.array(on)
@@ -57,8 +63,9 @@ def test_device_grads_are_the_most_any_backward_step_holds_beyond_its_slack(slac
 def test_a_chunk_counts_from_the_first_step_that_names_a_parameter_of_it_or_from_the_head() -> None:
     """A chunk whose parameters two steps name exists from the earlier; one no step names (its
     parameters did not appear in the profile) is counted at the peak, where nothing is freed."""
-    named_twice = _four_chunks(GradWindow((WindowStep(0, ("head.weight",)), WindowStep(1000, ("c",)),
-                                           WindowStep(5000, ("c", "b", "a")))))
+    named_twice = _four_chunks(
+        GradWindow((WindowStep(0, ("head.weight",)), WindowStep(1000, ("c",)), WindowStep(5000, ("c", "b", "a"))))
+    )
     assert named_twice.step.tolist() == [2, 2, 1, 0]
     unnamed = _four_chunks(GradWindow((WindowStep(0, ("head.weight",)), WindowStep(5000, ("c", "b")))))
     assert unnamed.step.tolist() == [0, 1, 1, 0]
@@ -70,9 +77,10 @@ def test_the_search_uses_the_window_only_where_gradients_share_activations() -> 
     accumulation, every gradient shard of the GPU counts beside the activations."""
     import dataclasses
 
+    from search_cases import GIB, gpu_host, profiled
+
     from elixir_runtime.config import ElixirConfig
     from elixir_runtime.search import Budget, SearchSettings, search
-    from search_cases import GIB, gpu_host, profiled
 
     _, table, profile = profiled("llama", n_layer=4, batch=4, seq=64, vocab=4096)
     assert profile.late_peak is not None and profile.late_peak < profile.activation_peak
@@ -80,13 +88,17 @@ def test_the_search_uses_the_window_only_where_gradients_share_activations() -> 
     settings = SearchSettings(1, BF16, ElixirConfig(offload=0.5))
     shared = search(table, profile, gpu_host(), budget, settings).grad_window
     assert shared.shares and "lm_head.weight" in shared.steps[0].params
-    for other in (dataclasses.replace(settings, grads_share_activations=False),
-                  SearchSettings(1, BF16, ElixirConfig(offload=0.5, grad_accum_steps=2))):
+    for other in (
+        dataclasses.replace(settings, grads_share_activations=False),
+        SearchSettings(1, BF16, ElixirConfig(offload=0.5, grad_accum_steps=2)),
+    ):
         assert search(table, profile, gpu_host(), budget, other).grad_window == GradWindow()
 
 
 @pytest.mark.parametrize("chunk_size, checkpointing", [(None, True), (4096, True), (4096, False)])
-def test_each_window_step_holds_every_gradient_shard_the_engine_has_allocated_by_then(chunk_size, checkpointing) -> None:
+def test_each_window_step_holds_every_gradient_shard_the_engine_has_allocated_by_then(
+    chunk_size, checkpointing
+) -> None:
     """The engine beside its profile: when a block's backward starts, every chunk holding a
     gradient shard is one a window step before that block's names (a shard arriving earlier than
     its step would sit in activation memory the plan thinks is still in use)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from search_cases import GIB, gpu_host, model_state_bytes
 
 import elixir_runtime as er
 import elixir_runtime.planner as planner
@@ -13,7 +14,6 @@ from elixir_runtime.chunk.collectives import Collectives
 from elixir_runtime.search import Budget
 from elixir_runtime.units import find_units
 from helpers.models import make_batch, tiny_gpt2, tiny_llama
-from search_cases import GIB, gpu_host, model_state_bytes
 
 
 def _optimizer(model: torch.nn.Module) -> torch.optim.AdamW:
@@ -29,8 +29,16 @@ def test_prepare_installs_the_plan_the_planner_makes() -> None:
     twin = copy.deepcopy(model)
     opt = _optimizer(twin)
     groups = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
-    planned = planner.plan_job(twin, find_units(twin, None), batch, config, torch.device("cpu"), torch.float32,
-                               Collectives(None), param_group=lambda p: groups[id(p)])
+    planned = planner.plan_job(
+        twin,
+        find_units(twin, None),
+        batch,
+        config,
+        torch.device("cpu"),
+        torch.float32,
+        Collectives(None),
+        param_group=lambda p: groups[id(p)],
+    )
 
     model, _ = er.prepare(model, _optimizer(model), config, example_batch=batch)
     installed = model._elixir.plan
@@ -44,8 +52,13 @@ def test_a_searched_plan_carries_the_layout_the_search_built(monkeypatch) -> Non
     model = tiny_gpt2(n_layer=4, n_embd=64)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     states = model_state_bytes(model)
-    monkeypatch.setattr(planner, "device_budget", lambda device, act, buffers, ranks: Budget(
-        int(1.25 * act) + buffers + int(0.3 * states), act, buffers, 64 * GIB, ranks))
+    monkeypatch.setattr(
+        planner,
+        "device_budget",
+        lambda device, act, buffers, ranks: Budget(
+            int(1.25 * act) + buffers + int(0.3 * states), act, buffers, 64 * GIB, ranks
+        ),
+    )
     monkeypatch.setattr(planner, "job_hardware", lambda coll, device, cpu_threads=None: gpu_host())
     results = []
     real = planner.search
@@ -55,11 +68,21 @@ def test_a_searched_plan_carries_the_layout_the_search_built(monkeypatch) -> Non
         return results[-1]
 
     monkeypatch.setattr(planner, "search", spy)
-    plan = planner.search_job(model, find_units(model, None), make_batch(128), er.ElixirConfig(), torch.device("cpu"),
-                              torch.float32, Collectives(None))
+    plan = planner.search_job(
+        model,
+        find_units(model, None),
+        make_batch(128),
+        er.ElixirConfig(),
+        torch.device("cpu"),
+        torch.float32,
+        Collectives(None),
+    )
     assert len(results) == 1 and plan.layout is results[0].layout and plan.offload
     assert (plan.chunk_size, plan.n_blocks, plan.offload) == (
-        results[0].chunk_size, results[0].placement.n_blocks, results[0].placement.offload)
+        results[0].chunk_size,
+        results[0].placement.n_blocks,
+        results[0].placement.offload,
+    )
     again = er.ElixirPlan.from_json(plan.to_json())
     assert again == plan and again.layout is None and again.predicted == plan.predicted and again.budget == plan.budget
 
@@ -68,12 +91,22 @@ def test_the_search_plans_the_resident_chunk(monkeypatch) -> None:
     """``prepare(..., resident=...)`` (``tests/elixir_runtime/runtime/test_resident.py``) under
     ``mode="auto"``: the search (GPU budget and hardware faked) builds its layouts with the head in a
     private chunk, which the plan has the root acquire and counts."""
-    monkeypatch.setattr(planner, "device_budget", lambda device, act, buffers, ranks: Budget(GIB, act, buffers, GIB, ranks))
+    monkeypatch.setattr(
+        planner, "device_budget", lambda device, act, buffers, ranks: Budget(GIB, act, buffers, GIB, ranks)
+    )
     monkeypatch.setattr(planner, "job_hardware", lambda coll, device, cpu_threads=None: gpu_host())
     model = tiny_llama()
     head = model.lm_head.weight
-    plan = planner.search_job(model, find_units(model, None), make_batch(128), er.ElixirConfig(),
-                              torch.device("cpu"), torch.float32, Collectives(None), resident=[head])
+    plan = planner.search_job(
+        model,
+        find_units(model, None),
+        make_batch(128),
+        er.ElixirConfig(),
+        torch.device("cpu"),
+        torch.float32,
+        Collectives(None),
+        resident=[head],
+    )
     i = plan.param_table.index[id(head)]
     assert plan.param_table.resident[i] and plan.predicted is not None
     assert plan.root_chunks == (plan.layout.param_chunk[i],) and plan.layout.chunks[plan.root_chunks[0]].private

@@ -7,18 +7,18 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from search_cases import GIB, gpu_host, model_state_bytes, profiled
 
 from elixir_runtime.chunk.layout import build_layout
 from elixir_runtime.config import ElixirConfig, PlanError
+from elixir_runtime.hardware.profile import CpuAdamRate
 from elixir_runtime.plan import ElixirPlan, _count_memory, resolve_plan
 from elixir_runtime.search import Budget, SearchSettings, search
 from elixir_runtime.search.budget import F_ALLOC, F_HOST
-from elixir_runtime.search.loop import SERIAL_TIE, STEP_TIE, _evaluate
 from elixir_runtime.search.candidates import chunk_size_candidates
-from elixir_runtime.hardware.profile import CpuAdamRate
+from elixir_runtime.search.loop import SERIAL_TIE, STEP_TIE, _evaluate
 from helpers.logs import recorded_bars
 from helpers.models import make_batch
-from search_cases import GIB, gpu_host, model_state_bytes, profiled
 
 BF16 = torch.bfloat16
 
@@ -114,7 +114,9 @@ def test_states_that_fit_stay_on_the_gpu_even_where_offload_would_hide(gpt2, cli
     with recorded_bars() as bars:
         r = search(table, profile, gpu_host(cpu_adam=5e11), roomy, _settings(clips_grads=clips_grads))
     assert r.placement.offload == [] and r.placement.n_blocks == _plan(table, r).max_blocks
-    assert [(b.desc, b.total, b.n) for b in bars] == [("elixir: searching chunk sizes", len(r.candidates), len(r.candidates))]
+    assert [(b.desc, b.total, b.n) for b in bars] == [
+        ("elixir: searching chunk sizes", len(r.candidates), len(r.candidates))
+    ]
 
 
 def test_little_memory_offloads_plenty_keeps_everything(gpt2) -> None:
@@ -137,10 +139,17 @@ def test_little_memory_offloads_plenty_keeps_everything(gpt2) -> None:
 def test_plan_memory_is_what_the_engine_allocates(gpt2, lane) -> None:
     model, table, profile = gpt2
     budget = _budget(profile, _capacities(model, profile)[3])
-    r = search(table, profile, gpu_host(), budget, dataclasses.replace(_settings(device_assisted_update=lane), device_lane=lane))
+    r = search(
+        table,
+        profile,
+        gpu_host(),
+        budget,
+        dataclasses.replace(_settings(device_assisted_update=lane), device_lane=lane),
+    )
     assert r.placement.offload and r.device_lane == lane
-    layout = build_layout(table.params, table.names, table.groups, table.private, world_size=1,
-                          chunk_size=r.chunk_size, alignment=64)
+    layout = build_layout(
+        table.params, table.names, table.groups, table.private, world_size=1, chunk_size=r.chunk_size, alignment=64
+    )
     mem, lane_numel = _count_memory(layout, set(r.placement.offload), r.placement.n_blocks, BF16, lane, r.grad_window)
     assert mem.rcache + mem.private + mem.device_shards + mem.device_grads + mem.lane_staging == (
         r.placement.device_bytes
@@ -149,7 +158,9 @@ def test_plan_memory_is_what_the_engine_allocates(gpt2, lane) -> None:
     assert (lane_numel > 0) == lane and mem.lane_staging == 2 * lane_numel * (12 + 2)  # fp32 m, v, master + bf16
     plan = resolve_plan(ElixirConfig(), table, r.layout, BF16, search=r)
     assert (plan.n_blocks, plan.offload, plan.device_lane) == (r.placement.n_blocks, r.placement.offload, lane_numel)
-    assert plan.device_bytes == r.placement.device_bytes and plan.predicted.total == pytest.approx(r.placement.time.total)
+    assert plan.device_bytes == r.placement.device_bytes and plan.predicted.total == pytest.approx(
+        r.placement.time.total
+    )
     again = ElixirPlan.from_json(plan.to_json())
     assert again == plan and "predicted step" in again.table()
 
@@ -171,7 +182,10 @@ def test_two_ranks_shard_the_states(gpt2) -> None:
     capacity = _capacities(model, profile)[2]
     one = search(table, profile, gpu_host(2), _budget(profile, capacity), _settings())
     two = search(table, profile, gpu_host(2), _budget(profile, capacity, ranks=2), _settings(world_size=2))
-    assert len(two.placement.offload) / _plan(table, two).n_chunks <= len(one.placement.offload) / _plan(table, one).n_chunks
+    assert (
+        len(two.placement.offload) / _plan(table, two).n_chunks
+        <= len(one.placement.offload) / _plan(table, one).n_chunks
+    )
     assert two.placement.time.collectives is not None and two.placement.time.collectives > 0
     # the plan records each rank's share of the host it was predicted with
     assert one.rates["ranks"] == 1 and two.rates["ranks"] == 2
@@ -209,7 +223,7 @@ def test_the_serial_step_overlaps_the_devices_transfers_and_not_the_hosts(gpt2) 
     slow = gpu_host(2, cpu_adam=2e7).rates(2, busbw, 2)
     e = _evaluate(16384, table, profile, slow, budget, settings)
     host = np.ones(k, dtype=bool)
-    host[k // 2:] = False  # the last half offloaded
+    host[k // 2 :] = False  # the last half offloaded
     t, resident = e.model.step(lo + 1, host), e.model.step(lo + 1, every)
     assert t.exposed_cpu_adam < 0.5 * t.cpu_adam
     assert t.serial - t.total > 0.5 * t.cpu_adam
@@ -293,11 +307,17 @@ def test_search_is_fast_for_opt_175b() -> None:
     from transformers import AutoModelForCausalLM, OPTConfig
 
     from elixir_runtime.profiler import profile_model
-    from elixir_runtime.units import find_units
-    from elixir_runtime.units import param_table
+    from elixir_runtime.units import find_units, param_table
 
-    config = OPTConfig(hidden_size=12288, num_hidden_layers=96, num_attention_heads=96, ffn_dim=49152,
-                       max_position_embeddings=2048, word_embed_proj_dim=12288, vocab_size=50272)
+    config = OPTConfig(
+        hidden_size=12288,
+        num_hidden_layers=96,
+        num_attention_heads=96,
+        ffn_dim=49152,
+        max_position_embeddings=2048,
+        word_embed_proj_dim=12288,
+        vocab_size=50272,
+    )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=BF16)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -25,13 +25,12 @@ import torch
 
 from benchmarks.models import Preset, build_meta
 from elixir_runtime.config import ElixirConfig
+from elixir_runtime.hardware import load_hardware
 from elixir_runtime.plan import ElixirPlan, resolve_plan
 from elixir_runtime.profiler import profile_model
-from elixir_runtime.units import find_units, param_table
-from elixir_runtime.hardware import load_hardware
-from elixir_runtime.search import Budget, SearchSettings, search
-from elixir_runtime.search import step_time
+from elixir_runtime.search import Budget, SearchSettings, search, step_time
 from elixir_runtime.search.loop import _evaluate
+from elixir_runtime.units import find_units, param_table
 from tests.elixir_runtime.search.search_cases import cpu_adam_times
 
 H100 = "h100"  # the profile shipped with the package (hardware/load.py SHIPPED)
@@ -75,10 +74,18 @@ def _plan(case: tuple, hardware, clips_grads: bool = False, device_lane: bool = 
     dims, batch, (chunk_size, n_chunks, offloaded, n_blocks), *_ = case
     table, profile, units = _profiled(dims, batch)
     budget = Budget(hardware.gpu_memory, profile.activation_peak, profile.buffer_bytes, hardware.host_memory)
-    settings = SearchSettings(1, BF16, ElixirConfig(
-        chunk_size=chunk_size, n_blocks=n_blocks, offload=list(range(n_chunks - offloaded, n_chunks)),
-        clips_grads=clips_grads, skip_nonfinite=False,  # the measured runs had no host sync before the update
-    ), device_lane=device_lane)
+    settings = SearchSettings(
+        1,
+        BF16,
+        ElixirConfig(
+            chunk_size=chunk_size,
+            n_blocks=n_blocks,
+            offload=list(range(n_chunks - offloaded, n_chunks)),
+            clips_grads=clips_grads,
+            skip_nonfinite=False,  # the measured runs had no host sync before the update
+        ),
+        device_lane=device_lane,
+    )
     return search(table, profile, hardware, budget, settings), table, profile, budget, units
 
 
@@ -121,9 +128,12 @@ def test_offload_regime_within_15_percent_of_the_measured_step(name, h100) -> No
     case = OFFLOAD[name]
     result, table, _, _, units, _ = _planned(name, h100)
     (_, _, (chunk_size, n_chunks, offloaded, n_blocks), measured, printed) = case
-    assert (result.chunk_size, len(result.placement.on_device), len(result.placement.offload), result.placement.n_blocks) == (
-        chunk_size, n_chunks, offloaded, n_blocks
-    )
+    assert (
+        result.chunk_size,
+        len(result.placement.on_device),
+        len(result.placement.offload),
+        result.placement.n_blocks,
+    ) == (chunk_size, n_chunks, offloaded, n_blocks)
     t = result.placement.time
     assert (t.compute, t.gpu_adam, t.cpu_adam) == pytest.approx(printed[1:], rel=1e-6)
     assert abs(t.total / measured - 1) <= 0.15, (name, t)
@@ -230,7 +240,13 @@ def test_more_gpu_memory_never_offloads_more_on_the_h100(h100, clips_grads) -> N
     serial, offloaded, times = [], [], []
     for gib in (24, 32, 40, 48, 56, 64, 72, 80, 96, 112, 128, 160):
         budget = Budget(gib * GIB, profile.activation_peak, profile.buffer_bytes, h100.host_memory)
-        r = search(table, profile, h100, budget, SearchSettings(1, BF16, ElixirConfig(clips_grads=clips_grads, skip_nonfinite=False)))
+        r = search(
+            table,
+            profile,
+            h100,
+            budget,
+            SearchSettings(1, BF16, ElixirConfig(clips_grads=clips_grads, skip_nonfinite=False)),
+        )
         assert r.placement.device_bytes <= budget.allowed and r.placement.host_bytes <= budget.host_allowed
         serial.append(r.placement.time.serial)
         offloaded.append(r.placement.host_bytes)
@@ -249,7 +265,13 @@ def test_states_that_fit_stay_on_the_h100(h100, cpu_adam_scale, clips_grads) -> 
     table, profile, _ = _profiled((1600, 48, 25), 8)
     machine = cpu_adam_times(h100, cpu_adam_scale)
     budget = Budget(h100.gpu_memory, profile.activation_peak, profile.buffer_bytes, h100.host_memory)
-    r = search(table, profile, machine, budget, SearchSettings(1, BF16, ElixirConfig(clips_grads=clips_grads, skip_nonfinite=False)))
+    r = search(
+        table,
+        profile,
+        machine,
+        budget,
+        SearchSettings(1, BF16, ElixirConfig(clips_grads=clips_grads, skip_nonfinite=False)),
+    )
     assert r.placement.offload == [], f"{len(r.placement.offload)} of {len(r.placement.on_device)} chunks offloaded"
 
 
