@@ -3,7 +3,13 @@ environment must not reach the trainers or the subprocesses."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+
+# the HF cases (hf_cases.py) these tests and their workers share
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "elixir_hf"))
 
 
 @pytest.fixture(autouse=True)

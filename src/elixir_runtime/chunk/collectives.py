@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import pickle
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 
 T = TypeVar("T")
 
-__all__ = ["Collectives"]
+__all__ = ["Collectives", "HeldWork", "all_gather_object"]
 
 # torch 2.13 renamed the tensor-form collectives (the old names warn); 2.11 has only the old ones.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -31,8 +32,7 @@ class Collectives:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
-        self._hold_work = self.distributed and dist.get_backend(group) == "gloo"
-        self._recent: collections.deque = collections.deque(maxlen=2)
+        self._held = HeldWork() if self.distributed and dist.get_backend(group) == "gloo" else None
 
     @property
     def source_rank(self) -> int:
@@ -82,15 +82,50 @@ class Collectives:
             self._run(functools.partial(dist.all_reduce, op=dist.ReduceOp.MAX), t)
 
     def _run(self, collective: Callable[..., Any], *tensors: torch.Tensor) -> None:
-        """``collective(*tensors)`` to completion; on gloo its work handle is kept until two later
-        collectives have run, so that this thread, not gloo's worker, frees it.
+        """``collective(*tensors)`` to completion; on gloo through ``HeldWork`` ([Note: gloo at exit]).
+        Not on NCCL: holding its handles would keep temporary chunk buffers alive on the GPU."""
+        if self._held is None:
+            collective(*tensors, group=self.group)
+        else:
+            self._held.run(collective, *tensors, group=self.group)
 
-        [Note: gloo at exit] If gloo's worker drops the last reference while the interpreter exits,
-        freeing the work's tensors takes the GIL there and aborts the rank (SIGABRT, ``terminate
-        called without an active exception``; docs/runtime.md, "Semantics worth knowing"). Not on
-        NCCL: holding its handles would keep temporary chunk buffers alive on the GPU.
-        """
-        work = collective(*tensors, group=self.group, async_op=self._hold_work)
-        if self._hold_work:
-            work.wait()
-            self._recent.append(work)
+
+class HeldWork:
+    """Runs gloo collectives to completion and keeps each one's work handle until two later ones
+    have run, so that the calling thread, not gloo's worker, frees it and its tensors.
+
+    [Note: gloo at exit] If gloo's worker thread drops the last reference to a finished work while
+    the interpreter exits, freeing the work's Python-made tensors takes the GIL there and aborts
+    the rank (SIGABRT, ``terminate called without an active exception``; docs/runtime.md,
+    "Semantics worth knowing"). Every gloo collective the engine issues on tensors made in Python
+    goes through one of these.
+    """
+
+    def __init__(self) -> None:
+        self._recent: collections.deque = collections.deque(maxlen=2)
+
+    def run(self, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        work = collective(*args, async_op=True, **kwargs)
+        work.wait()
+        self._recent.append(work)
+
+
+_OBJECTS = HeldWork()  # lives as long as the process: its handles are freed by this thread, at exit
+
+
+def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's picklable ``obj``: ``dist.all_gather_object``, whose handles on gloo go through
+    ``HeldWork`` ([Note: gloo at exit]); a collective's result a job may end on."""
+    if dist.get_backend(group) != "gloo":
+        out: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
+    _OBJECTS.run(dist.all_gather, sizes, size, group=group)
+    padded = torch.zeros(max(int(n) for n in sizes), dtype=torch.uint8)
+    padded[: data.numel()] = data
+    gathered = [torch.empty_like(padded) for _ in sizes]
+    _OBJECTS.run(dist.all_gather, gathered, padded, group=group)
+    return [pickle.loads(t[: int(n)].numpy().tobytes()) for t, n in zip(gathered, sizes)]

@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..chunk.collectives import Collectives
+from ..chunk.collectives import Collectives, HeldWork
 
 __all__ = ["Lockstep", "LockstepError", "Op"]
 
@@ -60,6 +60,7 @@ class Lockstep:
         self.started = 0
         """Operations this rank has checked in for (the same on every rank while they agree)."""
         self.group = None
+        self._held = HeldWork()  # a gloo group's handles ([Note: gloo at exit])
         if coll.world_size > 1:
             ranks = dist.get_process_group_ranks(coll.group or dist.group.WORLD)
             self.group = dist.new_group(
@@ -74,7 +75,7 @@ class Lockstep:
         self.started += 1
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
         try:
-            dist.all_gather(everyone, mine, group=self.group)
+            self._held.run(dist.all_gather, everyone, mine, group=self.group)
         except RuntimeError as exc:  # gloo: timeout, or a rank that gave up and left
             raise LockstepError(
                 f"Elixir: rank {self.rank} started {_WHAT[op]} (its operation #{mine[1]}) and the other ranks did not "
