@@ -6,7 +6,9 @@ copy and the reduce-scatter leaves this rank's averaged slice where it was.
 
 from __future__ import annotations
 
+import atexit
 import collections
+import contextlib
 import functools
 import pickle
 from collections.abc import Callable
@@ -98,11 +100,13 @@ class HeldWork:
     the interpreter exits, freeing the work's Python-made tensors takes the GIL there and aborts
     the rank (SIGABRT, ``terminate called without an active exception``; docs/runtime.md,
     "Semantics worth knowing"). Every gloo collective the engine issues on tensors made in Python
-    goes through one of these.
+    goes through one of these; and the process groups are destroyed at exit, before the interpreter
+    finalizes, so that no gloo thread outlives it (``_destroy_groups``).
     """
 
     def __init__(self) -> None:
         self._recent: collections.deque = collections.deque(maxlen=2)
+        _destroy_groups_at_exit()
 
     def run(self, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         work = collective(*args, async_op=True, **kwargs)
@@ -110,7 +114,23 @@ class HeldWork:
         self._recent.append(work)
 
 
-_OBJECTS = HeldWork()  # lives as long as the process: its handles are freed by this thread, at exit
+@functools.cache
+def _destroy_groups_at_exit() -> None:
+    atexit.register(_destroy_groups)
+
+
+def _destroy_groups() -> None:
+    """At exit, once: every process group, as torch asks of a job before it ends (the Trainer and
+    Accelerate do not); a group's gloo threads then end while Python can still free their tensors."""
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):  # a group already torn down, or a peer already gone
+            dist.destroy_process_group()
+
+
+@functools.cache
+def _object_work() -> HeldWork:
+    """The object gathers' handles: held as long as the process, freed by this thread at exit."""
+    return HeldWork()
 
 
 def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
@@ -123,9 +143,9 @@ def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     size = torch.tensor([data.numel()], dtype=torch.int64)
     sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
-    _OBJECTS.run(dist.all_gather, sizes, size, group=group)
+    _object_work().run(dist.all_gather, sizes, size, group=group)
     padded = torch.zeros(max(int(n) for n in sizes), dtype=torch.uint8)
     padded[: data.numel()] = data
     gathered = [torch.empty_like(padded) for _ in sizes]
-    _OBJECTS.run(dist.all_gather, gathered, padded, group=group)
+    _object_work().run(dist.all_gather, gathered, padded, group=group)
     return [pickle.loads(t[: int(n)].numpy().tobytes()) for t, n in zip(gathered, sizes)]
