@@ -38,7 +38,6 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
 
-from elixir_runtime.chunk.collectives import all_gather_object
 from elixir_runtime.progress import Bar, progress
 
 __all__ = [
@@ -186,7 +185,9 @@ def _gather(obj: Any) -> list[Any]:
     """Every rank's ``obj`` (a collective when distributed)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [obj]
-    return all_gather_object(obj)
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def all_ranks_agree(error: str | None, what: str) -> None:

@@ -10,7 +10,6 @@ import atexit
 import collections
 import contextlib
 import functools
-import pickle
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -19,7 +18,7 @@ import torch.distributed as dist
 
 T = TypeVar("T")
 
-__all__ = ["Collectives", "HeldWork", "all_gather_object"]
+__all__ = ["Collectives", "HeldWork"]
 
 # torch 2.13 renamed the tensor-form collectives (the old names warn); 2.11 has only the old ones.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -99,8 +98,8 @@ class HeldWork:
     [Note: gloo at exit] If gloo's worker thread drops the last reference to a finished work while
     the interpreter exits, freeing the work's Python-made tensors takes the GIL there and aborts
     the rank (SIGABRT, ``terminate called without an active exception``; docs/runtime.md,
-    "Semantics worth knowing"). Every gloo collective the engine issues on tensors made in Python
-    goes through one of these; and the process groups are destroyed at exit, before the interpreter
+    "Semantics worth knowing"). The engine's chunk collectives and lockstep check-ins go through
+    one of these; and the process groups are destroyed at exit, before the interpreter
     finalizes, so that no gloo thread outlives it (``_destroy_groups``).
     """
 
@@ -125,27 +124,3 @@ def _destroy_groups() -> None:
     if dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):  # a group already torn down, or a peer already gone
             dist.destroy_process_group()
-
-
-@functools.cache
-def _object_work() -> HeldWork:
-    """The object gathers' handles: held as long as the process, freed by this thread at exit."""
-    return HeldWork()
-
-
-def all_gather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
-    """Every rank's picklable ``obj``: ``dist.all_gather_object``, whose handles on gloo go through
-    ``HeldWork`` ([Note: gloo at exit]); a collective's result a job may end on."""
-    if dist.get_backend(group) != "gloo":
-        out: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(out, obj, group=group)
-        return out
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
-    sizes = [torch.empty_like(size) for _ in range(dist.get_world_size(group))]
-    _object_work().run(dist.all_gather, sizes, size, group=group)
-    padded = torch.zeros(max(int(n) for n in sizes), dtype=torch.uint8)
-    padded[: data.numel()] = data
-    gathered = [torch.empty_like(padded) for _ in sizes]
-    _object_work().run(dist.all_gather, gathered, padded, group=group)
-    return [pickle.loads(t[: int(n)].numpy().tobytes()) for t, n in zip(gathered, sizes)]
