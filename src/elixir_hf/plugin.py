@@ -26,6 +26,11 @@ from elixir_runtime.config import resolve_dtype
 __all__ = ["ElixirPlugin", "ElixirSpecError", "ENV_VAR", "describe_model", "check_exclusive"]
 
 ENV_VAR = "ELIXIR_CONFIG"
+_ACCEPTED = (
+    "use 'auto', 'off', a JSON object such as '{\"offload\": 0.5}', or the path of an existing .json file "
+    "(settings or a saved elixir_plan.json)"
+)
+"""The values a spec may take, as every refusal of one lists them."""
 
 _LOSS_SCALE_KEYS = {f.name for f in fields(LossScaleConfig)}
 _SPEC_KEYS = (  # the ElixirConfig fields a spec may set (device, process group, alignment, clips_grads: the run's)
@@ -86,7 +91,9 @@ class ElixirPlugin:
         if isinstance(spec, dict):
             return cls._from_mapping(dict(spec), source=source)
         text = str(spec).strip()
-        if text in ("", "off"):
+        if not text:  # not "off": most often a shell variable that expanded to nothing
+            raise ElixirSpecError(f"{source} is empty ({spec!r}): {_ACCEPTED}")
+        if text == "off":
             return None
         if text == "auto":
             return cls()
@@ -102,10 +109,7 @@ class ElixirPlugin:
             except json.JSONDecodeError as exc:
                 raise ElixirSpecError(f"{source} file {path} is not valid JSON: {exc}") from exc
             return cls._from_mapping(data, source=f"{source} file {path}")
-        raise ElixirSpecError(
-            f"{source} {text!r} is not understood: use 'auto', 'off', a JSON object such as "
-            "'{\"offload\": 0.5}', or the path of an existing .json file (settings or a saved elixir_plan.json)"
-        )
+        raise ElixirSpecError(f"{source} {text!r} is not understood: {_ACCEPTED}")
 
     @classmethod
     def _from_mapping(cls, data: Any, source: str) -> ElixirPlugin:

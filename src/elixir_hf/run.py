@@ -38,7 +38,8 @@ USAGE = "usage: elixir-run [--elixir auto|off|JSON|FILE.json] (SCRIPT.py | -m MO
 def split_elixir(argv: Sequence[str]) -> tuple[str | None, list[str]]:
     """``(spec, the other arguments)``: ``--elixir X``, ``--elixir=X`` or a bare ``--elixir``
     (``auto``). After a bare flag, the next argument is its value only if it reads as one (``auto``,
-    ``off``, ``{...}``, ``*.json``): ``elixir-run --elixir train.py`` runs train.py."""
+    ``off``, ``{...}``, ``*.json``, or empty, which ``ElixirPlugin.from_spec`` refuses): ``elixir-run
+    --elixir train.py`` runs train.py."""
     spec, rest = None, []
     args = iter(argv)
     for arg in args:
@@ -56,7 +57,7 @@ def split_elixir(argv: Sequence[str]) -> tuple[str | None, list[str]]:
 
 
 def _is_spec(arg: str) -> bool:
-    return arg in ("auto", "off") or arg.lstrip().startswith("{") or arg.endswith(".json")
+    return arg.strip() in ("", "auto", "off") or arg.lstrip().startswith("{") or arg.endswith(".json")
 
 
 def install() -> None:

@@ -143,3 +143,36 @@ def test_unknown_unit_classes_fail_at_prepare_naming_the_model_classes(monkeypat
     with pytest.raises(ConfigError, match=r"unit_classes names \['Nope'\].*GPT2LMHeadModel.*'GPT2Block'"):
         er.prepare(model, torch.optim.AdamW(model.parameters()), config, example_batch=make_batch(64))
     assert not hasattr(model, "_elixir")
+
+
+@pytest.mark.parametrize("value", ["", " ", "\t"])
+def test_empty_values_are_refused_everywhere(tmp_path, monkeypatch, value: str) -> None:
+    """An empty ``--elixir``/``ELIXIR_CONFIG`` (a shell variable that expanded to nothing) used to mean off."""
+    from transformers import HfArgumentParser
+
+    from elixir_hf.run import main
+
+    accepted = r"is empty \(.*\): use 'auto', 'off', a JSON object .* or the path of an existing \.json file"
+    with pytest.raises(ElixirSpecError, match="^--elixir " + accepted):
+        ElixirTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], elixir=value)
+    with pytest.raises(ElixirSpecError, match="^--elixir " + accepted):
+        HfArgumentParser(ElixirTrainingArguments).parse_args_into_dataclasses(
+            ["--output_dir", str(tmp_path), "--use_cpu", "--report_to", "none", "--elixir", value]
+        )
+    script = tmp_path / "never.py"
+    script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
+    for argv in (
+        [str(script), "--elixir", value],
+        ["--elixir", value, str(script)],
+        [str(script), f"--elixir={value}"],
+    ):
+        with pytest.raises(SystemExit, match="^elixir-run: --elixir " + accepted):
+            main(argv)
+    monkeypatch.setenv("ELIXIR_CONFIG", value)
+    with pytest.raises(SystemExit, match="^elixir-run: ELIXIR_CONFIG " + accepted):
+        main([str(script)])
+    with pytest.raises(ElixirSpecError, match="^ELIXIR_CONFIG " + accepted):
+        ElixirTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(ElixirSpecError, match="^ELIXIR_CONFIG " + accepted):
+        ElixirAccelerator(cpu=True)
+    assert not (tmp_path / "ran").exists()
