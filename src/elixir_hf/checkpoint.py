@@ -51,6 +51,7 @@ __all__ = [
     "unmark",
     "seal",
     "verify",
+    "checkpoint_folders",
     "newest_complete",
     "all_ranks_agree",
     "saved_world_size",
@@ -297,28 +298,37 @@ def _check_file(path: Path, want: dict[str, int], bar: Bar) -> list[str]:
     return []
 
 
-def newest_complete(output_dir: str | os.PathLike) -> str:
-    """``resume_from_checkpoint=True``: the newest ``checkpoint-N`` with its marker; warns about
-    each newer torn one (a save interrupted by a crash) it passes over."""
+def checkpoint_folders(output_dir: str | os.PathLike) -> list[Path]:
+    """The ``checkpoint-N`` folders of ``output_dir`` (the Trainer's names), newest first."""
     folders = [p for p in Path(output_dir).glob("checkpoint-*") if p.is_dir() and p.name[11:].isdigit()]
-    folders.sort(key=lambda p: int(p.name[11:]), reverse=True)
+    return sorted(folders, key=lambda p: int(p.name[11:]), reverse=True)
+
+
+def newest_complete(output_dir: str | os.PathLike, required: bool = True) -> str | None:
+    """``resume_from_checkpoint=True``: the newest ``checkpoint-N`` with its marker; warns about
+    each newer torn one (a save interrupted by a crash) it passes over. None complete: an error, or
+    ``None`` (and the warning) when not ``required``."""
     torn = []
-    for p in folders:
+    for p in checkpoint_folders(output_dir):
         if (p / MARKER_NAME).is_file():
-            if torn:
-                logger.warning(
-                    "skipping torn checkpoint(s) %s (no %s: a save was interrupted); resuming from %s",
-                    ", ".join(map(str, torn)),
-                    MARKER_NAME,
-                    p,
-                )
-            return str(p)
+            break
         torn.append(p)
-    raise CheckpointError(
-        f"no complete checkpoint in {output_dir} to resume from"
-        + (f" (torn, without {MARKER_NAME}: {', '.join(map(str, torn))})" if torn else "")
-        + ": start without resume_from_checkpoint, or pass a checkpoint folder"
-    )
+    else:
+        p = None
+    if torn and (p is not None or not required):
+        logger.warning(
+            "skipping torn checkpoint(s) %s (no %s: a save was interrupted); %s",
+            ", ".join(map(str, torn)),
+            MARKER_NAME,
+            f"resuming from {p}" if p is not None else "no complete checkpoint is left to resume from",
+        )
+    if p is None and required:
+        raise CheckpointError(
+            f"no complete checkpoint in {output_dir} to resume from"
+            + (f" (torn, without {MARKER_NAME}: {', '.join(map(str, torn))})" if torn else "")
+            + ": start without resume_from_checkpoint, or pass a checkpoint folder"
+        )
+    return str(p) if p is not None else None
 
 
 def saved_world_size(checkpoint: str | os.PathLike) -> int | None:

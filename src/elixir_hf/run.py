@@ -28,6 +28,7 @@ from .accelerator import elixir_accelerator
 from .arguments import elixir_args
 from .mixin import construct_elixir
 from .plugin import ENV_VAR, ElixirPlugin, ElixirSpecError
+from .restart import install as install_get_last_checkpoint
 from .trainer import elixir_trainer
 
 __all__ = ["main", "split_elixir", "install"]
@@ -61,10 +62,12 @@ def _is_spec(arg: str) -> bool:
 
 
 def install() -> None:
-    """Every ``TrainingArguments``, ``Trainer`` and ``Accelerator`` built from now on is an Elixir one."""
+    """Every ``TrainingArguments``, ``Trainer`` and ``Accelerator`` built from now on is an Elixir one,
+    and ``get_last_checkpoint`` skips torn Elixir checkpoints (``restart.py``)."""
     construct_elixir(TrainingArguments, elixir_args)
     construct_elixir(Trainer, elixir_trainer)
     construct_elixir(Accelerator, elixir_accelerator)
+    install_get_last_checkpoint()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -13,11 +13,15 @@ LONG = os.environ.get("ELIXIR_LONG_TESTS") == "1"
 
 def run_script(script: str, *args: str, ranks: int | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """``python script args`` next to this file, on the CPU; under ``torchrun`` with ``ranks``."""
+    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)] if ranks else []
+    return run_python(*launch, str(Path(__file__).with_name(script)), *args, timeout=timeout)
+
+
+def run_python(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python args`` on the CPU, with this process's import path and without ``ELIXIR_CONFIG``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(sys.path)}
     env.pop("ELIXIR_CONFIG", None)
-    launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)] if ranks else []
-    cmd = [sys.executable, *launch, str(Path(__file__).with_name(script)), *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def assert_clean_exits(runs: list[subprocess.CompletedProcess]) -> None:

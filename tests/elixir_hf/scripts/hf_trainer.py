@@ -1,11 +1,15 @@
 """A Hugging Face Trainer script with no Elixir in it, in run_clm's shape: ``HfArgumentParser``
 over its own dataclass and ``TrainingArguments``, ``Trainer``, then ``save_model`` and
-``save_state``. ``test_run.py`` runs it as is (also under torchrun) and through ``elixir-run``."""
+``save_state``; it resumes from ``get_last_checkpoint(output_dir)`` when the folder holds checkpoints,
+as run_clm did up to transformers 4.x and restart-loop scripts do. ``test_run.py`` runs it as is (also
+under torchrun) and through ``elixir-run``; ``tests/reliability/test_restart.py`` restarts it."""
 
+import os
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainingArguments, default_data_collator
+from transformers.trainer_utils import get_last_checkpoint
 
 
 @dataclass
@@ -37,7 +41,8 @@ def main() -> None:
         eval_dataset=RandomTokens(8, script_args.seq_len, vocab, seed=1),
         data_collator=default_data_collator,
     )
-    trainer.train()
+    last_checkpoint = get_last_checkpoint(training_args.output_dir) if os.path.isdir(training_args.output_dir) else None
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint or last_checkpoint)
     trainer.save_model()
     trainer.save_state()
 
