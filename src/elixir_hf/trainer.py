@@ -3,7 +3,7 @@
 With ``ElixirTrainingArguments(elixir=None/"off")`` it *is* the stock Trainer, also under
 ``elixir-run`` (the arguments' "off" wins over the launch's ``ELIXIR_CONFIG``). Plain
 ``TrainingArguments`` (or a subclass such as TRL's ``SFTConfig``) are rebuilt as Elixir ones, so
-``ELIXIR_CONFIG`` applies to them as to ``--elixir``. With Elixir on, it changes six things, each
+``ELIXIR_CONFIG`` applies to them as to ``--elixir``. With Elixir on, it changes seven things, each
 where the Trainer allows it:
 
 * the accelerator is an ``ElixirAccelerator`` (``backward``/``clip_grad_norm_``/``no_sync``/
@@ -21,6 +21,9 @@ where the Trainer allows it:
 * resuming verifies the checkpoint (marker, sums, step; on every rank) and checks it against the
   model and the number of ranks before loading; ``resume_from_checkpoint=True`` takes the newest
   complete checkpoint, warning about torn ones;
+* a collective of ``train``, ``evaluate``, ``predict`` or ``save_model`` that fails because another
+  rank gave up (``LockstepError``: the ranks diverged) raises that rank's error, not gloo's transport
+  error (``elixir_runtime/chunk/peer_failure.py``);
 * every training log carries the engine's ``elixir/*`` numbers (``log``, so they reach
   ``log_history`` and every reporter), and the console shows them as one short entry
   (``callback.py``).
@@ -130,11 +133,26 @@ class ElixirTrainer(Trainer):
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         self._ensure_engine()
-        return super().evaluate(*args, **kwargs)
+        with self._explained("evaluate"):
+            return super().evaluate(*args, **kwargs)
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
         self._ensure_engine()
-        return super().predict(*args, **kwargs)
+        with self._explained("predict"):
+            return super().predict(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _explained(self, where: str) -> Iterator[None]:
+        """A collective inside (the Trainer's gathers included) that fails because another rank gave
+        up raises that rank's ``LockstepError``, not gloo's transport error ([Note: the rank that ran
+        ahead], ``elixir_runtime/chunk/peer_failure.py``)."""
+        try:
+            yield
+        except RuntimeError as exc:
+            board = self.model._elixir.runtime.lockstep.board if has_engine(self.model) else None
+            if board is not None:
+                board.raise_posted(exc, f"a collective in Trainer.{where}")
+            raise
 
     # ------------------------------------------------------------------ logs
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
@@ -148,7 +166,8 @@ class ElixirTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         if self.elixir_plugin is not None and resume_from_checkpoint is True:
             resume_from_checkpoint = newest_complete(self.args.output_dir)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        with self._explained("train"):
+            return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         """The stock save, then the marker, then the rotation of older checkpoints (deferred: until
@@ -175,6 +194,10 @@ class ElixirTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if not has_engine(self.model):
             return super().save_model(output_dir, _internal_call)
+        with self._explained("save_model"):
+            self._save_model(output_dir, _internal_call)
+
+    def _save_model(self, output_dir: str | None, _internal_call: bool) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         with rank0_state_dict(self.model):  # collective: every rank takes part; only rank 0 keeps the weights
             state_dict = self.model.state_dict()

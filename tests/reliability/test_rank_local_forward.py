@@ -7,11 +7,13 @@ the other rank's save unnoticed."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from launch import run_script
 
 import elixir_runtime as er
 from helpers.dist import run_distributed
@@ -158,7 +160,7 @@ def test_a_forward_nobody_joins_fails_after_the_timeout_on_every_rank(two_ranks)
         "rank 0 started a no-grad forward (its operation #1) and the other ranks did not start one within 1 s" in first
     )
     assert "lockstep_timeout_s" in first and 1 <= waited < 30
-    assert "rank 1 start" in second and "full_params" in second  # it timed out too, or saw rank 0's entry
+    assert "rank 0 start" in second and "full_params" in second  # rank 0's entry, or the reason it posted
 
 
 @pytest.mark.parametrize("case", ["rank0_only", "every_rank"])
@@ -183,3 +185,50 @@ def test_full_params_on_one_process_matches_a_plain_model() -> None:
     assert torch.equal(out, _plain_generate(state, 6))
     assert all(0 in p.stride() for p in model.parameters())  # placeholders again: nothing kept resident
     _step(model.train(), optimizer, 0, 1)
+
+
+# --------------------------------------------------------------------------- the rank that ran ahead
+
+
+def _ran_ahead_into_the_step(rank: int, _world: int):
+    """Rank 0 runs an extra no-grad forward before its step; rank 1 is already in the step's
+    gradient-norm all-reduce (an engine collective on the main group, not a check-in)."""
+    model, optimizer = _prepared(lockstep_timeout_s=1.0)
+    dist.barrier()  # the 1 s check-ins start together, on a loaded machine too
+    _step(model, optimizer, rank, 0)
+    dist.barrier()
+
+    def rest():
+        loss = model(**make_batch(VOCAB, seed=rank)).loss
+        optimizer.backward(loss)
+        if rank == 0:
+            with torch.no_grad():
+                model(**make_batch(VOCAB))
+        optimizer.step()
+
+    return _failure(rest)  # rank 0 gives up after 1 s; rank 1 must not wait for its process to end
+
+
+def test_the_rank_that_ran_ahead_gets_the_same_error_not_a_transport_error() -> None:
+    (first, waited), (second, released) = run_distributed(_ran_ahead_into_the_step, 2, timeout=300)
+    cause = "rank 0 started a no-grad forward (its operation #2) and the other ranks did not start one within 1 s"
+    assert cause in first and 1 <= waited < 30 and released < 30
+    assert second.startswith(first), second
+    assert "raised on this rank too: this rank's engine collective failed when that rank gave up" in second
+
+
+@pytest.mark.parametrize("what", ["forward", "save"])
+def test_a_main_process_only_forward_or_save_under_the_trainer_fails_every_rank_alike(tmp_path, what: str) -> None:
+    """Rank 0 alone runs a forward (or ``save_model``) from a callback while rank 1 goes on into the
+    Trainer's next step (its gathers). Before: rank 0 raised the Elixir error after the timeout and
+    rank 1 gloo's "Connection closed by peer"."""
+    proc = run_script("diverge_worker.py", str(tmp_path), what, ranks=2)
+    assert proc.returncode != 0
+    diverged = float((tmp_path / "diverged").read_text())
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    op = "a no-grad forward" if what == "forward" else "state_dict() (gathering the weights)"
+    for rank, report in enumerate(reports):
+        assert report["type"] == "LockstepError", (rank, report)
+        assert "rank 0 start" in report["message"] and op in report["message"], (rank, report)
+        assert "full_params" in report["message"], (rank, report)
+        assert report["time"] - diverged < 2 + 10, (rank, report)  # the 2 s lockstep timeout, and teardown

@@ -10,15 +10,18 @@ import atexit
 import collections
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from .peer_failure import FailureBoard
+
 T = TypeVar("T")
 
-__all__ = ["Collectives", "HeldWork"]
+__all__ = ["Collectives", "HeldWork", "abort_groups"]
 
 # torch 2.13 renamed the tensor-form collectives (the old names warn); 2.11 has only the old ones.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -34,6 +37,8 @@ class Collectives:
         self.world_size = dist.get_world_size(group) if self.distributed else 1
         self.rank = dist.get_rank(group) if self.distributed else 0
         self._held = HeldWork() if self.distributed and dist.get_backend(group) == "gloo" else None
+        self.board: FailureBoard | None = None
+        """Where a rank that gives up leaves its reason (set by the engine's ``runtime/lockstep.py``)."""
 
     @property
     def source_rank(self) -> int:
@@ -83,12 +88,18 @@ class Collectives:
             self._run(functools.partial(dist.all_reduce, op=dist.ReduceOp.MAX), t)
 
     def _run(self, collective: Callable[..., Any], *tensors: torch.Tensor) -> None:
-        """``collective(*tensors)`` to completion; on gloo through ``HeldWork`` ([Note: gloo at exit]).
-        Not on NCCL: holding its handles would keep temporary chunk buffers alive on the GPU."""
+        """``collective(*tensors)`` to completion; on gloo through ``HeldWork`` ([Note: gloo at exit]),
+        its failure explained by a rank that gave up ([Note: the rank that ran ahead]). Not on NCCL:
+        holding its handles would keep temporary chunk buffers alive on the GPU."""
         if self._held is None:
             collective(*tensors, group=self.group)
-        else:
+            return
+        try:
             self._held.run(collective, *tensors, group=self.group)
+        except RuntimeError as exc:
+            if self.board is not None:
+                self.board.raise_posted(exc, "this rank's engine collective")
+            raise
 
 
 class HeldWork:
@@ -103,8 +114,11 @@ class HeldWork:
     finalizes, so that no gloo thread outlives it (``_destroy_groups``).
     """
 
+    _every: weakref.WeakSet[HeldWork] = weakref.WeakSet()
+
     def __init__(self) -> None:
         self._recent: collections.deque = collections.deque(maxlen=2)
+        HeldWork._every.add(self)
         _destroy_groups_at_exit()
 
     def run(self, collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
@@ -116,6 +130,18 @@ class HeldWork:
 @functools.cache
 def _destroy_groups_at_exit() -> None:
     atexit.register(_destroy_groups)
+
+
+def abort_groups() -> None:
+    """Every process group of this rank aborted now, so that a peer blocked in a collective with this
+    rank fails at once rather than when this process ends ([Note: the rank that ran ahead]). The held
+    works go first: each keeps its gloo connections open."""
+    for held in list(HeldWork._every):
+        held._recent.clear()
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch >= 2.4; else: at exit
+    if abort is not None and dist.is_initialized():
+        with contextlib.suppress(Exception):  # the rank raises its own error next
+            abort()
 
 
 def _destroy_groups() -> None:

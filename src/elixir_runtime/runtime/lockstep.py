@@ -9,9 +9,11 @@ So each such operation starts with a check-in: the ranks all-gather (operation, 
 operations this rank has started) over a gloo group of their own, on the host, with a timeout
 of ``ElixirConfig.lockstep_timeout_s`` (60 s). Different entries fail on every rank at once,
 naming what each rank was starting; a rank that waits longer fails naming the operation it
-waited at, and the others fail at their next check-in (the group is gone) or when the launcher
-stops the job. Cost: one host all-gather of 16 bytes per forward, no GPU synchronization. ``full_params`` (``runtime/full_params.py``) is the supported way to
-run forwards on some ranks only.
+waited at. Either way the failing rank posts its message before it raises, and a rank that ran
+ahead into another collective raises that message when its collective fails, not gloo's
+transport error ([Note: the rank that ran ahead], ``chunk/peer_failure.py``). Cost: one host
+all-gather of 16 bytes per forward, no GPU synchronization. ``full_params``
+(``runtime/full_params.py``) is the supported way to run forwards on some ranks only.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..chunk.collectives import Collectives, HeldWork
+from ..chunk.collectives import Collectives, HeldWork, abort_groups
+from ..chunk.peer_failure import FailureBoard, LockstepError
 
 __all__ = ["Lockstep", "LockstepError", "Op"]
 
@@ -50,22 +53,19 @@ FIX = (
 )
 
 
-class LockstepError(RuntimeError):
-    """The ranks did not start the same engine operation; the message names each rank's and the fix."""
-
-
 class Lockstep:
     def __init__(self, coll: Collectives, timeout_s: float) -> None:
         self.rank, self.world_size, self.timeout_s = coll.rank, coll.world_size, timeout_s
         self.started = 0
         """Operations this rank has checked in for (the same on every rank while they agree)."""
-        self.group = None
+        self.group = self.board = None
         self._held = HeldWork()  # a gloo group's handles ([Note: gloo at exit])
         if coll.world_size > 1:
             ranks = dist.get_process_group_ranks(coll.group or dist.group.WORLD)
             self.group = dist.new_group(
                 ranks, timeout=timedelta(seconds=timeout_s), backend="gloo", use_local_synchronization=True
             )
+            self.board = coll.board = FailureBoard(self.group.group_name)
 
     def check_in(self, op: Op) -> None:
         """Returns once every rank is starting ``op`` as its operation number ``self.started``."""
@@ -77,20 +77,24 @@ class Lockstep:
         try:
             self._held.run(dist.all_gather, everyone, mine, group=self.group)
         except RuntimeError as exc:  # gloo: timeout, or a rank that gave up and left
-            raise LockstepError(
+            self.board.raise_posted(exc, "its check-in")  # a rank that gave up first: its reason
+            error = self.board.post(
                 f"Elixir: rank {self.rank} started {_WHAT[op]} (its operation #{mine[1]}) and the other ranks did not "
                 f"start one within {self.timeout_s:g} s, or one of them stopped waiting ({type(exc).__name__}: "
                 f"{str(exc).strip()[:200]}). {FIX} If a rank legitimately works alone for longer, let the others wait "
                 "in a barrier (accelerator.wait_for_everyone()) or raise ElixirConfig.lockstep_timeout_s."
-            ) from exc
+            )
+            abort_groups()  # the others are elsewhere: their collectives with this rank fail now, explained
+            raise error from exc
         if any(not torch.equal(t, mine) for t in everyone):
             each = "; ".join(
                 f"rank {r} starts {_WHAT[Op(int(t[0]))]} (operation #{t[1]})" for r, t in enumerate(everyone)
             )
-            raise LockstepError(f"Elixir: the ranks are not running the same operation: {each}. {FIX}")
+            raise self.board.post(f"Elixir: the ranks are not running the same operation: {each}. {FIX}")
 
     def barrier(self) -> None:
         """Every rank waits for the others (up to torch's default 30 minutes): the end of ``full_params``,
         so that a long forward on one rank does not trip the others' next check-in."""
         if self.group is not None:
-            dist.monitored_barrier(self.group, timeout=dist.default_pg_timeout, wait_all_ranks=True)
+            with self.board.explained("the barrier at the end of full_params"):
+                dist.monitored_barrier(self.group, timeout=dist.default_pg_timeout, wait_all_ranks=True)
