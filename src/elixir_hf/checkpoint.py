@@ -283,6 +283,14 @@ def verify(folder: str | os.PathLike, rank: int, is_main: bool) -> dict[str, Any
 
     marker, error = _error(check)
     all_ranks_agree(error, f"verifying checkpoint {folder}")
+    seen = _gather((str(folder), marker["step"]))  # node-local disks: each rank reads its node's folder
+    if len({step for _, step in seen}) > 1:
+        raise CheckpointError(
+            "the ranks would resume from different steps: "
+            + "; ".join(f"rank {r}: {f} (step {step})" for r, (f, step) in enumerate(seen))
+            + ". Each node picked its own newest complete checkpoint (a save completed on some nodes only): "
+            "pass resume_from_checkpoint=<output_dir>/checkpoint-N with a step every node has"
+        )
     return marker
 
 

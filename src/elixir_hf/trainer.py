@@ -12,9 +12,10 @@ where the Trainer allows it:
 * ``create_optimizer`` builds the engine on ``self.model``: it runs after the resume weights were
   loaded into the plain model and before ``accelerator.prepare``, which then passes it through;
 * ``save_model`` gathers the full weights with every rank taking part (a collective; the stock
-  Trainer calls ``state_dict()`` on rank 0 only and would deadlock), keeps them on rank 0 only (one
-  host copy of the model) and writes them atomically there, with ``elixir_plan.json`` beside them
-  (the final output as well as every ``checkpoint-N``);
+  Trainer calls ``state_dict()`` on rank 0 only and would deadlock), keeps them on the writing
+  process only (rank 0, or with ``save_on_each_node`` each node's main process: one host copy of the
+  model per writer) and writes them atomically there, with ``elixir_plan.json`` beside them (the
+  final output as well as every ``checkpoint-N``);
 * optimizer state is one ``elixir_optim_rank{r}.pt`` per rank, plus the scheduler on rank 0; a
   checkpoint is complete once its marker (sizes and CRC-32s of all its files) is written, last,
   before older checkpoints are rotated out;
@@ -199,12 +200,14 @@ class ElixirTrainer(Trainer):
 
     def _save_model(self, output_dir: str | None, _internal_call: bool) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        with rank0_state_dict(self.model):  # collective: every rank takes part; only rank 0 keeps the weights
+        # collective: every rank takes part; only the writers keep the weights (rank 0, or with
+        # save_on_each_node the main process of each node, whose disk holds a folder of its own)
+        with rank0_state_dict(self.model, keep=self.args.should_save):
             state_dict = self.model.state_dict()
         error = None
         if self.args.should_save:
             try:
-                with staged_dir(output_dir) as stage, _logs_name(stage, output_dir):
+                with staged_dir(output_dir) as stage, _logs_name(stage, output_dir), _writes_here(self.model):
                     self._save(stage, state_dict=state_dict)
                     plan = {**json.loads(self.model._elixir.plan.to_json()), "model": describe_model(self.model)}
                     Path(stage, PLAN_NAME).write_text(json.dumps(plan, indent=2))
@@ -261,6 +264,16 @@ class ElixirTrainer(Trainer):
         except Exception as e:  # noqa: BLE001 - every rank raises it
             error = f"{type(e).__name__}: {e}"
         all_ranks_agree(error, f"loading the optimizer state of {checkpoint}")
+
+
+def _writes_here(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """transformers' ``save_pretrained`` writes on global rank 0 only once torch.distributed is up
+    (``should_save_on_this_rank``), whatever ``is_main_process`` says, which leaves the weights off
+    every other node under ``save_on_each_node``. Inside, the caller (the Trainer's ``should_save``:
+    rank 0, or each node's main process) decides."""
+    if not hasattr(model, "should_save_on_this_rank"):
+        return contextlib.nullcontext()
+    return mock.patch.object(model, "should_save_on_this_rank", lambda is_main_process: is_main_process)
 
 
 @contextlib.contextmanager

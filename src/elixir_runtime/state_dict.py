@@ -4,7 +4,7 @@
 fp32 model saves its exact fp32 weights) and returns every parameter in its original dtype on the
 CPU, under every name it has (tied weights share one tensor, as in plain PyTorch; HF's
 ``save_pretrained`` then writes them once). It is a collective: call it on every rank. Inside
-``rank0_state_dict(model)`` only rank 0 keeps the weights (a checkpoint writer's need: one copy
+``rank0_state_dict(model)`` only rank 0 (or the ranks that ask to) keeps the weights (a checkpoint writer's need: one copy
 of the model in host memory, not one per rank). ``load_state_dict()`` writes each rank's part of
 the given full tensors into its shards.
 """
@@ -27,26 +27,28 @@ __all__ = ["ModelStateHooks", "load_safetensors", "rank0_state_dict"]
 
 
 @contextlib.contextmanager
-def rank0_state_dict(model: nn.Module) -> Iterator[None]:
+def rank0_state_dict(model: nn.Module, keep: bool | None = None) -> Iterator[None]:
     """Inside, ``model.state_dict()`` (still a collective) consolidates the weights on rank 0 only;
     the other ranks' dicts hold no parameters. For saving: rank 0 writes, and the host holds one
-    copy of the model instead of one per rank (FSDP's ``rank0_only``)."""
+    copy of the model instead of one per rank (FSDP's ``rank0_only``). ``keep``: whether this rank
+    keeps them instead of rank 0 alone (the writer of each node, when every node saves to a disk of
+    its own)."""
     state = getattr(model, "_elixir", None)
     if state is None:
         raise ValueError("rank0_state_dict needs a model prepared by elixir_runtime.prepare")
-    state.model_state.rank0_only = True
+    state.model_state.keep = state.runtime.coll.rank == 0 if keep is None else keep
     try:
         yield
     finally:
-        state.model_state.rank0_only = False
+        state.model_state.keep = True
 
 
 class ModelStateHooks:
     def __init__(self, runtime: ChunkRuntime, orig_dtypes: list[torch.dtype]) -> None:
         self.runtime, self.orig_dtypes = runtime, orig_dtypes
         self._loaded: set[str] = set()
-        self.rank0_only = False
-        """Set by ``rank0_state_dict``: only rank 0 copies the gathered weights to the host."""
+        self.keep = True
+        """Whether this rank copies the gathered weights to the host (``rank0_state_dict`` sets it)."""
 
     def install(self, model: nn.Module) -> list:
         # torch tags hook objects with attributes, which bound methods refuse: wrap them
@@ -59,11 +61,11 @@ class ModelStateHooks:
     @torch.no_grad()
     def full_params(self) -> list[torch.Tensor | None]:
         """Every parameter, consolidated, on the CPU in its original dtype (a collective); ``None``
-        for all of them on ranks other than 0 under ``rank0_only``."""
+        for all of them on a rank that does not ``keep`` them (``rank0_state_dict``)."""
         rt, layout = self.runtime, self.runtime.layout
         rt.lockstep.check_in(Op.STATE_DICT)
         rt.grads.wait_for_grads()
-        keep = not self.rank0_only or rt.coll.rank == 0
+        keep = self.keep
         out: list[torch.Tensor | None] = [None] * len(layout.params)
         for c in track(rt.chunks, "elixir: gathering the weights", unit="chunk"):
             src = c.shards.master if c.spec.trainable else c.shards.param

@@ -1,0 +1,129 @@
+"""Checkpoints of a job on 2 nodes, simulated on one machine (``torchrun --nnodes 2`` twice, one
+rank per node, gloo): with a disk per node (``save_on_each_node``) every node's checkpoint holds
+what its ranks need to resume (weights, config, plan, its ranks' optimizer shards, scheduler,
+trainer state, RNG) and a marker of its own; on a shared disk, one marker by the main process.
+Both resume, and every run logs the losses of the same job on 1 node x 2 ranks, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elixir_hf.checkpoint import MARKER_NAME, PLAN_NAME, shard_name
+
+WORKER = Path(__file__).with_name("nodes_worker.py")
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(sys.path)}
+    env.pop("ELIXIR_CONFIG", None)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_nodes(folders: list[Path], resume: list[str], disks: str, ok: bool = True) -> list[str]:
+    """Node ``i`` (one rank, global rank ``i``) writes to ``folders[i]`` and resumes from ``resume[i]``;
+    each node's output."""
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                *("-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1"),
+                *("--master_addr", "127.0.0.1", "--master_port", str(port)),
+                *(str(WORKER), str(folders[node]), resume[node], disks),
+            ],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for node, (p, out) in enumerate(zip(procs, outs)):
+        assert (p.returncode == 0) == ok, f"node {node}:\n{out[-4000:]}"
+    return outs
+
+
+def _losses(folder: Path) -> list[float]:
+    state = json.loads((folder / "trainer_state.json").read_text())
+    return [h["loss"] for h in state["log_history"] if "loss" in h]
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory) -> Path:
+    """The reference: the same job on 1 node x 2 ranks, one output folder."""
+    out = tmp_path_factory.mktemp("one-node")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+        + [str(WORKER), str(out), "-", "shared"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert len(_losses(out / "checkpoint-6")) == 6
+    return out
+
+
+def test_node_local_disks_hold_a_whole_checkpoint_per_node_and_resume(one_node, tmp_path) -> None:
+    """Before: node 1's checkpoint-4 held only its optimizer shard, marker and RNG state, and its
+    resume failed ("Can't find a valid checkpoint"; gloo's "Connection closed by peer" on node 0)."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    _two_nodes(nodes, ["-", "-"], "node-local")
+    want = _losses(one_node / "checkpoint-6")
+    for rank, folder in enumerate(nodes):
+        ckpt = folder / "checkpoint-4"
+        marker = json.loads((ckpt / MARKER_NAME).read_text())
+        files = set(marker["files"])
+        needed = {"model.safetensors", "config.json", PLAN_NAME, shard_name(rank), "scheduler.pt"}
+        needed |= {"trainer_state.json", f"rng_state_{rank}.pth"}
+        assert needed <= files and shard_name(1 - rank) not in files, (rank, sorted(files))
+        assert files == {p.name for p in ckpt.iterdir()} - {MARKER_NAME}, (rank, sorted(files))
+        assert marker["world_size"] == 2 and marker["step"] == 4
+        assert _losses(ckpt.parent / "checkpoint-6") == want, rank
+        (ckpt.parent / "checkpoint-6").rename(ckpt.parent / "straight-6")
+
+    _two_nodes(nodes, [str(n / "checkpoint-4") for n in nodes], "node-local")
+    for folder in nodes:
+        assert _losses(folder / "checkpoint-6") == want
+
+
+def test_a_shared_disk_keeps_one_marker_and_resumes_on_two_nodes(one_node, tmp_path) -> None:
+    """A checkpoint written by 1 node x 2 ranks resumes on 2 nodes x 1 rank sharing the folder."""
+    shared = tmp_path / "shared"
+    (shared / "checkpoint-4").parent.mkdir()
+    subprocess.run(["cp", "-r", str(one_node / "checkpoint-4"), str(shared / "checkpoint-4")], check=True)
+    marker = json.loads((shared / "checkpoint-4" / MARKER_NAME).read_text())
+    assert {shard_name(0), shard_name(1), "model.safetensors"} <= set(marker["files"])
+    _two_nodes([shared, shared], [str(shared / "checkpoint-4")] * 2, "shared")
+    assert _losses(shared / "checkpoint-6") == _losses(one_node / "checkpoint-6")
+    assert sorted(p.name for p in shared.iterdir()) == ["checkpoint-4", "checkpoint-6"]
+
+
+def test_nodes_that_would_resume_from_different_steps_stop_before_loading(one_node, tmp_path) -> None:
+    """A save completed on node 0 only (node 1's checkpoint-4 torn): with ``resume_from_checkpoint=True``
+    each node picks its own newest complete checkpoint, and every rank refuses to go on from two steps."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+        for step in (2, 4):
+            subprocess.run(["cp", "-r", str(one_node / f"checkpoint-{step}"), str(node)], check=True)
+    (nodes[1] / "checkpoint-4" / MARKER_NAME).unlink()
+    outs = _two_nodes(nodes, ["last", "last"], "node-local", ok=False)
+    for out in outs:
+        assert "the ranks would resume from different steps: rank 0: " in out, out[-3000:]
+        assert f"{nodes[1] / 'checkpoint-2'} (step 2)" in out and "with a step every node has" in out
