@@ -22,7 +22,7 @@ import torch
 from .chunk.layout import ChunkLayout
 from .config import ElixirConfig, PlanError
 from .gpu_limit import device_capacity, process_limit
-from .host import host_available, local_ranks
+from .host import HostMemory
 from .profiler.profile import ModelProfile
 from .runtime.device_lane import LANE_DEPTH
 from .search.budget import Budget
@@ -381,8 +381,9 @@ def _attach_search(plan: ElixirPlan, search: SearchResult) -> None:
     plan.alternatives = search.alternatives
 
 
-def check_fits(plan: ElixirPlan, device: torch.device) -> None:
-    """Fails before allocation when the plan exceeds the device's or the host's memory."""
+def check_fits(plan: ElixirPlan, device: torch.device, host: HostMemory) -> None:
+    """Fails before allocation when the plan exceeds the device's memory or the host's as the run
+    will have it (``planner.job_host_memory``)."""
     gib = 2**30
     if device.type == "cuda":
         capacity, limit = device_capacity(device), process_limit(device)
@@ -401,10 +402,8 @@ def check_fits(plan: ElixirPlan, device: torch.device) -> None:
                 f"rCache, but only {capacity / gib:.2f} of {total / gib:.2f} GiB are free{capped}: offload more "
                 "chunks, use fewer rCache blocks, or more GPUs"
             )
-    available, ranks_here = host_available(), local_ranks()
-    if plan.host_bytes * ranks_here > available:
+    if plan.host_bytes * host.ranks > host.capacity:
         raise PlanError(
-            f"the plan needs {plan.host_bytes / gib:.2f} GiB of host memory per rank x {ranks_here} ranks on this host "
-            f"for offloaded chunks, but only {available / gib:.2f} GiB are available: offload fewer chunks or use "
-            "more hosts"
+            f"the plan needs {plan.host_bytes / gib:.2f} GiB of host memory per rank x {host.ranks} ranks on this host "
+            f"for offloaded chunks, but the host has {host.accounting()}: offload fewer chunks or use more hosts"
         )
