@@ -105,6 +105,10 @@ class ElixirPlan:
     gpu_memory: int | None = None
     """``ElixirConfig.gpu_memory`` the plan was made under (bytes per GPU; ``None``: no cap); a run
     from this plan file is held to it again."""
+    batch_shape: list[int] | None = None
+    """``[batch, seq]`` of the example batch the plan was made with (its activations are the ones
+    budgeted); a larger training batch warns once (``runtime/batch_guard.py``). ``None``: no batch
+    (and plan files from before it was recorded)."""
 
     param_table: ParamTable | None = _runtime()
     """The parameters in first-use order the layout was built from (``None``: a plan read from a file)."""
@@ -164,6 +168,11 @@ class ElixirPlan:
         rows += [
             ("offloaded chunks", f"{len(self.offload)} of {self.n_chunks}"),
             ("world size", str(self.world_size)),
+        ]
+        if self.batch_shape:
+            b, s = self.batch_shape
+            rows.append(("planned batch", f"{b} x {s} tokens per micro-batch (a larger training batch warns)"))
+        rows += [
             ("GPU memory / rank", f"{self.device_bytes / gib:.3f} GiB (model states + gathered-parameter cache)"),
             ("host memory / rank", f"{self.host_bytes / gib:.3f} GiB (pinned)"),
             (

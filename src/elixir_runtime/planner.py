@@ -36,6 +36,7 @@ from .profiler.kernels import cuda_attention
 from .profiler.profile import ModelProfile, profile_model, structural_profile
 from .profiler.trace import trace_unit_order
 from .progress import progress
+from .runtime.batch_guard import token_shape
 from .search.budget import F_FRAG, Budget
 from .search.loop import SearchResult, SearchSettings, search
 from .units import ParamTable, Unit, param_table
@@ -144,7 +145,8 @@ def plan_model(
 ) -> ElixirPlan:
     """The searched plan of ``model`` trained on ``example_batch`` for ``target``; ``exact``: trace
     every block (``profile_model``). Not checked against this machine's memory (``check_fits``)."""
-    return _searched(model, units, example_batch, config, target, param_group, exact, resident).plan(config, target)
+    plan = _searched(model, units, example_batch, config, target, param_group, exact, resident).plan(config, target)
+    return _for_batch(plan, example_batch)
 
 
 def plan_static(
@@ -211,6 +213,13 @@ def plan_job(
             resident=resident,
         )
     check_fits(plan, device, host)
+    return _for_batch(plan, example_batch)
+
+
+def _for_batch(plan: ElixirPlan, example_batch: Any | None) -> ElixirPlan:
+    """``plan`` with the shape of the batch it was made with (``ElixirPlan.batch_shape``)."""
+    shape = token_shape(example_batch) if example_batch is not None else None
+    plan.batch_shape = list(shape) if shape is not None else None
     return plan
 
 
