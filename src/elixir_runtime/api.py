@@ -119,7 +119,7 @@ def prepare(
         lane,
         grads_share_activations=plan.grad_window.shares,
     )
-    install_hooks(model, units, plan.unit_chunks, runtime, plan.root_chunks)
+    install_hooks(model, units, plan.unit_chunks, runtime, plan.root_chunks, plan.batch_shape)
     model_state = ModelStateHooks(runtime, orig_dtypes)
     model_state.install(model)
     elixir_optimizer = ElixirOptimizer(
