@@ -4,8 +4,14 @@ that make a bad resume fail early, on every rank, naming the file.
 Layout of a checkpoint folder (on top of what the Trainer writes):
 
 * ``model.safetensors`` (+ config): consolidated, loadable by ``from_pretrained``;
-* ``elixir_optim_rank{r}.pt``: rank ``r``'s optimizer shard (master weights, Adam moments,
-  loss scale, the Trainer's ``global_step``), written by every rank;
+* ``optimizer-{r:05d}-of-{W:05d}.safetensors``: the optimizer state rank ``r`` of ``W`` holds, by
+  parameter name (``{name}.master``, ``.exp_avg``, ``.exp_avg_sq``: 1-D pieces of the flattened
+  parameter), written by every rank in parallel, and ``optimizer.safetensors.index.json``, written
+  by the main process: each parameter's pieces (file, flat start, end), shape, group and step, the
+  param groups, the loss scale, the Trainer's ``global_step`` and the format version. Any run loads
+  it, whatever its number of ranks, chunk layout or offload placement (``load_optimizer``);
+* ``elixir_optim_rank{r}.pt``: the per-rank chunk shards of earlier versions, still loaded into
+  the same number of ranks and chunk layout;
 * ``elixir_plan.json``: the plan the run used (see ``plugin.py`` for reusing it);
 * ``elixir_checkpoint.json``, the marker, written last: the step, the number of ranks and the size
   and CRC-32 of every other file. A folder without it is torn (a save was interrupted).
@@ -24,6 +30,7 @@ import contextlib
 import errno
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -31,13 +38,15 @@ import tempfile
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
+from elixir_runtime.optim.named_state import load_named, named_meta, named_state, plain_to_named
 from elixir_runtime.progress import Bar, progress
 
 __all__ = [
@@ -56,7 +65,15 @@ __all__ = [
     "saved_world_size",
     "check_resume",
     "load_shard",
+    "OPTIM_INDEX",
+    "optimizer_format",
+    "save_optimizer",
+    "load_optimizer",
+    "read_optimizer_index",
 ]
+
+if TYPE_CHECKING:
+    from elixir_runtime import ElixirOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +81,13 @@ PLAN_NAME = "elixir_plan.json"
 MARKER_NAME = "elixir_checkpoint.json"
 _MARKER_FORMAT = "elixir-checkpoint/1"
 _SHARD_RE = re.compile(r"^elixir_optim_rank(\d+)\.pt$")
+OPTIM_INDEX = "optimizer.safetensors.index.json"
+_OPTIM_FORMAT = "elixir-optimizer"
+_OPTIM_VERSION = 1
+"""The index's format version; a newer one is refused (``read_optimizer_index``)."""
+_OPTIM_RE = re.compile(r"^optimizer-(\d{5})-of-\d{5}\.safetensors$")
+PLAIN_OPTIMIZER_NAMES = ("optimizer.pt", "optimizer.bin")
+"""A plain torch optimizer's ``state_dict()``: the stock Trainer's / Accelerate's ``save_state``'s."""
 _BLOCK = 16 << 20
 
 
@@ -99,31 +123,61 @@ class _Summing:
         self.f.flush()
 
 
-def _write_file(path: str | os.PathLike, write: Callable[[_Summing], None]) -> dict[str, int]:
-    """``write(f)`` into ``path`` atomically and durably; returns its size and CRC-32."""
+def _replace(path: str | os.PathLike, produce: Callable[[Path], dict[str, int]]) -> dict[str, int]:
+    """``produce(tmp)`` writes and fsyncs a temporary file next to ``path`` and returns its size and
+    CRC-32; it is renamed into place and the folder fsynced. On any error the temporary file is
+    removed and an ``OSError`` names ``path``."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    out = None
     try:
-        with open(tmp, "wb") as f, progress(None, f"elixir: writing {path.name}", unit="B") as bar:
-            out = _Summing(f, bar)
-            write(out)
-            f.flush()
-            os.fsync(f.fileno())
+        digest = produce(tmp)
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        cause = out.error if out is not None and out.error is not None else e
-        if isinstance(cause, OSError):
+        if isinstance(e, OSError):
             raise OSError(
-                cause.errno or errno.EIO,
-                f"{cause.strerror or cause} (writing checkpoint file {path}; the partial file was removed)",
+                e.errno or errno.EIO,
+                f"{e.strerror or e} (writing checkpoint file {path}; the partial file was removed)",
                 str(path),
             ) from e
         raise
-    return {"bytes": out.bytes, "crc32": out.crc}
+    return digest
+
+
+def _write_file(path: str | os.PathLike, write: Callable[[_Summing], None]) -> dict[str, int]:
+    """``write(f)`` into ``path`` atomically and durably; returns its size and CRC-32."""
+
+    def produce(tmp: Path) -> dict[str, int]:
+        with open(tmp, "wb") as f, progress(None, f"elixir: writing {Path(path).name}", unit="B") as bar:
+            out = _Summing(f, bar)
+            try:
+                write(out)
+            except BaseException as e:
+                if out.error is not None:  # the OS error a C++ writer turned into its own
+                    raise out.error from e
+                raise
+            f.flush()
+            os.fsync(f.fileno())
+        return {"bytes": out.bytes, "crc32": out.crc}
+
+    return _replace(path, produce)
+
+
+def atomic_safetensors_save(
+    tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str]
+) -> dict[str, int]:
+    """``safetensors.torch.save_file`` atomically and durably. It writes from the tensors' memory
+    (``save`` would build the whole file in memory first, twice), so the file is read back once for
+    its CRC-32."""
+
+    def produce(tmp: Path) -> dict[str, int]:
+        save_file(tensors, tmp, metadata=metadata)
+        with progress(tmp.stat().st_size, f"elixir: summing {Path(path).name}", unit="B") as bar:
+            return _sum_file(tmp, bar, fsync=True)
+
+    return _replace(path, produce)
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> dict[str, int]:
@@ -194,9 +248,14 @@ def all_ranks_agree(error: str | None, what: str) -> None:
     """A collective: raises ``CheckpointError`` on every rank when any rank reports an error, so
     that no rank goes on alone into a collective the failed one never joins (a hang until the
     process-group timeout, 30 minutes by default)."""
-    errors = [f"rank {r}: {e}" for r, e in enumerate(_gather(error)) if e is not None]
-    if errors:
-        raise CheckpointError(f"{what} failed:\n  " + "\n  ".join(errors))
+    _raise_any(_gather(error), what)
+
+
+def _raise_any(errors: list[str | None], what: str) -> None:
+    """``CheckpointError`` listing each rank's error, if any rank has one (``errors``: by rank)."""
+    bad = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+    if bad:
+        raise CheckpointError(f"{what} failed:\n  " + "\n  ".join(bad))
 
 
 def _error(fn: Callable[[], Any]) -> tuple[Any, str | None]:
@@ -268,11 +327,8 @@ def verify(folder: str | os.PathLike, rank: int, is_main: bool) -> dict[str, Any
                 "resume_from_checkpoint=True picks the newest complete one"
             )
         bad = []
-        mine = {
-            name: want
-            for name, want in marker["files"].items()
-            if ((int(m.group(1)) == rank) if (m := _SHARD_RE.match(name)) else is_main)
-        }
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        mine = {name: want for name, want in marker["files"].items() if _verifier(name, world_size, rank, is_main)}
         with progress(sum(w["bytes"] for w in mine.values()), "elixir: verifying the checkpoint", unit="B") as bar:
             for name, want in mine.items():
                 bad += _check_file(folder / name, want, bar)
@@ -283,6 +339,13 @@ def verify(folder: str | os.PathLike, rank: int, is_main: bool) -> dict[str, Any
     marker, error = _error(check)
     all_ranks_agree(error, f"verifying checkpoint {folder}")
     return marker
+
+
+def _verifier(name: str, world_size: int, rank: int, is_main: bool) -> bool:
+    """Whether this rank checks file ``name``: optimizer file ``k`` is rank ``k``'s (modulo this
+    run's ranks, which may be fewer than the saving run's), everything else the main process's."""
+    m = _SHARD_RE.match(name) or _OPTIM_RE.match(name)
+    return int(m.group(1)) % world_size == rank if m else is_main
 
 
 def _check_file(path: Path, want: dict[str, int], bar: Bar) -> list[str]:
@@ -333,24 +396,43 @@ def saved_world_size(checkpoint: str | os.PathLike) -> int | None:
     return max(ranks) + 1 if ranks else None
 
 
+def optimizer_format(checkpoint: str | os.PathLike) -> str | None:
+    """How ``checkpoint`` holds the optimizer state: ``"named"`` (by parameter name, any layout),
+    ``"shards"`` (the per-rank chunk shards of earlier versions), ``"plain"`` (a torch optimizer's
+    ``state_dict()`` in a folder without Elixir files: the stock Trainer's or Accelerate's), ``None``."""
+    ckpt = Path(checkpoint)
+    if (ckpt / OPTIM_INDEX).is_file():
+        return "named"
+    if not ckpt.is_dir():
+        return None
+    if any(_SHARD_RE.match(p.name) for p in ckpt.iterdir()):
+        return "shards"
+    elixir = (ckpt / MARKER_NAME).is_file() or (ckpt / PLAN_NAME).is_file()
+    if not elixir and any((ckpt / n).is_file() for n in PLAIN_OPTIMIZER_NAMES):
+        return "plain"
+    return None
+
+
 def check_resume(
     checkpoint: str | os.PathLike, model: nn.Module, world_size: int, rank: int, is_main: bool
-) -> dict[str, Any]:
+) -> dict[str, Any] | None:
     """Fails before any weight is loaded, on every rank, when the checkpoint cannot continue this
-    run (another number of ranks, a plain PyTorch optimizer, a bad file, another model); returns
-    its marker."""
+    run (a bad file, another model, shards of an earlier version on another number of ranks);
+    returns its marker (``None``: a plain PyTorch checkpoint, which has none)."""
     ckpt = Path(checkpoint)
+    fmt = optimizer_format(ckpt)
+    if fmt == "plain":
+        logger.info("resuming from %s, a plain PyTorch checkpoint: Adam moments mapped to names by optimizer order", ckpt)
+        _check_weights_match(ckpt, model)
+        return None
     saved = saved_world_size(ckpt)
-    if saved is not None and saved != world_size:
+    if fmt == "shards" and saved != world_size:
         raise ValueError(
-            f"checkpoint {ckpt} was written by {saved} rank(s) (one optimizer shard each) and this run has "
-            f"{world_size}: resume with {saved} processes (torchrun --nproc_per_node {saved} / accelerate launch "
-            f"--num_processes {saved}), or start a new run from its weights with --model_name_or_path {ckpt}"
-        )
-    if saved is None and (ckpt / "optimizer.pt").is_file():
-        raise ValueError(
-            f"checkpoint {ckpt} holds a plain PyTorch optimizer state (optimizer.pt), not Elixir shards: resume it "
-            f"with --elixir off, or start an Elixir run from its weights with --model_name_or_path {ckpt}"
+            f"checkpoint {ckpt} holds per-rank optimizer shards (elixir_optim_rank{{r}}.pt, the format of earlier "
+            f"elixir-hf versions) written by {saved} rank(s), and this run has {world_size}: such shards load only "
+            f"into the same number of ranks and chunk layout. Resume it once with {saved} processes and "
+            f"--elixir {ckpt / PLAN_NAME}, save a checkpoint (by parameter name, loadable with any number of "
+            "ranks and plan), and resume from that one"
         )
     marker = verify(ckpt, rank, is_main)
     _check_weights_match(ckpt, model)
@@ -398,8 +480,9 @@ def _checkpoint_shapes(ckpt: Path) -> dict[str, list[int]] | None:
 
 
 def load_shard(checkpoint: str | os.PathLike, rank: int, optimizer: Any, global_step: int | None = None) -> None:
-    """Loads rank ``rank``'s shard of a verified checkpoint into ``optimizer``; a shard of another
-    step (``global_step``: the Trainer's, saved in the shard) or layout fails naming the file."""
+    """Loads rank ``rank``'s shard of a verified checkpoint of the per-rank format into
+    ``optimizer``; a shard of another step (``global_step``: the Trainer's, saved in the shard) or
+    layout fails naming the file."""
     path = Path(checkpoint) / shard_name(rank)
     shard = torch.load(path, map_location="cpu", weights_only=True)
     saved = shard.pop("global_step", None)
@@ -408,4 +491,128 @@ def load_shard(checkpoint: str | os.PathLike, rank: int, optimizer: Any, global_
     try:
         optimizer.load_state_dict(shard)
     except (ValueError, KeyError) as e:
-        raise CheckpointError(f"{path} does not fit this run: {e}") from e
+        raise CheckpointError(
+            f"{path} does not fit this run: {e}. Shards of this per-rank format (earlier elixir-hf versions) load "
+            f"only into the plan that wrote them: resume with --elixir {Path(checkpoint) / PLAN_NAME}, then save "
+            "again (by parameter name, loadable with any plan)"
+        ) from e
+
+
+# ----------------------------------------------------------- the optimizer state by parameter name
+def optim_file_name(rank: int, world_size: int) -> str:
+    return f"optimizer-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def _elixir(optimizer: Any) -> ElixirOptimizer:
+    """The ``ElixirOptimizer`` under Accelerate's wrapper (the Trainer's ``self.optimizer``)."""
+    return getattr(optimizer, "elixir_optimizer", optimizer)
+
+
+def save_optimizer(
+    folder: str | os.PathLike, optimizer: Any, *, rank: int, world_size: int, is_main: bool, global_step: int | None
+) -> dict[str, dict[str, int]]:
+    """A collective: each rank writes the optimizer state it holds, by parameter name, into its own
+    file, then the main process writes the index from every rank's piece table. Returns this
+    rank's digests (for ``seal``); a failure on any rank is raised on every rank."""
+    opt, folder = _elixir(optimizer), Path(folder)
+    name = optim_file_name(rank, world_size)
+    digests: dict[str, dict[str, int]] = {}
+
+    def write() -> dict[str, list[int]]:
+        tensors, table = named_state(opt)
+        digests[name] = atomic_safetensors_save(tensors, folder / name, {"global_step": str(global_step)})
+        return table
+
+    table, error = _error(write)
+    tables = _gather((table, error))  # also the barrier: every rank's file is in place
+    _raise_any([e for _, e in tables], f"saving the optimizer state to {folder}")
+
+    def index() -> None:
+        doc = {
+            "format": _OPTIM_FORMAT,
+            "version": _OPTIM_VERSION,
+            "world_size": world_size,
+            "global_step": global_step,
+            **named_meta(opt),
+        }
+        for r, (pieces, _) in enumerate(tables):
+            for param, (start, end) in pieces.items():
+                doc["params"][param].setdefault("pieces", []).append([optim_file_name(r, world_size), start, end])
+        digests[OPTIM_INDEX] = atomic_write_text(json.dumps(doc, indent=1), folder / OPTIM_INDEX)
+
+    error = _error(index)[1] if is_main else None
+    all_ranks_agree(error, f"saving the optimizer state to {folder}")
+    return digests
+
+
+def read_optimizer_index(checkpoint: str | os.PathLike, global_step: int | None = None) -> dict[str, Any]:
+    """The index of a named optimizer state, checked: a format this code reads, the checkpoint's
+    step, and every parameter's pieces covering it whole (``CheckpointError`` naming the file)."""
+    path = Path(checkpoint) / OPTIM_INDEX
+    index = json.loads(path.read_text())
+    if index.get("format") != _OPTIM_FORMAT:
+        raise CheckpointError(f"{path} is not an Elixir optimizer index (format {index.get('format')!r})")
+    if int(index.get("version", 0)) > _OPTIM_VERSION:
+        raise CheckpointError(
+            f"{path} has format version {index['version']}, newer than this elixir-hf reads ({_OPTIM_VERSION}): "
+            "upgrade elixir-hf to resume it"
+        )
+    if global_step is not None and index.get("global_step") != global_step:
+        raise CheckpointError(
+            f"{path} is stale: it holds step {index.get('global_step')} and the checkpoint step {global_step}"
+        )
+    for name, entry in index["params"].items():
+        numel, at = math.prod(entry["shape"]), 0
+        for _, start, end in sorted(entry.get("pieces", []), key=lambda p: p[1]):
+            if start != at:
+                break
+            at = end
+        if at != numel:
+            raise CheckpointError(
+                f"{path} is partial: the pieces of {name!r} cover its elements [0, {at}) of {numel} contiguously. "
+                "Resume from another checkpoint"
+            )
+    return index
+
+
+def load_optimizer(checkpoint: str | os.PathLike, optimizer: Any, rank: int, global_step: int | None = None) -> None:
+    """Loads the optimizer state of a verified checkpoint, in any format ``optimizer_format``
+    knows, into this run's shards: each rank reads only the slices its shards hold. Nothing is
+    loaded unless the whole state fits this model (``CheckpointError`` naming the file)."""
+    ckpt, opt = Path(checkpoint), _elixir(optimizer)
+    fmt = optimizer_format(ckpt)
+    if fmt == "shards":
+        return load_shard(ckpt, rank, optimizer, global_step)
+    if fmt == "plain":
+        path = next(ckpt / n for n in PLAIN_OPTIMIZER_NAMES if (ckpt / n).is_file())
+        meta, read = plain_to_named(opt, torch.load(path, map_location="cpu", weights_only=True), str(path))
+        return _load_named(opt, meta, read, path)
+    if fmt is None:
+        raise CheckpointError(f"{ckpt} holds no optimizer state ({OPTIM_INDEX} is missing)")
+    index = read_optimizer_index(ckpt, global_step)
+    with contextlib.ExitStack() as files:
+        opened = {}
+        for file in sorted({p[0] for e in index["params"].values() for p in e["pieces"]}):
+            opened[file] = files.enter_context(safe_open(str(ckpt / file), framework="pt"))  # the header only
+            saved = opened[file].metadata().get("global_step")
+            if saved != str(index["global_step"]):
+                raise CheckpointError(
+                    f"{ckpt / file} is stale: it holds step {saved} and the checkpoint step {index['global_step']}"
+                )
+
+        def read(name: str, kind: str, start: int, end: int) -> torch.Tensor:
+            out = torch.empty(end - start, dtype=torch.float32)
+            for file, a, b in index["params"][name]["pieces"]:
+                lo, hi = max(a, start), min(b, end)
+                if lo < hi:
+                    out[lo - start : hi - start] = opened[file].get_slice(f"{name}.{kind}")[lo - a : hi - a]
+            return out
+
+        _load_named(opt, index, read, ckpt / OPTIM_INDEX)
+
+
+def _load_named(opt: ElixirOptimizer, meta: dict[str, Any], read: Any, path: Path) -> None:
+    try:
+        load_named(opt, meta, read, str(path))
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
