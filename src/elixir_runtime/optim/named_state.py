@@ -65,7 +65,8 @@ def owned_pieces(opt: ElixirOptimizer) -> list[Piece]:
 
 def named_meta(opt: ElixirOptimizer) -> dict[str, Any]:
     """The rank-independent part: every trainable parameter's names, shape, group and step; the
-    param groups' hyperparameters; the optimizer's step count and loss scale."""
+    param groups' hyperparameters and members (by name, in the optimizer's order: a plain torch
+    optimizer numbers its state in that order); the optimizer's step count and loss scale."""
     layout = opt.runtime.layout
     params = {
         layout.names[i][0]: {
@@ -76,7 +77,14 @@ def named_meta(opt: ElixirOptimizer) -> dict[str, Any]:
         }
         for i in opt.runtime.grads.trainable_params
     }
-    groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    index = {id(p): i for i, p in enumerate(layout.params)}
+    groups = [
+        {
+            **{k: _jsonable(v) for k, v in g.items() if k != "params"},
+            "params": [layout.names[index[id(p)]][0] for p in g["params"]],
+        }
+        for g in opt.param_groups
+    ]
     return {"step": opt.step_count, "scaler": opt.scaler.state_dict(), "param_groups": groups, "params": params}
 
 
@@ -156,7 +164,7 @@ def load_named(opt: ElixirOptimizer, meta: dict[str, Any], read: Reader, where: 
             if value is not None:
                 getattr(p.chunk.shards, kind)[p.offset : p.offset + p.end - p.start].copy_(value)
     for group, saved in zip(opt.param_groups, meta["param_groups"]):
-        group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
+        group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items() if k != "params"})
     for i, key in names.items():
         opt.param_steps[i] = int(meta["params"][key]["step"])
     opt.step_count = int(meta["step"])
