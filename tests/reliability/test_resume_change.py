@@ -87,4 +87,3 @@ def test_a_fresh_optimizer_is_far_off(runs, tmp_path, monkeypatch) -> None:
     """What the measure sees when the Adam state is lost at the resume point: it can fail."""
     monkeypatch.setattr(elixir_hf.trainer, "load_optimizer", lambda *args, **kwargs: None)
     assert drift(_resume(runs, tmp_path, "one", OFFLOAD_PLAN), runs / "one") > 1.0
-
