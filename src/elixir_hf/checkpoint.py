@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -173,7 +173,10 @@ def atomic_safetensors_save(
     its CRC-32."""
 
     def produce(tmp: Path) -> dict[str, int]:
-        save_file(tensors, tmp, metadata=metadata)
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+        except SafetensorError as e:  # its writer's OS errors (a full disk) come as this: name the file
+            raise OSError(errno.EIO, str(e)) from e
         with progress(tmp.stat().st_size, f"elixir: summing {Path(path).name}", unit="B") as bar:
             return _sum_file(tmp, bar, fsync=True)
 

@@ -77,7 +77,7 @@ def test_save_state_load_state_continue_identically(tmp_path) -> None:
     half = MICRO_STEPS // 2
     first = ElixirAccelerator(elixir_plugin=OFFLOAD_PLAN, cpu=True, gradient_accumulation_steps=GA)
     want = _train(first, *_setup(first), save_at=half, path=str(tmp_path))
-    assert (tmp_path / "elixir_optim_rank0.pt").is_file() and not (tmp_path / "optimizer.bin").exists()
+    assert (tmp_path / "optimizer-00000-of-00001.safetensors").is_file() and not (tmp_path / "optimizer.bin").exists()
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
 
