@@ -425,7 +425,9 @@ def check_resume(
     ckpt = Path(checkpoint)
     fmt = optimizer_format(ckpt)
     if fmt == "plain":
-        logger.info("resuming from %s, a plain PyTorch checkpoint: Adam moments mapped to names by optimizer order", ckpt)
+        logger.info(
+            "resuming from %s, a plain PyTorch checkpoint: Adam moments mapped to names by optimizer order", ckpt
+        )
         _check_weights_match(ckpt, model)
         return None
     saved = saved_world_size(ckpt)

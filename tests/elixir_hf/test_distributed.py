@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from hf_cases import OFFLOAD_PLAN, VOCAB, make_trainer, training_args
+from hf_cases import VOCAB
 from transformers import AutoModelForCausalLM
 
 from helpers.models import ATTN_IMPL, make_batch
@@ -151,4 +151,3 @@ def test_generate_callback_on_rank_0_of_two(two_rank_run) -> None:
         prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False, pad_token_id=0
     )
     assert result["samples"][-1][1] == want.tolist()
-
