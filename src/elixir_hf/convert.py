@@ -36,9 +36,9 @@ from .checkpoint import (
     PLAN_NAME,
     CheckpointError,
     optimizer_format,
-    read_optimizer_index,
     verify,
 )
+from .optimizer_files import read_optimizer_index
 
 __all__ = ["convert", "main"]
 

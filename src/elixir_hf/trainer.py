@@ -15,7 +15,7 @@ where the Trainer allows it:
   Trainer calls ``state_dict()`` on rank 0 only and would deadlock), keeps them on rank 0 only (one
   host copy of the model) and writes them atomically there, with ``elixir_plan.json`` beside them
   (the final output as well as every ``checkpoint-N``);
-* optimizer state is saved by parameter name (``checkpoint.save_optimizer``: one safetensors file
+* optimizer state is saved by parameter name (``optimizer_files.py``: one safetensors file
   per rank and an index), plus the scheduler on rank 0; a checkpoint is complete once its marker
   (sizes and CRC-32s of all its files) is written, last, before older checkpoints are rotated out;
 * resuming verifies the checkpoint (marker, sums, step; on every rank) and checks it against the
@@ -54,9 +54,7 @@ from .checkpoint import (
     all_ranks_agree,
     atomic_torch_save,
     check_resume,
-    load_optimizer,
     newest_complete,
-    save_optimizer,
     seal,
     staged_dir,
     unmark,
@@ -65,6 +63,7 @@ from .checkpoint import (
 from .console import follow_trainer
 from .engine import build_engine, example_batch, has_engine
 from .mixin import mixed_class
+from .optimizer_files import load_optimizer, save_optimizer
 from .plugin import ENV_VAR, ElixirPlugin, describe_model
 
 __all__ = ["ElixirTrainer", "elixir_trainer"]
