@@ -15,12 +15,13 @@ where the Trainer allows it:
   Trainer calls ``state_dict()`` on rank 0 only and would deadlock), keeps them on rank 0 only (one
   host copy of the model) and writes them atomically there, with ``elixir_plan.json`` beside them
   (the final output as well as every ``checkpoint-N``);
-* optimizer state is one ``elixir_optim_rank{r}.pt`` per rank, plus the scheduler on rank 0; a
-  checkpoint is complete once its marker (sizes and CRC-32s of all its files) is written, last,
-  before older checkpoints are rotated out;
+* optimizer state is saved by parameter name (``optimizer_files.py``: one safetensors file
+  per rank and an index), plus the scheduler on rank 0; a checkpoint is complete once its marker
+  (sizes and CRC-32s of all its files) is written, last, before older checkpoints are rotated out;
 * resuming verifies the checkpoint (marker, sums, step; on every rank) and checks it against the
-  model and the number of ranks before loading; ``resume_from_checkpoint=True`` takes the newest
-  complete checkpoint, warning about torn ones;
+  model before loading, into whatever number of ranks and plan this run has; a plain PyTorch
+  checkpoint (the stock Trainer's ``optimizer.pt``) loads too; ``resume_from_checkpoint=True``
+  takes the newest complete checkpoint, warning about torn ones;
 * every training log carries the engine's ``elixir/*`` numbers (``log``, so they reach
   ``log_history`` and every reporter), and the console shows them as one short entry
   (``callback.py``).
@@ -54,10 +55,8 @@ from .checkpoint import (
     all_ranks_agree,
     atomic_torch_save,
     check_resume,
-    load_shard,
     newest_complete,
     seal,
-    shard_name,
     staged_dir,
     unmark,
     verify,
@@ -65,6 +64,7 @@ from .checkpoint import (
 from .console import follow_trainer
 from .engine import build_engine, has_engine
 from .mixin import mixed_class
+from .optimizer_files import load_optimizer, save_optimizer
 from .plugin import ENV_VAR, ElixirPlugin, describe_model
 
 __all__ = ["ElixirTrainer", "elixir_trainer"]
@@ -198,17 +198,25 @@ class ElixirTrainer(Trainer):
         if not has_engine(self.model):
             return super()._save_optimizer_and_scheduler(output_dir)
         os.makedirs(output_dir, exist_ok=True)
+        args = self.args
+        self._digests.update(
+            save_optimizer(
+                output_dir,
+                self.optimizer,
+                rank=args.process_index,
+                world_size=args.world_size,
+                is_main=args.should_save,
+                global_step=self.state.global_step,
+            )
+        )
         error = None
-        try:
-            shard = {**self.optimizer.state_dict(), "global_step": self.state.global_step}
-            name = shard_name(self.args.process_index)
-            self._digests[name] = atomic_torch_save(shard, os.path.join(output_dir, name))
-            if self.args.should_save:
+        if args.should_save:
+            try:
                 self._digests[SCHEDULER_NAME] = atomic_torch_save(
                     self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME)
                 )
-        except OSError as e:
-            error = str(e)
+            except OSError as e:
+                error = str(e)
         all_ranks_agree(error, f"saving checkpoint {output_dir}")
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
@@ -227,14 +235,14 @@ class ElixirTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or not has_engine(self.model):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        marker = getattr(self, "_resume_marker", None) or verify(
-            checkpoint, self.args.process_index, self.args.should_save
-        )
-        if not marker["optimizer"]:
+        if getattr(self, "_resume_marker", False) is False:
+            self._resume_marker = verify(checkpoint, self.args.process_index, self.args.should_save)
+        marker = self._resume_marker  # None: a plain PyTorch checkpoint
+        if marker is not None and not marker["optimizer"]:
             return  # weights only (save_only_model): fresh optimizer and scheduler, as the stock Trainer does
         error = None
         try:
-            load_shard(checkpoint, self.args.process_index, self.optimizer, marker["step"])
+            load_optimizer(checkpoint, self.optimizer, self.args.process_index, marker and marker["step"])
             self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
         except Exception as e:  # noqa: BLE001 - every rank raises it
             error = f"{type(e).__name__}: {e}"
