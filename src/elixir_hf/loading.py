@@ -1,21 +1,25 @@
-"""Load (or initialise) a model on rank 0 only; the other ranks build it on the ``meta`` device.
+"""Load (or initialise) a model for the engine without a full copy of it per rank in host memory.
 
 With ``torchrun --nproc_per_node 4`` a plain ``from_pretrained`` puts four full copies of the
 model in host memory before Elixir shards it: 4 × 80 GB for a 20B model in fp32, more than most
-hosts have. With these two functions the host holds one copy: rank 0 reads the weights, every
-other rank gets the same module on ``meta`` (no memory), and ``prepare`` (through the Trainer's
-``--elixir`` or ``ElixirAccelerator``) fills each rank's shards from rank 0's tensors. In a single
-process they are plain ``from_pretrained`` / ``from_config``. Use them only for a model Elixir
-will prepare: DDP or the stock Trainer would train the empty meta copies.
+hosts have. ``from_pretrained`` of a local safetensors folder builds the model on ``meta`` on
+every rank and leaves the weights in their files (``stream.py``): ``prepare`` (through the
+Trainer's ``--elixir`` or ``ElixirAccelerator``) reads each rank's shards from them, so the host
+never holds the model, even on one rank. Where that cannot apply (a hub name, a ``.bin``
+checkpoint, quantisation, ...: ``stream.streaming_blocker``), or with ``stream=False``, rank 0
+reads the weights and every other rank builds the same module on ``meta``; ``prepare`` fills each
+rank's shards from rank 0's tensors. ``from_config`` does the latter. Use them only for a model
+Elixir will prepare: DDP or the stock Trainer would train the empty meta copies.
 
-    model = elixir_hf.from_pretrained(AutoModelForCausalLM, "gpt2-xl", dtype=torch.float32)
+    model = elixir_hf.from_pretrained(AutoModelForCausalLM, "path/to/llama", dtype=torch.bfloat16)
     model = elixir_hf.from_config(AutoModelForCausalLM, config)
 
-The model on ranks other than 0 has no values: train or evaluate it only through Elixir.
+A model on meta has no values: train or evaluate it only through Elixir.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -23,7 +27,11 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
+from .stream import CannotStream, streamed_from_pretrained, streaming_blocker
+
 __all__ = ["from_pretrained", "from_config", "holds_weights"]
+
+logger = logging.getLogger(__name__)
 
 _CONFIG_KWARGS = ("cache_dir", "revision", "token", "trust_remote_code", "local_files_only", "subfolder")
 """``from_pretrained`` arguments that also locate the config the meta ranks build from."""
@@ -44,14 +52,36 @@ def holds_weights(rank0_only: bool = True) -> bool:
 
 
 def from_pretrained(
-    model_class: Any, name_or_path: str | os.PathLike, *, rank0_only: bool = True, **kwargs: Any
+    model_class: Any,
+    name_or_path: str | os.PathLike,
+    *,
+    rank0_only: bool = True,
+    stream: bool = True,
+    **kwargs: Any,
 ) -> PreTrainedModel:
-    """``model_class.from_pretrained(name_or_path, **kwargs)`` on rank 0; the same model on meta elsewhere.
+    """``model_class.from_pretrained(name_or_path, **kwargs)`` for the engine: the weights streamed
+    from their files into each rank's shards, else read on rank 0 and the same model on meta elsewhere.
 
-    ``rank0_only=False`` loads on every rank (for a script whose Elixir is switched off). Pass
-    ``dtype`` explicitly (e.g. ``torch.float32`` for fp32 master weights): with ``"auto"`` the meta
-    ranks can only read the config's ``dtype``, and ``prepare`` refuses ranks whose dtypes differ.
+    ``stream=False``: rank 0 reads them. ``rank0_only=False``: every rank loads them itself (for a
+    script whose Elixir is switched off). Without streaming, pass ``dtype`` explicitly (e.g.
+    ``torch.float32`` for fp32 master weights): with ``"auto"`` the meta ranks can only read the
+    config's ``dtype``, and ``prepare`` refuses ranks whose dtypes differ. A bad checkpoint (a file
+    missing or truncated, shapes that do not match the config, a missing weight) raises
+    ``elixir_runtime.WeightsError`` naming the file and the fix.
     """
+    if stream and rank0_only:
+        why = streaming_blocker(name_or_path, kwargs)
+        if why is None:
+            try:
+                return streamed_from_pretrained(model_class, name_or_path, **kwargs)
+            except CannotStream as e:
+                why = str(e)
+        logger.warning(
+            "elixir: the weights of %s are not streamed into the chunks: %s; %s",
+            name_or_path,
+            why,
+            "rank 0 reads them and sends each rank its shards" if rank0_only else "every rank reads them",
+        )
     if holds_weights(rank0_only):
         return model_class.from_pretrained(name_or_path, **kwargs)
     config = kwargs.pop("config", None)
