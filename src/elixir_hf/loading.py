@@ -19,17 +19,19 @@ A model on meta has no values: train or evaluate it only through Elixir.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
-from .stream import CannotStream, streamed_from_pretrained, streaming_blocker
+from .stream import streamed_or_why
 
-__all__ = ["from_pretrained", "from_config", "holds_weights"]
+__all__ = ["from_pretrained", "from_config", "holds_weights", "stream_from_pretrained_calls"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,17 +72,14 @@ def from_pretrained(
     ``elixir_runtime.WeightsError`` naming the file and the fix.
     """
     if stream and rank0_only:
-        why = streaming_blocker(name_or_path, kwargs)
-        if why is None:
-            try:
-                return streamed_from_pretrained(model_class, name_or_path, **kwargs)
-            except CannotStream as e:
-                why = str(e)
+        model, why = streamed_or_why(model_class, name_or_path, kwargs)
+        if model is not None:
+            return model
         logger.warning(
-            "elixir: the weights of %s are not streamed into the chunks: %s; %s",
+            "elixir: the weights of %s are not streamed into the chunks: %s; rank 0 reads them and sends each rank "
+            "its shards",
             name_or_path,
             why,
-            "rank 0 reads them and sends each rank its shards" if rank0_only else "every rank reads them",
         )
     if holds_weights(rank0_only):
         return model_class.from_pretrained(name_or_path, **kwargs)
@@ -102,3 +101,39 @@ def from_config(
         return build(config, **kwargs)
     with torch.device("meta"):
         return build(config, **kwargs)
+
+
+STREAM_ENV = "ELIXIR_STREAM"
+"""``0``: ``elixir-run`` leaves the script's ``from_pretrained`` calls as they are."""
+
+_inside = threading.local()
+
+
+def stream_from_pretrained_calls() -> None:
+    """From now on, ``PreTrainedModel.from_pretrained`` (which the Auto classes call) streams the
+    weights where it can, as ``from_pretrained`` does; elsewhere it loads as it always did, with a
+    warning saying why. ``elixir-run`` installs it when Elixir is on and ``ELIXIR_STREAM`` is not ``0``.
+
+    A model loaded this way runs only once the engine is built on it: a script that loads a
+    second model it runs without Elixir (a reference or teacher model) needs ``ELIXIR_STREAM=0``.
+    """
+    stock = PreTrainedModel.from_pretrained.__func__
+    if getattr(stock, "_elixir", False):
+        return
+
+    @functools.wraps(stock)
+    def from_pretrained(cls: Any, name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
+        if args or name_or_path is None or getattr(_inside, "active", False):
+            return stock(cls, name_or_path, *args, **kwargs)
+        _inside.active = True
+        try:
+            model, why = streamed_or_why(cls, name_or_path, kwargs)
+        finally:
+            _inside.active = False
+        if model is not None:
+            return model
+        logger.warning("elixir: the weights of %s are not streamed into the chunks: %s", name_or_path, why)
+        return stock(cls, name_or_path, **kwargs)
+
+    from_pretrained._elixir = True  # type: ignore[attr-defined]
+    PreTrainedModel.from_pretrained = classmethod(from_pretrained)  # type: ignore[method-assign]

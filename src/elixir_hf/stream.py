@@ -31,9 +31,9 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, ren
 from transformers.utils.loading_report import LoadStateDictInfo
 
 from elixir_runtime import WeightsError, stream_weights
-from elixir_runtime.chunk.stream import INDEX_FILE, SINGLE_FILE, CheckpointFiles
+from elixir_runtime.chunk.stream import INDEX_FILE, SINGLE_FILE, CheckpointFiles, detach_weights
 
-__all__ = ["CannotStream", "streaming_blocker", "streamed_from_pretrained"]
+__all__ = ["CannotStream", "restream", "streamed_or_why", "streaming_blocker", "streamed_from_pretrained"]
 
 _READ_KWARGS = (
     "device_map",
@@ -82,6 +82,17 @@ def streaming_blocker(name_or_path: str | os.PathLike, kwargs: dict[str, Any]) -
     return None
 
 
+def streamed_or_why(model_class: Any, name_or_path: str | os.PathLike, kwargs: dict[str, Any]) -> tuple[Any, str]:
+    """``(the streamed model, "")``, or ``(None, why it cannot be streamed)``; a bad checkpoint raises."""
+    why = streaming_blocker(name_or_path, kwargs)
+    if why is not None:
+        return None, why
+    try:
+        return streamed_from_pretrained(model_class, name_or_path, **kwargs), ""
+    except CannotStream as e:
+        return None, str(e)
+
+
 def streamed_from_pretrained(model_class: Any, name_or_path: str | os.PathLike, **kwargs: Any) -> Any:
     """``model_class.from_pretrained(name_or_path, **kwargs)`` with every parameter left on meta
     and marked as read from the folder's files. Raises ``WeightsError`` for a bad checkpoint
@@ -103,6 +114,14 @@ def streamed_from_pretrained(model_class: Any, name_or_path: str | os.PathLike, 
         )
     stream_weights(model, files, keys)
     return model
+
+
+def restream(model: Any, folder: str | os.PathLike) -> None:
+    """A streamed model's weights to come from ``folder`` (a Trainer checkpoint) instead: keys are
+    parameter names, as the stock Trainer's resume loads them. Checked before the old source is dropped."""
+    files = CheckpointFiles.open(folder)
+    detach_weights(model)
+    stream_weights(model, files)
 
 
 def _record(
