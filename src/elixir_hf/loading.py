@@ -26,10 +26,9 @@ import threading
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
-from .stream import streamed_or_why
+from .stream import holds_weights, streamed_or_why
 
 __all__ = ["from_pretrained", "from_config", "holds_weights", "stream_from_pretrained_calls"]
 
@@ -39,18 +38,6 @@ _CONFIG_KWARGS = ("cache_dir", "revision", "token", "trust_remote_code", "local_
 """``from_pretrained`` arguments that also locate the config the meta ranks build from."""
 _BUILD_KWARGS = ("dtype", "attn_implementation", "trust_remote_code")
 """``from_pretrained`` arguments that shape the built model itself."""
-
-
-def holds_weights(rank0_only: bool = True) -> bool:
-    """Whether this process loads the weights: every process if not ``rank0_only``, else rank 0.
-
-    The rank comes from the process group if it exists yet, else from the launcher's ``RANK``
-    (torchrun and ``accelerate launch`` set it before the script runs).
-    """
-    if not rank0_only:
-        return True
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    return rank == 0
 
 
 def from_pretrained(

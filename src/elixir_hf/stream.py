@@ -20,20 +20,32 @@ warning. A parameter the checkpoint lacks (transformers would initialise it at r
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 import transformers.modeling_utils
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 from transformers.utils.loading_report import LoadStateDictInfo
 
 from elixir_runtime import WeightsError, stream_weights
-from elixir_runtime.chunk.stream import INDEX_FILE, SINGLE_FILE, CheckpointFiles, detach_weights
+from elixir_runtime.chunk.stream import INDEX_FILE, SINGLE_FILE, CheckpointFiles, attached_weights, detach_weights
 
-__all__ = ["CannotStream", "restream", "streamed_or_why", "streaming_blocker", "streamed_from_pretrained"]
+__all__ = [
+    "CannotStream",
+    "holds_weights",
+    "restream",
+    "streamed_or_why",
+    "streaming_blocker",
+    "streamed_from_pretrained",
+    "unstream",
+]
+
+logger = logging.getLogger(__name__)
 
 _READ_KWARGS = (
     "device_map",
@@ -113,7 +125,62 @@ def streamed_from_pretrained(model_class: Any, name_or_path: str | os.PathLike, 
             "at random"
         )
     stream_weights(model, files, keys)
+    _unstreamed_before_adapters()
     return model
+
+
+def holds_weights(rank0_only: bool = True) -> bool:
+    """Whether this process loads the weights: every process if not ``rank0_only``, else rank 0.
+
+    The rank comes from the process group if it exists yet, else from the launcher's ``RANK``
+    (torchrun and ``accelerate launch`` set it before the script runs).
+    """
+    if not rank0_only:
+        return True
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    return rank == 0
+
+
+def unstream(model: Any) -> None:
+    """Today's path for a streamed model: rank 0 reads its whole weights into the parameters (in
+    place: the same objects), the others keep them on meta and get rank 0's values in ``prepare``."""
+    source = attached_weights(model)
+    if holds_weights():
+        with torch.no_grad():
+            for p in source.params:
+                value = source.read(p, 0, p.numel()).view(p.shape)
+                torch.utils.swap_tensors(p, torch.nn.Parameter(value, requires_grad=p.requires_grad))
+    detach_weights(model)
+
+
+def _unstreamed_before_adapters() -> None:
+    """[Note: PEFT on a streamed model] PEFT puts a new adapter on the device of the layer it adapts
+    (``BaseTuner._replace_module``, ``BaseTunerLayer._move_adapter_to_device_of_base_layer``), which
+    for a streamed model is ``meta``: the adapter's initial values would be lost. So before PEFT
+    injects adapters into a streamed model (``BaseTuner.inject_adapter``, which ``get_peft_model``
+    and TRL's ``peft_config`` reach), the model goes back to today's path (``unstream``), loudly."""
+    try:
+        from peft.tuners.tuners_utils import BaseTuner
+    except ImportError:
+        return
+    stock = BaseTuner.inject_adapter
+    if getattr(stock, "_elixir", False):
+        return
+
+    @functools.wraps(stock)
+    def inject_adapter(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+        source = attached_weights(model)
+        if source is not None:
+            logger.warning(
+                "elixir: a PEFT adapter is added to a model whose weights were to be streamed from %s: rank 0 reads "
+                "them now and sends each rank its shards (adapters need the base layers' device)",
+                source.files.folder,
+            )
+            unstream(model)
+        return stock(self, model, *args, **kwargs)
+
+    inject_adapter._elixir = True  # type: ignore[attr-defined]
+    BaseTuner.inject_adapter = inject_adapter
 
 
 def restream(model: Any, folder: str | os.PathLike) -> None:

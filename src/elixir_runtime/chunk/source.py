@@ -96,12 +96,15 @@ def weight_source(model: nn.Module, coll: Collectives, device: torch.device) -> 
     files = attached_weights(model)
     if files is not None:
         return _streamed(model, files, tensors, coll, device)
-    on_meta = [name for name, t in tensors if t.is_meta]
-    if on_meta and len(on_meta) < len(tensors):
-        real = next(name for name, t in tensors if not t.is_meta)
+    params = list(model.named_parameters(remove_duplicate=False))
+    on_meta = [name for name, t in params if t.is_meta]
+    meta_buffers = [name for name, t in model.named_buffers(remove_duplicate=False) if t.is_meta]
+    if (on_meta and len(on_meta) < len(params)) or (meta_buffers and not on_meta):
+        real = next(name for name, t in params if not t.is_meta)
         raise ValueError(
-            f"{len(on_meta)} of {len(tensors)} tensors are on the meta device (e.g. {on_meta[0]!r}, while {real!r} is "
-            "not): build the model either with all its weights or, on ranks other than 0, entirely on meta"
+            f"{len(on_meta) + len(meta_buffers)} of {len(tensors)} tensors are on the meta device (e.g. "
+            f"{(on_meta or meta_buffers)[0]!r}, while {real!r} is not): build the model either with all its weights "
+            "or, on ranks other than 0, with its parameters on meta (its buffers come from rank 0 either way)"
         )
     if coll.world_size == 1:
         if on_meta:

@@ -264,16 +264,17 @@ def _keys(names: Iterable[str], keys: Mapping[str, str] | None) -> Iterable[str]
 
 
 def attached_weights(model: nn.Module) -> StreamedWeights | None:
-    """The source ``stream_weights`` attached to ``model``, if any."""
-    return getattr(model, _ATTR, None)
+    """The source ``stream_weights`` attached to ``model`` or a module in it (a wrapper such as PEFT's)."""
+    return next((m.__dict__[_ATTR] for m in model.modules() if _ATTR in m.__dict__), None)
 
 
 def detach_weights(model: nn.Module) -> None:
     """Once ``prepare`` has read the weights: the model no longer refers to the files."""
-    source = model.__dict__.pop(_ATTR, None)
-    if source is not None:
-        source.unguard()
-        source.close()
+    for m in model.modules():
+        source = m.__dict__.pop(_ATTR, None)
+        if source is not None:
+            source.unguard()
+            source.close()
 
 
 def _refuse_before_prepare(module: nn.Module, _args) -> None:
