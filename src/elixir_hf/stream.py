@@ -64,7 +64,6 @@ _READ_KWARGS = (
     "ignore_mismatched_sizes",
     "output_loading_info",
     "adapter_name",
-    "adapter_kwargs",
     "use_kernels",
     "kernel_config",
     "from_tf",
@@ -79,9 +78,11 @@ class CannotStream(Exception):
 
 def streaming_blocker(name_or_path: str | os.PathLike, kwargs: dict[str, Any]) -> str | None:
     """Why this ``from_pretrained`` call cannot stream, judged before anything is built; None if it may."""
-    passed = [k for k in _READ_KWARGS if kwargs.get(k) not in (None, False)]
+    passed = [k for k in _READ_KWARGS if kwargs.get(k) is not None and kwargs.get(k) is not False]
     if passed:
         return f"from_pretrained was given {', '.join(passed)}"
+    if "_adapter_model_path" in (kwargs.get("adapter_kwargs") or {}):  # the Auto classes found a PEFT adapter
+        return f"{name_or_path} holds a PEFT adapter"
     if kwargs.get("use_safetensors") is False:
         return "from_pretrained was given use_safetensors=False"
     folder = Path(name_or_path, kwargs.get("subfolder") or "")
