@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 import elixir_hf
 import elixir_runtime as er
 from elixir_runtime.chunk.stream import attached_weights
-from helpers.dist import DistributedError, run_distributed
+from helpers.dist import run_distributed
 from helpers.models import ATTN_IMPL, make_batch, tiny_gpt2, tiny_llama
 
 STEPS = 3
