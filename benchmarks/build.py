@@ -36,9 +36,10 @@ def write(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from transformers import AutoModelForCausalLM
+
     import elixir_hf
     import elixir_runtime as er
-    from transformers import AutoModelForCausalLM
 
     distributed = "RANK" in os.environ
     if distributed:
