@@ -33,6 +33,7 @@ from torch import nn
 from elixir_runtime import ElixirOptimizer, rank0_state_dict
 from elixir_runtime.state_dict import load_safetensors
 
+from .batch_plan import planned_batch
 from .checkpoint import (
     PLAN_NAME,
     all_ranks_agree,
@@ -45,7 +46,7 @@ from .checkpoint import (
     verify,
 )
 from .console import follow_accelerator
-from .engine import build_engine, example_batch, has_engine, whole_model
+from .engine import build_engine, has_engine, whole_model
 from .launch import check_devices, check_launch
 from .metrics import EngineMetrics
 from .mixin import mixed_class
@@ -108,7 +109,11 @@ class ElixirAccelerator(Accelerator):
             model, optimizer = objs[models[0]], objs[optimizers[0]]
             if not isinstance(optimizer, (ElixirOptimizer, ElixirAcceleratedOptimizer)):
                 loader = next((o for o in objs if isinstance(o, torch.utils.data.DataLoader)), None)
-                batch = example_batch(loader.dataset, loader.collate_fn, loader.batch_size or 1) if loader else None
+                batch = (
+                    planned_batch(loader.dataset, loader.collate_fn, loader.batch_size or 1, model=model)
+                    if loader
+                    else None
+                )
                 objs[optimizers[0]] = build_engine(
                     model,
                     optimizer,

@@ -48,6 +48,7 @@ from elixir_runtime.chunk.stream import attached_weights
 
 from .accelerator import ElixirAccelerator
 from .arguments import as_elixir_args
+from .batch_plan import planned_batch
 from .callback import SHORT_CONSOLE
 from .checkpoint import (
     PLAN_NAME,
@@ -63,7 +64,7 @@ from .checkpoint import (
     verify,
 )
 from .console import follow_trainer
-from .engine import build_engine, example_batch, has_engine
+from .engine import build_engine, has_engine
 from .mixin import mixed_class
 from .plugin import ENV_VAR, ElixirPlugin, describe_model
 from .stream import restream
@@ -110,7 +111,7 @@ class ElixirTrainer(Trainer):
         optimizer = super().create_optimizer(model)
         target = model if model is not None else self.model
         batch = (
-            example_batch(self.train_dataset, self.data_collator, self._train_batch_size)
+            planned_batch(self.train_dataset, self.data_collator, self._train_batch_size, args=self.args, model=target)
             if self.train_dataset is not None
             else None
         )

@@ -122,7 +122,7 @@ def prepare(
             grads_share_activations=plan.grad_window.shares,
         )
     detach_weights(model)
-    install_hooks(model, units, plan.unit_chunks, runtime, plan.root_chunks)
+    install_hooks(model, units, plan.unit_chunks, runtime, plan.root_chunks, plan.batch_shape)
     model_state = ModelStateHooks(runtime, orig_dtypes)
     model_state.install(model)
     elixir_optimizer = ElixirOptimizer(

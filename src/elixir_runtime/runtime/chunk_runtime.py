@@ -53,7 +53,8 @@ class ChunkRuntime:
         self.lockstep = lockstep
         self.residency = Residency.SHARDED
         self.cuda = device.type == "cuda"
-        self.arenas = build_arenas(layout, placement, coll.rank, device, dtype, weights)
+        # the parameters' own storages go as their chunks fill: the runtime points them at its chunks
+        self.arenas = build_arenas(layout, placement, coll.rank, device, dtype, weights, release=True)
         self.rcache = RCache(n_blocks, layout.block_numel, dtype, device)
         self.chunks = [
             ChunkState(
