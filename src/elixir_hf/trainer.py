@@ -45,6 +45,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from elixir_runtime import rank0_state_dict
+from elixir_runtime.chunk.stream import attached_weights
 
 from .accelerator import ElixirAccelerator
 from .arguments import as_elixir_args
@@ -66,6 +67,7 @@ from .engine import build_engine, has_engine
 from .mixin import mixed_class
 from .optimizer_files import load_optimizer, save_optimizer
 from .plugin import ENV_VAR, ElixirPlugin, describe_model
+from .stream import restream
 
 __all__ = ["ElixirTrainer", "elixir_trainer"]
 
@@ -225,6 +227,15 @@ class ElixirTrainer(Trainer):
             self._resume_marker = check_resume(
                 resume_from_checkpoint, target, self.args.world_size, self.args.process_index, self.args.should_save
             )
+            if not has_engine(target) and attached_weights(target) is not None:
+                # streamed (elixir_hf.from_pretrained): the engine reads the checkpoint's weights instead
+                error = None
+                try:
+                    restream(target, resume_from_checkpoint)
+                except Exception as e:  # noqa: BLE001 - every rank raises it
+                    error = f"{type(e).__name__}: {e}"
+                all_ranks_agree(error, f"streaming the weights of {resume_from_checkpoint}")
+                return
             if not has_engine(target) and all(p.is_meta for p in target.parameters()):
                 # a rank that built the model on meta (elixir_hf.from_pretrained): rank 0 loads the
                 # checkpoint's weights and the engine gives them to this rank; reading the file here

@@ -112,13 +112,14 @@ def test_two_rank_resume_gives_the_same_losses(two_rank_run) -> None:
 
 
 def test_loading_on_rank_0_only_trains_the_same(two_rank_run) -> None:
-    """``elixir_hf.from_pretrained``: rank 1 holds no weights (meta), yet trains exactly as when
-    every rank loaded them: the engine filled its shards from rank 0."""
+    """``elixir_hf.from_pretrained(..., stream=False)``: rank 1 holds no weights (meta), yet trains
+    exactly as when every rank loaded them: the engine filled its shards from rank 0. Streamed (every
+    rank on meta) and resumed: the checkpoint's files replace the source, as the all-ranks resume."""
     _, result = two_rank_run
     assert result["loaded_on_meta"] == [False, True]
+    assert result["streamed_on_meta"] == [True, True]
     for key in ("loss", "grad_norm", "eval_loss"):
         assert result["from_rank0"][key] == result["elixir"][key], key
-        # resumed with rank 1 on meta (it skips reading the checkpoint): as the all-ranks resume
         assert result["from_rank0_resumed"][key] == result["resumed"][key], key
 
 

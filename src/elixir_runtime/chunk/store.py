@@ -49,6 +49,8 @@ from .layout import ChunkLayout, ChunkSpec, GroupRange, Slot
 __all__ = [
     "Residence",
     "ShardArenas",
+    "Weights",
+    "own_part",
     "build_arenas",
     "casts_on_gather",
     "grads_on_demand",
@@ -56,6 +58,16 @@ __all__ = [
     "release_param",
     "shard_overlap",
 ]
+
+Weights = Callable[[torch.Tensor, int, int], torch.Tensor]
+"""``weights(param, start, numel)``: elements ``[start, start + numel)`` of ``param``'s flattened
+starting value (``numel`` may be 0), in the parameter's dtype (``chunk/source.WeightSource.part``)."""
+
+
+def own_part(p: torch.Tensor, start: int, numel: int) -> torch.Tensor:
+    """The parameter's own current value as the starting value."""
+    return p.detach().reshape(-1)[start : start + numel]
+
 
 Residence = Literal["device", "host"]
 """Where a chunk's shard and optimizer state live (the search's ``Placement`` chooses it per chunk)."""
@@ -123,10 +135,10 @@ def build_arenas(
     rank: int,
     compute_device: torch.device,
     dtype: torch.dtype,
-    weights: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.detach,
+    weights: Weights = own_part,
     release: bool = False,
 ) -> dict[Residence, ShardArenas]:
-    """Allocates the arenas and fills them from ``weights(param)`` (the parameters' current values).
+    """Allocates the arenas and fills them from ``weights`` (by default the parameters' current values).
 
     The master weights are filled from the parameters in their original precision, the
     compute-dtype copy is cast from the master: a bf16 run of an fp32 model starts from the exact
@@ -182,7 +194,7 @@ def build_arenas(
 
 @torch.no_grad()
 def _fill(
-    layout: ChunkLayout, members, arenas: ShardArenas, rank: int, weights: Callable, release: bool, bar: Bar
+    layout: ChunkLayout, members, arenas: ShardArenas, rank: int, weights: Weights, release: bool, bar: Bar
 ) -> None:
     copy = arenas.param_copy
     for c in members:
@@ -197,7 +209,8 @@ def _fill(
         else:
             arenas.source(start, n, trainable=False).zero_()
         for s in c.slots:
-            write_param(layout, arenas, c, s, weights(layout.params[s.param]), rank)
+            target, param_off = _shard_target(layout, arenas, c, s, rank)
+            target.copy_(weights(layout.params[s.param], param_off, target.numel()))
         if c.trainable and copy is not None:
             copy[start : start + n].copy_(arenas.master[start : start + n])
         if release:
@@ -228,18 +241,22 @@ def shard_overlap(layout: ChunkLayout, chunk: ChunkSpec, slot: Slot, rank: int) 
     return (a - lo, a - slot.offset, b - a) if a < b else None
 
 
+def _shard_target(
+    layout: ChunkLayout, arenas: ShardArenas, chunk: ChunkSpec, slot: Slot, rank: int
+) -> tuple[torch.Tensor, int]:
+    """The master (or frozen param) elements this rank holds of ``slot`` (maybe none) and the
+    offset of the first one in the flattened parameter."""
+    shard_off, param_off, n = shard_overlap(layout, chunk, slot, rank) or (0, 0, 0)
+    start = arenas.offsets[chunk.index] + shard_off
+    if chunk.trainable:
+        return arenas.master[start : start + n], param_off
+    return arenas.source(start, n, trainable=False), param_off
+
+
 @torch.no_grad()
 def write_param(
     layout: ChunkLayout, arenas: ShardArenas, chunk: ChunkSpec, slot: Slot, value: torch.Tensor, rank: int
 ) -> None:
     """Copies this rank's part of a full parameter value into the master (or frozen param) shard."""
-    part = shard_overlap(layout, chunk, slot, rank)
-    if part is None:
-        return
-    shard_off, param_off, n = part
-    start = arenas.offsets[chunk.index] + shard_off
-    if chunk.trainable:
-        target = arenas.master[start : start + n]
-    else:
-        target = arenas.source(start, n, trainable=False)
-    target.copy_(value.reshape(-1)[param_off : param_off + n])
+    target, param_off = _shard_target(layout, arenas, chunk, slot, rank)
+    target.copy_(value.reshape(-1)[param_off : param_off + target.numel()])
