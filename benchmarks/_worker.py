@@ -109,6 +109,10 @@ def time_steps(
     trainer: Trainer, ids: torch.Tensor, warmup: int, steps: int, dev: torch.device, label: str
 ) -> tuple[list[float], float]:
     """Wall time of each timed step, synchronized at both ends; returns (times, last loss)."""
+    if trainer.timed is not None:
+        times, loss_value = trainer.timed(ids, warmup, steps)
+        log(f"{label} timed steps {', '.join(f'{t:.3f}s' for t in times)} loss {loss_value:.3f}")
+        return times, loss_value
     times, loss_value = [], float("nan")
     for i in range(warmup + steps):
         if dev.type == "cuda":

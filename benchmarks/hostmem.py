@@ -27,6 +27,11 @@ def rss_bytes() -> int:
     return _kib_field("/proc/self/status", "VmRSS") or 0
 
 
+def peak_rss_bytes() -> int:
+    """The process's peak resident set since it started (the kernel's high-water mark)."""
+    return _kib_field("/proc/self/status", "VmHWM") or 0
+
+
 def host_used_bytes() -> int:
     total, avail = _kib_field("/proc/meminfo", "MemTotal"), _kib_field("/proc/meminfo", "MemAvailable")
     return (total - avail) if total is not None and avail is not None else 0

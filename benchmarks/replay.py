@@ -40,7 +40,10 @@ HEADROOM = 16
 def replayable(run: dict[str, Any]) -> bool:
     plan = (run.get("info") or {}).get("plan") or {}
     return (
-        run.get("system") == "elixir" and run.get("status") == "ok" and bool(plan.get("hardware")) and "offload" in plan
+        run.get("system") in report.ELIXIR_SYSTEMS
+        and run.get("status") == "ok"
+        and bool(plan.get("hardware"))
+        and "offload" in plan
     )
 
 
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         r
         for path in args.inputs
         for r in report.load_runs(path)
-        if r.get("system") == "elixir" and r.get("status") == "ok"
+        if r.get("system") in report.ELIXIR_SYSTEMS and r.get("status") == "ok"
     ]
     rows = replay(runs)
     print(json.dumps(rows, indent=1) if args.json else render(rows))

@@ -17,8 +17,11 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-SYSTEM_ORDER = ("elixir", "plain", "fsdp2", "fsdp2_offload", "ds2_offload", "ds3_offload")
-IN_GPU_SYSTEMS = ("plain", "fsdp2")
+SYSTEM_ORDER = ("elixir", "elixir_trainer", "plain", "trainer", "fsdp2", "fsdp2_offload", "ds2_offload", "ds3_offload")
+ELIXIR_SYSTEMS = ("elixir", "elixir_trainer")
+"""Elixir through the harness's own loop and through ``Trainer.train()``: never a baseline; a row's
+Elixir figures are the first of these that ran."""
+IN_GPU_SYSTEMS = ("plain", "trainer", "fsdp2")
 """Baselines that hold all model states on the GPU: if one of them runs, memory is plentiful."""
 STATE_BYTES_PER_PARAM = 16  # fp32 master + grad + Adam m, v
 STATE_FRACTION_THAT_FITS = 0.8
@@ -105,12 +108,13 @@ def summary_row(runs: dict[str, Run]) -> dict[str, Any]:
     row["tflops"] = {s: (r["tflops"] if _ok(r) else None) for s, r in runs.items()}
     row["status"] = {s: r.get("status") for s, r in runs.items()}
     row["pageable"] = sorted(s for s, r in runs.items() if _pageable(r))
-    baselines = {s: r["tflops"] for s, r in runs.items() if s != "elixir" and _ok(r)}
+    baselines = {s: r["tflops"] for s, r in runs.items() if s not in ELIXIR_SYSTEMS and _ok(r)}
     best = max(baselines, key=baselines.get) if baselines else None
-    elixir = runs.get("elixir")
+    elixir = next((runs[s] for s in ELIXIR_SYSTEMS if _ok(runs.get(s))), None) or runs.get("elixir")
     row.update(best_baseline=best, best_baseline_tflops=baselines.get(best) if best else None)
     row["elixir_over_best_baseline"] = elixir["tflops"] / baselines[best] if best and _ok(elixir) else None
     if elixir is not None:
+        row["elixir_system"] = elixir["system"]
         plan = (elixir.get("info") or {}).get("plan") or {}
         host_bytes = plan.get("host_bytes")
         row.update(
@@ -340,7 +344,7 @@ def render_png(results: dict[str, Any], path: Path) -> None:
             for x, y, row in zip(xs, ys, rows):
                 if not y and s in row["status"]:
                     ax.text(x, 0, CELL.get(row["status"][s], "?"), rotation=90, ha="center", va="bottom", fontsize=7)
-                elif s == "elixir" and row["elixir_over_best_baseline"] is not None:
+                elif s == row.get("elixir_system") and row["elixir_over_best_baseline"] is not None:
                     ax.text(x, y, f"{row['elixir_over_best_baseline']:.2f}×", ha="center", va="bottom", fontsize=7)
         ax.set_xticks(range(len(rows)))
         ax.set_xticklabels(

@@ -33,7 +33,8 @@ from .models import (
 if TYPE_CHECKING:
     from elixir_runtime import ElixirPlan
 
-SYSTEMS = ("elixir", "plain", "fsdp2", "fsdp2_offload", "ds2_offload", "ds3_offload")
+SYSTEMS = ("elixir", "plain", "fsdp2", "fsdp2_offload", "ds2_offload", "ds3_offload", "elixir_trainer", "trainer")
+"""``elixir_trainer`` / ``trainer``: HF ``Trainer.train()`` with and without ``--elixir auto`` (``hf_systems.py``)."""
 LR, WEIGHT_DECAY = 1e-4, 0.01
 MAX_GRAD_NORM = 1.0
 """``TrainingArguments.max_grad_norm``'s default: the clip every system applies with ``--clip 1``."""
@@ -71,6 +72,9 @@ class Trainer:
     info: dict[str, Any] = field(default_factory=dict)
     after_oom: Callable[[], None] = lambda: None
     """Frees what a step left behind when it ran out of memory, so a smaller retry is possible."""
+    timed: Callable[[torch.Tensor, int, int], tuple[list[float], float]] | None = None
+    """Runs its own loop over ``input_ids`` instead of ``step``: ``(ids, warmup, steps)`` -> (timed steps' seconds,
+    loss); the Trainer-path systems, whose loop is ``Trainer.train()``."""
 
 
 def build(system: str, p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
@@ -81,10 +85,18 @@ def build(system: str, p: Model, ctx: Context, example_ids: torch.Tensor) -> Tra
         "fsdp2_offload": lambda: _fsdp2(p, ctx, offload=True),
         "ds2_offload": lambda: _deepspeed(p, ctx, stage=2, micro_batch=len(example_ids)),
         "ds3_offload": lambda: _deepspeed(p, ctx, stage=3, micro_batch=len(example_ids)),
+        "elixir_trainer": lambda: _hf(p, ctx, elixir=True),
+        "trainer": lambda: _hf(p, ctx, elixir=False),
     }
     if system not in builders:
         raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
     return builders[system]()
+
+
+def _hf(p: Model, ctx: Context, elixir: bool) -> Trainer:
+    from .hf_systems import hf_trainer  # transformers' Trainer: imported only where it runs
+
+    return hf_trainer(p, ctx, elixir)
 
 
 def _adamw(params, fused: bool) -> torch.optim.AdamW:

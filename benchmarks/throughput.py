@@ -40,7 +40,7 @@ from .models import DECODER_PRESETS, PRESETS, param_count, preset
 from .systems import MAX_GRAD_NORM, SYSTEMS
 
 REPO = Path(__file__).resolve().parents[1]
-PER_BATCH_SYSTEMS = ("elixir",)
+PER_BATCH_SYSTEMS = ("elixir", "elixir_trainer", "trainer")
 TERM_GRACE_S = 60
 """torchrun needs time after SIGTERM to stop its workers; only then is the group killed."""
 

@@ -11,7 +11,8 @@ What changes underneath: the model is never moved, DDP-wrapped, autocast or comp
 places, shards and reduces it, and owns the compute dtype: accelerate's ``mixed_precision``
 becomes the engine's dtype and Accelerate itself runs with ``"no"``); ``backward`` scales the loss
 for fp16 and reduces gradients into shards; ``clip_grad_norm_`` returns the engine's global norm
-and folds clipping into the next step; checkpoints keep one optimizer shard per rank;
+and folds clipping into the next step; checkpoints keep the optimizer state by parameter name,
+one file per rank, loadable into any number of ranks and plan (``optimizer_files.py``);
 ``accelerator.log`` carries the engine's ``elixir/*`` numbers (``elixir_metrics``) to the trackers.
 """
 
@@ -33,23 +34,15 @@ from torch import nn
 from elixir_runtime import ElixirOptimizer, rank0_state_dict
 from elixir_runtime.state_dict import load_safetensors
 
-from .checkpoint import (
-    PLAN_NAME,
-    all_ranks_agree,
-    atomic_torch_save,
-    load_shard,
-    saved_world_size,
-    seal,
-    shard_name,
-    unmark,
-    verify,
-)
+from .batch_plan import planned_batch
+from .checkpoint import all_ranks_agree, optimizer_format, seal, unmark, verify
 from .console import follow_accelerator
-from .engine import build_engine, example_batch, has_engine, whole_model
+from .engine import build_engine, has_engine, whole_model
 from .launch import check_devices, check_launch
 from .metrics import EngineMetrics
 from .mixin import mixed_class
 from .optimizer import ElixirAcceleratedOptimizer
+from .optimizer_files import load_optimizer, save_optimizer
 from .plugin import ENV_VAR, ElixirPlugin, ElixirSpecError, check_exclusive
 
 __all__ = ["ElixirAccelerator", "elixir_accelerator"]
@@ -108,7 +101,11 @@ class ElixirAccelerator(Accelerator):
             model, optimizer = objs[models[0]], objs[optimizers[0]]
             if not isinstance(optimizer, (ElixirOptimizer, ElixirAcceleratedOptimizer)):
                 loader = next((o for o in objs if isinstance(o, torch.utils.data.DataLoader)), None)
-                batch = example_batch(loader.dataset, loader.collate_fn, loader.batch_size or 1) if loader else None
+                batch = (
+                    planned_batch(loader.dataset, loader.collate_fn, loader.batch_size or 1, model=model)
+                    if loader
+                    else None
+                )
                 objs[optimizers[0]] = build_engine(
                     model,
                     optimizer,
@@ -205,8 +202,9 @@ class ElixirAccelerator(Accelerator):
             return model.state_dict()
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
-        """Accelerate's state plus this rank's ``elixir_optim_rank{r}.pt`` (Accelerate would save
-        rank 0's only), then the marker (sizes and CRC-32s of every file), written last."""
+        """Accelerate's state plus the optimizer state by parameter name, each rank writing its part
+        (Accelerate would save rank 0's only), then the marker (sizes and CRC-32s of every file),
+        written last."""
         opt = self.elixir_optimizer
         if opt is None:
             return super().save_state(output_dir, safe_serialization, **kwargs)
@@ -214,44 +212,39 @@ class ElixirAccelerator(Accelerator):
             unmark(output_dir)  # saving again into a folder: torn until the new marker
         with self._hidden(self._optimizers, opt):
             location = super().save_state(output_dir, safe_serialization, **kwargs)
-        digests, error = {}, None
-        try:
-            name = shard_name(self.process_index)
-            digests[name] = atomic_torch_save(opt.state_dict(), os.path.join(location, name))
-        except OSError as e:
-            error = str(e)
-        all_ranks_agree(error, f"saving state {location}")
+        digests = save_optimizer(
+            location,
+            opt,
+            rank=self.process_index,
+            world_size=self.num_processes,
+            is_main=self.is_main_process,
+            global_step=None,
+        )
         seal(location, digests, step=None, optimizer=True, is_main=self.is_main_process)
         return location
 
     def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
         """Accelerate's state, the weights through the engine's own ``load_state_dict`` (any layout,
-        tied weights stored once) and this rank's optimizer shard."""
+        tied weights stored once) and the optimizer state, saved by any number of ranks and plan; a
+        plain Accelerate folder's ``optimizer.bin`` loads too (moments mapped by optimizer order)."""
         opt = self.elixir_optimizer
         if opt is None:
             return super().load_state(input_dir, **kwargs)
         if input_dir is None:
             raise ValueError("ElixirAccelerator.load_state needs the checkpoint folder (input_dir)")
-        saved = saved_world_size(input_dir)
-        if saved not in (None, self.num_processes):
-            raise ValueError(
-                f"{input_dir} was saved by {saved} rank(s) and this run has {self.num_processes}: resume with "
-                f"{saved} processes, or load only the weights"
-            )
-        elixir_files = saved is not None or os.path.isfile(os.path.join(input_dir, PLAN_NAME))
-        if elixir_files:  # a plain Accelerate folder has no marker: weights only, as before
+        fmt = optimizer_format(input_dir)
+        if fmt != "plain":
             verify(input_dir, self.process_index, self.is_main_process)  # fails on every rank
         model = next(m for m in self._models if has_engine(m))
         with self._hidden(self._optimizers, opt), self._hidden(self._models, model):
             super().load_state(input_dir, **kwargs)
         load_safetensors(model, os.path.join(input_dir, SAFE_WEIGHTS_NAME))  # a tensor at a time, not the file per rank
-        if elixir_files:
-            error = None
-            try:
-                load_shard(input_dir, self.process_index, opt)
-            except Exception as e:  # noqa: BLE001 - every rank raises it
-                error = f"{type(e).__name__}: {e}"
-            all_ranks_agree(error, f"loading the optimizer state of {input_dir}")
+        error = None
+        try:
+            load_optimizer(input_dir, opt, self.process_index)
+        except Exception as e:  # noqa: BLE001 - every rank raises it
+            error = f"{type(e).__name__}: {e}"
+        all_ranks_agree(error, f"loading the optimizer state of {input_dir}")
 
     @staticmethod
     @contextlib.contextmanager

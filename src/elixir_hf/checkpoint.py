@@ -4,8 +4,14 @@ that make a bad resume fail early, on every rank, naming the file.
 Layout of a checkpoint folder (on top of what the Trainer writes):
 
 * ``model.safetensors`` (+ config): consolidated, loadable by ``from_pretrained``;
-* ``elixir_optim_rank{r}.pt``: rank ``r``'s optimizer shard (master weights, Adam moments,
-  loss scale, the Trainer's ``global_step``), written by every rank;
+* ``optimizer-{r:05d}-of-{W:05d}.safetensors``: the optimizer state rank ``r`` of ``W`` holds, by
+  parameter name (``{name}.master``, ``.exp_avg``, ``.exp_avg_sq``: 1-D pieces of the flattened
+  parameter), written by every rank in parallel, and ``optimizer.safetensors.index.json``, written
+  by the main process: each parameter's pieces (file, flat start, end), shape, group and step, the
+  param groups, the loss scale, the Trainer's ``global_step`` and the format version. Any run loads
+  it, whatever its number of ranks, chunk layout or offload placement (``load_optimizer``);
+* ``elixir_optim_rank{r}.pt``: the per-rank chunk shards of earlier versions, still loaded into
+  the same number of ranks and chunk layout;
 * ``elixir_plan.json``: the plan the run used (see ``plugin.py`` for reusing it);
 * ``elixir_checkpoint.json``, the marker, written last: the step, the number of ranks and the size
   and CRC-32 of every other file. A folder without it is torn (a save was interrupted).
@@ -35,7 +41,8 @@ from typing import Any, BinaryIO
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 from elixir_runtime.progress import Bar, progress
@@ -56,7 +63,10 @@ __all__ = [
     "all_ranks_agree",
     "saved_world_size",
     "check_resume",
-    "load_shard",
+    "OPTIM_INDEX",
+    "PLAIN_OPTIMIZER_NAMES",
+    "atomic_safetensors_save",
+    "optimizer_format",
 ]
 
 logger = logging.getLogger(__name__)
@@ -65,6 +75,10 @@ PLAN_NAME = "elixir_plan.json"
 MARKER_NAME = "elixir_checkpoint.json"
 _MARKER_FORMAT = "elixir-checkpoint/1"
 _SHARD_RE = re.compile(r"^elixir_optim_rank(\d+)\.pt$")
+OPTIM_INDEX = "optimizer.safetensors.index.json"
+_OPTIM_RE = re.compile(r"^optimizer-(\d{5})-of-\d{5}\.safetensors$")
+PLAIN_OPTIMIZER_NAMES = ("optimizer.pt", "optimizer.bin")
+"""A plain torch optimizer's ``state_dict()``: the stock Trainer's / Accelerate's ``save_state``'s."""
 _BLOCK = 16 << 20
 
 
@@ -100,31 +114,64 @@ class _Summing:
         self.f.flush()
 
 
-def _write_file(path: str | os.PathLike, write: Callable[[_Summing], None]) -> dict[str, int]:
-    """``write(f)`` into ``path`` atomically and durably; returns its size and CRC-32."""
+def _replace(path: str | os.PathLike, produce: Callable[[Path], dict[str, int]]) -> dict[str, int]:
+    """``produce(tmp)`` writes and fsyncs a temporary file next to ``path`` and returns its size and
+    CRC-32; it is renamed into place and the folder fsynced. On any error the temporary file is
+    removed and an ``OSError`` names ``path``."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    out = None
     try:
-        with open(tmp, "wb") as f, progress(None, f"elixir: writing {path.name}", unit="B") as bar:
-            out = _Summing(f, bar)
-            write(out)
-            f.flush()
-            os.fsync(f.fileno())
+        digest = produce(tmp)
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        cause = out.error if out is not None and out.error is not None else e
-        if isinstance(cause, OSError):
+        if isinstance(e, OSError):
             raise OSError(
-                cause.errno or errno.EIO,
-                f"{cause.strerror or cause} (writing checkpoint file {path}; the partial file was removed)",
+                e.errno or errno.EIO,
+                f"{e.strerror or e} (writing checkpoint file {path}; the partial file was removed)",
                 str(path),
             ) from e
         raise
-    return {"bytes": out.bytes, "crc32": out.crc}
+    return digest
+
+
+def _write_file(path: str | os.PathLike, write: Callable[[_Summing], None]) -> dict[str, int]:
+    """``write(f)`` into ``path`` atomically and durably; returns its size and CRC-32."""
+
+    def produce(tmp: Path) -> dict[str, int]:
+        with open(tmp, "wb") as f, progress(None, f"elixir: writing {Path(path).name}", unit="B") as bar:
+            out = _Summing(f, bar)
+            try:
+                write(out)
+            except BaseException as e:
+                if out.error is not None:  # the OS error a C++ writer turned into its own
+                    raise out.error from e
+                raise
+            f.flush()
+            os.fsync(f.fileno())
+        return {"bytes": out.bytes, "crc32": out.crc}
+
+    return _replace(path, produce)
+
+
+def atomic_safetensors_save(
+    tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str]
+) -> dict[str, int]:
+    """``safetensors.torch.save_file`` atomically and durably. It writes from the tensors' memory
+    (``save`` would build the whole file in memory first, twice), so the file is read back once for
+    its CRC-32."""
+
+    def produce(tmp: Path) -> dict[str, int]:
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+        except SafetensorError as e:  # its writer's OS errors (a full disk) come as this: name the file
+            raise OSError(errno.EIO, str(e)) from e
+        with progress(tmp.stat().st_size, f"elixir: summing {Path(path).name}", unit="B") as bar:
+            return _sum_file(tmp, bar, fsync=True)
+
+    return _replace(path, produce)
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> dict[str, int]:
@@ -195,9 +242,14 @@ def all_ranks_agree(error: str | None, what: str) -> None:
     """A collective: raises ``CheckpointError`` on every rank when any rank reports an error, so
     that no rank goes on alone into a collective the failed one never joins (a hang until the
     process-group timeout, 30 minutes by default)."""
-    errors = [f"rank {r}: {e}" for r, e in enumerate(_gather(error)) if e is not None]
-    if errors:
-        raise CheckpointError(f"{what} failed:\n  " + "\n  ".join(errors))
+    _raise_any(_gather(error), what)
+
+
+def _raise_any(errors: list[str | None], what: str) -> None:
+    """``CheckpointError`` listing each rank's error, if any rank has one (``errors``: by rank)."""
+    bad = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+    if bad:
+        raise CheckpointError(f"{what} failed:\n  " + "\n  ".join(bad))
 
 
 def _error(fn: Callable[[], Any]) -> tuple[Any, str | None]:
@@ -256,7 +308,8 @@ def read_marker(folder: str | os.PathLike) -> dict[str, Any] | None:
 
 def verify(folder: str | os.PathLike, rank: int, is_main: bool) -> dict[str, Any]:
     """A collective before anything is loaded: ``folder`` has its marker and every file matches the
-    size and CRC-32 recorded at save (each rank reads its own shard, the main process the rest).
+    size and CRC-32 recorded at save (optimizer file ``k`` is read by rank ``k`` modulo the ranks,
+    the main process reads the rest).
     Returns the marker; raises ``CheckpointError`` on every rank naming each bad file."""
     folder = Path(folder)
 
@@ -269,11 +322,8 @@ def verify(folder: str | os.PathLike, rank: int, is_main: bool) -> dict[str, Any
                 "resume_from_checkpoint=True picks the newest complete one"
             )
         bad = []
-        mine = {
-            name: want
-            for name, want in marker["files"].items()
-            if ((int(m.group(1)) == rank) if (m := _SHARD_RE.match(name)) else is_main)
-        }
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        mine = {name: want for name, want in marker["files"].items() if _verifier(name, world_size, rank, is_main)}
         with progress(sum(w["bytes"] for w in mine.values()), "elixir: verifying the checkpoint", unit="B") as bar:
             for name, want in mine.items():
                 bad += _check_file(folder / name, want, bar)
@@ -292,6 +342,13 @@ def verify(folder: str | os.PathLike, rank: int, is_main: bool) -> dict[str, Any
             "pass resume_from_checkpoint=<output_dir>/checkpoint-N with a step every node has"
         )
     return marker
+
+
+def _verifier(name: str, world_size: int, rank: int, is_main: bool) -> bool:
+    """Whether this rank checks file ``name``: optimizer file ``k`` is rank ``k``'s (modulo this
+    run's ranks, which may be fewer than the saving run's), everything else the main process's."""
+    m = _SHARD_RE.match(name) or _OPTIM_RE.match(name)
+    return int(m.group(1)) % world_size == rank if m else is_main
 
 
 def _check_file(path: Path, want: dict[str, int], bar: Bar) -> list[str]:
@@ -351,24 +408,45 @@ def saved_world_size(checkpoint: str | os.PathLike) -> int | None:
     return max(ranks) + 1 if ranks else None
 
 
+def optimizer_format(checkpoint: str | os.PathLike) -> str | None:
+    """How ``checkpoint`` holds the optimizer state: ``"named"`` (by parameter name, any layout),
+    ``"shards"`` (the per-rank chunk shards of earlier versions), ``"plain"`` (a torch optimizer's
+    ``state_dict()`` in a folder without Elixir files: the stock Trainer's or Accelerate's), ``None``."""
+    ckpt = Path(checkpoint)
+    if (ckpt / OPTIM_INDEX).is_file():
+        return "named"
+    if not ckpt.is_dir():
+        return None
+    if any(_SHARD_RE.match(p.name) for p in ckpt.iterdir()):
+        return "shards"
+    elixir = (ckpt / MARKER_NAME).is_file() or (ckpt / PLAN_NAME).is_file()
+    if not elixir and any((ckpt / n).is_file() for n in PLAIN_OPTIMIZER_NAMES):
+        return "plain"
+    return None
+
+
 def check_resume(
     checkpoint: str | os.PathLike, model: nn.Module, world_size: int, rank: int, is_main: bool
-) -> dict[str, Any]:
+) -> dict[str, Any] | None:
     """Fails before any weight is loaded, on every rank, when the checkpoint cannot continue this
-    run (another number of ranks, a plain PyTorch optimizer, a bad file, another model); returns
-    its marker."""
+    run (a bad file, another model, shards of an earlier version on another number of ranks);
+    returns its marker (``None``: a plain PyTorch checkpoint, which has none)."""
     ckpt = Path(checkpoint)
-    saved = saved_world_size(ckpt)
-    if saved is not None and saved != world_size:
-        raise ValueError(
-            f"checkpoint {ckpt} was written by {saved} rank(s) (one optimizer shard each) and this run has "
-            f"{world_size}: resume with {saved} processes (torchrun --nproc_per_node {saved} / accelerate launch "
-            f"--num_processes {saved}), or start a new run from its weights with --model_name_or_path {ckpt}"
+    fmt = optimizer_format(ckpt)
+    if fmt == "plain":
+        logger.info(
+            "resuming from %s, a plain PyTorch checkpoint: Adam moments mapped to names by optimizer order", ckpt
         )
-    if saved is None and (ckpt / "optimizer.pt").is_file():
+        _check_weights_match(ckpt, model)
+        return None
+    saved = saved_world_size(ckpt)
+    if fmt == "shards" and saved != world_size:
         raise ValueError(
-            f"checkpoint {ckpt} holds a plain PyTorch optimizer state (optimizer.pt), not Elixir shards: resume it "
-            f"with --elixir off, or start an Elixir run from its weights with --model_name_or_path {ckpt}"
+            f"checkpoint {ckpt} holds per-rank optimizer shards (elixir_optim_rank{{r}}.pt, the format of earlier "
+            f"elixir-hf versions) written by {saved} rank(s), and this run has {world_size}: such shards load only "
+            f"into the same number of ranks and chunk layout. Resume it once with {saved} processes and "
+            f"--elixir {ckpt / PLAN_NAME}, save a checkpoint (by parameter name, loadable with any number of "
+            "ranks and plan), and resume from that one"
         )
     marker = verify(ckpt, rank, is_main)
     _check_weights_match(ckpt, model)
@@ -413,17 +491,3 @@ def _checkpoint_shapes(ckpt: Path) -> dict[str, list[int]] | None:
             for key in st.keys():
                 shapes[key] = st.get_slice(key).get_shape()
     return shapes
-
-
-def load_shard(checkpoint: str | os.PathLike, rank: int, optimizer: Any, global_step: int | None = None) -> None:
-    """Loads rank ``rank``'s shard of a verified checkpoint into ``optimizer``; a shard of another
-    step (``global_step``: the Trainer's, saved in the shard) or layout fails naming the file."""
-    path = Path(checkpoint) / shard_name(rank)
-    shard = torch.load(path, map_location="cpu", weights_only=True)
-    saved = shard.pop("global_step", None)
-    if global_step is not None and saved != global_step:
-        raise CheckpointError(f"{path} is stale: it holds step {saved} and the checkpoint step {global_step}")
-    try:
-        optimizer.load_state_dict(shard)
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"{path} does not fit this run: {e}") from e

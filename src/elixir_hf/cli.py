@@ -106,8 +106,9 @@ def _parser() -> argparse.ArgumentParser:
         "--host-mem",
         "--host_mem",
         type=parse_size,
-        help="host RAM (default: what this machine has "
-        "available when planning for it, i.e. without --hardware; else the hardware profile's)",
+        help="host RAM available to the job before its model is loaded (what prepare counts: MemAvailable "
+        "plus what the model's own weights free; default: what this machine has available when planning for it, "
+        "i.e. without --hardware; else the hardware profile's)",
     )
     p.add_argument(
         "--hardware",

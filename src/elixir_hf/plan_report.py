@@ -191,6 +191,7 @@ def _header(
         [
             f"{args.model}: {plan.profile.n_params / 1e9:.3f} B parameters, batch {args.batch_size} x {args.seq_len} "
             f"tokens per GPU{accum}, {gpus}, {plan.dtype}, activation checkpointing {'on' if args.ac else 'off'}",
+            f"planned batch shape: {plan.batch_shape} (batch_shape in the plan; a run's larger batches warn)",
             f"GPU:  {hardware.device}, {memory}; {_gpu_source(args, hardware, hw_note)}",
             f"host: {_size(plan.budget.host_capacity)} RAM, {host_source}",
         ]

@@ -8,7 +8,9 @@ recipe and of the benchmarks' smoke runs. Only the shape
 lives here; each user adds its own context (sequence length, vocabulary, dropout). The other
 families carry their whole published config (vocabulary and rope included), since it is the shape:
 ``llama3-8b`` (Meta-Llama-3-8B's config.json, 8.03 B parameters) and ``qwen2.5-7b`` (Qwen2.5-7B's,
-7.62 B; its q/k/v biases are built into HF's Qwen2 model), the models users fine-tune most.
+7.62 B; its q/k/v biases are built into HF's Qwen2 model), the models users fine-tune most, and the
+larger shapes the planning table sizes boxes by: ``llama2-13b`` (13.0 B), ``codellama-34b`` (33.7 B)
+and ``llama2-70b`` (69.0 B).
 """
 
 from __future__ import annotations
@@ -50,6 +52,49 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {  # name: (HF model_type, its 
             "intermediate_size": 11008,
             "vocab_size": 32000,
             "max_position_embeddings": 4096,
+        },
+    ),
+    "llama2-13b": (
+        "llama",
+        {
+            "hidden_size": 5120,
+            "num_hidden_layers": 40,
+            "num_attention_heads": 40,
+            "num_key_value_heads": 40,
+            "intermediate_size": 13824,
+            "vocab_size": 32000,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+        },
+    ),
+    "codellama-34b": (
+        "llama",
+        {
+            "hidden_size": 8192,
+            "num_hidden_layers": 48,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "intermediate_size": 22016,
+            "vocab_size": 32016,
+            "max_position_embeddings": 16384,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+        },
+    ),
+    "llama2-70b": (
+        "llama",
+        {
+            "hidden_size": 8192,
+            "num_hidden_layers": 80,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "intermediate_size": 28672,
+            "vocab_size": 32000,
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
         },
     ),
     "llama3-8b": (

@@ -12,6 +12,8 @@ and ``Accelerator`` the script builds — the stock classes and every subclass, 
 before or after (TRL's ``SFTConfig``/``SFTTrainer``) — is built as its Elixir version
 (``mixin.construct_elixir``), which reads ``ELIXIR_CONFIG``. The script then runs as
 ``python SCRIPT.py`` would run it: ``__main__``, ``sys.argv`` and ``sys.path[0]`` as Python sets them.
+With Elixir on, its ``from_pretrained`` calls stream the weights into the chunks
+(``loading.stream_from_pretrained_calls``; ``ELIXIR_STREAM=0`` leaves them as they are).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from transformers import Trainer, TrainingArguments
 
 from .accelerator import elixir_accelerator
 from .arguments import elixir_args
+from .loading import STREAM_ENV, stream_from_pretrained_calls
 from .mixin import construct_elixir
 from .plugin import ENV_VAR, ElixirPlugin, ElixirSpecError
 from .restart import install as install_get_last_checkpoint
@@ -79,11 +82,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     source = "--elixir" if spec is not None else ENV_VAR
     spec = spec if spec is not None else os.environ.get(ENV_VAR, "auto")
     try:
-        ElixirPlugin.from_spec(spec, source)  # a bad value fails here, before the script loads its model
+        plugin = ElixirPlugin.from_spec(spec, source)  # a bad value fails here, before the script loads its model
     except ElixirSpecError as exc:
         sys.exit(f"elixir-run: {exc}")
     os.environ[ENV_VAR] = spec
     install()
+    if plugin is not None and os.environ.get(STREAM_ENV, "1") != "0":
+        stream_from_pretrained_calls()
     if module:
         sys.argv = [target[0], *rest[2:]]  # runpy sets argv[0] to the module's file
         sys.path[0] = os.getcwd()  # as python -m does

@@ -16,12 +16,13 @@ where the Trainer allows it:
   process only (rank 0, or with ``save_on_each_node`` each node's main process: one host copy of the
   model per writer) and writes them atomically there, with ``elixir_plan.json`` beside them (the
   final output as well as every ``checkpoint-N``);
-* optimizer state is one ``elixir_optim_rank{r}.pt`` per rank, plus the scheduler on rank 0; a
-  checkpoint is complete once its marker (sizes and CRC-32s of all its files) is written, last,
-  before older checkpoints are rotated out;
+* optimizer state is saved by parameter name (``optimizer_files.py``: one safetensors file
+  per rank and an index), plus the scheduler on rank 0; a checkpoint is complete once its marker
+  (sizes and CRC-32s of all its files) is written, last, before older checkpoints are rotated out;
 * resuming verifies the checkpoint (marker, sums, step; on every rank) and checks it against the
-  model and the number of ranks before loading; ``resume_from_checkpoint=True`` takes the newest
-  complete checkpoint, warning about torn ones;
+  model before loading, into whatever number of ranks and plan this run has; a plain PyTorch
+  checkpoint (the stock Trainer's ``optimizer.pt``) loads too; ``resume_from_checkpoint=True``
+  takes the newest complete checkpoint, warning about torn ones;
 * a collective of ``train``, ``evaluate``, ``predict`` or ``save_model`` that fails because another
   rank gave up (``LockstepError``: the ranks diverged) raises that rank's error, not gloo's transport
   error (``elixir_runtime/chunk/peer_failure.py``);
@@ -48,27 +49,29 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from elixir_runtime import rank0_state_dict
+from elixir_runtime.chunk.stream import attached_weights
 
 from .accelerator import ElixirAccelerator
 from .arguments import as_elixir_args
+from .batch_plan import planned_batch
 from .callback import SHORT_CONSOLE
 from .checkpoint import (
     PLAN_NAME,
     all_ranks_agree,
     atomic_torch_save,
     check_resume,
-    load_shard,
     newest_complete,
     seal,
-    shard_name,
     staged_dir,
     unmark,
     verify,
 )
 from .console import follow_trainer
-from .engine import build_engine, example_batch, has_engine
+from .engine import build_engine, has_engine
 from .mixin import mixed_class
+from .optimizer_files import load_optimizer, save_optimizer
 from .plugin import ENV_VAR, ElixirPlugin, describe_model
+from .stream import restream
 
 __all__ = ["ElixirTrainer", "elixir_trainer"]
 
@@ -112,7 +115,7 @@ class ElixirTrainer(Trainer):
         optimizer = super().create_optimizer(model)
         target = model if model is not None else self.model
         batch = (
-            example_batch(self.train_dataset, self.data_collator, self._train_batch_size)
+            planned_batch(self.train_dataset, self.data_collator, self._train_batch_size, args=self.args, model=target)
             if self.train_dataset is not None
             else None
         )
@@ -223,17 +226,25 @@ class ElixirTrainer(Trainer):
         if not has_engine(self.model):
             return super()._save_optimizer_and_scheduler(output_dir)
         os.makedirs(output_dir, exist_ok=True)
+        args = self.args
+        self._digests.update(
+            save_optimizer(
+                output_dir,
+                self.optimizer,
+                rank=args.process_index,
+                world_size=args.world_size,
+                is_main=args.should_save,
+                global_step=self.state.global_step,
+            )
+        )
         error = None
-        try:
-            shard = {**self.optimizer.state_dict(), "global_step": self.state.global_step}
-            name = shard_name(self.args.process_index)
-            self._digests[name] = atomic_torch_save(shard, os.path.join(output_dir, name))
-            if self.args.should_save:
+        if args.should_save:
+            try:
                 self._digests[SCHEDULER_NAME] = atomic_torch_save(
                     self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME)
                 )
-        except OSError as e:
-            error = str(e)
+            except OSError as e:
+                error = str(e)
         all_ranks_agree(error, f"saving checkpoint {output_dir}")
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
@@ -242,6 +253,15 @@ class ElixirTrainer(Trainer):
             self._resume_marker = check_resume(
                 resume_from_checkpoint, target, self.args.world_size, self.args.process_index, self.args.should_save
             )
+            if not has_engine(target) and attached_weights(target) is not None:
+                # streamed (elixir_hf.from_pretrained): the engine reads the checkpoint's weights instead
+                error = None
+                try:
+                    restream(target, resume_from_checkpoint)
+                except Exception as e:  # noqa: BLE001 - every rank raises it
+                    error = f"{type(e).__name__}: {e}"
+                all_ranks_agree(error, f"streaming the weights of {resume_from_checkpoint}")
+                return
             if not has_engine(target) and all(p.is_meta for p in target.parameters()):
                 # a rank that built the model on meta (elixir_hf.from_pretrained): rank 0 loads the
                 # checkpoint's weights and the engine gives them to this rank; reading the file here
@@ -252,14 +272,14 @@ class ElixirTrainer(Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is None or not has_engine(self.model):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        marker = getattr(self, "_resume_marker", None) or verify(
-            checkpoint, self.args.process_index, self.args.should_save
-        )
-        if not marker["optimizer"]:
+        if getattr(self, "_resume_marker", False) is False:
+            self._resume_marker = verify(checkpoint, self.args.process_index, self.args.should_save)
+        marker = self._resume_marker  # None: a plain PyTorch checkpoint
+        if marker is not None and not marker["optimizer"]:
             return  # weights only (save_only_model): fresh optimizer and scheduler, as the stock Trainer does
         error = None
         try:
-            load_shard(checkpoint, self.args.process_index, self.optimizer, marker["step"])
+            load_optimizer(checkpoint, self.optimizer, self.args.process_index, marker and marker["step"])
             self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
         except Exception as e:  # noqa: BLE001 - every rank raises it
             error = f"{type(e).__name__}: {e}"

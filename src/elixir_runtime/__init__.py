@@ -10,6 +10,7 @@ with elixir_runtime.full_params(model):   # every rank; then forwards on any ran
 """
 
 from .api import ElixirState, prepare
+from .chunk.stream import WeightsError, stream_weights
 from .config import ElixirConfig, LossScaleConfig, PlanError
 from .optim.optimizer import ElixirOptimizer
 from .plan import ElixirPlan
@@ -26,6 +27,8 @@ __all__ = [
     "PlanError",
     "ElixirState",
     "load_safetensors",
+    "stream_weights",
+    "WeightsError",
     "rank0_state_dict",
     "full_params",
     "LockstepError",

@@ -19,6 +19,7 @@ from torch import nn
 
 from .chunk.collectives import Collectives
 from .chunk.source import WeightSource, unmeta_parameters, weight_source
+from .chunk.stream import detach_weights
 from .config import ElixirConfig
 from .gpu_limit import expandable_segments, limit_gpu_memory
 from .host import local_ranks
@@ -106,20 +107,22 @@ def prepare(
     unmeta_parameters(params)
     lockstep = Lockstep(coll, config.lockstep_timeout_s)
     lane = DeviceLane(plan.device_lane, device, dtype) if plan.device_lane else None
-    runtime = ChunkRuntime(
-        plan.layout,
-        plan.placement(),
-        plan.n_blocks,
-        coll,
-        device,
-        dtype,
-        config.prefetch,
-        lockstep,
-        source.value,
-        lane,
-        grads_share_activations=plan.grad_window.shares,
-    )
-    install_hooks(model, units, plan.unit_chunks, runtime, plan.root_chunks)
+    with source.reading(device):  # streamed weights: a failed read fails prepare on every rank
+        runtime = ChunkRuntime(
+            plan.layout,
+            plan.placement(),
+            plan.n_blocks,
+            coll,
+            device,
+            dtype,
+            config.prefetch,
+            lockstep,
+            source.part,
+            lane,
+            grads_share_activations=plan.grad_window.shares,
+        )
+    detach_weights(model)
+    install_hooks(model, units, plan.unit_chunks, runtime, plan.root_chunks, plan.batch_shape)
     model_state = ModelStateHooks(runtime, orig_dtypes)
     model_state.install(model)
     elixir_optimizer = ElixirOptimizer(

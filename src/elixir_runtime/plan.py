@@ -22,7 +22,7 @@ import torch
 from .chunk.layout import ChunkLayout
 from .config import ElixirConfig, PlanError
 from .gpu_limit import device_capacity, process_limit
-from .host import host_available, local_ranks
+from .host import HostMemory
 from .profiler.profile import ModelProfile
 from .runtime.device_lane import LANE_DEPTH
 from .search.budget import Budget
@@ -105,6 +105,10 @@ class ElixirPlan:
     gpu_memory: int | None = None
     """``ElixirConfig.gpu_memory`` the plan was made under (bytes per GPU; ``None``: no cap); a run
     from this plan file is held to it again."""
+    batch_shape: list[int] | None = None
+    """``[batch, seq]`` of the example batch the plan was made with (its activations are the ones
+    budgeted); a larger training batch warns once (``runtime/batch_guard.py``). ``None``: no batch
+    (and plan files from before it was recorded)."""
 
     param_table: ParamTable | None = _runtime()
     """The parameters in first-use order the layout was built from (``None``: a plan read from a file)."""
@@ -164,6 +168,11 @@ class ElixirPlan:
         rows += [
             ("offloaded chunks", f"{len(self.offload)} of {self.n_chunks}"),
             ("world size", str(self.world_size)),
+        ]
+        if self.batch_shape:
+            b, s = self.batch_shape
+            rows.append(("planned batch", f"{b} x {s} tokens per micro-batch (a larger training batch warns)"))
+        rows += [
             ("GPU memory / rank", f"{self.device_bytes / gib:.3f} GiB (model states + gathered-parameter cache)"),
             ("host memory / rank", f"{self.host_bytes / gib:.3f} GiB (pinned)"),
             (
@@ -381,8 +390,9 @@ def _attach_search(plan: ElixirPlan, search: SearchResult) -> None:
     plan.alternatives = search.alternatives
 
 
-def check_fits(plan: ElixirPlan, device: torch.device) -> None:
-    """Fails before allocation when the plan exceeds the device's or the host's memory."""
+def check_fits(plan: ElixirPlan, device: torch.device, host: HostMemory) -> None:
+    """Fails before allocation when the plan exceeds the device's memory or the host's as the run
+    will have it (``planner.job_host_memory``)."""
     gib = 2**30
     if device.type == "cuda":
         capacity, limit = device_capacity(device), process_limit(device)
@@ -401,10 +411,8 @@ def check_fits(plan: ElixirPlan, device: torch.device) -> None:
                 f"rCache, but only {capacity / gib:.2f} of {total / gib:.2f} GiB are free{capped}: offload more "
                 "chunks, use fewer rCache blocks, or more GPUs"
             )
-    available, ranks_here = host_available(), local_ranks()
-    if plan.host_bytes * ranks_here > available:
+    if plan.host_bytes * host.ranks > host.capacity:
         raise PlanError(
-            f"the plan needs {plan.host_bytes / gib:.2f} GiB of host memory per rank x {ranks_here} ranks on this host "
-            f"for offloaded chunks, but only {available / gib:.2f} GiB are available: offload fewer chunks or use "
-            "more hosts"
+            f"the plan needs {plan.host_bytes / gib:.2f} GiB of host memory per rank x {host.ranks} ranks on this host "
+            f"for offloaded chunks, but the host has {host.accounting()}: offload fewer chunks or use more hosts"
         )

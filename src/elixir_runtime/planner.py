@@ -6,18 +6,21 @@ layout, which the search built; the plan carries that layout, the table and each
 so nothing downstream builds them again. ``plan_static`` is a plan *given* (a static config or a
 plan file: its chunk size): the layout is built from it, nothing is searched. ``plan_job`` is
 ``prepare``'s entry: searched (``search_job``: the job's hardware measured, decided on rank 0, the
-plan given to every rank) or static, then checked against this machine's memory. Runs before any
-training memory exists.
+plan given to every rank) or static, then checked against this machine's memory, the host's as the
+run will have it (``job_host_memory``). Runs before any training memory exists.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Collection
+import socket
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .chunk.collectives import Collectives
@@ -27,12 +30,13 @@ from .gpu_limit import device_capacity, process_limit
 from .hardware.load import job_hardware
 from .hardware.measure import collective_busbw
 from .hardware.profile import HardwareProfile
-from .host import host_available, local_ranks
+from .host import HostMemory, held_bytes, host_available, local_ranks
 from .plan import ElixirPlan, check_fits, resolve_plan
 from .profiler.kernels import cuda_attention
 from .profiler.profile import ModelProfile, profile_model, structural_profile
 from .profiler.trace import trace_unit_order
 from .progress import progress
+from .runtime.batch_guard import token_shape
 from .search.budget import F_FRAG, Budget
 from .search.loop import SearchResult, SearchSettings, search
 from .units import ParamTable, Unit, param_table
@@ -44,6 +48,7 @@ __all__ = [
     "plan_job",
     "search_job",
     "device_budget",
+    "job_host_memory",
     "device_lane_wanted",
     "UNPROFILED_ACTIVATION_SHARE",
 ]
@@ -84,17 +89,47 @@ def device_lane_wanted(config: ElixirConfig, device: torch.device) -> bool:
     return bool(config.device_assisted_update)
 
 
-def device_budget(device: torch.device, activations: int, buffers: int, ranks_per_host: int) -> Budget:
+def device_budget(device: torch.device, activations: int, buffers: int, host: HostMemory) -> Budget:
     """The budget of a live CUDA device: what is free now plus what torch's allocator holds unused,
-    within the process's limit."""
+    within the process's limit; the host's memory as the run will have it (``job_host_memory``)."""
     return Budget(
         capacity=device_capacity(device),
         activations=activations,
         buffers=buffers,
-        host_capacity=host_available(),
-        ranks_per_host=ranks_per_host,
+        host_capacity=host.capacity,
+        ranks_per_host=host.ranks,
         limit=process_limit(device),
+        host_released=host.released,
     )
+
+
+def job_host_memory(model: nn.Module, example_batch: Any | None, device: torch.device, coll: Collectives) -> HostMemory:
+    """This host's memory as the run will have it ([Note: host memory as the run will have it],
+    ``host.py``): ``MemAvailable`` now plus what every rank on this host frees when ``prepare``
+    takes its weights into chunks (its parameters; its buffers, moved to ``device``; the example
+    batch, which ``prepare`` keeps no reference to). A collective where the job has several ranks."""
+    released = held_bytes(_released_tensors(model, example_batch, device))
+    if coll.world_size > 1:
+        here, everyone = socket.gethostname(), [None] * coll.world_size
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            dist.all_gather_object(everyone, (here, released), group=coll.group)
+        released = sum(held for host, held in everyone if host == here)
+    return HostMemory(host_available(), released, local_ranks())
+
+
+def _released_tensors(model: nn.Module, batch: Any, device: torch.device) -> Iterator[torch.Tensor]:
+    yield from model.parameters()
+    if device.type != "cpu":
+        yield from model.buffers()
+    stack = [batch]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            yield item
+        elif isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
 
 
 def plan_model(
@@ -110,7 +145,8 @@ def plan_model(
 ) -> ElixirPlan:
     """The searched plan of ``model`` trained on ``example_batch`` for ``target``; ``exact``: trace
     every block (``profile_model``). Not checked against this machine's memory (``check_fits``)."""
-    return _searched(model, units, example_batch, config, target, param_group, exact, resident).plan(config, target)
+    plan = _searched(model, units, example_batch, config, target, param_group, exact, resident).plan(config, target)
+    return _for_batch(plan, example_batch)
 
 
 def plan_static(
@@ -148,6 +184,7 @@ def plan_job(
     """``prepare``'s plan, the same on every rank and checked against this machine's memory:
     searched with ``mode="auto"`` on a GPU (``search_job``), else as the config gives it
     (``plan_static``) in the use order traced on rank 0."""
+    host = job_host_memory(model, example_batch, device, coll)
     if config.mode == "auto" and device.type == "cuda":
         plan = search_job(
             model,
@@ -160,6 +197,7 @@ def plan_job(
             param_group=param_group,
             grads_share_activations=grads_share_activations,
             resident=resident,
+            host=host,
         )
     else:
         order = coll.decided_by_rank0(lambda: trace_unit_order(model, units, example_batch, dtype, device), device)
@@ -174,7 +212,14 @@ def plan_job(
             param_group=param_group,
             resident=resident,
         )
-    check_fits(plan, device)
+    check_fits(plan, device, host)
+    return _for_batch(plan, example_batch)
+
+
+def _for_batch(plan: ElixirPlan, example_batch: Any | None) -> ElixirPlan:
+    """``plan`` with the shape of the batch it was made with (``ElixirPlan.batch_shape``)."""
+    shape = token_shape(example_batch) if example_batch is not None else None
+    plan.batch_shape = list(shape) if shape is not None else None
     return plan
 
 
@@ -190,8 +235,10 @@ def search_job(
     param_group: ParamGroup | None = None,
     grads_share_activations: bool = True,
     resident: Resident = (),
+    host: HostMemory | None = None,
 ) -> ElixirPlan:
-    """The searched plan of the job ``coll`` spans, on ``device``'s free memory, identical on every rank.
+    """The searched plan of the job ``coll`` spans, on ``device``'s free memory and ``host``'s
+    (default: ``job_host_memory``), identical on every rank.
 
     [Note: one decision, every rank]
     Every rank first times the engine's collectives on the job's own process group (the bandwidth
@@ -202,11 +249,12 @@ def search_job(
     search built holds rank 0's parameters, so it is not sent: the other ranks build theirs from
     the chosen chunk size, as from any plan given.
     """
+    host = host or job_host_memory(model, example_batch, device, coll)
     busbw = collective_busbw(coll, device, dtype) if coll.world_size > 1 else None
     hardware = job_hardware(coll, device, config.cpu_threads)
 
     def budget(profile: ModelProfile) -> Budget:
-        return device_budget(device, profile.activation_peak, profile.buffer_bytes, local_ranks())
+        return device_budget(device, profile.activation_peak, profile.buffer_bytes, host)
 
     target = Target(coll.world_size, device, dtype, hardware, budget, busbw, grads_share_activations)
     mine: list[_Searched] = []

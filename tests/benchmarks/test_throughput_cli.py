@@ -74,6 +74,17 @@ def _config_file(tmp_path: Path, **fields) -> Path:
                 "rms_norm_eps": 1e-6,
             },
         ),
+        (
+            "llama2-13b",
+            13_015_864_320,
+            {"hidden_size": 5120, "num_hidden_layers": 40, "num_key_value_heads": 40, "intermediate_size": 13824},
+        ),
+        (
+            "codellama-34b",
+            33_744_232_448,
+            {"hidden_size": 8192, "num_hidden_layers": 48, "num_key_value_heads": 8, "vocab_size": 32016},
+        ),
+        ("llama2-70b", 68_976_648_192, {"hidden_size": 8192, "num_hidden_layers": 80, "intermediate_size": 28672}),
     ],
 )
 def test_decoder_presets_are_the_published_models(name: str, billions: int, fields: dict) -> None:
@@ -82,15 +93,16 @@ def test_decoder_presets_are_the_published_models(name: str, billions: int, fiel
     config = p.config(2048)
     assert {k: getattr(config, k) for k in fields} == fields
     assert config.tie_word_embeddings is False and config.use_cache is False
-    assert config.rope_parameters["rope_theta"] == {"llama3-8b": 500000.0, "qwen2.5-7b": 1e6}[name]
+    theta = {"llama3-8b": 500000.0, "qwen2.5-7b": 1e6, "codellama-34b": 1e6}
+    assert config.rope_parameters["rope_theta"] == theta.get(name, 10000.0)
     model = build_meta(p, 2048, torch.bfloat16)
-    assert count_params(model) == billions  # 8.03 B / 7.62 B, untied lm_head counted
+    assert count_params(model) == billions  # the published count, untied lm_head included
     assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
     assert model.config._attn_implementation == "sdpa"
     assert all(layer.gradient_checkpointing for layer in model.model.layers)  # activation checkpointing
     q_bias = model.model.layers[0].self_attn.q_proj.bias
     assert (q_bias is not None) == (name == "qwen2.5-7b")  # Qwen2.5's q/k/v biases
-    assert vocab_size(p) == fields["vocab_size"]
+    assert vocab_size(p) == config.vocab_size
 
 
 def test_parse_args_seq_follows_the_model_and_clip_is_on_by_default(tmp_path: Path) -> None:

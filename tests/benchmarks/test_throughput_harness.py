@@ -177,8 +177,8 @@ def test_preset_sizes_match_the_anchors() -> None:
     assert 1.5 < billions["1.5b"] < 1.6 and 9.5 < billions["gpt2-10b"] < 10.5
 
 
-def test_cpu_run_of_elixir_and_plain(tmp_path: Path) -> None:
-    """The whole path on CPU: parent, one worker per system, RESULT lines, results.json, table and chart."""
+def _cpu_run(tmp_path: Path, systems: str) -> dict:
+    """``benchmarks.throughput`` on CPU (tiny model, batch 2, seq 64, 2 timed steps); its results.json."""
     out = tmp_path / "results.json"
     cmd = [
         sys.executable,
@@ -189,7 +189,7 @@ def test_cpu_run_of_elixir_and_plain(tmp_path: Path) -> None:
         "--batch-sizes",
         "2",
         "--systems",
-        "elixir,plain",
+        systems,
         "--device",
         "cpu",
         "--seq",
@@ -211,7 +211,12 @@ def test_cpu_run_of_elixir_and_plain(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)), HF_HUB_OFFLINE="1")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_cpu_run_of_elixir_and_plain(tmp_path: Path) -> None:
+    """The whole path on CPU: parent, one worker per system, RESULT lines, results.json, table and chart."""
+    results = _cpu_run(tmp_path, "elixir,plain")
     runs = {r["system"]: r for r in results["runs"]}
     assert set(runs) == {"elixir", "plain"}
     for r in runs.values():
@@ -222,3 +227,18 @@ def test_cpu_run_of_elixir_and_plain(tmp_path: Path) -> None:
     (row,) = results["in_gpu_regime"]
     assert row["best_baseline"] == "plain" and row["elixir_over_best_baseline"] > 0
     assert (tmp_path / "benchmarks.md").exists() and (tmp_path / "throughput.png").exists()
+
+
+def test_cpu_run_of_the_trainer_path(tmp_path: Path) -> None:
+    """``elixir_trainer`` (``ElixirTrainer``, ``--elixir auto``) beside the stock ``Trainer``: whole
+    ``Trainer.train()`` loops timed per step; the Elixir figures of the row are the Trainer path's."""
+    results = _cpu_run(tmp_path, "elixir_trainer,trainer")
+    runs = {r["system"]: r for r in results["runs"]}
+    assert set(runs) == {"elixir_trainer", "trainer"}
+    for r in runs.values():
+        assert r["status"] == "ok" and len(r["step_times_s"]) == 2 and r["info"]["engine_build_s"] > 0, r
+    assert runs["elixir_trainer"]["info"]["plan"]["n_chunks"] > 0 and "plan" not in runs["trainer"]["info"]
+    # same model, data and seed, AdamW either way: the loop's mean loss is the model's, not the system's
+    assert runs["elixir_trainer"]["loss"] == pytest.approx(runs["trainer"]["loss"], rel=1e-3)
+    (row,) = results["in_gpu_regime"]
+    assert row["elixir_system"] == "elixir_trainer" and row["best_baseline"] == "trainer"

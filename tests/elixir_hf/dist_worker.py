@@ -2,8 +2,8 @@
 
 On every rank: a stock DDP Trainer run, the same run through ElixirTrainer (saving a checkpoint
 half-way and the final model), a resume from that checkpoint, the Elixir run again from the
-same initial weights saved to disk and loaded by ``elixir_hf.from_pretrained`` (rank 1 builds the
-model on meta), and a plain ElixirAccelerator loop with rank 1's model built on meta or not. Rank 0 writes what the test compares to ``<out>/result.json``.
+same initial weights saved to disk and loaded by ``elixir_hf.from_pretrained`` with ``stream=False``
+(rank 1 builds the model on meta), a resume of a model streamed from them (every rank on meta), and a plain ElixirAccelerator loop with rank 1's model built on meta or not. Rank 0 writes what the test compares to ``<out>/result.json``.
 The runs differ in ``--log_level``/``--log_level_replica``/``--disable_tqdm``: what each showed on
 each rank's stderr (Elixir's INFO lines, its progress bars) is in the result too.
 """
@@ -98,7 +98,7 @@ def main(out: str) -> None:
         MODEL_BUILDERS["gpt2"](seed=0, vocab=VOCAB).save_pretrained(f"{out}/init")
     dist.barrier()
     loaded = elixir_hf.from_pretrained(
-        AutoModelForCausalLM, f"{out}/init", dtype=torch.float32, attn_implementation=ATTN_IMPL
+        AutoModelForCausalLM, f"{out}/init", stream=False, dtype=torch.float32, attn_implementation=ATTN_IMPL
     )
     on_meta: list = [None] * dist.get_world_size()
     dist.all_gather_object(on_meta, all(p.is_meta for p in loaded.parameters()))
@@ -108,10 +108,12 @@ def main(out: str) -> None:
     )
     from_rank0.train()
     shown["replica_info"] = _shown(err, since)
-    # resuming with rank 1 on meta: only rank 0 reads the checkpoint's weights
+    # streamed (every rank on meta), then resumed: every rank reads its shards of the checkpoint's weights
     loaded = elixir_hf.from_pretrained(
         AutoModelForCausalLM, f"{out}/init", dtype=torch.float32, attn_implementation=ATTN_IMPL
     )
+    streamed: list = [None] * dist.get_world_size()
+    dist.all_gather_object(streamed, all(p.is_meta for p in loaded.parameters()))
     from_rank0_resumed = make_trainer(loaded, training_args(f"{out}/elixir", OFFLOAD_PLAN, **elixir_args))
     from_rank0_resumed.train(resume_from_checkpoint=f"{out}/elixir/checkpoint-{STEPS // 2}")
 
@@ -130,6 +132,7 @@ def main(out: str) -> None:
             "elixir": {k: history(full, k) for k in ("loss", "grad_norm", "eval_loss")},
             "resumed": {k: history(resumed, k) for k in ("loss", "grad_norm", "eval_loss")},
             "loaded_on_meta": on_meta,
+            "streamed_on_meta": streamed,
             "from_rank0_resumed": {k: history(from_rank0_resumed, k) for k in ("loss", "grad_norm", "eval_loss")},
             "from_rank0": {k: history(from_rank0, k) for k in ("loss", "grad_norm", "eval_loss")},
             "accelerate": [losses for losses, _ in accelerate_runs],

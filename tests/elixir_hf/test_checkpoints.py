@@ -4,9 +4,11 @@ leave no temporary files, and a checkpoint that cannot continue this run fails b
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import shutil
+import zlib
 from pathlib import Path
 
 import pytest
@@ -14,8 +16,12 @@ import torch
 import transformers
 from hf_cases import OFFLOAD_PLAN, VOCAB, history, make_trainer, training_args
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, get_linear_schedule_with_warmup
 
+import elixir_hf.trainer
+from elixir_hf import convert
+from elixir_hf.checkpoint import MARKER_NAME, OPTIM_INDEX, CheckpointError, atomic_torch_save
 from helpers.models import ATTN_IMPL, make_batch
 
 SAVE = dict(max_steps=10, save_strategy="steps", save_steps=5, eval_strategy="no")
@@ -41,7 +47,8 @@ def test_checkpoint_files(saved_run) -> None:
     assert {
         "model.safetensors",
         "config.json",
-        "elixir_optim_rank0.pt",
+        "optimizer-00000-of-00001.safetensors",
+        "optimizer.safetensors.index.json",
         "scheduler.pt",
         "elixir_plan.json",
         "trainer_state.json",
@@ -51,8 +58,17 @@ def test_checkpoint_files(saved_run) -> None:
     assert not [n for n in names if n.startswith(".")], "temporary files left behind"
     plan = json.loads((ckpt / "elixir_plan.json").read_text())
     assert plan["world_size"] == 1 and plan["model"]["class"] == "GPT2LMHeadModel"
-    shard = torch.load(ckpt / "elixir_optim_rank0.pt", weights_only=True)
-    assert shard["world_size"] == 1 and shard["step"] == 5
+    index = json.loads((ckpt / "optimizer.safetensors.index.json").read_text())
+    assert index["world_size"] == 1 and index["step"] == index["global_step"] == 5
+    wte = index["params"]["transformer.wte.weight"]  # tied: once, under the name save_pretrained keeps
+    assert wte["names"] == ["transformer.wte.weight", "lm_head.weight"] and "lm_head.weight" not in index["params"]
+    assert wte["pieces"] == [["optimizer-00000-of-00001.safetensors", 0, VOCAB * 32]] and wte["step"] == 5
+    with safe_open(str(ckpt / "optimizer-00000-of-00001.safetensors"), framework="pt") as f:
+        assert f.get_tensor("transformer.wte.weight.master").shape == (VOCAB * 32,)
+        weights = load_file(str(ckpt / "model.safetensors"))
+        assert torch.equal(
+            f.get_tensor("transformer.h.0.mlp.c_fc.weight.master"), weights["transformer.h.0.mlp.c_fc.weight"].flatten()
+        )
 
 
 def test_resume_gives_the_same_losses(saved_run, tmp_path) -> None:
@@ -124,20 +140,158 @@ def test_checkpoint_of_another_model_fails_clearly(saved_run, tmp_path, model: s
         _resume(tmp_path, saved_run[0] / "checkpoint-5", model, **kwargs)
 
 
-def test_checkpoint_of_another_world_size_fails_clearly(saved_run, tmp_path) -> None:
+# ------------------------------------------------------------------ the optimizer index: bad input
+def _edit_index(saved_run, tmp_path: Path, edit) -> Path:
+    """A copy of checkpoint-5 whose optimizer index ``edit`` changed, the marker's sums updated."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved_run[0] / "checkpoint-5", ckpt)
-    marker = json.loads((ckpt / "elixir_checkpoint.json").read_text())  # the marker records the ranks
-    (ckpt / "elixir_checkpoint.json").write_text(json.dumps({**marker, "world_size": 2}))
-    with pytest.raises(ValueError, match=r"written by 2 rank\(s\).*this run has 1.*--nproc_per_node 2"):
+    path = ckpt / OPTIM_INDEX
+    index = json.loads(path.read_text())
+    edit(index)
+    path.write_text(json.dumps(index))
+    marker = json.loads((ckpt / MARKER_NAME).read_text())
+    marker["files"][OPTIM_INDEX] = {"bytes": path.stat().st_size, "crc32": zlib.crc32(path.read_bytes())}
+    (ckpt / MARKER_NAME).write_text(json.dumps(marker))
+    return ckpt
+
+
+BIAS = "transformer.h.0.attn.c_attn.bias"
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda i: i["params"].pop(BIAS),
+            rf"is partial: it has no optimizer state for 1 trainable parameter\(s\) \('{BIAS}'\)",
+        ),
+        (
+            lambda i: i["params"][BIAS]["pieces"].clear(),
+            rf"is partial: the pieces of '{BIAS}' cover its elements \[0, 0\) of 96",
+        ),
+        (
+            lambda i: i["params"][BIAS].update(shape=[3, 32]),
+            rf"is from another model: 1 parameter\(s\) differ in shape.*'{BIAS}' is \[3, 32\] there, \[96\] here",
+        ),
+        (
+            lambda i: i.update(version=2),
+            "has format version 2, newer than this elixir-hf reads \\(1\\): upgrade elixir-hf",
+        ),
+    ],
+    ids=["parameter-missing", "piece-missing", "other-shape", "newer-format"],
+)
+def test_bad_optimizer_index_fails_before_training(saved_run, tmp_path, edit, message: str) -> None:
+    ckpt = _edit_index(saved_run, tmp_path, edit)
+    trainer = make_trainer("gpt2", training_args(str(tmp_path / "new"), OFFLOAD_PLAN, **SAVE))
+    with pytest.raises(CheckpointError, match=message):
+        trainer.train(resume_from_checkpoint=str(ckpt))
+    assert trainer.state.global_step == 5 and not history(trainer, "loss", after_step=5), "no step may run"
+
+
+# ------------------------------------------------------------------ per-rank shards of earlier versions
+def _legacy_save(folder, optimizer, *, rank: int, world_size: int, is_main: bool, global_step: int) -> dict:
+    """What a save wrote before the optimizer state was saved by name: one chunk shard per rank."""
+    name = f"elixir_optim_rank{rank}.pt"
+    return {name: atomic_torch_save({**optimizer.state_dict(), "global_step": global_step}, Path(folder) / name)}
+
+
+@pytest.fixture(scope="module")
+def legacy_run(tmp_path_factory) -> tuple[Path, list[float]]:
+    out = tmp_path_factory.mktemp("legacy")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(elixir_hf.trainer, "save_optimizer", _legacy_save)
+        trainer = make_trainer("gpt2", training_args(str(out), OFFLOAD_PLAN, **SAVE))
+        trainer.train()
+    assert (out / "checkpoint-5" / "elixir_optim_rank0.pt").is_file()
+    return out, history(trainer, "loss")
+
+
+def test_shards_of_earlier_versions_resume_on_the_same_ranks_and_plan(legacy_run, tmp_path) -> None:
+    out, losses = legacy_run
+    resumed = make_trainer("gpt2", training_args(str(tmp_path / "new"), OFFLOAD_PLAN, **SAVE))
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-5"))
+    assert history(resumed, "loss", after_step=5) == losses[5:]
+
+
+def test_shards_of_earlier_versions_on_another_world_size_fail_clearly(legacy_run, tmp_path) -> None:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(legacy_run[0] / "checkpoint-5", ckpt)
+    marker = json.loads((ckpt / MARKER_NAME).read_text())  # the marker records the ranks
+    (ckpt / MARKER_NAME).write_text(json.dumps({**marker, "world_size": 2}))
+    with pytest.raises(
+        ValueError,
+        match=rf"per-rank optimizer shards .* written by 2 rank\(s\), and this run has 1.*Resume it once with 2 processes and --elixir {ckpt}/elixir_plan.json, save",
+    ):
         _resume(tmp_path, ckpt)
 
 
-def test_plain_optimizer_checkpoint_fails_clearly(tmp_path) -> None:
+def test_shards_of_earlier_versions_in_another_plan_fail_clearly(legacy_run, tmp_path) -> None:
+    ckpt = legacy_run[0] / "checkpoint-5"
+    coarse = '{"mode": "static", "n_blocks": "min", "offload": 0.5, "chunk_size": 65536}'
+    trainer = make_trainer("gpt2", training_args(str(tmp_path / "new"), coarse, **SAVE))
+    with pytest.raises(
+        CheckpointError,
+        match=rf"elixir_optim_rank0.pt does not fit this run: .*different chunk layout.*resume with --elixir {ckpt}/elixir_plan.json",
+    ):
+        trainer.train(resume_from_checkpoint=str(ckpt))
+
+
+# ------------------------------------------------------------------ plain PyTorch checkpoints, in and out
+def test_stock_trainer_checkpoint_resumes_in_elixir(tmp_path) -> None:
+    """A stock Trainer's checkpoint (HF weights, a plain AdamW ``optimizer.pt``): Elixir continues as
+    the stock Trainer does; the moments are mapped by optimizer order to the chunks."""
     stock = make_trainer("gpt2", training_args(str(tmp_path / "stock"), **SAVE))
     stock.train()
-    with pytest.raises(ValueError, match="plain PyTorch optimizer state.*--elixir off"):
-        _resume(tmp_path, tmp_path / "stock" / "checkpoint-5")
+    trainer = make_trainer("gpt2", training_args(str(tmp_path / "elixir"), OFFLOAD_PLAN, **SAVE))
+    trainer.train(resume_from_checkpoint=str(tmp_path / "stock" / "checkpoint-5"))
+    got, want = history(trainer, "loss", after_step=5), history(stock, "loss", after_step=5)
+    assert len(got) == len(want) == 5
+    for g, w in zip(got, want):  # with a fresh Adam state instead: 1e-3 to 1e-2 apart from step 7 on
+        assert g == pytest.approx(w, rel=1e-5)
+
+
+def test_convert_continues_in_a_plain_loop_and_back_in_elixir(saved_run, tmp_path) -> None:
+    """``python -m elixir_hf.convert checkpoint-5 OUT``: a plain PyTorch loop (AdamW from
+    ``OUT/optimizer.pt``, the Trainer's schedule from ``OUT/scheduler.pt``, the Trainer's batches)
+    takes the Elixir run's next 5 steps; and an Elixir run resumes from ``OUT`` as from checkpoint-5."""
+    out, losses = saved_run
+    plain = tmp_path / "plain"
+    convert.main([str(out / "checkpoint-5"), str(plain)])
+    model = AutoModelForCausalLM.from_pretrained(plain, attn_implementation=ATTN_IMPL).train()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    sd = torch.load(plain / "optimizer.pt", weights_only=True)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [params[i] for i in g["params"]]} for g in sd["param_groups"]])
+    schedule = get_linear_schedule_with_warmup(opt, 0, SAVE["max_steps"])  # sets the lr: before the load
+    opt.load_state_dict(sd)
+    schedule.load_state_dict(torch.load(plain / "scheduler.pt", weights_only=True))
+    args = training_args(str(tmp_path / "data"), **SAVE)
+    micro = list(itertools.islice(make_trainer("gpt2", args).get_train_dataloader(), 20))[10:]  # steps 6-10
+    got = []
+    for step in range(5):
+        pair = micro[2 * step : 2 * step + 2]
+        items = sum((b["labels"] != -100).sum() for b in pair)  # the Trainer's loss: a sum over the step's labels
+        total = 0.0
+        for batch in pair:
+            loss = model(**batch, num_items_in_batch=items).loss
+            loss.backward()
+            total += loss.item()
+        got.append(total)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        opt.step()
+        schedule.step()
+        opt.zero_grad()
+    want = load_file(str(out / "checkpoint-10" / "model.safetensors"))
+    final = model.state_dict()
+    # measured 6e-8 (the plain and the Elixir Adam kernels' rounding); a step with the lr the schedule
+    # had at construction instead of the loaded one: 6e-3
+    assert max((final[k] - w).abs().max().item() for k, w in want.items()) < 1e-6
+    for g, w in zip(got, losses[5:]):
+        assert g == pytest.approx(w, rel=1e-5)
+
+    back = make_trainer("gpt2", training_args(str(tmp_path / "back"), OFFLOAD_PLAN, **SAVE))
+    back.train(resume_from_checkpoint=str(plain))
+    assert history(back, "loss", after_step=5) == pytest.approx(losses[5:], rel=1e-6)
 
 
 def test_incomplete_checkpoint_fails_clearly(saved_run, tmp_path) -> None:

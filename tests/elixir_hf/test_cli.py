@@ -461,7 +461,7 @@ def test_cli_and_auto_make_the_same_plan_from_the_same_profile(capsys, tmp_path,
 
     monkeypatch.setenv("ELIXIR_HARDWARE", "h100")
     monkeypatch.setattr(
-        planner, "device_budget", lambda device, act, buffers, ranks: Budget(gpu, act, buffers, host, ranks)
+        planner, "device_budget", lambda device, act, buffers, on_host: Budget(gpu, act, buffers, host, on_host.ranks)
     )
     model = build_meta_model(model_config(_tiny_config(tmp_path), 128), torch.bfloat16, checkpointing=True)
     use_lean_loss(model)  # as build_engine does before prepare

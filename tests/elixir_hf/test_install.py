@@ -52,6 +52,7 @@ def test_the_wheel_ships_the_kernel_sources_and_the_commands(wheel: Path) -> Non
     (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]
     scripts = zipfile.ZipFile(wheel).read(entry_points).decode()
     for script in (
+        "elixir-convert = elixir_hf.convert:main",
         "elixir-env = elixir_hf.env:main",
         "elixir-plan = elixir_hf.cli:main",
         "elixir-run = elixir_hf.run:main",

@@ -1,6 +1,6 @@
-"""``elixir_hf.from_pretrained`` / ``from_config``: real weights on rank 0 (or everywhere when
-``rank0_only=False``), the identical model on meta on the other ranks, read from a local folder
-as the hub path would be."""
+"""``elixir_hf.from_pretrained(..., stream=False)`` / ``from_config``: real weights on rank 0 (or
+everywhere when ``rank0_only=False``), the identical model on meta on the other ranks, read from a
+local folder as the hub path would be. Streaming (the default for such a folder): test_streaming.py."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _signature(model: torch.nn.Module) -> list[tuple]:
 
 def test_rank_0_loads_the_weights(saved, monkeypatch) -> None:
     monkeypatch.setenv("RANK", "0")
-    model = elixir_hf.from_pretrained(AutoModelForCausalLM, saved, dtype=torch.float32)
+    model = elixir_hf.from_pretrained(AutoModelForCausalLM, saved, stream=False, dtype=torch.float32)
     want = GPT2LMHeadModel.from_pretrained(saved, dtype=torch.float32)
     assert not any(p.is_meta for p in model.parameters())
     for (name, p), q in zip(model.named_parameters(), want.parameters()):
@@ -34,9 +34,9 @@ def test_rank_0_loads_the_weights(saved, monkeypatch) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_other_ranks_build_the_same_model_on_meta(saved, monkeypatch, dtype) -> None:
-    rank0 = elixir_hf.from_pretrained(AutoModelForCausalLM, saved, dtype=dtype)
+    rank0 = elixir_hf.from_pretrained(AutoModelForCausalLM, saved, stream=False, dtype=dtype)
     monkeypatch.setenv("RANK", "1")
-    other = elixir_hf.from_pretrained(AutoModelForCausalLM, saved, dtype=dtype)
+    other = elixir_hf.from_pretrained(AutoModelForCausalLM, saved, stream=False, dtype=dtype)
     assert all(t.is_meta for _, t in [*other.named_parameters(), *other.named_buffers()])
     assert _signature(other) == _signature(rank0)
     assert other.lm_head.weight is other.transformer.wte.weight  # tied as on rank 0

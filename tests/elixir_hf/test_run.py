@@ -5,7 +5,8 @@ type: ``python -m elixir_hf.run``, ``torchrun -m elixir_hf.run`` (the stock 2-ra
 ``accelerate launch --config_file recipes/elixir.yaml -m elixir_hf.run`` (the Elixir 2-rank run).
 
 The stock 1-rank runs execute the script in this process (no Elixir class is touched there);
-everything through ``elixir-run`` and every 2-rank run is a subprocess.
+everything through ``elixir-run`` and every 2-rank run is a subprocess. Through ``elixir-run`` the
+scripts' ``from_pretrained`` streams the weights into the chunks (a LoRA adapter: read on rank 0).
 """
 
 from __future__ import annotations
@@ -183,8 +184,10 @@ def test_trainer_script_and_accelerate_loop(model_dir, tmp_path, monkeypatch, ra
         out = _elixir_run(ranks, str(SCRIPTS / "sequence.py"), *scripts("elixir"), "--elixir", OFFLOAD_PLAN)
     trainer_out, loop_out = out.split("== accelerate_loop.py")
 
-    # the Trainer script: the engine ran (rank 0 alone printed its plan) and logged the stock numbers
+    # the Trainer script: the engine ran (rank 0 alone printed its plan) on the weights streamed from
+    # the folder the script's from_pretrained named, and logged the stock numbers
     assert trainer_out.count(PLAN_LINE) == 1 and re.search(rf"world size +{ranks}\n", trainer_out), out[-3000:]
+    assert trainer_out.count(f"reads its shards of the weights from {model_dir}") == 1, out[-3000:]
     for key in ("loss", "grad_norm", "eval_loss"):
         _close(_history(tmp_path / "elixir" / "trainer", key), _history(tmp_path / "stock" / "trainer", key), key)
     args = torch.load(tmp_path / "elixir" / "trainer" / "training_args.bin", weights_only=False)
@@ -218,6 +221,7 @@ def test_trl_sft_with_a_lora_adapter(model_dir, tmp_path, monkeypatch) -> None:
     out = _elixir_run(1, str(script), *common, "--output_dir", str(tmp_path / "elixir"), "--elixir", OFFLOAD_PLAN)
 
     assert out.count(PLAN_LINE) == 1, out[-3000:]
+    assert "a PEFT adapter is added to a model whose weights were to be streamed" in out  # read on rank 0 instead
     for key in ("loss", "grad_norm"):
         _close(_history(tmp_path / "elixir", key), _history(tmp_path / "stock", key), key)
     files = {p.name for p in (tmp_path / "elixir").iterdir()}

@@ -13,6 +13,7 @@ import torch
 import elixir_runtime as er
 from elixir_runtime.config import ConfigError, parse_size
 from elixir_runtime.gpu_limit import device_capacity, limit_gpu_memory, process_limit
+from elixir_runtime.host import HostMemory
 from elixir_runtime.planner import device_budget
 from helpers.fake_cuda import GIB, FakeGPU
 from helpers.logs import captured
@@ -72,7 +73,7 @@ def test_the_cap_becomes_the_allocators_limit_and_the_budgets(monkeypatch) -> No
     limit_gpu_memory(GPU, 40 * GIB)
     assert gpu.fraction == 0.5 and process_limit(GPU) == 40 * GIB
     assert device_capacity(GPU) == 38 * GIB  # the limit less what is allocated now
-    budget = device_budget(GPU, activations=GIB, buffers=0, ranks_per_host=1)
+    budget = device_budget(GPU, activations=GIB, buffers=0, host=HostMemory(64 * GIB))
     assert (budget.capacity, budget.limit) == (38 * GIB, 40 * GIB)
     assert budget.to_dict()["limit"] == 40 * GIB
 
@@ -82,7 +83,7 @@ def test_a_smaller_fraction_the_user_set_stays(monkeypatch) -> None:
     torch.cuda.set_per_process_memory_fraction(0.25, GPU)  # the user's, before prepare
     limit_gpu_memory(GPU, 40 * GIB)
     assert (gpu.fraction, gpu.set_calls) == (0.25, 1)
-    assert process_limit(GPU) == 20 * GIB == device_budget(GPU, 0, 0, 1).capacity
+    assert process_limit(GPU) == 20 * GIB == device_budget(GPU, 0, 0, HostMemory(64 * GIB)).capacity
     gpu.fraction = 0.75  # a larger one is lowered to the cap
     limit_gpu_memory(GPU, 40 * GIB)
     assert gpu.fraction == 0.5
@@ -90,9 +91,9 @@ def test_a_smaller_fraction_the_user_set_stays(monkeypatch) -> None:
 
 def test_a_fraction_alone_limits_the_budget(monkeypatch) -> None:
     FakeGPU(total=80 * GIB, used_elsewhere=GIB).install(monkeypatch)
-    assert device_budget(GPU, 0, 0, 1).capacity == 79 * GIB
+    assert device_budget(GPU, 0, 0, HostMemory(64 * GIB)).capacity == 79 * GIB
     torch.cuda.set_per_process_memory_fraction(0.5, GPU)
-    assert device_budget(GPU, 0, 0, 1).capacity == 40 * GIB
+    assert device_budget(GPU, 0, 0, HostMemory(64 * GIB)).capacity == 40 * GIB
 
 
 def test_a_cap_larger_than_the_card_is_refused(monkeypatch) -> None:

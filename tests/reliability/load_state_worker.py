@@ -1,5 +1,5 @@
 """Run by ``torchrun`` in ``test_checkpoint_faults.py``: an ElixirAccelerator loop on 2 gloo
-ranks saves its state, rank 0 deletes rank 1's optimizer shard, and both ranks load the state.
+ranks saves its state, rank 0 deletes rank 1's optimizer file, and both ranks load the state.
 Each rank writes what ``load_state`` raised to ``<out>/rank{r}.txt``."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def main(out: str) -> None:
         optimizer.zero_grad()
     accelerator.save_state(f"{out}/state")
     if accelerator.is_main_process:
-        os.remove(f"{out}/state/elixir_optim_rank1.pt")
+        os.remove(f"{out}/state/optimizer-00001-of-00002.safetensors")
     accelerator.wait_for_everyone()
     try:
         accelerator.load_state(f"{out}/state")

@@ -22,7 +22,11 @@ from transformers import TrainerState  # noqa: E402
 
 VICTIM = "checkpoint-4"
 # phase -> the file whose move into place is replaced by the kill (the temporary file is written)
-RENAMES = {"weights": "model.safetensors", "shard": "elixir_optim_rank0.pt", "marker": "elixir_checkpoint.json"}
+RENAMES = {
+    "weights": "model.safetensors",
+    "shard": "optimizer-00000-of-00001.safetensors",
+    "marker": "elixir_checkpoint.json",
+}
 
 
 def die() -> None:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from elixir_hf.checkpoint import MARKER_NAME, PLAN_NAME, shard_name
+from elixir_hf.checkpoint import MARKER_NAME, OPTIM_INDEX, PLAN_NAME
+from elixir_hf.optimizer_files import optim_file_name
 
 WORKER = Path(__file__).with_name("nodes_worker.py")
 
@@ -89,9 +90,9 @@ def test_node_local_disks_hold_a_whole_checkpoint_per_node_and_resume(one_node, 
         ckpt = folder / "checkpoint-4"
         marker = json.loads((ckpt / MARKER_NAME).read_text())
         files = set(marker["files"])
-        needed = {"model.safetensors", "config.json", PLAN_NAME, shard_name(rank), "scheduler.pt"}
-        needed |= {"trainer_state.json", f"rng_state_{rank}.pth"}
-        assert needed <= files and shard_name(1 - rank) not in files, (rank, sorted(files))
+        needed = {"model.safetensors", "config.json", PLAN_NAME, optim_file_name(rank, 2), OPTIM_INDEX}
+        needed |= {"scheduler.pt", "trainer_state.json", f"rng_state_{rank}.pth"}
+        assert needed <= files and optim_file_name(1 - rank, 2) not in files, (rank, sorted(files))
         assert files == {p.name for p in ckpt.iterdir()} - {MARKER_NAME}, (rank, sorted(files))
         assert marker["world_size"] == 2 and marker["step"] == 4
         assert _losses(ckpt.parent / "checkpoint-6") == want, rank
@@ -108,7 +109,7 @@ def test_a_shared_disk_keeps_one_marker_and_resumes_on_two_nodes(one_node, tmp_p
     (shared / "checkpoint-4").parent.mkdir()
     subprocess.run(["cp", "-r", str(one_node / "checkpoint-4"), str(shared / "checkpoint-4")], check=True)
     marker = json.loads((shared / "checkpoint-4" / MARKER_NAME).read_text())
-    assert {shard_name(0), shard_name(1), "model.safetensors"} <= set(marker["files"])
+    assert {optim_file_name(0, 2), optim_file_name(1, 2), OPTIM_INDEX, "model.safetensors"} <= set(marker["files"])
     _two_nodes([shared, shared], [str(shared / "checkpoint-4")] * 2, "shared")
     assert _losses(shared / "checkpoint-6") == _losses(one_node / "checkpoint-6")
     assert sorted(p.name for p in shared.iterdir()) == ["checkpoint-4", "checkpoint-6"]

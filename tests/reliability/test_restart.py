@@ -14,7 +14,8 @@ from hf_cases import OFFLOAD_PLAN, save_tiny_lm
 from launch import run_python
 from transformers.trainer_utils import get_last_checkpoint as stock_get_last_checkpoint
 
-from elixir_hf.checkpoint import MARKER_NAME, PLAN_NAME, shard_name
+from elixir_hf.checkpoint import MARKER_NAME, PLAN_NAME
+from elixir_hf.optimizer_files import optim_file_name
 from elixir_hf.restart import get_last_checkpoint
 from helpers.logs import captured
 
@@ -43,7 +44,7 @@ def test_a_torn_newest_checkpoint_is_skipped_by_an_unmodified_restart(tmp_path) 
     whole = _losses(out)
     torn = out / "checkpoint-4"
     (torn / MARKER_NAME).unlink()
-    shard = torn / shard_name(0)
+    shard = torn / optim_file_name(0, 1)
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     assert stock_get_last_checkpoint(str(out)) == str(torn)  # what the script resumed from before: it failed
 

@@ -12,20 +12,27 @@ import weakref
 
 import torch
 
-__all__ = ["empty_host"]
+__all__ = ["empty_host", "pin_host"]
 
 
 def empty_host(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
     """A zero-filled host tensor; page-locked (exact size) when ``pin`` and CUDA is available."""
     t = torch.zeros(numel, dtype=dtype)
-    if pin and numel > 0 and torch.cuda.is_available():
-        try:
-            _register(t)
-        except (RuntimeError, AttributeError) as exc:
-            warnings.warn(
-                f"cudaHostRegister unavailable ({exc}); falling back to the caching pinned allocator", stacklevel=2
-            )
-            t = t.pin_memory()
+    return pin_host(t) if pin else t
+
+
+def pin_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` page-locked in place where CUDA is available (its values kept); a pinned copy where
+    ``cudaHostRegister`` is not; ``t`` itself without CUDA."""
+    if t.numel() == 0 or not torch.cuda.is_available():
+        return t
+    try:
+        _register(t)
+    except (RuntimeError, AttributeError) as exc:
+        warnings.warn(
+            f"cudaHostRegister unavailable ({exc}); falling back to the caching pinned allocator", stacklevel=2
+        )
+        return t.pin_memory()
     return t
 
 

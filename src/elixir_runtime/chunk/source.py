@@ -1,16 +1,21 @@
-"""Where ``prepare`` takes the starting weights from: each rank's own module, or rank 0's.
+"""Where ``prepare`` takes the starting weights from: each rank's own module, rank 0's, or files.
 
 A model too large to hold once per rank in host memory is built on the ``meta`` device on every
 rank but rank 0 (in HF terms: ``from_pretrained`` on rank 0, ``from_config`` under
-``torch.device("meta")`` elsewhere; ``elixir_hf.from_pretrained`` does both). ``prepare`` then fills
-every rank's shards from rank 0's tensors, broadcast one at a time, so the host holds the model
-once instead of once per rank, and a rank never holds more than its shards plus one tensor.
+``torch.device("meta")`` elsewhere). ``prepare`` then fills every rank's shards from rank 0's
+tensors, broadcast one at a time, so the host holds the model once instead of once per rank, and
+a rank never holds more than its shards plus one tensor.
+
+A model whose parameters are on meta on every rank and whose values are in safetensors files
+(``chunk/stream.py``; ``elixir_hf.from_pretrained`` makes one) is filled from the files: each rank
+reads only its shards' elements, and the host never holds the model at all.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +24,7 @@ from torch import nn
 
 from ..host import host_total, local_ranks
 from .collectives import Collectives
+from .stream import StreamedWeights, attached_weights
 
 __all__ = ["WeightSource", "weight_source", "unmeta_parameters", "copies_warning"]
 
@@ -30,6 +36,8 @@ class WeightSource:
     coll: Collectives
     comm_device: torch.device | None = None
     """Where broadcasts happen (the GPU under NCCL, the CPU under gloo); None: no broadcasts."""
+    files: StreamedWeights | None = None
+    """The files the meta parameters' values are read from, on every rank."""
 
     def value(self, t: torch.Tensor) -> torch.Tensor:
         """The full value of ``t`` as rank 0 holds it; ``t`` itself when every rank has its own.
@@ -45,6 +53,38 @@ class WeightSource:
         dist.broadcast(out, src=self.coll.source_rank, group=self.coll.group)
         return out
 
+    def part(self, p: torch.Tensor, start: int, numel: int) -> torch.Tensor:
+        """Elements ``[start, start + numel)`` of ``p``'s flattened starting value (``numel`` may be 0).
+
+        A collective when broadcasting: every rank calls it for every parameter in the same order.
+        """
+        if self.files is not None and self.files.covers(p):
+            return self.files.read(p, start, numel)
+        return self.value(p).reshape(-1)[start : start + numel]
+
+    @contextlib.contextmanager
+    def reading(self, device: torch.device) -> Iterator[None]:
+        """Around the fill: a file read that fails on one rank fails ``prepare`` on every rank (a
+        collective when reading files on several ranks), never leaving a partly filled model."""
+        if self.files is None:
+            yield
+            return
+        error = None
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - every rank raises it below
+            error = f"{type(e).__name__}: {e}"
+            failure: Exception | None = e
+        else:
+            failure = None
+        finally:
+            self.files.close()
+        errors = [f"rank {r}: {e}" for r, e in enumerate(_gather(self.coll, device, error)) if e is not None]
+        if errors:
+            raise RuntimeError(
+                f"reading the weights from {self.files.files.folder} failed:\n  " + "\n  ".join(errors)
+            ) from failure
+
 
 def weight_source(model: nn.Module, coll: Collectives, device: torch.device) -> WeightSource:
     """Checks where the weights are and picks the source; raises before any memory is allocated.
@@ -53,33 +93,30 @@ def weight_source(model: nn.Module, coll: Collectives, device: torch.device) -> 
     any rank holds none, all ranks start from rank 0's values, as FSDP's ``sync_module_states``.
     """
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-    on_meta = [name for name, t in tensors if t.is_meta]
-    if on_meta and len(on_meta) < len(tensors):
-        real = next(name for name, t in tensors if not t.is_meta)
+    files = attached_weights(model)
+    if files is not None:
+        return _streamed(model, files, tensors, coll, device)
+    params = list(model.named_parameters(remove_duplicate=False))
+    on_meta = [name for name, t in params if t.is_meta]
+    meta_buffers = [name for name, t in model.named_buffers(remove_duplicate=False) if t.is_meta]
+    if (on_meta and len(on_meta) < len(params)) or (meta_buffers and not on_meta):
+        real = next(name for name, t in params if not t.is_meta)
         raise ValueError(
-            f"{len(on_meta)} of {len(tensors)} tensors are on the meta device (e.g. {on_meta[0]!r}, while {real!r} is "
-            "not): build the model either with all its weights or, on ranks other than 0, entirely on meta"
+            f"{len(on_meta) + len(meta_buffers)} of {len(tensors)} tensors are on the meta device (e.g. "
+            f"{(on_meta or meta_buffers)[0]!r}, while {real!r} is not): build the model either with all its weights "
+            "or, on ranks other than 0, with its parameters on meta (its buffers come from rank 0 either way)"
         )
     if coll.world_size == 1:
         if on_meta:
             raise ValueError("model has parameters on the meta device; materialize its weights before prepare")
         return WeightSource(coll)
-    signature = [f"{name} {tuple(t.shape)} {t.dtype}" for name, t in tensors]
-    everyone: list = [None] * coll.world_size
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        dist.all_gather_object(everyone, (bool(on_meta), signature), group=coll.group)
+    everyone = _gather(coll, device, (bool(on_meta), _signature(tensors)))
     if everyone[0][0]:
         raise ValueError(
             "rank 0's model is on the meta device: rank 0 must hold the weights (load or initialise them there); "
             "the other ranks may build the model on meta to save host memory"
         )
-    for rank, (_, theirs) in enumerate(everyone[1:], start=1):
-        if theirs != everyone[0][1]:
-            diff = next((f"{a!r} vs {b!r}" for a, b in zip(everyone[0][1], theirs) if a != b), f"{len(theirs)} tensors")
-            raise ValueError(
-                f"rank {rank}'s model differs from rank 0's (rank 0 vs rank {rank}: {diff}): build the same model, with "
-                "the same dtype, on every rank"
-            )
+    _check_same_model([signature for _, signature in everyone])
     if not any(meta for meta, _ in everyone):
         if coll.rank == 0:
             unique = {id(t): t for _, t in tensors}.values()
@@ -97,6 +134,52 @@ def weight_source(model: nn.Module, coll: Collectives, device: torch.device) -> 
             len(tensors),
         )
     return WeightSource(coll, device if backend == "nccl" else torch.device("cpu"))
+
+
+def _streamed(model: nn.Module, files: StreamedWeights, tensors: list, coll: Collectives, device: torch.device):
+    """A model whose meta parameters are read from files: every rank checks its own model and files,
+    then all ranks agree (an error anywhere is raised everywhere, before anything is allocated)."""
+    uncovered = [name for name, t in tensors if t.is_meta and not files.covers(t)]
+    problem = files.files.check()
+    if uncovered:
+        problem = (
+            f"{len(uncovered)} tensors are on the meta device and not in {files.files.folder} (e.g. {uncovered[:3]}): "
+            "a module added after loading on meta (such as a PEFT adapter) or a buffer has no values; load the model "
+            "without streaming (elixir_hf.from_pretrained(..., stream=False), ELIXIR_STREAM=0 under elixir-run)"
+        )
+    everyone = _gather(coll, device, (problem, _signature(tensors)))
+    errors = [f"rank {r}: {p}" if coll.world_size > 1 else p for r, (p, _) in enumerate(everyone) if p is not None]
+    if errors:
+        raise ValueError("; ".join(errors))
+    _check_same_model([signature for _, signature in everyone])
+    files.unguard()
+    if coll.rank == 0:
+        logger.info("elixir: every rank reads its shards of the weights from %s", files.files.folder)
+    return WeightSource(coll, files=files)
+
+
+def _signature(tensors: list) -> list[str]:
+    return [f"{name} {tuple(t.shape)} {t.dtype}" for name, t in tensors]
+
+
+def _check_same_model(signatures: list[list[str]]) -> None:
+    for rank, theirs in enumerate(signatures[1:], start=1):
+        if theirs != signatures[0]:
+            diff = next((f"{a!r} vs {b!r}" for a, b in zip(signatures[0], theirs) if a != b), f"{len(theirs)} tensors")
+            raise ValueError(
+                f"rank {rank}'s model differs from rank 0's (rank 0 vs rank {rank}: {diff}): build the same model, with "
+                "the same dtype, on every rank"
+            )
+
+
+def _gather(coll: Collectives, device: torch.device, obj: object) -> list:
+    """Every rank's ``obj``, in rank order (a collective; just ``[obj]`` on one rank)."""
+    if coll.world_size == 1:
+        return [obj]
+    everyone: list = [None] * coll.world_size
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        dist.all_gather_object(everyone, obj, group=coll.group)
+    return everyone
 
 
 COPIES_WARN_SHARE = 0.25

@@ -23,6 +23,14 @@ holds them only from backward to the update, past the loss's activation peak; th
 them against the activations freed by then (``search/memory.py``). Pinned host arenas keep theirs:
 the CPU update and the device lane read them by offset, and host memory has no activation peak.
 Sizes: docs/runtime.md, "Semantics worth knowing".
+
+[Note: host memory during the fill]
+The planner counts the model's own host copy of its weights as free for the arenas
+(``host.py``, [Note: host memory as the run will have it]), so the two must not be held at once:
+host arenas are allocated untouched (no page taken yet) and each chunk's part of them is zeroed
+(first touched) just before its weights are written; with ``release`` each parameter's own storage
+is then let go, so the host holds at most the larger of the two plus one chunk. Host arenas are
+page-locked after the fill (``cudaHostRegister`` keeps their values).
 """
 
 from __future__ import annotations
@@ -32,20 +40,34 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from torch import nn
 
 from ..progress import Bar, progress
-from .host_memory import empty_host
+from .host_memory import pin_host
 from .layout import ChunkLayout, ChunkSpec, GroupRange, Slot
 
 __all__ = [
     "Residence",
     "ShardArenas",
+    "Weights",
+    "own_part",
     "build_arenas",
     "casts_on_gather",
     "grads_on_demand",
     "write_param",
+    "release_param",
     "shard_overlap",
 ]
+
+Weights = Callable[[torch.Tensor, int, int], torch.Tensor]
+"""``weights(param, start, numel)``: elements ``[start, start + numel)`` of ``param``'s flattened
+starting value (``numel`` may be 0), in the parameter's dtype (``chunk/source.WeightSource.part``)."""
+
+
+def own_part(p: torch.Tensor, start: int, numel: int) -> torch.Tensor:
+    """The parameter's own current value as the starting value."""
+    return p.detach().reshape(-1)[start : start + numel]
+
 
 Residence = Literal["device", "host"]
 """Where a chunk's shard and optimizer state live (the search's ``Placement`` chooses it per chunk)."""
@@ -113,13 +135,16 @@ def build_arenas(
     rank: int,
     compute_device: torch.device,
     dtype: torch.dtype,
-    weights: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.detach,
+    weights: Weights = own_part,
+    release: bool = False,
 ) -> dict[Residence, ShardArenas]:
-    """Allocates the arenas and fills them from ``weights(param)`` (the parameters' current values).
+    """Allocates the arenas and fills them from ``weights`` (by default the parameters' current values).
 
     The master weights are filled from the parameters in their original precision, the
     compute-dtype copy is cast from the master: a bf16 run of an fp32 model starts from the exact
-    fp32 weights. A progress bar (``progress.py``) counts the chunks filled.
+    fp32 weights. ``release``: each parameter's own storage is let go once its chunk is filled
+    (``release_param``; [Note: host memory during the fill]). A progress bar (``progress.py``)
+    counts the chunks filled.
     """
     out: dict[Residence, ShardArenas] = {}
     for where in ("device", "host"):
@@ -131,9 +156,10 @@ def build_arenas(
         device = compute_device if where == "device" else torch.device("cpu")
         pin = where == "host" and compute_device.type == "cuda"
 
-        def alloc(numel: int, dt: torch.dtype, device: torch.device = device, pin: bool = pin) -> torch.Tensor:
+        def alloc(numel: int, dt: torch.dtype, device: torch.device = device) -> torch.Tensor:
+            # untouched on the host, zeroed chunk by chunk in _fill; zeroed at once on a GPU
             if device.type == "cpu":
-                return empty_host(numel, dt, pin=pin)
+                return torch.empty(numel, dtype=dt)
             return torch.zeros(numel, dtype=dt, device=device)
 
         cast = casts_on_gather(where, dtype)
@@ -159,19 +185,52 @@ def build_arenas(
                 ]
             offset += size
         with progress(len(members), f"elixir: filling {where} chunk shards", unit="chunk") as bar:
-            _fill(layout, members, arenas, rank, weights, bar)
+            _fill(layout, members, arenas, rank, weights, release, bar)
+        if pin:
+            _pin(arenas)
         out[where] = arenas
     return out
 
 
 @torch.no_grad()
-def _fill(layout: ChunkLayout, members, arenas: ShardArenas, rank: int, weights: Callable, bar: Bar) -> None:
+def _fill(
+    layout: ChunkLayout, members, arenas: ShardArenas, rank: int, weights: Weights, release: bool, bar: Bar
+) -> None:
+    copy = arenas.param_copy
     for c in members:
+        start, n = arenas.offsets[c.index], layout.shard_numel(c)
+        if c.trainable:
+            parts = [arenas.master, arenas.exp_avg, arenas.exp_avg_sq, arenas.grad] + (
+                [copy] if copy is not None else []
+            )
+            for t in parts:
+                if t.numel():
+                    t[start : start + n].zero_()
+        else:
+            arenas.source(start, n, trainable=False).zero_()
         for s in c.slots:
-            write_param(layout, arenas, c, s, weights(layout.params[s.param]), rank)
+            target, param_off = _shard_target(layout, arenas, c, s, rank)
+            target.copy_(weights(layout.params[s.param], param_off, target.numel()))
+        if c.trainable and copy is not None:
+            copy[start : start + n].copy_(arenas.master[start : start + n])
+        if release:
+            for s in c.slots:
+                release_param(layout.params[s.param])
         bar.update()
-    if arenas.param_copy is not None:
-        arenas.param_copy.copy_(arenas.master)
+
+
+def _pin(arenas: ShardArenas) -> None:
+    """Page-locks the filled host arenas (``pin_host``: in place, else a pinned copy, re-aliased)."""
+    aliased = arenas.master_is_param
+    for name in ("param", "grad", "exp_avg", "exp_avg_sq") + (() if aliased else ("master",)):
+        setattr(arenas, name, pin_host(getattr(arenas, name)))
+    if aliased:
+        arenas.master = arenas.param[: arenas.trainable_numel]
+
+
+def release_param(p: nn.Parameter) -> None:
+    """Lets ``p``'s storage go: ``.data`` becomes a zero-stride placeholder of its shape (no memory)."""
+    p.data = torch.zeros((), dtype=p.dtype).expand(p.shape)
 
 
 def shard_overlap(layout: ChunkLayout, chunk: ChunkSpec, slot: Slot, rank: int) -> tuple[int, int, int] | None:
@@ -182,18 +241,22 @@ def shard_overlap(layout: ChunkLayout, chunk: ChunkSpec, slot: Slot, rank: int) 
     return (a - lo, a - slot.offset, b - a) if a < b else None
 
 
+def _shard_target(
+    layout: ChunkLayout, arenas: ShardArenas, chunk: ChunkSpec, slot: Slot, rank: int
+) -> tuple[torch.Tensor, int]:
+    """The master (or frozen param) elements this rank holds of ``slot`` (maybe none) and the
+    offset of the first one in the flattened parameter."""
+    shard_off, param_off, n = shard_overlap(layout, chunk, slot, rank) or (0, 0, 0)
+    start = arenas.offsets[chunk.index] + shard_off
+    if chunk.trainable:
+        return arenas.master[start : start + n], param_off
+    return arenas.source(start, n, trainable=False), param_off
+
+
 @torch.no_grad()
 def write_param(
     layout: ChunkLayout, arenas: ShardArenas, chunk: ChunkSpec, slot: Slot, value: torch.Tensor, rank: int
 ) -> None:
     """Copies this rank's part of a full parameter value into the master (or frozen param) shard."""
-    part = shard_overlap(layout, chunk, slot, rank)
-    if part is None:
-        return
-    shard_off, param_off, n = part
-    start = arenas.offsets[chunk.index] + shard_off
-    if chunk.trainable:
-        target = arenas.master[start : start + n]
-    else:
-        target = arenas.source(start, n, trainable=False)
-    target.copy_(value.reshape(-1)[param_off : param_off + n])
+    target, param_off = _shard_target(layout, arenas, chunk, slot, rank)
+    target.copy_(value.reshape(-1)[param_off : param_off + target.numel()])

@@ -254,7 +254,8 @@ class ElixirOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the optimizer state (every rank saves its own)."""
+        """This rank's chunk shards of the optimizer state, loadable into the same layout and rank
+        only; checkpoints save it by parameter name instead (``named_state.py``), for any layout."""
         rt = self.runtime
         rt.grads.wait_for_grads()
         chunks = {}

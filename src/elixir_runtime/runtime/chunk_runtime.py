@@ -15,14 +15,12 @@ data lives in those two modules; the module hooks only say *when*.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from ..chunk.collectives import Collectives
 from ..chunk.layout import ChunkLayout
 from ..chunk.rcache import RCache
-from ..chunk.store import Residence, build_arenas, grads_on_demand
+from ..chunk.store import Residence, Weights, build_arenas, grads_on_demand, own_part
 from .gradients import ChunkGradients
 from .host_updates import HostUpdates, Lane
 from .lockstep import Lockstep
@@ -43,11 +41,11 @@ class ChunkRuntime:
         dtype: torch.dtype,
         prefetch: int,
         lockstep: Lockstep,
-        weights: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.detach,
+        weights: Weights = own_part,
         lane: Lane | None = None,
         grads_share_activations: bool = False,
     ) -> None:
-        """``weights`` maps a parameter to the full value its shards start from (``WeightSource.value``);
+        """``weights`` gives a range of a parameter's value its shards start from (``WeightSource.part``);
         ``lane``: the device lane that updates offloaded slices beside the CPU (``runtime/device_lane.py``);
         ``grads_share_activations``: the plan let the GPU's gradient shards use memory the loss's
         activations free (one micro-batch per step, ``search.memory.GradWindow``)."""
@@ -55,7 +53,8 @@ class ChunkRuntime:
         self.lockstep = lockstep
         self.residency = Residency.SHARDED
         self.cuda = device.type == "cuda"
-        self.arenas = build_arenas(layout, placement, coll.rank, device, dtype, weights)
+        # the parameters' own storages go as their chunks fill: the runtime points them at its chunks
+        self.arenas = build_arenas(layout, placement, coll.rank, device, dtype, weights, release=True)
         self.rcache = RCache(n_blocks, layout.block_numel, dtype, device)
         self.chunks = [
             ChunkState(

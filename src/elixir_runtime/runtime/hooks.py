@@ -20,8 +20,9 @@ parameters read outside their module's call (``ParamTable.resident``, e.g. ``lm_
 TRL's fused LM head). Private chunks are never evicted, so each stays gathered from there until its
 reduction in backward (or a step) releases it; the saved tensors of such a read are views of its
 own buffer, left unpacked, and its gradient arrives through the usual post-accumulate-grad hook.
-Inside ``full_params`` every hook stands by: the parameters are all on this rank and forwards run
-alone.
+It also hands each training forward's inputs to the ``BatchGuard`` (``batch_guard.py``: a batch
+larger than the plan's warns once). Inside ``full_params`` every hook stands by: the parameters are
+all on this rank and forwards run alone.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..units import Unit
 from . import state
+from .batch_guard import BatchGuard
 from .chunk_runtime import ChunkRuntime
 from .lockstep import Op
 from .state import Residency
@@ -118,12 +120,15 @@ class _UnitHooks:
 class _RootHooks:
     """Iteration boundaries for the access schedule, and the saved-tensor hooks around forward."""
 
-    def __init__(self, runtime: ChunkRuntime, model: nn.Module, chunks: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, runtime: ChunkRuntime, model: nn.Module, chunks: tuple[int, ...] = (), guard: BatchGuard | None = None
+    ) -> None:
         self.runtime, self.model, self.chunks = runtime, model, chunks
+        self.guard = guard or BatchGuard(None)
         self.depth = 0
         self.saved_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
 
-    def pre_forward(self, _module: nn.Module, _args: Any) -> None:
+    def pre_forward(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.runtime.residency is Residency.ELSEWHERE:
             raise RuntimeError(
                 "full_params(rank0_only=True) gathered the parameters on rank 0 only: run this forward on rank 0 "
@@ -134,6 +139,8 @@ class _RootHooks:
         grad = torch.is_grad_enabled()
         if self.depth == 0:  # every rank must be starting this forward too (runtime/lockstep.py)
             self.runtime.lockstep.check_in(Op.TRAINING_FORWARD if grad else Op.NO_GRAD_FORWARD)
+            if grad and self.model.training:
+                self.guard.check(args, kwargs)
         self.depth += 1
         if self.depth > 1:
             return
@@ -171,10 +178,11 @@ def install_hooks(
     unit_chunks: list[tuple[int, ...]],
     runtime: ChunkRuntime,
     root_chunks: tuple[int, ...] = (),
+    batch_shape: list[int] | None = None,
 ) -> list:
     """Installs every hook (``unit_chunks[i]``: the chunks unit ``i`` acquires; ``root_chunks``: the
-    private ones every forward of ``model`` acquires first); returns the handles (removing them
-    detaches the engine)."""
+    private ones every forward of ``model`` acquires first; ``batch_shape``: the plan's, which a
+    larger training batch is warned about); returns the handles (removing them detaches the engine)."""
     handles = []
     for unit, chunks in zip(units, unit_chunks, strict=True):
         h = _UnitHooks(runtime, chunks, unit.index)
@@ -189,8 +197,8 @@ def install_hooks(
             read_by[index[id(p)]].add(unit.index)
     resident = {s.param for i in root_chunks for s in runtime.chunks[i].spec.slots}
     runtime.grads.track_reads([frozenset() if i in resident else frozenset(u) for i, u in enumerate(read_by)])
-    root = _RootHooks(runtime, model, root_chunks)
-    handles.append(model.register_forward_pre_hook(root.pre_forward, prepend=True))
+    root = _RootHooks(runtime, model, root_chunks, BatchGuard(batch_shape))
+    handles.append(model.register_forward_pre_hook(root.pre_forward, prepend=True, with_kwargs=True))
     handles.append(model.register_forward_hook(root.post_forward, always_call=True))
     # A tensor's grad hooks live in its C++ autograd meta, out of the garbage collector's sight: a
     # hook holding the runtime (which holds the params) would keep the engine, its pinned arenas

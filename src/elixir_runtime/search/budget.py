@@ -6,11 +6,15 @@
 allocator churns); ``F_alloc`` a margin for what the allocator does not see (NCCL buffers, kernels
 loaded on first use): 0.98, not the paper's 0.95 (docs/planning.md, "Budget"). ``capacity`` is at
 most the process's GPU limit (``gpu_limit.py``) and excludes the CUDA context. The host keeps the
-paper's 0.95 (``F_HOST``): the rest of the process lives beside the pinned arenas."""
+paper's 0.95 (``F_HOST``): the rest of the process lives beside the pinned arenas. The host's
+capacity is the memory the run will have once the model's own weights are in chunks
+(``host.HostMemory``: available now plus what they free; ``elixir-plan``: ``--host-mem``)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+from ..host import accounting, size_text
 
 __all__ = ["Budget", "F_ALLOC", "F_FRAG", "F_HOST"]
 
@@ -26,7 +30,7 @@ class Budget:
     activations: int
     buffers: int
     host_capacity: int
-    """Host bytes usable by the pinned arenas of all ranks on the host."""
+    """Host bytes the ranks on this host will have for their pinned arenas (before ``f_host``)."""
     ranks_per_host: int = 1
     limit: int | None = None
     """The process's GPU limit in bytes (``ElixirConfig.gpu_memory`` or total x torch's memory
@@ -35,6 +39,9 @@ class Budget:
     f_frag: float = F_FRAG
     f_host: float = F_HOST
     """Share of ``host_capacity`` the pinned arenas may take."""
+    host_released: int = 0
+    """Of ``host_capacity``: what the model's own weights on this host free when taken into chunks
+    (``host.HostMemory.released``; 0 for a plan made for another machine)."""
 
     @property
     def allowed(self) -> int:
@@ -45,6 +52,14 @@ class Budget:
     def host_allowed(self) -> int:
         """Bytes of pinned host arenas per rank."""
         return int(self.f_host * self.host_capacity / self.ranks_per_host)
+
+    def host_accounting(self) -> str:
+        """How ``host_allowed`` comes about, in words (the no-fit message's)."""
+        available = self.host_capacity - self.host_released
+        return (
+            f"{accounting(available, self.host_released)}, x {self.f_host} (the rest kept for the process) / "
+            f"{self.ranks_per_host} rank(s) = {size_text(self.host_allowed)} of pinned host memory per rank"
+        )
 
     def to_dict(self) -> dict[str, float]:
         return {**asdict(self), "allowed": self.allowed, "host_allowed": self.host_allowed}

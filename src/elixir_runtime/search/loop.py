@@ -14,7 +14,7 @@ fits, ``PlanError`` says by how much and what would make it fit.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -321,6 +321,9 @@ def _no_fit_message(
                 return f"{x / size:.2f} {unit}"
         return f"{x / 2**10:.1f} KiB"
 
+    pinned = _pinned_offload_message(evaluated, budget, settings, gib)
+    if pinned:
+        return pinned
     act, allowed, n = profile.activation_peak, budget.allowed, settings.world_size
     formula = (
         f"U_allowed = {budget.f_alloc} x ({gib(budget.capacity)} GPU - {gib(budget.buffers)} buffers - "
@@ -351,8 +354,7 @@ def _no_fit_message(
         )
     if host_bound:
         lines.append(
-            f"The model states take {gib(states)} in all ({n} rank(s)); the host takes at most {gib(budget.host_allowed)} "
-            f"per rank ({budget.f_host} x {gib(budget.host_capacity)} over {budget.ranks_per_host} rank(s))."
+            f"The model states take {gib(states)} in all ({n} rank(s)); the host has {budget.host_accounting()}."
         )
     fixes = []
     headroom = (budget.capacity - budget.buffers - device_need / budget.f_alloc) / budget.f_frag
@@ -375,6 +377,37 @@ def _no_fit_message(
             f"GPUs with more memory: the rCache minimum and the private blocks alone need {gib(fixed)} per rank"
         )
     if host_bound or room > 0:
-        host_need_total = (states - max(room, 0) * n) / budget.f_host
-        fixes.append(f"host RAM of at least {gib(host_need_total)} for these {n} rank(s)")
+        fixes.append(_host_fix(gib((states - max(room, 0) * n) / budget.f_host), n))
     return "\n".join(lines) + "\nTo make it fit: " + "; or ".join(fixes) + "."
+
+
+def _pinned_offload_message(
+    evaluated: list[_Evaluated], budget: Budget, settings: SearchSettings, gib: Callable[[float], str]
+) -> str | None:
+    """The no-fit message where ``ElixirConfig.offload`` names the chunks to offload and the host
+    cannot take them (in the layout needing the least); ``None`` where the host is not the limit."""
+    if settings.config.offload is None:
+        return None
+    needs = []
+    for e in evaluated:
+        offload = offloaded_chunks(settings.config.offload, len(e.layout.chunks), e.layout.chunk_size)
+        on_device = np.ones(len(e.layout.chunks), dtype=bool)
+        on_device[offload] = False
+        needs.append((e.mem.host(on_device), len(offload), len(on_device)))
+    host, k, n_chunks = min(needs)
+    if host <= budget.host_allowed:
+        return None
+    return (
+        f"no plan fits: ElixirConfig.offload={settings.config.offload!r} puts {k} of {n_chunks} chunks in host memory, "
+        f"{gib(host)} per rank, but the host has {budget.host_accounting()}.\nTo make it fit: offload fewer chunks "
+        f"(ElixirConfig.offload); or "
+        + _host_fix(gib(host * budget.ranks_per_host / budget.f_host), budget.ranks_per_host)
+        + "."
+    )
+
+
+def _host_fix(need: str, ranks: int) -> str:
+    return (
+        f"host RAM of at least {need} for these {ranks} rank(s) (available to the job before its model is loaded: "
+        "what elixir-plan --host-mem means)"
+    )

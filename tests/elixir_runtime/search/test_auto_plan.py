@@ -26,8 +26,10 @@ from helpers.models import make_batch, tiny_gpt2
 def _fake_machine(monkeypatch, model, share: float) -> None:
     states = model_state_bytes(model)
 
-    def budget(device, activations, buffers, ranks):
-        return Budget(int(1.25 * activations) + buffers + int(share * states), activations, buffers, 64 * GIB, ranks)
+    def budget(device, activations, buffers, host):
+        return Budget(
+            int(1.25 * activations) + buffers + int(share * states), activations, buffers, 64 * GIB, host.ranks
+        )
 
     monkeypatch.setattr(planner, "device_budget", budget)
     monkeypatch.setattr(planner, "job_hardware", lambda coll, device, cpu_threads=None: gpu_host())
@@ -109,8 +111,8 @@ def test_clips_grads_reaches_the_search(monkeypatch) -> None:
 def _plan_on_two_ranks(rank: int, world: int) -> tuple:
     model = _model()
     states = model_state_bytes(model)
-    planner.device_budget = lambda device, act, buffers, ranks: Budget(
-        int(1.25 * act) + buffers + int(0.3 * states), act, buffers, 64 * GIB, ranks
+    planner.device_budget = lambda device, act, buffers, host: Budget(
+        int(1.25 * act) + buffers + int(0.3 * states), act, buffers, 64 * GIB, host.ranks
     )
     planner.job_hardware = lambda coll, device, cpu_threads=None: gpu_host(gpus=2)
     seen, real = [], planner.search

@@ -55,8 +55,8 @@ def test_a_searched_plan_carries_the_layout_the_search_built(monkeypatch) -> Non
     monkeypatch.setattr(
         planner,
         "device_budget",
-        lambda device, act, buffers, ranks: Budget(
-            int(1.25 * act) + buffers + int(0.3 * states), act, buffers, 64 * GIB, ranks
+        lambda device, act, buffers, host: Budget(
+            int(1.25 * act) + buffers + int(0.3 * states), act, buffers, 64 * GIB, host.ranks
         ),
     )
     monkeypatch.setattr(planner, "job_hardware", lambda coll, device, cpu_threads=None: gpu_host())
@@ -92,7 +92,7 @@ def test_the_search_plans_the_resident_chunk(monkeypatch) -> None:
     ``mode="auto"``: the search (GPU budget and hardware faked) builds its layouts with the head in a
     private chunk, which the plan has the root acquire and counts."""
     monkeypatch.setattr(
-        planner, "device_budget", lambda device, act, buffers, ranks: Budget(GIB, act, buffers, GIB, ranks)
+        planner, "device_budget", lambda device, act, buffers, host: Budget(GIB, act, buffers, GIB, host.ranks)
     )
     monkeypatch.setattr(planner, "job_hardware", lambda coll, device, cpu_threads=None: gpu_host())
     model = tiny_llama()

@@ -238,7 +238,11 @@ def test_nothing_fits_says_why_and_what_would_fit(gpt2) -> None:
         search(table, profile, gpu_host(), budget, _settings())
     text = str(info.value)
     assert "no plan fits" in text and f"U_allowed = {F_ALLOC} x" in text and "To make it fit" in text
-    assert "host RAM of at least" in text and "more memory" in text and f"({F_HOST} x " in text
+    assert (
+        "host RAM of at least" in text
+        and "more memory" in text
+        and f"x {F_HOST} (the rest kept for the process)" in text
+    )
 
 
 def test_activations_alone_too_large() -> None:

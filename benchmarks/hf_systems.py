@@ -1,0 +1,116 @@
+"""The user's path as a system of the table: HF ``Trainer.train()`` with ``--elixir auto``, and the
+stock Trainer beside it.
+
+``elixir_trainer`` is what a user runs: ``ElixirTrainer`` + ``ElixirTrainingArguments(elixir="auto",
+bf16=True)`` over a bf16 model, with the Trainer's defaults (AdamW, linear schedule, clip 1.0 unless
+``--clip 0``, the lean loss ``ElixirTrainer`` installs). ``trainer`` is the stock ``Trainer`` with the
+same arguments over an fp32 model (mixed precision by autocast, fp32 master weights: the numerics
+Elixir keeps) and no Elixir: where it does not fit, its failure is the row.
+
+Each timed step is the Trainer's own loop from one ``on_step_end`` to the next (data loading,
+scheduler and logging included), synchronised on the GPU; the first ``--warmup`` are dropped. The
+engine is built inside ``train()`` (``create_optimizer``): ``info["engine_build_s"]`` is the time
+from ``train()`` to the first step, so ``build_s`` counts only the model's construction.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from typing import Any
+
+import torch
+from transformers import Trainer as HFTrainer
+from transformers import TrainerCallback, TrainingArguments
+
+from elixir_hf import ElixirTrainer, ElixirTrainingArguments
+
+from .models import Model, build_meta, materialize
+from .systems import LR, MAX_GRAD_NORM, WEIGHT_DECAY, Context, Trainer, plan_summary
+
+__all__ = ["hf_trainer"]
+
+
+class _Tokens(torch.utils.data.Dataset):
+    """``n`` examples cycling over the rows of ``ids`` (labels = inputs)."""
+
+    def __init__(self, ids: torch.Tensor, n: int) -> None:
+        self.ids, self.n = ids.cpu(), n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        row = self.ids[i % len(self.ids)]
+        return {"input_ids": row, "labels": row}
+
+
+def hf_trainer(p: Model, ctx: Context, elixir: bool) -> Trainer:
+    """``ElixirTrainer`` (``elixir``) or the stock ``Trainer``, built and run on each timed call."""
+    dtype = torch.bfloat16 if elixir else torch.float32
+    model = build_meta(p, ctx.seq, dtype)
+    if ctx.rank == 0 or not elixir:  # Elixir's other ranks stay on meta (elixir_hf.from_config's contract)
+        model = materialize(model, "cpu", ctx.device)
+    info: dict[str, Any] = {
+        "optimizer": "Trainer default (AdamW)" + (" over Elixir shards" if elixir else ""),
+        "weights_dtype": str(dtype).removeprefix("torch."),
+    }
+
+    def timed(ids: torch.Tensor, warmup: int, steps: int) -> tuple[list[float], float]:
+        clock = _Clock(ctx.device)
+        fields = dict(
+            output_dir=tempfile.mkdtemp(prefix=f"bench-{'elixir-' if elixir else ''}trainer-"),
+            per_device_train_batch_size=len(ids),
+            max_steps=warmup + steps,
+            learning_rate=LR,
+            weight_decay=WEIGHT_DECAY,
+            max_grad_norm=MAX_GRAD_NORM if ctx.clip else 0.0,
+            bf16=ctx.device.type == "cuda",
+            use_cpu=ctx.device.type == "cpu",
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            logging_steps=warmup + steps,
+        )
+        data = _Tokens(ids, len(ids) * ctx.world * (warmup + steps))
+        if elixir:
+            args = ElixirTrainingArguments(elixir="auto", **fields)
+            trainer = ElixirTrainer(model=model, args=args, train_dataset=data, callbacks=[clock])
+        else:
+            trainer = HFTrainer(model=model, args=TrainingArguments(**fields), train_dataset=data, callbacks=[clock])
+        start = clock.now()
+        out = trainer.train()
+        info["engine_build_s"] = clock.first_begin - start
+        if elixir:
+            plan = trainer.model._elixir.plan
+            print(plan.table(), flush=True)
+            info.update(plan=plan_summary(plan), plan_batch=len(ids))
+        return clock.times[warmup:], out.training_loss
+
+    return Trainer(step=_no_step, info=info, timed=timed)
+
+
+def _no_step(ids: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("a Trainer-path system runs whole loops (Trainer.timed), not single steps")
+
+
+class _Clock(TrainerCallback):
+    """Times each optimizer step of the loop, end to end, synchronised on ``device``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.times = device, []
+        self.first_begin = self.last = 0.0
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def on_step_begin(self, *a: Any, **k: Any) -> None:
+        if not self.first_begin:
+            self.first_begin = self.last = self.now()
+
+    def on_step_end(self, *a: Any, **k: Any) -> None:
+        now = self.now()
+        self.times.append(now - self.last)
+        self.last = now

@@ -1,0 +1,130 @@
+"""``elixir-convert CHECKPOINT OUT`` (``python -m elixir_hf.convert``): an Elixir checkpoint as a
+plain PyTorch one, to continue the run without Elixir (a plain loop, DDP, FSDP, the stock Trainer).
+
+``OUT`` gets the model in fp32 from the fp32 master weights (``save_pretrained``: config and
+safetensors weights, ``AutoModelForCausalLM.from_pretrained(OUT)`` loads it), ``optimizer.pt``: a
+``torch.optim.AdamW`` ``state_dict()`` whose parameters are numbered in ``model.parameters()``
+order, with the run's param groups (hyperparameters, ``lr`` as the scheduler last set it) and each
+parameter's step, ``exp_avg`` and ``exp_avg_sq``, and the checkpoint's other files (scheduler,
+Trainer state, RNG states, tokenizer). It is what the stock Trainer writes, so it resumes there, and
+Elixir resumes from it too. Rebuild the optimizer with the saved groups::
+
+    sd = torch.load(f"{OUT}/optimizer.pt", weights_only=True)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [params[i] for i in g["params"]]} for g in sd["param_groups"]])
+    opt.load_state_dict(sd)
+
+Runs offline on one process: the checkpoint's marker and sums are checked first, and the whole
+model is held in host memory once (as DeepSpeed's ``zero_to_fp32`` does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .checkpoint import (
+    MARKER_NAME,
+    OPTIM_INDEX,
+    PLAN_NAME,
+    CheckpointError,
+    optimizer_format,
+    verify,
+)
+from .optimizer_files import read_optimizer_index
+
+__all__ = ["convert", "main"]
+
+_NOT_COPIED = re.compile(
+    rf"^({re.escape(MARKER_NAME)}|{re.escape(PLAN_NAME)}|{re.escape(OPTIM_INDEX)}|optimizer-.*\.safetensors"
+    r"|elixir_optim_rank\d+\.pt|model.*\.safetensors(\.index\.json)?|config\.json|generation_config\.json)$"
+)
+"""Elixir's files and what ``save_pretrained`` writes anew."""
+
+
+def convert(checkpoint: str | Path, out: str | Path, config: str | Path | None = None) -> None:
+    """``config``: where the model's ``config.json`` is when the checkpoint has none (Accelerate's
+    ``save_state`` writes only the weights): a model folder or name."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ckpt, out = Path(checkpoint), Path(out)
+    fmt = optimizer_format(ckpt)
+    if fmt != "named":
+        raise CheckpointError(
+            f"{ckpt} holds no optimizer state by parameter name ({OPTIM_INDEX})"
+            + {
+                "plain": ": it is a plain PyTorch checkpoint already",
+                "shards": ": its per-rank shards (earlier elixir-hf versions) load only into the run that wrote "
+                f"them; resume it with --elixir {ckpt / PLAN_NAME} and the same number of processes, save, and "
+                "convert that checkpoint",
+            }.get(fmt, "")
+        )
+    marker = verify(ckpt, 0, True)
+    index = read_optimizer_index(ckpt, marker["step"])
+    if config is None and not (ckpt / "config.json").is_file():
+        raise CheckpointError(f"{ckpt} has no config.json (a save_state folder?): pass the model's with --config")
+    conf = AutoConfig.from_pretrained(config if config is not None else ckpt)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, config=conf, dtype=torch.float32)
+    by_name = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+    position = {id(p): i for i, p in enumerate(model.parameters())}
+    state = {}
+    files = {p[0] for e in index["params"].values() for p in e["pieces"]}
+    with contextlib.ExitStack() as stack:
+        opened = {f: stack.enter_context(safe_open(str(ckpt / f), framework="pt")) for f in sorted(files)}
+        for name, entry in index["params"].items():
+            param = next((by_name[n] for n in entry["names"] if n in by_name), None)
+            if param is None or list(param.shape) != entry["shape"]:
+                raise CheckpointError(
+                    f"{ckpt / OPTIM_INDEX}: parameter {name!r} {entry['shape']} is not in {ckpt}'s model"
+                )
+            full = {kind: _gather(opened, name, kind, entry, param) for kind in ("master", "exp_avg", "exp_avg_sq")}
+            with torch.no_grad():
+                param.copy_(full.pop("master"))
+            if entry["step"] > 0:  # torch keeps no state for a parameter that never had a gradient
+                state[position[id(param)]] = {"step": torch.tensor(float(entry["step"])), **full}
+    groups = []
+    for g in index["param_groups"]:
+        hypers = {k: tuple(v) if k == "betas" else v for k, v in g.items() if k != "params"}
+        groups.append({**hypers, "params": [position[id(by_name[n])] for n in g["params"]]})
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    torch.save({"state": state, "param_groups": groups}, out / "optimizer.pt")
+    for f in ckpt.iterdir():
+        if f.is_file() and not _NOT_COPIED.match(f.name):
+            shutil.copy2(f, out / f.name)
+
+
+def _gather(opened: dict, name: str, kind: str, entry: dict, param: torch.Tensor) -> torch.Tensor:
+    """The whole flattened ``kind`` of ``name`` from its pieces, shaped as the parameter."""
+    flat = torch.empty(param.numel(), dtype=torch.float32)
+    for file, start, end in entry["pieces"]:
+        flat[start:end] = opened[file].get_tensor(f"{name}.{kind}")
+    return flat.view(param.shape)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="elixir-convert",
+        description="Write an Elixir checkpoint as a plain PyTorch one: the fp32 model (from_pretrained) and "
+        "a torch.optim.AdamW state_dict (optimizer.pt) in model.parameters() order, with the other Trainer files.",
+    )
+    parser.add_argument("checkpoint", help="an Elixir checkpoint folder (checkpoint-N, or a save_state folder)")
+    parser.add_argument("out", help="the folder to write")
+    parser.add_argument("--config", help="the model's config (folder or name) when the checkpoint has no config.json")
+    args = parser.parse_args(argv)
+    try:
+        convert(args.checkpoint, args.out, args.config)
+    except (CheckpointError, OSError) as e:
+        sys.exit(f"elixir-convert: {e}")
+    print(f"elixir-convert: wrote {args.out} (model.safetensors, config.json, optimizer.pt)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""The optimizer state's files in a checkpoint, saved and loaded: by parameter name (a
+safetensors file per rank and a JSON index, loadable into any number of ranks, chunk layout or
+offload placement), the per-rank chunk shards of earlier versions (same ranks and plan only), and a
+plain torch optimizer's ``state_dict()`` (the stock Trainer's ``optimizer.pt``, Accelerate's
+``optimizer.bin``). The index's layout is in docs/hf.md, "Checkpoints"."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from elixir_runtime import ElixirOptimizer
+from elixir_runtime.optim.named_state import load_named, named_meta, named_state, plain_to_named
+
+from .checkpoint import (
+    OPTIM_INDEX,
+    PLAIN_OPTIMIZER_NAMES,
+    PLAN_NAME,
+    CheckpointError,
+    _error,
+    _gather,
+    _raise_any,
+    all_ranks_agree,
+    atomic_safetensors_save,
+    atomic_write_text,
+    optimizer_format,
+    shard_name,
+)
+
+__all__ = ["save_optimizer", "load_optimizer", "read_optimizer_index", "load_shard", "optim_file_name"]
+
+_OPTIM_FORMAT = "elixir-optimizer"
+_OPTIM_VERSION = 1
+"""The index's format version; a newer one is refused (``read_optimizer_index``)."""
+
+
+def load_shard(checkpoint: str | os.PathLike, rank: int, optimizer: Any, global_step: int | None = None) -> None:
+    """Loads rank ``rank``'s shard of a verified checkpoint of the per-rank format into
+    ``optimizer``; a shard of another step (``global_step``: the Trainer's, saved in the shard) or
+    layout fails naming the file."""
+    path = Path(checkpoint) / shard_name(rank)
+    shard = torch.load(path, map_location="cpu", weights_only=True)
+    saved = shard.pop("global_step", None)
+    if global_step is not None and saved != global_step:
+        raise CheckpointError(f"{path} is stale: it holds step {saved} and the checkpoint step {global_step}")
+    try:
+        optimizer.load_state_dict(shard)
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(
+            f"{path} does not fit this run: {e}. Shards of this per-rank format (earlier elixir-hf versions) load "
+            f"only into the plan that wrote them: resume with --elixir {Path(checkpoint) / PLAN_NAME}, then save "
+            "again (by parameter name, loadable with any plan)"
+        ) from e
+
+
+def optim_file_name(rank: int, world_size: int) -> str:
+    return f"optimizer-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def _elixir(optimizer: Any) -> ElixirOptimizer:
+    """The ``ElixirOptimizer`` under Accelerate's wrapper (the Trainer's ``self.optimizer``)."""
+    return getattr(optimizer, "elixir_optimizer", optimizer)
+
+
+def save_optimizer(
+    folder: str | os.PathLike, optimizer: Any, *, rank: int, world_size: int, is_main: bool, global_step: int | None
+) -> dict[str, dict[str, int]]:
+    """A collective: each rank writes the optimizer state it holds, by parameter name, into its own
+    file, then the main process writes the index from every rank's piece table. Returns this
+    rank's digests (for ``seal``); a failure on any rank is raised on every rank."""
+    opt, folder = _elixir(optimizer), Path(folder)
+    name = optim_file_name(rank, world_size)
+    digests: dict[str, dict[str, int]] = {}
+
+    def write() -> dict[str, list[int]]:
+        tensors, table = named_state(opt)
+        digests[name] = atomic_safetensors_save(tensors, folder / name, {"global_step": str(global_step)})
+        return table
+
+    table, error = _error(write)
+    tables = _gather((table, error))  # also the barrier: every rank's file is in place
+    _raise_any([e for _, e in tables], f"saving the optimizer state to {folder}")
+
+    def index() -> None:
+        doc = {
+            "format": _OPTIM_FORMAT,
+            "version": _OPTIM_VERSION,
+            "world_size": world_size,
+            "global_step": global_step,
+            **named_meta(opt),
+        }
+        for r, (pieces, _) in enumerate(tables):
+            for param, (start, end) in pieces.items():
+                doc["params"][param].setdefault("pieces", []).append([optim_file_name(r, world_size), start, end])
+        digests[OPTIM_INDEX] = atomic_write_text(json.dumps(doc, indent=1), folder / OPTIM_INDEX)
+
+    error = _error(index)[1] if is_main else None
+    all_ranks_agree(error, f"saving the optimizer state to {folder}")
+    return digests
+
+
+def read_optimizer_index(checkpoint: str | os.PathLike, global_step: int | None = None) -> dict[str, Any]:
+    """The index of a named optimizer state, checked: a format this code reads, the checkpoint's
+    step, and every parameter's pieces covering it whole (``CheckpointError`` naming the file)."""
+    path = Path(checkpoint) / OPTIM_INDEX
+    index = json.loads(path.read_text())
+    if index.get("format") != _OPTIM_FORMAT:
+        raise CheckpointError(f"{path} is not an Elixir optimizer index (format {index.get('format')!r})")
+    if int(index.get("version", 0)) > _OPTIM_VERSION:
+        raise CheckpointError(
+            f"{path} has format version {index['version']}, newer than this elixir-hf reads ({_OPTIM_VERSION}): "
+            "upgrade elixir-hf to resume it"
+        )
+    if global_step is not None and index.get("global_step") != global_step:
+        raise CheckpointError(
+            f"{path} is stale: it holds step {index.get('global_step')} and the checkpoint step {global_step}"
+        )
+    for name, entry in index["params"].items():
+        numel, at = math.prod(entry["shape"]), 0
+        for _, start, end in sorted(entry.get("pieces", []), key=lambda p: p[1]):
+            if start != at:
+                break
+            at = end
+        if at != numel:
+            raise CheckpointError(
+                f"{path} is partial: the pieces of {name!r} cover its elements [0, {at}) of {numel} contiguously. "
+                "Resume from another checkpoint"
+            )
+    return index
+
+
+def load_optimizer(checkpoint: str | os.PathLike, optimizer: Any, rank: int, global_step: int | None = None) -> None:
+    """Loads the optimizer state of a verified checkpoint, in any format ``optimizer_format``
+    knows, into this run's shards: each rank reads only the slices its shards hold. Nothing is
+    loaded unless the whole state fits this model (``CheckpointError`` naming the file)."""
+    ckpt, opt = Path(checkpoint), _elixir(optimizer)
+    fmt = optimizer_format(ckpt)
+    if fmt == "shards":
+        return load_shard(ckpt, rank, optimizer, global_step)
+    if fmt == "plain":
+        path = next(ckpt / n for n in PLAIN_OPTIMIZER_NAMES if (ckpt / n).is_file())
+        meta, read = plain_to_named(opt, torch.load(path, map_location="cpu", weights_only=True), str(path))
+        return _load_named(opt, meta, read, path)
+    if fmt is None:
+        raise CheckpointError(f"{ckpt} holds no optimizer state ({OPTIM_INDEX} is missing)")
+    index = read_optimizer_index(ckpt, global_step)
+    with contextlib.ExitStack() as files:
+        opened = {}
+        for file in sorted({p[0] for e in index["params"].values() for p in e["pieces"]}):
+            if not (ckpt / file).is_file():  # another node's, on node-local disks: an error only if read
+                continue
+            opened[file] = files.enter_context(safe_open(str(ckpt / file), framework="pt"))  # the header only
+            saved = opened[file].metadata().get("global_step")
+            if saved != str(index["global_step"]):
+                raise CheckpointError(
+                    f"{ckpt / file} is stale: it holds step {saved} and the checkpoint step {index['global_step']}"
+                )
+
+        def read(name: str, kind: str, start: int, end: int) -> torch.Tensor:
+            out = torch.empty(end - start, dtype=torch.float32)
+            for file, a, b in index["params"][name]["pieces"]:
+                lo, hi = max(a, start), min(b, end)
+                if lo < hi and file not in opened:
+                    raise CheckpointError(
+                        f"{ckpt / file} is missing, and this rank needs its part of {name!r}. With a disk per node "
+                        "(save_on_each_node) each node holds its own ranks' files: resume with the same ranks on "
+                        "each node, or copy every node's optimizer-*.safetensors into the checkpoint"
+                    )
+                if lo < hi:
+                    out[lo - start : hi - start] = opened[file].get_slice(f"{name}.{kind}")[lo - a : hi - a]
+            return out
+
+        _load_named(opt, index, read, ckpt / OPTIM_INDEX)
+
+
+def _load_named(opt: ElixirOptimizer, meta: dict[str, Any], read: Any, path: Path) -> None:
+    try:
+        load_named(opt, meta, read, str(path))
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
