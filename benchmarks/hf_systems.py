@@ -25,7 +25,7 @@ from transformers import TrainerCallback, TrainingArguments
 
 from elixir_hf import ElixirTrainer, ElixirTrainingArguments
 
-from .models import Model, build_meta, materialize
+from .models import Model, build_initialised_in_place, build_meta, materialize
 from .systems import LR, MAX_GRAD_NORM, WEIGHT_DECAY, Context, Trainer, plan_summary
 
 __all__ = ["hf_trainer"]
@@ -48,9 +48,10 @@ class _Tokens(torch.utils.data.Dataset):
 def hf_trainer(p: Model, ctx: Context, elixir: bool) -> Trainer:
     """``ElixirTrainer`` (``elixir``) or the stock ``Trainer``, built and run on each timed call."""
     dtype = torch.bfloat16 if elixir else torch.float32
-    model = build_meta(p, ctx.seq, dtype)
-    if ctx.rank == 0 or not elixir:  # Elixir's other ranks stay on meta (elixir_hf.from_config's contract)
-        model = materialize(model, "cpu", ctx.device)
+    if elixir:  # on meta on every rank, its init drawn on each rank's shards (elixir_hf.from_config's default)
+        model = build_initialised_in_place(p, ctx.seq, dtype)
+    else:
+        model = materialize(build_meta(p, ctx.seq, dtype), "cpu", ctx.device)
     info: dict[str, Any] = {
         "optimizer": "Trainer default (AdamW)" + (" over Elixir shards" if elixir else ""),
         "weights_dtype": str(dtype).removeprefix("torch."),

@@ -22,6 +22,7 @@ from torch import nn
 from .models import (
     Model,
     blocks,
+    build_initialised_in_place,
     build_meta,
     causal_lm,
     enable_checkpointing,
@@ -110,13 +111,9 @@ def _elixir(p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
     from elixir_hf.loss import use_lean_loss
     from elixir_runtime.kernels.threads import cpu_adam_threads
 
-    # bf16 host weights: half the RAM and copy time of fp32; the engine keeps fp32 masters itself.
-    # Random values are drawn on the GPU (ctx.device) and copied: far faster than drawing on the CPU.
-    # Only rank 0 holds them (the others stay on meta and get rank 0's values in prepare): one copy
-    # of the model in host memory, as elixir_hf.from_pretrained does for HF users.
-    model = build_meta(p, ctx.seq, torch.bfloat16)
-    if ctx.rank == 0:
-        model = materialize(model, "cpu", ctx.device)
+    # bf16 weights (the engine keeps fp32 masters itself), on meta on every rank: prepare draws each
+    # rank's shards of the model's init on the GPU, as elixir_hf.from_config does; no host copy.
+    model = build_initialised_in_place(p, ctx.seq, torch.bfloat16)
     if ctx.device.type == "cuda":
         torch.cuda.empty_cache()  # the planner reads free GPU memory: return the fill's cached pieces
     batch = {"input_ids": example_ids, "labels": example_ids}

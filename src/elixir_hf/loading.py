@@ -8,7 +8,9 @@ Trainer's ``--elixir`` or ``ElixirAccelerator``) reads each rank's shards from t
 never holds the model, even on one rank. Where that cannot apply (a hub name, a ``.bin``
 checkpoint, quantisation, ...: ``stream.streaming_blocker``), or with ``stream=False``, rank 0
 reads the weights and every other rank builds the same module on ``meta``; ``prepare`` fills each
-rank's shards from rank 0's tensors. ``from_config`` does the latter. Use them only for a model
+rank's shards from rank 0's tensors. ``from_config`` builds the model on ``meta`` on every rank
+carrying its init, which ``prepare`` draws on each rank's shards on the GPU (``init="rank0"``:
+rank 0 initialises it, as ``from_pretrained`` without streaming). Use them only for a model
 Elixir will prepare: DDP or the stock Trainer would train the empty meta copies.
 
     model = elixir_hf.from_pretrained(AutoModelForCausalLM, "path/to/llama", dtype=torch.bfloat16)
@@ -28,9 +30,11 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
+from elixir_runtime import init_weights
+
 from .stream import holds_weights, streamed_or_why
 
-__all__ = ["from_pretrained", "from_config", "holds_weights", "stream_from_pretrained_calls"]
+__all__ = ["from_pretrained", "from_config", "init_in_place", "holds_weights", "stream_from_pretrained_calls"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,20 +78,63 @@ def from_pretrained(
     if not isinstance(config, PretrainedConfig):
         located = {k: kwargs[k] for k in _CONFIG_KWARGS if k in kwargs}
         config = AutoConfig.from_pretrained(config or name_or_path, **located)
-    return from_config(model_class, config, **{k: kwargs[k] for k in _BUILD_KWARGS if k in kwargs})
+    return from_config(model_class, config, init="rank0", **{k: kwargs[k] for k in _BUILD_KWARGS if k in kwargs})
+
+
+INIT_CHOICES = ("shards", "rank0")
 
 
 def from_config(
-    model_class: Any, config: PretrainedConfig, *, rank0_only: bool = True, **kwargs: Any
+    model_class: Any,
+    config: PretrainedConfig,
+    *,
+    init: str = "shards",
+    seed: int | None = None,
+    rank0_only: bool = True,
+    **kwargs: Any,
 ) -> PreTrainedModel:
-    """A new model from ``config``: initialised on rank 0, on meta elsewhere (its values come from rank 0)."""
+    """A new model from ``config``, its weights drawn by ``prepare`` where the engine keeps them.
+
+    ``init="shards"``: the parameters stay on meta on every rank (buffers real) and the model
+    carries its own init (``init_in_place``): each rank draws only its shards, on the GPU, with
+    the init's distribution per parameter (not bitwise transformers' draws); ``seed`` (default:
+    from torch's global generator, i.e. ``set_seed``) gives the same weights at any rank count.
+    ``init="rank0"``: rank 0 initialises the whole model in host memory, the others build it on
+    meta and get rank 0's values (for an init that cannot be replayed a range at a time).
+    ``rank0_only=False``: every rank initialises the whole model (a script whose Elixir is off).
+    """
+    if init not in INIT_CHOICES:
+        raise ValueError(f"from_config(init={init!r}): choose one of {INIT_CHOICES}")
     if kwargs.get("dtype") == "auto":
         kwargs["dtype"] = getattr(config, "dtype", None) or torch.float32
     build = getattr(model_class, "from_config", None) or model_class._from_config
-    if holds_weights(rank0_only):
+    if not rank0_only or (init == "rank0" and holds_weights()):
         return build(config, **kwargs)
-    with torch.device("meta"):
-        return build(config, **kwargs)
+    if init == "rank0":
+        with torch.device("meta"):
+            return build(config, **kwargs)
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = build(config, **kwargs)
+    init_in_place(model, seed)
+    return model
+
+
+def init_in_place(model: PreTrainedModel, seed: int | None = None) -> None:
+    """A model whose parameters are on meta (buffers real: ``accelerate.init_empty_weights()``)
+    carries transformers' init of it (``_init_weights`` through ``initialize_weights``), which
+    ``prepare`` draws on each rank's shards (``elixir_runtime.init_weights``; raises
+    ``elixir_runtime.InitError`` naming the parameter whose init cannot be drawn a range at a time)."""
+
+    model.tie_weights()  # accelerate's init_empty_weights makes a new meta parameter of a tied one
+
+    def initialize() -> None:
+        for m in model.modules():  # run at build on meta (no values): marked done, so run again
+            m.__dict__.pop("_is_hf_initialized", None)
+        model.initialize_weights()
+
+    init_weights(model, initialize, seed)
 
 
 STREAM_ENV = "ELIXIR_STREAM"

@@ -33,7 +33,8 @@ from transformers.core_model_loading import WeightConverter, WeightRenaming, ren
 from transformers.utils.loading_report import LoadStateDictInfo
 
 from elixir_runtime import WeightsError, stream_weights
-from elixir_runtime.chunk.stream import INDEX_FILE, SINGLE_FILE, CheckpointFiles, attached_weights, detach_weights
+from elixir_runtime.chunk.attached import attached_weights, detach_weights
+from elixir_runtime.chunk.stream import INDEX_FILE, SINGLE_FILE, CheckpointFiles
 
 __all__ = [
     "CannotStream",
@@ -149,7 +150,7 @@ def unstream(model: Any) -> None:
     if holds_weights():
         with torch.no_grad():
             for p in source.params:
-                value = source.read(p, 0, p.numel()).view(p.shape)
+                value = source.read(p, 0, p.numel(), torch.device("cpu")).view(p.shape)
                 torch.utils.swap_tensors(p, torch.nn.Parameter(value, requires_grad=p.requires_grad))
     detach_weights(model)
 
@@ -175,7 +176,7 @@ def _unstreamed_before_adapters() -> None:
             logger.warning(
                 "elixir: a PEFT adapter is added to a model whose weights were to be streamed from %s: rank 0 reads "
                 "them now and sends each rank its shards (adapters need the base layers' device)",
-                source.files.folder,
+                source.origin,
             )
             unstream(model)
         return stock(self, model, *args, **kwargs)

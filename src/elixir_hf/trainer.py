@@ -49,7 +49,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from elixir_runtime import rank0_state_dict
-from elixir_runtime.chunk.stream import attached_weights
+from elixir_runtime.chunk.attached import attached_weights
 
 from .accelerator import ElixirAccelerator
 from .arguments import as_elixir_args

@@ -10,6 +10,7 @@ with elixir_runtime.full_params(model):   # every rank; then forwards on any ran
 """
 
 from .api import ElixirState, prepare
+from .chunk.init import InitError, init_weights
 from .chunk.stream import WeightsError, stream_weights
 from .config import ElixirConfig, LossScaleConfig, PlanError
 from .optim.optimizer import ElixirOptimizer
@@ -28,6 +29,8 @@ __all__ = [
     "ElixirState",
     "load_safetensors",
     "stream_weights",
+    "init_weights",
+    "InitError",
     "WeightsError",
     "rank0_state_dict",
     "full_params",

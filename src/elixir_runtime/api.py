@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .chunk.attached import detach_weights
 from .chunk.collectives import Collectives
 from .chunk.source import WeightSource, unmeta_parameters, weight_source
-from .chunk.stream import detach_weights
 from .config import ElixirConfig
 from .gpu_limit import expandable_segments, limit_gpu_memory
 from .host import local_ranks

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 
 import elixir_hf
-from helpers.models import tiny_gpt2
+from helpers.models import tiny_gpt2, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +48,24 @@ def test_rank0_only_off_loads_on_every_rank(saved, monkeypatch) -> None:
     assert not any(p.is_meta for p in model.parameters())
 
 
-def test_from_config_initialises_on_rank_0_only(monkeypatch) -> None:
+def test_from_config_init_rank0_initialises_on_rank_0_only(monkeypatch) -> None:
     config = tiny_gpt2().config
     monkeypatch.setenv("RANK", "0")
-    assert not any(p.is_meta for p in elixir_hf.from_config(AutoModelForCausalLM, config).parameters())
+    rank0 = elixir_hf.from_config(AutoModelForCausalLM, config, init="rank0")
+    assert not any(p.is_meta for p in rank0.parameters())
     monkeypatch.setenv("RANK", "1")
-    model = elixir_hf.from_config(GPT2LMHeadModel, config, dtype="auto")
+    model = elixir_hf.from_config(GPT2LMHeadModel, config, init="rank0", dtype="auto")
     assert all(p.is_meta for p in model.parameters())
     assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_from_config_builds_on_meta_on_every_rank_with_its_init(monkeypatch) -> None:
+    """The default (test_init_in_place.py draws it): parameters on meta, buffers real, tied as built."""
+    config = tiny_llama(tie=True).config
+    monkeypatch.setenv("RANK", "0")
+    model = elixir_hf.from_config(AutoModelForCausalLM, config, dtype=torch.bfloat16)
+    assert all(p.is_meta and p.dtype == torch.bfloat16 for p in model.parameters())
+    assert not any(b.is_meta for b in model.buffers())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with pytest.raises(ValueError, match=r"from_config\(init='everywhere'\): choose one of"):
+        elixir_hf.from_config(AutoModelForCausalLM, config, init="everywhere")

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 import elixir_hf
 import elixir_runtime as er
-from elixir_runtime.chunk.stream import attached_weights
+from elixir_runtime.chunk.attached import attached_weights
 from helpers.dist import run_distributed
 from helpers.models import ATTN_IMPL, make_batch, tiny_gpt2, tiny_llama
 
@@ -52,7 +52,7 @@ def _train(model, rank: int, world_size: int, reads: list[int] | None = None) ->
     source = attached_weights(model)
     if reads is not None and source is not None:
         read = source.read
-        source.read = lambda p, start, numel: reads.append(numel) or read(p, start, numel)
+        source.read = lambda p, start, numel, *rest: reads.append(numel) or read(p, start, numel, *rest)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-6)
     batch = lambda step: {k: v[rank::world_size] for k, v in make_batch(128, 2 * world_size, 16, seed=step).items()}  # noqa: E731

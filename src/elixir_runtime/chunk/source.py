@@ -1,4 +1,4 @@
-"""Where ``prepare`` takes the starting weights from: each rank's own module, rank 0's, or files.
+"""Where ``prepare`` takes the starting weights from: each rank's own module, rank 0's, files, or the model's init.
 
 A model too large to hold once per rank in host memory is built on the ``meta`` device on every
 rank but rank 0 (in HF terms: ``from_pretrained`` on rank 0, ``from_config`` under
@@ -6,9 +6,11 @@ rank but rank 0 (in HF terms: ``from_pretrained`` on rank 0, ``from_config`` und
 tensors, broadcast one at a time, so the host holds the model once instead of once per rank, and
 a rank never holds more than its shards plus one tensor.
 
-A model whose parameters are on meta on every rank and whose values are in safetensors files
-(``chunk/stream.py``; ``elixir_hf.from_pretrained`` makes one) is filled from the files: each rank
-reads only its shards' elements, and the host never holds the model at all.
+A model whose parameters are on meta on every rank and that carries where their values are
+(``chunk/attached.py``) is filled from there: safetensors files (``chunk/stream.py``;
+``elixir_hf.from_pretrained`` makes one), each rank reading only its shards' elements, or the
+model's own init replayed on each rank's ranges on the compute device (``chunk/init.py``;
+``elixir_hf.from_config``). The host never holds the model at all.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..host import host_total, local_ranks
+from .attached import AttachedWeights, attached_weights, unguard
 from .collectives import Collectives
-from .stream import StreamedWeights, attached_weights
 
 __all__ = ["WeightSource", "weight_source", "unmeta_parameters", "copies_warning"]
 
@@ -36,8 +38,10 @@ class WeightSource:
     coll: Collectives
     comm_device: torch.device | None = None
     """Where broadcasts happen (the GPU under NCCL, the CPU under gloo); None: no broadcasts."""
-    files: StreamedWeights | None = None
-    """The files the meta parameters' values are read from, on every rank."""
+    attached: AttachedWeights | None = None
+    """Where the meta parameters' values are read from, on every rank (files, the model's init)."""
+    device: torch.device | None = None
+    """The compute device (where an init draws its values)."""
 
     def value(self, t: torch.Tensor) -> torch.Tensor:
         """The full value of ``t`` as rank 0 holds it; ``t`` itself when every rank has its own.
@@ -58,15 +62,15 @@ class WeightSource:
 
         A collective when broadcasting: every rank calls it for every parameter in the same order.
         """
-        if self.files is not None and self.files.covers(p):
-            return self.files.read(p, start, numel)
+        if self.attached is not None and self.attached.covers(p):
+            return self.attached.read(p, start, numel, self.device)
         return self.value(p).reshape(-1)[start : start + numel]
 
     @contextlib.contextmanager
     def reading(self, device: torch.device) -> Iterator[None]:
-        """Around the fill: a file read that fails on one rank fails ``prepare`` on every rank (a
-        collective when reading files on several ranks), never leaving a partly filled model."""
-        if self.files is None:
+        """Around the fill: a read that fails on one rank fails ``prepare`` on every rank (a
+        collective when reading attached weights on several ranks), never leaving a partly filled model."""
+        if self.attached is None:
             yield
             return
         error = None
@@ -78,11 +82,11 @@ class WeightSource:
         else:
             failure = None
         finally:
-            self.files.close()
+            self.attached.close()
         errors = [f"rank {r}: {e}" for r, e in enumerate(_gather(self.coll, device, error)) if e is not None]
         if errors:
             raise RuntimeError(
-                f"reading the weights from {self.files.files.folder} failed:\n  " + "\n  ".join(errors)
+                f"reading the weights from {self.attached.origin} failed:\n  " + "\n  ".join(errors)
             ) from failure
 
 
@@ -93,9 +97,9 @@ def weight_source(model: nn.Module, coll: Collectives, device: torch.device) -> 
     any rank holds none, all ranks start from rank 0's values, as FSDP's ``sync_module_states``.
     """
     tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-    files = attached_weights(model)
-    if files is not None:
-        return _streamed(model, files, tensors, coll, device)
+    attached = attached_weights(model)
+    if attached is not None:
+        return _attached(model, attached, tensors, coll, device)
     params = list(model.named_parameters(remove_duplicate=False))
     on_meta = [name for name, t in params if t.is_meta]
     meta_buffers = [name for name, t in model.named_buffers(remove_duplicate=False) if t.is_meta]
@@ -136,26 +140,34 @@ def weight_source(model: nn.Module, coll: Collectives, device: torch.device) -> 
     return WeightSource(coll, device if backend == "nccl" else torch.device("cpu"))
 
 
-def _streamed(model: nn.Module, files: StreamedWeights, tensors: list, coll: Collectives, device: torch.device):
-    """A model whose meta parameters are read from files: every rank checks its own model and files,
-    then all ranks agree (an error anywhere is raised everywhere, before anything is allocated)."""
-    uncovered = [name for name, t in tensors if t.is_meta and not files.covers(t)]
-    problem = files.files.check()
+def _attached(model: nn.Module, source: AttachedWeights, tensors: list, coll: Collectives, device: torch.device):
+    """A model whose meta parameters are read from an attached source: every rank checks its own
+    model and source, then all ranks agree (an error anywhere is raised everywhere, before anything
+    is allocated)."""
+    uncovered = [name for name, t in tensors if t.is_meta and not source.covers(t)]
+    problem = source.check()
     if uncovered:
         problem = (
-            f"{len(uncovered)} tensors are on the meta device and not in {files.files.folder} (e.g. {uncovered[:3]}): "
-            "a module added after loading on meta (such as a PEFT adapter) or a buffer has no values; load the model "
-            "without streaming (elixir_hf.from_pretrained(..., stream=False), ELIXIR_STREAM=0 under elixir-run)"
+            f"{len(uncovered)} tensors are on the meta device and not in {source.origin} (e.g. {uncovered[:3]}): "
+            "a module added after building on meta (such as a PEFT adapter) or a buffer has no values; build the "
+            f"model with its values ({source.fallback})"
         )
-    everyone = _gather(coll, device, (problem, _signature(tensors)))
-    errors = [f"rank {r}: {p}" if coll.world_size > 1 else p for r, (p, _) in enumerate(everyone) if p is not None]
+    everyone = _gather(coll, device, (problem, _signature(tensors), source.agreement()))
+    errors = [f"rank {r}: {p}" if coll.world_size > 1 else p for r, (p, _, _) in enumerate(everyone) if p is not None]
     if errors:
         raise ValueError("; ".join(errors))
-    _check_same_model([signature for _, signature in everyone])
-    files.unguard()
+    _check_same_model([signature for _, signature, _ in everyone])
+    for rank, (_, _, theirs) in enumerate(everyone):
+        if theirs != everyone[0][2]:
+            raise ValueError(
+                f"rank {rank}'s weights from {source.origin} differ from rank 0's ({theirs} vs {everyone[0][2]}): "
+                "every rank must build the model the same way (the same seed: transformers.set_seed or "
+                "torch.manual_seed with one value on every rank before building it, or pass seed=)"
+            )
+    unguard(source)
     if coll.rank == 0:
-        logger.info("elixir: every rank reads its shards of the weights from %s", files.files.folder)
-    return WeightSource(coll, files=files)
+        logger.info("elixir: every rank fills its shards of the weights from %s", source.origin)
+    return WeightSource(coll, attached=source, device=device)
 
 
 def _signature(tensors: list) -> list[str]:

@@ -31,21 +31,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = [
-    "CheckpointFiles",
-    "StreamedWeights",
-    "TensorEntry",
-    "WeightsError",
-    "attached_weights",
-    "detach_weights",
-    "pieces",
-    "stream_weights",
-]
+from .attached import attach_weights
+
+__all__ = ["CheckpointFiles", "StreamedWeights", "TensorEntry", "WeightsError", "pieces", "stream_weights"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_ATTR = "_elixir_weights"
-"""The attribute of a model whose parameters' values are in files (``stream_weights``)."""
 
 
 class WeightsError(ValueError):
@@ -144,7 +135,8 @@ class CheckpointFiles:
 
 @dataclass(eq=False)
 class StreamedWeights:
-    """Where each meta parameter's value is: ``entries[id(param)]``, read a flattened range at a time."""
+    """Where each meta parameter's value is: ``entries[id(param)]``, read a flattened range at a time
+    (an ``attached.AttachedWeights``)."""
 
     files: CheckpointFiles
     entries: dict[int, TensorEntry]
@@ -154,13 +146,25 @@ class StreamedWeights:
     """The forward pre-hook that refuses to run the model before ``prepare`` filled its chunks."""
     _open: dict[str, object] = field(default_factory=dict)
 
+    fallback = "elixir_hf.from_pretrained(..., stream=False), or ELIXIR_STREAM=0 under elixir-run"
+
+    @property
+    def origin(self) -> str:
+        return self.files.folder
+
     def covers(self, p: torch.Tensor) -> bool:
         return id(p) in self.entries
 
+    def check(self) -> str | None:
+        return self.files.check()
+
+    def agreement(self) -> object:
+        return None
+
     @torch.no_grad()
-    def read(self, p: torch.Tensor, start: int, numel: int) -> torch.Tensor:
+    def read(self, p: torch.Tensor, start: int, numel: int, device: torch.device | None = None) -> torch.Tensor:
         """Elements ``[start, start + numel)`` of ``p``'s flattened value, in ``p``'s dtype (as
-        ``from_pretrained`` casts a checkpoint tensor to the parameter's dtype)."""
+        ``from_pretrained`` casts a checkpoint tensor to the parameter's dtype), on the CPU."""
         if numel == 0:
             return torch.empty(0, dtype=p.dtype)
         entry = self.entries[id(p)]
@@ -176,12 +180,6 @@ class StreamedWeights:
             parts = [sl[idx].reshape(-1) for idx in pieces(entry.shape, start, start + numel)]
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         return out.to(p.dtype)
-
-    def unguard(self) -> None:
-        """Lets the model run (``prepare`` traces it on fake tensors before it fills the chunks)."""
-        if self.guard is not None:
-            self.guard.remove()
-            self.guard = None
 
     def close(self) -> None:
         """Closes the files ``read`` opened."""
@@ -254,34 +252,9 @@ def stream_weights(
             "initialise the missing weights"
         )
     source = StreamedWeights(files, entries, list(params.values()))
-    source.guard = model.register_forward_pre_hook(_refuse_before_prepare)
-    setattr(model, _ATTR, source)
+    attach_weights(model, source)
     return source
 
 
 def _keys(names: Iterable[str], keys: Mapping[str, str] | None) -> Iterable[str]:
     return (keys.get(n, n) for n in names) if keys is not None else names
-
-
-def attached_weights(model: nn.Module) -> StreamedWeights | None:
-    """The source ``stream_weights`` attached to ``model`` or a module in it (a wrapper such as PEFT's)."""
-    return next((m.__dict__[_ATTR] for m in model.modules() if _ATTR in m.__dict__), None)
-
-
-def detach_weights(model: nn.Module) -> None:
-    """Once ``prepare`` has read the weights: the model no longer refers to the files."""
-    for m in model.modules():
-        source = m.__dict__.pop(_ATTR, None)
-        if source is not None:
-            source.unguard()
-            source.close()
-
-
-def _refuse_before_prepare(module: nn.Module, _args) -> None:
-    source = attached_weights(module)
-    folder = source.files.folder if source is not None else "its checkpoint"
-    raise RuntimeError(
-        f"{type(module).__name__}'s weights are still in {folder}: elixir_runtime.prepare reads them into its "
-        "chunks (ElixirTrainer, ElixirAccelerator); a model used without Elixir must be loaded without streaming "
-        "(elixir_hf.from_pretrained(..., stream=False), or ELIXIR_STREAM=0 under elixir-run)"
-    )
