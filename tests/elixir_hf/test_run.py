@@ -26,7 +26,7 @@ import torch
 from hf_cases import OFFLOAD_PLAN, save_tiny_lm
 from safetensors.torch import load_file
 
-from elixir_hf.checkpoint import shard_name
+from elixir_hf.optimizer_files import optim_file_name
 from elixir_hf.run import main, split_elixir
 
 SCRIPTS = Path(__file__).with_name("scripts")
@@ -187,20 +187,20 @@ def test_trainer_script_and_accelerate_loop(model_dir, tmp_path, monkeypatch, ra
     # the Trainer script: the engine ran (rank 0 alone printed its plan) on the weights streamed from
     # the folder the script's from_pretrained named, and logged the stock numbers
     assert trainer_out.count(PLAN_LINE) == 1 and re.search(rf"world size +{ranks}\n", trainer_out), out[-3000:]
-    assert trainer_out.count(f"reads its shards of the weights from {model_dir}") == 1, out[-3000:]
+    assert trainer_out.count(f"every rank fills its shards of the weights from {model_dir}") == 1, out[-3000:]
     for key in ("loss", "grad_norm", "eval_loss"):
         _close(_history(tmp_path / "elixir" / "trainer", key), _history(tmp_path / "stock" / "trainer", key), key)
     args = torch.load(tmp_path / "elixir" / "trainer" / "training_args.bin", weights_only=False)
     assert args.elixir_plugin.config.offload == 0.5 and args.elixir_plugin.config.n_blocks == "min"
 
-    # the Accelerate loop: the stock losses, and the engine's optimizer shard of every rank in its save_state
+    # the Accelerate loop: the stock losses, and every rank's optimizer file (by name) in its save_state
     assert loop_out.count(PLAN_LINE) == 1 and re.search(rf"world size +{ranks}\n", loop_out), out[-3000:]
     stock, ours = (json.loads((tmp_path / run / "loop" / "losses.json").read_text()) for run in ("stock", "elixir"))
     assert len(ours) == 24 // ranks
     _close(ours, stock, "loop loss")
     for rank in range(ranks):
-        assert (tmp_path / "elixir" / "loop" / "state" / shard_name(rank)).is_file()
-    assert not (tmp_path / "stock" / "loop" / "state" / shard_name(0)).exists()
+        assert (tmp_path / "elixir" / "loop" / "state" / optim_file_name(rank, ranks)).is_file()
+    assert not (tmp_path / "stock" / "loop" / "state" / optim_file_name(0, 1)).exists()
 
 
 # --------------------------------------------------------------------------- TRL and PEFT
