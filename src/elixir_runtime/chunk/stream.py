@@ -4,8 +4,11 @@ A model built on the ``meta`` device on every rank carries a ``StreamedWeights``
 (``stream_weights``): for each parameter, the file and key that hold its value. ``prepare`` fills
 each rank's shards from it, reading only the elements that rank's shards hold, one slot's part at
 a time (``read``): a rank never holds more than one chunk shard's worth of weights besides its
-arenas, and no rank reads the whole model. Files are read with ``pread``, not ``mmap``, so the
-pages read do not stay mapped (and counted in the process's RSS) after they are copied.
+arenas, and no rank reads the whole model. Files are memory-mapped (safetensors' default): a read
+is a view of the page cache, copied into the arenas; its pages are file-backed, which the host
+counts as available (``host.py``), and are unmapped when the fill closes the files. (safetensors'
+``pread`` backend, tried first, read row blocks at ~130 MB/s against ~13 GB/s mapped: 4.1 s
+against 0.04 s for 512 MB in 32 MB row blocks on the development machine.)
 
 A checkpoint folder is what ``save_pretrained`` writes: ``model.safetensors``, or shards listed by
 ``model.safetensors.index.json``. Every file is opened (its header checked against its size, so a
@@ -172,7 +175,7 @@ class StreamedWeights:
         if f is None:
             from safetensors import safe_open
 
-            f = self._open[entry.path] = safe_open(entry.path, framework="pt", device="cpu", backend="pread")
+            f = self._open[entry.path] = safe_open(entry.path, framework="pt", device="cpu")
         sl = f.get_slice(entry.key)
         if not entry.shape:
             parts = [f.get_tensor(entry.key).reshape(1)]
