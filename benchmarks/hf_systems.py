@@ -82,6 +82,8 @@ def hf_trainer(p: Model, ctx: Context, elixir: bool) -> Trainer:
         start = clock.now()
         out = trainer.train()
         info["engine_build_s"] = clock.first_begin - start
+        logged = [e for e in trainer.state.log_history if "loss" in e]
+        info["trainer_log"] = logged[-1] if logged else {}  # one entry: the loop's means (elixir/*: step phases)
         if elixir:
             plan = trainer.model._elixir.plan
             print(plan.table(), flush=True)
