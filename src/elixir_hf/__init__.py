@@ -9,8 +9,9 @@ Accelerate users. ``elixir_runtime`` does the work; this package only adapts it.
 A subclass (TRL's ``SFTConfig``/``SFTTrainer``): ``elixir_args(SFTConfig)``, ``elixir_trainer(SFTTrainer)``.
 No edit at all: ``elixir-run train.py [its arguments] --elixir auto`` (``elixir_hf.run``).
 
-On several ranks, ``from_pretrained(AutoModelForCausalLM, path, dtype=...)`` loads on rank 0 only
-(the others build on meta and get rank 0's weights when the engine is built): one host copy.
+``from_pretrained(AutoModelForCausalLM, path, dtype=...)`` streams a local safetensors folder into
+each rank's chunk shards when the engine is built (else rank 0 reads it, the others build on meta),
+and ``from_config`` draws a new model's init there: no host copy of the model per rank.
 """
 
 from __future__ import annotations
