@@ -1,11 +1,11 @@
-"""Run by ``torchrun --nproc_per_node 2`` in ``test_resume_change.py``: the 2-rank half of the
-resume-across-change runs, on gloo. ``argv[1]``: the output folder; ``argv[2]``: a checkpoint of a
-1-rank run (``RUN`` steps, saved at ``SAVE_AT``).
+"""Run by ``torchrun`` in ``test_resume_change.py``: the multi-rank halves of the
+resume-across-change runs, on gloo. ``argv[1]``: the output folder; ``argv[2]``: a checkpoint to
+resume (``RUN`` steps, saved at ``SAVE_AT``), of a 1-rank run on 2 ranks, of a 2-rank run on 4.
 
-* ``<out>/two``: the straight 2-rank run (2 per rank × 2 micro-batches: the 1-rank run's global
-  batch of 4 × 2), its checkpoints at ``SAVE_AT`` and ``RUN``;
-* ``<out>/one_to_two``: the 1-rank checkpoint resumed here, with another plan (another chunk
-  size, no offload), to ``RUN``.
+* 2 ranks: ``<out>/two``: the straight 2-rank run (2 per rank × 2 micro-batches: the 1-rank run's
+  global batch of 4 × 2), its checkpoints at ``SAVE_AT`` and ``RUN``; ``<out>/one_to_two``: the
+  1-rank checkpoint resumed here, with another plan (another chunk size, no offload), to ``RUN``;
+* 4 ranks: ``<out>/two_to_four``: the 2-rank checkpoint resumed with another plan (1 per rank).
 
 Also imported by the test for the shared settings."""
 
@@ -42,10 +42,14 @@ def trainer(out: str, plan: str, world_size: int):
     return make_trainer("gpt2", training_args(out, plan, **args), n_train=80)
 
 
-def main(out: str, one_rank_checkpoint: str) -> None:
-    trainer(f"{out}/two", OFFLOAD_PLAN, 2).train()
-    trainer(f"{out}/one_to_two", OTHER_PLAN, 2).train(resume_from_checkpoint=one_rank_checkpoint)
+def main(out: str, checkpoint: str) -> None:
     import torch.distributed as dist
+
+    if int(os.environ["WORLD_SIZE"]) == 4:
+        trainer(f"{out}/two_to_four", OTHER_PLAN, 4).train(resume_from_checkpoint=checkpoint)
+    else:
+        trainer(f"{out}/two", OFFLOAD_PLAN, 2).train()
+        trainer(f"{out}/one_to_two", OTHER_PLAN, 2).train(resume_from_checkpoint=checkpoint)
 
     dist.destroy_process_group()  # before the interpreter finalizes (gloo at exit)
 

@@ -1,4 +1,4 @@
-"""Resume across change: a Trainer checkpoint continues on another number of ranks (2 → 1, 1 → 2),
+"""Resume across change: a Trainer checkpoint continues on another number of ranks (2 → 1, 1 → 2, 2 → 4),
 with another chunk size, offload placement and rCache size, pinned to its saved plan or re-planned
 (``auto``), with the Adam state, LR schedule and data position of the straight run.
 
@@ -62,6 +62,14 @@ def test_two_ranks_to_one_with_another_plan(runs, tmp_path) -> None:
 
 def test_one_rank_to_two_with_another_plan(runs) -> None:
     assert drift(runs / "one_to_two", runs / "one") < TOLERANCE
+
+
+def test_two_ranks_to_four_with_another_plan(runs) -> None:
+    """2 → 4 ranks (1 sample per rank × 2 micro-batches: the same global batches)."""
+    ckpt = runs / "two" / f"checkpoint-{SAVE_AT}"
+    proc = run_script("resume_worker.py", str(runs), str(ckpt), ranks=4)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert drift(runs / "two_to_four", runs / "two") < TOLERANCE
 
 
 @pytest.mark.parametrize(
