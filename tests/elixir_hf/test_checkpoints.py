@@ -294,6 +294,17 @@ def test_convert_continues_in_a_plain_loop_and_back_in_elixir(saved_run, tmp_pat
     assert history(back, "loss", after_step=5) == pytest.approx(losses[5:], rel=1e-6)
 
 
+def test_stock_trainer_resumes_from_converted(saved_run, tmp_path) -> None:
+    """``OUT`` of ``elixir-convert`` is a stock Trainer checkpoint too (weights, ``optimizer.pt``,
+    scheduler, trainer state, RNG): the stock Trainer takes the Elixir run's next 5 steps."""
+    out, losses = saved_run
+    plain = tmp_path / "plain"
+    convert.main([str(out / "checkpoint-5"), str(plain)])
+    stock = make_trainer("gpt2", training_args(str(tmp_path / "stock"), **SAVE))
+    stock.train(resume_from_checkpoint=str(plain))
+    assert history(stock, "loss", after_step=5) == pytest.approx(losses[5:], rel=1e-5)
+
+
 def test_incomplete_checkpoint_fails_clearly(saved_run, tmp_path) -> None:
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved_run[0] / "checkpoint-5", ckpt)
