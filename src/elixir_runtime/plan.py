@@ -22,11 +22,11 @@ import torch
 from .chunk.layout import ChunkLayout
 from .config import ElixirConfig, PlanError
 from .gpu_limit import device_capacity, process_limit
-from .host import HostMemory
+from .host import GIB, HostMemory
 from .profiler.profile import ModelProfile
 from .runtime.device_lane import LANE_DEPTH
 from .search.budget import Budget
-from .search.loop import GIB, SearchResult, resident_chunks
+from .search.loop import SearchResult, resident_chunks
 from .search.memory import ArenaBytes, GradWindow
 from .search.placement import offloaded_chunks
 from .search.step_time import StepTime

@@ -14,7 +14,7 @@ fits, ``PlanError`` says by how much and what would make it fit.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -24,6 +24,8 @@ import torch
 from ..chunk.layout import ChunkLayout, build_layout, round_up
 from ..config import ElixirConfig, PlanError
 from ..hardware.profile import HardwareProfile
+from ..host import GIB
+from ..host import size_text as gib
 from ..profiler.profile import ModelProfile
 from ..progress import track
 from ..units import ParamTable
@@ -36,7 +38,6 @@ from .step_time import StepModel
 
 __all__ = ["SearchSettings", "SearchResult", "search", "resident_chunks"]
 
-GIB = 2**30
 
 SERIAL_TIE = 0.01
 """Chunk sizes whose serial steps are within 1 % of the shortest tie; the overlapped step decides
@@ -315,13 +316,7 @@ def _alternatives(best: _Evaluated, budget: Budget) -> list[dict]:
 def _no_fit_message(
     evaluated: list[_Evaluated], profile: ModelProfile, budget: Budget, settings: SearchSettings
 ) -> str:
-    def gib(x: float) -> str:
-        for unit, size in (("GiB", GIB), ("MiB", 2**20)):
-            if abs(x) >= size:
-                return f"{x / size:.2f} {unit}"
-        return f"{x / 2**10:.1f} KiB"
-
-    pinned = _pinned_offload_message(evaluated, budget, settings, gib)
+    pinned = _pinned_offload_message(evaluated, budget, settings)
     if pinned:
         return pinned
     act, allowed, n = profile.activation_peak, budget.allowed, settings.world_size
@@ -381,9 +376,7 @@ def _no_fit_message(
     return "\n".join(lines) + "\nTo make it fit: " + "; or ".join(fixes) + "."
 
 
-def _pinned_offload_message(
-    evaluated: list[_Evaluated], budget: Budget, settings: SearchSettings, gib: Callable[[float], str]
-) -> str | None:
+def _pinned_offload_message(evaluated: list[_Evaluated], budget: Budget, settings: SearchSettings) -> str | None:
     """The no-fit message where ``ElixirConfig.offload`` names the chunks to offload and the host
     cannot take them (in the layout needing the least); ``None`` where the host is not the limit."""
     if settings.config.offload is None:
