@@ -90,11 +90,7 @@ def hf_trainer(p: Model, ctx: Context, elixir: bool) -> Trainer:
             info.update(plan=plan_summary(plan), plan_batch=len(ids))
         return clock.times[warmup:], out.training_loss
 
-    return Trainer(step=_no_step, info=info, timed=timed)
-
-
-def _no_step(ids: torch.Tensor) -> torch.Tensor:
-    raise RuntimeError("a Trainer-path system runs whole loops (Trainer.timed), not single steps")
+    return Trainer(info=info, timed=timed)
 
 
 class _Clock(TrainerCallback):

@@ -68,8 +68,8 @@ class Context:
 
 @dataclass
 class Trainer:
-    step: Callable[[torch.Tensor], torch.Tensor]
-    """One optimizer step on ``input_ids`` (labels = inputs); returns the loss."""
+    step: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """One optimizer step on ``input_ids`` (labels = inputs); returns the loss. ``None`` where ``timed`` runs the loop."""
     info: dict[str, Any] = field(default_factory=dict)
     after_oom: Callable[[], None] = lambda: None
     """Frees what a step left behind when it ran out of memory, so a smaller retry is possible."""

@@ -4,6 +4,8 @@
         --systems elixir,plain,fsdp2,fsdp2_offload,ds2_offload,ds3_offload [--out docs/benchmarks/results.json]
     PYTHONPATH=src python -m benchmarks.throughput --model llama3-8b,qwen2.5-7b --batch-sizes 4 \\
         --systems elixir,fsdp2_offload,ds2_offload,ds3_offload      # seq 2048, clip 1.0: Trainer defaults
+    PYTHONPATH=src python -m benchmarks.throughput --model llama2-13b --batch-sizes 4 \
+        --systems elixir_trainer,trainer      # the user's path: Trainer.train() with and without --elixir auto
 
 ``--model``: GPT-2 presets (seq 1024), ``llama3-8b``/``qwen2.5-7b`` (seq 2048) or any HF decoder's
 ``config.json`` / model folder, random init. ``--clip 1`` (default) clips every system's gradients to a
