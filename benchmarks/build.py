@@ -3,6 +3,7 @@
     python -m benchmarks.build write --model llama3-8b --dtype bf16 --out /data/llama3-8b   # random weights, saved once
     torchrun --nproc_per_node 4 -m benchmarks.build run --folder /data/llama3-8b --dtype bf16
     torchrun --nproc_per_node 4 -m benchmarks.build run --folder /data/llama3-8b --dtype bf16 --no-stream
+    python -m benchmarks.build arenas --gib 100 [--no-huge-pages]   # the host arenas' fill and pinning alone
 
 ``run`` times ``elixir_hf.from_pretrained`` (streamed: every rank on meta; ``--no-stream``: rank 0
 reads the weights, the others on meta) and ``elixir_runtime.prepare`` (the plan and the fill of
@@ -89,6 +90,23 @@ def run(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
+def arenas(args: argparse.Namespace) -> None:
+    """Seconds to fill (first touch, chunk by chunk, as the engine's fill) and pin ``--gib`` of host
+    arena, on huge pages (``empty_arena``, the engine's) or not (``--no-huge-pages``)."""
+    from elixir_runtime.chunk.host_memory import empty_arena, pin_host
+
+    n = int(args.gib * GIB) // 4
+    t0 = time.perf_counter()
+    t = empty_arena(n, torch.float32) if args.huge_pages else torch.empty(n, dtype=torch.float32)
+    step = 2**26  # 256 MiB, about one chunk shard
+    for i in range(0, n, step):
+        t[i : i + step].zero_()
+    t1 = time.perf_counter()
+    pin_host(t)
+    t2 = time.perf_counter()
+    print(json.dumps({"gib": args.gib, "huge_pages": args.huge_pages, "fill_s": t1 - t0, "pin_s": t2 - t1}))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.build", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -104,8 +122,11 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--batch-size", type=int, default=4)
     r.add_argument("--seq", type=int, default=2048)
     r.add_argument("--elixir", default="{}", help='ElixirConfig fields as JSON, e.g. \'{"mode": "static"}\'')
+    a = sub.add_parser("arenas", help="time filling and pinning host arena memory, on huge pages or not")
+    a.add_argument("--gib", type=float, default=16.0)
+    a.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True)
     args = parser.parse_args(argv)
-    write(args) if args.command == "write" else run(args)
+    {"write": write, "run": run, "arenas": arenas}[args.command](args)
 
 
 if __name__ == "__main__":
