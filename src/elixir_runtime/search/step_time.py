@@ -17,6 +17,8 @@ What the model assumes of the engine:
   takes ``LANE_SLICE`` slices from the front, the lane from the back (``_two_lanes``).
 * The next forward waits only for its latest chunk: ``exposed CPU Adam = max(0, max_k late_k)``
   (stalls do not add).
+* A collective hidden under compute still slows it by ``COLLECTIVE_DRAG`` of its own time
+  ([Note: collectives beside compute]).
 
 [Note: serial step] The search ranks by ``StepTime.serial``, not ``total``: it trusts the device's
 own overlaps (collectives, copies from GPU-resident arenas) and puts the host's transfers and
@@ -37,7 +39,11 @@ from ..runtime.device_lane import LANE_SLICE
 from .access import BWD, FWD, AccessTrace
 from .belady import MissTable
 
-__all__ = ["StepTime", "StepModel", "compute_time"]
+__all__ = ["StepTime", "StepModel", "compute_time", "COLLECTIVE_DRAG"]
+
+COLLECTIVE_DRAG = 0.45
+"""Seconds of compute lost per second of an NCCL collective running beside it ([Note: collectives
+beside compute])."""
 
 
 @dataclass
@@ -273,9 +279,19 @@ class StepModel:
         fetch_f, fetch_b, reduced = float(m[FWD] @ gather_f), float(m[BWD] @ gather_b), float(reduce.sum())
         head = gather_f[self.first] if self.first is not None else 0.0
         tail = reduce[self.last] if self.last is not None else 0.0
+        # [Note: collectives beside compute] NCCL's all-gathers and reduce-scatters are kernels:
+        # run beside the compute they take SMs and HBM bandwidth from it, so a collective hidden
+        # under compute still lengthens that compute by COLLECTIVE_DRAG of its own time. The
+        # copy engines' H2D/D2H copies do not. 0.45 is what the in-GPU runs of 2 and 4 H100s
+        # lose (0.4-0.55 of their collective time, docs/planning.md, "Step-time prediction
+        # checked on an H100"); one value for every model and rank count, not a per-run fit.
+        reduce_coll = float((self.coll * self.trainable).sum())
+        drag_b = COLLECTIVE_DRAG * reduce_coll
         if overlap:
-            return max(compute_fwd, fetch_f) + head, max(compute_bwd, fetch_b, reduced) + tail
-        return compute_fwd + fetch_f, max(compute_bwd + fetch_b, reduced) + tail
+            drag_f = COLLECTIVE_DRAG * float(m[FWD] @ self.coll)
+            drag_b += COLLECTIVE_DRAG * float(m[BWD] @ self.coll)
+            return max(compute_fwd + drag_f, fetch_f) + head, max(compute_bwd + drag_b, fetch_b, reduced) + tail
+        return compute_fwd + fetch_f, max(compute_bwd + fetch_b + drag_b, reduced) + tail
 
     def update_start(self, trainable_host: np.ndarray, reduce: np.ndarray) -> np.ndarray:
         """When each offloaded chunk's CPU update can start, in seconds relative to the end of
