@@ -117,10 +117,13 @@ class StepModel:
             up, down = lane_bytes(dtype)
             link_up, link_down = rates.duplex or rates.h2d, rates.duplex or rates.d2h
             self.lane_rate = 1.0 / max(up / link_up, down / link_down, 1.0 / rates.gpu_adam)
-        after_backward = clips_grads and not device_lane
-        self.cpu_rate = rates.cpu_adam_alone if after_backward and rates.cpu_adam_alone else rates.cpu_adam
+        after_backward = clips_grads and not device_lane and bool(rates.cpu_adam_alone)
+        self.cpu_rate = rates.cpu_adam_alone if after_backward else rates.cpu_adam
         """Elements per second of the CPU Adam: the rate alone when the updates run after a synced
         backward without the lane, the rate under copies otherwise (docs/planning.md, ``cpu_adam[n]``)."""
+        self.fetch_drag = fetch_drag(rates) if after_backward else 0.0
+        """CPU seconds an update run at the rate alone loses per second of a forward fetch beside it
+        ([Note: updates beside the forward's fetches])."""
         n = layout.world_size
         chunks = layout.chunks
         self.k = len(chunks)
@@ -328,6 +331,11 @@ class StepModel:
             )
         else:
             cpu_each = self.elements[mine] / self.cpu_rate
+            # [Note: updates beside the forward's fetches] After a synced backward the worker
+            # updates chunk k while the forward uploads chunk k-1 (the forward waits chunk by
+            # chunk: the upload follows the update), so each update but the first shares host
+            # memory with one chunk's H2D.
+            cpu_each[1:] += self.fetch_drag * self.shard[mine][:-1] / self.rates.h2d
             done[mine], cpu_busy, lane_busy = _queue(ready[mine], cpu_each), float(cpu_each.sum()), 0.0
         # The next forward starts after the device Adam; after a host sync also after the
         # submissions (without one, they were made while the GPU was still in backward). The
@@ -339,6 +347,21 @@ class StepModel:
         needed = head + self.first_need - gather_f
         late = (done - needed)[trainable_host]
         return (submit if self.clips_grads else 0.0) + max(0.0, float(late.max())), cpu_busy, lane_busy
+
+
+def fetch_drag(rates: Rates) -> float:
+    """Seconds the CPU Adam, measured at ``cpu_adam_alone``, loses per second of an H2D beside it.
+
+    [Note: updates beside the forward's fetches] The CPU Adam is bound by host memory bandwidth,
+    which a DMA shares: the profile measures it alone and under copies up and down at once (each
+    direction at ``duplex``). Taking the loss as linear in the DMA's bytes per second, a one-way
+    H2D at ``h2d`` costs the update ``h2d / (2 duplex)`` of the loss under copies: over ``L``
+    seconds of fetch, ``L · h2d / (2 duplex) · (1 - under / alone)`` seconds more."""
+    alone, under = rates.cpu_adam_alone, rates.cpu_adam
+    if not alone or under >= alone:
+        return 0.0
+    both_ways = 2 * (rates.duplex or min(rates.h2d, rates.d2h))
+    return min(1.0, rates.h2d / both_ways) * (1.0 - under / alone)
 
 
 def lane_bytes(dtype: torch.dtype) -> tuple[int, int]:
