@@ -13,7 +13,8 @@ What the model assumes of the engine:
   of a step are exposed.
 * CPU updates of offloaded chunks run on one host thread in chunk order, each starting at
   ``max(its gradient shard landed, previous update done)``; after a host sync (``clips_grads``)
-  they start at the end of backward. With the device lane (``runtime/device_lane.py``) the CPU
+  they start at the end of backward, at the rate alone but for what the forward's uploads of
+  offloaded chunks take from them ([Note: updates beside the forward's fetches]). With the device lane (``runtime/device_lane.py``) the CPU
   takes ``LANE_SLICE`` slices from the front, the lane from the back (``_two_lanes``).
 * The next forward waits only for its latest chunk: ``exposed CPU Adam = max(0, max_k late_k)``
   (stalls do not add).
