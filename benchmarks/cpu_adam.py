@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from elixir_runtime.chunk.host_memory import empty_arena
 from elixir_runtime.chunk.layout import GroupRange
 from elixir_runtime.kernels.cpu_adam import CpuAdamKernel
 from elixir_runtime.kernels.kernel import AdamHyper
@@ -23,10 +24,13 @@ from elixir_runtime.kernels.kernel import AdamHyper
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
 
-def _ours(n: int, grad_dtype: torch.dtype, threads: int) -> Callable[[], None]:
+def _ours(n: int, grad_dtype: torch.dtype, threads: int, huge_pages: bool = False) -> Callable[[], None]:
+    """``huge_pages``: the arenas allocated as the engine's host arenas are (``empty_arena``)."""
     kernel = CpuAdamKernel(threads=threads)
-    p, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
-    g, out = torch.randn(n).to(grad_dtype), torch.empty(n, dtype=torch.bfloat16)
+    alloc = empty_arena if huge_pages else lambda numel, dtype: torch.empty(numel, dtype=dtype)
+    p, m, v = (alloc(n, torch.float32) for _ in range(3))
+    g, out = alloc(n, grad_dtype), alloc(n, torch.bfloat16)
+    p.copy_(torch.randn(n)), m.zero_(), v.zero_(), g.copy_(torch.randn(n)), out.zero_()
     half = n // 2  # two groups, as with decay / no-decay params
     segs = (GroupRange(0, half, 0), GroupRange(half, n - half, 1))
     hypers = [AdamHyper(LR, *BETAS, EPS, WD, True), AdamHyper(LR, *BETAS, EPS, 0.0, True)]
@@ -100,6 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs = {
         "ours (bf16 grad -> bf16 out)": _ours(n, torch.bfloat16, args.threads),
         "ours (fp32 grad -> bf16 out)": _ours(n, torch.float32, args.threads),
+        "ours (bf16 grad, huge pages)": _ours(n, torch.bfloat16, args.threads, huge_pages=True),
         "torch foreach + bf16 copy": _torch(n, True, foreach=True),
     }
     best_torch = "torch foreach + bf16 copy"
@@ -125,6 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch_params_per_s": rate[best_torch],
         "torch_kind": best_torch,
         "speedup": ours / rate[best_torch],
+        "huge_pages_speedup": rate["ours (bf16 grad, huge pages)"] / ours,
         "threads": args.threads,
         "numel": n,
         "isa": CpuAdamKernel(threads=args.threads).isa,

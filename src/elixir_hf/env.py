@@ -32,9 +32,8 @@ from typing import Any
 import torch
 
 from elixir_runtime.hardware.load import ENV_HARDWARE, SHIPPED, cache_path
-from elixir_runtime.host import host_total
+from elixir_runtime.host import host_total, usable_cores
 from elixir_runtime.kernels.select import cpu_kernel_status, gpu_kernel_status
-from elixir_runtime.kernels.threads import usable_cores
 
 from . import __version__
 

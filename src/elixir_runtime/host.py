@@ -1,5 +1,5 @@
-"""This host: its RAM (``/proc/meminfo``, read in one place), the ranks sharing it, and the host
-memory a job's own tensors hold.
+"""This host: its RAM (``/proc/meminfo``, read in one place), its cores and the ranks sharing them,
+and the host memory a job's own tensors hold.
 
 Used by the memory budget of the search, the plan's check against available RAM, the hardware
 measurement and the warning about every rank holding its own copy of the weights.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["HostMemory", "held_bytes", "host_available", "host_total", "local_ranks"]
+__all__ = ["HostMemory", "core_share", "held_bytes", "host_available", "host_total", "local_ranks", "usable_cores"]
 
 GIB = 2**30
 
@@ -55,6 +55,23 @@ def _meminfo(field: str) -> int:
 def local_ranks() -> int:
     """Ranks sharing this host (torchrun's ``LOCAL_WORLD_SIZE``)."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, e.g. under ``taskset`` or a container)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def core_share(ranks_per_host: int, cores: int | None = None) -> int:
+    """One rank's share of ``cores`` (default ``usable_cores()``) when ``ranks_per_host`` share them.
+
+    The engine's own CPU work takes this share, not ``torch.get_num_threads()``: ``torchrun`` sets
+    ``OMP_NUM_THREADS=1`` for every rank, which would leave it to one core.
+    """
+    return max(1, (cores or usable_cores()) // max(1, ranks_per_host))
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,10 @@ them against the activations freed by then (``search/memory.py``). Pinned host a
 the CPU update and the device lane read them by offset, and host memory has no activation peak.
 Sizes: docs/runtime.md, "Semantics worth knowing".
 
+The fill runs torch's CPU work (zeroing, casts on the host) on the rank's share of the cores
+(``host.core_share``; torchrun leaves each rank one thread), and casts on the GPU where the
+arena is there: a host-to-GPU copy moves a weight in its own dtype (bf16: half of fp32's bytes).
+
 [Note: host memory during the fill]
 The planner counts the model's own host copy of its weights as free for the arenas
 (``host.py``, [Note: host memory as the run will have it]), so the two must not be held at once:
@@ -35,15 +39,17 @@ page-locked after the fill (``cudaHostRegister`` keeps their values).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from torch import nn
 
+from ..host import core_share, local_ranks
 from ..progress import Bar, progress
-from .host_memory import pin_host
+from .host_memory import empty_arena, pin_host
 from .layout import ChunkLayout, ChunkSpec, GroupRange, Slot
 
 __all__ = [
@@ -140,11 +146,15 @@ def build_arenas(
 ) -> dict[Residence, ShardArenas]:
     """Allocates the arenas and fills them from ``weights`` (by default the parameters' current values).
 
-    The master weights are filled from the parameters in their original precision, the
-    compute-dtype copy is cast from the master: a bf16 run of an fp32 model starts from the exact
-    fp32 weights. ``release``: each parameter's own storage is let go once its chunk is filled
-    (``release_param``; [Note: host memory during the fill]). A progress bar (``progress.py``)
-    counts the chunks filled.
+        The master weights are filled from the parameters in their original precision, the
+        compute-dtype copy is cast from the master: a bf16 run of an fp32 model starts from the exact
+        fp32 weights. ``release``: each parameter's own storage is let go once its chunk is filled
+        (``release_param``; The fill runs torch's CPU work (zeroing, casts on the host) on the rank's share of the cores
+    (``host.core_share``; torchrun leaves each rank one thread), and casts on the GPU where the
+    arena is there: a host-to-GPU copy moves a weight in its own dtype (bf16: half of fp32's bytes).
+
+    [Note: host memory during the fill]). A progress bar (``progress.py``)
+        counts the chunks filled.
     """
     out: dict[Residence, ShardArenas] = {}
     for where in ("device", "host"):
@@ -157,9 +167,9 @@ def build_arenas(
         pin = where == "host" and compute_device.type == "cuda"
 
         def alloc(numel: int, dt: torch.dtype, device: torch.device = device) -> torch.Tensor:
-            # untouched on the host, zeroed chunk by chunk in _fill; zeroed at once on a GPU
+            # untouched on the host (huge pages), zeroed chunk by chunk in _fill; zeroed at once on a GPU
             if device.type == "cpu":
-                return torch.empty(numel, dtype=dt)
+                return empty_arena(numel, dt)
             return torch.zeros(numel, dtype=dt, device=device)
 
         cast = casts_on_gather(where, dtype)
@@ -184,7 +194,10 @@ def build_arenas(
                     GroupRange(offset + o, n, g) for o, n, g in c.shard_segments(rank, layout.world_size)
                 ]
             offset += size
-        with progress(len(members), f"elixir: filling {where} chunk shards", unit="chunk") as bar:
+        with (
+            progress(len(members), f"elixir: filling {where} chunk shards", unit="chunk") as bar,
+            _cpu_threads(core_share(local_ranks())),
+        ):
             _fill(layout, members, arenas, rank, weights, release, bar)
         if pin:
             _pin(arenas)
@@ -210,13 +223,32 @@ def _fill(
             arenas.source(start, n, trainable=False).zero_()
         for s in c.slots:
             target, param_off = _shard_target(layout, arenas, c, s, rank)
-            target.copy_(weights(layout.params[s.param], param_off, target.numel()))
+            _cast_into(target, weights(layout.params[s.param], param_off, target.numel()))
         if c.trainable and copy is not None:
             copy[start : start + n].copy_(arenas.master[start : start + n])
         if release:
             for s in c.slots:
                 release_param(layout.params[s.param])
         bar.update()
+
+
+def _cast_into(target: torch.Tensor, value: torch.Tensor) -> None:
+    """``target.copy_(value)`` with the cast on the GPU when either is there (a blocking
+    cross-device ``copy_`` casts on the CPU)."""
+    if value.device != target.device:
+        value = value.to(target.device) if target.device.type != "cpu" else value.to(target.dtype)
+    target.copy_(value)
+
+
+@contextlib.contextmanager
+def _cpu_threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to ``n`` inside, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _pin(arenas: ShardArenas) -> None:
@@ -259,4 +291,4 @@ def write_param(
 ) -> None:
     """Copies this rank's part of a full parameter value into the master (or frozen param) shard."""
     target, param_off = _shard_target(layout, arenas, chunk, slot, rank)
-    target.copy_(value.reshape(-1)[param_off : param_off + target.numel()])
+    _cast_into(target, value.reshape(-1)[param_off : param_off + target.numel()])

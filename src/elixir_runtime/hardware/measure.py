@@ -27,10 +27,10 @@ import torch.distributed as dist
 from ..chunk.collectives import Collectives
 from ..chunk.host_memory import empty_host
 from ..chunk.layout import GroupRange
-from ..host import host_total
+from ..host import host_total, usable_cores
 from ..kernels.kernel import AdamHyper
 from ..kernels.select import select_kernel
-from ..kernels.threads import cpu_adam_threads, usable_cores
+from ..kernels.threads import cpu_adam_threads
 from ..progress import progress
 from .profile import PROFILE_VERSION, CpuAdamRate, HardwareProfile, LinkRates
 

@@ -84,3 +84,33 @@ def test_gathers_read_bf16_of_the_master_or_the_frozen_copy(world_size: int) -> 
                 for s in c.slots:
                     full[s.offset : s.offset + s.numel] = params[s.param].detach().to(torch.bfloat16)
                 assert torch.equal(got, full[rank * size : (rank + 1) * size]), (c.index, placement[c.index], rank)
+
+
+def test_the_fill_runs_on_the_ranks_share_of_the_cores_whatever_torchrun_set(monkeypatch) -> None:
+    """torchrun's OMP_NUM_THREADS=1 (here: torch.set_num_threads(1)) does not reach the fill's casts
+    and zeroing: 2 ranks on an 8-core host fill on 4 threads each, and the setting is restored."""
+    from elixir_runtime import host
+
+    monkeypatch.setattr(host, "usable_cores", lambda: 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    layout, params = _case(1)
+    seen: list[int] = []
+
+    def weights(p: torch.Tensor, start: int, numel: int) -> torch.Tensor:
+        seen.append(torch.get_num_threads())
+        return p.detach().reshape(-1)[start : start + numel]
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        arenas = build_arenas(layout, ["host"] * len(layout.chunks), 0, torch.device("cpu"), torch.bfloat16, weights)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {4}
+    a = arenas["host"]
+    for c in layout.chunks:
+        for s in c.slots:
+            off = a.offsets[c.index] + s.offset
+            target = a.master if c.trainable else a.param
+            assert torch.equal(target[off : off + s.numel], params[s.param].detach().to(target.dtype))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import elixir_runtime as er
-from elixir_runtime.kernels import threads
+from elixir_runtime import host
 from elixir_runtime.kernels.threads import cpu_adam_threads
 from helpers.models import make_batch, tiny_gpt2
 
@@ -16,7 +16,7 @@ from helpers.models import make_batch, tiny_gpt2
     [(16, 1, 15), (32, 2, 15), (64, 4, 15), (16, 4, 3), (2, 1, 2), (4, 2, 2), (3, 4, 1)],
 )
 def test_share_of_the_cores_less_one_for_the_training_loop(monkeypatch, cores, ranks, expected) -> None:
-    monkeypatch.setattr(threads, "usable_cores", lambda: cores)
+    monkeypatch.setattr(host, "usable_cores", lambda: cores)
     assert cpu_adam_threads(ranks) == expected
 
 
@@ -41,7 +41,7 @@ def _engine_threads(**config) -> tuple[int, int]:
 def test_the_engine_ignores_torchruns_single_thread_default(monkeypatch) -> None:
     """torchrun's OMP_NUM_THREADS=1 (here: torch.set_num_threads(1)) does not reach the CPU Adam:
     two ranks on a 12-core host get 5 threads each; ``cpu_threads`` overrides."""
-    monkeypatch.setattr(threads, "usable_cores", lambda: 12)
+    monkeypatch.setattr(host, "usable_cores", lambda: 12)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     before = torch.get_num_threads()
     torch.set_num_threads(1)
