@@ -14,8 +14,8 @@ What the model assumes of the engine:
 * CPU updates of offloaded chunks run on one host thread in chunk order, each starting at
   ``max(its gradient shard landed, previous update done)``; after a host sync (``clips_grads``)
   they start at the end of backward, at the rate alone but for what the forward's uploads of
-  offloaded chunks take from them ([Note: updates beside the forward's fetches]). With the device lane (``runtime/device_lane.py``) the CPU
-  takes ``LANE_SLICE`` slices from the front, the lane from the back (``_two_lanes``).
+  offloaded chunks take from them (``fetch_drag``). With the device lane (``runtime/device_lane.py``)
+  the CPU takes ``LANE_SLICE`` slices from the front, the lane from the back (``_two_lanes``).
 * The next forward waits only for its latest chunk: ``exposed CPU Adam = max(0, max_k late_k)``
   (stalls do not add).
 * A collective hidden under compute still slows it by ``COLLECTIVE_DRAG`` of its own time
@@ -43,8 +43,13 @@ from .belady import MissTable
 __all__ = ["StepTime", "StepModel", "compute_time", "COLLECTIVE_DRAG"]
 
 COLLECTIVE_DRAG = 0.45
-"""Seconds of compute lost per second of an NCCL collective running beside it ([Note: collectives
-beside compute])."""
+"""Seconds of compute lost per second of an NCCL collective running beside it.
+
+[Note: collectives beside compute] NCCL's all-gathers and reduce-scatters are kernels: run beside
+the compute, they take SMs and HBM bandwidth from it, so a collective hidden under compute still
+lengthens that compute by this share of its own time; the copy engines' H2D/D2H take nothing.
+One value for every model and rank count, from the in-GPU runs on 2 and 4 H100s (docs/planning.md,
+"Predicted step time"); it enters ``serial`` too, so the search pays for each gather it hides."""
 
 
 @dataclass
@@ -283,12 +288,8 @@ class StepModel:
         fetch_f, fetch_b, reduced = float(m[FWD] @ gather_f), float(m[BWD] @ gather_b), float(reduce.sum())
         head = gather_f[self.first] if self.first is not None else 0.0
         tail = reduce[self.last] if self.last is not None else 0.0
-        # [Note: collectives beside compute] NCCL's all-gathers and reduce-scatters are kernels:
-        # run beside the compute they take SMs and HBM bandwidth from it, so a collective hidden
-        # under compute still lengthens that compute by COLLECTIVE_DRAG of its own time. The
-        # copy engines' H2D/D2H copies do not. 0.45 is what the in-GPU runs of 2 and 4 H100s
-        # lose (0.4-0.55 of their collective time, docs/planning.md, "Step-time prediction
-        # checked on an H100"); one value for every model and rank count, not a per-run fit.
+        # the collectives slow the compute they hide under ([Note: collectives beside compute]);
+        # the reductions run beside backward even without prefetching
         reduce_coll = float((self.coll * self.trainable).sum())
         drag_b = COLLECTIVE_DRAG * reduce_coll
         if overlap:
@@ -332,10 +333,8 @@ class StepModel:
             )
         else:
             cpu_each = self.elements[mine] / self.cpu_rate
-            # [Note: updates beside the forward's fetches] After a synced backward the worker
-            # updates chunk k while the forward uploads chunk k-1 (the forward waits chunk by
-            # chunk: the upload follows the update), so each update but the first shares host
-            # memory with one chunk's H2D.
+            # each update but the first beside the upload of the chunk before it ([Note: updates
+            # beside the forward's fetches]; 0 without a host sync: the rate under copies)
             cpu_each[1:] += self.fetch_drag * self.shard[mine][:-1] / self.rates.h2d
             done[mine], cpu_busy, lane_busy = _queue(ready[mine], cpu_each), float(cpu_each.sum()), 0.0
         # The next forward starts after the device Adam; after a host sync also after the
@@ -353,11 +352,14 @@ class StepModel:
 def fetch_drag(rates: Rates) -> float:
     """Seconds the CPU Adam, measured at ``cpu_adam_alone``, loses per second of an H2D beside it.
 
-    [Note: updates beside the forward's fetches] The CPU Adam is bound by host memory bandwidth,
-    which a DMA shares: the profile measures it alone and under copies up and down at once (each
-    direction at ``duplex``). Taking the loss as linear in the DMA's bytes per second, a one-way
-    H2D at ``h2d`` costs the update ``h2d / (2 duplex)`` of the loss under copies: over ``L``
-    seconds of fetch, ``L · h2d / (2 duplex) · (1 - under / alone)`` seconds more."""
+    [Note: updates beside the forward's fetches] After a synced backward the worker updates chunk
+    k while the forward uploads chunk k-1 (the forward waits chunk by chunk and the upload follows
+    the update), so each update but the first runs beside one chunk's H2D. The CPU Adam is bound
+    by host memory bandwidth, which a DMA shares: the profile measures it alone and under copies up
+    and down at once (each direction at ``duplex``). Taking the loss as linear in the DMA's bytes
+    per second, a one-way H2D at ``h2d`` costs the update ``h2d / (2 duplex)`` of the loss under
+    copies: over ``L`` seconds of upload, ``L · h2d / (2 duplex) · (1 - under / alone)`` seconds
+    more. The serial step puts them back to back, without it."""
     alone, under = rates.cpu_adam_alone, rates.cpu_adam
     if not alone or under >= alone:
         return 0.0
