@@ -13,10 +13,13 @@ What the model assumes of the engine:
   of a step are exposed.
 * CPU updates of offloaded chunks run on one host thread in chunk order, each starting at
   ``max(its gradient shard landed, previous update done)``; after a host sync (``clips_grads``)
-  they start at the end of backward. With the device lane (``runtime/device_lane.py``) the CPU
-  takes ``LANE_SLICE`` slices from the front, the lane from the back (``_two_lanes``).
+  they start at the end of backward, at the rate alone but for what the forward's uploads of
+  offloaded chunks take from them (``fetch_drag``). With the device lane (``runtime/device_lane.py``)
+  the CPU takes ``LANE_SLICE`` slices from the front, the lane from the back (``_two_lanes``).
 * The next forward waits only for its latest chunk: ``exposed CPU Adam = max(0, max_k late_k)``
   (stalls do not add).
+* A collective hidden under compute still slows it by ``COLLECTIVE_DRAG`` of its own time
+  ([Note: collectives beside compute]).
 
 [Note: serial step] The search ranks by ``StepTime.serial``, not ``total``: it trusts the device's
 own overlaps (collectives, copies from GPU-resident arenas) and puts the host's transfers and
@@ -37,7 +40,16 @@ from ..runtime.device_lane import LANE_SLICE
 from .access import BWD, FWD, AccessTrace
 from .belady import MissTable
 
-__all__ = ["StepTime", "StepModel", "compute_time"]
+__all__ = ["StepTime", "StepModel", "compute_time", "COLLECTIVE_DRAG"]
+
+COLLECTIVE_DRAG = 0.45
+"""Seconds of compute lost per second of an NCCL collective running beside it.
+
+[Note: collectives beside compute] NCCL's all-gathers and reduce-scatters are kernels: run beside
+the compute, they take SMs and HBM bandwidth from it, so a collective hidden under compute still
+lengthens that compute by this share of its own time; the copy engines' H2D/D2H take nothing.
+One value for every model and rank count, from the in-GPU runs on 2 and 4 H100s (docs/planning.md,
+"Predicted step time"); it enters ``serial`` too, so the search pays for each gather it hides."""
 
 
 @dataclass
@@ -111,10 +123,13 @@ class StepModel:
             up, down = lane_bytes(dtype)
             link_up, link_down = rates.duplex or rates.h2d, rates.duplex or rates.d2h
             self.lane_rate = 1.0 / max(up / link_up, down / link_down, 1.0 / rates.gpu_adam)
-        after_backward = clips_grads and not device_lane
-        self.cpu_rate = rates.cpu_adam_alone if after_backward and rates.cpu_adam_alone else rates.cpu_adam
+        after_backward = clips_grads and not device_lane and bool(rates.cpu_adam_alone)
+        self.cpu_rate = rates.cpu_adam_alone if after_backward else rates.cpu_adam
         """Elements per second of the CPU Adam: the rate alone when the updates run after a synced
         backward without the lane, the rate under copies otherwise (docs/planning.md, ``cpu_adam[n]``)."""
+        self.fetch_drag = fetch_drag(rates) if after_backward else 0.0
+        """CPU seconds an update run at the rate alone loses per second of a forward fetch beside it
+        ([Note: updates beside the forward's fetches])."""
         n = layout.world_size
         chunks = layout.chunks
         self.k = len(chunks)
@@ -273,9 +288,15 @@ class StepModel:
         fetch_f, fetch_b, reduced = float(m[FWD] @ gather_f), float(m[BWD] @ gather_b), float(reduce.sum())
         head = gather_f[self.first] if self.first is not None else 0.0
         tail = reduce[self.last] if self.last is not None else 0.0
+        # the collectives slow the compute they hide under ([Note: collectives beside compute]);
+        # the reductions run beside backward even without prefetching
+        reduce_coll = float((self.coll * self.trainable).sum())
+        drag_b = COLLECTIVE_DRAG * reduce_coll
         if overlap:
-            return max(compute_fwd, fetch_f) + head, max(compute_bwd, fetch_b, reduced) + tail
-        return compute_fwd + fetch_f, max(compute_bwd + fetch_b, reduced) + tail
+            drag_f = COLLECTIVE_DRAG * float(m[FWD] @ self.coll)
+            drag_b += COLLECTIVE_DRAG * float(m[BWD] @ self.coll)
+            return max(compute_fwd + drag_f, fetch_f) + head, max(compute_bwd + drag_b, fetch_b, reduced) + tail
+        return compute_fwd + fetch_f, max(compute_bwd + fetch_b + drag_b, reduced) + tail
 
     def update_start(self, trainable_host: np.ndarray, reduce: np.ndarray) -> np.ndarray:
         """When each offloaded chunk's CPU update can start, in seconds relative to the end of
@@ -312,6 +333,9 @@ class StepModel:
             )
         else:
             cpu_each = self.elements[mine] / self.cpu_rate
+            # each update but the first beside the upload of the chunk before it ([Note: updates
+            # beside the forward's fetches]; 0 without a host sync: the rate under copies)
+            cpu_each[1:] += self.fetch_drag * self.shard[mine][:-1] / self.rates.h2d
             done[mine], cpu_busy, lane_busy = _queue(ready[mine], cpu_each), float(cpu_each.sum()), 0.0
         # The next forward starts after the device Adam; after a host sync also after the
         # submissions (without one, they were made while the GPU was still in backward). The
@@ -323,6 +347,24 @@ class StepModel:
         needed = head + self.first_need - gather_f
         late = (done - needed)[trainable_host]
         return (submit if self.clips_grads else 0.0) + max(0.0, float(late.max())), cpu_busy, lane_busy
+
+
+def fetch_drag(rates: Rates) -> float:
+    """Seconds the CPU Adam, measured at ``cpu_adam_alone``, loses per second of an H2D beside it.
+
+    [Note: updates beside the forward's fetches] After a synced backward the worker updates chunk
+    k while the forward uploads chunk k-1 (the forward waits chunk by chunk and the upload follows
+    the update), so each update but the first runs beside one chunk's H2D. The CPU Adam is bound
+    by host memory bandwidth, which a DMA shares: the profile measures it alone and under copies up
+    and down at once (each direction at ``duplex``). Taking the loss as linear in the DMA's bytes
+    per second, a one-way H2D at ``h2d`` costs the update ``h2d / (2 duplex)`` of the loss under
+    copies: over ``L`` seconds of upload, ``L · h2d / (2 duplex) · (1 - under / alone)`` seconds
+    more. The serial step puts them back to back, without it."""
+    alone, under = rates.cpu_adam_alone, rates.cpu_adam
+    if not alone or under >= alone:
+        return 0.0
+    both_ways = 2 * (rates.duplex or min(rates.h2d, rates.d2h))
+    return min(1.0, rates.h2d / both_ways) * (1.0 - under / alone)
 
 
 def lane_bytes(dtype: torch.dtype) -> tuple[int, int]:

@@ -17,6 +17,7 @@ from elixir_runtime.search import Budget, SearchSettings, search
 from elixir_runtime.search.budget import F_ALLOC, F_HOST
 from elixir_runtime.search.candidates import chunk_size_candidates
 from elixir_runtime.search.loop import SERIAL_TIE, STEP_TIE, _evaluate
+from elixir_runtime.search.step_time import COLLECTIVE_DRAG
 from helpers.logs import recorded_bars
 from helpers.models import make_batch
 
@@ -214,10 +215,11 @@ def test_the_serial_step_overlaps_the_devices_transfers_and_not_the_hosts(gpt2) 
     every = np.ones(k, dtype=bool)
     at_min, prefetching = e.model.step(lo, every), e.model.step(lo + 1, every)
     assert at_min.exposed_transfers > 0.5 * at_min.collectives > 0  # in line with compute at the minimum
-    assert prefetching.exposed_transfers < 0.05 * at_min.exposed_transfers  # hidden with a block to prefetch into
+    # hidden with a block to prefetch into, but for what the collectives take from the compute beside them
+    assert prefetching.exposed_transfers == pytest.approx(COLLECTIVE_DRAG * prefetching.collectives, rel=0.1)
     for t in (at_min, prefetching):
         assert t.serial == pytest.approx(t.total)  # nothing on the host: the step as predicted
-    assert prefetching.serial < at_min.serial - 0.5 * at_min.collectives
+    assert prefetching.serial < at_min.serial - 0.25 * at_min.collectives
     # offloaded, with a CPU Adam slow enough to matter: the next forward hides most of it, the
     # serial step none of it
     slow = gpu_host(2, cpu_adam=2e7).rates(2, busbw, 2)

@@ -1,0 +1,93 @@
+"""What work running side by side costs in the step model (search/step_time.py): a collective
+hidden under compute still slows it, and a CPU update after a synced backward shares host memory
+with the forward's uploads of offloaded chunks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from search_cases import GIB, gpu_host, profiled
+
+from elixir_runtime.config import ElixirConfig
+from elixir_runtime.hardware.profile import CpuAdamRate
+from elixir_runtime.search import Budget, SearchSettings
+from elixir_runtime.search.loop import _evaluate
+from elixir_runtime.search.step_time import COLLECTIVE_DRAG, fetch_drag
+
+BF16 = torch.bfloat16
+CHUNK = 16384
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return profiled("gpt2", n_layer=6, n_embd=64)
+
+
+def _model(gpt2, hardware, ranks: int = 1, busbw: float | None = None, **config):
+    _, table, profile = gpt2
+    budget = Budget(64 * GIB, profile.activation_peak, profile.buffer_bytes, 64 * GIB, ranks)
+    settings = SearchSettings(ranks, BF16, ElixirConfig(**config))
+    e = _evaluate(CHUNK, table, profile, hardware.rates(ranks, busbw, ranks), budget, settings)
+    return e.model, e.min_blocks
+
+
+def _host(cpu_adam: float, under_over_alone: float):
+    """The test host with a CPU Adam of ``cpu_adam`` alone and ``under_over_alone`` of it under copies."""
+    rate = CpuAdamRate(1, 15, cpu_adam * under_over_alone, cpu_adam)
+    return dataclasses.replace(gpu_host(cpu_adam=cpu_adam), cpu_adam={1: rate})
+
+
+def test_a_collective_hidden_under_compute_still_slows_it(gpt2) -> None:
+    """Prefetching hides the all-gathers and reduce-scatters, yet the step is longer than the
+    compute by ``COLLECTIVE_DRAG`` of their time (plus the exposed first gather and last
+    reduction); the copy engines' H2D and D2H of offloaded chunks take nothing from it."""
+    model, lo = _model(gpt2, gpu_host(2), ranks=2, busbw=5e8)
+    every = np.ones(model.k, dtype=bool)
+    t = model.step(lo + 1, every)
+    gather = model._device_copy(every) + model.coll  # from the GPU's own arena, then the all-gather
+    head, tail = gather[model.first], gather[model.last]
+    assert t.exposed_transfers == pytest.approx(COLLECTIVE_DRAG * t.collectives + head + tail, rel=1e-6)
+    assert t.exposed_transfers > 0.3 * t.collectives > 0
+    # one rank, the last half offloaded, the links fast enough to hide: no drag, only the ends
+    model, lo = _model(gpt2, gpu_host(1, cpu_adam=1e12))
+    host = np.ones(model.k, dtype=bool)
+    host[model.k // 2 :] = False
+    t = model.step(lo + 1, host)
+    assert t.collectives == 0 and t.h2d > 0
+    assert t.exposed_transfers < 0.1 * (t.h2d + t.d2h)
+
+
+def test_fetch_drag_is_the_share_of_the_loss_under_copies_one_upload_causes() -> None:
+    rates = _host(6e9, 0.5).rates(1)  # links: 50 GB/s each way alone, 35 GB/s each way at once
+    assert fetch_drag(rates) == pytest.approx(50 / 70 * 0.5)
+    assert fetch_drag(_host(6e9, 1.0).rates(1)) == 0  # copies cost the update nothing
+    assert fetch_drag(dataclasses.replace(rates, cpu_adam_alone=None)) == 0  # only one rate measured
+
+
+def test_a_host_bound_update_after_a_synced_backward_shares_host_memory_with_the_uploads(gpt2) -> None:
+    """After a synced backward the worker updates chunk k while the forward uploads chunk k - 1:
+    each update but the first is longer by ``fetch_drag`` of one upload; the forward, waiting for
+    the last one, by as much. Without the sync (updates beside backward) the rate under copies
+    already holds the contention, and the uploads add nothing."""
+    slow = 2e6  # elements/s: the forward waits for the updates
+    model, lo = _model(gpt2, _host(slow, 0.5), clips_grads=True)
+    free, _ = _model(gpt2, _host(slow, 1.0), clips_grads=True)  # the same, copies costing nothing
+    host = np.ones(model.k, dtype=bool)
+    host[model.k // 2 :] = False
+    offloaded = np.flatnonzero(~host & model.trainable)
+    assert len(offloaded) > 2
+    t, t_free = model.step(lo + 1, host), free.step(lo + 1, host)
+    uploads = float((model.shard[offloaded] / model.rates.h2d)[:-1].sum())
+    extra = fetch_drag(model.rates) * uploads
+    assert extra > 0
+    assert t.cpu_adam - t_free.cpu_adam == pytest.approx(extra, rel=1e-6)
+    assert t_free.exposed_cpu_adam > 0  # host-bound
+    assert t.exposed_cpu_adam - t_free.exposed_cpu_adam == pytest.approx(extra, rel=1e-6)
+    # no host sync: the rate under copies, no drag on top
+    unsynced, _ = _model(gpt2, _host(slow, 0.5), clips_grads=False, skip_nonfinite=False)
+    u = unsynced.step(lo + 1, host)
+    assert unsynced.fetch_drag == 0
+    assert u.cpu_adam == pytest.approx(float(unsynced.elements[offloaded].sum()) / model.rates.cpu_adam)
