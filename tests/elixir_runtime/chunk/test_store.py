@@ -1,14 +1,19 @@
 """``build_arenas``: what each placement allocates (the search's ``ArenaBytes`` counts exactly that),
 and what a gather reads: trainable shards on the device in mixed precision keep no compute-dtype
-copy, their gathers cast the fp32 master; frozen shards and offloaded ones keep theirs."""
+copy, their gathers cast the fp32 master; frozen shards and offloaded ones keep theirs. The fill
+runs on the rank's share of the cores; host arenas are on huge pages ([Note: huge pages])."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from elixir_runtime.chunk.host_memory import empty_arena
 from elixir_runtime.chunk.layout import build_layout
 from elixir_runtime.chunk.store import build_arenas
 from elixir_runtime.search.memory import ArenaBytes
@@ -114,3 +119,29 @@ def test_the_fill_runs_on_the_ranks_share_of_the_cores_whatever_torchrun_set(mon
             off = a.offsets[c.index] + s.offset
             target = a.master if c.trainable else a.param
             assert torch.equal(target[off : off + s.numel], params[s.param].detach().to(target.dtype))
+
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _huge_kib(t: torch.Tensor) -> int:
+    """AnonHugePages of the mappings that overlap ``t``'s bytes (``/proc/self/smaps``)."""
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        m = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+        if m:
+            inside = int(m.group(1), 16) < hi and int(m.group(2), 16) > lo
+        elif inside and line.startswith("AnonHugePages:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(
+    not THP.exists() or "[never]" in THP.read_text(), reason="this kernel gives no transparent huge pages"
+)
+def test_an_arena_is_backed_by_huge_pages_where_the_kernel_offers_them() -> None:
+    t = empty_arena(64 * 2**20 // 4, torch.float32)  # 64 MiB
+    t.zero_()  # the first touch, as the fill's
+    assert _huge_kib(t) >= 32 * 1024  # most of it: the ends may share small pages with other memory
+    assert torch.count_nonzero(t) == 0
