@@ -30,7 +30,10 @@ def _ours(n: int, grad_dtype: torch.dtype, threads: int, huge_pages: bool = Fals
     alloc = empty_arena if huge_pages else lambda numel, dtype: torch.empty(numel, dtype=dtype)
     p, m, v = (alloc(n, torch.float32) for _ in range(3))
     g, out = alloc(n, grad_dtype), alloc(n, torch.bfloat16)
-    p.copy_(torch.randn(n)), m.zero_(), v.zero_(), g.copy_(torch.randn(n)), out.zero_()
+    p.copy_(torch.randn(n))
+    g.copy_(torch.randn(n))
+    for t in (m, v, out):
+        t.zero_()
     half = n // 2  # two groups, as with decay / no-decay params
     segs = (GroupRange(0, half, 0), GroupRange(half, n - half, 1))
     hypers = [AdamHyper(LR, *BETAS, EPS, WD, True), AdamHyper(LR, *BETAS, EPS, 0.0, True)]

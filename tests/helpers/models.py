@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     GPT2Config,
     LlamaConfig,
@@ -29,6 +30,17 @@ ATTN_IMPL = "eager"
 BOS_ID = 1
 EOS_ID = 2
 PAD_ID = 0
+
+
+def preset_on_meta(name: str, dtype: torch.dtype = torch.bfloat16) -> PreTrainedModel:
+    """An ``elixir-plan`` preset (``elixir_hf.presets``) at full size on ``meta``, checkpointing on."""
+    from elixir_hf.presets import PRESETS
+
+    family, fields = PRESETS[name]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **fields), dtype=dtype)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 def _build(config: PretrainedConfig, seed: int) -> PreTrainedModel:

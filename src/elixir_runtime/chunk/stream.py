@@ -7,8 +7,7 @@ a time (``read``): a rank never holds more than one chunk shard's worth of weigh
 arenas, and no rank reads the whole model. Files are memory-mapped (safetensors' default): a read
 is a view of the page cache, copied into the arenas; its pages are file-backed, which the host
 counts as available (``host.py``), and are unmapped when the fill closes the files. (safetensors'
-``pread`` backend, tried first, read row blocks at ~130 MB/s against ~13 GB/s mapped: 4.1 s
-against 0.04 s for 512 MB in 32 MB row blocks on the development machine.)
+``pread`` backend reads row blocks far slower: docs/runtime.md.)
 
 A checkpoint folder is what ``save_pretrained`` writes: ``model.safetensors``, or shards listed by
 ``model.safetensors.index.json``. Every file is opened (its header checked against its size, so a

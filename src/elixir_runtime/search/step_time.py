@@ -48,7 +48,7 @@ COLLECTIVE_DRAG = 0.45
 [Note: collectives beside compute] NCCL's all-gathers and reduce-scatters are kernels: run beside
 the compute, they take SMs and HBM bandwidth from it, so a collective hidden under compute still
 lengthens that compute by this share of its own time; the copy engines' H2D/D2H take nothing.
-One value for every model and rank count, from the in-GPU runs on 2 and 4 H100s (docs/planning.md,
+One value for every model and rank count, calibrated on the recorded multi-GPU runs (docs/planning.md,
 "Predicted step time"); it enters ``serial`` too, so the search pays for each gather it hides."""
 
 

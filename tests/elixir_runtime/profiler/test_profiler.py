@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import arg_tree_leaves
 
 from elixir_runtime.profiler import ModelProfile, profile_model
-from helpers.models import MODEL_BUILDERS, make_batch, make_mlp_batch, tiny_gpt2, tiny_mlp
+from helpers.models import MODEL_BUILDERS, make_batch, make_mlp_batch, preset_on_meta, tiny_gpt2, tiny_mlp
 
 VOCAB = 128
 
@@ -174,21 +174,8 @@ def test_meta_model_and_json_round_trip() -> None:
 
 
 def test_opt_175b_profiles_in_5_seconds() -> None:
-    from transformers import AutoModelForCausalLM, OPTConfig
-
-    config = OPTConfig(
-        hidden_size=12288,
-        num_hidden_layers=96,
-        num_attention_heads=96,
-        ffn_dim=49152,
-        max_position_embeddings=2048,
-        word_embed_proj_dim=12288,
-        vocab_size=50272,
-    )
     start = time.perf_counter()
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = preset_on_meta("opt-175b")
     ids = torch.zeros(1, 2048, dtype=torch.long, device="meta")
     profile = profile_model(model, {"input_ids": ids, "labels": ids}, device="cuda")
     total = time.perf_counter() - start

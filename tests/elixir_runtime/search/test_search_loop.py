@@ -310,23 +310,11 @@ def test_plan_memory_is_what_the_runtime_allocates_with_oversize_chunks(dtype) -
 def test_search_is_fast_for_opt_175b() -> None:
     import time
 
-    from transformers import AutoModelForCausalLM, OPTConfig
-
     from elixir_runtime.profiler import profile_model
     from elixir_runtime.units import find_units, param_table
+    from helpers.models import preset_on_meta
 
-    config = OPTConfig(
-        hidden_size=12288,
-        num_hidden_layers=96,
-        num_attention_heads=96,
-        ffn_dim=49152,
-        max_position_embeddings=2048,
-        word_embed_proj_dim=12288,
-        vocab_size=50272,
-    )
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=BF16)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = preset_on_meta("opt-175b", BF16)
     units = find_units(model, None)
     ids = torch.zeros(1, 2048, dtype=torch.long, device="meta")
     profile = profile_model(model, {"input_ids": ids, "labels": ids}, device="cuda", units=units)
