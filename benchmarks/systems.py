@@ -61,6 +61,8 @@ class Context:
     step, a host sync before the update, so the offloaded chunks' CPU Adam starts after backward."""
     device_lane: str = "off"
     """Elixir's device update lane (``ElixirConfig.device_assisted_update``: ``auto``, ``on``, ``off``)."""
+    offload: float | None = None
+    """Elixir's offloaded fraction of chunks, pinned (``ElixirConfig.offload``); ``None``: the plan's choice."""
     lean_loss: bool = True
     """Elixir's model gets the lean causal-LM loss, as ``ElixirTrainer`` installs it by default
     (``elixir_hf.loss``; ``--lean-loss``); the baselines keep transformers' own."""
@@ -73,6 +75,8 @@ class Trainer:
     info: dict[str, Any] = field(default_factory=dict)
     after_oom: Callable[[], None] = lambda: None
     """Frees what a step left behind when it ran out of memory, so a smaller retry is possible."""
+    handles: dict[str, Any] = field(default_factory=dict)
+    """Objects a tool may look into (Elixir: ``model``, ``optimizer``); never reported."""
     timed: Callable[[torch.Tensor, int, int], tuple[list[float], float]] | None = None
     """Runs its own loop over ``input_ids`` instead of ``step``: ``(ids, warmup, steps)`` -> (timed steps' seconds,
     loss); the Trainer-path systems, whose loop is ``Trainer.train()``."""
@@ -128,6 +132,7 @@ def _elixir(p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
         cpu_threads=cpu_threads,
         skip_nonfinite=ctx.skip_nonfinite,
         device_assisted_update=DEVICE_LANE_WORDS[ctx.device_lane],
+        offload=ctx.offload,
     )
     if ctx.lean_loss:
         use_lean_loss(model)
@@ -154,7 +159,7 @@ def _elixir(p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
         "plan": plan_summary(plan),
         "plan_batch": len(example_ids),
     }
-    return Trainer(step, info)
+    return Trainer(step, info, handles={"model": model, "optimizer": opt})
 
 
 def plan_summary(plan: ElixirPlan) -> dict[str, Any]:

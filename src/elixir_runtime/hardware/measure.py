@@ -164,15 +164,22 @@ def _adam_update(
     device: torch.device, numel: int, dtype: torch.dtype, threads: int | None = None
 ) -> Callable[[], None]:
     """One update of ``numel`` elements on ``device`` by the engine's kernel (on the CPU with
-    ``threads`` OpenMP threads), on arenas allocated (and first touched) by this process."""
+    ``threads`` OpenMP threads), on arenas allocated (and first touched) by this process, holding
+    values like a training run's.
+
+    [Note: values] Not zeros: the update's speed may depend on the values it divides and
+    square-roots. On one CPU the C++ kernel ran ~18 % faster on all-zero arenas than on values like
+    these (same arenas, same threads); on the H100 hosts' Xeons the two were the same (docs/planning.md,
+    "The hardware profile")."""
     kernel = select_kernel(device, threads if device.type == "cpu" else None)
-    alloc = (
-        (lambda n, dt: torch.zeros(n, dtype=dt, device=device))
-        if device.type == "cuda"
-        else (lambda n, dt: empty_host(n, dt, pin=False).zero_())
-    )
-    master, m, v = alloc(numel, torch.float32), alloc(numel, torch.float32), alloc(numel, torch.float32)
-    grad, out = alloc(numel, dtype), alloc(numel, dtype)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def alloc(dt: torch.dtype, std: float) -> torch.Tensor:
+        t = torch.empty(numel, dtype=dt, device=device) if device.type == "cuda" else empty_host(numel, dt, pin=False)
+        return t.normal_(0.0, std, generator=gen) if std else t.zero_()
+
+    master, m, v = alloc(torch.float32, 0.02), alloc(torch.float32, 1e-4), alloc(torch.float32, 1e-4).square_()
+    grad, out = alloc(dtype, 1e-3), alloc(dtype, 0.0)
     segments, steps = [GroupRange(0, numel, 0)], iter(range(1, 10**6))
 
     def step() -> None:

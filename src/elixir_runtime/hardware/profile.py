@@ -24,8 +24,9 @@ from ..kernels.threads import cpu_adam_threads
 
 __all__ = ["LinkRates", "CpuAdamRate", "HardwareProfile", "Rates", "PROFILE_VERSION"]
 
-PROFILE_VERSION = 3
-"""3: CPU Adam per rank, for each number of ranks sharing the host, every rank updating (and copying
+PROFILE_VERSION = 4
+"""4: the Adam rates measured on values like a run's, not zeros (``measure._adam_update``, [Note:
+values]: zeros were faster on some CPUs). 3: CPU Adam per rank, for each number of ranks sharing the host, every rank updating (and copying
 to its GPU) at once with the engine's threads per rank. 2: one process with every core but one,
 under every GPU's copies, divided among the ranks (too slow: docs/planning.md, "Why per rank").
 1: alone, all cores. Files of version 1 and 2 still load: their single rate is the one-rank

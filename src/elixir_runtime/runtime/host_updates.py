@@ -16,6 +16,7 @@ both lanes (``wait``); checkpoints and the next ``step`` wait for all (``wait_al
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,10 @@ class HostUpdates:
         self._pending: dict[int, _Chunk] = {}
         self._lock = threading.Lock()
         self.stats = stats if stats is not None else {}
+        self.trace: list[tuple[str, int, float, float, int]] | None = None
+        """When a list: every slice a lane finished as ``(lane, chunk, start, end, elements)`` and
+        every wait for a chunk as ``("wait", chunk, start, end, 0)``, in ``time.perf_counter``
+        seconds (``benchmarks/step_anatomy.py``)."""
 
     def submit(self, jobs: list, cpu: Callable[[Any], None]) -> None:
         """Queues one step's ``jobs`` (slices in chunk order, each with ``index``, its chunk, and
@@ -71,11 +76,12 @@ class HostUpdates:
 
     def _run_cpu(self, queue: deque, job: Any, cpu: Callable[[Any], None], records: dict[int, _Chunk]) -> None:
         while job is not None:
-            error = None
+            error, start = None, time.perf_counter()
             try:
                 cpu(job)
             except BaseException as exc:  # re-raised by wait() on the training loop's thread
                 error = exc
+            self._record("cpu", job, start)
             self._retire(job, "cpu", error, records)
             job = _take(queue, queue.popleft)
 
@@ -83,19 +89,25 @@ class HostUpdates:
         in_flight: deque = deque()
         while job is not None or in_flight:
             if job is not None:
+                start = time.perf_counter()
                 try:
-                    in_flight.append((job, self.lane.issue(job)))
+                    in_flight.append((job, self.lane.issue(job), start))
                 except BaseException as exc:
                     self._retire(job, "device", exc, records)
                 job = _take(queue, queue.pop)
             if in_flight and (job is None or len(in_flight) >= self.lane.depth):
-                done, token = in_flight.popleft()
+                done, token, start = in_flight.popleft()
                 error = None
                 try:
                     self.lane.finish(token)
                 except BaseException as exc:
                     error = exc
+                self._record("device", done, start)
                 self._retire(done, "device", error, records)
+
+    def _record(self, lane: str, job: Any, start: float) -> None:
+        if self.trace is not None:
+            self.trace.append((lane, job.index, start, time.perf_counter(), job.numel))
 
     def _retire(self, job: Any, lane: str, error: BaseException | None, records: dict[int, _Chunk]) -> None:
         rec = records[job.index]
@@ -123,7 +135,10 @@ class HostUpdates:
         """Blocks until ``chunk``'s update is done on both lanes (re-raising an error, if any)."""
         rec = self._pending.pop(chunk, None)
         if rec is not None:
+            start = time.perf_counter()
             rec.done.wait()
+            if self.trace is not None:
+                self.trace.append(("wait", chunk, start, time.perf_counter(), 0))
             if rec.error is not None:
                 raise rec.error
 

@@ -159,3 +159,18 @@ def test_cpu_adam_is_timed_under_copies_both_ways() -> None:
 def test_spawned_ranks_measure_the_per_rank_rate_of_two_ranks() -> None:
     rate = measure.host_cpu_adam(2, quick=True)
     assert (rate.ranks, rate.threads) == (2, cpu_adam_threads(2)) and 1e6 < rate.under_copies <= rate.alone * 1.5
+
+
+def test_adam_is_timed_on_values_like_a_runs(monkeypatch) -> None:
+    """[Note: values]: not zeros, which some CPUs divide and square-root faster."""
+    seen = []
+
+    class Recorder:
+        def step(self, master, m, v, grad, out, *args, **kwargs):
+            seen.append((master.clone(), m.clone(), v.clone(), grad.float()))
+
+    monkeypatch.setattr(measure, "select_kernel", lambda device, threads=None: Recorder())
+    measure._adam_update(torch.device("cpu"), 4096, torch.bfloat16, 1)()
+    master, m, v, grad = seen[0]
+    assert 0.01 < master.std() < 0.04 and 5e-5 < m.std() < 2e-4 and 5e-4 < grad.std() < 2e-3
+    assert (v > 0).float().mean() > 0.99 and (master != 0).all()

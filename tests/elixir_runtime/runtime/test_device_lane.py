@@ -218,6 +218,19 @@ def test_scheduler_runs_every_slice_once_from_both_ends():
     assert lane.most <= lane.depth
 
 
+def test_trace_records_each_slice_and_wait():
+    updates = HostUpdates(_Lane(), {})
+    updates.trace = []
+    jobs = [_Job(c, 10) for c in range(3) for _ in range(4)]
+    updates.submit(jobs, lambda job: job.by.append("cpu"))
+    updates.wait(2)
+    updates.wait_all()
+    slices = [r for r in updates.trace if r[0] != "wait"]
+    assert sorted((r[0], r[1], r[4]) for r in slices) == sorted((j.by[0], j.index, 10) for j in jobs)
+    assert all(r[2] <= r[3] for r in updates.trace)
+    assert [r[1] for r in updates.trace if r[0] == "wait"] == [2, 0, 1]
+
+
 def test_a_chunk_waits_for_both_lanes_and_errors_reach_the_waiter():
     gate = threading.Event()
     updates = HostUpdates(_Lane(gate), {})

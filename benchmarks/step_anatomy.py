@@ -1,0 +1,193 @@
+"""Where an Elixir step's time goes: the forward, the backward, and the updates of offloaded chunks.
+
+    python -m benchmarks.step_anatomy --model llama2-13b [--batch-size 4] [--steps 3] [--clip 1] [--json out.json]
+
+Builds the harness's Elixir engine (``systems.build``, the plan its own), runs ``--warmup`` and
+``--steps`` steps of the harness's loop, and reports per timed step, in seconds:
+
+* ``forward``: until the loop's thread has the loss (it runs ahead of the GPU but waits for each
+  offloaded chunk's update before gathering it); ``waits``: the part of it spent in those waits;
+* ``backward``: from there to the clip's host sync, the end of backward on the GPU (without
+  ``--clip`` the loop's own return: the GPU may still be in backward);
+* the CPU lane's busy time and rate (elements per busy second) for the update the step waits for,
+  the one the step before submitted, from the engine's update trace (``HostUpdates.trace``); the
+  device lane's elements if it is on.
+
+Then the same CPU update alone on the same arenas, the GPU idle (``alone``), and the plan's
+prediction and hardware rates beside them. Prints a table and one JSON line (``--json``: to a file
+too). Runs on the CPU as well (tests; ``--offload`` pins the offloaded fraction there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from . import systems
+from ._worker import env_info
+from .models import param_count, preset, vocab_size
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _lane(trace: list, lane: str, start: float, end: float) -> tuple[float, int]:
+    """Busy seconds and elements of ``lane``'s slices that started in ``[start, end)``."""
+    rows = [r for r in trace if r[0] == lane and start <= r[2] < end]
+    return sum(r[3] - r[2] for r in rows), sum(r[4] for r in rows)
+
+
+def step_record(trace: list, t: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """One step's phases from its time stamps ``t`` (start, loss, synced, stepped, end), the previous
+    step's ``before`` and the trace: the update submitted after ``before``'s sync ran until ``t``'s."""
+    waits = sum(r[3] - r[2] for r in trace if r[0] == "wait" and t["start"] <= r[2] < t["loss"])
+    busy, elements = _lane(trace, "cpu", before["synced"], t["synced"])
+    _, device_elements = _lane(trace, "device", before["synced"], t["synced"])
+    return {
+        "step_s": t["end"] - t["start"],
+        "forward_s": t["loss"] - t["start"],
+        "waits_s": waits,
+        "backward_s": t["synced"] - t["loss"],
+        "optimizer_s": t["stepped"] - t["synced"],
+        "cpu_busy_s": busy,
+        "cpu_elements": elements,
+        "cpu_Gps": elements / busy / 1e9 if busy else None,
+        "device_lane_elements": device_elements,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
+        torch.cuda.set_device(device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    p = preset(args.model)
+    seq = args.seq or p.default_seq
+    ctx = systems.Context(device, 1, 0, seq=seq, threads=args.threads, clip=bool(args.clip), offload=args.offload)
+    gen = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(0, vocab_size(p), (args.batch_size, seq), device=device, generator=gen)
+    start = time.perf_counter()
+    trainer = systems.build("elixir", p, ctx, ids)
+    build_s = time.perf_counter() - start
+    model, opt = trainer.handles["model"], trainer.handles["optimizer"]
+    updates = opt.runtime.host_updates
+    updates.trace = trace = []
+
+    def step() -> dict[str, float]:
+        _sync(device)
+        t = {"start": time.perf_counter()}
+        loss = model(input_ids=ids, labels=ids).loss
+        t["loss"] = time.perf_counter()
+        opt.backward(loss)
+        if ctx.clip:
+            opt.clip_grad_norm(systems.MAX_GRAD_NORM)  # the host sync: backward is over
+        t["synced"] = time.perf_counter()
+        opt.step()
+        t["stepped"] = time.perf_counter()
+        opt.zero_grad()
+        _sync(device)
+        t["end"] = time.perf_counter()
+        return t
+
+    stamps = [step() for _ in range(args.warmup + args.steps)]
+    steps = [step_record(trace, t, before) for before, t in zip(stamps[args.warmup - 1 :], stamps[args.warmup :])]
+
+    # The same update alone: a backward, then the update with the GPU idle and nothing beside it.
+    loss = model(input_ids=ids, labels=ids).loss
+    opt.backward(loss)
+    if ctx.clip:
+        opt.clip_grad_norm(systems.MAX_GRAD_NORM)
+    updates.wait_all()
+    _sync(device)
+    start = time.perf_counter()
+    opt.step()
+    updates.wait_all()
+    end = time.perf_counter()
+    busy, elements = _lane(trace, "cpu", start, end)
+    opt.zero_grad()
+
+    median = statistics.median(s["step_s"] for s in steps)
+    in_step = [s["cpu_Gps"] for s in steps if s["cpu_Gps"]]
+    plan = trainer.info["plan"]
+    return {
+        "model": args.model,
+        "params": param_count(p, seq),
+        "batch": args.batch_size,
+        "seq": seq,
+        "clip": bool(args.clip),
+        **env_info(device),
+        "build_s": build_s,
+        "plan": plan,
+        "steps": steps,
+        "median_step_s": median,
+        "tflops": 8 * param_count(p, seq) * args.batch_size * seq / median / 1e12,
+        "cpu_Gps_in_step": statistics.median(in_step) if in_step else None,
+        "cpu_Gps_alone": elements / busy / 1e9 if busy else None,
+        "alone_elements": elements,
+    }
+
+
+def table(rec: dict[str, Any]) -> str:
+    def num(x: float | None, digits: int = 3) -> str:
+        return "-" if x is None else f"{x:.{digits}f}"
+
+    lines = [
+        f"{rec['model']} on {rec['card']}, batch {rec['batch']} x {rec['seq']}, clip {'on' if rec['clip'] else 'off'}: "
+        f"{len(rec['plan'].get('offload', []))} of {rec['plan'].get('n_chunks')} chunks offloaded, built in {rec['build_s']:.1f} s",
+        f"{'step':>4} {'step s':>7} {'forward':>8} {'waits':>6} {'backward':>9} {'CPU busy':>9} {'CPU G/s':>8}",
+    ]
+    for i, s in enumerate(rec["steps"]):
+        lines.append(
+            f"{i:>4} {s['step_s']:>7.3f} {s['forward_s']:>8.3f} {s['waits_s']:>6.3f} {s['backward_s']:>9.3f} "
+            f"{s['cpu_busy_s']:>9.3f} {num(s['cpu_Gps'], 2):>8}"
+        )
+    rates = rec["plan"].get("rates") or {}
+    lines.append(
+        f"median step {rec['median_step_s']:.3f} s ({rec['tflops']:.1f} TFLOPS), predicted {num(rec['plan'].get('predicted_step_s'))} s; "
+        f"CPU update {num(rec['cpu_Gps_in_step'], 2)} G elements/s in the step, {num(rec['cpu_Gps_alone'], 2)} alone on the same arenas "
+        f"(profile: {num(rates.get('cpu_adam_alone_Gps'), 2)} alone, {num(rates.get('cpu_adam_Gps'), 2)} under copies)"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--model", required=True, help="a preset (llama3-8b, llama2-13b, ...), a config.json or a model folder"
+    )
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=None, help="default: the model's (2048 for decoders)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument(
+        "--clip", type=int, choices=(0, 1), default=1, help="clip to the Trainer's max_grad_norm (a host sync)"
+    )
+    ap.add_argument(
+        "--offload", type=float, default=None, help="pin the offloaded fraction of chunks (default: the plan's)"
+    )
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (the CPU Adam keeps one for the loop)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json", default=None, help="also write the record to this file")
+    args = ap.parse_args(argv)
+    if args.warmup < 1:
+        ap.error("--warmup must be >= 1: a timed step waits for the update of the step before it")
+    rec = run(args)
+    print(table(rec), flush=True)
+    line = json.dumps(rec)
+    print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+"""benchmarks.step_anatomy on the CPU: every timed step's update is traced, and the phases add up."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import step_anatomy
+
+
+def test_tiny_model_with_offloaded_chunks(tmp_path, capsys):
+    out = tmp_path / "anatomy.json"
+    step_anatomy.main(
+        ["--model", "tiny", "--batch-size", "2", "--seq", "64", "--steps", "2", "--offload", "0.5", "--threads", "2",
+         "--device", "cpu", "--json", str(out)]
+    )  # fmt: skip
+    rec = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == rec
+    assert len(rec["plan"]["offload"]) > 0 and len(rec["steps"]) == 2
+    for s in rec["steps"]:
+        # each timed step runs the previous step's update of every offloaded chunk, once
+        assert s["cpu_elements"] == rec["alone_elements"] > 0 and s["device_lane_elements"] == 0
+        assert 0 <= s["waits_s"] <= s["forward_s"] and s["forward_s"] + s["backward_s"] <= s["step_s"]
+        assert s["cpu_Gps"] > 0
+    assert rec["cpu_Gps_alone"] > 0 and rec["median_step_s"] > 0 and rec["card"] == "cpu"
