@@ -55,12 +55,15 @@ class EngineMetrics:
             "elixir/optimizer_s": phases.get("optimizer", 0.0) / steps,
         }
         out["elixir/forward_other_s"] = max(wall - out["elixir/backward_s"] - out["elixir/optimizer_s"], 0.0)
-        out.update({f"elixir/{k}_per_step": (v - stats0.get(k, 0)) / steps for k, v in stats.items()})
+        delta = {k: v - stats0.get(k, 0) for k, v in stats.items()}
+        out.update({f"elixir/{k}_per_step": v / steps for k, v in delta.items()})
+        if delta.get("cpu_update_s"):
+            out["elixir/cpu_update_Gps"] = delta["updated_cpu"] / delta["cpu_update_s"] / 1e9
         return out
 
 
 def _plan_metrics(plan: ElixirPlan) -> dict[str, float]:
-    return {
+    out = {
         "elixir/plan_chunks": plan.n_chunks,
         "elixir/plan_chunk_size": plan.chunk_size,
         "elixir/plan_rcache_blocks": plan.n_blocks,
@@ -68,6 +71,12 @@ def _plan_metrics(plan: ElixirPlan) -> dict[str, float]:
         "elixir/plan_device_gib": plan.device_bytes / _GIB,
         "elixir/plan_host_gib": plan.host_bytes / _GIB,
     }
+    if plan.predicted is not None:  # a searched plan: its predicted step and its profile's CPU Adam alone
+        out["elixir/plan_step_s"] = plan.predicted.total
+        rate = (plan.search.get("rates") or {}).get("cpu_adam_alone_Gps")
+        if rate and plan.offload:
+            out["elixir/plan_cpu_adam_alone_Gps"] = rate
+    return out
 
 
 def _memory_metrics(device: torch.device) -> dict[str, float]:

@@ -112,8 +112,18 @@ def test_engine_metrics_reach_log_history_and_reporters_not_the_console(tmp_path
         "elixir/optimizer_s",
         "elixir/forward_other_s",
         "elixir/reduces_per_step",
+        "elixir/cpu_update_s_per_step",
+        "elixir/update_wait_s_per_step",
     ):
         assert key in last, key
+    # the offloaded chunks' CPU update, its seconds and rate per step, in the logs whose window it
+    # ran in (it runs beside the next step: a log right after a step may precede it)
+    ran = [log for log in logged if log["elixir/cpu_update_s_per_step"] > 0]
+    assert ran and sum(log["elixir/updated_cpu_per_step"] for log in logged) > 0
+    for log in ran:
+        assert log["elixir/cpu_update_Gps"] == pytest.approx(
+            log["elixir/updated_cpu_per_step"] / log["elixir/cpu_update_s_per_step"] / 1e9
+        )
     assert last["elixir/loss_scale"] == 1.0 and last["elixir/skipped_steps"] == 0
     assert last["elixir/backward_s"] > 0 and last["elixir/reduces_per_step"] > 0
     assert last["elixir/step_s"] >= last["elixir/backward_s"] + last["elixir/optimizer_s"]

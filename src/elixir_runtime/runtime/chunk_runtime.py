@@ -79,8 +79,12 @@ class ChunkRuntime:
             "reduces": 0,
             "updated_cpu": 0,
             "updated_device": 0,
+            "cpu_update_s": 0.0,
+            "update_wait_s": 0.0,
         }
-        """Counters since prepare, for logging and tests (``updated_*``: offloaded elements each update lane updated)."""
+        """Counters since prepare, for logging and tests (``updated_*``: offloaded elements each update
+        lane updated; ``cpu_update_s``: seconds the CPU lane spent updating them; ``update_wait_s``:
+        seconds the loop's thread waited for them)."""
         self.host_updates = HostUpdates(lane, self.stats)
         self.resident = ChunkResidency(
             layout, self.chunks, self.rcache, coll, device, dtype, prefetch, self.host_updates, self.stats

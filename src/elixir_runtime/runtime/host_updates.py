@@ -47,8 +47,9 @@ class _Chunk:
 
 
 class HostUpdates:
-    def __init__(self, lane: Lane | None = None, stats: dict[str, int] | None = None) -> None:
-        """``stats``: counters to add each lane's updated elements to (``updated_cpu``, ``updated_device``)."""
+    def __init__(self, lane: Lane | None = None, stats: dict[str, float] | None = None) -> None:
+        """``stats``: counters to add each lane's updated elements to (``updated_cpu``, ``updated_device``),
+        the CPU lane's busy seconds (``cpu_update_s``) and the seconds waited for updates (``update_wait_s``)."""
         self.lane = lane
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="elixir-update")
         self._pending: dict[int, _Chunk] = {}
@@ -82,7 +83,7 @@ class HostUpdates:
             except BaseException as exc:  # re-raised by wait() on the training loop's thread
                 error = exc
             self._record("cpu", job, start)
-            self._retire(job, "cpu", error, records)
+            self._retire(job, "cpu", error, records, busy=time.perf_counter() - start)
             job = _take(queue, queue.popleft)
 
     def _run_lane(self, queue: deque, job: Any, records: dict[int, _Chunk]) -> None:
@@ -109,12 +110,17 @@ class HostUpdates:
         if self.trace is not None:
             self.trace.append((lane, job.index, start, time.perf_counter(), job.numel))
 
-    def _retire(self, job: Any, lane: str, error: BaseException | None, records: dict[int, _Chunk]) -> None:
+    def _retire(
+        self, job: Any, lane: str, error: BaseException | None, records: dict[int, _Chunk], busy: float = 0.0
+    ) -> None:
         rec = records[job.index]
         with self._lock:
             if error is None:
                 key = f"updated_{lane}"
-                self.stats[key] = self.stats.get(key, 0) + job.numel
+                counts = {key: self.stats.get(key, 0) + job.numel}
+                if busy:
+                    counts["cpu_update_s"] = self.stats.get("cpu_update_s", 0.0) + busy
+                self.stats.update(counts)  # one call: a reader of the stats sees both or neither
             elif rec.error is None:
                 rec.error = error
             rec.left -= 1
@@ -137,8 +143,10 @@ class HostUpdates:
         if rec is not None:
             start = time.perf_counter()
             rec.done.wait()
+            end = time.perf_counter()
+            self.stats["update_wait_s"] = self.stats.get("update_wait_s", 0.0) + end - start
             if self.trace is not None:
-                self.trace.append(("wait", chunk, start, time.perf_counter(), 0))
+                self.trace.append(("wait", chunk, start, end, 0))
             if rec.error is not None:
                 raise rec.error
 

@@ -1,0 +1,25 @@
+"""The plan's ``elixir/plan_*`` log values: a searched plan adds its predicted step and the CPU Adam
+rate it was made with, beside which a run's ``elixir/cpu_update_Gps`` shows what the host gave."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from elixir_hf.metrics import _plan_metrics
+from elixir_runtime import ElixirPlan
+from elixir_runtime.search import StepTime
+
+STATIC = ElixirPlan(
+    chunk_size=4096, n_blocks=3, offload=[2], n_chunks=4, world_size=1, dtype="bfloat16", min_blocks=2, max_blocks=4
+)
+
+
+def test_a_searched_plan_logs_its_prediction_and_cpu_rate() -> None:
+    times = dict.fromkeys(("total", "compute", "h2d", "d2h", "gpu_adam", "cpu_adam", "exposed_transfers"), 0.5)
+    predicted = StepTime(**times, collectives=None, exposed_cpu_adam=0.2, rcache_bytes=0, serial=1.0)
+    searched = dataclasses.replace(STATIC, predicted=predicted, search={"rates": {"cpu_adam_alone_Gps": 5.2}})
+    got = _plan_metrics(searched)
+    assert got["elixir/plan_step_s"] == 0.5 and got["elixir/plan_cpu_adam_alone_Gps"] == 5.2
+    assert "elixir/plan_cpu_adam_alone_Gps" not in _plan_metrics(dataclasses.replace(searched, offload=[]))
+    static = _plan_metrics(STATIC)
+    assert "elixir/plan_step_s" not in static and static["elixir/plan_offloaded_chunks"] == 1
