@@ -26,11 +26,11 @@ __all__ = ["LinkRates", "CpuAdamRate", "HardwareProfile", "Rates", "PROFILE_VERS
 
 PROFILE_VERSION = 4
 """4: the Adam rates measured on values like a run's, not zeros (``measure._adam_update``, [Note:
-values]: zeros were faster on some CPUs). 3: CPU Adam per rank, for each number of ranks sharing the host, every rank updating (and copying
-to its GPU) at once with the engine's threads per rank. 2: one process with every core but one,
-under every GPU's copies, divided among the ranks (too slow: docs/planning.md, "Why per rank").
-1: alone, all cores. Files of version 1 and 2 still load: their single rate is the one-rank
-entry, shared among ranks as before (``Rates`` notes it)."""
+values]: zeros were faster on some CPUs). 3: CPU Adam per rank, for each number of ranks sharing
+the host, every rank updating (and copying to its GPU) at once with the engine's threads per rank.
+2: one process with every core but one, under every GPU's copies, divided among the ranks (too
+slow: docs/planning.md, "Why per rank"). 1: alone, all cores. Files of version 1 and 2 still
+load: their single rate is the one-rank entry, shared among ranks as before (``Rates`` notes it)."""
 
 
 @dataclass
