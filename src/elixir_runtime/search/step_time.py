@@ -20,6 +20,7 @@ What the model assumes of the engine:
   (stalls do not add).
 * A collective hidden under compute still slows it by ``COLLECTIVE_DRAG`` of its own time
   ([Note: collectives beside compute]).
+* The CPU update runs at ``ARENA_RATE`` of the profile's CPU Adam rate ([Note: the arenas' rate]).
 
 [Note: serial step] The search ranks by ``StepTime.serial``, not ``total``: it trusts the device's
 own overlaps (collectives, copies from GPU-resident arenas) and puts the host's transfers and
@@ -40,7 +41,7 @@ from ..runtime.device_lane import LANE_SLICE
 from .access import BWD, FWD, AccessTrace
 from .belady import MissTable
 
-__all__ = ["StepTime", "StepModel", "compute_time", "COLLECTIVE_DRAG"]
+__all__ = ["StepTime", "StepModel", "compute_time", "COLLECTIVE_DRAG", "ARENA_RATE"]
 
 COLLECTIVE_DRAG = 0.45
 """Seconds of compute lost per second of an NCCL collective running beside it.
@@ -50,6 +51,16 @@ the compute, they take SMs and HBM bandwidth from it, so a collective hidden und
 lengthens that compute by this share of its own time; the copy engines' H2D/D2H take nothing.
 One value for every model and rank count, calibrated on the recorded multi-GPU runs (docs/planning.md,
 "Predicted step time"); it enters ``serial`` too, so the search pays for each gather it hides."""
+
+ARENA_RATE = 0.85
+"""The CPU update's rate on the engine's host arenas, as a share of the profile's CPU Adam rate.
+
+[Note: the arenas' rate] The hardware profile times the kernel on ~0.5 GiB of arenas it has just
+allocated; a run updates tens to a hundred GiB of pinned arenas, and on the H100 hosts those ran
+slower: 0.82–1.07 of the profile's rate alone, measured on the same machine by
+``benchmarks.step_anatomy`` (the arenas of one machine ran 3.1–6.0 G elements/s per 2 GiB window).
+One value for every model and rank count, calibrated on the recorded runs that update offloaded
+chunks (``benchmarks.replay``; docs/planning.md, "Step-time prediction checked on an H100")."""
 
 
 @dataclass
@@ -124,9 +135,10 @@ class StepModel:
             link_up, link_down = rates.duplex or rates.h2d, rates.duplex or rates.d2h
             self.lane_rate = 1.0 / max(up / link_up, down / link_down, 1.0 / rates.gpu_adam)
         after_backward = clips_grads and not device_lane and bool(rates.cpu_adam_alone)
-        self.cpu_rate = rates.cpu_adam_alone if after_backward else rates.cpu_adam
-        """Elements per second of the CPU Adam: the rate alone when the updates run after a synced
-        backward without the lane, the rate under copies otherwise (docs/planning.md, ``cpu_adam[n]``)."""
+        self.cpu_rate = ARENA_RATE * (rates.cpu_adam_alone if after_backward else rates.cpu_adam)
+        """Elements per second of the CPU Adam on the engine's arenas: the profile's rate alone when
+        the updates run after a synced backward without the lane, its rate under copies otherwise
+        (docs/planning.md, ``cpu_adam[n]``), times ``ARENA_RATE``."""
         self.fetch_drag = fetch_drag(rates) if after_backward else 0.0
         """CPU seconds an update run at the rate alone loses per second of a forward fetch beside it
         ([Note: updates beside the forward's fetches])."""

@@ -15,7 +15,7 @@ from elixir_runtime.config import ElixirConfig
 from elixir_runtime.hardware.profile import CpuAdamRate
 from elixir_runtime.search import Budget, SearchSettings
 from elixir_runtime.search.loop import _evaluate
-from elixir_runtime.search.step_time import COLLECTIVE_DRAG, fetch_drag
+from elixir_runtime.search.step_time import ARENA_RATE, COLLECTIVE_DRAG, fetch_drag
 
 BF16 = torch.bfloat16
 CHUNK = 16384
@@ -90,4 +90,4 @@ def test_a_host_bound_update_after_a_synced_backward_shares_host_memory_with_the
     unsynced, _ = _model(gpt2, _host(slow, 0.5), clips_grads=False, skip_nonfinite=False)
     u = unsynced.step(lo + 1, host)
     assert unsynced.fetch_drag == 0
-    assert u.cpu_adam == pytest.approx(float(unsynced.elements[offloaded].sum()) / model.rates.cpu_adam)
+    assert u.cpu_adam == pytest.approx(float(unsynced.elements[offloaded].sum()) / (ARENA_RATE * model.rates.cpu_adam))

@@ -160,13 +160,14 @@ def test_with_a_host_sync_the_updates_start_after_backward(name, h100) -> None:
     assert synced.total == pytest.approx(measured, rel=0.15)
     assert (free.compute, free.gpu_adam) == (synced.compute, synced.gpu_adam)
     rates = h100.rates(1)
-    _assert_alone_beside_fetches(synced, free.cpu_adam * rates.cpu_adam, rates)
+    _assert_alone_beside_fetches(synced, free.cpu_adam * step_time.ARENA_RATE * rates.cpu_adam, rates)
 
 
 def _assert_alone_beside_fetches(t, elements: float, rates) -> None:
-    """After a synced backward the CPU works at its rate alone, plus what the forward's uploads
-    of the offloaded chunks (at most all of ``t.h2d``) take from it (``step_time.fetch_drag``)."""
-    alone = elements / rates.cpu_adam_alone
+    """After a synced backward the CPU works at its rate alone (on the engine's arenas), plus what
+    the forward's uploads of the offloaded chunks (at most all of ``t.h2d``) take from it
+    (``step_time.fetch_drag``)."""
+    alone = elements / (step_time.ARENA_RATE * rates.cpu_adam_alone)
     drag = step_time.fetch_drag(rates)
     assert 0 < drag < 1
     assert alone < t.cpu_adam < alone + drag * t.h2d
@@ -295,10 +296,11 @@ def test_device_lane_shares_the_update_after_a_clipped_backward(h100) -> None:
     lane_rate = min(rates.duplex / 14, rates.gpu_adam)
     assert result.device_lane and off.device_lane_adam == 0 < on.device_lane_adam
     # beside the lane the CPU updates under its copies; after a clipped backward without it, alone
-    elements = on.cpu_adam * rates.cpu_adam + on.device_lane_adam * lane_rate
+    cpu_rate, cpu_alone = step_time.ARENA_RATE * rates.cpu_adam, step_time.ARENA_RATE * rates.cpu_adam_alone
+    elements = on.cpu_adam * cpu_rate + on.device_lane_adam * lane_rate
     _assert_alone_beside_fetches(off, elements, rates)
     assert on.cpu_adam == pytest.approx(on.device_lane_adam, rel=0.1)  # the two rates are close on an H100
-    faster = rates.cpu_adam + lane_rate > rates.cpu_adam_alone
+    faster = cpu_rate + lane_rate > cpu_alone
     assert (on.exposed_cpu_adam < off.exposed_cpu_adam) == faster
 
 
