@@ -114,6 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     end = time.perf_counter()
     busy, elements = _lane(trace, "cpu", start, end)
     opt.zero_grad()
+    updates.trace = None
 
     median = statistics.median(s["step_s"] for s in steps)
     in_step = [s["cpu_Gps"] for s in steps if s["cpu_Gps"]]
@@ -140,9 +141,12 @@ def table(rec: dict[str, Any]) -> str:
     def num(x: float | None, digits: int = 3) -> str:
         return "-" if x is None else f"{x:.{digits}f}"
 
+    plan, rates = rec["plan"], rec["plan"].get("rates") or {}
+    clip = "on" if rec["clip"] else "off"
+    offloaded = f"{len(plan.get('offload', []))} of {plan.get('n_chunks')} chunks offloaded"
     lines = [
-        f"{rec['model']} on {rec['card']}, batch {rec['batch']} x {rec['seq']}, clip {'on' if rec['clip'] else 'off'}: "
-        f"{len(rec['plan'].get('offload', []))} of {rec['plan'].get('n_chunks')} chunks offloaded, built in {rec['build_s']:.1f} s",
+        f"{rec['model']} on {rec['card']}, batch {rec['batch']} x {rec['seq']}, clip {clip}: {offloaded}, "
+        f"built in {rec['build_s']:.1f} s",
         f"{'step':>4} {'step s':>7} {'forward':>8} {'waits':>6} {'backward':>9} {'CPU busy':>9} {'CPU G/s':>8}",
     ]
     for i, s in enumerate(rec["steps"]):
@@ -150,11 +154,12 @@ def table(rec: dict[str, Any]) -> str:
             f"{i:>4} {s['step_s']:>7.3f} {s['forward_s']:>8.3f} {s['waits_s']:>6.3f} {s['backward_s']:>9.3f} "
             f"{s['cpu_busy_s']:>9.3f} {num(s['cpu_Gps'], 2):>8}"
         )
-    rates = rec["plan"].get("rates") or {}
     lines.append(
-        f"median step {rec['median_step_s']:.3f} s ({rec['tflops']:.1f} TFLOPS), predicted {num(rec['plan'].get('predicted_step_s'))} s; "
-        f"CPU update {num(rec['cpu_Gps_in_step'], 2)} G elements/s in the step, {num(rec['cpu_Gps_alone'], 2)} alone on the same arenas "
-        f"(profile: {num(rates.get('cpu_adam_alone_Gps'), 2)} alone, {num(rates.get('cpu_adam_Gps'), 2)} under copies)"
+        f"median step {rec['median_step_s']:.3f} s ({rec['tflops']:.1f} TFLOPS), "
+        f"predicted {num(plan.get('predicted_step_s'))} s; CPU update {num(rec['cpu_Gps_in_step'], 2)} "
+        f"G elements/s in the step, {num(rec['cpu_Gps_alone'], 2)} alone on the same arenas, "
+        f"{num(rates.get('cpu_update_Gps'), 2)} priced by the plan (profile: "
+        f"{num(rates.get('cpu_adam_alone_Gps'), 2)} alone, {num(rates.get('cpu_adam_Gps'), 2)} under copies)"
     )
     return "\n".join(lines)
 

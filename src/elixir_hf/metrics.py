@@ -30,7 +30,7 @@ class EngineMetrics:
         self._plan_logged = False
         self._since = self._now()
 
-    def _now(self) -> tuple[float, int, dict[str, int]]:
+    def _now(self) -> tuple[float, int, dict[str, float]]:
         return time.perf_counter(), self.optimizer.steps, dict(self.optimizer.elixir_optimizer.runtime.stats)
 
     def collect(self) -> dict[str, float]:
@@ -71,11 +71,11 @@ def _plan_metrics(plan: ElixirPlan) -> dict[str, float]:
         "elixir/plan_device_gib": plan.device_bytes / _GIB,
         "elixir/plan_host_gib": plan.host_bytes / _GIB,
     }
-    if plan.predicted is not None:  # a searched plan: its predicted step and its profile's CPU Adam alone
+    if plan.predicted is not None:  # a searched plan: its predicted step and the CPU update rate it priced
         out["elixir/plan_step_s"] = plan.predicted.total
-        rate = (plan.search.get("rates") or {}).get("cpu_adam_alone_Gps")
+        rate = (plan.search.get("rates") or {}).get("cpu_update_Gps")
         if rate and plan.offload:
-            out["elixir/plan_cpu_adam_alone_Gps"] = rate
+            out["elixir/plan_cpu_update_Gps"] = rate
     return out
 
 

@@ -1,5 +1,5 @@
-"""The plan's ``elixir/plan_*`` log values: a searched plan adds its predicted step and the CPU Adam
-rate it was made with, beside which a run's ``elixir/cpu_update_Gps`` shows what the host gave."""
+"""The plan's ``elixir/plan_*`` log values: a searched plan adds its predicted step and the CPU
+update rate it priced, beside which a run's ``elixir/cpu_update_Gps`` shows what the host gave."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ STATIC = ElixirPlan(
 def test_a_searched_plan_logs_its_prediction_and_cpu_rate() -> None:
     times = dict.fromkeys(("total", "compute", "h2d", "d2h", "gpu_adam", "cpu_adam", "exposed_transfers"), 0.5)
     predicted = StepTime(**times, collectives=None, exposed_cpu_adam=0.2, rcache_bytes=0, serial=1.0)
-    searched = dataclasses.replace(STATIC, predicted=predicted, search={"rates": {"cpu_adam_alone_Gps": 5.2}})
+    searched = dataclasses.replace(STATIC, predicted=predicted, search={"rates": {"cpu_update_Gps": 4.4}})
     got = _plan_metrics(searched)
-    assert got["elixir/plan_step_s"] == 0.5 and got["elixir/plan_cpu_adam_alone_Gps"] == 5.2
-    assert "elixir/plan_cpu_adam_alone_Gps" not in _plan_metrics(dataclasses.replace(searched, offload=[]))
+    assert got["elixir/plan_step_s"] == 0.5 and got["elixir/plan_cpu_update_Gps"] == 4.4
+    assert "elixir/plan_cpu_update_Gps" not in _plan_metrics(dataclasses.replace(searched, offload=[]))
     static = _plan_metrics(STATIC)
     assert "elixir/plan_step_s" not in static and static["elixir/plan_offloaded_chunks"] == 1

@@ -167,10 +167,8 @@ def _adam_update(
     ``threads`` OpenMP threads), on arenas allocated (and first touched) by this process, holding
     values like a training run's.
 
-    [Note: values] Not zeros: the update's speed may depend on the values it divides and
-    square-roots. On one CPU the C++ kernel ran ~18 % faster on all-zero arenas than on values like
-    these (same arenas, same threads); on the H100 hosts' Xeons the two were the same (docs/planning.md,
-    "The hardware profile")."""
+    [Note: values] Not zeros: on some CPUs the update's divides and square roots run faster on them
+    than on a run's values (docs/planning.md, "The hardware profile")."""
     kernel = select_kernel(device, threads if device.type == "cpu" else None)
     gen = torch.Generator(device=device).manual_seed(0)
 

@@ -134,7 +134,7 @@ class HardwareProfile:
         if not isinstance(raw.get("cpu_adam"), dict):
             warnings.warn(
                 f"hardware profile {path} is version {profile.version}, measured before per-rank CPU Adam rates "
-                f"(version {PROFILE_VERSION}): on a host of several GPUs its one rate is shared among the ranks, which "
+                "(version 3): on a host of several GPUs its one rate is shared among the ranks, which "
                 "mispredicts offloaded plans; measure it again on that machine with `elixir-plan --measure-hardware PATH`",
                 stacklevel=2,
             )

@@ -48,8 +48,9 @@ class _Chunk:
 
 class HostUpdates:
     def __init__(self, lane: Lane | None = None, stats: dict[str, float] | None = None) -> None:
-        """``stats``: counters to add each lane's updated elements to (``updated_cpu``, ``updated_device``),
-        the CPU lane's busy seconds (``cpu_update_s``) and the seconds waited for updates (``update_wait_s``)."""
+        """``stats``: counters to add each lane's updated elements to (``updated_cpu``,
+        ``updated_device``), the CPU lane's busy seconds (``cpu_update_s``) and the seconds waited
+        for updates (``update_wait_s``)."""
         self.lane = lane
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="elixir-update")
         self._pending: dict[int, _Chunk] = {}
@@ -82,8 +83,9 @@ class HostUpdates:
                 cpu(job)
             except BaseException as exc:  # re-raised by wait() on the training loop's thread
                 error = exc
-            self._record("cpu", job, start)
-            self._retire(job, "cpu", error, records, busy=time.perf_counter() - start)
+            end = time.perf_counter()
+            self._record("cpu", job, start, end)
+            self._retire(job, "cpu", error, records, cpu_busy=end - start)
             job = _take(queue, queue.popleft)
 
     def _run_lane(self, queue: deque, job: Any, records: dict[int, _Chunk]) -> None:
@@ -103,23 +105,23 @@ class HostUpdates:
                     self.lane.finish(token)
                 except BaseException as exc:
                     error = exc
-                self._record("device", done, start)
+                self._record("device", done, start, time.perf_counter())
                 self._retire(done, "device", error, records)
 
-    def _record(self, lane: str, job: Any, start: float) -> None:
-        if self.trace is not None:
-            self.trace.append((lane, job.index, start, time.perf_counter(), job.numel))
+    def _record(self, lane: str, job: Any, start: float, end: float) -> None:
+        if self.trace is not None:  # failed slices too (the stats count only finished ones)
+            self.trace.append((lane, job.index, start, end, job.numel))
 
     def _retire(
-        self, job: Any, lane: str, error: BaseException | None, records: dict[int, _Chunk], busy: float = 0.0
+        self, job: Any, lane: str, error: BaseException | None, records: dict[int, _Chunk], cpu_busy: float = 0.0
     ) -> None:
         rec = records[job.index]
         with self._lock:
             if error is None:
                 key = f"updated_{lane}"
                 counts = {key: self.stats.get(key, 0) + job.numel}
-                if busy:
-                    counts["cpu_update_s"] = self.stats.get("cpu_update_s", 0.0) + busy
+                if cpu_busy:
+                    counts["cpu_update_s"] = self.stats.get("cpu_update_s", 0.0) + cpu_busy
                 self.stats.update(counts)  # one call: a reader of the stats sees both or neither
             elif rec.error is None:
                 rec.error = error

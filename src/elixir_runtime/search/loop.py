@@ -94,7 +94,8 @@ class SearchResult:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     rates: dict[str, float | int | None] = field(default_factory=dict)
-    """The per-rank rates the prediction used (``Rates.summary``)."""
+    """The per-rank rates the prediction used (``Rates.summary``), and the CPU update's rate as the
+    step model priced it (``cpu_update_Gps``: ``StepModel.cpu_rate``)."""
     regions: list[list[str]] = field(default_factory=list)
     """Parameter names of each activation-checkpointed region of the profile: their chunks must be
     resident together (``ChunkLayout.block_bounds``), in the search and in the plan."""
@@ -183,7 +184,7 @@ def search(
         alternatives=_alternatives(best, budget),
         notes=list(rates.notes) + _update_note(p.offload, settings.clips_grads),
         seconds=time.perf_counter() - start,
-        rates=rates.summary(),
+        rates={**rates.summary(), "cpu_update_Gps": round(best.model.cpu_rate / 1e9, 3)},
         regions=[list(r.params) for r in profile.ac_regions],
         hardware=hardware.to_dict(),
         device_lane=settings.device_lane,

@@ -17,7 +17,7 @@ from elixir_runtime.search import Budget, SearchSettings, search
 from elixir_runtime.search.budget import F_ALLOC, F_HOST
 from elixir_runtime.search.candidates import chunk_size_candidates
 from elixir_runtime.search.loop import SERIAL_TIE, STEP_TIE, _evaluate
-from elixir_runtime.search.step_time import COLLECTIVE_DRAG
+from elixir_runtime.search.step_time import ARENA_RATE, COLLECTIVE_DRAG
 from helpers.logs import recorded_bars
 from helpers.models import make_batch
 
@@ -127,6 +127,8 @@ def test_little_memory_offloads_plenty_keeps_everything(gpt2) -> None:
     roomy = search(table, profile, gpu_host(), _budget(profile, caps[-1]), _settings())
     assert tight.placement.offload and not roomy.placement.offload
     assert roomy.placement.n_blocks == _plan(table, roomy).max_blocks
+    # the CPU update rate the step model priced: the profile's, on the engine's arenas
+    assert tight.rates["cpu_update_Gps"] == pytest.approx(ARENA_RATE * tight.rates["cpu_adam_alone_Gps"], rel=1e-3)
     assert roomy.placement.time.total < tight.placement.time.total
     # the forward's first chunks stay on the GPU, the last ones are offloaded
     n = _plan(table, tight).n_chunks
