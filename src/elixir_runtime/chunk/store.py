@@ -146,15 +146,11 @@ def build_arenas(
 ) -> dict[Residence, ShardArenas]:
     """Allocates the arenas and fills them from ``weights`` (by default the parameters' current values).
 
-        The master weights are filled from the parameters in their original precision, the
-        compute-dtype copy is cast from the master: a bf16 run of an fp32 model starts from the exact
-        fp32 weights. ``release``: each parameter's own storage is let go once its chunk is filled
-        (``release_param``; The fill runs torch's CPU work (zeroing, casts on the host) on the rank's share of the cores
-    (``host.core_share``; torchrun leaves each rank one thread), and casts on the GPU where the
-    arena is there: a host-to-GPU copy moves a weight in its own dtype (bf16: half of fp32's bytes).
-
-    [Note: host memory during the fill]). A progress bar (``progress.py``)
-        counts the chunks filled.
+    The master weights are filled from the parameters in their original precision, the
+    compute-dtype copy is cast from the master: a bf16 run of an fp32 model starts from the exact
+    fp32 weights. ``release``: each parameter's own storage is let go once its chunk is filled
+    (``release_param``; [Note: host memory during the fill]). A progress bar (``progress.py``)
+    counts the chunks filled.
     """
     out: dict[Residence, ShardArenas] = {}
     for where in ("device", "host"):

@@ -173,7 +173,7 @@ def _adam_update(
     gen = torch.Generator(device=device).manual_seed(0)
 
     def alloc(dt: torch.dtype, std: float) -> torch.Tensor:
-        t = torch.empty(numel, dtype=dt, device=device) if device.type == "cuda" else empty_host(numel, dt, pin=False)
+        t = torch.empty(numel, dtype=dt, device=device)
         return t.normal_(0.0, std, generator=gen) if std else t.zero_()
 
     master, m, v = alloc(torch.float32, 0.02), alloc(torch.float32, 1e-4), alloc(torch.float32, 1e-4).square_()

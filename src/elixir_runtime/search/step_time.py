@@ -55,13 +55,12 @@ One value for every model and rank count, calibrated on the recorded multi-GPU r
 ARENA_RATE = 0.85
 """The CPU update's rate on the engine's host arenas, as a share of the profile's CPU Adam rate.
 
-[Note: the arenas' rate] The hardware profile times the kernel on ~0.5 GiB of arenas it has just
-allocated; a run updates tens to a hundred GiB of pinned arenas, which ran slower on the H100
-hosts (``benchmarks.step_anatomy``: the update alone on a run's arenas against the profile's rate,
-the same machine). One value for every model and rank count, calibrated on the recorded runs that
-update offloaded chunks after a host sync (``benchmarks.replay``; docs/planning.md, "Step-time
-prediction checked on an H100"); applied to the rate under copies too, which no recorded run
-calibrates."""
+[Note: the arenas' rate] The hardware profile times the kernel on a small set of arenas it has
+just allocated; a run updates its whole set of pinned arenas, which can run slower
+(``benchmarks.step_anatomy`` compares the two on one machine). One value for every model and rank
+count, calibrated on the recorded runs that update offloaded chunks after a host sync
+(``benchmarks.replay``; the numbers: docs/planning.md, "Step-time prediction checked"); applied to
+the rate under copies too, which no recorded run calibrates."""
 
 
 @dataclass
