@@ -60,6 +60,19 @@ inline void scalar_range(float* p, float* m, float* v, const void* g, void* out,
 }
 
 #ifdef ELIXIR_HAS_VEC
+// [Note: prefetch] Each element is a few vector operations on seven streams (four read, three
+// written back, one streamed out), so a core's share of the update is bound by how many cache
+// misses it keeps in flight. The hardware prefetchers stop at every 4 KiB page and ramp up again
+// per stream; the loads ask for the lines one page (kPrefetch fp32 elements) ahead of use
+// instead. Prefetches change no result and never fault past the end of an arena.
+constexpr int64_t kPrefetch = 1024;
+
+// The line `kPrefetch` elements past element `j` of an array of `bytes`-sized elements (integer
+// arithmetic: the address may lie past the array's end).
+inline void prefetch_ahead(const void* base, int64_t j, int64_t bytes) {
+  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(base) + (j + kPrefetch) * bytes), _MM_HINT_T0);
+}
+
 // Two vectors per iteration give the out-of-order core independent work to overlap with the
 // loads (a few % here). Advances `i` past the last whole vector; the caller finishes the tail.
 template <int GT, int OT>
@@ -69,6 +82,10 @@ inline void vector_range(float* p, float* m, float* v, const void* g, void* out,
             b2 = Vec::set1(c.b2), omb2 = Vec::set1(c.omb2), eps = Vec::set1(c.eps),
             decay = Vec::set1(c.decay_mul), l2 = Vec::set1(c.l2), gmul = Vec::set1(c.grad_mul);
   auto one = [&](int64_t j) {
+    prefetch_ahead(p, j, 4);
+    prefetch_ahead(m, j, 4);
+    prefetch_ahead(v, j, 4);
+    prefetch_ahead(g, j, GT == kF32 ? 4 : 2);
     Vec gj = Simd<GT>::load(g, j) * gmul;
     Vec pj = Vec::load(p + j) * decay;
     gj = Vec::fma(pj, l2, gj);
