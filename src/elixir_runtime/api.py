@@ -22,6 +22,7 @@ from .chunk.collectives import Collectives
 from .chunk.source import WeightSource, unmeta_parameters, weight_source
 from .config import ElixirConfig
 from .gpu_limit import expandable_segments, limit_gpu_memory
+from .hardware.load import record_update_rate
 from .host import local_ranks
 from .kernels.threads import cpu_adam_threads
 from .optim.optimizer import ElixirOptimizer
@@ -31,6 +32,7 @@ from .runtime.chunk_runtime import ChunkRuntime
 from .runtime.device_lane import DeviceLane
 from .runtime.hooks import install_hooks
 from .runtime.lockstep import Lockstep
+from .runtime.update_rate import UpdateRateProbe
 from .state_dict import ModelStateHooks
 from .units import Unit, find_units
 
@@ -125,17 +127,30 @@ def prepare(
     install_hooks(model, units, plan.unit_chunks, runtime, plan.root_chunks, plan.batch_shape)
     model_state = ModelStateHooks(runtime, orig_dtypes)
     model_state.install(model)
+    threads = cpu_adam_threads(local_ranks(), config.cpu_threads)
     elixir_optimizer = ElixirOptimizer(
         optimizer,
         runtime,
         decoupled=decoupled,
         loss_scale=config.loss_scale,
-        cpu_threads=cpu_adam_threads(local_ranks(), config.cpu_threads),
+        cpu_threads=threads,
         skip_nonfinite=config.skip_nonfinite,
         max_consecutive_skips=config.max_consecutive_skips,
+        rate_probe=_rate_probe(plan, runtime, coll, device, threads),
     )
     model._elixir = ElixirState(runtime, plan, units, elixir_optimizer, model_state)
     return model, elixir_optimizer
+
+
+def _rate_probe(
+    plan: ElixirPlan, runtime: ChunkRuntime, coll: Collectives, device: torch.device, threads: int
+) -> UpdateRateProbe | None:
+    """Where the CPU updates offloaded chunks beside a GPU without the device lane: a probe whose
+    report records the job's rate into this machine's cached profile ([Note: the run's own rate])."""
+    if device.type != "cuda" or not plan.offload or plan.device_lane:
+        return None
+    ranks = local_ranks()
+    return UpdateRateProbe(runtime.stats, lambda rate: record_update_rate(coll, device, ranks, threads, rate))
 
 
 def _check_model(model: nn.Module) -> None:

@@ -207,6 +207,8 @@ class ElixirPlan:
         if self.search.get("rates"):
             r = self.search["rates"]
             alone = f" ({r['cpu_adam_alone_Gps']} alone)" if r.get("cpu_adam_alone_Gps") else ""
+            if r.get("cpu_update_observed_Gps"):
+                alone += f" ({r['cpu_update_observed_Gps']} in a run here)"
             rows.append(
                 (
                     "rates / rank",

@@ -557,3 +557,24 @@ def test_a_model_without_sdpa_is_built_with_its_own_attention(capsys, tmp_path) 
     )
     assert code == 0, err
     assert json.loads(out)["plan"]["n_chunks"] > 0
+
+
+def test_a_rate_a_job_recorded_here_is_planned_with_and_shown(capsys, tmp_path) -> None:
+    """``cpu_adam[1].observed`` (a job's own CPU update rate, docs/planning.md "The run's own rate"):
+    the plan prices the offloaded updates at it and its rates line says so."""
+    from elixir_runtime.hardware.load import shipped_hardware
+
+    def plan(observed: float | None) -> str:
+        hw = shipped_hardware("h100")
+        hw.cpu_adam[1].observed = observed
+        path = tmp_path / f"hw-{observed}.json"
+        hw.save(path)
+        base = ["--model", _tiny_config(tmp_path), "--seq-len", "128", "--batch-size", "2", "--gpu-mem", "6MiB"]
+        code, out, _ = _run(capsys, *base, "--host-mem", "64GiB", "--hardware", str(path), "--verbose")
+        assert code == 0
+        return out
+
+    measured, slow = plan(None), plan(1e6)
+    assert "in a run here" in slow and "in a run here" not in measured
+    step = [float(o.split("predicted step: ")[1].split(" s")[0]) for o in (measured, slow)]
+    assert step[1] > 2 * step[0]  # every chunk offloaded, updated at 1 M elements/s

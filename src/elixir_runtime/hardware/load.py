@@ -13,6 +13,7 @@ ranks measure it together first ([Note: CPU Adam per rank] in ``measure.py``) an
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from . import measure
 from .profile import PROFILE_VERSION, HardwareProfile
 
 __all__ = [
+    "record_update_rate",
     "cache_path",
     "machine_key",
     "load_hardware",
@@ -36,6 +38,8 @@ __all__ = [
     "ENV_HARDWARE",
     "SHIPPED",
 ]
+
+logger = logging.getLogger(__name__)
 
 ENV_HARDWARE = "ELIXIR_HARDWARE"
 
@@ -118,3 +122,36 @@ def job_hardware(
         if coll.rank == 0:
             profile.save(cache_path())
     return profile
+
+
+def record_update_rate(coll: Collectives, device: torch.device, ranks: int, threads: int, rate: float) -> float:
+    """The slowest rank's ``rate`` (a job's CPU updates of offloaded chunks after a synced backward,
+    per rank: ``runtime/update_rate.py``), which rank 0 records as ``observed`` in this machine's
+    cached profile, in its entry for ``ranks`` ranks per host with ``threads`` threads; every rank
+    calls it. Nothing is recorded where some rank has no rate (0), where the job planned with a
+    profile file (``$ELIXIR_HARDWARE``) or where the cached entry is another measurement's."""
+    slowest = torch.tensor([-rate], dtype=torch.float64, device=device)
+    coll.all_reduce_max_(slowest)
+    rate = max(0.0, -float(slowest[0]))
+    path = cache_path()
+    if coll.rank != 0 or rate <= 0 or os.environ.get(ENV_HARDWARE) or not path.exists():
+        return rate
+    try:  # the profile is a cache: failing to update it must not fail the training step
+        profile = HardwareProfile.load(path)
+        entry = profile.cpu_adam.get(ranks)
+        if entry is None or entry.threads != threads:
+            return rate
+        before, entry.observed = entry.observed, rate
+        profile.save(path)
+    except (OSError, ValueError, TypeError) as exc:
+        logger.warning("elixir: could not record this job's CPU update rate in %s (%s)", path, exc)
+        return rate
+    logger.info(
+        "elixir: this job's CPU updated offloaded chunks at %.2f G params/s per rank (the profile measured %s alone%s); "
+        "recorded in %s for the next plan made on this machine",
+        rate / 1e9,
+        f"{entry.alone / 1e9:.2f}" if entry.alone else "-",
+        f", a job before {before / 1e9:.2f}" if before else "",
+        path,
+    )
+    return rate

@@ -24,8 +24,9 @@ from ..kernels.threads import cpu_adam_threads
 
 __all__ = ["LinkRates", "CpuAdamRate", "HardwareProfile", "Rates", "PROFILE_VERSION"]
 
-PROFILE_VERSION = 4
-"""4: the Adam rates measured on values like a run's, not zeros (``measure._adam_update``, [Note:
+PROFILE_VERSION = 5
+"""5: the CPU Adam measured with the prefetching kernel ([Note: prefetch] in ``cpu_adam.cpp``: 7-10 %
+faster on the H100 hosts). 4: the Adam rates measured on values like a run's, not zeros (``measure._adam_update``, [Note:
 values]: zeros were faster on some CPUs). 3: CPU Adam per rank, for each number of ranks sharing
 the host, every rank updating (and copying to its GPU) at once with the engine's threads per rank.
 2: one process with every core but one, under every GPU's copies, divided among the ranks (too
@@ -62,6 +63,11 @@ class CpuAdamRate:
     alone: float | None = None
     """With no copies running: the rate of updates after a synced backward without the device
     lane (``None``: not measured)."""
+    observed: float | None = None
+    """The rate a job's own updates of offloaded chunks ran at on this machine, after a synced
+    backward without the device lane: the slowest rank's median step (``runtime/update_rate.py``),
+    recorded by that job into the cached profile. The step model prices those updates at it, in
+    place of ``ARENA_RATE`` x ``alone`` ([Note: the arenas' rate]); ``None``: no job recorded one."""
 
 
 @dataclass
@@ -173,6 +179,7 @@ class HardwareProfile:
             gpu_adam=self.gpu_adam,
             cpu_adam=cpu.under_copies,
             cpu_adam_alone=cpu.alone,
+            cpu_update_observed=cpu.observed,
             cpu_threads=cpu.threads,
             matmul={int(k): v for k, v in self.matmul.items()},
             attention=self.attention,
@@ -198,8 +205,13 @@ class HardwareProfile:
             "(re-measure with `elixir-plan --measure-hardware`, or let a job on this machine measure it)"
         )
         threads = cpu_adam_threads(ranks, cores=self.cpu_cores)  # what the engine would run with
+        share = m / ranks
         return CpuAdamRate(
-            ranks, threads, base.under_copies * m / ranks, base.alone * m / ranks if base.alone else None
+            ranks,
+            threads,
+            base.under_copies * share,
+            base.alone * share if base.alone else None,
+            base.observed * share if base.observed else None,
         )
 
 
@@ -220,6 +232,8 @@ class Rates:
     memory_bandwidth: float
     op_overhead: float
     cpu_adam_alone: float | None = None
+    cpu_update_observed: float | None = None
+    """The rate a job on this machine observed its updates of offloaded chunks at (``CpuAdamRate.observed``)."""
     cpu_threads: int | None = None
     """OpenMP threads per rank the CPU Adam rate was measured with."""
     notes: list[str] = field(default_factory=list)
@@ -239,6 +253,7 @@ class Rates:
             "gpu_adam_Gps": giga(self.gpu_adam),
             "cpu_adam_Gps": giga(self.cpu_adam),
             "cpu_adam_alone_Gps": giga(self.cpu_adam_alone),
+            "cpu_update_observed_Gps": giga(self.cpu_update_observed),
             "cpu_threads": self.cpu_threads,
         }
 

@@ -35,6 +35,7 @@ from ..kernels.kernel import AdamHyper
 from ..kernels.select import select_kernel
 from ..runtime.chunk_runtime import ChunkRuntime, ChunkState
 from ..runtime.device_lane import SliceUpdate, slice_updates
+from ..runtime.update_rate import UpdateRateProbe
 from .loss_scaler import LossScaler
 
 __all__ = ["ElixirOptimizer"]
@@ -53,6 +54,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         cpu_threads: int | None = None,
         skip_nonfinite: bool = True,
         max_consecutive_skips: int = 25,
+        rate_probe: UpdateRateProbe | None = None,
     ) -> None:
         super().__init__(user_optimizer.param_groups, user_optimizer.defaults)
         self.runtime = runtime
@@ -70,6 +72,10 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self._clip_coef = 1.0
         self.cpu_threads = cpu_threads
         """OpenMP threads of the CPU Adam (``None``: ``torch.get_num_threads()``)."""
+        self.rate_probe = rate_probe
+        """Takes the CPU lane's rate in the first steps ([Note: the run's own rate])."""
+        self._synced_updates = False
+        """The updates last submitted run after a host sync (the gradient norm was taken)."""
         self.kernels = {name: select_kernel(a.device, cpu_threads) for name, a in runtime.arenas.items()}
         self._chunk_segments = {
             c.index: [s for s in c.shards.segments if c.offset <= s.offset < c.offset + c.shard_numel]
@@ -129,6 +135,9 @@ class ElixirOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.runtime.host_updates.wait_all()  # the previous step's CPU updates
+        if self.rate_probe is not None:
+            self.rate_probe.step_done(self._synced_updates)
+            self._synced_updates = False
         self.runtime.grads.device_grads_ready()
         self.step_was_skipped = False
         if not self.runtime.grads.has_grads:
@@ -155,6 +164,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
             else:
                 size = updates.lane.numel if updates.lane is not None else c.shard_numel
                 jobs += slice_updates(c, work, hypers, div_scale, size)
+        self._synced_updates = self._norm is not None
         updates.submit(jobs, self._update_slice)
         self.scaler.update(overflow=False)
         self.runtime.invalidate_trainable()

@@ -20,7 +20,8 @@ What the model assumes of the engine:
   (stalls do not add).
 * A collective hidden under compute still slows it by ``COLLECTIVE_DRAG`` of its own time
   ([Note: collectives beside compute]).
-* The CPU update runs at ``ARENA_RATE`` of the profile's CPU Adam rate ([Note: the arenas' rate]).
+* The CPU update runs at ``ARENA_RATE`` of the profile's CPU Adam rate ([Note: the arenas' rate]),
+  or after a synced backward at the rate a job on this machine observed (``CpuAdamRate.observed``).
 
 [Note: serial step] The search ranks by ``StepTime.serial``, not ``total``: it trusts the device's
 own overlaps (collectives, copies from GPU-resident arenas) and puts the host's transfers and
@@ -135,13 +136,15 @@ class StepModel:
             link_up, link_down = rates.duplex or rates.h2d, rates.duplex or rates.d2h
             self.lane_rate = 1.0 / max(up / link_up, down / link_down, 1.0 / rates.gpu_adam)
         after_backward = clips_grads and not device_lane and bool(rates.cpu_adam_alone)
-        self.cpu_rate = ARENA_RATE * (rates.cpu_adam_alone if after_backward else rates.cpu_adam)
-        """Elements per second of the CPU Adam on the engine's arenas: the profile's rate alone when
-        the updates run after a synced backward without the lane, its rate under copies otherwise
-        (docs/planning.md, ``cpu_adam[n]``), times ``ARENA_RATE``."""
-        self.fetch_drag = fetch_drag(rates) if after_backward else 0.0
+        observed = rates.cpu_update_observed if after_backward else None
+        self.cpu_rate = observed or ARENA_RATE * (rates.cpu_adam_alone if after_backward else rates.cpu_adam)
+        """Elements per second of the CPU Adam on the engine's arenas: after a synced backward without
+        the lane, the rate a job on this machine observed (``cpu_update_observed``) or else the
+        profile's rate alone; its rate under copies otherwise (docs/planning.md, ``cpu_adam[n]``);
+        a profile's rate times ``ARENA_RATE``."""
+        self.fetch_drag = fetch_drag(rates) if after_backward and not observed else 0.0
         """CPU seconds an update run at the rate alone loses per second of a forward fetch beside it
-        ([Note: updates beside the forward's fetches])."""
+        ([Note: updates beside the forward's fetches]); none at an observed rate, which includes them."""
         n = layout.world_size
         chunks = layout.chunks
         self.k = len(chunks)

@@ -34,3 +34,12 @@ def job_measures_cpu_adam(rank: int, world: int, cache: str) -> tuple:
     measured = len(windows)
     second = job_hardware(coll, torch.device("cpu"), quick=True)
     return first.cpu_adam, second.cpu_adam, windows, measured, len(windows)
+
+
+def job_records_update_rate(rank: int, world: int, cache: str) -> float:
+    """Both ranks of a 2-rank host report their own update rate; the slowest is recorded."""
+    from elixir_runtime.hardware.load import record_update_rate
+
+    os.environ.update(ELIXIR_CACHE_DIR=cache, LOCAL_WORLD_SIZE=str(world))
+    os.environ.pop(ENV_HARDWARE, None)
+    return record_update_rate(Collectives(dist.group.WORLD), torch.device("cpu"), 2, 7, 1e9 * (rank + 2))

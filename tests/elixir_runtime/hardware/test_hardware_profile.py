@@ -10,15 +10,16 @@ import pytest
 import torch
 
 import elixir_runtime.hardware.measure as measure
+from elixir_runtime.chunk.collectives import Collectives
 from elixir_runtime.hardware import HardwareProfile, load_hardware
-from elixir_runtime.hardware.load import ENV_HARDWARE, cache_path
+from elixir_runtime.hardware.load import ENV_HARDWARE, cache_path, record_update_rate
 from elixir_runtime.hardware.measure import measure_hardware
 from elixir_runtime.hardware.profile import PROFILE_VERSION, CpuAdamRate
 from elixir_runtime.kernels.cpu_adam import load_library
 from elixir_runtime.kernels.threads import cpu_adam_threads
 from helpers.dist import run_distributed
 from helpers.logs import recorded_bars
-from tests.elixir_runtime.hardware.job_ranks import job_measures_cpu_adam
+from tests.elixir_runtime.hardware.job_ranks import job_measures_cpu_adam, job_records_update_rate
 from tests.elixir_runtime.search.search_cases import gpu_host
 
 
@@ -174,3 +175,44 @@ def test_adam_is_timed_on_values_like_a_runs(monkeypatch) -> None:
     master, m, v, grad = seen[0]
     assert 0.01 < master.std() < 0.04 and 5e-5 < m.std() < 2e-4 and 5e-4 < grad.std() < 2e-3
     assert (v > 0).float().mean() > 0.99 and (master != 0).all()
+
+
+def test_a_jobs_update_rate_is_recorded_in_this_machines_profile(tmp_path, monkeypatch) -> None:
+    """Where the job planned with this machine's cached profile and the entry for its ranks was
+    measured with its threads; the slowest rank's rate (``job_records_update_rate``: 2e9 and 3e9)."""
+    monkeypatch.delenv(ENV_HARDWARE, raising=False)
+    monkeypatch.setenv("ELIXIR_CACHE_DIR", str(tmp_path))
+    seeded = dataclasses.replace(gpu_host(), cpu_adam={2: CpuAdamRate(2, 7, 2e9, 4e9)}, version=PROFILE_VERSION)
+    seeded.save(cache_path())
+    assert run_distributed(job_records_update_rate, 2, str(tmp_path)) == [2e9, 2e9]
+    assert HardwareProfile.load(cache_path()).cpu_adam[2] == CpuAdamRate(2, 7, 2e9, 4e9, observed=2e9)
+    one = Collectives(None)
+    for kept in (
+        lambda: record_update_rate(one, torch.device("cpu"), 2, 15, 5e9),  # another measurement's threads
+        lambda: record_update_rate(one, torch.device("cpu"), 4, 7, 5e9),  # no entry for 4 ranks
+        lambda: record_update_rate(one, torch.device("cpu"), 2, 7, 0.0),  # no rate
+    ):
+        kept()
+        assert HardwareProfile.load(cache_path()).cpu_adam[2].observed == 2e9
+    monkeypatch.setenv(ENV_HARDWARE, str(tmp_path / "given.json"))  # the job planned with a file
+    record_update_rate(one, torch.device("cpu"), 2, 7, 5e9)
+    assert HardwareProfile.load(cache_path()).cpu_adam[2].observed == 2e9
+    monkeypatch.delenv(ENV_HARDWARE)
+    assert record_update_rate(one, torch.device("cpu"), 2, 7, 5e9) == 5e9
+    assert HardwareProfile.load(cache_path()).cpu_adam[2].observed == 5e9
+
+
+def test_an_observed_rate_is_shared_like_the_measured_ones() -> None:
+    hw = dataclasses.replace(gpu_host(gpus=4), cpu_adam={2: CpuAdamRate(2, 7, 2e9, 4e9, observed=3e9)})
+    assert hw.rates(2).cpu_update_observed == 3e9
+    assert hw.rates(4).cpu_update_observed == 1.5e9  # 2 ranks' rate shared among 4, as the others
+    assert hw.rates(4).cpu_adam_alone == 2e9
+    assert HardwareProfile.from_json(hw.to_json()) == hw
+
+
+def test_an_unreadable_cached_profile_does_not_fail_the_step(tmp_path, monkeypatch, caplog) -> None:
+    monkeypatch.delenv(ENV_HARDWARE, raising=False)
+    monkeypatch.setenv("ELIXIR_CACHE_DIR", str(tmp_path))
+    cache_path().write_text("{ not json")
+    assert record_update_rate(Collectives(None), torch.device("cpu"), 1, 15, 5e9) == 5e9
+    assert "could not record" in caplog.text and cache_path().read_text() == "{ not json"

@@ -91,3 +91,26 @@ def test_a_host_bound_update_after_a_synced_backward_shares_host_memory_with_the
     u = unsynced.step(lo + 1, host)
     assert unsynced.fetch_drag == 0
     assert u.cpu_adam == pytest.approx(float(unsynced.elements[offloaded].sum()) / (ARENA_RATE * model.rates.cpu_adam))
+
+
+def test_a_rate_observed_on_this_machine_prices_the_updates_after_a_synced_backward(gpt2) -> None:
+    """As it ran in a job here, the uploads beside it included: no ``ARENA_RATE``, no drag. Updates
+    during backward keep the profile's rate under copies (no job observes those)."""
+    slow = 2e6
+    host_rate = _host(slow, 0.5)
+    observed = dataclasses.replace(
+        host_rate, cpu_adam={1: dataclasses.replace(host_rate.cpu_adam[1], observed=0.7 * slow)}
+    )
+    model, lo = _model(gpt2, observed, clips_grads=True)
+    assert model.cpu_rate == 0.7 * slow and model.fetch_drag == 0
+    host = np.ones(model.k, dtype=bool)
+    host[model.k // 2 :] = False
+    offloaded = np.flatnonzero(~host & model.trainable)
+    assert model.step(lo + 1, host).cpu_adam == pytest.approx(float(model.elements[offloaded].sum()) / (0.7 * slow))
+    unsynced, _ = _model(gpt2, observed, clips_grads=False, skip_nonfinite=False)
+    assert unsynced.cpu_rate == ARENA_RATE * unsynced.rates.cpu_adam
+    _, table, profile = gpt2
+    budget = Budget(64 * GIB, profile.activation_peak, profile.buffer_bytes, 64 * GIB, 1)
+    settings = SearchSettings(1, BF16, ElixirConfig(clips_grads=True), device_lane=True)
+    lane = _evaluate(CHUNK, table, profile, observed.rates(1), budget, settings).model
+    assert lane.cpu_rate == ARENA_RATE * lane.rates.cpu_adam  # beside the lane: under copies

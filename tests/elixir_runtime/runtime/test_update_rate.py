@@ -1,0 +1,75 @@
+"""The probe of a job's own CPU update rate (``runtime/update_rate.py``): which steps count, what it
+reports and when, fed by the engine's CPU lane (on CPU: the "offloaded" arenas are host memory
+either way, the lane and its counters are the GPU run's)."""
+
+from __future__ import annotations
+
+import statistics
+
+import elixir_runtime as er
+from elixir_runtime.runtime.update_rate import SKIP, STEPS, UpdateRateProbe
+from helpers.training import Recipe, batch_for, build
+
+
+def _feed(probe: UpdateRateProbe, steps: list[tuple[int, float, bool]]) -> None:
+    """Each step's (elements, busy seconds, synced) added to the counters, then the step seen."""
+    for elements, busy, synced in steps:
+        probe.stats["updated_cpu"] = probe.stats.get("updated_cpu", 0) + elements
+        probe.stats["cpu_update_s"] = probe.stats.get("cpu_update_s", 0.0) + busy
+        probe.step_done(synced)
+
+
+def test_reports_the_median_of_the_synced_steps_after_the_warmup_once() -> None:
+    reports: list[float] = []
+    probe = UpdateRateProbe({}, reports.append)
+    warmup = [(100, 1.0, True)] * SKIP  # 100 elements/s: not counted
+    counted = [(4000, 1.0, True), (1000, 1.0, False), (2000, 1.0, True)] + [(3000, 1.0, True)] * (STEPS - 3)
+    _feed(probe, warmup + counted[:-1])
+    assert reports == []
+    _feed(probe, counted[-1:])
+    assert reports == [3000.0]  # median of 4000, 2000 and 3000s; the unsynced step left out
+    _feed(probe, [(9000, 1.0, True)] * 3)
+    assert reports == [3000.0]  # once
+
+
+def test_reports_zero_when_most_steps_were_not_synced() -> None:
+    reports: list[float] = []
+    probe = UpdateRateProbe({}, reports.append)
+    _feed(probe, [(1000, 1.0, False)] * (SKIP + STEPS - 1) + [(1000, 1.0, True)])
+    assert reports == [0.0]
+
+
+def _train(steps: int, **config) -> tuple[list[float], UpdateRateProbe]:
+    recipe = Recipe(model="llama")
+    model, opt = build(recipe)
+    model, opt = er.prepare(
+        model,
+        opt,
+        config=er.ElixirConfig(mode="static", offload=0.5, **config),
+        example_batch=batch_for(recipe, 0, 0, None),
+    )
+    assert opt.rate_probe is None  # on CPU nothing is recorded (api._rate_probe: beside a GPU only)
+    reports: list[float] = []
+    opt.rate_probe = UpdateRateProbe(model._elixir.runtime.stats, reports.append)
+    for step in range(steps):
+        opt.backward(model(**batch_for(recipe, step, 0, None)).loss)
+        if config.get("skip_nonfinite", True):
+            opt.clip_grad_norm(1.0)
+        opt.step()
+        opt.zero_grad()
+    return reports, opt.rate_probe
+
+
+def test_the_engine_reports_its_cpu_lanes_rate_at_the_same_step_on_every_rank() -> None:
+    """Each ``step()`` first waits for the updates of the step before and counts them: the report
+    comes in step ``SKIP + STEPS``, a count every rank shares."""
+    reports, _ = _train(SKIP + STEPS - 1)
+    assert reports == []
+    reports, probe = _train(SKIP + STEPS)
+    assert len(probe.rates) == STEPS  # the updates of steps SKIP .. SKIP + STEPS - 1
+    assert reports == [statistics.median(probe.rates)] and reports[0] > 0
+
+
+def test_updates_without_a_host_sync_are_not_counted() -> None:
+    reports, _ = _train(SKIP + STEPS, skip_nonfinite=False)  # no clipping, no norm: no sync
+    assert reports == [0.0]
