@@ -158,6 +158,9 @@ def measure(
     out.update(
         gpu_peaks(ctx.device), host_rss_peak_GiB=sampler.peak_rss / GIB, host_used_peak_GiB=sampler.peak_used / GIB
     )
+    stats = trainer.info.get("runtime_stats") or {}
+    if stats.get("cpu_update_s"):  # this rank's CPU lane over every step so far, warm-up included
+        out["cpu_update_Gps"] = stats["updated_cpu"] / stats["cpu_update_s"] / 1e9
     return out
 
 
@@ -188,6 +191,8 @@ def combine(parts: list[dict[str, Any]], base: dict[str, Any], params: int) -> d
     rec["gpu_alloc_retries"] = sum(p.get("gpu_alloc_retries", 0) for p in parts)
     rec["host_rss_peak_per_rank_GiB"] = [p["host_rss_peak_GiB"] for p in parts]
     rec["host_rss_start_GiB"] = sum(p["host_rss_start_GiB"] for p in parts)
+    if all("cpu_update_Gps" in p for p in parts):
+        rec["cpu_update_Gps_per_rank"] = [p["cpu_update_Gps"] for p in parts]
     predicted = (rec.get("info") or {}).get("plan", {}).get("predicted_step_s")
     if predicted is not None and rec.get("step_s"):
         rec.update(predicted_step_s=predicted, measured_over_predicted=rec["step_s"] / predicted)

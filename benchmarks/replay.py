@@ -16,6 +16,7 @@ Runs whose plan predates these records (every run in results.json as of 2026-11-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -47,13 +48,27 @@ def replayable(run: dict[str, Any]) -> bool:
     )
 
 
-def predict(run: dict[str, Any]) -> StepTime:
-    """The step the current model predicts for the run's recorded plan, batch and hardware."""
+def own_rate(run: dict[str, Any]) -> float | None:
+    """The CPU update rate the run's slowest rank had (elements/s over its steps, warm-up
+    included: ``cpu_update_Gps_per_rank``, else rank 0's ``runtime_stats``); ``None`` if not recorded."""
+    if run.get("cpu_update_Gps_per_rank"):
+        return min(run["cpu_update_Gps_per_rank"]) * 1e9
+    stats = (run.get("info") or {}).get("runtime_stats") or {}
+    return stats["updated_cpu"] / stats["cpu_update_s"] if stats.get("cpu_update_s") else None
+
+
+def predict(run: dict[str, Any], observed: float | None = None) -> StepTime:
+    """The step the current model predicts for the run's recorded plan, batch and hardware;
+    ``observed``: with that CPU update rate recorded in the hardware profile, as a job on that
+    machine records its own (``CpuAdamRate.observed``)."""
     plan = run["info"]["plan"]
     dtype = getattr(torch, plan["dtype"])
     model = build_meta(preset(run["model"]), run["seq"], dtype)
     ids = torch.zeros(run["batch"], run["seq"], dtype=torch.long, device="meta")
     hardware = HardwareProfile.from_dict(plan["hardware"])
+    if observed is not None:
+        own = hardware.cpu_adam_per_rank(run["gpus"], [])
+        hardware.cpu_adam[run["gpus"]] = dataclasses.replace(own, observed=observed)
 
     def budget(profile: ModelProfile) -> Budget:
         return Budget(
@@ -92,28 +107,31 @@ def replay(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             rows.append({**row, "skipped": "no recorded plan inputs (hardware, offloaded chunks)"})
             continue
         time = predict(run)
-        rows.append(
-            {
-                **row,
-                "replayed_step_s": time.total,
-                "measured_over_replayed": run["step_s"] / time.total,
-                "replayed": time.to_dict(),
-            }
+        row.update(
+            replayed_step_s=time.total, measured_over_replayed=run["step_s"] / time.total, replayed=time.to_dict()
         )
+        rate = own_rate(run)
+        if rate:
+            own = predict(run, observed=rate).total
+            row.update(own_rate_Gps=rate / 1e9, replayed_own_step_s=own, measured_over_own=run["step_s"] / own)
+        rows.append(row)
     return rows
 
 
 def render(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| card | model | GPUs | bs | measured s | predicted then | predicted now | measured / now |",
-        "|---|---|---|---|---|---|---|---|",
+        "| card | model | GPUs | bs | measured s | predicted then | predicted now | measured / now "
+        "| at the run's own CPU rate (G/s): measured / predicted |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         now = "skipped" if "skipped" in r else f"{r['replayed_step_s']:.3f}"
         ratio = "" if "skipped" in r else f"{r['measured_over_replayed']:.2f}"
         then = f"{r['predicted_step_s']:.3f}" if r.get("predicted_step_s") else "–"
+        own = f"{r['measured_over_own']:.2f} ({r['own_rate_Gps']:.2f})" if r.get("measured_over_own") else "–"
         lines.append(
-            f"| {r['card']} | {r['model']} | {r['gpus']} | {r['batch']} | {r['step_s']:.3f} | {then} | {now} | {ratio} |"
+            f"| {r['card']} | {r['model']} | {r['gpus']} | {r['batch']} | {r['step_s']:.3f} | {then} | {now} | {ratio} "
+            f"| {own} |"
         )
     done = [r["measured_over_replayed"] for r in rows if "skipped" not in r]
     if done:

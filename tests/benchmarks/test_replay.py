@@ -76,3 +76,21 @@ def test_runs_without_plan_inputs_are_skipped() -> None:
     [row] = replay.replay([run])
     assert "skipped" in row and "replayed_step_s" not in row
     assert "skipped" in replay.render([row])
+
+
+def test_a_run_that_recorded_its_cpu_update_rate_replays_at_it_too() -> None:
+    """The slowest rank's rate, as a job records it for its machine (``CpuAdamRate.observed``):
+    1 M elements/s, far below the profile's, makes the offloaded updates the step."""
+    run = _recorded_run()
+    run["cpu_update_Gps_per_rank"] = [0.002, 0.001]
+    [row] = replay.replay([run])
+    assert row["own_rate_Gps"] == 0.001 and row["replayed_step_s"] == run["predicted_step_s"]
+    assert row["replayed_own_step_s"] > 2 * row["replayed_step_s"]
+    assert row["measured_over_own"] == run["step_s"] / row["replayed_own_step_s"]
+    assert "(0.00) |" in replay.render([row])
+    del run["cpu_update_Gps_per_rank"]
+    run["info"]["runtime_stats"] = {"updated_cpu": 3e6, "cpu_update_s": 1.5}  # rank 0's only, older records
+    assert replay.own_rate(run) == 2e6
+    del run["info"]["runtime_stats"]
+    [row] = replay.replay([run])
+    assert "own_rate_Gps" not in row and replay.render([row]).splitlines()[2].endswith("| – |")

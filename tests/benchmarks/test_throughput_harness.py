@@ -147,6 +147,9 @@ def test_combine_takes_slowest_rank_and_sums_host_rss() -> None:
     assert rec["host_rss_peak_GiB"] == 81.0 and rec["gpu_alloc_peak_GiB"] == 7.0
     assert rec["gpu_alloc_retries"] == 3  # a rank's retries reach the record
     assert report._added_rss(rec) == 78.0  # what the system holds beyond the bare processes
+    assert "cpu_update_Gps_per_rank" not in rec  # no rank updated offloaded chunks on its CPU
+    parts = [dict(p, cpu_update_Gps=r) for p, r in zip(parts, (1.7, 1.2))]
+    assert combine(parts, base, params=10**9)["cpu_update_Gps_per_rank"] == [1.7, 1.2]
     parts[1] = dict(parts[1], status="OOM", error="CUDA out of memory")
     assert combine(parts, base, params=10**9)["status"] == "OOM"
 
