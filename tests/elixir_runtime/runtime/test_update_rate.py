@@ -4,11 +4,19 @@ either way, the lane and its counters are the GPU run's)."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
+import pytest
+import torch
+
 import elixir_runtime as er
+from elixir_runtime.hardware.load import ENV_HARDWARE, cache_path
+from elixir_runtime.hardware.profile import CpuAdamRate, HardwareProfile
+from elixir_runtime.kernels.threads import cpu_adam_threads
 from elixir_runtime.runtime.update_rate import SKIP, STEPS, UpdateRateProbe
-from helpers.training import Recipe, batch_for, build
+from helpers.training import Recipe, batch_for, build, run_elixir
+from tests.elixir_runtime.search.search_cases import gpu_host
 
 
 def _feed(probe: UpdateRateProbe, steps: list[tuple[int, float, bool]]) -> None:
@@ -73,3 +81,18 @@ def test_the_engine_reports_its_cpu_lanes_rate_at_the_same_step_on_every_rank() 
 def test_updates_without_a_host_sync_are_not_counted() -> None:
     reports, _ = _train(SKIP + STEPS, skip_nonfinite=False)  # no clipping, no norm: no sync
     assert reports == [0.0]
+
+
+@pytest.mark.gpu
+def test_a_gpu_job_records_its_rate_in_this_machines_profile(tmp_path, monkeypatch) -> None:
+    """``prepare`` wires the probe beside a GPU; step ``SKIP + STEPS`` writes the rate as
+    ``cpu_adam[1].observed`` into the cached profile (seeded: a static plan measures none)."""
+    monkeypatch.delenv(ENV_HARDWARE, raising=False)
+    monkeypatch.setenv("ELIXIR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    seeded = dataclasses.replace(gpu_host(), cpu_adam={1: CpuAdamRate(1, cpu_adam_threads(1), 2e9, 4e9)})
+    seeded.save(cache_path())
+    recipe = Recipe(model="llama", dtype=torch.bfloat16, clip=1.0, steps=SKIP + STEPS, device="cuda")
+    got = run_elixir(recipe, n_blocks="min", offload=0.5)
+    observed = HardwareProfile.load(cache_path()).cpu_adam[1].observed
+    assert observed and observed > 0 and got.stats["updated_cpu"] > 0
