@@ -15,6 +15,7 @@ from ``train()`` to the first step, so ``build_s`` counts only the model's const
 
 from __future__ import annotations
 
+import json
 import tempfile
 import time
 from typing import Any
@@ -45,8 +46,10 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": row, "labels": row}
 
 
-def hf_trainer(p: Model, ctx: Context, elixir: bool) -> Trainer:
-    """``ElixirTrainer`` (``elixir``) or the stock ``Trainer``, built and run on each timed call."""
+def hf_trainer(p: Model, ctx: Context, elixir: bool, anatomy: bool = False) -> Trainer:
+    """``ElixirTrainer`` (``elixir``) or the stock ``Trainer``, built and run on each timed call;
+    ``anatomy``: each step's phases and the engine's update trace in ``info["anatomy"]``
+    (``benchmarks.step_anatomy --system elixir_trainer``)."""
     dtype = torch.bfloat16 if elixir else torch.float32
     if elixir:  # on meta on every rank, its init drawn on each rank's shards (elixir_hf.from_config's default)
         model = build_initialised_in_place(p, ctx.seq, dtype)
@@ -58,7 +61,7 @@ def hf_trainer(p: Model, ctx: Context, elixir: bool) -> Trainer:
     }
 
     def timed(ids: torch.Tensor, warmup: int, steps: int) -> tuple[list[float], float]:
-        clock = _Clock(ctx.device)
+        clock = _Clock(ctx.device, anatomy)
         fields = dict(
             output_dir=tempfile.mkdtemp(prefix=f"bench-{'elixir-' if elixir else ''}trainer-"),
             per_device_train_batch_size=len(ids),
@@ -75,7 +78,8 @@ def hf_trainer(p: Model, ctx: Context, elixir: bool) -> Trainer:
         )
         data = _Tokens(ids, len(ids) * ctx.world * (warmup + steps))
         if elixir:
-            args = ElixirTrainingArguments(elixir="auto", **fields)
+            spec = "auto" if ctx.offload is None else json.dumps({"offload": ctx.offload})  # --offload pins it
+            args = ElixirTrainingArguments(elixir=spec, **fields)
             trainer = ElixirTrainer(model=model, args=args, train_dataset=data, callbacks=[clock])
         else:
             trainer = HFTrainer(model=model, args=TrainingArguments(**fields), train_dataset=data, callbacks=[clock])
@@ -84,6 +88,8 @@ def hf_trainer(p: Model, ctx: Context, elixir: bool) -> Trainer:
         info["engine_build_s"] = clock.first_begin - start
         logged = [e for e in trainer.state.log_history if "loss" in e]
         info["trainer_log"] = logged[-1] if logged else {}  # one entry: the loop's means (elixir/*: step phases)
+        if anatomy:
+            info["anatomy"] = {"stamps": clock.stamps, "trace": clock.trace}
         if elixir:
             plan = trainer.model._elixir.plan
             print(plan.table(), flush=True)
@@ -94,22 +100,51 @@ def hf_trainer(p: Model, ctx: Context, elixir: bool) -> Trainer:
 
 
 class _Clock(TrainerCallback):
-    """Times each optimizer step of the loop, end to end, synchronised on ``device``."""
+    """Times each optimizer step of the loop, end to end, synchronised on ``device``. With
+    ``anatomy``, also each step's time stamps as ``benchmarks.step_anatomy`` takes them (start,
+    loss: the model's forward returned, synced: after the clip, stepped, end) and the engine's
+    update trace (``HostUpdates.trace``)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.times = device, []
+    def __init__(self, device: torch.device, anatomy: bool = False) -> None:
+        self.device, self.times, self.anatomy = device, [], anatomy
         self.first_begin = self.last = 0.0
+        self.stamps: list[dict[str, float]] = []
+        self.trace: list | None = None
 
     def now(self) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
+    def on_train_begin(self, *a: Any, model: torch.nn.Module | None = None, **k: Any) -> None:
+        if self.anatomy and model is not None:
+            self.updates = model._elixir.runtime.host_updates
+            self.updates.trace = self.trace = []
+            self.hook = model.register_forward_hook(lambda *_: self._stamp("loss"))
+
+    def on_train_end(self, *a: Any, **k: Any) -> None:
+        if self.anatomy and self.trace is not None:
+            self.updates.trace = None
+            self.hook.remove()
+
+    def _stamp(self, key: str) -> None:
+        if self.anatomy and self.stamps:
+            self.stamps[-1][key] = time.perf_counter()
+
     def on_step_begin(self, *a: Any, **k: Any) -> None:
         if not self.first_begin:
             self.first_begin = self.last = self.now()
+        if self.anatomy:
+            self.stamps.append({"start": self.now()})
+
+    def on_pre_optimizer_step(self, *a: Any, **k: Any) -> None:
+        self._stamp("synced")
+
+    def on_optimizer_step(self, *a: Any, **k: Any) -> None:
+        self._stamp("stepped")
 
     def on_step_end(self, *a: Any, **k: Any) -> None:
         now = self.now()
         self.times.append(now - self.last)
         self.last = now
+        self._stamp("end")

@@ -1,9 +1,15 @@
 """Where an Elixir step's time goes: the forward, the backward, and the updates of offloaded chunks.
 
-    python -m benchmarks.step_anatomy --model llama2-13b [--batch-size 4] [--steps 3] [--clip 1] [--json out.json]
+    python -m benchmarks.step_anatomy --model llama2-13b [--system elixir_trainer] [--batch-size 4] [--steps 3]
+        [--clip 1] [--json out.json]
 
 Builds the harness's Elixir engine (``systems.build``, the plan its own), runs ``--warmup`` and
-``--steps`` steps of the harness's loop, and reports per timed step, in seconds:
+``--steps`` steps of the harness's loop (with ``--system elixir_trainer``: ``ElixirTrainer.train()``,
+``benchmarks.hf_systems``, stamped by its callbacks and a forward hook), and reports per timed
+step, in seconds:
+
+* ``loop``: from the end of the step before to this one's start (the Trainer's logging and its
+  next batch; nothing in the harness's loop);
 
 * ``forward``: until the loop's thread has the loss (it runs ahead of the GPU but waits for each
   offloaded chunk's update before gathering it); ``waits``: the part of it spent in those waits;
@@ -13,7 +19,7 @@ Builds the harness's Elixir engine (``systems.build``, the plan its own), runs `
   the one the step before submitted, from the engine's update trace (``HostUpdates.trace``); the
   device lane's elements if it is on.
 
-Then the same CPU update alone on the same arenas, the GPU idle (``alone``), and the plan's
+Then (the harness only) the same CPU update alone on the same arenas, the GPU idle (``alone``), and the plan's
 prediction and hardware rates beside them. Prints a table and one JSON line (``--json``: to a file
 too). Runs on the CPU as well (tests; ``--offload`` pins the offloaded fraction there).
 """
@@ -76,14 +82,52 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     gen = torch.Generator(device=device).manual_seed(0)
     ids = torch.randint(0, vocab_size(p), (args.batch_size, seq), device=device, generator=gen)
     start = time.perf_counter()
-    trainer = systems.build("elixir", p, ctx, ids)
-    build_s = time.perf_counter() - start
+    if args.system == "elixir":
+        trainer = systems.build("elixir", p, ctx, ids)
+        build_s = time.perf_counter() - start
+        stamps, trace, (busy, elements) = _harness_steps(trainer, ctx, ids, args.warmup + args.steps)
+    else:
+        from .hf_systems import hf_trainer  # transformers' Trainer: imported only where it runs
+
+        trainer = hf_trainer(p, ctx, elixir=True, anatomy=True)
+        build_s = time.perf_counter() - start
+        trainer.timed(ids, args.warmup, args.steps)
+        stamps, trace = trainer.info["anatomy"]["stamps"], trainer.info["anatomy"]["trace"]
+        busy, elements = 0.0, 0  # no update alone: the Trainer's engine is gone with its loop
+    steps = [
+        dict(step_record(trace, t, before), loop_s=t["start"] - before["end"])
+        for before, t in zip(stamps[args.warmup - 1 :], stamps[args.warmup :])
+    ]
+    median = statistics.median(s["step_s"] + s["loop_s"] for s in steps)
+    in_step = [s["cpu_Gps"] for s in steps if s["cpu_Gps"]]
+    return {
+        "system": args.system,
+        "model": args.model,
+        "params": param_count(p, seq),
+        "batch": args.batch_size,
+        "seq": seq,
+        "clip": bool(args.clip),
+        **env_info(device),
+        "build_s": build_s,
+        "plan": trainer.info["plan"],
+        "steps": steps,
+        "median_step_s": median,
+        "tflops": 8 * param_count(p, seq) * args.batch_size * seq / median / 1e12,
+        "cpu_Gps_in_step": statistics.median(in_step) if in_step else None,
+        "cpu_Gps_alone": elements / busy / 1e9 if busy else None,
+        "alone_elements": elements,
+    }
+
+
+def _harness_steps(trainer: systems.Trainer, ctx: systems.Context, ids: torch.Tensor, n: int) -> tuple:
+    """``n`` steps of the harness's loop, stamped; then the same update alone (a backward, then the
+    update with the GPU idle and nothing beside it): (stamps, trace, (busy s, elements) alone)."""
     model, opt = trainer.handles["model"], trainer.handles["optimizer"]
     updates = opt.runtime.host_updates
     updates.trace = trace = []
 
     def step() -> dict[str, float]:
-        _sync(device)
+        _sync(ctx.device)
         t = {"start": time.perf_counter()}
         loss = model(input_ids=ids, labels=ids).loss
         t["loss"] = time.perf_counter()
@@ -94,47 +138,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         opt.step()
         t["stepped"] = time.perf_counter()
         opt.zero_grad()
-        _sync(device)
+        _sync(ctx.device)
         t["end"] = time.perf_counter()
         return t
 
-    stamps = [step() for _ in range(args.warmup + args.steps)]
-    steps = [step_record(trace, t, before) for before, t in zip(stamps[args.warmup - 1 :], stamps[args.warmup :])]
-
-    # The same update alone: a backward, then the update with the GPU idle and nothing beside it.
+    stamps = [step() for _ in range(n)]
     loss = model(input_ids=ids, labels=ids).loss
     opt.backward(loss)
     if ctx.clip:
         opt.clip_grad_norm(systems.MAX_GRAD_NORM)
     updates.wait_all()
-    _sync(device)
+    _sync(ctx.device)
     start = time.perf_counter()
     opt.step()
     updates.wait_all()
     end = time.perf_counter()
-    busy, elements = _lane(trace, "cpu", start, end)
+    alone = _lane(trace, "cpu", start, end)
     opt.zero_grad()
     updates.trace = None
-
-    median = statistics.median(s["step_s"] for s in steps)
-    in_step = [s["cpu_Gps"] for s in steps if s["cpu_Gps"]]
-    plan = trainer.info["plan"]
-    return {
-        "model": args.model,
-        "params": param_count(p, seq),
-        "batch": args.batch_size,
-        "seq": seq,
-        "clip": bool(args.clip),
-        **env_info(device),
-        "build_s": build_s,
-        "plan": plan,
-        "steps": steps,
-        "median_step_s": median,
-        "tflops": 8 * param_count(p, seq) * args.batch_size * seq / median / 1e12,
-        "cpu_Gps_in_step": statistics.median(in_step) if in_step else None,
-        "cpu_Gps_alone": elements / busy / 1e9 if busy else None,
-        "alone_elements": elements,
-    }
+    return stamps, trace, alone
 
 
 def table(rec: dict[str, Any]) -> str:
@@ -145,17 +167,18 @@ def table(rec: dict[str, Any]) -> str:
     clip = "on" if rec["clip"] else "off"
     offloaded = f"{len(plan.get('offload', []))} of {plan.get('n_chunks')} chunks offloaded"
     lines = [
-        f"{rec['model']} on {rec['card']}, batch {rec['batch']} x {rec['seq']}, clip {clip}: {offloaded}, "
+        f"{rec['system']}: {rec['model']} on {rec['card']}, batch {rec['batch']} x {rec['seq']}, clip {clip}: {offloaded}, "
         f"built in {rec['build_s']:.1f} s",
-        f"{'step':>4} {'step s':>7} {'forward':>8} {'waits':>6} {'backward':>9} {'CPU busy':>9} {'CPU G/s':>8}",
+        f"{'step':>4} {'loop':>6} {'step s':>7} {'forward':>8} {'waits':>6} {'backward':>9} {'optimizer':>9} "
+        f"{'CPU busy':>9} {'CPU G/s':>8}",
     ]
     for i, s in enumerate(rec["steps"]):
         lines.append(
-            f"{i:>4} {s['step_s']:>7.3f} {s['forward_s']:>8.3f} {s['waits_s']:>6.3f} {s['backward_s']:>9.3f} "
-            f"{s['cpu_busy_s']:>9.3f} {num(s['cpu_Gps'], 2):>8}"
+            f"{i:>4} {s['loop_s']:>6.3f} {s['step_s']:>7.3f} {s['forward_s']:>8.3f} {s['waits_s']:>6.3f} "
+            f"{s['backward_s']:>9.3f} {s['optimizer_s']:>9.3f} {s['cpu_busy_s']:>9.3f} {num(s['cpu_Gps'], 2):>8}"
         )
     lines.append(
-        f"median step {rec['median_step_s']:.3f} s ({rec['tflops']:.1f} TFLOPS), "
+        f"median step {rec['median_step_s']:.3f} s with its loop ({rec['tflops']:.1f} TFLOPS), "
         f"predicted {num(plan.get('predicted_step_s'))} s; CPU update {num(rec['cpu_Gps_in_step'], 2)} "
         f"G elements/s in the step, {num(rec['cpu_Gps_alone'], 2)} alone on the same arenas, "
         f"{num(rates.get('cpu_update_Gps'), 2)} priced by the plan (profile: "
@@ -168,6 +191,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--model", required=True, help="a preset (llama3-8b, llama2-13b, ...), a config.json or a model folder"
+    )
+    ap.add_argument(
+        "--system", choices=("elixir", "elixir_trainer"), default="elixir", help="the harness's loop or Trainer.train()"
     )
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--seq", type=int, default=None, help="default: the model's (2048 for decoders)")

@@ -22,3 +22,21 @@ def test_tiny_model_with_offloaded_chunks(tmp_path, capsys):
         assert 0 <= s["waits_s"] <= s["forward_s"] and s["forward_s"] + s["backward_s"] <= s["step_s"]
         assert s["cpu_Gps"] > 0
     assert rec["cpu_Gps_alone"] > 0 and rec["median_step_s"] > 0 and rec["card"] == "cpu"
+
+
+def test_the_trainers_loop_is_stamped_by_its_callbacks(tmp_path, capsys):
+    """``--system elixir_trainer``: the same phases from ``ElixirTrainer.train()``, the updates
+    from the engine's trace, and the loop between steps (the Trainer's logging, its next batch)."""
+    out = tmp_path / "anatomy.json"
+    step_anatomy.main(
+        ["--model", "tiny", "--system", "elixir_trainer", "--batch-size", "2", "--seq", "64", "--steps", "2",
+         "--offload", "0.5", "--threads", "2", "--device", "cpu", "--json", str(out)]
+    )  # fmt: skip
+    rec = json.loads(out.read_text())
+    assert rec["system"] == "elixir_trainer" and len(rec["plan"]["offload"]) > 0 and len(rec["steps"]) == 2
+    offloaded = rec["steps"][0]["cpu_elements"]
+    for s in rec["steps"]:
+        assert s["cpu_elements"] == offloaded > 0 and s["cpu_Gps"] > 0
+        assert 0 <= s["waits_s"] <= s["forward_s"] and s["forward_s"] + s["backward_s"] <= s["step_s"]
+        assert s["loop_s"] >= 0 and s["optimizer_s"] >= 0
+    assert rec["cpu_Gps_alone"] is None and "elixir_trainer: tiny" in capsys.readouterr().out
