@@ -56,3 +56,27 @@ def test_forced_torch_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     report = env.environment()
     assert (report["cpu_adam"], report["cpu_adam_detail"]) == ("torch", "ELIXIR_ADAM_KERNEL=torch")
     assert report["triton_adam"] == "torch"
+
+
+def test_the_rates_jobs_recorded_here_are_reported(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """This machine's cached profile, with the CPU update rate a job recorded in it
+    (docs/planning.md, "The run's own rate"), and how to start over."""
+    import dataclasses
+
+    from elixir_runtime.hardware.profile import CpuAdamRate
+    from tests.elixir_runtime.search.search_cases import gpu_host
+
+    monkeypatch.delenv("ELIXIR_HARDWARE", raising=False)
+    monkeypatch.setattr(env.torch.cuda, "is_available", lambda: True)
+    path = tmp_path / "hardware-this.json"
+    monkeypatch.setattr(env, "cache_path", lambda: path)
+    measured = dataclasses.replace(
+        gpu_host(), cpu_adam={1: CpuAdamRate(1, 15, 3e9, 5e9), 2: CpuAdamRate(2, 7, 2e9, 3e9)}
+    )
+    measured.save(path)
+    assert env._hardware_profile() == f"this machine's, cached at {path} (delete it to measure again)"
+    measured.cpu_adam[2].observed = 2.5e9
+    measured.save(path)
+    assert env._hardware_profile().endswith(
+        "CPU updates of offloaded chunks ran here at 2.50 with 2 per host (G params/s per rank)"
+    )
