@@ -85,7 +85,7 @@ def _recorded_rates(path: Path) -> str:
     try:
         profile = HardwareProfile.load(path)
     except (OSError, ValueError, TypeError) as exc:
-        return f"; unreadable ({exc}): delete it"
+        return f"; unreadable ({exc}): the next `--elixir auto` run measures it again"
     rates = [f"{r.observed / 1e9:.2f} with {n} per host" for n, r in sorted(profile.cpu_adam.items()) if r.observed]
     return f"; CPU updates of offloaded chunks ran here at {', '.join(rates)} (G params/s per rank)" if rates else ""
 

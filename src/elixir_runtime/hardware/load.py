@@ -86,7 +86,7 @@ def load_hardware(
     if path:
         return HardwareProfile.load(path)
     cached = cache_path()
-    profile = HardwareProfile.from_json(cached.read_text()) if cached.exists() and not refresh else None
+    profile = _cached(cached) if not refresh else None
     changed = profile is None or profile.version < PROFILE_VERSION  # an older measurement is measured again
     if changed:
         profile = measure.measure_hardware(quick=quick, ranks=())
@@ -97,6 +97,19 @@ def load_hardware(
     if changed:
         profile.save(cached)
     return profile
+
+
+def _cached(path: Path) -> HardwareProfile | None:
+    """The cached profile, or ``None`` (measure it again) where there is none or it cannot be read."""
+    if not path.exists():
+        return None
+    try:
+        return HardwareProfile.from_json(path.read_text())
+    except (OSError, ValueError, TypeError) as exc:
+        logger.warning(
+            "elixir: the cached hardware profile %s cannot be read (%s): measuring this machine again", path, exc
+        )
+        return None
 
 
 def job_hardware(

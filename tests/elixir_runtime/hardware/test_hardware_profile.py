@@ -81,6 +81,17 @@ def test_a_cached_profile_of_an_older_measurement_is_measured_again(tmp_path, mo
     )
 
 
+def test_an_unreadable_cached_profile_is_measured_again(tmp_path, monkeypatch, caplog) -> None:
+    monkeypatch.delenv(ENV_HARDWARE, raising=False)
+    monkeypatch.setenv("ELIXIR_CACHE_DIR", str(tmp_path))
+    cache_path().write_text('{"device": "half a write')
+    fresh = dataclasses.replace(gpu_host(cpu_adam=6e9), version=PROFILE_VERSION)
+    monkeypatch.setattr(measure, "rank_counts", lambda gpus=None: [1])
+    monkeypatch.setattr(measure, "measure_hardware", lambda quick=False, ranks=None: fresh)
+    assert load_hardware() == fresh and HardwareProfile.load(cache_path()) == fresh
+    assert "cannot be read" in caplog.text
+
+
 def test_rates_share_the_host_and_scale_beyond_what_was_measured() -> None:
     hw = gpu_host(gpus=2)
     one, two = hw.rates(1), hw.rates(2)
