@@ -110,6 +110,9 @@ class _Clock(TrainerCallback):
         self.first_begin = self.last = 0.0
         self.stamps: list[dict[str, float]] = []
         self.trace: list | None = None
+        self.updates: Any = None
+        """The engine's ``HostUpdates`` whose trace this fills (set when training begins)."""
+        self.hook: Any = None
 
     def now(self) -> float:
         if self.device.type == "cuda":

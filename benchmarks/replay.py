@@ -50,7 +50,12 @@ def replayable(run: dict[str, Any]) -> bool:
 
 def own_rate(run: dict[str, Any]) -> float | None:
     """The CPU update rate the run's slowest rank had (elements/s over its steps, warm-up
-    included: ``cpu_update_Gps_per_rank``, else rank 0's ``runtime_stats``); ``None`` if not recorded."""
+    included: ``cpu_update_Gps_per_rank``, else rank 0's ``runtime_stats``), close to what a job
+    records for its machine (the median of its steps 3-10); ``None`` if not recorded, or where
+    the step model prices no update with it (no host sync before the update, or the device lane)."""
+    synced = run.get("clip", False) or run["info"].get("skip_nonfinite", True)
+    if not synced or run["info"]["plan"].get("device_lane"):
+        return None
     if run.get("cpu_update_Gps_per_rank"):
         return min(run["cpu_update_Gps_per_rank"]) * 1e9
     stats = (run.get("info") or {}).get("runtime_stats") or {}
@@ -59,8 +64,8 @@ def own_rate(run: dict[str, Any]) -> float | None:
 
 def predict(run: dict[str, Any], observed: float | None = None) -> StepTime:
     """The step the current model predicts for the run's recorded plan, batch and hardware;
-    ``observed``: with that CPU update rate recorded in the hardware profile, as a job on that
-    machine records its own (``CpuAdamRate.observed``)."""
+    ``observed``: with that CPU update rate in the hardware profile, where a job on that machine
+    records its own (``CpuAdamRate.observed``)."""
     plan = run["info"]["plan"]
     dtype = getattr(torch, plan["dtype"])
     model = build_meta(preset(run["model"]), run["seq"], dtype)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from elixir_runtime.hardware.load import ENV_HARDWARE, SHIPPED, cache_path
-from elixir_runtime.hardware.profile import HardwareProfile
+from elixir_runtime.hardware.profile import UNREADABLE, HardwareProfile
 from elixir_runtime.host import host_total, usable_cores
 from elixir_runtime.kernels.select import cpu_kernel_status, gpu_kernel_status
 
@@ -84,7 +84,7 @@ def _recorded_rates(path: Path) -> str:
     """The CPU update rates jobs recorded in the cached profile (docs/planning.md, "The run's own rate")."""
     try:
         profile = HardwareProfile.load(path)
-    except (OSError, ValueError, TypeError) as exc:
+    except UNREADABLE as exc:
         return f"; unreadable ({exc}): the next `--elixir auto` run measures it again"
     rates = [f"{r.observed / 1e9:.2f} with {n} per host" for n, r in sorted(profile.cpu_adam.items()) if r.observed]
     return f"; CPU updates of offloaded chunks ran here at {', '.join(rates)} (G params/s per rank)" if rates else ""

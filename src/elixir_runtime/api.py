@@ -136,7 +136,7 @@ def prepare(
         cpu_threads=threads,
         skip_nonfinite=config.skip_nonfinite,
         max_consecutive_skips=config.max_consecutive_skips,
-        rate_probe=_rate_probe(plan, runtime, coll, device, threads),
+        rate_probe=_rate_probe(plan, runtime, coll, device, threads) if config.record_update_rate else None,
     )
     model._elixir = ElixirState(runtime, plan, units, elixir_optimizer, model_state)
     return model, elixir_optimizer

@@ -133,6 +133,9 @@ class ElixirConfig:
     lockstep_timeout_s: float = 60.0
     """Seconds a rank waits for the others at each forward and ``state_dict()`` before all fail naming
     the operation (``runtime/lockstep.py``) rather than hang until the process group's timeout."""
+    record_update_rate: bool = True
+    """Record the rate this job's CPU updated offloaded chunks at in this machine's cached hardware
+    profile, which the next plan made here prices them at (``runtime/update_rate.py``)."""
 
     # -- numerics
     dtype: torch.dtype | str | None = None
@@ -221,6 +224,7 @@ class ElixirConfig:
                     "a positive number of seconds such as 60",
                 ),
                 "skip_nonfinite": (isinstance(self.skip_nonfinite, bool), "True or False"),
+                "record_update_rate": (isinstance(self.record_update_rate, bool), "True or False"),
                 "max_consecutive_skips": (
                     _int(self.max_consecutive_skips) and self.max_consecutive_skips >= 1,
                     "an int >= 1 (skipped steps in a row)",

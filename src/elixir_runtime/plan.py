@@ -206,14 +206,14 @@ class ElixirPlan:
             rows.append(("predicted step", format_step_time(self.predicted)))
         if self.search.get("rates"):
             r = self.search["rates"]
-            alone = f" ({r['cpu_adam_alone_Gps']} alone)" if r.get("cpu_adam_alone_Gps") else ""
+            cpu = f" ({r['cpu_adam_alone_Gps']} alone)" if r.get("cpu_adam_alone_Gps") else ""
             if r.get("cpu_update_observed_Gps"):
-                alone += f" ({r['cpu_update_observed_Gps']} in a run here)"
+                cpu += f" ({r['cpu_update_observed_Gps']} in a run here)"
             rows.append(
                 (
                     "rates / rank",
                     f"H2D {r['h2d_GBps']} / D2H {r['d2h_GBps']} GB/s, collectives "
-                    f"{r['busbw_GBps'] or '-'} GB/s, Adam GPU {r['gpu_adam_Gps']} / CPU {r['cpu_adam_Gps']}{alone} G params/s"
+                    f"{r['busbw_GBps'] or '-'} GB/s, Adam GPU {r['gpu_adam_Gps']} / CPU {r['cpu_adam_Gps']}{cpu} G params/s"
                     + (f" ({r['cpu_threads']} threads)" if r.get("cpu_threads") else ""),
                 )
             )

@@ -91,6 +91,8 @@ def test_a_run_that_recorded_its_cpu_update_rate_replays_at_it_too() -> None:
     del run["cpu_update_Gps_per_rank"]
     run["info"]["runtime_stats"] = {"updated_cpu": 3e6, "cpu_update_s": 1.5}  # rank 0's only, older records
     assert replay.own_rate(run) == 2e6
+    run["info"]["skip_nonfinite"] = False  # no host sync before the update: the rate is not used
+    assert replay.own_rate(run) is None
     del run["info"]["runtime_stats"]
     [row] = replay.replay([run])
     assert "own_rate_Gps" not in row and replay.render([row]).splitlines()[2].endswith("| – |")

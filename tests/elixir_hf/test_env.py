@@ -80,3 +80,5 @@ def test_the_rates_jobs_recorded_here_are_reported(monkeypatch: pytest.MonkeyPat
     assert env._hardware_profile().endswith(
         "CPU updates of offloaded chunks ran here at 2.50 with 2 per host (G params/s per rank)"
     )
+    path.write_text('{"links": []}')  # JSON, but no profile
+    assert "unreadable" in env._hardware_profile() and "measures it again" in env._hardware_profile()

@@ -38,6 +38,7 @@ BAD_CONFIG = {
     "device_assisted_update": "yes",
     "lockstep_timeout_s": 0,
     "skip_nonfinite": "yes",
+    "record_update_rate": "no",
     "max_consecutive_skips": 0,
     "gpu_memory": 7.5e10,
 }

@@ -26,14 +26,14 @@ from ..chunk.collectives import Collectives
 from ..host import local_ranks
 from ..kernels.threads import cpu_adam_threads
 from . import measure
-from .profile import PROFILE_VERSION, HardwareProfile
+from .profile import PROFILE_VERSION, UNREADABLE, HardwareProfile
 
 __all__ = [
-    "record_update_rate",
     "cache_path",
     "machine_key",
     "load_hardware",
     "job_hardware",
+    "record_update_rate",
     "shipped_hardware",
     "ENV_HARDWARE",
     "SHIPPED",
@@ -105,7 +105,7 @@ def _cached(path: Path) -> HardwareProfile | None:
         return None
     try:
         return HardwareProfile.from_json(path.read_text())
-    except (OSError, ValueError, TypeError) as exc:
+    except UNREADABLE as exc:
         logger.warning(
             "elixir: the cached hardware profile %s cannot be read (%s): measuring this machine again", path, exc
         )
@@ -142,7 +142,8 @@ def record_update_rate(coll: Collectives, device: torch.device, ranks: int, thre
     per rank: ``runtime/update_rate.py``), which rank 0 records as ``observed`` in this machine's
     cached profile, in its entry for ``ranks`` ranks per host with ``threads`` threads; every rank
     calls it. Nothing is recorded where some rank has no rate (0), where the job planned with a
-    profile file (``$ELIXIR_HARDWARE``) or where the cached entry is another measurement's."""
+    profile file (``$ELIXIR_HARDWARE``) or where the cached entry is another measurement's. On
+    several hosts the job's slowest rank is recorded on rank 0's host only."""
     slowest = torch.tensor([-rate], dtype=torch.float64, device=device)
     coll.all_reduce_max_(slowest)
     rate = max(0.0, -float(slowest[0]))
@@ -156,7 +157,7 @@ def record_update_rate(coll: Collectives, device: torch.device, ranks: int, thre
             return rate
         before, entry.observed = entry.observed, rate
         profile.save(path)
-    except (OSError, ValueError, TypeError) as exc:
+    except UNREADABLE as exc:
         logger.warning("elixir: could not record this job's CPU update rate in %s (%s)", path, exc)
         return rate
     logger.info(

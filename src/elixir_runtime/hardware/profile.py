@@ -22,7 +22,10 @@ from pathlib import Path
 
 from ..kernels.threads import cpu_adam_threads
 
-__all__ = ["LinkRates", "CpuAdamRate", "HardwareProfile", "Rates", "PROFILE_VERSION"]
+__all__ = ["LinkRates", "CpuAdamRate", "HardwareProfile", "Rates", "PROFILE_VERSION", "UNREADABLE"]
+
+UNREADABLE = (OSError, ValueError, TypeError, KeyError, AttributeError)
+"""What reading a file that holds no profile raises (``HardwareProfile.load``, ``from_json``)."""
 
 PROFILE_VERSION = 5
 """5: the CPU Adam measured with the prefetching kernel ([Note: prefetch] in ``cpu_adam.cpp``: 7-10 %

@@ -3,7 +3,7 @@
 Each rank takes its share of the cores (``host.core_share``: not torchrun's ``OMP_NUM_THREADS=1``,
 which would leave the update of tens of GB of optimizer state to one core), less one kept for the
 rank's own Python thread, which issues every kernel of the forward and backward the update
-overlaps (the update is bound by memory bandwidth: docs/kernels.md, "Engine threads").
+overlaps (the update is bound by its memory accesses: docs/kernels.md, "Engine threads").
 """
 
 from __future__ import annotations

@@ -3,10 +3,11 @@
 [Note: the run's own rate] The hardware profile times the CPU Adam on a small set of arenas it has
 just allocated; the plan needs the rate of the job's own pinned arenas beside its forward's
 uploads, which only the job sees (docs/planning.md, "Step-time prediction checked on an H100").
-The probe takes each step's rate (elements / the CPU lane's busy seconds), skips ``SKIP`` steps of
-warm-up, and after ``STEPS`` more reports the median of those whose updates ran after a host sync
-(clipping, the non-finite check: the case the step model prices with it), once. Every rank reports
-at the same optimizer step, so the report may be a collective (``api.prepare`` wires it to
+The probe takes each step's rate (elements / the CPU lane's busy seconds), leaves out the first
+``SKIP`` steps' updates (warm-up), and once step ``SKIP + STEPS``'s are done (in the next
+``step()``, which waits for them) reports the median of steps ``SKIP + 1 .. SKIP + STEPS`` whose
+updates ran after a host sync (clipping, the non-finite check: the case the step model prices with
+it), once. Every rank reports in the same ``step()`` call, so the report may be a collective (``api.prepare`` wires it to
 ``hardware.load.record_update_rate``: the slowest rank's rate into this machine's cached profile,
 which the next plan made here prices those updates at)."""
 
@@ -18,34 +19,36 @@ from collections.abc import Callable
 __all__ = ["UpdateRateProbe", "SKIP", "STEPS"]
 
 SKIP = 2
-"""Optimizer steps not counted: the first updates run on arenas the host has not warmed up yet."""
+"""Steps whose updates are not counted: the first run on arenas the host has not warmed up yet."""
 STEPS = 8
-"""Optimizer steps whose rates are taken."""
+"""Steps whose updates' rates are taken: 3-10."""
 
 
 class UpdateRateProbe:
     """Feeds on ``stats`` (the runtime's counters ``updated_cpu`` and ``cpu_update_s``) at each
-    optimizer step; calls ``report(rate)`` once, at the same step on every rank, with the median
-    rate of the counted synced steps (0.0 where fewer than half of them were synced)."""
+    ``step()``; calls ``report(rate)`` once, in the same call on every rank, with the median rate of
+    the counted steps whose updates were synced (0.0 where fewer than half of them were)."""
 
     def __init__(self, stats: dict[str, float], report: Callable[[float], None]) -> None:
         self.stats, self.report = stats, report
         self.rates: list[float] = []
-        self.steps = 0
+        """The counted steps' rates (elements/s), synced ones only."""
+        self.calls = 0
         self._last = (0.0, 0.0)
         self.done = False
 
     def step_done(self, synced: bool) -> None:
-        """After the updates of the step before this one are done: ``synced`` says whether they
-        ran after a host sync."""
+        """At the start of a ``step()``, the updates the one before submitted done: ``synced`` says
+        whether they ran after a host sync. (The first call has none: no step before it.)"""
         if self.done:
             return
         now = (float(self.stats.get("updated_cpu", 0)), float(self.stats.get("cpu_update_s", 0.0)))
         elements, busy = now[0] - self._last[0], now[1] - self._last[1]
         self._last = now
-        self.steps += 1
-        if self.steps > SKIP and synced and elements > 0 and busy > 0:
+        step = self.calls  # the step whose updates these were (1-based; 0: none yet)
+        self.calls += 1
+        if step > SKIP and synced and elements > 0 and busy > 0:
             self.rates.append(elements / busy)
-        if self.steps == SKIP + STEPS:
+        if step == SKIP + STEPS:
             self.done = True
             self.report(statistics.median(self.rates) if 2 * len(self.rates) >= STEPS else 0.0)

@@ -60,11 +60,12 @@ inline void scalar_range(float* p, float* m, float* v, const void* g, void* out,
 }
 
 #ifdef ELIXIR_HAS_VEC
-// [Note: prefetch] Each element is a few vector operations on seven streams (four read, three
-// written back, one streamed out), so a core's share of the update is bound by how many cache
+// [Note: prefetch] Each element is a few vector operations on five arrays (four read, three of
+// them written back, one streamed out), so a core's share of the update is bound by how many cache
 // misses it keeps in flight. The hardware prefetchers stop at every 4 KiB page and ramp up again
-// per stream; the loads ask for the lines one page (kPrefetch fp32 elements) ahead of use
-// instead. Prefetches change no result and never fault past the end of an arena.
+// per array; the loads ask for each array's line kPrefetch elements ahead of use instead (a page
+// of fp32; a line asked for twice costs next to nothing). Prefetches change no result and never
+// fault past the end of an arena.
 constexpr int64_t kPrefetch = 1024;
 
 // The line `kPrefetch` elements past element `j` of an array of `bytes`-sized elements (integer
