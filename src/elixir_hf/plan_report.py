@@ -16,7 +16,7 @@ import json
 import re
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,9 @@ __all__ = [
 ]
 
 GIB = 2**30
+HOST_BOUND = 0.25
+"""Share of the predicted step that CPU updates not hidden must reach for ``elixir-plan`` to price
+two micro-batches per step, which hide them under twice the compute (``_accumulated``)."""
 
 
 @dataclass
@@ -93,15 +96,55 @@ def plan_report(
             raise PlanError(
                 f"{exc}\n(host memory: {_size(host_bytes)}, {host_source}; --host-mem to plan for another host)"
             ) from exc
-    timings = {
-        "build_s": build_s,
-        "profile_s": plan.profile.seconds,
-        "search_s": time.perf_counter() - t1 - plan.profile.seconds,
-    }
+        timings = {
+            "build_s": build_s,
+            "profile_s": plan.profile.seconds,
+            "search_s": time.perf_counter() - t1 - plan.profile.seconds,
+        }
+        accumulated = _accumulated(args, config, plan, model, ids, _target(args, hardware, card, host_bytes))
     title = _title(args, card, plan.budget)
-    text = _text(args, plan, hardware, hw_note, card, host_source)
+    text = _text(args, plan, hardware, hw_note, card, host_source, accumulated)
     details = _details(plan, hardware, hw_note, timings)
-    return PlanReport(plan, title, text, details, _doc(args, plan, hardware, hw_note, timings))
+    doc = _doc(args, plan, hardware, hw_note, timings)
+    if accumulated is not None:
+        doc["accumulated"] = {
+            "grad_accum": 2,
+            "predicted_step_s": accumulated.predicted.total,
+            "tflops": _tflops(args, accumulated, 2),
+        }
+    return PlanReport(plan, title, text, details, doc)
+
+
+def _accumulated(
+    args: argparse.Namespace,
+    config: ElixirConfig,
+    plan: ElixirPlan,
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    target: Target,
+) -> ElixirPlan | None:
+    """Where the step is host-bound (``HOST_BOUND``) with one micro-batch per step, the plan for two:
+    the CPU update of offloaded chunks is per optimizer step, so twice the tokens hide more of it.
+    ``None`` otherwise, or where two do not fit."""
+    t = plan.predicted
+    if args.grad_accum > 1 or t is None or t.exposed_cpu_adam < HOST_BOUND * t.total:
+        return None
+    try:
+        return plan_model(
+            model,
+            find_units(model, None),
+            {"input_ids": ids, "labels": ids},
+            replace(config, grad_accum_steps=2),
+            target,
+            exact=args.exact,
+        )
+    except PlanError:
+        return None
+
+
+def _tflops(args: argparse.Namespace, plan: ElixirPlan, micro_batches: int) -> float:
+    """8 x parameters x tokens per optimizer step / the predicted step (per GPU)."""
+    return 8 * plan.profile.n_params * args.batch_size * args.seq_len * micro_batches / plan.predicted.total / 1e12
 
 
 def host_memory(args: argparse.Namespace, hardware: HardwareProfile) -> tuple[int, str]:
@@ -168,15 +211,32 @@ def _title(args: argparse.Namespace, card: int, budget: Budget) -> str:
 
 
 def _text(
-    args: argparse.Namespace, plan: ElixirPlan, hardware: HardwareProfile, hw_note: str, card: int, host_source: str
+    args: argparse.Namespace,
+    plan: ElixirPlan,
+    hardware: HardwareProfile,
+    hw_note: str,
+    card: int,
+    host_source: str,
+    accumulated: ElixirPlan | None = None,
 ) -> str:
-    """The default output: what was planned for, memory per GPU and host, what is offloaded, the step."""
+    """The default output: what was planned for, memory per GPU and host, what is offloaded, the step
+    (and, where it is host-bound, the step of two micro-batches)."""
     return "\n\n".join(
         [
             _header(args, plan, hardware, hw_note, card, host_source),
             "\n".join([*_gpu_memory(plan), _host_memory(plan), "offloaded: " + _offload_text(plan)]),
-            _step_text(args, plan),
+            _step_text(args, plan) + ("\n" + _accumulated_text(plan, accumulated, args) if accumulated else ""),
         ]
+    )
+
+
+def _accumulated_text(plan: ElixirPlan, accumulated: ElixirPlan, args: argparse.Namespace) -> str:
+    t, t2 = plan.predicted, accumulated.predicted
+    return (
+        f"  host-bound: {t.exposed_cpu_adam:.3f} s of it is the CPU update of offloaded chunks, once per optimizer "
+        f"step whatever its tokens; with 2 micro-batches per step (--grad-accum 2; the Trainer's "
+        f"gradient_accumulation_steps) the plan predicts {t2.total:.3f} s for twice the tokens, "
+        f"{_tflops(args, accumulated, 2):.0f} TFLOPS per GPU"
     )
 
 
@@ -271,8 +331,7 @@ def _offload_text(plan: ElixirPlan) -> str:
 
 def _step_text(args: argparse.Namespace, plan: ElixirPlan) -> str:
     t = plan.predicted
-    tokens = args.batch_size * args.seq_len * args.grad_accum
-    tflops = 8 * plan.profile.n_params * tokens / t.total / 1e12
+    tflops = _tflops(args, plan, args.grad_accum)
     parts = [f"compute {t.compute:.3f} s"]
     parts += [
         f"{name} {v:.3f} s"

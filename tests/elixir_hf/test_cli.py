@@ -578,3 +578,30 @@ def test_a_rate_a_job_recorded_here_is_planned_with_and_shown(capsys, tmp_path) 
     assert "in a run here" in slow and "in a run here" not in measured
     step = [float(o.split("predicted step: ")[1].split(" s")[0]) for o in (measured, slow)]
     assert step[1] > 2 * step[0]  # every chunk offloaded, updated at 1 M elements/s
+
+
+def test_a_host_bound_step_is_priced_with_two_micro_batches(capsys, tmp_path) -> None:
+    """Where CPU updates not hidden are a quarter of the step or more, ``elixir-plan`` plans two
+    micro-batches per step too (the update is once per optimizer step): text and JSON."""
+    from elixir_runtime.hardware.load import shipped_hardware
+
+    def run(cpu_rate: float, *extra: str) -> tuple[str, dict]:
+        hw = shipped_hardware("h100")
+        hw.cpu_adam[1] = CpuAdamRate(1, 15, cpu_rate, cpu_rate)
+        path = tmp_path / f"hw-{cpu_rate}.json"
+        hw.save(path)
+        base = ["--model", _tiny_config(tmp_path), "--seq-len", "128", "--batch-size", "2", "--gpu-mem", "6MiB"]
+        base += ["--host-mem", "64GiB", "--hardware", str(path), *extra]
+        code, out, _ = _run(capsys, *base)
+        code_json, doc, _ = _run(capsys, *base, "--json")
+        assert code == code_json == 0
+        return out, json.loads(doc)
+
+    out, doc = run(1e6)  # every chunk offloaded, updated at 1 M elements/s: host-bound
+    assert "host-bound:" in out and "with 2 micro-batches per step (--grad-accum 2" in out
+    one, two = doc["plan"]["predicted"]["total"], doc["accumulated"]["predicted_step_s"]
+    assert doc["accumulated"]["grad_accum"] == 2 and one < two < 2 * one  # twice the tokens in less than twice the time
+    out, doc = run(1e12)  # the update hides under the step
+    assert "host-bound" not in out and "accumulated" not in doc
+    out, doc = run(1e6, "--grad-accum", "2")  # already accumulating: nothing to suggest
+    assert "host-bound" not in out and "accumulated" not in doc
