@@ -53,12 +53,12 @@ def own_rate(run: dict[str, Any]) -> float | None:
     included: ``cpu_update_Gps_per_rank``, else rank 0's ``runtime_stats``), close to what a job
     records for its machine (the median of its steps 3-10); ``None`` if not recorded, or where
     the step model prices no update with it (no host sync before the update, or the device lane)."""
-    synced = run.get("clip", False) or run["info"].get("skip_nonfinite", True)
-    if not synced or run["info"]["plan"].get("device_lane"):
+    info = run["info"]
+    if not (run.get("clip", False) or info.get("skip_nonfinite", True)) or info["plan"].get("device_lane"):
         return None
     if run.get("cpu_update_Gps_per_rank"):
         return min(run["cpu_update_Gps_per_rank"]) * 1e9
-    stats = (run.get("info") or {}).get("runtime_stats") or {}
+    stats = info.get("runtime_stats") or {}
     return stats["updated_cpu"] / stats["cpu_update_s"] if stats.get("cpu_update_s") else None
 
 

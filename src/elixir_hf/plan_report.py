@@ -15,7 +15,7 @@ import copy
 import json
 import re
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -80,16 +80,18 @@ def plan_report(
             use_lean_loss(model)
         build_s = time.perf_counter() - t0
         ids = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long, device="meta")
+        units, batch, target = (
+            find_units(model, None),
+            {"input_ids": ids, "labels": ids},
+            _target(args, hardware, card, host_bytes),
+        )
+
+        def plan_for(cfg: ElixirConfig) -> ElixirPlan:
+            return plan_model(model, units, batch, cfg, target, exact=args.exact)
+
         t1 = time.perf_counter()
         try:
-            plan = plan_model(
-                model,
-                find_units(model, None),
-                {"input_ids": ids, "labels": ids},
-                config,
-                _target(args, hardware, card, host_bytes),
-                exact=args.exact,
-            )
+            plan = plan_for(config)
         except PlanError as exc:
             if args.host_mem:
                 raise
@@ -101,7 +103,7 @@ def plan_report(
             "profile_s": plan.profile.seconds,
             "search_s": time.perf_counter() - t1 - plan.profile.seconds,
         }
-        accumulated = _accumulated(args, config, plan, model, ids, _target(args, hardware, card, host_bytes))
+        accumulated = _accumulated(args, config, plan, plan_for)
     title = _title(args, card, plan.budget)
     text = _text(args, plan, hardware, hw_note, card, host_source, accumulated)
     details = _details(plan, hardware, hw_note, timings)
@@ -116,12 +118,7 @@ def plan_report(
 
 
 def _accumulated(
-    args: argparse.Namespace,
-    config: ElixirConfig,
-    plan: ElixirPlan,
-    model: torch.nn.Module,
-    ids: torch.Tensor,
-    target: Target,
+    args: argparse.Namespace, config: ElixirConfig, plan: ElixirPlan, plan_for: Callable[[ElixirConfig], ElixirPlan]
 ) -> ElixirPlan | None:
     """Where the step is host-bound (``HOST_BOUND``) with one micro-batch per step, the plan for two:
     the CPU update of offloaded chunks is per optimizer step, so twice the tokens hide more of it.
@@ -130,14 +127,7 @@ def _accumulated(
     if args.grad_accum > 1 or t is None or t.exposed_cpu_adam < HOST_BOUND * t.total:
         return None
     try:
-        return plan_model(
-            model,
-            find_units(model, None),
-            {"input_ids": ids, "labels": ids},
-            replace(config, grad_accum_steps=2),
-            target,
-            exact=args.exact,
-        )
+        return plan_for(replace(config, grad_accum_steps=2))
     except PlanError:
         return None
 

@@ -28,8 +28,8 @@ UNREADABLE = (OSError, ValueError, TypeError, KeyError, AttributeError)
 """What reading a file that holds no profile raises (``HardwareProfile.load``, ``from_json``)."""
 
 PROFILE_VERSION = 5
-"""5: the CPU Adam measured with the prefetching kernel ([Note: prefetch] in ``cpu_adam.cpp``: 7-10 %
-faster on the H100 hosts). 4: the Adam rates measured on values like a run's, not zeros (``measure._adam_update``, [Note:
+"""5: the CPU Adam measured with the prefetching kernel ([Note: prefetch] in ``cpu_adam.cpp``; its
+gain: docs/kernels.md). 4: the Adam rates measured on values like a run's, not zeros (``measure._adam_update``, [Note:
 values]: zeros were faster on some CPUs). 3: CPU Adam per rank, for each number of ranks sharing
 the host, every rank updating (and copying to its GPU) at once with the engine's threads per rank.
 2: one process with every core but one, under every GPU's copies, divided among the ranks (too

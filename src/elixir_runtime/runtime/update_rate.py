@@ -2,7 +2,7 @@
 
 [Note: the run's own rate] The hardware profile times the CPU Adam on a small set of arenas it has
 just allocated; the plan needs the rate of the job's own pinned arenas beside its forward's
-uploads, which only the job sees (docs/planning.md, "Step-time prediction checked on an H100").
+uploads, which only the job sees (docs/planning.md, "The run's own rate").
 The probe takes each step's rate (elements / the CPU lane's busy seconds), leaves out the first
 ``SKIP`` steps' updates (warm-up), and once step ``SKIP + STEPS``'s are done (in the next
 ``step()``, which waits for them) reports the median of steps ``SKIP + 1 .. SKIP + STEPS`` whose
