@@ -17,7 +17,8 @@ What the model assumes of the engine:
   offloaded chunks take from them (``fetch_drag``). With the device lane (``runtime/device_lane.py``)
   the CPU takes ``LANE_SLICE`` slices from the front, the lane from the back (``_two_lanes``).
 * The next forward waits only for its latest chunk: ``exposed CPU Adam = max(0, max_k late_k)``
-  (stalls do not add).
+  (stalls do not add); without prefetching, counted from when the forward reaches each chunk
+  after its in-line gathers ([Note: in-line gathers and late updates]).
 * A collective hidden under compute still slows it by ``COLLECTIVE_DRAG`` of its own time
   ([Note: collectives beside compute]).
 * The CPU update runs at ``ARENA_RATE`` of the profile's CPU Adam rate ([Note: the arenas' rate]),
@@ -266,7 +267,14 @@ class StepModel:
         submit = float(trainable_host.sum() * r.op_overhead)  # one CPU update handed to the host thread per chunk
         exposed_cpu = cpu_busy = lane_busy = 0.0
         if trainable_host.any():
-            exposed_cpu, cpu_busy, lane_busy = self._late_updates(trainable_host, reduce, gather_f, gpu_adam, submit)
+            # [Note: in-line gathers and late updates] With prefetching, a chunk's upload runs
+            # ahead of its first use, so its update must be done ``gather_f`` before the forward
+            # needs it. Without (the rCache at its minimum), the forward gathers each chunk when it
+            # reaches it, after its in-line gathers of the chunks before: it reaches chunk k that
+            # much later than its compute alone would, and k's upload is the in-line gather
+            # already counted in the forward's time.
+            lead = gather_f if overlap else -self._inline_before(m[FWD] * gather_f)
+            exposed_cpu, cpu_busy, lane_busy = self._late_updates(trainable_host, reduce, lead, gpu_adam, submit)
         compute = self.micro * (compute_fwd + compute_bwd)
         total = self.micro * (fwd + bwd) + gpu_adam + exposed_cpu
         gathers = m[FWD] + m[BWD]
@@ -326,16 +334,26 @@ class StepModel:
         end = max(self.compute_bwd, float(landed.max(initial=0.0)))  # the optimizer waits for the last one
         return np.where(trainable_host, landed - end, 0.0)
 
+    def _inline_before(self, cost: np.ndarray) -> np.ndarray:
+        """For each chunk, the seconds of ``cost`` (each chunk's forward gathers, run in line) the
+        forward spends on the chunks it needs before that one (by first need, then chunk order)."""
+        order = np.lexsort((np.arange(self.k), self.first_need))
+        before = np.empty(self.k)
+        before[order] = np.cumsum(cost[order]) - cost[order]
+        return before
+
     def _late_updates(
         self,
         trainable_host: np.ndarray,
         reduce: np.ndarray,
-        gather_f: np.ndarray,
+        lead: np.ndarray,
         gpu_adam: float,
         submit: float,
     ) -> tuple[float, float, float]:
         """How long the next forward waits for the updates of offloaded chunks, and how long the
-        CPU and the device lane work on them (seconds)."""
+        CPU and the device lane work on them (seconds). ``lead``: how long before its first need
+        in the forward's compute each chunk's update must be done (negative: after it; [Note:
+        in-line gathers and late updates])."""
         # In seconds since the end of backward: the host thread takes the chunks in chunk order,
         # each once its gradients are there and the previous update is done (the device lane, if
         # any, takes slices from the back).
@@ -359,7 +377,7 @@ class StepModel:
         # meanwhile, and the upload after the update must land before the first user. (The
         # profiled forward, without the engine's own ops: never later than the real one.)
         head = gpu_adam + (submit if self.clips_grads else 0.0)
-        needed = head + self.first_need - gather_f
+        needed = head + self.first_need - lead
         late = (done - needed)[trainable_host]
         return (submit if self.clips_grads else 0.0) + max(0.0, float(late.max())), cpu_busy, lane_busy
 

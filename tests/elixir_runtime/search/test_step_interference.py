@@ -1,6 +1,7 @@
 """What work running side by side costs in the step model (search/step_time.py): a collective
-hidden under compute still slows it, and a CPU update after a synced backward shares host memory
-with the forward's uploads of offloaded chunks."""
+hidden under compute still slows it, a CPU update after a synced backward shares host memory
+with the forward's uploads of offloaded chunks, and a forward without prefetching waits for the
+updates and its own gathers at once."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from search_cases import GIB, gpu_host, profiled
 from elixir_runtime.config import ElixirConfig
 from elixir_runtime.hardware.profile import CpuAdamRate
 from elixir_runtime.search import Budget, SearchSettings
+from elixir_runtime.search.access import FWD
 from elixir_runtime.search.loop import _evaluate
 from elixir_runtime.search.step_time import ARENA_RATE, COLLECTIVE_DRAG, fetch_drag
 
@@ -114,3 +116,32 @@ def test_a_rate_observed_on_this_machine_prices_the_updates_after_a_synced_backw
     settings = SearchSettings(1, BF16, ElixirConfig(clips_grads=True), device_lane=True)
     lane = _evaluate(CHUNK, table, profile, observed.rates(1), budget, settings).model
     assert lane.cpu_rate == ARENA_RATE * lane.rates.cpu_adam  # beside the lane: under copies
+
+
+def test_without_prefetching_the_wait_for_an_update_counts_from_the_in_line_gathers(gpt2) -> None:
+    """At the rCache's minimum the forward gathers each chunk when it reaches it, after its in-line
+    gathers of the chunks before: the wait for chunk k's update counts from there, and k's upload
+    is that in-line gather. With a block to prefetch into, the upload runs ahead of k's first use
+    and the update must be done one upload earlier ([Note: in-line gathers and late updates])."""
+    model, lo = _model(gpt2, gpu_host(1, cpu_adam=2e6), clips_grads=True)  # host-bound, no drag
+    host = np.ones(model.k, dtype=bool)
+    host[model.k // 2 :] = False
+    mine = np.flatnonzero(~host & model.trainable)
+    done = np.cumsum(model.elements[mine] / model.cpu_rate)  # after the synced backward, in chunk order
+    gather = model._transfer(host, model.rates.h2d)  # one rank: no collectives
+    submit = len(mine) * model.rates.op_overhead
+
+    def waited(t, reach: np.ndarray) -> float:
+        start = t.gpu_adam + submit
+        return submit + max(0.0, max(d - (start + reach[k]) for d, k in zip(done, mine)))
+
+    in_line = model.misses(lo)[FWD] * gather
+    before, spent = np.zeros(model.k), 0.0
+    for k in sorted(range(model.k), key=lambda k: (model.first_need[k], k)):
+        before[k], spent = spent, spent + in_line[k]
+    assert before[mine].min() > 0
+    t = model.step(lo, host)
+    assert t.exposed_cpu_adam == pytest.approx(waited(t, model.first_need + before), rel=1e-9)
+    assert submit < t.exposed_cpu_adam < waited(t, model.first_need - gather)
+    t = model.step(lo + 1, host)
+    assert t.exposed_cpu_adam == pytest.approx(waited(t, model.first_need - gather), rel=1e-9)
