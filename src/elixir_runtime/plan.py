@@ -317,7 +317,7 @@ def resolve_plan(
     the search's). The rCache holds at once
         every unit's chunks and, when the search profiled them, every checkpointed region's
         (``ChunkLayout.block_bounds``)."""
-    unit_chunks, regions = resident_chunks(layout, table, search.regions if search is not None else [])
+    unit_chunks, regions, root = resident_chunks(layout, table, search.regions if search is not None else [])
     resident = {f"unit {u.name!r}": cs for u, cs in zip(table.units, unit_chunks)}
     resident.update({f"checkpointed region {i}": cs for i, cs in enumerate(regions)})
     lo, hi = layout.block_bounds(resident.values())
@@ -346,7 +346,7 @@ def resolve_plan(
         param_table=table,
         layout=layout,
         unit_chunks=unit_chunks,
-        root_chunks=layout.chunks_of([i for i, r in enumerate(table.resident) if r]),
+        root_chunks=root,
         grad_window=window,
     )
     if search is not None:

@@ -194,12 +194,14 @@ def search(
 
 def resident_chunks(
     layout: ChunkLayout, table: ParamTable, regions: Sequence[Sequence[str]]
-) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], tuple[int, ...]]:
     """The chunks of every unit (``table.units`` order) and of every checkpointed region (its
-    parameter names): each set must be resident at once (``ChunkLayout.block_bounds``)."""
+    parameter names): each set must be resident at once (``ChunkLayout.block_bounds``); and the
+    root's, of the parameters read outside their units (``ParamTable.resident``), resident from
+    the root's pre-forward on."""
     units = [layout.chunks_of(table.index[id(p)] for p in u.params) for u in table.units]
     held = [layout.chunks_of(table.by_name[n] for n in names if n in table.by_name) for names in regions]
-    return units, held
+    return units, held, layout.chunks_of([i for i, r in enumerate(table.resident) if r])
 
 
 def _unit_work(table: ParamTable) -> dict[str, float]:
@@ -227,7 +229,7 @@ def _evaluate(
         chunk_size=chunk_size,
         alignment=settings.config.alignment,
     )
-    units, regions = resident_chunks(layout, table, [r.params for r in profile.ac_regions])
+    units, regions, root = resident_chunks(layout, table, [r.params for r in profile.ac_regions])
     lo, hi = layout.block_bounds([*units, *regions])
     private = {c.index for c in layout.chunks if c.private}
     unit_chunks = {u.name: cs for u, cs in zip(table.units, units)}
@@ -239,6 +241,7 @@ def _evaluate(
         rates,
         settings.dtype,
         min_blocks=lo,
+        root=root,
         prefetch=settings.config.prefetch,
         micro_batches=settings.micro_batches,
         clips_grads=settings.clips_grads,

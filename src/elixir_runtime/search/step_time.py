@@ -18,7 +18,8 @@ What the model assumes of the engine:
   the CPU takes ``LANE_SLICE`` slices from the front, the lane from the back (``_two_lanes``).
 * The next forward waits only for its latest chunk: ``exposed CPU Adam = max(0, max_k late_k)``
   (stalls do not add); without prefetching, counted from when the forward reaches each chunk
-  after its in-line gathers ([Note: in-line gathers and late updates]).
+  after its in-line gathers ([Note: in-line gathers and late updates]). Chunks the root acquires
+  (parameters read outside their units) are needed when the forward starts.
 * A collective hidden under compute still slows it by ``COLLECTIVE_DRAG`` of its own time
   ([Note: collectives beside compute]).
 * The CPU update runs at ``ARENA_RATE`` of the profile's CPU Adam rate ([Note: the arenas' rate]),
@@ -120,6 +121,7 @@ class StepModel:
         *,
         min_blocks: int,
         prefetch: int,
+        root: tuple[int, ...] = (),
         micro_batches: int = 1,
         clips_grads: bool = True,
         device_lane: bool = False,
@@ -162,6 +164,7 @@ class StepModel:
         self.compute_fwd = compute_time(compute["fwd"], rates)
         self.compute_bwd = compute_time(compute["bwd"], rates)
         self.unit_start, self.first_need, self.first, self.last = self._forward(trace)
+        self.first_need[list(root)] = 0.0  # the root's pre-forward acquires them before any unit
         self.grad_ready = self._backward(trace)
         order = np.argsort(self.grad_ready, kind="stable")
         self._reduce_order = order[self.trainable[order]]  # the reduce stream's order in backward
@@ -269,11 +272,13 @@ class StepModel:
         if trainable_host.any():
             # [Note: in-line gathers and late updates] With prefetching, a chunk's upload runs
             # ahead of its first use, so its update must be done ``gather_f`` before the forward
-            # needs it. Without (the rCache at its minimum), the forward gathers each chunk when it
-            # reaches it, after its in-line gathers of the chunks before: it reaches chunk k that
-            # much later than its compute alone would, and k's upload is the in-line gather
-            # already counted in the forward's time.
-            lead = gather_f if overlap else -self._inline_before(m[FWD] * gather_f)
+            # needs it. Without (no block to prefetch into: the rCache at its minimum, or
+            # ``prefetch=0``), the forward gathers each chunk when it reaches it, after its in-line
+            # gathers of the chunks before: it reaches chunk k that much later than its compute
+            # alone would, and k's upload is the in-line gather already counted in the forward's
+            # time. Only each chunk's first gather is counted before the chunks after it (a
+            # re-gather may come after them): the wait is never under-predicted.
+            lead = gather_f if overlap else -self._inline_before(np.minimum(m[FWD], 1) * gather_f)
             exposed_cpu, cpu_busy, lane_busy = self._late_updates(trainable_host, reduce, lead, gpu_adam, submit)
         compute = self.micro * (compute_fwd + compute_bwd)
         total = self.micro * (fwd + bwd) + gpu_adam + exposed_cpu
@@ -374,8 +379,8 @@ class StepModel:
         # submissions (without one, they were made while the GPU was still in backward). The
         # Python thread waits for a chunk's update only at the demand acquire of its first user
         # (a prefetch skips a chunk whose update is running): the GPU runs what was queued before
-        # meanwhile, and the upload after the update must land before the first user. (The
-        # profiled forward, without the engine's own ops: never later than the real one.)
+        # meanwhile, and the upload after the update must land before the first user (``lead``).
+        # (The profiled forward, without the engine's own ops: never later than the real one.)
         head = gpu_adam + (submit if self.clips_grads else 0.0)
         needed = head + self.first_need - lead
         late = (done - needed)[trainable_host]

@@ -50,8 +50,15 @@ def cpu_adam_times(hardware: HardwareProfile, factor: float) -> HardwareProfile:
 
 
 def profiled(
-    kind: str = "gpt2", n_layer: int = 6, ac: bool = True, batch: int = 2, seq: int = 16, **kw
+    kind: str = "gpt2",
+    n_layer: int = 6,
+    ac: bool = True,
+    batch: int = 2,
+    seq: int = 16,
+    resident: tuple[str, ...] = (),
+    **kw,
 ) -> tuple[nn.Module, ParamTable, ModelProfile]:
+    """``resident``: names of parameters read outside their units (``prepare``'s ``resident``)."""
     model = MODEL_BUILDERS[kind](n_layer=n_layer, **kw)
     if ac:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -60,7 +67,8 @@ def profiled(
     by_name = {u.name: u.index for u in units}
     order = [by_name[n] for n in profile.unit_order()]
     order += [u.index for u in units if u.index not in order]
-    return model, param_table(model, units, order), profile
+    params = dict(model.named_parameters())
+    return model, param_table(model, units, order, [params[n] for n in resident]), profile
 
 
 def model_state_bytes(model: nn.Module) -> int:

@@ -118,30 +118,61 @@ def test_a_rate_observed_on_this_machine_prices_the_updates_after_a_synced_backw
     assert lane.cpu_rate == ARENA_RATE * lane.rates.cpu_adam  # beside the lane: under copies
 
 
-def test_without_prefetching_the_wait_for_an_update_counts_from_the_in_line_gathers(gpt2) -> None:
-    """At the rCache's minimum the forward gathers each chunk when it reaches it, after its in-line
-    gathers of the chunks before: the wait for chunk k's update counts from there, and k's upload
-    is that in-line gather. With a block to prefetch into, the upload runs ahead of k's first use
-    and the update must be done one upload earlier ([Note: in-line gathers and late updates])."""
-    model, lo = _model(gpt2, gpu_host(1, cpu_adam=2e6), clips_grads=True)  # host-bound, no drag
-    host = np.ones(model.k, dtype=bool)
-    host[model.k // 2 :] = False
+def _forward_with_waits(model, host: np.ndarray, start: float) -> float:
+    """The forward without prefetching, simulated chunk by chunk: the compute up to each chunk's
+    first need, the wait for its update if it is offloaded (the updates run one after another
+    from the end of a synced backward, the forward starting ``start`` later), then its gather;
+    re-gathers after the last chunk."""
     mine = np.flatnonzero(~host & model.trainable)
-    done = np.cumsum(model.elements[mine] / model.cpu_rate)  # after the synced backward, in chunk order
-    gather = model._transfer(host, model.rates.h2d)  # one rank: no collectives
-    submit = len(mine) * model.rates.op_overhead
-
-    def waited(t, reach: np.ndarray) -> float:
-        start = t.gpu_adam + submit
-        return submit + max(0.0, max(d - (start + reach[k]) for d, k in zip(done, mine)))
-
-    in_line = model.misses(lo)[FWD] * gather
-    before, spent = np.zeros(model.k), 0.0
+    done = dict(zip(mine, np.cumsum(model.elements[mine] / model.cpu_rate) - start))
+    gather = model._transfer(host, model.rates.h2d) + model.coll
+    misses = model.misses(model.min_blocks)[FWD]
+    t = reached = 0.0
     for k in sorted(range(model.k), key=lambda k: (model.first_need[k], k)):
-        before[k], spent = spent, spent + in_line[k]
-    assert before[mine].min() > 0
-    t = model.step(lo, host)
-    assert t.exposed_cpu_adam == pytest.approx(waited(t, model.first_need + before), rel=1e-9)
-    assert submit < t.exposed_cpu_adam < waited(t, model.first_need - gather)
+        t += model.first_need[k] - reached
+        reached = model.first_need[k]
+        t = max(t, done.get(k, 0.0)) + min(misses[k], 1) * gather[k]
+    return t + model.compute_fwd - reached + float((np.maximum(misses - 1, 0) * gather).sum())
+
+
+@pytest.mark.parametrize("ranks, prefetch", [(1, 1), (2, 1), (1, 0)])
+def test_without_prefetching_the_forward_waits_for_updates_between_its_in_line_gathers(gpt2, ranks, prefetch) -> None:
+    """With no block to prefetch into (the rCache at its minimum, or ``prefetch=0``) the forward
+    gathers each chunk when it reaches it, after its in-line gathers of the chunks before, and
+    waits there for the chunk's update: the step is the simulated forward's, and shorter than
+    the gathers plus the waits counted from the compute alone ([Note: in-line gathers and late
+    updates])."""
+
+    def model_at(cpu_adam: float):
+        return _model(gpt2, gpu_host(ranks, cpu_adam), ranks, 5e8 if ranks > 1 else None, prefetch=prefetch)[0]
+
+    slow, fast = model_at(2e6), model_at(1e15)  # host-bound; never waited for
+    n_blocks = slow.min_blocks + (1 - prefetch)  # prefetch=0: a block more still prefetches nothing
+    host = np.ones(slow.k, dtype=bool)
+    host[slow.k // 2 :] = False
+    t, t_fast = slow.step(n_blocks, host), fast.step(n_blocks, host)
+    start = t.gpu_adam + len(np.flatnonzero(~host & slow.trainable)) * slow.rates.op_overhead  # + submissions
+    gathers = float((slow.misses(n_blocks)[FWD] * (slow._transfer(host, slow.rates.h2d) + slow.coll)).sum())
+    waited = _forward_with_waits(slow, host, start) - (slow.compute_fwd + gathers)
+    assert waited > 0
+    assert t.total - t_fast.total == pytest.approx(waited, rel=1e-9)
+    mine = np.flatnonzero(~host & slow.trainable)
+    from_compute = max(np.cumsum(slow.elements[mine] / slow.cpu_rate) - start - slow.first_need[mine])
+    assert waited < from_compute
+
+
+def test_a_chunk_the_root_acquires_is_needed_when_the_forward_starts() -> None:
+    """A parameter read outside its unit (``prepare``'s ``resident``) gets a private chunk the
+    root's pre-forward acquires: offloaded, its update must be done and uploaded before the
+    forward's first unit, wherever that unit is."""
+    case = profiled("gpt2", n_layer=6, n_embd=64, resident=("transformer.ln_f.weight",))
+    model, lo = _model(case, gpu_host(1, cpu_adam=2e3), clips_grads=True)
+    root = list(model.layout.chunks_of([case[1].by_name["transformer.ln_f.weight"]]))
+    host = np.ones(model.k, dtype=bool)
+    host[root] = False  # only the root's chunk offloaded
     t = model.step(lo + 1, host)
-    assert t.exposed_cpu_adam == pytest.approx(waited(t, model.first_need - gather), rel=1e-9)
+    update = float(model.elements[root].sum() / model.cpu_rate)
+    submit = len(root) * model.rates.op_overhead
+    upload = float(model._transfer(host, model.rates.h2d)[root].max())
+    assert model.first_need[root].max() == 0 < model.unit_start[-1]
+    assert t.exposed_cpu_adam == pytest.approx(submit + update + upload - (t.gpu_adam + submit), rel=1e-9)
