@@ -122,9 +122,10 @@ def prepare(
             source.part,
             lane,
             grads_share_activations=plan.grad_window.shares,
+            root_chunks=plan.root_chunks,
         )
     detach_weights(model)
-    install_hooks(model, units, plan.unit_chunks, runtime, plan.root_chunks, plan.batch_shape)
+    install_hooks(model, units, plan.unit_chunks, runtime, plan.batch_shape)
     model_state = ModelStateHooks(runtime, orig_dtypes)
     model_state.install(model)
     threads = cpu_adam_threads(local_ranks(), config.cpu_threads)

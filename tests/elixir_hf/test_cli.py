@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -177,10 +178,9 @@ def test_verbose_adds_the_planners_workings(capsys, tmp_path) -> None:
     ):
         assert words in out, words
     assert out.count("2x128") == 1, out  # the profile's batch: input ids and labels, said once
-    # 6 MiB: every chunk offloaded, the layers they hold named, and why
-    assert (
-        "offloaded: 6 of 6 chunks (wte, wpe, h.0-3, ln_f)" in plain and "why: keeping every chunk on the GPU" in plain
-    )
+    # 6 MiB: every chunk offloaded (how many: the chunk size the search picks), the layers named, and why
+    assert re.search(r"offloaded: (\d+) of \1 chunks \(wte, wpe, h\.0-3, ln_f\)", plain), plain
+    assert "why: keeping every chunk on the GPU" in plain
 
 
 def test_host_memory_defaults_to_this_machines_when_planning_for_it(capsys, tmp_path, monkeypatch) -> None:

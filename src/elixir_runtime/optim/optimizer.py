@@ -157,7 +157,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         div_scale = self.scaler.scale / self._clip_coef
         updates = self.runtime.host_updates
         jobs = []
-        for c in self.runtime.trainable:  # chunk order = the order the next forward needs them
+        for c in self.runtime.update_order:  # the order the next forward needs them
             work = self._work([c], self._chunk_segments[c.index], used, uniform)
             if c.shards.placement == "device":
                 self._update(c, c.offset, c.offset + c.shard_numel, work, hypers, div_scale)

@@ -44,11 +44,13 @@ class ChunkRuntime:
         weights: Weights = own_part,
         lane: Lane | None = None,
         grads_share_activations: bool = False,
+        root_chunks: tuple[int, ...] = (),
     ) -> None:
         """``weights`` gives a range of a parameter's value its shards start from (``WeightSource.part``);
         ``lane``: the device lane that updates offloaded slices beside the CPU (``runtime/device_lane.py``);
         ``grads_share_activations``: the plan let the GPU's gradient shards use memory the loss's
-        activations free (one micro-batch per step, ``search.memory.GradWindow``)."""
+        activations free (one micro-batch per step, ``search.memory.GradWindow``); ``root_chunks``:
+        the private chunks every forward acquires first (parameters read outside their units)."""
         self.layout, self.coll, self.device, self.dtype = layout, coll, device, dtype
         self.lockstep = lockstep
         self.residency = Residency.SHARDED
@@ -101,6 +103,10 @@ class ChunkRuntime:
             grads_share_activations,
         )
         self.trainable = self.grads.trainable
+        self.root_chunks = root_chunks
+        first = set(root_chunks)
+        self.update_order = sorted(self.trainable, key=lambda c: c.index not in first)
+        """The trainable chunks in the order the next forward needs them: the root's, then chunk order."""
 
     def invalidate_trainable(self) -> None:
         """After an update the gathered copies of trainable chunks are stale."""

@@ -177,12 +177,12 @@ def install_hooks(
     units: list[Unit],
     unit_chunks: list[tuple[int, ...]],
     runtime: ChunkRuntime,
-    root_chunks: tuple[int, ...] = (),
     batch_shape: list[int] | None = None,
 ) -> list:
-    """Installs every hook (``unit_chunks[i]``: the chunks unit ``i`` acquires; ``root_chunks``: the
-    private ones every forward of ``model`` acquires first; ``batch_shape``: the plan's, which a
+    """Installs every hook (``unit_chunks[i]``: the chunks unit ``i`` acquires; ``runtime.root_chunks``:
+    the private ones every forward of ``model`` acquires first; ``batch_shape``: the plan's, which a
     larger training batch is warned about); returns the handles (removing them detaches the engine)."""
+    root_chunks = runtime.root_chunks
     handles = []
     for unit, chunks in zip(units, unit_chunks, strict=True):
         h = _UnitHooks(runtime, chunks, unit.index)

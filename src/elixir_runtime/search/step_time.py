@@ -11,7 +11,8 @@ What the model assumes of the engine:
 * Gathers run on the fetch stream, under compute only when the rCache has a block to prefetch
   into (``prefetch > 0`` and ``n_blocks > min_blocks``); the first gather and the last reduction
   of a step are exposed.
-* CPU updates of offloaded chunks run on one host thread in chunk order, each starting at
+* CPU updates of offloaded chunks run on one host thread in the next forward's order (the
+  chunks the root acquires, then chunk order), each starting at
   ``max(its gradient shard landed, previous update done)``; after a host sync (``clips_grads``)
   they start at the end of backward, at the rate alone but for what the forward's uploads of
   offloaded chunks take from them (``fetch_drag``). With the device lane (``runtime/device_lane.py``)
@@ -19,7 +20,7 @@ What the model assumes of the engine:
 * The next forward waits only for its latest chunk: ``exposed CPU Adam = max(0, max_k late_k)``
   (stalls do not add); without prefetching, counted from when the forward reaches each chunk
   after its in-line gathers ([Note: in-line gathers and late updates]). Chunks the root acquires
-  (parameters read outside their units) are needed when the forward starts.
+  (parameters read outside their units) are needed when the forward starts, and updated first.
 * A collective hidden under compute still slows it by ``COLLECTIVE_DRAG`` of its own time
   ([Note: collectives beside compute]).
 * The CPU update runs at ``ARENA_RATE`` of the profile's CPU Adam rate ([Note: the arenas' rate]),
@@ -164,7 +165,10 @@ class StepModel:
         self.compute_fwd = compute_time(compute["fwd"], rates)
         self.compute_bwd = compute_time(compute["bwd"], rates)
         self.unit_start, self.first_need, self.first, self.last = self._forward(trace)
-        self.first_need[list(root)] = 0.0  # the root's pre-forward acquires them before any unit
+        self.root = np.zeros(self.k, dtype=bool)
+        self.root[list(root)] = True
+        """Chunks the root's pre-forward acquires before any unit: needed first, updated first."""
+        self.first_need[self.root] = 0.0
         self.grad_ready = self._backward(trace)
         order = np.argsort(self.grad_ready, kind="stable")
         self._reduce_order = order[self.trainable[order]]  # the reduce stream's order in backward
@@ -359,11 +363,13 @@ class StepModel:
         CPU and the device lane work on them (seconds). ``lead``: how long before its first need
         in the forward's compute each chunk's update must be done (negative: after it; [Note:
         in-line gathers and late updates])."""
-        # In seconds since the end of backward: the host thread takes the chunks in chunk order,
-        # each once its gradients are there and the previous update is done (the device lane, if
-        # any, takes slices from the back).
+        # In seconds since the end of backward: the host thread takes the chunks in the next
+        # forward's order (the root's, then chunk order: ``ChunkRuntime.update_order``), each once
+        # its gradients are there and the previous update is done (the device lane, if any, takes
+        # slices from the back).
         ready = self.update_start(trainable_host, reduce)
         mine = np.flatnonzero(trainable_host)
+        mine = np.concatenate([mine[self.root[mine]], mine[~self.root[mine]]])
         done = np.zeros(self.k)
         if self.lane_rate:
             done[mine], cpu_busy, lane_busy = _two_lanes(

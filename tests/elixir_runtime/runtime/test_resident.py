@@ -113,3 +113,23 @@ def test_two_ranks_match_pytorch() -> None:
     _, want = _run(None, 2, resident=False)
     for _, state in run_distributed(_rank, 2):
         assert max_weight_diff(state, want) < 1e-5
+
+
+def test_the_chunk_the_root_needs_first_is_updated_first() -> None:
+    """The root's pre-forward gathers the head's chunk before any unit runs, so the next forward's
+    first wait is for that chunk's update: the CPU lane takes it first, then chunk order."""
+    recipe = Recipe(model="llama")
+    model, opt = build(recipe)
+    model.forward = types.MethodType(_head_outside, model)
+    config = er.ElixirConfig(mode="static", offload=1.0)
+    model, opt = er.prepare(model, opt, config, batch_for(recipe, 0, 0, 0), resident=[model.lm_head.weight])
+    runtime = model._elixir.runtime
+    (head,) = runtime.root_chunks
+    order = [c.index for c in runtime.update_order]
+    assert order[0] == head and order[1:] == sorted(order[1:]) and head > order[-1]
+    runtime.host_updates.trace = []
+    opt.backward(model(**batch_for(recipe, 0, 0, 0)))
+    opt.step()
+    runtime.host_updates.wait_all()
+    cpu = [chunk for lane, chunk, *_ in runtime.host_updates.trace if lane == "cpu"]
+    assert cpu[0] == head and list(dict.fromkeys(cpu)) == order

@@ -161,18 +161,29 @@ def test_without_prefetching_the_forward_waits_for_updates_between_its_in_line_g
     assert waited < from_compute
 
 
-def test_a_chunk_the_root_acquires_is_needed_when_the_forward_starts() -> None:
+def test_a_chunk_the_root_acquires_is_needed_when_the_forward_starts_and_updated_first() -> None:
     """A parameter read outside its unit (``prepare``'s ``resident``) gets a private chunk the
     root's pre-forward acquires: offloaded, its update must be done and uploaded before the
-    forward's first unit, wherever that unit is."""
+    forward's first unit, so the host thread updates it first (``ChunkRuntime.update_order``)."""
     case = profiled("gpt2", n_layer=6, n_embd=64, resident=("transformer.ln_f.weight",))
     model, lo = _model(case, gpu_host(1, cpu_adam=2e3), clips_grads=True)
     root = list(model.layout.chunks_of([case[1].by_name["transformer.ln_f.weight"]]))
-    host = np.ones(model.k, dtype=bool)
-    host[root] = False  # only the root's chunk offloaded
-    t = model.step(lo + 1, host)
-    update = float(model.elements[root].sum() / model.cpu_rate)
-    submit = len(root) * model.rates.op_overhead
-    upload = float(model._transfer(host, model.rates.h2d)[root].max())
     assert model.first_need[root].max() == 0 < model.unit_start[-1]
-    assert t.exposed_cpu_adam == pytest.approx(submit + update + upload - (t.gpu_adam + submit), rel=1e-9)
+    host = np.ones(model.k, dtype=bool)
+    host[root] = False
+    upload = float(model._transfer(host, model.rates.h2d)[root].max())
+    update = float(model.elements[root].sum() / model.cpu_rate)
+
+    def exposed(host: np.ndarray) -> float:
+        t = model.step(lo + 1, host)
+        submit = int((~host & model.trainable).sum()) * model.rates.op_overhead
+        return t.exposed_cpu_adam - submit + t.gpu_adam + submit  # the wait, from the end of backward
+
+    assert exposed(host) == pytest.approx(update + upload, rel=1e-9)  # only the root's chunk offloaded
+    host[: model.k // 2] = False  # and the first half, updated after it
+    others = [k for k in np.flatnonzero(~host & model.trainable) if k not in root]
+    assert others and root[0] > max(others)  # last in chunk order
+    order = root + others
+    done = np.cumsum(model.elements[order] / model.cpu_rate)
+    gather = model._transfer(host, model.rates.h2d)[order]
+    assert exposed(host) == pytest.approx(max(done + gather - model.first_need[order]), rel=1e-9)
