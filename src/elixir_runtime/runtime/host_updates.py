@@ -1,9 +1,9 @@
 """Updates of offloaded chunks off the training loop's thread, overlapped with the next forward.
 
 One step's updates are slices of the offloaded chunks' shards, in the next forward's order (the
-chunks the root acquires, then chunk order: ``ChunkRuntime.update_order``), in one shared queue. The CPU lane (a worker thread running the C++ kernel, which releases the
-GIL through ctypes) takes slices from the front, so the chunks the next forward needs first are
-done first. The device lane (``runtime/device_lane.py``: stage a slice to the GPU over the link
+chunks the root acquires, then chunk order: ``ChunkRuntime.update_order``), in one shared queue.
+The CPU lane (a worker thread running the C++ kernel, which releases the GIL through ctypes)
+takes slices from the front, so the chunks the next forward needs first are done first. The device lane (``runtime/device_lane.py``: stage a slice to the GPU over the link
 the optimizer phase leaves idle, update it with the GPU kernel, copy it back), when there is
 one, takes slices from the back. Neither lane has a fixed share: the split balances itself at
 whatever rates the two run on this machine, and each lane starts with the slice at its end, so
@@ -62,8 +62,8 @@ class HostUpdates:
         seconds (``benchmarks/step_anatomy.py``)."""
 
     def submit(self, jobs: list, cpu: Callable[[Any], None]) -> None:
-        """Queues one step's ``jobs`` (slices in the next forward's order, each with ``index``, its chunk, and
-        ``numel``); ``cpu(job)`` updates one on the CPU, the lane (if any) takes the others."""
+        """Queues one step's ``jobs`` (slices in the next forward's order, each with ``index``, its
+        chunk, and ``numel``); ``cpu(job)`` updates one on the CPU, the lane (if any) takes the others."""
         records: dict[int, _Chunk] = {}
         for job in jobs:
             records.setdefault(job.index, _Chunk()).left += 1
