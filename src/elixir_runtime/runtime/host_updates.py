@@ -3,9 +3,10 @@
 One step's updates are slices of the offloaded chunks' shards, in the next forward's order (the
 chunks the root acquires, then chunk order: ``ChunkRuntime.update_order``), in one shared queue.
 The CPU lane (a worker thread running the C++ kernel, which releases the GIL through ctypes)
-takes slices from the front, so the chunks the next forward needs first are done first. The device lane (``runtime/device_lane.py``: stage a slice to the GPU over the link
-the optimizer phase leaves idle, update it with the GPU kernel, copy it back), when there is
-one, takes slices from the back. Neither lane has a fixed share: the split balances itself at
+takes slices from the front, so the chunks the next forward needs first are done first. The
+device lane (``runtime/device_lane.py``: stage a slice to the GPU over the link the optimizer
+phase leaves idle, update it with the GPU kernel, copy it back), when there is one, takes slices
+from the back. Neither lane has a fixed share: the split balances itself at
 whatever rates the two run on this machine, and each lane starts with the slice at its end, so
 both work whenever there are two slices. Every slice is taken exactly once.
 
