@@ -7,9 +7,9 @@ The probe takes each step's rate (elements / the CPU lane's busy seconds), leave
 ``SKIP`` steps' updates (warm-up), and once step ``SKIP + STEPS``'s are done (in the next
 ``step()``, which waits for them) reports the median of steps ``SKIP + 1 .. SKIP + STEPS`` whose
 updates ran after a host sync (clipping, the non-finite check: the case the step model prices with
-it), once. Every rank reports in the same ``step()`` call, so the report may be a collective (``api.prepare`` wires it to
-``hardware.load.record_update_rate``: the slowest rank's rate into this machine's cached profile,
-which the next plan made here prices those updates at)."""
+it), once. Every rank reports in the same ``step()`` call, so the report may be a collective
+(``api.prepare`` wires it to ``hardware.load.record_update_rate``: the slowest rank's rate into
+this machine's cached profile, which the next plan made here prices those updates at)."""
 
 from __future__ import annotations
 

@@ -118,7 +118,7 @@ def test_a_rate_observed_on_this_machine_prices_the_updates_after_a_synced_backw
     assert lane.cpu_rate == ARENA_RATE * lane.rates.cpu_adam  # beside the lane: under copies
 
 
-def _forward_with_waits(model, host: np.ndarray, start: float) -> float:
+def _forward_with_waits(model, n_blocks: int, host: np.ndarray, start: float) -> float:
     """The forward without prefetching, simulated chunk by chunk: the compute up to each chunk's
     first need, the wait for its update if it is offloaded (the updates run one after another
     from the end of a synced backward, the forward starting ``start`` later), then its gather;
@@ -126,7 +126,7 @@ def _forward_with_waits(model, host: np.ndarray, start: float) -> float:
     mine = np.flatnonzero(~host & model.trainable)
     done = dict(zip(mine, np.cumsum(model.elements[mine] / model.cpu_rate) - start))
     gather = model._transfer(host, model.rates.h2d) + model.coll
-    misses = model.misses(model.min_blocks)[FWD]
+    misses = model.misses(n_blocks)[FWD]
     t = reached = 0.0
     for k in sorted(range(model.k), key=lambda k: (model.first_need[k], k)):
         t += model.first_need[k] - reached
@@ -153,7 +153,7 @@ def test_without_prefetching_the_forward_waits_for_updates_between_its_in_line_g
     t, t_fast = slow.step(n_blocks, host), fast.step(n_blocks, host)
     start = t.gpu_adam + len(np.flatnonzero(~host & slow.trainable)) * slow.rates.op_overhead  # + submissions
     gathers = float((slow.misses(n_blocks)[FWD] * (slow._transfer(host, slow.rates.h2d) + slow.coll)).sum())
-    waited = _forward_with_waits(slow, host, start) - (slow.compute_fwd + gathers)
+    waited = _forward_with_waits(slow, n_blocks, host, start) - (slow.compute_fwd + gathers)
     assert waited > 0
     assert t.total - t_fast.total == pytest.approx(waited, rel=1e-9)
     mine = np.flatnonzero(~host & slow.trainable)
