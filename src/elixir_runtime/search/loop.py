@@ -117,6 +117,8 @@ class _Evaluated:
     min_blocks: int
     max_blocks: int
     placement: Placement | None
+    blocks: int
+    """The fewest rCache blocks this layout was searched with: ``ElixirConfig.n_blocks`` where set, else ``min_blocks``."""
 
 
 def search(
@@ -252,14 +254,14 @@ def _evaluate(
     if isinstance(n_blocks, int):
         n_blocks = min(n_blocks, hi)
         if n_blocks < lo:
-            return _Evaluated(layout, model, mem, lo, hi, None)
+            return _Evaluated(layout, model, mem, lo, hi, None, n_blocks)
     offload = (
         None
         if settings.config.offload is None
         else offloaded_chunks(settings.config.offload, len(layout.chunks), chunk_size)
     )
     placement = best_placement(model, mem, budget, lo, hi, n_blocks=n_blocks, offload=offload)
-    return _Evaluated(layout, model, mem, lo, hi, placement)
+    return _Evaluated(layout, model, mem, lo, hi, placement, n_blocks if isinstance(n_blocks, int) else lo)
 
 
 def _update_note(offload: list[int], clips_grads: bool) -> list[str]:
@@ -330,20 +332,21 @@ def _no_fit_message(
     )
     # the smallest plan of each layout: rCache-min, and as few chunks on the GPU as the host allows
     needs = []
-    for e in evaluated:
+    for e in (e for e in evaluated if e.blocks >= e.min_blocks):  # n_blocks below a layout's minimum rules it out
         on_device = np.zeros(len(e.layout.chunks), dtype=bool)
         for c in range(len(on_device)):
             if e.mem.host(on_device) <= budget.host_allowed:
                 break
             on_device[c] = True
-        needs.append((e.mem.device(e.min_blocks, on_device), e.mem.host(np.zeros_like(on_device)), e))
+        needs.append((e.mem.device(e.blocks, on_device), e.mem.host(np.zeros_like(on_device)), e))
     device_need, host_all, e = min(needs, key=lambda x: x[0])
     host_bound = host_all > budget.host_allowed  # the host cannot take every chunk
-    fixed = e.min_blocks * e.mem.buffer + e.mem.private  # rCache-min and private blocks: do not shrink with N
+    fixed = e.blocks * e.mem.buffer + e.mem.private  # rCache and private blocks: do not shrink with N
+    chosen = e.blocks > e.min_blocks  # ElixirConfig.n_blocks holds the rCache above its minimum
     states = int(e.mem.host_arena.sum()) * n  # every rank's arenas together, offloaded
     lines = [
-        f"no plan fits: the smallest one (chunks of {e.layout.chunk_size:,} elements, rCache of {e.min_blocks} "
-        f"blocks, as much offloaded as the host takes) needs {gib(device_need)} of GPU memory per rank for model "
+        f"no plan fits: the smallest one (chunks of {e.layout.chunk_size:,} elements, rCache of {e.blocks} "
+        f"blocks{' (ElixirConfig.n_blocks)' if chosen else ''}, as much offloaded as the host takes) needs {gib(device_need)} of GPU memory per rank for model "
         f"states and rCache, but {formula}."
     ]
     if budget.limit is not None:
@@ -355,7 +358,7 @@ def _no_fit_message(
         lines.append(
             f"The model states take {gib(states)} in all ({n} rank(s)); the host has {budget.host_accounting()}."
         )
-    fixes = []
+    fixes = [f"a smaller rCache: n_blocks >= {e.min_blocks}, or unset for the search's choice"] if chosen else []
     headroom = (budget.capacity - budget.buffers - device_need / budget.f_alloc) / budget.f_frag
     if act > 0 and 0 < headroom < act:
         fixes.append(
@@ -372,9 +375,7 @@ def _no_fit_message(
             f"at least {max(int(gpus), n + 1)} GPUs on this host (each rank holds 1/N of every chunk's states)"
         )
     else:
-        fixes.append(
-            f"GPUs with more memory: the rCache minimum and the private blocks alone need {gib(fixed)} per rank"
-        )
+        fixes.append(f"GPUs with more memory: the rCache and the private blocks alone need {gib(fixed)} per rank")
     if host_bound or room > 0:
         fixes.append(_host_fix(gib((states - max(room, 0) * n) / budget.f_host), n))
     return "\n".join(lines) + "\nTo make it fit: " + "; or ".join(fixes) + "."

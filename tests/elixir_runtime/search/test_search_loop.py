@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -247,6 +248,27 @@ def test_nothing_fits_says_why_and_what_would_fit(gpt2) -> None:
         and "more memory" in text
         and f"x {F_HOST} (the rest kept for the process)" in text
     )
+
+
+def test_a_chosen_rcache_that_does_not_fit_is_named_with_its_fix(gpt2) -> None:
+    model, table, profile = gpt2
+    budget = _budget(profile, _capacities(model, profile)[1])  # room for a small rCache, not for every chunk
+    search(table, profile, gpu_host(), budget, _settings())
+    with pytest.raises(PlanError) as info:
+        search(table, profile, gpu_host(), budget, _settings(n_blocks="max"))
+    text = str(info.value)
+    found = re.search(r"chunks of ([\d,]+) elements, rCache of (\d+) blocks \(ElixirConfig.n_blocks\)", text)
+    layout = build_layout(
+        table.params,
+        table.names,
+        table.groups,
+        table.private,
+        world_size=1,
+        chunk_size=int(found[1].replace(",", "")),
+        alignment=64,
+    )
+    assert int(found[2]) == sum(not c.private for c in layout.chunks)  # "max": every public chunk, not the minimum
+    assert re.search(r"a smaller rCache: n_blocks >= \d+, or unset for the search's choice", text)
 
 
 def test_activations_alone_too_large() -> None:
