@@ -11,6 +11,7 @@ configuration of the table runs in minutes.
 from __future__ import annotations
 
 import copy
+import types
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,6 +161,24 @@ def build_initialised_in_place(p: Model, seq: int | None = None, dtype: torch.dt
     init_in_place(model, seed=0)
     enable_checkpointing(model)
     return model
+
+
+def use_fused_head(model: nn.Module) -> list[nn.Parameter]:
+    """Gives ``model`` (an HF causal LM) the forward of TRL's fused LM head
+    (``trl.trainer.utils.add_fused_lm_head``): the backbone, then the hidden states times the output
+    embedding's weight, read without calling the head module, then the model's loss function.
+    Returns the parameters so read: what ``prepare(..., resident=...)`` takes."""
+    from transformers.modeling_outputs import CausalLMOutput
+
+    backbone, head = model.base_model, model.get_output_embeddings()
+
+    def forward(self: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **_: Any):
+        logits = backbone(input_ids=input_ids).last_hidden_state @ head.weight.t()
+        loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size)
+        return CausalLMOutput(loss=loss, logits=logits)
+
+    model.forward = types.MethodType(forward, model)
+    return [head.weight]
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:

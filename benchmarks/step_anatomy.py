@@ -22,6 +22,12 @@ step, in seconds:
 Then (the harness only) the same CPU update alone on the same arenas, the GPU idle (``alone``), and the plan's
 prediction and hardware rates beside them. Prints a table and one JSON line (``--json``: to a file
 too). Runs on the CPU as well (tests; ``--offload`` pins the offloaded fraction there).
+
+``--fused-head`` gives the model TRL's fused LM head (``models.use_fused_head``: the head's weight,
+read outside its module, is ``prepare``'s ``resident``: a chunk the root gathers before any unit
+runs); ``--update-order chunk`` then updates the offloaded chunks in chunk order, where that chunk
+comes last, instead of the engine's order (``ChunkRuntime.update_order``: the root's first): the
+A/B of that order. Each step reports the chunk its CPU update started with.
 """
 
 from __future__ import annotations
@@ -55,6 +61,9 @@ def step_record(trace: list, t: dict[str, float], before: dict[str, float]) -> d
     step's ``before`` and the trace: the update submitted after ``before``'s sync ran until ``t``'s."""
     waits = sum(r[3] - r[2] for r in trace if r[0] == "wait" and t["start"] <= r[2] < t["loss"])
     busy, elements = _lane(trace, "cpu", before["synced"], t["synced"])
+    first = min(
+        (r for r in trace if r[0] == "cpu" and before["synced"] <= r[2] < t["synced"]), key=lambda r: r[2], default=None
+    )
     _, device_elements = _lane(trace, "device", before["synced"], t["synced"])
     return {
         "step_s": t["end"] - t["start"],
@@ -65,6 +74,8 @@ def step_record(trace: list, t: dict[str, float], before: dict[str, float]) -> d
         "cpu_busy_s": busy,
         "cpu_elements": elements,
         "cpu_Gps": elements / busy / 1e9 if busy else None,
+        "first_updated": None if first is None else first[1],
+        "loss": t.get("loss_value"),
         "device_lane_elements": device_elements,
     }
 
@@ -78,13 +89,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     p = preset(args.model)
     seq = args.seq or p.default_seq
-    ctx = systems.Context(device, 1, 0, seq=seq, threads=args.threads, clip=bool(args.clip), offload=args.offload)
+    ctx = systems.Context(
+        device,
+        1,
+        0,
+        seq=seq,
+        threads=args.threads,
+        clip=bool(args.clip),
+        offload=args.offload,
+        fused_head=args.fused_head,
+    )
     gen = torch.Generator(device=device).manual_seed(0)
     ids = torch.randint(0, vocab_size(p), (args.batch_size, seq), device=device, generator=gen)
     start = time.perf_counter()
     if args.system == "elixir":
         trainer = systems.build("elixir", p, ctx, ids)
         build_s = time.perf_counter() - start
+        runtime = trainer.handles["optimizer"].runtime
+        if args.update_order == "chunk":
+            runtime.update_order = list(runtime.trainable)
+        order = {"root_chunks": list(runtime.root_chunks), "update_order": args.update_order}
         stamps, trace, (busy, elements) = _harness_steps(trainer, ctx, ids, args.warmup + args.steps)
     else:
         from .hf_systems import hf_trainer  # transformers' Trainer: imported only where it runs
@@ -94,6 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         trainer.timed(ids, args.warmup, args.steps)
         stamps, trace = trainer.info["anatomy"]["stamps"], trainer.info["anatomy"]["trace"]
         busy, elements = 0.0, 0  # no update alone: the Trainer's engine is gone with its loop
+        order = {}
     steps = [
         dict(step_record(trace, t, before), loop_s=t["start"] - before["end"])
         for before, t in zip(stamps[args.warmup - 1 :], stamps[args.warmup :])
@@ -110,6 +135,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **env_info(device),
         "build_s": build_s,
         "plan": trainer.info["plan"],
+        **order,
         "steps": steps,
         "median_step_s": median,
         "tflops": 8 * param_count(p, seq) * args.batch_size * seq / median / 1e12,
@@ -140,6 +166,7 @@ def _harness_steps(trainer: systems.Trainer, ctx: systems.Context, ids: torch.Te
         opt.zero_grad()
         _sync(ctx.device)
         t["end"] = time.perf_counter()
+        t["loss_value"] = float(loss.detach())  # after the stamps: its host sync is not timed
         return t
 
     stamps = [step() for _ in range(n)]
@@ -168,14 +195,18 @@ def table(rec: dict[str, Any]) -> str:
     offloaded = f"{len(plan.get('offload', []))} of {plan.get('n_chunks')} chunks offloaded"
     lines = [
         f"{rec['system']}: {rec['model']} on {rec['card']}, batch {rec['batch']} x {rec['seq']}, clip {clip}: {offloaded}, "
-        f"built in {rec['build_s']:.1f} s",
+        f"built in {rec['build_s']:.1f} s"
+        + (
+            f"; the root's chunks {rec['root_chunks']}, updated {rec['update_order']}" if rec.get("root_chunks") else ""
+        ),
         f"{'step':>4} {'loop':>6} {'step s':>7} {'forward':>8} {'waits':>6} {'backward':>9} {'optimizer':>9} "
-        f"{'CPU busy':>9} {'CPU G/s':>8}",
+        f"{'CPU busy':>9} {'CPU G/s':>8} {'first':>6}",
     ]
     for i, s in enumerate(rec["steps"]):
         lines.append(
             f"{i:>4} {s['loop_s']:>6.3f} {s['step_s']:>7.3f} {s['forward_s']:>8.3f} {s['waits_s']:>6.3f} "
-            f"{s['backward_s']:>9.3f} {s['optimizer_s']:>9.3f} {s['cpu_busy_s']:>9.3f} {num(s['cpu_Gps'], 2):>8}"
+            f"{s['backward_s']:>9.3f} {s['optimizer_s']:>9.3f} {s['cpu_busy_s']:>9.3f} {num(s['cpu_Gps'], 2):>8} "
+            f"{'-' if s['first_updated'] is None else s['first_updated']:>6}"
         )
     lines.append(
         f"median step {rec['median_step_s']:.3f} s with its loop ({rec['tflops']:.1f} TFLOPS), "
@@ -205,12 +236,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--offload", type=float, default=None, help="pin the offloaded fraction of chunks (default: the plan's)"
     )
+    ap.add_argument(
+        "--fused-head", action="store_true", help="the LM head's weight read outside its module, as TRL's fused head"
+    )
+    ap.add_argument(
+        "--update-order",
+        choices=("root_first", "chunk"),
+        default="root_first",
+        help="the CPU lane's order: the engine's (the root's chunks first) or plain chunk order, for an A/B",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch threads (the CPU Adam keeps one for the loop)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None, help="also write the record to this file")
     args = ap.parse_args(argv)
     if args.warmup < 1:
         ap.error("--warmup must be >= 1: a timed step waits for the update of the step before it")
+    if args.system != "elixir" and (args.fused_head or args.update_order != "root_first"):
+        ap.error("--fused-head and --update-order take the harness's loop: pass --system elixir")
     rec = run(args)
     print(table(rec), flush=True)
     line = json.dumps(rec)

@@ -29,6 +29,7 @@ from .models import (
     fill_init_,
     materialize,
     restore_buffers_,
+    use_fused_head,
 )
 
 if TYPE_CHECKING:
@@ -66,6 +67,9 @@ class Context:
     lean_loss: bool = True
     """Elixir's model gets the lean causal-LM loss, as ``ElixirTrainer`` installs it by default
     (``elixir_hf.loss``; ``--lean-loss``); the baselines keep transformers' own."""
+    fused_head: bool = False
+    """Elixir's model reads its LM head's weight outside the head module, as TRL's fused LM head does
+    (``models.use_fused_head``), and passes it to ``prepare`` as ``resident``."""
 
 
 @dataclass
@@ -136,7 +140,9 @@ def _elixir(p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
     )
     if ctx.lean_loss:
         use_lean_loss(model)
-    model, opt = er.prepare(model, _adamw(model.parameters(), fused=False), config, example_batch=batch)
+    resident = use_fused_head(model) if ctx.fused_head else []
+    opt = _adamw(model.parameters(), fused=False)
+    model, opt = er.prepare(model, opt, config, example_batch=batch, resident=resident)
     plan = model._elixir.plan
     print(plan.table(), flush=True)
 
@@ -156,6 +162,7 @@ def _elixir(p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
         "skip_nonfinite": ctx.skip_nonfinite,
         "device_lane": ctx.device_lane,
         "lean_loss": ctx.lean_loss,
+        "fused_head": ctx.fused_head,
         "plan": plan_summary(plan),
         "plan_batch": len(example_ids),
     }

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from transformers import LlamaConfig
+
 from benchmarks import step_anatomy
 
 
@@ -40,3 +42,30 @@ def test_the_trainers_loop_is_stamped_by_its_callbacks(tmp_path, capsys):
         assert 0 <= s["waits_s"] <= s["forward_s"] and s["forward_s"] + s["backward_s"] <= s["step_s"]
         assert s["loop_s"] >= 0 and s["optimizer_s"] >= 0
     assert rec["cpu_Gps_alone"] is None and "elixir_trainer: tiny" in capsys.readouterr().out
+
+
+def test_a_fused_head_chunk_is_updated_first_unless_told_chunk_order(tmp_path, capsys):
+    """``--fused-head``: the head's weight is read outside its module, so its chunk is the root's;
+    offloaded, the engine's CPU lane starts each step's update with it, ``--update-order chunk``
+    with chunk 0 (the A/B), and the losses are the same either way. A Llama: its head is not tied
+    to the embedding (GPT-2's is, whose chunk is the first anyway)."""
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+        vocab_size=512, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    config.save_pretrained(tmp_path)
+    recs = {}
+    for order in ("root_first", "chunk"):
+        out = tmp_path / f"{order}.json"
+        step_anatomy.main(
+            ["--model", str(tmp_path), "--batch-size", "2", "--seq", "64", "--steps", "2", "--offload", "1.0",
+             "--threads", "2", "--fused-head", "--update-order", order, "--device", "cpu", "--json", str(out)]
+        )  # fmt: skip
+        recs[order] = json.loads(out.read_text())
+    capsys.readouterr()
+    [root] = recs["root_first"]["root_chunks"]
+    assert root != 0 and root in recs["root_first"]["plan"]["offload"]
+    assert [s["first_updated"] for s in recs["root_first"]["steps"]] == [root, root]
+    assert [s["first_updated"] for s in recs["chunk"]["steps"]] == [0, 0]
+    losses = {order: [s["loss"] for s in rec["steps"]] for order, rec in recs.items()}
+    assert losses["root_first"] == losses["chunk"] and len(set(losses["chunk"])) == 2  # trained, and alike
