@@ -360,7 +360,7 @@ def _measure_cpu(quick: bool) -> HardwareProfile:
 def collective_busbw(coll: Collectives, device: torch.device, dtype: torch.dtype, nbytes: int = 64 * 2**20) -> float:
     """Bus bandwidth (bytes/s) of the engine's own all-gather + reduce-scatter of an ``nbytes``
     chunk on the job's process group (NCCL over the real topology on GPUs): the median of three
-    samples (one sample alone was seen 30 % low on 4 H100s), the slowest rank's. Every rank of the
+    samples of five calls (one sample alone was seen 30 % low on 4 H100s), the slowest rank's. Every rank of the
     group must call it."""
     n = coll.world_size
     elt = torch.empty((), dtype=dtype).element_size()
@@ -372,7 +372,7 @@ def collective_busbw(coll: Collectives, device: torch.device, dtype: torch.dtype
 
     both()  # the first collective sets the communicator up
     _sync(device)
-    calls, samples = 2, []
+    calls, samples = 5, []
     for _ in range(3):  # the same count on every rank: a collective's partners must match
         start = time.perf_counter()
         for _ in range(calls):
