@@ -172,7 +172,7 @@ def use_fused_head(model: nn.Module) -> list[nn.Parameter]:
 
     backbone, head = model.base_model, model.get_output_embeddings()
 
-    def forward(self: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **_: Any):
+    def forward(self: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
         logits = backbone(input_ids=input_ids).last_hidden_state @ head.weight.t()
         loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size)
         return CausalLMOutput(loss=loss, logits=logits)

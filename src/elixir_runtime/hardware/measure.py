@@ -360,8 +360,8 @@ def _measure_cpu(quick: bool) -> HardwareProfile:
 def collective_busbw(coll: Collectives, device: torch.device, dtype: torch.dtype, nbytes: int = 64 * 2**20) -> float:
     """Bus bandwidth (bytes/s) of the engine's own all-gather + reduce-scatter of an ``nbytes``
     chunk on the job's process group (NCCL over the real topology on GPUs): the median of three
-    samples of five calls (one sample alone was seen 30 % low on 4 H100s), the slowest rank's.
-    Every rank of the group must call it."""
+    samples of five calls, the slowest rank's (one sample alone is noisy: docs/planning.md, "The
+    hardware profile"). Every rank of the group must call it."""
     n = coll.world_size
     elt = torch.empty((), dtype=dtype).element_size()
     full = torch.zeros(max(n, nbytes // elt // n * n), dtype=dtype, device=device)

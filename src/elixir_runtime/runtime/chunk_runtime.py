@@ -22,7 +22,7 @@ from ..chunk.layout import ChunkLayout
 from ..chunk.rcache import RCache
 from ..chunk.store import Residence, Weights, build_arenas, grads_on_demand, own_part
 from .gradients import ChunkGradients
-from .host_updates import HostUpdates, Lane
+from .host_updates import HostUpdates, Lane, update_order
 from .lockstep import Lockstep
 from .residency import ChunkResidency, RCacheExhausted
 from .state import ChunkState, GradState, ParamState, Residency
@@ -104,9 +104,9 @@ class ChunkRuntime:
         )
         self.trainable = self.grads.trainable
         self.root_chunks = root_chunks
-        first = set(root_chunks)
-        self.update_order = sorted(self.trainable, key=lambda c: c.index not in first)
-        """The trainable chunks in the order the next forward needs them: the root's, then chunk order."""
+        by_index = {c.index: c for c in self.trainable}
+        self.update_order = [by_index[i] for i in update_order(list(by_index), root_chunks)]
+        """The trainable chunks in the order the next forward needs them (``host_updates.update_order``)."""
 
     def invalidate_trainable(self) -> None:
         """After an update the gathered copies of trainable chunks are stale."""

@@ -1,7 +1,7 @@
 """Updates of offloaded chunks off the training loop's thread, overlapped with the next forward.
 
 One step's updates are slices of the offloaded chunks' shards, in the next forward's order (the
-chunks the root acquires, then chunk order: ``ChunkRuntime.update_order``), in one shared queue.
+chunks the root acquires, then chunk order: ``update_order``), in one shared queue.
 The CPU lane (a worker thread running the C++ kernel, which releases the GIL through ctypes)
 takes slices from the front, so the chunks the next forward needs first are done first. The
 device lane (``runtime/device_lane.py``: stage a slice to the GPU over the link the optimizer
@@ -19,12 +19,19 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["HostUpdates", "Lane"]
+__all__ = ["HostUpdates", "Lane", "update_order"]
+
+
+def update_order(chunks: Sequence[int], root: Collection[int]) -> list[int]:
+    """``chunks`` (in chunk order) in the order the next forward needs them: those the root acquires
+    before any unit runs (``root``), then chunk order. The engine's queue and the step model's."""
+    first = set(root)
+    return [c for c in chunks if c in first] + [c for c in chunks if c not in first]
 
 
 class Lane(Protocol):

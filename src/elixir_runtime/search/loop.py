@@ -330,7 +330,7 @@ def _no_fit_message(
         f"U_allowed = {budget.f_alloc} x ({gib(budget.capacity)} GPU - {gib(budget.buffers)} buffers - "
         f"{budget.f_frag} x {gib(act)} activations) = {gib(allowed)} per rank"
     )
-    # the smallest plan of each layout: rCache-min, and as few chunks on the GPU as the host allows
+    # the smallest plan of each layout: the rCache it was held to, and as few chunks on the GPU as the host allows
     needs = []
     for e in (e for e in evaluated if e.blocks >= e.min_blocks):  # n_blocks below a layout's minimum rules it out
         on_device = np.zeros(len(e.layout.chunks), dtype=bool)

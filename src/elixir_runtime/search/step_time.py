@@ -42,6 +42,7 @@ from ..chunk.layout import ChunkLayout
 from ..hardware.profile import Rates
 from ..profiler.timeline import Cost
 from ..runtime.device_lane import LANE_SLICE
+from ..runtime.host_updates import update_order
 from .access import BWD, FWD, AccessTrace
 from .belady import MissTable
 
@@ -165,10 +166,9 @@ class StepModel:
         self.compute_fwd = compute_time(compute["fwd"], rates)
         self.compute_bwd = compute_time(compute["bwd"], rates)
         self.unit_start, self.first_need, self.first, self.last = self._forward(trace)
-        self.root = np.zeros(self.k, dtype=bool)
-        self.root[list(root)] = True
+        self.root_set = frozenset(root)
         """Chunks the root's pre-forward acquires before any unit: needed first, updated first."""
-        self.first_need[self.root] = 0.0
+        self.first_need[list(root)] = 0.0
         self.grad_ready = self._backward(trace)
         order = np.argsort(self.grad_ready, kind="stable")
         self._reduce_order = order[self.trainable[order]]  # the reduce stream's order in backward
@@ -364,12 +364,11 @@ class StepModel:
         in the forward's compute each chunk's update must be done (negative: after it; [Note:
         in-line gathers and late updates])."""
         # In seconds since the end of backward: the host thread takes the chunks in the next
-        # forward's order (the root's, then chunk order: ``ChunkRuntime.update_order``), each once
+        # forward's order (``host_updates.update_order``, as the engine's queue), each once
         # its gradients are there and the previous update is done (the device lane, if any, takes
         # slices from the back).
         ready = self.update_start(trainable_host, reduce)
-        mine = np.flatnonzero(trainable_host)
-        mine = np.concatenate([mine[self.root[mine]], mine[~self.root[mine]]])
+        mine = np.array(update_order(np.flatnonzero(trainable_host).tolist(), self.root_set), dtype=np.int64)
         done = np.zeros(self.k)
         if self.lane_rate:
             done[mine], cpu_busy, lane_busy = _two_lanes(

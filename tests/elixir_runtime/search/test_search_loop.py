@@ -253,7 +253,7 @@ def test_nothing_fits_says_why_and_what_would_fit(gpt2) -> None:
 def test_a_chosen_rcache_that_does_not_fit_is_named_with_its_fix(gpt2) -> None:
     model, table, profile = gpt2
     budget = _budget(profile, _capacities(model, profile)[1])  # room for a small rCache, not for every chunk
-    search(table, profile, gpu_host(), budget, _settings())
+    search(table, profile, gpu_host(), budget, _settings())  # fits (PlanError otherwise) with the search's rCache
     with pytest.raises(PlanError) as info:
         search(table, profile, gpu_host(), budget, _settings(n_blocks="max"))
     text = str(info.value)
