@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("elixir_runtime.search",),
     # the plan and the planner that decides it (profile, search, layout) for prepare and elixir-plan
     ("elixir_runtime.plan", "elixir_runtime.planner"),
-    ("elixir_runtime.api", "elixir_runtime"),
+    ("elixir_runtime.api", "elixir_runtime.compile", "elixir_runtime"),
     ("elixir_hf",),
 ]
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import math
 import os
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import SAFE_WEIGHTS_NAME, DynamoBackend
 from torch import nn
 
-from elixir_runtime import ElixirOptimizer, rank0_state_dict
+from elixir_runtime import ElixirOptimizer, check_compile_options, rank0_state_dict
 from elixir_runtime.state_dict import load_safetensors
 
 from .batch_plan import planned_batch
@@ -44,6 +45,8 @@ from .mixin import mixed_class
 from .optimizer import ElixirAcceleratedOptimizer
 from .optimizer_files import load_optimizer, save_optimizer
 from .plugin import ENV_VAR, ElixirPlugin, ElixirSpecError, check_exclusive
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ElixirAccelerator", "elixir_accelerator"]
 
@@ -73,12 +76,24 @@ class ElixirAccelerator(Accelerator):
         super().__init__(*args, **kwargs)
         self.elixir_plugin = plugin
         self._engine_metrics: EngineMetrics | None = None
+        self.elixir_compile: dict[str, Any] | None = None
+        """``torch.compile`` arguments (``--torch_compile``, a dynamo config) the engine applies to each block
+        (``elixir_runtime.compile_blocks``) instead of Accelerate compiling the whole model through its hooks."""
         if plugin is not None:
-            if self.state.dynamo_plugin.backend != DynamoBackend.NO:
-                raise ElixirSpecError(
-                    "torch.compile (a dynamo backend) is not supported with Elixir yet: drop --torch_compile / the "
-                    "dynamo_config of the accelerate config, or pass --elixir off"
-                )
+            dynamo = self.state.dynamo_plugin
+            if dynamo.backend != DynamoBackend.NO:
+                self.elixir_compile = dynamo.to_kwargs()
+                try:
+                    check_compile_options(**self.elixir_compile)
+                except ValueError as exc:
+                    raise ElixirSpecError(
+                        f"{exc} (--torch_compile_mode / the accelerate config's dynamo_config)"
+                    ) from None
+                if dynamo.use_regional_compilation:
+                    logger.info(
+                        "elixir: dynamo's use_regional_compilation is what the engine does: each block compiled"
+                    )
+                dynamo.backend = DynamoBackend.NO
             plugin.check_world_size(self.num_processes)
             check_launch(self.num_processes, "Accelerator")
             follow_accelerator(self.is_main_process)
@@ -113,13 +128,16 @@ class ElixirAccelerator(Accelerator):
                     self.device,
                     batch,
                     grad_accum_steps=self.gradient_accumulation_steps,
+                    compile_kwargs=self.elixir_compile,
                 )
                 # a scheduler built on `optimizer` sees its steps run by the engine (same param_groups);
                 # tell torch it has stepped, or its "scheduler before optimizer" warning fires
                 optimizer._opt_called = True
         prepared = super().prepare(*objs, device_placement=device_placement)
         if models and optimizers:
-            self._engine_metrics = EngineMetrics(self.elixir_optimizer, objs[models[0]]._elixir.plan)
+            self._engine_metrics = EngineMetrics(
+                self.elixir_optimizer, objs[models[0]]._elixir.plan, compiled=self.elixir_compile is not None
+            )
         return prepared
 
     def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):

@@ -26,6 +26,8 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from elixir_runtime import check_compile_options
+
 from .launch import check_devices, check_launch
 from .mixin import mixed_class
 from .plugin import ENV_VAR, ElixirPlugin, ElixirSpecError, check_exclusive
@@ -96,8 +98,11 @@ class ElixirTrainingArguments(TrainingArguments):
                 f"--optim {optim} is not supported with Elixir, which runs AdamW over its chunk shards: use "
                 f"--optim {' or --optim '.join(SUPPORTED_OPTIMS)} (the default), or turn Elixir off with --elixir off"
             )
-        if self.torch_compile:
-            raise ElixirSpecError("--torch_compile is not supported with Elixir yet: drop it, or pass --elixir off")
+        if self.torch_compile or self.torch_compile_mode or self.torch_compile_backend:  # either implies it
+            try:
+                check_compile_options(self.torch_compile_backend or "inductor", self.torch_compile_mode)
+            except ValueError as exc:
+                raise ElixirSpecError(f"--torch_compile_mode/--torch_compile_backend: {exc}") from None
         if self.fp16_full_eval or self.bf16_full_eval:
             raise ElixirSpecError(
                 "--fp16_full_eval/--bf16_full_eval cast the whole model, which Elixir shards: drop the flag; "

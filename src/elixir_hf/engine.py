@@ -80,6 +80,7 @@ def build_engine(
     *,
     args: Any | None = None,
     grad_accum_steps: int | None = None,
+    compile_kwargs: dict[str, Any] | None = None,
 ) -> ElixirOptimizer:
     """Checks the plan file (if any), gives the model the lean causal-LM loss (``plugin.lean_loss``;
     before the engine traces a training step, so the plan counts that loss's memory), then
@@ -91,6 +92,8 @@ def build_engine(
     ``args`` (the ``TrainingArguments``, if any) tells the planner whether the loop clips
     gradients (``clips_grads``); without them it assumes it does. ``grad_accum_steps``: the
     Trainer's or Accelerator's micro-batches per step (``ElixirConfig.grad_accum_steps``).
+    ``compile_kwargs`` (``--torch_compile``'s, from the Accelerator's dynamo config): each decoder
+    layer's forward is compiled with them (``elixir_runtime.compile_blocks``).
     """
     plugin.check_model(model)
     if plugin.lean_loss:
@@ -114,13 +117,20 @@ def build_engine(
     try:
         plugin.check_plan(plan)
     except ElixirSpecError as exc:
-        if not resident:
+        table = plan.param_table
+        names = [table.names[i][0] for i, r in enumerate(table.resident) if r]
+        if not names:
             raise
-        names = [plan.param_table.names[plan.param_table.index[id(p)]][0] for p in resident]
         raise ElixirSpecError(
-            f"{exc}. Here {names} have chunks of their own because TRL's fused LM head reads them outside their "
-            "module, which elixir-plan cannot know: use --elixir auto or a JSON config instead of the plan file"
+            f"{exc}. Here {names} have chunks of their own because the forward reads them outside their module "
+            "(a fused LM head or loss), which elixir-plan cannot know: use --elixir auto or a JSON config instead of "
+            "the plan file"
         ) from None
+    if compile_kwargs is not None:
+        n = elixir_runtime.compile_blocks(model, **compile_kwargs)
+        logger.info(
+            "elixir: torch.compile(%s) on the forward of each of %d blocks, the chunk hooks outside", compile_kwargs, n
+        )
     if logger.isEnabledFor(logging.INFO):
         m = describe_model(model)
         logger.info("Elixir plan for %s (%.1fM parameters):\n%s", m["class"], m["parameters"] / 1e6, plan.table())

@@ -2,7 +2,8 @@
 
 Each ``collect()`` returns the numbers since the previous one: the plan's key numbers
 (``elixir/plan_*``, first call only), loss scale, skipped steps, GPU and host memory, the
-step-time breakdown and the engine's chunk traffic per optimizer step. ``ElixirAccelerator``
+step-time breakdown and the engine's chunk traffic per optimizer step; with compiled blocks, the
+compile time (the cold start), graphs and graph breaks so far (``elixir/compile_*``). ``ElixirAccelerator``
 holds one per prepared engine: ``ElixirTrainer.log`` merges it into every training log (so it
 reaches ``trainer_state.json``'s ``log_history`` and every reporter) and
 ``ElixirAccelerator.log`` into every ``accelerator.log`` call.
@@ -15,7 +16,7 @@ import time
 import psutil
 import torch
 
-from elixir_runtime import ElixirPlan
+from elixir_runtime import ElixirPlan, compile_stats
 
 from .optimizer import ElixirAcceleratedOptimizer
 
@@ -25,8 +26,8 @@ _GIB = 2**30
 
 
 class EngineMetrics:
-    def __init__(self, optimizer: ElixirAcceleratedOptimizer, plan: ElixirPlan) -> None:
-        self.optimizer, self.plan = optimizer, plan
+    def __init__(self, optimizer: ElixirAcceleratedOptimizer, plan: ElixirPlan, compiled: bool = False) -> None:
+        self.optimizer, self.plan, self.compiled = optimizer, plan, compiled
         self._plan_logged = False
         self._since = self._now()
 
@@ -40,6 +41,15 @@ class EngineMetrics:
         out["elixir/skipped_steps"] = self.optimizer.skipped_steps
         out.update(_memory_metrics(self.optimizer.elixir_optimizer.runtime.device))
         out.update(self._rates())
+        if self.compiled:  # compile_blocks ran: dynamo's totals in this process so far
+            stats = compile_stats()
+            out.update(
+                {
+                    "elixir/compile_s": stats.compile_s,
+                    "elixir/compile_graphs": stats.graphs,
+                    "elixir/compile_graph_breaks": stats.graph_breaks,
+                }
+            )
         return out
 
     def _rates(self) -> dict[str, float]:

@@ -127,6 +127,7 @@ class ElixirTrainer(Trainer):
             batch,
             args=self.args,
             grad_accum_steps=self.args.gradient_accumulation_steps,
+            compile_kwargs=self.accelerator.elixir_compile,
         )
         return self.optimizer
 

@@ -7,15 +7,18 @@ optimizer.clip_grad_norm(1.0)
 optimizer.step(); optimizer.zero_grad()
 with elixir_runtime.full_params(model):   # every rank; then forwards on any rank (sampling, eval)
     ...
+elixir_runtime.compile_blocks(model)      # torch.compile each decoder layer, the chunk hooks outside
 """
 
 from .api import ElixirState, prepare
 from .chunk.init import InitError, init_weights
 from .chunk.stream import WeightsError, stream_weights
+from .compile import CompileStats, check_compile_options, compile_blocks, compile_stats
 from .config import ElixirConfig, LossScaleConfig, PlanError
 from .optim.optimizer import ElixirOptimizer
 from .plan import ElixirPlan
 from .runtime.full_params import full_params
+from .runtime.hooks import PlaceholderReadError
 from .runtime.lockstep import LockstepError
 from .state_dict import load_safetensors, rank0_state_dict
 
@@ -35,4 +38,9 @@ __all__ = [
     "rank0_state_dict",
     "full_params",
     "LockstepError",
+    "PlaceholderReadError",
+    "compile_blocks",
+    "check_compile_options",
+    "compile_stats",
+    "CompileStats",
 ]

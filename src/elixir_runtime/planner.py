@@ -33,6 +33,7 @@ from .hardware.profile import HardwareProfile
 from .host import HostMemory, held_bytes, host_available, local_ranks
 from .plan import ElixirPlan, check_fits, resolve_plan
 from .profiler.kernels import cuda_attention
+from .profiler.outside import parameters_named
 from .profiler.profile import ModelProfile, profile_model, structural_profile
 from .profiler.trace import trace_unit_order
 from .progress import progress
@@ -200,7 +201,9 @@ def plan_job(
             host=host,
         )
     else:
-        order = coll.decided_by_rank0(lambda: trace_unit_order(model, units, example_batch, dtype, device), device)
+        order, outside = coll.decided_by_rank0(
+            lambda: trace_unit_order(model, units, example_batch, dtype, device), device
+        )
         plan = plan_static(
             model,
             units,
@@ -210,7 +213,7 @@ def plan_job(
             device=device,
             dtype=dtype,
             param_group=param_group,
-            resident=resident,
+            resident=_with_outside(model, resident, outside),
         )
     check_fits(plan, device, host)
     return _for_batch(plan, example_batch)
@@ -259,13 +262,15 @@ def search_job(
     target = Target(coll.world_size, device, dtype, hardware, budget, busbw, grads_share_activations)
     mine: list[_Searched] = []
 
-    def decide() -> tuple[list[int], SearchResult]:
+    def decide() -> tuple[list[int], list[str], SearchResult]:
         mine.append(_searched(model, units, example_batch, config, target, param_group, resident=resident))
-        return mine[0].order, replace(mine[0].result, layout=None)
+        return mine[0].order, mine[0].profile.read_outside, replace(mine[0].result, layout=None)
 
-    order, result = coll.decided_by_rank0(decide, device)
-    searched = mine[0] if mine else _Searched(order, _table(model, units, order, param_group, resident), result)
-    return searched.plan(config, target)
+    order, outside, result = coll.decided_by_rank0(decide, device)
+    if not mine:
+        table = _table(model, units, order, param_group, _with_outside(model, resident, outside, log=False))
+        mine.append(_Searched(order, table, result))
+    return mine[0].plan(config, target)
 
 
 @dataclass
@@ -302,7 +307,7 @@ def _searched(
         profile = _profile(model, units, example_batch, target.dtype, target.device, exact)
         bar.update()
     order = profile.unit_indices(units)
-    table = _table(model, units, order, param_group, resident)
+    table = _table(model, units, order, param_group, _with_outside(model, resident, profile.read_outside))
     budget = target.budget(profile)
     if example_batch is None:
         budget.activations = int(UNPROFILED_ACTIVATION_SHARE * budget.capacity / F_FRAG)
@@ -327,6 +332,19 @@ def _table(
     if param_group is None:
         return table
     return replace(table, groups=[param_group(p) if p.requires_grad else -1 for p in table.params])
+
+
+def _with_outside(model: nn.Module, resident: Resident, outside: list[str], log: bool = True) -> list[nn.Parameter]:
+    """``resident`` and the parameters the traced forward read outside their units (``outside``: names)."""
+    given = {id(p) for p in resident}
+    found = [p for p in parameters_named(model, outside) if id(p) not in given]
+    if found and log:
+        logger.info(
+            "elixir: the forward reads %s outside their modules' calls: they get chunks of their own that every "
+            "forward gathers first",
+            ", ".join(outside),
+        )
+    return [*resident, *found]
 
 
 def _layout(table: ParamTable, config: ElixirConfig, world_size: int, chunk_size: int | None) -> ChunkLayout:

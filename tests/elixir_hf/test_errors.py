@@ -92,7 +92,8 @@ def test_bad_elixir_values(tmp_path, spec: str, message: str) -> None:
         ({"fsdp": "full_shard"}, "cannot be combined with FSDP"),
         ({"optim": "sgd"}, "--optim sgd is not supported with Elixir.*--optim adamw_torch"),
         ({"optim": "adafactor"}, "--optim adafactor is not supported"),
-        ({"torch_compile": True}, "--torch_compile is not supported"),
+        ({"torch_compile_mode": "reduce-overhead"}, "--torch_compile_mode.*uses CUDA graphs"),
+        ({"torch_compile_backend": "cudagraphs"}, "backend='cudagraphs' cannot work with Elixir"),
         ({"bf16_full_eval": True}, "bf16_full_eval"),
     ],
 )

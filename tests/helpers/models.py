@@ -8,6 +8,7 @@ attention is used because it is deterministic on CPU across torch versions.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -210,3 +211,21 @@ def make_mlp_batch(d_in: int = 8, n_classes: int = 4, batch: int = 4, seed: int 
         "x": torch.randn(batch, d_in, generator=gen),
         "labels": torch.randint(0, n_classes, (batch,), generator=gen),
     }
+
+
+def read_head_outside(model: PreTrainedModel) -> nn.Parameter:
+    """Gives ``model`` (an HF causal LM taking ``input_ids`` and ``labels``) the forward Liger's fused
+    linear cross entropy and TRL's fused LM head have: the backbone, then the head's weight read
+    without calling the head, and a loss averaged over the counted labels (``item()``). Returns the
+    weight so read."""
+    head = model.get_output_embeddings()
+
+    def forward(self: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, **_: Any) -> torch.Tensor:
+        hidden = self.base_model(input_ids=input_ids).last_hidden_state[:, :-1]
+        logits = hidden @ head.weight.t()
+        target = labels[:, 1:].flatten()
+        count = (target != -100).sum().item()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target, reduction="sum") / count
+
+    model.forward = types.MethodType(forward, model)
+    return head.weight

@@ -5,7 +5,8 @@ forward: the model in training mode, its own parameters and buffers swapped for 
 compute dtype, on the compute device) and restored afterwards, whatever happens; tied parameters
 stay tied (one fake per parameter object). Swapping in place, rather than
 ``torch.func.functional_call``, keeps the fakes in place through backward, where activation
-checkpointing re-runs the forward.
+checkpointing re-runs the forward. Custom (Triton) kernels are skipped and data-dependent scalars
+answered with a constant (``launches.py``, [Note: kernels on fake tensors]).
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
+
+from .launches import Launch, skipped_launches
 
 __all__ = ["FakeRun", "fake_run", "loss_of"]
 
@@ -37,11 +40,17 @@ class FakeRun:
 
 
 @contextlib.contextmanager
-def fake_run(model: nn.Module, batch: Any, dtype: torch.dtype | None, device: torch.device) -> Iterator[FakeRun]:
+def fake_run(
+    model: nn.Module, batch: Any, dtype: torch.dtype | None, device: torch.device, on_launch: Launch | None = None
+) -> Iterator[FakeRun]:
     """``model`` in training mode on fake parameters and buffers, inside a fake tensor mode in which
-    0-dim ``torch.rand`` draws are constant; call ``model`` on the yielded ``FakeRun.batch``."""
+    0-dim ``torch.rand`` draws are constant, ``item()`` answers 1 and Triton launches on fakes are
+    skipped (``on_launch`` is told of each); call ``model`` on the yielded ``FakeRun.batch``."""
     with (
+        torch.compiler.set_stance("force_eager"),  # compiled code is not traced here (compile.py)
         FakeTensorMode(allow_non_fake_inputs=True) as mode,
+        _ConstantItems(),
+        skipped_launches(on_launch),
         _fake_state(model, dtype, device) as (
             params,
             buffers,
@@ -130,6 +139,25 @@ def _train_mode(model: nn.Module) -> Iterator[None]:
     finally:
         for m, flag in flags:
             m.training = flag
+
+
+_DATA_ANSWERS = {
+    torch.ops.aten._local_scalar_dense.default: lambda t: 1.0 if t.is_floating_point() else 1,  # a count or sum
+    torch.ops.aten.equal.default: lambda *_: True,  # torch.equal(grad_output, 1.0): the loss's own gradient
+}
+"""Data-dependent answers the fake mode cannot give, and what the trace takes instead. A truth value
+(``if x.sum() > 0:``) is not answered: a branch on data has no right guess, and the trace fails."""
+
+
+class _ConstantItems(TorchDispatchMode):
+    """Answers the ops of ``_DATA_ANSWERS`` on fake tensors, which the fake mode would refuse: see
+    [Note: kernels on fake tensors] in ``launches.py``."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        answer = _DATA_ANSWERS.get(func)
+        if answer is not None and args[0].dtype is not torch.bool:
+            return answer(*args)
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager

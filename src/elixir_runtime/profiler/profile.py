@@ -24,6 +24,7 @@ from .blocks import BlockStack, find_block_stack, truncated
 from .fake import fake_run, loss_of
 from .hooks import Markers
 from .kernels import cuda_attention
+from .outside import OutsideReads
 from .recorder import Recorder
 from .timeline import BlockPlan, Cost, Region, Segment, Timeline, UnitEvent, replay
 from .trace import call_model
@@ -79,6 +80,8 @@ class ModelProfile:
     """``fwd`` and ``bwd`` (the latter includes recomputation)."""
     blocks: BlockPlan | None
     seconds: float
+    read_outside: list[str] = field(default_factory=list)
+    """Parameters the forward read while no unit holding them ran (``outside.py``)."""
     backward: list[BackwardSegment] = field(default_factory=list)
     """Backward from the loss and head on, a segment per block: what is live beside the gradient
     shards GPU-resident chunks accumulate as it goes (``search/memory.py``). Empty: no head was
@@ -204,12 +207,13 @@ def profile_model(
     stack = find_block_stack(model)
     plan: BlockPlan | None = None
     segments: list[Segment] | None = None
+    outside: list[str] = []
     if stack is not None and not exact and len(stack.blocks) > PROFILED_BLOCKS + 1:
         plan = BlockPlan(stack.prefix, len(stack.blocks), PROFILED_BLOCKS)
         try:
             with truncated(stack, PROFILED_BLOCKS):
                 kept = {id(m) for m in model.modules()}
-                segments = _trace(
+                segments, outside = _trace(
                     model, batch, dtype, device, [u for u in units if id(u.module) in kept], stack, emulate
                 )
         except Exception:  # a forward that needs all its blocks (e.g. indexes them by config): trace them all
@@ -217,9 +221,11 @@ def profile_model(
         if segments is None or not _replayable(segments, plan):
             segments, plan = None, None
     if segments is None:
-        segments = _trace(model, batch, dtype, device, units, stack, emulate)
+        segments, outside = _trace(model, batch, dtype, device, units, stack, emulate)
     where = "cuda (kernels chosen as on a GPU, traced on cpu)" if emulate else str(device)
-    return _assemble(model, batch, segments, plan, dtype, where, time.perf_counter() - start)
+    profile = _assemble(model, batch, segments, plan, dtype, where, time.perf_counter() - start)
+    profile.read_outside = outside
+    return profile
 
 
 def structural_profile(model: nn.Module, units: list[Unit], dtype: torch.dtype) -> ModelProfile:
@@ -260,20 +266,23 @@ def _trace(
     units: list[Unit],
     stack: BlockStack | None,
     emulate: bool,
-) -> list[Segment]:
+) -> tuple[list[Segment], list[str]]:
+    """The step's segments, and the parameters its forward read outside their units."""
     timeline = Timeline()
     names = {id(p): n for n, p in model.named_parameters()}
     kernels = cuda_attention() if emulate else contextlib.nullcontext()
-    with fake_run(model, batch, dtype, device) as fake, kernels:
+    with fake_run(model, batch, dtype, device, on_launch=timeline.kernel_launch) as fake, kernels:
         recorder = Recorder(timeline, {id(f): names[pid] for pid, f in fake.params.items()})
         recorder.preexisting(
             [*fake.params.values(), *fake.buffers, *(t for t in tree_leaves(fake.batch) if isinstance(t, torch.Tensor))]
         )
         markers = Markers(model, timeline, units, stack)
+        outside = OutsideReads(units, fake.params, names)
         try:
             with torch.enable_grad(), recorder:
-                output = call_model(model, fake.batch)
-                loss = loss_of(output)
+                with outside.watching():
+                    output = call_model(model, fake.batch)
+                    loss = loss_of(output)
                 del output
                 timeline.phase = "bwd"
                 timeline.mark("head")
@@ -282,7 +291,7 @@ def _trace(
         finally:
             recorder.close()
             markers.remove()
-    return timeline.segments
+    return timeline.segments, list(outside.found)
 
 
 def _replayable(segments: list[Segment], plan: BlockPlan) -> bool:

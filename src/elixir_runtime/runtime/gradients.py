@@ -13,14 +13,6 @@
   (``used_params``): the optimizer leaves the others alone, as torch's AdamW does with ``.grad is None``;
 * ``zero_grad``: ``HELD -> EMPTY``; the device's gradient shards are freed.
 
-[Note: reads outside a module] The engine gathers a parameter's chunk only when a unit holding it
-runs (or, for ``resident`` parameters, the model's forward starts). A forward that reads a parameter
-outside its module's call (a patched forward multiplying by ``lm_head.weight`` itself) sees the zero
-placeholder, and trains wrongly without an error. With ``ELIXIR_DEBUG_STATES=1`` (``state.CHECKING``)
-the hooks record the units that ran since the last backward (``ran``), and a gradient arriving for a
-trainable parameter none of whose units ran, and that is not resident, raises naming it. Frozen
-parameters get no gradient and so escape this check.
-
 [Note: reduce order] Ranks must issue collectives in the same order. A chunk is reduced as soon as
 its last gradient arrives, so, as with FSDP, every rank must run the same modules in a step (the
 usual SPMD contract); chunks left incomplete by unused parameters are reduced at the end of
@@ -44,7 +36,6 @@ from torch import nn
 from ..chunk.collectives import Collectives
 from ..chunk.layout import ChunkLayout
 from ..chunk.store import grads_on_demand
-from . import state
 from .host_updates import HostUpdates
 from .residency import ChunkResidency, on_stream
 from .state import ChunkState, GradState
@@ -91,15 +82,6 @@ class ChunkGradients:
         """Set by ``grad_norm_sq`` on several ranks: how many (rank, parameter) pairs got no gradient."""
         self._reduce_order = 0
         """Fingerprint of this rank's sequence of chunk reductions since the last ``zero_grad``."""
-        self.ran: set[int] = set()
-        """Units whose forward ran since the last backward (recorded while ``state.CHECKING``)."""
-        self.read_by: list[frozenset[int]] = [frozenset() for _ in layout.params]
-        """Per parameter, the units holding it; empty for resident ones (``track_reads``)."""
-
-    def track_reads(self, read_by: list[frozenset[int]]) -> None:
-        """The units holding each parameter, empty for parameters read anywhere (``resident``): the
-        debug check of [Note: reads outside a module]."""
-        self.read_by = read_by
 
     # ------------------------------------------------------------------ backward
     def note_grad_forward(self) -> None:
@@ -134,13 +116,6 @@ class ChunkGradients:
     def on_grad(self, param_index: int, param: nn.Parameter) -> None:
         """Post-accumulate-grad hook: the grad overwrites (or adds to) the param's slot in its chunk."""
         self.begin_backward()
-        if state.CHECKING and self.read_by[param_index] and self.ran.isdisjoint(self.read_by[param_index]):
-            raise RuntimeError(
-                f"parameter {self.layout.names[param_index][0]!r} got a gradient, but no module holding it ran in "
-                "this forward: the forward read it outside its module's call, where the engine does not gather it "
-                "(it reads a zero placeholder unless its chunk happened to be resident). Pass it to "
-                "elixir_runtime.prepare(..., resident=[...]), or call its module (checked under ELIXIR_DEBUG_STATES=1)"
-            )
         c = self.chunks[self.layout.param_chunk[param_index]]
         if c.grad_state is GradState.REDUCED:
             raise RuntimeError(
@@ -218,7 +193,6 @@ class ChunkGradients:
         for c in self.trainable:
             if c.grad_state is GradState.REDUCED:
                 c.transition(GradState.HELD)
-        self.ran.clear()
         self.in_backward = False
         self.backward_pending = False
 

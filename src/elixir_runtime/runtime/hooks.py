@@ -20,6 +20,15 @@ parameters read outside their module's call (``ParamTable.resident``, e.g. ``lm_
 TRL's fused LM head). Private chunks are never evicted, so each stays gathered from there until its
 reduction in backward (or a step) releases it; the saved tensors of such a read are views of its
 own buffer, left unpacked, and its gradient arrives through the usual post-accumulate-grad hook.
+[Note: placeholder reads] The trace before the run finds the parameters a forward reads outside
+their module (``profiler/outside.py``), but only on the path the example batch takes, and only with
+one. So the first forward of each kind (training, no-grad, eval) runs under ``_PlaceholderReads``: an
+aten op with a parameter that is still a placeholder among its inputs raises, naming it and the fix,
+before any step could train on it. Later forwards run unwatched (one Python call per op costs
+nothing once; every step it would); ``ELIXIR_DEBUG_STATES=1`` watches them all. A watched forward runs
+eagerly (``torch.compiler.set_stance("force_eager")``): dynamo does not compile under a dispatch mode,
+and would mark the frames it met there never to be compiled again.
+
 It also hands each training forward's inputs to the ``BatchGuard`` (``batch_guard.py``: a batch
 larger than the plan's warns once). Inside ``full_params`` every hook stands by: the parameters are
 all on this rank and forwards run alone.
@@ -32,7 +41,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import arg_tree_leaves, tree_flatten, tree_unflatten
 
 from ..units import Unit
 from . import state
@@ -41,7 +51,7 @@ from .chunk_runtime import ChunkRuntime
 from .lockstep import Op
 from .state import Residency
 
-__all__ = ["install_hooks"]
+__all__ = ["PlaceholderReadError", "install_hooks"]
 
 
 class _PostBackward(torch.autograd.Function):
@@ -66,8 +76,8 @@ class _Packed:
 
 
 class _UnitHooks:
-    def __init__(self, runtime: ChunkRuntime, chunks: tuple[int, ...], unit: int = -1) -> None:
-        self.runtime, self.chunks, self.unit = runtime, chunks, unit
+    def __init__(self, runtime: ChunkRuntime, chunks: tuple[int, ...]) -> None:
+        self.runtime, self.chunks = runtime, chunks
         self.post_backward_armed = False
         self.bwd_pinned = False
 
@@ -75,8 +85,6 @@ class _UnitHooks:
         if self.runtime.residency is not Residency.SHARDED:
             return args, kwargs  # inside full_params: the parameters are all here
         self.runtime.resident.acquire(self.chunks, pin=True)
-        if state.CHECKING:  # gradients.py, [Note: reads outside a module]
-            self.runtime.grads.ran.add(self.unit)
         self.post_backward_armed = False
         if not torch.is_grad_enabled():
             return args, kwargs
@@ -117,6 +125,51 @@ class _UnitHooks:
             self.bwd_pinned = False
 
 
+class PlaceholderReadError(RuntimeError):
+    """A forward read a parameter outside its module's call, where the engine had not gathered it."""
+
+
+def _is_placeholder(t: object, ptr: int) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and t.layout is torch.strided
+        and t.device.type != "meta"
+        and t.untyped_storage().data_ptr() == ptr
+    )
+
+
+class _PlaceholderReads(TorchDispatchMode):
+    """Raises at an op reading a placeholder, compiled code run eagerly ([Note: placeholder reads])."""
+
+    def __init__(self, runtime: ChunkRuntime) -> None:
+        super().__init__()
+        self.ptr = runtime.resident.placeholder_ptr
+        self.names = {id(p): names[0] for p, names in zip(runtime.layout.params, runtime.layout.names)}
+        self.eager = torch.compiler.set_stance("force_eager")
+
+    def __enter__(self):
+        self.eager.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self.eager.__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in arg_tree_leaves(*args, **kwargs):
+            if _is_placeholder(t, self.ptr):
+                name = self.names.get(id(t), "a parameter (a view of it)")
+                raise PlaceholderReadError(
+                    f"the forward read {name!r} ({func}) outside its module's call, where the engine does not gather "
+                    "it, and the trace before the run did not see that read (no example batch, or a path that batch "
+                    "did not take). Fix: pass it to elixir_runtime.prepare(..., resident=[...]), or call its module"
+                )
+        return func(*args, **kwargs)
+
+
 class _RootHooks:
     """Iteration boundaries for the access schedule, and the saved-tensor hooks around forward."""
 
@@ -127,6 +180,9 @@ class _RootHooks:
         self.guard = guard or BatchGuard(None)
         self.depth = 0
         self.saved_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self.watched: set[tuple[bool, bool]] = set()
+        """The kinds of forward (grad enabled, training) already run under ``_PlaceholderReads``."""
+        self.watch: _PlaceholderReads | None = None
 
     def pre_forward(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.runtime.residency is Residency.ELSEWHERE:
@@ -144,9 +200,14 @@ class _RootHooks:
         self.depth += 1
         if self.depth > 1:
             return
-        self.runtime.resident.schedule.begin((grad, self.model.training))
+        kind = (grad, self.model.training)
+        self.runtime.resident.schedule.begin(kind)
         if self.chunks:  # private: never evicted, so no pin is needed to keep them
             self.runtime.resident.acquire(self.chunks, pin=False)
+        if kind not in self.watched or state.CHECKING:
+            self.watched.add(kind)
+            self.watch = _PlaceholderReads(self.runtime)
+            self.watch.__enter__()
         if grad:
             self.saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             self.saved_hooks.__enter__()
@@ -155,6 +216,9 @@ class _RootHooks:
         if self.runtime.residency is not Residency.SHARDED:
             return
         self.depth = max(self.depth - 1, 0)
+        if self.depth == 0 and self.watch is not None:
+            self.watch.__exit__(None, None, None)
+            self.watch = None
         if self.depth == 0 and self.saved_hooks is not None:
             self.saved_hooks.__exit__(None, None, None)
             self.saved_hooks = None
@@ -185,18 +249,11 @@ def install_hooks(
     root_chunks = runtime.root_chunks
     handles = []
     for unit, chunks in zip(units, unit_chunks, strict=True):
-        h = _UnitHooks(runtime, chunks, unit.index)
+        h = _UnitHooks(runtime, chunks)
         handles.append(unit.module.register_forward_pre_hook(h.pre_forward, with_kwargs=True))
         handles.append(unit.module.register_forward_hook(h.post_forward, with_kwargs=True, always_call=True))
         runtime.grads.on_finish_backward.append(h.post_backward)
     assert all(runtime.chunks[i].spec.private for i in root_chunks), "the root acquires private chunks only"
-    index = {id(p): i for i, p in enumerate(runtime.layout.params)}
-    read_by: list[set[int]] = [set() for _ in runtime.layout.params]
-    for unit in units:
-        for p in unit.params:
-            read_by[index[id(p)]].add(unit.index)
-    resident = {s.param for i in root_chunks for s in runtime.chunks[i].spec.slots}
-    runtime.grads.track_reads([frozenset() if i in resident else frozenset(u) for i, u in enumerate(read_by)])
     root = _RootHooks(runtime, model, root_chunks, BatchGuard(batch_shape))
     handles.append(model.register_forward_pre_hook(root.pre_forward, prepend=True, with_kwargs=True))
     handles.append(model.register_forward_hook(root.post_forward, always_call=True))

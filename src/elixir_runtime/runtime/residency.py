@@ -71,6 +71,8 @@ class ChunkResidency:
         """Public chunks holding an rCache buffer (``GATHERING`` or ``RESIDENT``)."""
         self._buffer_by_ptr = {b.data.data_ptr(): b for b in rcache.buffers}
         zero = torch.zeros((), dtype=dtype, device=device)
+        self.placeholder_ptr = zero.data_ptr()
+        """The one storage every placeholder is a view of (``runtime/hooks.py``, [Note: placeholder reads])."""
         self._placeholders = [zero.expand(p.shape) for p in layout.params]
         for i, p in enumerate(layout.params):
             p.data = self._placeholders[i]

@@ -30,7 +30,7 @@ def test_layerdrop_traces_in_use_order_and_restores_torch_rand():
     original = torch.rand
     model = LayerDropNet()
     units = find_units(model, None)
-    order = trace_unit_order(model, units, torch.randn(2, 4), torch.float32, torch.device("cpu"))
+    order = trace_unit_order(model, units, torch.randn(2, 4), torch.float32, torch.device("cpu")).order
     names = [units[i].name for i in order]
     assert [u.name for u in units] == ["late", "early"]  # registration order: what the fallback returns
     assert names == ["early", "late"]  # traced

@@ -76,11 +76,12 @@ def test_order_is_the_real_forwards_first_calls(build, batch, dtype, caplog) -> 
     model = build()
     units = find_units(model, None)
     with captured(caplog, logging.INFO, "elixir_runtime.profiler.trace"):
-        order = trace_unit_order(model, units, batch, dtype, CPU)
+        order, outside = trace_unit_order(model, units, batch, dtype, CPU)
     assert FALLBACK not in caplog.text  # traced, not the fallback
     real = _real_order(model, units, batch)
     assert sorted(real) == [u.index for u in units]  # every unit runs in these models
     assert order == real
+    assert outside == []  # each parameter is read inside a call of a unit holding it (tied ones too)
     assert all(p.dtype == torch.float32 and not p.is_meta for p in model.parameters())  # the real weights are back
 
 
@@ -95,7 +96,7 @@ def test_data_dependent_branch_falls_back_to_registration_order(caplog) -> None:
     model = DataDependent()
     units = find_units(model, None)
     with captured(caplog, logging.INFO, "elixir_runtime.profiler.trace"):
-        order = trace_unit_order(model, units, torch.randn(2, 4), torch.float32, CPU)
+        order, outside = trace_unit_order(model, units, torch.randn(2, 4), torch.float32, CPU)
     assert FALLBACK in caplog.text
-    assert order == [u.index for u in units]
+    assert order == [u.index for u in units] and outside == []
     assert [units[i].name for i in order] == ["late", "early"]  # registration order, not the use order

@@ -1,23 +1,22 @@
-"""``prepare(..., resident=...)``: a parameter the model's forward reads without calling the module
-that holds it (TRL's fused LM head multiplies by ``lm_head.weight`` itself) gets a private chunk that
-the root's forward gathers. Without it the read sees the zero placeholder (uniform logits, the head
-never trains, no error); with it training matches plain PyTorch at 1 and 2 ranks, with the small
-rCache and offloading, and with gradient accumulation."""
+"""A parameter the model's forward reads without calling the module that holds it (TRL's fused LM
+head and Liger's fused linear cross entropy multiply by ``lm_head.weight`` themselves) gets a private
+chunk that the root's forward gathers: named in ``prepare(..., resident=...)``, or found by the trace
+of the example batch (``profiler/outside.py``). Training then matches plain PyTorch at 1 and 2 ranks,
+with the small rCache and offloading, and with gradient accumulation. A read neither saw fails in
+the first forward, before any step ([Note: placeholder reads])."""
 
 from __future__ import annotations
 
-import math
-import types
-
 import pytest
 import torch
-import torch.nn.functional as F
 
 import elixir_runtime as er
-from elixir_runtime.runtime.state import check_transitions
+from elixir_runtime.runtime import hooks
+from elixir_runtime.runtime import state as engine_state
+from elixir_runtime.runtime.hooks import PlaceholderReadError
 from helpers.dist import run_distributed
+from helpers.models import read_head_outside
 from helpers.training import (
-    VOCAB,
     Recipe,
     assert_close_losses,
     batch_for,
@@ -30,22 +29,18 @@ STEPS = 4
 GRAD_ACCUM = 2
 
 
-def _head_outside(self, input_ids, labels, **_):
-    """The backbone, then the head's weight read directly (as ``add_fused_lm_head`` does)."""
-    hidden = self.model(input_ids=input_ids).last_hidden_state
-    logits = hidden[:, :-1] @ self.get_output_embeddings().weight.t()
-    return F.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten())
-
-
-def _run(rank: int | None, world_size: int, resident: bool, offload: float = 0.5) -> tuple[list[float], dict]:
-    """``rank=None``: plain PyTorch on the global batch; else Elixir on this rank's slice."""
+def _run(
+    rank: int | None, world_size: int, resident: bool, offload: float = 0.5, traced: bool = True
+) -> tuple[list[float], dict]:
+    """``rank=None``: plain PyTorch on the global batch; else Elixir on this rank's slice (``traced``:
+    prepared with an example batch)."""
     recipe = Recipe(model="llama", world_size=world_size, grad_accum=GRAD_ACCUM, steps=STEPS)
     model, opt = build(recipe)
-    model.forward = types.MethodType(_head_outside, model)
-    head = model.lm_head.weight
+    head = read_head_outside(model)
     if rank is not None:
         config = er.ElixirConfig(mode="static", n_blocks="min", offload=offload)
-        model, opt = er.prepare(model, opt, config, batch_for(recipe, 0, 0, rank), resident=[head] if resident else [])
+        example = batch_for(recipe, 0, 0, rank) if traced else None
+        model, opt = er.prepare(model, opt, config, example, resident=[head] if resident else [])
     losses = []
     for step in range(STEPS):
         for g in opt.param_groups:
@@ -79,18 +74,43 @@ def test_a_head_read_outside_its_module_trains_as_pytorch() -> None:
         assert max_weight_diff(state, want) < 1e-5, offload
 
 
-def test_without_resident_the_read_is_wrong_and_caught_in_debug_runs() -> None:
-    """What ``resident`` fixes: silently, a zero head (loss ln(vocab)); with the state checks on
-    (``ELIXIR_DEBUG_STATES=1``), the head's gradient without a call of its module is an error."""
-    old = check_transitions(False)
-    try:
-        losses, _ = _run(0, 1, resident=False)
-        assert math.isclose(losses[0] * GRAD_ACCUM, math.log(VOCAB), rel_tol=1e-6)
-        check_transitions(True)
-        with pytest.raises(RuntimeError, match=r"'lm_head.weight' got a gradient, but no module holding it ran"):
-            _run(0, 1, resident=False)
-    finally:
-        check_transitions(old)
+def test_the_trace_finds_the_read_without_being_told() -> None:
+    want_losses, want = _run(None, 1, resident=False)
+    losses, state = _run(0, 1, resident=False)
+    assert_close_losses(losses, want_losses, 1e-6)
+    assert max_weight_diff(state, want) < 1e-5
+
+
+def test_a_read_nothing_saw_fails_in_the_first_forward() -> None:
+    """No example batch, so no trace: the first forward reads the head's placeholder and raises,
+    naming it, before any step; without the check that forward would see a zero head (loss
+    ln(vocab)) and train on."""
+    recipe = Recipe(model="llama")
+    model, opt = build(recipe)
+    read_head_outside(model)
+    model, opt = er.prepare(model, opt, er.ElixirConfig(mode="static"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(PlaceholderReadError, match=r"read 'lm_head.weight' .* outside its module's call"):
+        model(**batch_for(recipe, 0, 0, 0))
+    assert max_weight_diff(model.state_dict(), before) == 0
+
+
+def test_only_the_first_forward_of_each_kind_is_watched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check costs a Python call per op: the first training and the first no-grad forward run
+    under it, later ones do not (each one while the state checks are on, as in this suite)."""
+    monkeypatch.setattr(engine_state, "CHECKING", False)
+    watched: list[bool] = []
+    real = hooks._PlaceholderReads.__enter__
+    monkeypatch.setattr(
+        hooks._PlaceholderReads, "__enter__", lambda self: (watched.append(torch.is_grad_enabled()), real(self))[1]
+    )
+    recipe = Recipe(model="llama")
+    model, opt = build(recipe)
+    model, opt = er.prepare(model, opt, er.ElixirConfig(mode="static"), batch_for(recipe, 0, 0, 0))
+    for grad in (True, True, False, False, True):
+        with torch.set_grad_enabled(grad):
+            model(**batch_for(recipe, 0, 0, 0))
+    assert watched == [True, False]
 
 
 def test_the_resident_chunk_is_private_and_counted() -> None:
@@ -120,7 +140,7 @@ def test_the_chunk_the_root_needs_first_is_updated_first() -> None:
     first wait is for that chunk's update: the CPU lane takes it first, then chunk order."""
     recipe = Recipe(model="llama")
     model, opt = build(recipe)
-    model.forward = types.MethodType(_head_outside, model)
+    read_head_outside(model)
     config = er.ElixirConfig(mode="static", offload=1.0)
     model, opt = er.prepare(model, opt, config, batch_for(recipe, 0, 0, 0), resident=[model.lm_head.weight])
     runtime = model._elixir.runtime

@@ -13,7 +13,7 @@ import elixir_runtime.planner as planner
 from elixir_runtime.chunk.collectives import Collectives
 from elixir_runtime.search import Budget
 from elixir_runtime.units import find_units
-from helpers.models import make_batch, tiny_gpt2, tiny_llama
+from helpers.models import make_batch, read_head_outside, tiny_gpt2, tiny_llama
 
 
 def _optimizer(model: torch.nn.Module) -> torch.optim.AdamW:
@@ -111,3 +111,26 @@ def test_the_search_plans_the_resident_chunk(monkeypatch) -> None:
     assert plan.param_table.resident[i] and plan.predicted is not None
     assert plan.root_chunks == (plan.layout.param_chunk[i],) and plan.layout.chunks[plan.root_chunks[0]].private
     assert plan.memory.private == head.numel() * 4
+
+
+def test_the_search_gives_a_found_read_the_roots_chunk(monkeypatch) -> None:
+    """``mode="auto"`` (GPU budget and hardware faked): nothing named, the head found by the profile
+    gets a private chunk the root acquires, counted in the plan."""
+    monkeypatch.setattr(
+        planner, "device_budget", lambda device, act, buffers, host: Budget(GIB, act, buffers, GIB, host.ranks)
+    )
+    monkeypatch.setattr(planner, "job_hardware", lambda coll, device, cpu_threads=None: gpu_host())
+    model = tiny_llama()
+    head = read_head_outside(model)
+    plan = planner.search_job(
+        model,
+        find_units(model, None),
+        make_batch(128),
+        er.ElixirConfig(),
+        torch.device("cpu"),
+        torch.float32,
+        Collectives(None),
+    )
+    i = plan.param_table.index[id(head)]
+    assert plan.param_table.resident[i]
+    assert plan.root_chunks == (plan.layout.param_chunk[i],) and plan.memory.private == head.numel() * 4

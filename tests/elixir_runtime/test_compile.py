@@ -1,0 +1,86 @@
+"""``compile_blocks``: each decoder layer's forward compiled, the chunk hooks outside
+(``elixir_runtime/compile.py``, [Note: regional compilation]). With AOTAutograd's eager backend
+(the compiled graph, forward and backward, run by torch's own kernels: no C++ build on the CPU) the
+losses and weights are eager Elixir's exactly, with activation checkpointing and without, the small
+rCache and offloading; the identical layers share one graph, built in the second forward (the
+first runs eagerly under the placeholder watch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.backends.registry import lookup_backend
+from torch._dynamo.utils import counters
+
+import elixir_runtime as er
+from elixir_runtime.config import ConfigError
+from elixir_runtime.runtime import state as engine_state
+from helpers.models import make_batch, tiny_llama
+from helpers.training import max_weight_diff
+
+STEPS = 4
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(engine_state, "CHECKING", False)  # with the state checks, every forward runs eagerly
+
+
+def _train(checkpointing: bool, compiled: bool) -> tuple[list[float], dict, list[tuple[int, int]]]:
+    """Losses, final weights, and (forward, graphs compiled so far) after each forward."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = er.ElixirConfig(mode="static", n_blocks="min", offload=0.5)
+    model, opt = er.prepare(model, opt, config, make_batch(128))
+    graphs: list[int] = []
+
+    def backend(gm, example_inputs):
+        graphs.append(len(gm.graph.nodes))
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    if compiled:
+        assert er.compile_blocks(model, backend=backend) == 2
+    losses, seen = [], []
+    for step in range(STEPS):
+        loss = model(**make_batch(128, seed=step)).loss
+        seen.append((step, len(graphs)))
+        opt.backward(loss)
+        opt.clip_grad_norm(1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}, seen
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no-ac", "ac"])
+def test_compiled_blocks_train_as_eager(checkpointing: bool) -> None:
+    want_losses, want, _ = _train(checkpointing, compiled=False)
+    losses, state, seen = _train(checkpointing, compiled=True)
+    assert losses == want_losses
+    assert max_weight_diff(state, want) == 0
+    assert seen == [(0, 0), (1, 1), (2, 1), (3, 1)]  # eager first forward; one graph for both layers
+    stats = er.compile_stats()
+    assert stats.graphs == 1 and stats.graph_breaks == 0 and stats.compile_s > 0
+
+
+def test_cuda_graphs_and_an_unprepared_model_are_refused() -> None:
+    model = tiny_llama()
+    with pytest.raises(ValueError, match=r"call elixir_runtime.prepare\(model, ...\) first"):
+        er.compile_blocks(model)
+    model, _ = er.prepare(model, torch.optim.AdamW(model.parameters()), er.ElixirConfig(mode="static"))
+    for kwargs, fix in [
+        ({"mode": "reduce-overhead"}, "max-autotune-no-cudagraphs"),
+        ({"mode": "max-autotune"}, "max-autotune-no-cudagraphs"),
+        ({"backend": "cudagraphs"}, "use 'inductor'"),
+        ({"options": {"triton.cudagraphs": True}}, "drop it"),
+    ]:
+        with pytest.raises(ConfigError, match=fix):
+            er.compile_blocks(model, **kwargs)
+    er.compile_blocks(model, backend="eager")
+    with pytest.raises(ValueError, match="compiled already"):
+        er.compile_blocks(model, backend="eager")
