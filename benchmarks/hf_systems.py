@@ -1,20 +1,32 @@
-"""The user's path as a system of the table: HF ``Trainer.train()`` with ``--elixir auto``, and the
-stock Trainer beside it.
+"""The user's path as systems of the table: HF ``Trainer.train()`` with ``--elixir auto``, and the
+stock Trainer's baselines beside it.
 
 ``elixir_trainer`` is what a user runs: ``ElixirTrainer`` + ``ElixirTrainingArguments(elixir="auto",
 bf16=True)`` over a bf16 model, with the Trainer's defaults (AdamW, linear schedule, clip 1.0 unless
 ``--clip 0``, the lean loss ``ElixirTrainer`` installs). ``trainer`` is the stock ``Trainer`` with the
 same arguments over an fp32 model (mixed precision by autocast, fp32 master weights: the numerics
-Elixir keeps) and no Elixir: where it does not fit, its failure is the row.
+Elixir keeps) and no Elixir: where it does not fit, its failure is the row. The other stock baselines
+(``systems.STOCK_TRAINERS``) change the weights' dtype and the optimizer only: ``trainer_lossy`` bf16
+weights and ``optim="paged_adamw_8bit"`` (bitsandbytes); ``torchao_offload`` / ``torchao_offload_bf16``
+fp32 / bf16 weights on the GPU and ``optimizers=(CPUOffloadOptimizer(params, AdamW, fused=True), None)``
+(torchao): the Trainer's linear schedule wraps it as it is (a ``torch.optim.Optimizer`` subclass whose
+``param_groups`` are its inner AdamWs'), but backward's hooks copy each gradient to the host as it is
+made, before the Trainer's clip scales the GPU ones, so the CPU update is not clipped (torchao 0.18's
+``optim/cpu_offload.py``; ``info["clip_note"]``). ``--liger`` (``Context.liger``) sets
+``use_liger_kernel=True`` in every one of them. A package a system needs that is not installed makes its
+row n/a (``Unavailable``).
 
 Each timed step is the Trainer's own loop from one ``on_step_end`` to the next (data loading,
 scheduler and logging included), synchronised on the GPU; the first ``--warmup`` are dropped. The
 engine is built inside ``train()`` (``create_optimizer``): ``info["engine_build_s"]`` is the time
-from ``train()`` to the first step, so ``build_s`` counts only the model's construction.
+from ``train()`` to the first step, so ``build_s`` counts only the model's construction (and
+torchao's pinned host copies, made with its optimizer before the Trainer).
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import json
 import tempfile
 import time
@@ -27,9 +39,19 @@ from transformers import TrainerCallback, TrainingArguments
 from elixir_hf import ElixirTrainer, ElixirTrainingArguments
 
 from .models import Model, build_initialised_in_place, build_meta, materialize
-from .systems import LR, MAX_GRAD_NORM, WEIGHT_DECAY, Context, Trainer, plan_summary
+from .systems import (
+    LR,
+    MAX_GRAD_NORM,
+    STOCK_TRAINERS,
+    WEIGHT_DECAY,
+    Context,
+    StockTrainer,
+    Trainer,
+    Unavailable,
+    plan_summary,
+)
 
-__all__ = ["hf_trainer"]
+__all__ = ["hf_trainer", "training_fields"]
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -46,43 +68,60 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": row, "labels": row}
 
 
-def hf_trainer(p: Model, ctx: Context, elixir: bool, anatomy: bool = False) -> Trainer:
-    """``ElixirTrainer`` (``elixir``) or the stock ``Trainer``, built and run on each timed call;
+def hf_trainer(
+    p: Model, ctx: Context, elixir: bool, anatomy: bool = False, stock: StockTrainer = STOCK_TRAINERS["trainer"]
+) -> Trainer:
+    """``ElixirTrainer`` (``elixir``: bf16 weights, the Trainer's AdamW over the engine's shards) or the
+    stock ``Trainer`` over ``stock``'s weights and optimizer, built here and run on each timed call;
     ``anatomy``: each step's phases and the engine's update trace in ``info["anatomy"]``
     (``benchmarks.step_anatomy --system elixir_trainer``)."""
-    dtype = torch.bfloat16 if elixir else torch.float32
+    info: dict[str, Any] = {"liger": ctx.liger}
+    if ctx.liger:
+        _require("liger_kernel", "liger-kernel", info)
+    optimizers: tuple[torch.optim.Optimizer | None, None] = (None, None)
     if elixir:  # on meta on every rank, its init drawn on each rank's shards (elixir_hf.from_config's default)
+        dtype = torch.bfloat16
         model = build_initialised_in_place(p, ctx.seq, dtype)
+        info["optimizer"] = "Trainer default (AdamW) over Elixir shards"
     else:
-        model = materialize(build_meta(p, ctx.seq, dtype), "cpu", ctx.device)
-    info: dict[str, Any] = {
-        "optimizer": "Trainer default (AdamW)" + (" over Elixir shards" if elixir else ""),
-        "weights_dtype": str(dtype).removeprefix("torch."),
-    }
+        dtype = stock.weights
+        if stock.package is not None:
+            _require(stock.package, stock.package, info)
+        # CPUOffloadOptimizer copies the parameters where they train, before the Trainer sees them
+        model = materialize(build_meta(p, ctx.seq, dtype), ctx.device if stock.cpu_offload else "cpu", ctx.device)
+        info["optimizer"] = f"optim={stock.optim}" if stock.optim else "Trainer default (AdamW)"
+        if stock.cpu_offload:
+            from torchao.optim import CPUOffloadOptimizer
+
+            optimizers = (
+                CPUOffloadOptimizer(
+                    model.parameters(), torch.optim.AdamW, fused=True, lr=LR, weight_decay=WEIGHT_DECAY
+                ),
+                None,
+            )
+            info.update(
+                optimizer="torchao CPUOffloadOptimizer(AdamW, fused=True)",
+                lr_scheduler="the Trainer's (linear) over CPUOffloadOptimizer.param_groups (its inner AdamWs')",
+            )
+            if ctx.clip:
+                info["clip_note"] = (
+                    "backward's hooks copy each gradient to the host before the Trainer clips the GPU ones: "
+                    "the CPU update is not clipped"
+                )
+    info["weights_dtype"] = str(dtype).removeprefix("torch.")
 
     def timed(ids: torch.Tensor, warmup: int, steps: int) -> tuple[list[float], float]:
         clock = _Clock(ctx.device, anatomy)
-        fields = dict(
-            output_dir=tempfile.mkdtemp(prefix=f"bench-{'elixir-' if elixir else ''}trainer-"),
-            per_device_train_batch_size=len(ids),
-            max_steps=warmup + steps,
-            learning_rate=LR,
-            weight_decay=WEIGHT_DECAY,
-            max_grad_norm=MAX_GRAD_NORM if ctx.clip else 0.0,
-            bf16=ctx.device.type == "cuda",
-            use_cpu=ctx.device.type == "cpu",
-            save_strategy="no",
-            report_to="none",
-            disable_tqdm=True,
-            logging_steps=warmup + steps,
-        )
+        out_dir = tempfile.mkdtemp(prefix=f"bench-{'elixir-' if elixir else ''}trainer-")
+        fields = training_fields(ctx, out_dir, len(ids), warmup + steps, None if elixir else stock.optim)
         data = _Tokens(ids, len(ids) * ctx.world * (warmup + steps))
         if elixir:
             spec = "auto" if ctx.offload is None else json.dumps({"offload": ctx.offload})  # --offload pins it
             args = ElixirTrainingArguments(elixir=spec, **fields)
             trainer = ElixirTrainer(model=model, args=args, train_dataset=data, callbacks=[clock])
         else:
-            trainer = HFTrainer(model=model, args=TrainingArguments(**fields), train_dataset=data, callbacks=[clock])
+            args = TrainingArguments(**fields)
+            trainer = HFTrainer(model=model, args=args, train_dataset=data, callbacks=[clock], optimizers=optimizers)
         start = clock.now()
         out = trainer.train()
         info["engine_build_s"] = clock.first_begin - start
@@ -93,10 +132,50 @@ def hf_trainer(p: Model, ctx: Context, elixir: bool, anatomy: bool = False) -> T
         if elixir:
             plan = trainer.model._elixir.plan
             print(plan.table(), flush=True)
-            info.update(plan=plan_summary(plan), plan_batch=len(ids))
+            # resident_chunks: those of parameters read outside their module (Liger's or TRL's fused head)
+            info.update(plan=plan_summary(plan), plan_batch=len(ids), resident_chunks=len(plan.root_chunks))
         return clock.times[warmup:], out.training_loss
 
     return Trainer(info=info, timed=timed)
+
+
+def training_fields(
+    ctx: Context, output_dir: str, batch: int, max_steps: int, optim: str | None = None
+) -> dict[str, Any]:
+    """The ``TrainingArguments`` of every Trainer-path system: the harness's AdamW hyper-parameters and
+    clip, bf16 on the GPU, ``use_liger_kernel`` as ``ctx.liger`` says, ``optim`` where given (else the
+    Trainer's default); no saving, no reporting, one log entry."""
+    fields: dict[str, Any] = dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=batch,
+        max_steps=max_steps,
+        learning_rate=LR,
+        weight_decay=WEIGHT_DECAY,
+        max_grad_norm=MAX_GRAD_NORM if ctx.clip else 0.0,
+        bf16=ctx.device.type == "cuda",
+        use_cpu=ctx.device.type == "cpu",
+        use_liger_kernel=ctx.liger,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        logging_steps=max_steps,
+    )
+    if optim is not None:
+        fields["optim"] = optim
+    return fields
+
+
+def _require(module: str, package: str, info: dict[str, Any]) -> None:
+    """Imports ``module`` and records ``package``'s version in ``info``; ``Unavailable`` naming the fix if it is
+    not installed (or does not import)."""
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        raise Unavailable(
+            f"{package} not installed ({exc}): pip install {package}, or on an offline GPU machine the wheels of "
+            "benchmarks/make_fused_wheels.sh"
+        ) from exc
+    info[package] = importlib.metadata.version(package)
 
 
 class _Clock(TrainerCallback):

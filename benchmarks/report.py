@@ -3,9 +3,10 @@
     python -m benchmarks.report [INPUT ...] [--out docs/benchmarks/results.json] [--md docs/benchmarks.md]
 
 INPUTs are results.json files of other calls or logs holding ``RESULT {json}`` lines; their runs
-replace runs of the same (card, model, GPUs, seq, batch, clip, system) already in ``--out``. Each
-summary row compares systems on one card, at one sequence length and one clip setting only: the card
-changes the regimes (an H200 fits what an H100 cannot), and clipping changes what overlaps.
+replace runs of the same (card, model, GPUs, seq, batch, clip, liger, system) already in ``--out``.
+Each summary row compares systems on one card, at one sequence length, one clip and one Liger setting
+only: the card changes the regimes (an H200 fits what an H100 cannot), clipping changes what
+overlaps, and Liger's kernels change the step of every Trainer-path system.
 """
 
 from __future__ import annotations
@@ -17,7 +18,19 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-SYSTEM_ORDER = ("elixir", "elixir_trainer", "plain", "trainer", "fsdp2", "fsdp2_offload", "ds2_offload", "ds3_offload")
+SYSTEM_ORDER = (
+    "elixir",
+    "elixir_trainer",
+    "plain",
+    "trainer",
+    "trainer_lossy",
+    "torchao_offload",
+    "torchao_offload_bf16",
+    "fsdp2",
+    "fsdp2_offload",
+    "ds2_offload",
+    "ds3_offload",
+)
 ELIXIR_SYSTEMS = ("elixir", "elixir_trainer")
 """Elixir through the harness's own loop and through ``Trainer.train()``: never a baseline; a row's
 Elixir figures are the first of these that ran."""
@@ -41,6 +54,13 @@ NOTES_END = "<!-- end of the hand-written notes -->"
 """The markdown between these lines is written by hand (what the numbers mean, their spread, their
 history); a rewrite keeps it, before the Runs table."""
 CELL = {"OOM": "OOM", "unavailable": "n/a", "timeout": "timeout", "crashed": "crashed", "error": "error"}
+PACKAGES = {
+    "deepspeed": "DeepSpeed",
+    "liger-kernel": "Liger Kernel",
+    "bitsandbytes": "bitsandbytes",
+    "torchao": "torchao",
+}
+"""Versions a system records in its ``info`` (by pip name), listed with the machine's in Environment."""
 
 Run = dict[str, Any]
 
@@ -67,8 +87,13 @@ def clipped(r: Run) -> bool:
     return bool(r.get("clip", False))
 
 
+def ligered(r: Run) -> bool:
+    """Whether the run had Liger's kernels (``--liger``); runs recorded before it existed had none."""
+    return bool(r.get("liger", False))
+
+
 def run_key(r: Run) -> tuple:
-    return (r.get("card"), r["model"], r["gpus"], r.get("seq"), r["batch"], clipped(r), r["system"])
+    return (r.get("card"), r["model"], r["gpus"], r.get("seq"), r["batch"], clipped(r), ligered(r), r["system"])
 
 
 def merge_runs(old: Iterable[Run], new: Iterable[Run]) -> list[Run]:
@@ -105,6 +130,7 @@ def summary_row(runs: dict[str, Run]) -> dict[str, Any]:
     first = next(iter(runs.values()))
     row: dict[str, Any] = {k: first.get(k) for k in ("card", "model", "params", "gpus", "seq", "batch")}
     row["clip"] = clipped(first)
+    row["liger"] = ligered(first)
     row["tflops"] = {s: (r["tflops"] if _ok(r) else None) for s, r in runs.items()}
     row["status"] = {s: r.get("status") for s, r in runs.items()}
     row["pageable"] = sorted(s for s, r in runs.items() if _pageable(r))
@@ -163,6 +189,10 @@ def _on(flag: bool) -> str:
     return "1.0" if flag else "off"
 
 
+def _on_off(flag: bool) -> str:
+    return "on" if flag else "off"
+
+
 def _f(value: float | None, fmt: str = ".2f") -> str:
     return "–" if value is None else format(value, fmt)
 
@@ -181,6 +211,7 @@ def _regime_table(rows: list[dict[str, Any]]) -> list[str]:
         "seq",
         "bs/GPU",
         "clip",
+        "Liger",
         *systems,
         "Elixir / best baseline",
         "Elixir step s (predicted)",
@@ -197,6 +228,7 @@ def _regime_table(rows: list[dict[str, Any]]) -> list[str]:
             row["seq"],
             row["batch"],
             _on(row["clip"]),
+            _on_off(row["liger"]),
             *(_cell(row, s) for s in systems),
             ratio_cell,
             step,
@@ -213,6 +245,7 @@ def _runs_table(runs: list[Run]) -> list[str]:
         "seq",
         "bs",
         "clip",
+        "Liger",
         "system",
         "status",
         "TFLOPS/GPU",
@@ -238,6 +271,7 @@ def _runs_table(runs: list[Run]) -> list[str]:
             r.get("seq"),
             r["batch"],
             _on(clipped(r)),
+            _on_off(ligered(r)),
             system,
             r.get("status"),
             _f(r.get("tflops"), ".1f"),
@@ -264,7 +298,10 @@ def render_markdown(results: dict[str, Any], png: Path | None, md_dir: Path) -> 
         "(GPT-2 presets: GPT2LMHeadModel, vocab 50257, tied, seq 1024; Llama-3-8B / Qwen2.5-7B: their published "
         "configs, untied, seq 2048), SDPA, activation checkpointing on every block, bf16 compute, AdamW, random "
         "tokens. clip 1.0: every system clips gradients to a global norm of 1.0 (the HF Trainer's default "
-        "`max_grad_norm`); off: no clipping (every run before the `--clip` switch). Each row compares systems "
+        "`max_grad_norm`); off: no clipping (every run before the `--clip` switch). Liger on: the Trainer-path "
+        "systems ran with `use_liger_kernel=True` (`--liger`). trainer_lossy (bf16 weights, bitsandbytes' paged "
+        "8-bit AdamW) and torchao_offload_bf16 (bf16 weights and AdamW states) keep no fp32 master weights; "
+        "torchao_offload's CPU update is not clipped (benchmarks/hf_systems.py). Each row compares systems "
         "measured on the same card; median of the timed steps of the slowest rank. Generated by "
         "`python -m benchmarks.report` from `results.json`.",
         "",
@@ -288,24 +325,15 @@ def render_markdown(results: dict[str, Any], png: Path | None, md_dir: Path) -> 
         "## Environment",
         "",
     ]
-    envs = sorted(
-        {
-            (
-                r.get("card"),
-                r.get("driver"),
-                r.get("torch"),
-                r.get("transformers"),
-                (r.get("info") or {}).get("deepspeed"),
-            )
-            for r in runs
-            if r.get("torch")
-        },
-        key=str,
-    )  # runs killed before reporting carry no versions
-    for card, driver, torch_v, tf_v, ds_v in envs:
+    envs: dict[tuple, dict[str, str]] = {}
+    for r in runs:
+        if r.get("torch"):  # runs killed before reporting carry no versions
+            versions = envs.setdefault((r.get("card"), r.get("driver"), r["torch"], r.get("transformers")), {})
+            versions.update((k, v) for k in PACKAGES if (v := (r.get("info") or {}).get(k)))
+    for (card, driver, torch_v, tf_v), versions in sorted(envs.items(), key=str):
         lines.append(
             f"- {card}, driver {driver or '?'}, torch {torch_v}, transformers {tf_v}"
-            + (f", DeepSpeed {ds_v}" if ds_v else "")
+            + "".join(f", {name} {versions[k]}" for k, name in PACKAGES.items() if k in versions)
         )
     missing = sorted({r["system"] for r in runs if r.get("status") == "unavailable"})
     if missing:
@@ -340,7 +368,7 @@ def render_png(results: dict[str, Any], path: Path) -> None:
             xs = [i + (j - (len(systems) - 1) / 2) * width for i in range(len(rows))]
             ys = [row["tflops"].get(s) or 0.0 for row in rows]
             # one colour per system in every panel
-            ax.bar(xs, ys, width, label=s, color=f"C{SYSTEM_ORDER.index(s)}" if s in SYSTEM_ORDER else None)
+            ax.bar(xs, ys, width, label=s, color=_colour(s))
             for x, y, row in zip(xs, ys, rows):
                 if not y and s in row["status"]:
                     ax.text(x, 0, CELL.get(row["status"][s], "?"), rotation=90, ha="center", va="bottom", fontsize=7)
@@ -351,6 +379,7 @@ def render_png(results: dict[str, Any], path: Path) -> None:
             [
                 f"{r['model']} ×{r['gpus']}\nbs {r['batch']}"
                 + (" clip" if r["clip"] else "")
+                + (" liger" if r["liger"] else "")
                 + f"\n{_short_card(r['card'])}"
                 for r in rows
             ],
@@ -362,6 +391,17 @@ def render_png(results: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _colour(system: str) -> Any:
+    """One colour per system in every panel: tab10's for the first ten of ``SYSTEM_ORDER``, then their
+    light variants (tab20's odd entries)."""
+    if system not in SYSTEM_ORDER:
+        return None
+    from matplotlib import colormaps
+
+    i = SYSTEM_ORDER.index(system)
+    return colormaps["tab20"](2 * i % 20 + 2 * i // 20)
 
 
 def _short_card(card: str) -> str:

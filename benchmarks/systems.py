@@ -35,15 +35,48 @@ from .models import (
 if TYPE_CHECKING:
     from elixir_runtime import ElixirPlan
 
-SYSTEMS = ("elixir", "plain", "fsdp2", "fsdp2_offload", "ds2_offload", "ds3_offload", "elixir_trainer", "trainer")
-"""``elixir_trainer`` / ``trainer``: HF ``Trainer.train()`` with and without ``--elixir auto`` (``hf_systems.py``)."""
 LR, WEIGHT_DECAY = 1e-4, 0.01
 MAX_GRAD_NORM = 1.0
 """``TrainingArguments.max_grad_norm``'s default: the clip every system applies with ``--clip 1``."""
 
 
+@dataclass(frozen=True)
+class StockTrainer:
+    """A baseline run by the stock HF ``Trainer`` (``hf_systems.py``): the weights it is given, its optimizer."""
+
+    weights: torch.dtype = torch.float32
+    """The model's dtype: fp32 (bf16 autocast over fp32 master weights, the numerics Elixir keeps) or
+    bf16 (no fp32 copy: the update rounds to bf16)."""
+    optim: str | None = None
+    """``TrainingArguments.optim``; ``None``: the Trainer's default AdamW."""
+    cpu_offload: bool = False
+    """The Trainer is given ``torchao.optim.CPUOffloadOptimizer(AdamW, fused=True)`` over the model on the
+    GPU: the update and its states on the CPU."""
+    package: str | None = None
+    """The package the optimizer comes from (import and pip name alike); missing: the row says n/a."""
+
+
+STOCK_TRAINERS = {
+    "trainer": StockTrainer(),
+    "trainer_lossy": StockTrainer(torch.bfloat16, optim="paged_adamw_8bit", package="bitsandbytes"),
+    "torchao_offload": StockTrainer(cpu_offload=True, package="torchao"),
+    "torchao_offload_bf16": StockTrainer(torch.bfloat16, cpu_offload=True, package="torchao"),
+}
+"""``trainer``: fp32 weights, the Trainer's AdamW on the GPU; ``trainer_lossy``: bf16 weights and
+bitsandbytes' paged 8-bit AdamW (lossy states and updates); ``torchao_offload(_bf16)``: torchao's CPU
+offload of AdamW over fp32 (bf16) weights."""
+TRAINER_SYSTEMS = ("elixir_trainer", *STOCK_TRAINERS)
+"""HF ``Trainer.train()`` with ``--elixir auto`` and the stock Trainer's baselines: what ``--liger`` reaches."""
+SYSTEMS = ("elixir", "plain", "fsdp2", "fsdp2_offload", "ds2_offload", "ds3_offload", *TRAINER_SYSTEMS)
+
+
 class Unavailable(RuntimeError):
     """The system cannot be built on this machine at all (e.g. DeepSpeed is not installed)."""
+
+
+def uses_liger(system: str, liger: bool) -> bool:
+    """Whether ``--liger`` reaches ``system``: ``use_liger_kernel`` is a ``TrainingArguments`` field."""
+    return liger and system in TRAINER_SYSTEMS
 
 
 @dataclass(frozen=True)
@@ -70,6 +103,9 @@ class Context:
     fused_head: bool = False
     """Elixir's model reads its LM head's weight outside the head module, as TRL's fused LM head does
     (``models.use_fused_head``), and passes it to ``prepare`` as ``resident``."""
+    liger: bool = False
+    """The Trainer-path systems set ``use_liger_kernel=True``: the Trainer patches Liger's Triton kernels
+    (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy) into the model (``--liger``)."""
 
 
 @dataclass
@@ -94,18 +130,20 @@ def build(system: str, p: Model, ctx: Context, example_ids: torch.Tensor) -> Tra
         "fsdp2_offload": lambda: _fsdp2(p, ctx, offload=True),
         "ds2_offload": lambda: _deepspeed(p, ctx, stage=2, micro_batch=len(example_ids)),
         "ds3_offload": lambda: _deepspeed(p, ctx, stage=3, micro_batch=len(example_ids)),
-        "elixir_trainer": lambda: _hf(p, ctx, elixir=True),
-        "trainer": lambda: _hf(p, ctx, elixir=False),
     }
+    if system in TRAINER_SYSTEMS:
+        return _hf(p, ctx, system)
     if system not in builders:
         raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
     return builders[system]()
 
 
-def _hf(p: Model, ctx: Context, elixir: bool) -> Trainer:
+def _hf(p: Model, ctx: Context, system: str) -> Trainer:
     from .hf_systems import hf_trainer  # transformers' Trainer: imported only where it runs
 
-    return hf_trainer(p, ctx, elixir)
+    if system == "elixir_trainer":
+        return hf_trainer(p, ctx, elixir=True)
+    return hf_trainer(p, ctx, elixir=False, stock=STOCK_TRAINERS[system])
 
 
 def _adamw(params, fused: bool) -> torch.optim.AdamW:

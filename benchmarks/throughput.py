@@ -4,14 +4,18 @@
         --systems elixir,plain,fsdp2,fsdp2_offload,ds2_offload,ds3_offload [--out docs/benchmarks/results.json]
     PYTHONPATH=src python -m benchmarks.throughput --model llama3-8b,qwen2.5-7b --batch-sizes 4 \\
         --systems elixir,fsdp2_offload,ds2_offload,ds3_offload      # seq 2048, clip 1.0: Trainer defaults
-    PYTHONPATH=src python -m benchmarks.throughput --model llama2-13b --batch-sizes 4 \
+    PYTHONPATH=src python -m benchmarks.throughput --model llama2-13b --batch-sizes 4 \\
         --systems elixir_trainer,trainer      # the user's path: Trainer.train() with and without --elixir auto
+    PYTHONPATH=src python -m benchmarks.throughput --model llama3-8b,llama2-13b --batch-sizes 4,8 --liger \\
+        --systems elixir_trainer,trainer,trainer_lossy,torchao_offload,torchao_offload_bf16   # + Liger's kernels
 
 ``--model``: GPT-2 presets (seq 1024), ``llama3-8b``/``qwen2.5-7b`` (seq 2048) or any HF decoder's
 ``config.json`` / model folder, random init. ``--clip 1`` (default) clips every system's gradients to a
 global norm of 1.0, as the HF Trainer does by default; ``--clip 0`` does not (the older GPT-2 rows).
 ``--lean-loss 1`` (default) gives Elixir's model the lean causal-LM loss, as ``ElixirTrainer`` does
 (``elixir_hf/loss.py``); the baselines keep transformers' own (recorded as ``info.lean_loss``).
+``--liger`` sets ``use_liger_kernel=True`` in the Trainer-path systems (``systems.TRAINER_SYSTEMS``;
+recorded as ``liger`` and ``info.liger``): a run with it is a row of its own in the tables.
 
 Each system runs in its own worker process (torchrun for several GPUs), so an OOM, a hang or a
 host OOM-kill of one cannot take down the others; a worker past ``--worker-timeout`` is killed
@@ -39,10 +43,11 @@ from elixir_hf.presets import canonical_name
 from . import report
 from ._worker import clip_fields
 from .models import DECODER_PRESETS, PRESETS, param_count, preset
-from .systems import MAX_GRAD_NORM, SYSTEMS
+from .systems import MAX_GRAD_NORM, SYSTEMS, TRAINER_SYSTEMS, uses_liger
 
 REPO = Path(__file__).resolve().parents[1]
-PER_BATCH_SYSTEMS = ("elixir", "elixir_trainer", "trainer")
+PER_BATCH_SYSTEMS = ("elixir", *TRAINER_SYSTEMS)
+"""One worker per batch size: a plan made for its batch, a Trainer (and its optimizer) per process."""
 TERM_GRACE_S = 60
 """torchrun needs time after SIGTERM to stop its workers; only then is the group killed."""
 
@@ -93,6 +98,7 @@ def worker_command(args: argparse.Namespace, system: str, model: str, batch_size
         args.device_lane,
         "--lean-loss",
         str(args.lean_loss),
+        *(["--liger"] if args.liger else []),
     ]
     if args.gpus == 1:
         return [sys.executable, *worker]
@@ -186,6 +192,7 @@ def run_system(
                     "batch": b,
                     "seq": seq,
                     **clip_fields(bool(args.clip)),
+                    "liger": uses_liger(system, args.liger),
                     **gpu,
                     "status": status,
                     "error": error,
@@ -206,6 +213,7 @@ def print_summary(results: dict[str, Any], card: str, models: list[str], gpus: i
                 ratio = row["elixir_over_best_baseline"]
                 best = f" | elixir/best {ratio:.2f}x ({row['best_baseline']})" if ratio is not None else ""
                 head = f"{key:15s} {row['model']:9s} x{gpus} seq {row['seq']} bs {row['batch']:3d} clip {int(clip)}"
+                head += " liger" if row["liger"] else ""
                 print(f"{head}: " + ", ".join(cells) + best, flush=True)
 
 
@@ -263,6 +271,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=(0, 1),
         help="Elixir's model gets the lean causal-LM loss, as ElixirTrainer installs it by default "
         "(elixir_hf.loss); the baselines keep transformers' own",
+    )
+    ap.add_argument(
+        "--liger",
+        action="store_true",
+        help="use_liger_kernel=True (Liger's Triton kernels) in the Trainer-path systems: "
+        + ", ".join(TRAINER_SYSTEMS),
     )
     ap.add_argument("--worker-timeout", type=float, default=420, help="seconds per worker process")
     args = ap.parse_args(argv)

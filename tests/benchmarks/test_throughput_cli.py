@@ -251,6 +251,6 @@ def test_report_keeps_clip_settings_apart_and_old_runs_read_as_unclipped(tmp_pat
     assert rows[True]["tflops"] == {"elixir": 300.0, "fsdp2_offload": None, "ds2_offload": None}
     assert rows[True]["status"]["ds2_offload"] == "error" and rows[False]["tflops"] == {"elixir": 310.0}
     md = (tmp_path / "benchmarks.md").read_text()
-    assert "| NVIDIA H100 80GB HBM3 | llama3-8b | 1 | 2048 | 4 | 1.0 | 300.0 | crashed | error |" in md
-    assert "| NVIDIA H100 80GB HBM3 | llama3-8b | 1 | 2048 | 4 | off | 310.0 |" in md
+    assert "| NVIDIA H100 80GB HBM3 | llama3-8b | 1 | 2048 | 4 | 1.0 | off | 300.0 | crashed | error |" in md
+    assert "| NVIDIA H100 80GB HBM3 | llama3-8b | 1 | 2048 | 4 | off | off | 310.0 |" in md
     assert "CPU Adam failed" in md

@@ -180,8 +180,9 @@ def test_preset_sizes_match_the_anchors() -> None:
     assert 1.5 < billions["1.5b"] < 1.6 and 9.5 < billions["gpt2-10b"] < 10.5
 
 
-def _cpu_run(tmp_path: Path, systems: str) -> dict:
-    """``benchmarks.throughput`` on CPU (tiny model, batch 2, seq 64, 2 timed steps); its results.json."""
+def _cpu_run(tmp_path: Path, systems: str, first_on_path: Path | None = None) -> dict:
+    """``benchmarks.throughput`` on CPU (tiny model, batch 2, seq 64, 2 timed steps); its results.json.
+    ``first_on_path``: a folder put before everything else on the workers' PYTHONPATH."""
     out = tmp_path / "results.json"
     cmd = [
         sys.executable,
@@ -207,6 +208,7 @@ def _cpu_run(tmp_path: Path, systems: str) -> dict:
         str(out),
     ]
     path = [
+        str(first_on_path or ""),
         str(REPO / "src"),
         str(REPO),
         os.environ.get("PYTHONPATH", ""),
@@ -245,3 +247,15 @@ def test_cpu_run_of_the_trainer_path(tmp_path: Path) -> None:
     assert runs["elixir_trainer"]["loss"] == pytest.approx(runs["trainer"]["loss"], rel=1e-3)
     (row,) = results["in_gpu_regime"]
     assert row["elixir_system"] == "elixir_trainer" and row["best_baseline"] == "trainer"
+
+
+def test_cpu_run_reports_a_missing_package_as_its_row(tmp_path: Path) -> None:
+    """A Trainer baseline whose package is not installed is an n/a row naming the fix; the call goes on."""
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()  # the workers' interpreters find no bitsandbytes and no torchao, installed or not
+    (hidden / "sitecustomize.py").write_text("import sys\n\nsys.modules.update(bitsandbytes=None, torchao=None)\n")
+    results = _cpu_run(tmp_path, "trainer_lossy,torchao_offload", first_on_path=hidden)
+    runs = {r["system"]: r for r in results["runs"]}
+    for system, package in (("trainer_lossy", "bitsandbytes"), ("torchao_offload", "torchao")):
+        assert runs[system]["status"] == "unavailable" and f"pip install {package}" in runs[system]["error"], runs
+    assert "make_fused_wheels.sh" in (tmp_path / "benchmarks.md").read_text()
