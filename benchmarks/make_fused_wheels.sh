@@ -24,12 +24,15 @@ mkdir -p "$dest"
 rm -f "$dest"/*.whl  # a wheel of an older pin would be installed beside its successor
 
 # Every wheel's Requires-Dist (extras aside) is torch, triton, numpy or packaging (on the image) or
-# one of these: pytest's iniconfig, pluggy, pygments and packaging >= 24 (the image's may be older).
+# one of these: pytest's iniconfig, pluggy, pygments and packaging >= 24 (the image's may be older);
+# datasets (benchmarks.quality, the recipe's data) with dill and multiprocess: the image has its pyarrow
+# (25.0.1), pandas, xxhash, fsspec and huggingface_hub (1.33.0).
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform any -d "$work" \
   liger-kernel==0.8.5 bitsandbytes==0.50.2 torchao==0.18.0 torch-optimi==0.3.3 \
-  pytest==9.2.0 pytest-timeout==2.4.0 iniconfig==2.3.1 pluggy==1.7.0 pygments==2.21.0 packaging==26.4
+  pytest==9.2.0 pytest-timeout==2.4.0 iniconfig==2.3.1 pluggy==1.7.0 pygments==2.21.0 packaging==26.4 \
+  datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 
 "$py" - "$work"/bitsandbytes-0.50.2-*.whl "$dest" <<'PY'
 """The wheel without the native libraries of other CUDA versions, ROCm and XPU; RECORD to match."""

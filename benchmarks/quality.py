@@ -442,6 +442,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         file=sys.stderr,
                         flush=True,
                     )
+                if args.out:  # a call cut short (the GPU box's 10-minute limit) keeps the runs it finished
+                    Path(args.out).write_text(json.dumps({**record, "runs": runs}) + "\n")
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -506,7 +508,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--pretrained", default=None, help="folder for the pretrained model: reused if it holds one (default: a temp)"
     )
-    ap.add_argument("--out", default=None, help="also write the JSON record to this file")
+    ap.add_argument("--out", default=None, help="also write the JSON record to this file (after every run)")
     ap.add_argument(
         "--merge", nargs="+", default=None, metavar="JSON", help="run nothing: one record and table from these records"
     )

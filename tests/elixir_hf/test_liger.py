@@ -11,7 +11,9 @@ from __future__ import annotations
 import math
 
 import pytest
-from hf_cases import history, make_trainer, training_args
+from hf_cases import VOCAB, history, make_trainer, training_args
+
+from helpers.models import MODEL_BUILDERS
 
 pytest.importorskip("liger_kernel", reason="liger-kernel is not installed")
 
@@ -51,4 +53,11 @@ def test_liger_trains_as_the_stock_trainer(tmp_path, elixir: str) -> None:
     assert len(got) == len(want) == 10
     for i, (g, w) in enumerate(zip(got, want)):
         assert math.isclose(g, w, rel_tol=RTOL), f"loss[{i}]: elixir {g} vs stock {w}"
-    assert got[-1] < got[0]  # it trains
+    # the head, read only by Liger's loss, trained as the stock one did: its distance from the stock
+    # head is a small part of how far both moved (in norm: rows of tokens never seen get Adam steps of
+    # noise-level gradients, which bf16 and fp32 round differently) (random tokens: the loss itself barely moves)
+    start = MODEL_BUILDERS["llama"](seed=0, vocab=VOCAB).lm_head.weight.detach()
+    mine = ours.model.state_dict()["lm_head.weight"].float().cpu()
+    theirs = stock.model.lm_head.weight.detach().float().cpu()
+    moved = (theirs - start).norm()
+    assert moved > 0 and (mine - theirs).norm() < 0.1 * moved
