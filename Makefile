@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 OFFLINE_ENV := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1
 
-.PHONY: venv lint test train clean-venv
+.PHONY: venv lint test test-perf train clean-venv
 
 venv: $(STAMP)
 
@@ -45,9 +45,13 @@ lint: $(STAMP)
 	$(VPY) -m ruff check $(LINTED)
 	$(VPY) -m ruff format --check $(LINTED)
 
+# Wall-clock budgets (`perf`) are not asserted by `make test`: on a loaded machine they fail without a bug.
 test: $(STAMP) $(COMPAT)/.installed lint
-	$(OFFLINE_ENV) $(VPY) -m pytest -q $(XDIST)
-	$(OFFLINE_ENV) PYTHONPATH=$(COMPAT) $(VPY) -m pytest -q $(XDIST) -m "transformers and not engine_ranks"
+	$(OFFLINE_ENV) $(VPY) -m pytest -q $(XDIST) -m "not perf"
+	$(OFFLINE_ENV) PYTHONPATH=$(COMPAT) $(VPY) -m pytest -q $(XDIST) -m "transformers and not engine_ranks and not perf"
+
+test-perf: $(STAMP)
+	$(OFFLINE_ENV) $(VPY) -m pytest -q -m perf
 
 train: $(STAMP)
 	$(VPY) recipes/gpt2/train.py --elixir auto

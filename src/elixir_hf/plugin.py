@@ -23,32 +23,37 @@ import torch
 from elixir_runtime import ElixirConfig, ElixirPlan, LossScaleConfig
 from elixir_runtime.config import resolve_dtype
 
-__all__ = ["ElixirPlugin", "ElixirSpecError", "ENV_VAR", "describe_model", "check_exclusive"]
+__all__ = [
+    "ACCEPTED",
+    "ElixirPlugin",
+    "ElixirSpecError",
+    "ENV_VAR",
+    "OFF_WORDS",
+    "describe_model",
+    "check_exclusive",
+    "spec_word",
+]
 
 ENV_VAR = "ELIXIR_CONFIG"
-_ACCEPTED = (
-    "use 'auto', 'off', a JSON object such as '{\"offload\": 0.5}', or the path of an existing .json file "
+OFF_WORDS = ("off", "false", "no", "none", "0")
+"""Every spelling of off a user types (any case): Elixir is disabled."""
+ACCEPTED = (
+    "use 'auto', 'off' (or false/no/none/0), a JSON object such as '{\"offload\": 0.5}', or the path of an existing .json file "
     "(settings or a saved elixir_plan.json)"
 )
 """The values a spec may take, as every refusal of one lists them."""
 
+
+def spec_word(text: str) -> str | None:
+    """``"off"`` for every spelling of off, ``"auto"`` for auto (any case, spaces around), else ``None``."""
+    word = text.strip().lower()
+    return "off" if word in OFF_WORDS else "auto" if word == "auto" else None
+
+
 _LOSS_SCALE_KEYS = {f.name for f in fields(LossScaleConfig)}
-_SPEC_KEYS = (  # the ElixirConfig fields a spec may set (device, process group, alignment, clips_grads: the run's)
-    "mode",
-    "dtype",
-    "chunk_size",
-    "n_blocks",
-    "offload",
-    "prefetch",
-    "unit_classes",
-    "cpu_threads",
-    "lockstep_timeout_s",
-    "loss_scale",
-    "skip_nonfinite",
-    "max_consecutive_skips",
-    "gpu_memory",
-    "device_assisted_update",
-)
+_SPEC_KEYS = ElixirConfig.settings()
+"""The ``ElixirConfig`` fields a spec may set: all but the run's own (device, process group, alignment,
+the loop's facts), as ``ElixirConfig`` marks them."""
 _PLUGIN_KEYS = ("lean_loss",)  # the ElixirPlugin fields a spec may set (the HF glue's, not the engine's)
 _MIXED_PRECISION_DTYPES = {"no": None, "fp16": "fp16", "bf16": "bf16"}
 _SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", "fp16": "fp16", "bf16": "bf16"}
@@ -84,7 +89,7 @@ class ElixirPlugin:
     # ------------------------------------------------------------------ parsing
     @classmethod
     def from_spec(cls, spec: str | dict | ElixirPlugin | None, source: str = "--elixir") -> ElixirPlugin | None:
-        """Parses the spec grammar; ``None``/``"off"`` mean Elixir is disabled (returns ``None``).
+        """Parses the spec grammar; ``None`` and ``OFF_WORDS`` mean Elixir is disabled (returns ``None``).
         ``source`` (``--elixir``, ``ELIXIR_CONFIG``, ...) is named in every error."""
         if spec is None or isinstance(spec, ElixirPlugin):
             return spec
@@ -92,10 +97,11 @@ class ElixirPlugin:
             return cls._from_mapping(dict(spec), source=source)
         text = str(spec).strip()
         if not text:  # not "off": most often a shell variable that expanded to nothing
-            raise ElixirSpecError(f"{source} is empty ({spec!r}): {_ACCEPTED}")
-        if text == "off":
+            raise ElixirSpecError(f"{source} is empty ({spec!r}): {ACCEPTED}")
+        word = spec_word(text)
+        if word == "off":
             return None
-        if text == "auto":
+        if word == "auto":
             return cls()
         if text.startswith("{"):
             try:
@@ -109,7 +115,7 @@ class ElixirPlugin:
             except json.JSONDecodeError as exc:
                 raise ElixirSpecError(f"{source} file {path} is not valid JSON: {exc}") from exc
             return cls._from_mapping(data, source=f"{source} file {path}")
-        raise ElixirSpecError(f"{source} {text!r} is not understood: {_ACCEPTED}")
+        raise ElixirSpecError(f"{source} {text!r} is not understood: {ACCEPTED}")
 
     @classmethod
     def _from_mapping(cls, data: Any, source: str) -> ElixirPlugin:

@@ -19,6 +19,7 @@ With Elixir on, its ``from_pretrained`` calls stream the weights into the chunks
 from __future__ import annotations
 
 import os
+import re
 import runpy
 import sys
 from collections.abc import Sequence
@@ -30,7 +31,7 @@ from .accelerator import elixir_accelerator
 from .arguments import elixir_args
 from .loading import STREAM_ENV, stream_from_pretrained_calls
 from .mixin import construct_elixir
-from .plugin import ENV_VAR, ElixirPlugin, ElixirSpecError
+from .plugin import ACCEPTED, ENV_VAR, ElixirPlugin, ElixirSpecError, spec_word
 from .restart import install as install_get_last_checkpoint
 from .trainer import elixir_trainer
 
@@ -50,6 +51,8 @@ def split_elixir(argv: Sequence[str]) -> tuple[str | None, list[str]]:
         if arg == "--elixir":
             value = next(args, None)
             if value is not None and not _is_spec(value):
+                if _mistyped_spec(value):
+                    raise ElixirSpecError(f"--elixir {value!r} is not understood: {ACCEPTED}")
                 rest.append(value)
                 value = None
             spec = value if value is not None else "auto"
@@ -61,7 +64,16 @@ def split_elixir(argv: Sequence[str]) -> tuple[str | None, list[str]]:
 
 
 def _is_spec(arg: str) -> bool:
-    return arg.strip() in ("", "auto", "off") or arg.lstrip().startswith("{") or arg.endswith(".json")
+    return not arg.strip() or spec_word(arg) is not None or arg.lstrip().startswith("{") or arg.endswith(".json")
+
+
+_WORD = re.compile(r"[A-Za-z0-9_]+")
+
+
+def _mistyped_spec(arg: str) -> bool:
+    """A bare word after a bare ``--elixir`` (``--elixir yes``, ``--elixir of``): meant as its value, not
+    as the script (a path, ``-m``) or the script's own argument (a flag)."""
+    return bool(_WORD.fullmatch(arg)) and not os.path.exists(arg)
 
 
 def install() -> None:
@@ -74,7 +86,10 @@ def install() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    spec, rest = split_elixir(sys.argv[1:] if argv is None else argv)
+    try:
+        spec, rest = split_elixir(sys.argv[1:] if argv is None else argv)
+    except ElixirSpecError as exc:
+        sys.exit(f"elixir-run: {exc}")
     module = rest[:1] == ["-m"]
     target = rest[1:2] if module else rest[:1]
     if not target or target[0].startswith("-"):

@@ -251,6 +251,8 @@ class ElixirTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         target = model if model is not None else self.model
         if self.elixir_plugin is not None:
+            if not os.path.isdir(resume_from_checkpoint):  # the stock Trainer's words for a mistyped path
+                raise ValueError(f"Can't find a valid checkpoint at {resume_from_checkpoint}")
             self._resume_marker = check_resume(
                 resume_from_checkpoint, target, self.args.world_size, self.args.process_index, self.args.should_save
             )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import torch
@@ -86,6 +86,11 @@ class LossScaleConfig:
         )
 
 
+_RUN = {"run": True}
+"""Marks an ``ElixirConfig`` field the run itself sets (its device, process group, loop facts), not the
+user: every other field is a setting (``settings()``: the keys of ``--elixir`` and ``ELIXIR_CONFIG``)."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class ElixirConfig:
     """How ``elixir_runtime.prepare`` trains a model: flat keys (``ElixirConfig(**kwargs)``, the
@@ -109,7 +114,7 @@ class ElixirConfig:
     unit_classes: Sequence[type | str] | None = None
     """Module classes (or names) hooked as one fetch unit; ``None``: the model's ``_no_split_modules`` and
     every other module holding parameters."""
-    alignment: int = 64
+    alignment: int = field(default=64, metadata=_RUN)
     """Each parameter starts at a multiple of this many elements inside its chunk."""
     gpu_memory: int | str | None = None
     """The most GPU memory this process may use, per GPU (bytes, or a size such as ``"70GiB"``, stored
@@ -121,9 +126,9 @@ class ElixirConfig:
     only). Off by default: measured, it did not pay (docs/runtime.md)."""
 
     # -- the runtime: how the engine runs the plan
-    device: torch.device | str | None = None
+    device: torch.device | str | None = field(default=None, metadata=_RUN)
     """Compute device; ``None``: ``cuda:<LOCAL_RANK>`` if CUDA is available, else the CPU."""
-    process_group: dist.ProcessGroup | None = None
+    process_group: dist.ProcessGroup | None = field(default=None, metadata=_RUN)
     """The ranks that shard the model; ``None``: the default group."""
     prefetch: int = 1
     """Upcoming chunks gathered ahead of use on side streams."""
@@ -151,13 +156,18 @@ class ElixirConfig:
     back-offs from the default ``init_scale`` to ``min_scale``)."""
 
     # -- facts of the training loop, which the plan predicts with
-    clips_grads: bool = True
+    clips_grads: bool = field(default=True, metadata=_RUN)
     """The loop syncs the host before ``step()`` (``clip_grad_norm``, fp16): offloaded chunks' CPU
     updates are predicted to start after backward; ``False``: during it, as gradients land."""
-    grad_accum_steps: int = 1
+    grad_accum_steps: int = field(default=1, metadata=_RUN)
     """Backwards per optimizer step. With one, GPU-resident chunks' gradient shards are planned into
     memory the activations free (``search/memory.py``); with more they are counted beside them. The
     HF integration sets it from ``gradient_accumulation_steps``."""
+
+    @classmethod
+    def settings(cls) -> tuple[str, ...]:
+        """The fields a user sets (every field but the run's own, which ``_RUN`` marks), in order."""
+        return tuple(f.name for f in fields(cls) if not f.metadata.get("run"))
 
     def __post_init__(self) -> None:
         offload = self.offload

@@ -311,3 +311,11 @@ def test_incomplete_checkpoint_fails_clearly(saved_run, tmp_path) -> None:
     (ckpt / "scheduler.pt").unlink()
     with pytest.raises(ValueError, match="scheduler.pt is missing"):
         _resume(tmp_path, ckpt)
+
+
+def test_a_mistyped_resume_path_gets_the_stock_trainers_message(tmp_path) -> None:
+    missing = tmp_path / "checkpoint-9"  # never written
+    for elixir in (None, OFFLOAD_PLAN):  # the same words with and without Elixir
+        trainer = make_trainer("gpt2", training_args(str(tmp_path / "out"), elixir, max_steps=1))
+        with pytest.raises(ValueError, match=f"^Can't find a valid checkpoint at {missing}$"):
+            trainer.train(resume_from_checkpoint=str(missing))

@@ -353,6 +353,7 @@ def test_nothing_fits_exits_2_with_the_numbers(capsys, hardware) -> None:
     assert "no plan fits" in err and "U_allowed" in err and "To make it fit" in err
 
 
+@pytest.mark.perf
 def test_opt_175b_profile_and_search_times(capsys, hardware) -> None:
     code, out, _ = _run(
         capsys,

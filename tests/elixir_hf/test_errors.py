@@ -4,6 +4,8 @@ parses as documented from the command line and from ``ELIXIR_CONFIG``."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from hf_cases import OFFLOAD_PLAN, make_trainer, training_args
 from transformers import HfArgumentParser
 
 from elixir_hf import ElixirAccelerator, ElixirPlugin, ElixirSpecError, ElixirTrainingArguments
+from elixir_runtime import ElixirConfig
 from helpers.models import tiny_gpt2
 
 
@@ -51,6 +54,34 @@ def test_cli_grammar(tmp_path, monkeypatch) -> None:
     assert _parse(["--elixir", "off"]).elixir_plugin is None  # the flag wins over the environment
 
 
+def test_every_key_the_docs_name_is_accepted_and_every_setting_is_named(tmp_path) -> None:
+    """docs/hf.md's key table and ``ElixirConfig.settings()`` (+ the plugin's ``lean_loss``) are the same
+    keys; each one alone, at its documented default, parses (``record_update_rate: false``, the
+    documented off switch, was once refused by a hand-copied key list)."""
+    docs = (Path(__file__).parents[2] / "docs" / "hf.md").read_text()
+    table = docs.split("### The JSON keys", 1)[1].split("\n\n| key |", 1)[1].split("\n\n", 1)[0]
+    keys = re.findall(r"^\| `(\w+)` \|", table, flags=re.M)
+    assert sorted(keys) == sorted([*ElixirConfig.settings(), "lean_loss"])
+    values = {"record_update_rate": False, "grad_accum_steps": None, "loss_scale": {}, "lean_loss": False}
+    for key in keys:
+        value = values.get(key, getattr(ElixirConfig(), key, None))
+        assert _args(tmp_path, json.dumps({key: value}, default=str)).elixir_plugin is not None, key
+    for run_key in ("device", "process_group", "alignment", "clips_grads", "grad_accum_steps"):
+        with pytest.raises(ElixirSpecError, match=f"unknown --elixir key '{run_key}'"):
+            _args(tmp_path, json.dumps({run_key: 1}))
+
+
+@pytest.mark.parametrize("word", ["off", "Off", "OFF", "false", "False", "no", "NO", "none", "None", "0", " off "])
+def test_every_spelling_of_off_is_off(tmp_path, monkeypatch, word: str) -> None:
+    """On the command line, in the arguments and in ``ELIXIR_CONFIG``; ``Auto`` is auto."""
+    monkeypatch.setenv("ELIXIR_CONFIG", "auto")
+    assert _parse(["--elixir", word]).elixir_plugin is None
+    assert _args(tmp_path, word).elixir_plugin is None
+    monkeypatch.setenv("ELIXIR_CONFIG", word)
+    assert _parse([]).elixir_plugin is None
+    assert _parse(["--elixir", "Auto"]).elixir_plugin == ElixirPlugin()
+
+
 def test_precision_goes_to_the_engine(tmp_path, monkeypatch) -> None:
     args = _args(tmp_path, "auto", fp16=True)
     assert (args.elixir_plugin.config.dtype, args.mixed_precision) == (torch.float16, "no")
@@ -65,7 +96,8 @@ def test_precision_goes_to_the_engine(tmp_path, monkeypatch) -> None:
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("aut", "'aut' is not understood: use 'auto', 'off', a JSON object"),
+        ("aut", "'aut' is not understood: use 'auto', 'off' \\(or false/no/none/0\\), a JSON object"),
+        ("yes", "--elixir 'yes' is not understood"),
         ("missing.json", "'missing.json' is not understood"),
         ('{"ofload": 0.5}', "unknown --elixir key 'ofload' \\(did you mean 'offload'\\?\\)"),
         ('{"loss_scale": {"init": 8}}', "--elixir: unknown loss_scale key"),

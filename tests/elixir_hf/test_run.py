@@ -138,6 +138,20 @@ def test_elixir_is_taken_out_of_the_scripts_arguments() -> None:
     assert split_elixir(["t.py", '--elixir={"offload": 0.5}']) == ('{"offload": 0.5}', ["t.py"])
     assert split_elixir(["t.py", "--elixir", "plan.json", "y"]) == ("plan.json", ["t.py", "y"])
     assert split_elixir(["t.py", "--elixirx"]) == (None, ["t.py", "--elixirx"])
+    for off in ("Off", "false", "NO", "none", "0"):  # every spelling of off is the flag's value
+        assert split_elixir(["t.py", "--elixir", off, "--x"]) == (off, ["t.py", "--x"])
+    assert split_elixir(["--elixir", "Auto", "t.py"]) == ("Auto", ["t.py"])
+
+
+def test_a_word_after_a_bare_flag_is_refused_naming_it(tmp_path) -> None:
+    """``--elixir yes`` is a mistyped value, not the script: refused before anything runs; a script
+    (a path) or a flag after a bare ``--elixir`` still is what it was."""
+    script = tmp_path / "never.py"
+    script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
+    for word in ("yes", "enabled", "of"):
+        with pytest.raises(SystemExit, match=f"elixir-run: --elixir '{word}' is not understood: use 'auto', 'off'"):
+            main([str(script), "--elixir", word])
+    assert not (tmp_path / "ran").exists()
 
 
 def test_bad_launch_fails_before_the_script_runs(tmp_path) -> None:

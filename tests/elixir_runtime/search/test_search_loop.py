@@ -331,6 +331,7 @@ def test_plan_memory_is_what_the_runtime_allocates_with_oversize_chunks(dtype) -
     assert all(c.grad is None for c in rt.trainable if c.shards.placement == "device")
 
 
+@pytest.mark.perf
 def test_search_is_fast_for_opt_175b() -> None:
     import time
 
