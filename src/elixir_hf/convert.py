@@ -25,7 +25,9 @@ import contextlib
 import re
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -36,11 +38,12 @@ from .checkpoint import (
     PLAN_NAME,
     CheckpointError,
     optimizer_format,
+    read_marker,
     verify,
 )
 from .optimizer_files import read_optimizer_index
 
-__all__ = ["convert", "main"]
+__all__ = ["convert", "main", "torch_adam_state"]
 
 _NOT_COPIED = re.compile(
     rf"^({re.escape(MARKER_NAME)}|{re.escape(PLAN_NAME)}|{re.escape(OPTIM_INDEX)}|optimizer-.*\.safetensors"
@@ -66,15 +69,31 @@ def convert(checkpoint: str | Path, out: str | Path, config: str | Path | None =
                 "convert that checkpoint",
             }.get(fmt, "")
         )
-    marker = verify(ckpt, 0, True)
-    index = read_optimizer_index(ckpt, marker["step"])
     if config is None and not (ckpt / "config.json").is_file():
         raise CheckpointError(f"{ckpt} has no config.json (a save_state folder?): pass the model's with --config")
+    verify(ckpt, 0, True)
     conf = AutoConfig.from_pretrained(config if config is not None else ckpt)
     model = AutoModelForCausalLM.from_pretrained(ckpt, config=conf, dtype=torch.float32)
-    by_name = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
     position = {id(p): i for i, p in enumerate(model.parameters())}
-    state = {}
+    state, groups = torch_adam_state(ckpt, model, lambda g: [position[id(p)] for p in g])
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    torch.save({"state": state, "param_groups": groups}, out / "optimizer.pt")
+    for f in ckpt.iterdir():
+        if f.is_file() and not _NOT_COPIED.match(f.name):
+            shutil.copy2(f, out / f.name)
+
+
+def torch_adam_state(
+    ckpt: Path, model: torch.nn.Module, numbering: Callable[[list[torch.nn.Parameter]], list[int]]
+) -> tuple[dict[int, dict[str, torch.Tensor]], list[dict[str, Any]]]:
+    """A verified Elixir checkpoint's optimizer state as a ``torch.optim.AdamW`` ``state_dict``'s
+    ``state`` and ``param_groups`` for ``model``, whose parameters get the fp32 master weights.
+    ``numbering(params)``: the state-dict positions of a group's parameters. Refuses a parameter of
+    the checkpoint ``model`` lacks, or a shape that differs."""
+    index = read_optimizer_index(ckpt, read_marker(ckpt)["step"])
+    by_name = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+    state: dict[int, dict[str, torch.Tensor]] = {}
     files = {p[0] for e in index["params"].values() for p in e["pieces"]}
     with contextlib.ExitStack() as stack:
         opened = {f: stack.enter_context(safe_open(str(ckpt / f), framework="pt")) for f in sorted(files)}
@@ -88,17 +107,13 @@ def convert(checkpoint: str | Path, out: str | Path, config: str | Path | None =
             with torch.no_grad():
                 param.copy_(full.pop("master"))
             if entry["step"] > 0:  # torch keeps no state for a parameter that never had a gradient
-                state[position[id(param)]] = {"step": torch.tensor(float(entry["step"])), **full}
+                (i,) = numbering([param])
+                state[i] = {"step": torch.tensor(float(entry["step"])), **full}
     groups = []
     for g in index["param_groups"]:
         hypers = {k: tuple(v) if k == "betas" else v for k, v in g.items() if k != "params"}
-        groups.append({**hypers, "params": [position[id(by_name[n])] for n in g["params"]]})
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    torch.save({"state": state, "param_groups": groups}, out / "optimizer.pt")
-    for f in ckpt.iterdir():
-        if f.is_file() and not _NOT_COPIED.match(f.name):
-            shutil.copy2(f, out / f.name)
+        groups.append({**hypers, "params": numbering([by_name[n] for n in g["params"]])})
+    return state, groups
 
 
 def _gather(opened: dict, name: str, kind: str, entry: dict, param: torch.Tensor) -> torch.Tensor:

@@ -57,16 +57,19 @@ from .batch_plan import planned_batch
 from .callback import SHORT_CONSOLE
 from .checkpoint import (
     PLAN_NAME,
+    CheckpointError,
     all_ranks_agree,
     atomic_torch_save,
     check_resume,
     newest_complete,
+    optimizer_format,
     seal,
     staged_dir,
     unmark,
     verify,
 )
 from .console import follow_trainer
+from .convert import torch_adam_state
 from .engine import build_engine, has_engine
 from .mixin import mixed_class
 from .optimizer_files import load_optimizer, save_optimizer
@@ -76,6 +79,8 @@ from .stream import restream
 __all__ = ["ElixirTrainer", "elixir_trainer"]
 
 SCHEDULER_NAME = "scheduler.pt"
+
+logger = logging.getLogger(__name__)
 
 
 class ElixirTrainer(Trainer):
@@ -273,6 +278,8 @@ class ElixirTrainer(Trainer):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is not None and self.elixir_plugin is None and optimizer_format(checkpoint) == "named":
+            return self._load_elixir_state_stock(checkpoint)
         if checkpoint is None or not has_engine(self.model):
             return super()._load_optimizer_and_scheduler(checkpoint)
         if getattr(self, "_resume_marker", False) is False:
@@ -287,6 +294,42 @@ class ElixirTrainer(Trainer):
         except Exception as e:  # noqa: BLE001 - every rank raises it
             error = f"{type(e).__name__}: {e}"
         all_ranks_agree(error, f"loading the optimizer state of {checkpoint}")
+
+    def _load_elixir_state_stock(self, checkpoint: str) -> None:
+        """``--elixir off`` resuming an Elixir checkpoint: the stock Trainer finds no ``optimizer.pt`` and
+        would restart AdamW and the schedule in silence. Instead the fp32 master weights go into the
+        model, the Adam state by parameter name into the stock optimizer (what ``elixir-convert``
+        writes), and the schedule into the scheduler, so the run continues as the Elixir run would.
+        A trainable parameter the checkpoint holds no state for is refused, naming it."""
+        error = None
+        try:
+            verify(checkpoint, self.args.process_index, self.args.should_save)
+            mine = [p for g in self.optimizer.param_groups for p in g["params"]]
+            position = {id(p): i for i, p in enumerate(mine)}
+
+            def numbering(params: list[torch.nn.Parameter]) -> list[int]:
+                return [position[id(p)] for p in params if id(p) in position]
+
+            state, groups = torch_adam_state(Path(checkpoint), self.model, numbering)
+            covered = {i for g in groups for i in g["params"]}
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            missing = [names.get(id(p), "?") for i, p in enumerate(mine) if i not in covered and p.requires_grad]
+            if missing:
+                raise CheckpointError(
+                    f"{checkpoint} holds no Adam state for {missing}: resume with the model it was saved from"
+                )
+            sd = self.optimizer.state_dict()
+            group_of = {i: g for g in groups for i in g["params"]}
+            for g in sd["param_groups"]:
+                saved = group_of[g["params"][0]] if g["params"] else {}
+                g.update({k: v for k, v in saved.items() if k in ("lr", "initial_lr")})
+            sd["state"] = state
+            self.optimizer.load_state_dict(sd)
+            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+        except Exception as e:  # noqa: BLE001 - every rank raises it
+            error = f"{type(e).__name__}: {e}"
+        all_ranks_agree(error, f"loading the Elixir optimizer state of {checkpoint} into the stock optimizer")
+        logger.info("elixir: --elixir off resumes %s with its Adam state, schedule and fp32 weights", checkpoint)
 
 
 def _writes_here(model: torch.nn.Module) -> contextlib.AbstractContextManager:

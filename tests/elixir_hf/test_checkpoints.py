@@ -319,3 +319,22 @@ def test_a_mistyped_resume_path_gets_the_stock_trainers_message(tmp_path) -> Non
         trainer = make_trainer("gpt2", training_args(str(tmp_path / "out"), elixir, max_steps=1))
         with pytest.raises(ValueError, match=f"^Can't find a valid checkpoint at {missing}$"):
             trainer.train(resume_from_checkpoint=str(missing))
+
+
+def test_elixir_off_resumes_an_elixir_checkpoint_with_its_adam_state(saved_run, tmp_path) -> None:
+    """``--elixir off`` (``ElixirTrainer``, as elixir-run builds it, with Elixir off) resuming an Elixir
+    checkpoint: the stock path would find no ``optimizer.pt`` and restart AdamW and the schedule in
+    silence; here the run continues as the Elixir run did (its fp32 masters, Adam state and schedule)."""
+    out, losses = saved_run
+    args = training_args(str(tmp_path / "off"), "off", **SAVE)
+    assert args.elixir_plugin is None
+    data = make_trainer("gpt2", training_args(str(tmp_path / "ref"), **SAVE))  # the same model and data
+    off = elixir_hf.trainer.ElixirTrainer(
+        model=data.model, args=args, train_dataset=data.train_dataset, data_collator=data.data_collator
+    )
+    off.train(resume_from_checkpoint=str(out / "checkpoint-5"))
+    assert not hasattr(off.model, "_elixir")  # the stock Trainer's run
+    assert history(off, "loss", after_step=5) == pytest.approx(losses[5:], rel=1e-5)  # a restarted schedule: not
+    restarted = make_trainer("gpt2", training_args(str(tmp_path / "stock"), **SAVE))
+    restarted.train(resume_from_checkpoint=str(out / "checkpoint-5"))  # the stock Trainer: Adam restarts
+    assert history(restarted, "loss", after_step=5) != pytest.approx(losses[5:], rel=1e-5)
