@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from search_cases import GIB, gpu_host, model_state_bytes
 
@@ -87,35 +88,12 @@ def test_a_searched_plan_carries_the_layout_the_search_built(monkeypatch) -> Non
     assert again == plan and again.layout is None and again.predicted == plan.predicted and again.budget == plan.budget
 
 
-def test_the_search_plans_the_resident_chunk(monkeypatch) -> None:
-    """``prepare(..., resident=...)`` (``tests/elixir_runtime/runtime/test_resident.py``) under
-    ``mode="auto"``: the search (GPU budget and hardware faked) builds its layouts with the head in a
-    private chunk, which the plan has the root acquire and counts."""
-    monkeypatch.setattr(
-        planner, "device_budget", lambda device, act, buffers, host: Budget(GIB, act, buffers, GIB, host.ranks)
-    )
-    monkeypatch.setattr(planner, "job_hardware", lambda coll, device, cpu_threads=None: gpu_host())
-    model = tiny_llama()
-    head = model.lm_head.weight
-    plan = planner.search_job(
-        model,
-        find_units(model, None),
-        make_batch(128),
-        er.ElixirConfig(),
-        torch.device("cpu"),
-        torch.float32,
-        Collectives(None),
-        resident=[head],
-    )
-    i = plan.param_table.index[id(head)]
-    assert plan.param_table.resident[i] and plan.predicted is not None
-    assert plan.root_chunks == (plan.layout.param_chunk[i],) and plan.layout.chunks[plan.root_chunks[0]].private
-    assert plan.memory.private == head.numel() * 4
-
-
-def test_the_search_gives_a_found_read_the_roots_chunk(monkeypatch) -> None:
-    """``mode="auto"`` (GPU budget and hardware faked): nothing named, the head found by the profile
-    gets a private chunk the root acquires, counted in the plan."""
+@pytest.mark.parametrize("named", [True, False], ids=["named", "found-by-the-profile"])
+def test_the_search_plans_the_resident_chunk(monkeypatch, named: bool) -> None:
+    """A head read outside its module (``tests/elixir_runtime/runtime/test_resident.py``) under
+    ``mode="auto"``, named in ``prepare(..., resident=...)`` or found by the profile: the search (GPU
+    budget and hardware faked) builds its layouts with the head in a private chunk, which the plan has
+    the root acquire and counts."""
     monkeypatch.setattr(
         planner, "device_budget", lambda device, act, buffers, host: Budget(GIB, act, buffers, GIB, host.ranks)
     )
@@ -130,7 +108,9 @@ def test_the_search_gives_a_found_read_the_roots_chunk(monkeypatch) -> None:
         torch.device("cpu"),
         torch.float32,
         Collectives(None),
+        resident=[head] if named else [],
     )
     i = plan.param_table.index[id(head)]
-    assert plan.param_table.resident[i]
-    assert plan.root_chunks == (plan.layout.param_chunk[i],) and plan.memory.private == head.numel() * 4
+    assert plan.param_table.resident[i] and plan.predicted is not None
+    assert plan.root_chunks == (plan.layout.param_chunk[i],) and plan.layout.chunks[plan.root_chunks[0]].private
+    assert plan.memory.private == head.numel() * 4
