@@ -71,6 +71,7 @@ from .checkpoint import (
 from .console import follow_trainer
 from .convert import torch_adam_state
 from .engine import build_engine, has_engine
+from .folder_lock import FolderInUse, job_lock
 from .mixin import mixed_class
 from .optimizer_files import load_optimizer, save_optimizer
 from .plugin import ENV_VAR, ElixirPlugin, describe_model
@@ -174,10 +175,27 @@ class ElixirTrainer(Trainer):
 
     # ------------------------------------------------------------------ checkpoints
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        if self.elixir_plugin is not None and resume_from_checkpoint is True:
-            resume_from_checkpoint = newest_complete(self.args.output_dir)
-        with self._explained("train"):
+        with self._explained("train"), self._one_job_per_folder():
+            if self.elixir_plugin is not None and resume_from_checkpoint is True:
+                resume_from_checkpoint = newest_complete(self.args.output_dir)
             return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def _one_job_per_folder(self) -> Iterator[None]:
+        """``output_dir``'s lock (``folder_lock.py``), held by the saving process for the whole run; every
+        rank fails, naming the folder and the job holding it, if another live job does."""
+        if self.elixir_plugin is None:  # --elixir off: the stock Trainer's run
+            yield
+            return
+        with contextlib.ExitStack() as held:
+            error = None
+            if self.args.should_save:
+                try:
+                    held.enter_context(job_lock(self.args.output_dir))
+                except FolderInUse as e:
+                    error = str(e)
+            all_ranks_agree(error, f"taking output_dir {self.args.output_dir}")
+            yield
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         """The stock save, then the marker, then the rotation of older checkpoints (deferred: until

@@ -153,7 +153,7 @@ def test_empty_values_are_refused_everywhere(tmp_path, monkeypatch, value: str) 
 
     from elixir_hf.run import main
 
-    accepted = r"is empty \(.*\): use 'auto', 'off', a JSON object .* or the path of an existing \.json file"
+    accepted = r"is empty \(.*\): use 'auto', 'off' \(or false/no/none/0\), a JSON object .* or the path of an existing \.json file"
     with pytest.raises(ElixirSpecError, match="^--elixir " + accepted):
         ElixirTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], elixir=value)
     with pytest.raises(ElixirSpecError, match="^--elixir " + accepted):
