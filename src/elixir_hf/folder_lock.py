@@ -6,7 +6,8 @@ takes an exclusive ``flock`` on ``output_dir/.elixir-job.lock`` for the whole of
 writes who it is into it (host, pid, job id, start time); a second job finds the lock held and
 stops before training, naming the folder and the job holding it. The kernel drops a ``flock`` when
 its process dies, so a lock left by a crashed job is not held: the next job takes it over, saying
-whose it was, and, holding it, removes that job's orphaned save stages (``.elixir-save-*``, which a
+whose it was (a job that ends cleanly removes the file while it holds it; a job that locked the
+file just before is told by the file's inode and locks the path's new one), and, holding it, removes that job's orphaned save stages (``.elixir-save-*``, which a
 kill during a save leaves full-size), which no live job can be writing. ``flock`` is local to a
 host's kernel: two hosts sharing a network folder are not told apart on every file system.
 """
@@ -57,11 +58,10 @@ def _read(fd: int) -> dict[str, Any] | None:
         return {"pid": "?", "host": "?", "started": f"unreadable lock {text[:80]!r}"}
 
 
-def _write(fd: int, holder: dict[str, Any] | None) -> None:
+def _write(fd: int, holder: dict[str, Any]) -> None:
     os.ftruncate(fd, 0)
     os.lseek(fd, 0, os.SEEK_SET)
-    if holder is not None:
-        os.write(fd, json.dumps(holder).encode())
+    os.write(fd, json.dumps(holder).encode())
     os.fsync(fd)
 
 
@@ -80,16 +80,22 @@ def job_lock(folder: str | os.PathLike) -> Iterator[None]:
         return
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    path = folder / LOCK_NAME
+    while True:  # the lock of the file at the path now: a job ending unlinks it (see below)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _read(fd) or {}
+            os.close(fd)
             raise FolderInUse(
                 f"{folder} is in use by another job ({_describe(holder)}): two jobs in one output_dir overwrite each "
                 "other's checkpoints. Give this run its own --output_dir, or wait for that job to end"
             ) from None
+        if path.exists() and os.stat(path).st_ino == os.fstat(fd).st_ino:
+            break
+        os.close(fd)  # locked a file that its holder unlinked as it ended: open the path's again
+    try:
         previous = _read(fd)
         if previous is not None:  # written by a job that did not end cleanly, and is gone: the lock was free
             logger.warning(
@@ -99,9 +105,7 @@ def job_lock(folder: str | os.PathLike) -> Iterator[None]:
             logger.warning("elixir: removing %s, the save stage of an interrupted save", stage)
             shutil.rmtree(stage, ignore_errors=True)
         _write(fd, _me())
-        try:
-            yield
-        finally:
-            _write(fd, None)  # a clean end: the next job has nothing to take over
+        yield
+        path.unlink()  # a clean end leaves nothing behind, and nothing for the next job to take over
     finally:
         os.close(fd)  # releases the flock
