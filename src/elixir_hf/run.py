@@ -86,8 +86,17 @@ def install() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["-h"], ["--help"]):  # elixir-run's own, before a script: the script's come after it
+        print(f"{USAGE}\n\n{__doc__.strip()}")
+        sys.exit(0)
+    if argv[:1] == ["--version"]:
+        from . import __version__
+
+        print(f"elixir-run (elixir-hf) {__version__}")
+        sys.exit(0)
     try:
-        spec, rest = split_elixir(sys.argv[1:] if argv is None else argv)
+        spec, rest = split_elixir(argv)
     except ElixirSpecError as exc:
         sys.exit(f"elixir-run: {exc}")
     module = rest[:1] == ["-m"]

@@ -252,3 +252,20 @@ def test_trl_sft_with_a_lora_adapter(model_dir, tmp_path, monkeypatch) -> None:
     fields = {f.name for f in dataclasses.fields(stock)} - {"output_dir", "logging_dir"}
     differ = {f for f in fields if getattr(ours, f) != getattr(stock, f)}
     assert not differ, {f: (getattr(ours, f), getattr(stock, f)) for f in differ}
+
+
+def test_help_and_version_are_elixir_runs_own_before_a_script(capsys) -> None:
+    """The entry point users meet first: ``--help`` prints the usage and exits 0 (it used to say
+    "name the script to run" and exit 1); after the script, ``--help`` is the script's."""
+    from elixir_hf import __version__
+
+    for flag in ("-h", "--help"):
+        with pytest.raises(SystemExit) as exit_:
+            main([flag])
+        assert exit_.value.code == 0
+        out = capsys.readouterr().out
+        assert out.startswith("usage: elixir-run [--elixir") and "ELIXIR_CONFIG" in out
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out == f"elixir-run (elixir-hf) {__version__}\n"
+    assert split_elixir(["train.py", "--help"]) == (None, ["train.py", "--help"])
