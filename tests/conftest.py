@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from elixir_runtime.progress import set_progress_factory
 from helpers import dist as dist_harness
 from helpers.transformers_use import uses_transformers
 
@@ -28,6 +30,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Every chunk state transition is checked against its table (runtime/state.py), in spawned ranks too.
 os.environ.setdefault("ELIXIR_DEBUG_STATES", "1")
+
+
+@pytest.fixture(autouse=True)
+def _no_progress_bars_left_behind() -> Iterator[None]:
+    """A test that builds an Accelerator or Trainer installs the bars' factory for the process
+    (``elixir_runtime.progress``); the next test in the same worker starts without it, whichever
+    test ran before (the suite's order is xdist's)."""
+    previous = set_progress_factory(None)
+    try:
+        yield
+    finally:
+        set_progress_factory(previous)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
