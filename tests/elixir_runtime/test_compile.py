@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 import elixir_runtime as er
 from elixir_runtime.config import ConfigError
 from elixir_runtime.runtime import state as engine_state
-from helpers.models import make_batch, tiny_llama
+from helpers.models import make_batch, read_head_outside, tiny_llama
 from helpers.training import max_weight_diff
 
 STEPS = 4
@@ -84,3 +84,16 @@ def test_cuda_graphs_and_an_unprepared_model_are_refused() -> None:
     er.compile_blocks(model, backend="eager")
     with pytest.raises(ValueError, match="compiled already"):
         er.compile_blocks(model, backend="eager")
+
+
+def test_a_failed_first_forward_leaves_compilation_on() -> None:
+    """The first forward runs eagerly until its backward; one that fails has none, and must not leave
+    the process's compiled code eager: a function compiled after it compiles."""
+    model = tiny_llama()
+    read_head_outside(model)
+    model, _ = er.prepare(model, torch.optim.AdamW(model.parameters()), er.ElixirConfig(mode="static"))
+    with pytest.raises(er.PlaceholderReadError):
+        model(**make_batch(128))  # no example batch, no trace: the head's read is caught here
+    graphs = []
+    compiled = torch.compile(lambda x: x + 1, backend=lambda gm, _: graphs.append(gm) or gm.forward)
+    assert torch.equal(compiled(torch.zeros(2)), torch.ones(2)) and len(graphs) == 1

@@ -27,7 +27,9 @@ aten op with a parameter that is still a placeholder among its inputs raises, na
 before any step could train on it. Later forwards run unwatched (one Python call per op costs
 nothing once; every step it would); ``ELIXIR_DEBUG_STATES=1`` watches them all. A watched forward runs
 eagerly (``torch.compiler.set_stance("force_eager")``): dynamo does not compile under a dispatch mode,
-and would mark the frames it met there never to be compiled again.
+and would mark the frames it met there never to be compiled again. Its backward runs eagerly too: a
+checkpointed block recomputed there must save what its eager forward saved (transformers 5.17
+checkpoints a layer's call, around the compiled forward).
 
 It also hands each training forward's inputs to the ``BatchGuard`` (``batch_guard.py``: a batch
 larger than the plan's warns once). Inside ``full_params`` every hook stands by: the parameters are
@@ -139,23 +141,12 @@ def _is_placeholder(t: object, ptr: int) -> bool:
 
 
 class _PlaceholderReads(TorchDispatchMode):
-    """Raises at an op reading a placeholder, compiled code run eagerly ([Note: placeholder reads])."""
+    """Raises at an op reading a placeholder ([Note: placeholder reads])."""
 
     def __init__(self, runtime: ChunkRuntime) -> None:
         super().__init__()
         self.ptr = runtime.resident.placeholder_ptr
         self.names = {id(p): names[0] for p, names in zip(runtime.layout.params, runtime.layout.names)}
-        self.eager = torch.compiler.set_stance("force_eager")
-
-    def __enter__(self):
-        self.eager.__enter__()
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        try:
-            return super().__exit__(*exc)
-        finally:
-            self.eager.__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -183,6 +174,9 @@ class _RootHooks:
         self.watched: set[tuple[bool, bool]] = set()
         """The kinds of forward (grad enabled, training) already run under ``_PlaceholderReads``."""
         self.watch: _PlaceholderReads | None = None
+        self.eager: Any = None
+        """``torch.compiler.set_stance("force_eager")``, entered for a watched forward and left after it, or
+        after its backward: a checkpointed block recomputed there must run as its forward ran."""
 
     def pre_forward(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.runtime.residency is Residency.ELSEWHERE:
@@ -206,22 +200,32 @@ class _RootHooks:
             self.runtime.resident.acquire(self.chunks, pin=False)
         if kind not in self.watched or state.CHECKING:
             self.watched.add(kind)
+            self.end_eager()  # a forward without the backward of the last one
+            self.eager = torch.compiler.set_stance("force_eager")
+            self.eager.__enter__()
             self.watch = _PlaceholderReads(self.runtime)
             self.watch.__enter__()
         if grad:
             self.saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             self.saved_hooks.__enter__()
 
-    def post_forward(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+    def post_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
         if self.runtime.residency is not Residency.SHARDED:
             return
         self.depth = max(self.depth - 1, 0)
         if self.depth == 0 and self.watch is not None:
             self.watch.__exit__(None, None, None)
             self.watch = None
+            if output is None or not torch.is_grad_enabled():  # failed (always_call gives None), or no backward
+                self.end_eager()  # else at the end of its backward (install_hooks)
         if self.depth == 0 and self.saved_hooks is not None:
             self.saved_hooks.__exit__(None, None, None)
             self.saved_hooks = None
+
+    def end_eager(self) -> None:
+        if self.eager is not None:
+            self.eager.__exit__(None, None, None)
+            self.eager = None
 
     def pack(self, t: torch.Tensor) -> Any:
         buffer = self.runtime.resident.buffer_of(t)
@@ -255,6 +259,7 @@ def install_hooks(
         runtime.grads.on_finish_backward.append(h.post_backward)
     assert all(runtime.chunks[i].spec.private for i in root_chunks), "the root acquires private chunks only"
     root = _RootHooks(runtime, model, root_chunks, BatchGuard(batch_shape))
+    runtime.grads.on_finish_backward.append(root.end_eager)
     handles.append(model.register_forward_pre_hook(root.pre_forward, prepend=True, with_kwargs=True))
     handles.append(model.register_forward_hook(root.post_forward, always_call=True))
     # A tensor's grad hooks live in its C++ autograd meta, out of the garbage collector's sight: a
