@@ -33,6 +33,13 @@ os.environ.setdefault("ELIXIR_DEBUG_STATES", "1")
 
 
 @pytest.fixture(autouse=True)
+def _compiled_code_compiles() -> None:
+    """An engine's first forward runs compiled code eagerly until its backward; a test that ends
+    between the two leaves the process eager (the engine's next forward would end it)."""
+    torch.compiler.set_stance("default")
+
+
+@pytest.fixture(autouse=True)
 def _no_progress_bars_left_behind() -> Iterator[None]:
     """A test that builds an Accelerator or Trainer installs the bars' factory for the process
     (``elixir_runtime.progress``); the next test in the same worker starts without it, whichever

@@ -97,3 +97,18 @@ def test_a_failed_first_forward_leaves_compilation_on() -> None:
     graphs = []
     compiled = torch.compile(lambda x: x + 1, backend=lambda gm, _: graphs.append(gm) or gm.forward)
     assert torch.equal(compiled(torch.zeros(2)), torch.ones(2)) and len(graphs) == 1
+
+
+def test_a_forward_without_its_backward_does_not_leave_the_next_steps_eager(monkeypatch) -> None:
+    """A grad-enabled first forward whose backward never comes (a check of the loss) keeps compiled
+    code eager only until the model's next forward, which compiles."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = er.prepare(model, opt, er.ElixirConfig(mode="static"), make_batch(128))
+    graphs = []
+    er.compile_blocks(model, backend=lambda gm, _: graphs.append(gm) or gm.forward)
+    model(**make_batch(128))  # watched and eager; no backward
+    assert graphs == []
+    opt.backward(model(**make_batch(128, seed=1)).loss)
+    assert len(graphs) == 1

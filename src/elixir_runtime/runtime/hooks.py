@@ -29,7 +29,9 @@ nothing once; every step it would); ``ELIXIR_DEBUG_STATES=1`` watches them all. 
 eagerly (``torch.compiler.set_stance("force_eager")``): dynamo does not compile under a dispatch mode,
 and would mark the frames it met there never to be compiled again. Its backward runs eagerly too: a
 checkpointed block recomputed there must save what its eager forward saved (transformers 5.17
-checkpoints a layer's call, around the compiled forward).
+checkpoints a layer's call, around the compiled forward). The eager window ends with that backward,
+with the forward if it fails or runs without grad, or at the model's next forward (a forward whose
+backward never came): a compiled run is never left eager.
 
 It also hands each training forward's inputs to the ``BatchGuard`` (``batch_guard.py``: a batch
 larger than the plan's warns once). Inside ``full_params`` every hook stands by: the parameters are
@@ -198,9 +200,9 @@ class _RootHooks:
         self.runtime.resident.schedule.begin(kind)
         if self.chunks:  # private: never evicted, so no pin is needed to keep them
             self.runtime.resident.acquire(self.chunks, pin=False)
+        self.end_eager()  # a new forward: the last one's backward ran, or never will
         if kind not in self.watched or state.CHECKING:
             self.watched.add(kind)
-            self.end_eager()  # a forward without the backward of the last one
             self.eager = torch.compiler.set_stance("force_eager")
             self.eager.__enter__()
             self.watch = _PlaceholderReads(self.runtime)
