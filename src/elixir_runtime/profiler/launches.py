@@ -28,15 +28,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["Launch", "skipped_launches"]
 
-Launch = Callable[[str, int], None]
-"""Told of each skipped launch: the kernel's name and the bytes of its distinct tensor arguments."""
-
-
-def _kernel_name(kernel: Any) -> str:
-    fn = getattr(kernel, "fn", kernel)  # an Autotuner or Heuristics wraps the JIT function
-    while hasattr(fn, "fn") and not hasattr(fn, "__name__"):
-        fn = fn.fn
-    return getattr(fn, "__name__", type(kernel).__name__)
+Launch = Callable[[int], None]
+"""Told of each skipped launch: the bytes of its distinct tensor arguments."""
 
 
 def _fake_bytes(args: tuple, kwargs: dict) -> int | None:
@@ -68,7 +61,7 @@ def skipped_launches(on_launch: Launch | None = None) -> Iterator[None]:
             if nbytes is None:
                 return launch(*args, **kwargs)
             if on_launch is not None:
-                on_launch(_kernel_name(kernel), nbytes)
+                on_launch(nbytes)
             return None
 
         return run

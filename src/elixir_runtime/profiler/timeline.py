@@ -106,7 +106,7 @@ class Timeline:
             c.bytes += moved
             c.ops += 1
 
-    def kernel_launch(self, _name: str, moved: int) -> None:
+    def kernel_launch(self, moved: int) -> None:
         """A custom kernel the fake trace skipped (``launches.py``): its traffic, as one op."""
         self.add_cost(0, "", moved)
 
