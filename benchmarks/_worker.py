@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .hostmem import GIB, HostMemorySampler, host_total_bytes, rss_bytes
 from .models import param_count, preset, vocab_size
-from .systems import MAX_GRAD_NORM, SYSTEMS, Context, Trainer, Unavailable, build, uses_liger
+from .systems import MAX_GRAD_NORM, SYSTEMS, Context, Trainer, Unavailable, build, on_trainer_path
 
 PG_TIMEOUT_S = 300
 _DIST_SYSTEMS = ("fsdp2", "fsdp2_offload", "ds2_offload", "ds3_offload")
@@ -72,7 +72,8 @@ def setup(args: argparse.Namespace) -> Context:
         skip_nonfinite=bool(args.skip_nonfinite),
         device_lane=args.device_lane,
         lean_loss=bool(args.lean_loss),
-        liger=uses_liger(args.system, args.liger),
+        liger=on_trainer_path(args.system, args.liger),
+        compile=on_trainer_path(args.system, args.compile),
     )
 
 
@@ -232,6 +233,7 @@ def run(args: argparse.Namespace) -> None:
         "seq": args.seq,
         **clip_fields(ctx.clip),
         "liger": ctx.liger,
+        "compile": ctx.compile,
         "warmup": args.warmup,
         "steps": args.steps,
         **env,
@@ -316,6 +318,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--lean-loss", type=int, default=1, choices=(0, 1), help="Elixir's model gets the lean causal-LM loss"
     )
     ap.add_argument("--liger", action="store_true", help="use_liger_kernel=True in the Trainer-path systems")
+    ap.add_argument("--compile", action="store_true", help="torch_compile=True in the Trainer-path systems")
     return ap.parse_args(argv)
 
 

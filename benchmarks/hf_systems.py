@@ -13,7 +13,7 @@ fp32 / bf16 weights on the GPU and ``optimizers=(CPUOffloadOptimizer(params, Ada
 ``param_groups`` are its inner AdamWs'), but backward's hooks copy each gradient to the host as it is
 made, before the Trainer's clip scales the GPU ones, so the CPU update is not clipped (torchao 0.18's
 ``optim/cpu_offload.py``; ``info["clip_note"]``). ``--liger`` (``Context.liger``) sets
-``use_liger_kernel=True`` in every one of them. A package a system needs that is not installed makes its
+``use_liger_kernel=True`` in every one of them, ``--compile`` (``Context.compile``) ``torch_compile=True``. A package a system needs that is not installed makes its
 row n/a (``Unavailable``).
 
 Each timed step is the Trainer's own loop from one ``on_step_end`` to the next (data loading,
@@ -75,7 +75,7 @@ def hf_trainer(
     stock ``Trainer`` over ``stock``'s weights and optimizer, built here and run on each timed call;
     ``anatomy``: each step's phases and the engine's update trace in ``info["anatomy"]``
     (``benchmarks.step_anatomy --system elixir_trainer``)."""
-    info: dict[str, Any] = {"liger": ctx.liger}
+    info: dict[str, Any] = {"liger": ctx.liger, "compile": ctx.compile}
     if ctx.liger:
         _require("liger_kernel", "liger-kernel", info)
     optimizers: tuple[torch.optim.Optimizer | None, None] = (None, None)
@@ -143,7 +143,7 @@ def training_fields(
     ctx: Context, output_dir: str, batch: int, max_steps: int, optim: str | None = None
 ) -> dict[str, Any]:
     """The ``TrainingArguments`` of every Trainer-path system: the harness's AdamW hyper-parameters and
-    clip, bf16 on the GPU, ``use_liger_kernel`` as ``ctx.liger`` says, ``optim`` where given (else the
+    clip, bf16 on the GPU, ``use_liger_kernel`` and ``torch_compile`` as ``ctx`` says, ``optim`` where given (else the
     Trainer's default); no saving, no reporting, one log entry."""
     fields: dict[str, Any] = dict(
         output_dir=output_dir,
@@ -155,6 +155,7 @@ def training_fields(
         bf16=ctx.device.type == "cuda",
         use_cpu=ctx.device.type == "cpu",
         use_liger_kernel=ctx.liger,
+        torch_compile=ctx.compile,
         save_strategy="no",
         report_to="none",
         disable_tqdm=True,

@@ -3,10 +3,10 @@
     python -m benchmarks.report [INPUT ...] [--out docs/benchmarks/results.json] [--md docs/benchmarks.md]
 
 INPUTs are results.json files of other calls or logs holding ``RESULT {json}`` lines; their runs
-replace runs of the same (card, model, GPUs, seq, batch, clip, liger, system) already in ``--out``.
-Each summary row compares systems on one card, at one sequence length, one clip and one Liger setting
-only: the card changes the regimes (an H200 fits what an H100 cannot), clipping changes what
-overlaps, and Liger's kernels change the step of every Trainer-path system.
+replace runs of the same (card, model, GPUs, seq, batch, clip, fused kernels, system) already in ``--out``.
+Each summary row compares systems on one card, at one sequence length, one clip and one fused-kernel
+setting only: the card changes the regimes (an H200 fits what an H100 cannot), clipping changes what
+overlaps, and Liger's kernels and torch.compile change the step of every Trainer-path system.
 """
 
 from __future__ import annotations
@@ -92,8 +92,19 @@ def ligered(r: Run) -> bool:
     return bool(r.get("liger", False))
 
 
+def compiled(r: Run) -> bool:
+    """Whether the run had ``torch_compile=True`` (``--compile``); runs recorded before it existed had not."""
+    return bool(r.get("compile", False))
+
+
+def kernels(r: Run) -> str:
+    """The run's fused-kernel setting, a row of its own: Liger's kernels and torch.compile."""
+    on = [name for name, used in (("Liger", ligered(r)), ("compile", compiled(r))) if used]
+    return " + ".join(on) or "off"
+
+
 def run_key(r: Run) -> tuple:
-    return (r.get("card"), r["model"], r["gpus"], r.get("seq"), r["batch"], clipped(r), ligered(r), r["system"])
+    return (r.get("card"), r["model"], r["gpus"], r.get("seq"), r["batch"], clipped(r), kernels(r), r["system"])
 
 
 def merge_runs(old: Iterable[Run], new: Iterable[Run]) -> list[Run]:
@@ -131,6 +142,8 @@ def summary_row(runs: dict[str, Run]) -> dict[str, Any]:
     row: dict[str, Any] = {k: first.get(k) for k in ("card", "model", "params", "gpus", "seq", "batch")}
     row["clip"] = clipped(first)
     row["liger"] = ligered(first)
+    row["compile"] = compiled(first)
+    row["kernels"] = kernels(first)
     row["tflops"] = {s: (r["tflops"] if _ok(r) else None) for s, r in runs.items()}
     row["status"] = {s: r.get("status") for s, r in runs.items()}
     row["pageable"] = sorted(s for s, r in runs.items() if _pageable(r))
@@ -189,10 +202,6 @@ def _on(flag: bool) -> str:
     return "1.0" if flag else "off"
 
 
-def _on_off(flag: bool) -> str:
-    return "on" if flag else "off"
-
-
 def _f(value: float | None, fmt: str = ".2f") -> str:
     return "–" if value is None else format(value, fmt)
 
@@ -211,7 +220,7 @@ def _regime_table(rows: list[dict[str, Any]]) -> list[str]:
         "seq",
         "bs/GPU",
         "clip",
-        "Liger",
+        "fused kernels",
         *systems,
         "Elixir / best baseline",
         "Elixir step s (predicted)",
@@ -228,7 +237,7 @@ def _regime_table(rows: list[dict[str, Any]]) -> list[str]:
             row["seq"],
             row["batch"],
             _on(row["clip"]),
-            _on_off(row["liger"]),
+            row["kernels"],
             *(_cell(row, s) for s in systems),
             ratio_cell,
             step,
@@ -245,7 +254,7 @@ def _runs_table(runs: list[Run]) -> list[str]:
         "seq",
         "bs",
         "clip",
-        "Liger",
+        "fused kernels",
         "system",
         "status",
         "TFLOPS/GPU",
@@ -271,7 +280,7 @@ def _runs_table(runs: list[Run]) -> list[str]:
             r.get("seq"),
             r["batch"],
             _on(clipped(r)),
-            _on_off(ligered(r)),
+            kernels(r),
             system,
             r.get("status"),
             _f(r.get("tflops"), ".1f"),
@@ -298,8 +307,9 @@ def render_markdown(results: dict[str, Any], png: Path | None, md_dir: Path) -> 
         "(GPT-2 presets: GPT2LMHeadModel, vocab 50257, tied, seq 1024; Llama-3-8B / Qwen2.5-7B: their published "
         "configs, untied, seq 2048), SDPA, activation checkpointing on every block, bf16 compute, AdamW, random "
         "tokens. clip 1.0: every system clips gradients to a global norm of 1.0 (the HF Trainer's default "
-        "`max_grad_norm`); off: no clipping (every run before the `--clip` switch). Liger on: the Trainer-path "
-        "systems ran with `use_liger_kernel=True` (`--liger`). trainer_lossy (bf16 weights, bitsandbytes' paged "
+        "`max_grad_norm`); off: no clipping (every run before the `--clip` switch). Fused kernels: the Trainer-path "
+        "systems ran with `use_liger_kernel=True` (Liger, `--liger`) and/or `torch_compile=True` (compile, `--compile`: "
+        "Elixir compiles each decoder layer, the stock Trainer the whole model). trainer_lossy (bf16 weights, bitsandbytes' paged "
         "8-bit AdamW) and torchao_offload_bf16 (bf16 weights and AdamW states) keep no fp32 master weights; "
         "torchao_offload's CPU update is not clipped (benchmarks/hf_systems.py). Each row compares systems "
         "measured on the same card; median of the timed steps of the slowest rank. Generated by "
@@ -380,6 +390,7 @@ def render_png(results: dict[str, Any], path: Path) -> None:
                 f"{r['model']} ×{r['gpus']}\nbs {r['batch']}"
                 + (" clip" if r["clip"] else "")
                 + (" liger" if r["liger"] else "")
+                + (" compile" if r["compile"] else "")
                 + f"\n{_short_card(r['card'])}"
                 for r in rows
             ],

@@ -66,7 +66,7 @@ STOCK_TRAINERS = {
 bitsandbytes' paged 8-bit AdamW (lossy states and updates); ``torchao_offload(_bf16)``: torchao's CPU
 offload of AdamW over fp32 (bf16) weights."""
 TRAINER_SYSTEMS = ("elixir_trainer", *STOCK_TRAINERS)
-"""HF ``Trainer.train()`` with ``--elixir auto`` and the stock Trainer's baselines: what ``--liger`` reaches."""
+"""HF ``Trainer.train()`` with ``--elixir auto`` and the stock Trainer's baselines: what ``--liger`` and ``--compile`` reach."""
 SYSTEMS = ("elixir", "plain", "fsdp2", "fsdp2_offload", "ds2_offload", "ds3_offload", *TRAINER_SYSTEMS)
 
 
@@ -74,9 +74,10 @@ class Unavailable(RuntimeError):
     """The system cannot be built on this machine at all (e.g. DeepSpeed is not installed)."""
 
 
-def uses_liger(system: str, liger: bool) -> bool:
-    """Whether ``--liger`` reaches ``system``: ``use_liger_kernel`` is a ``TrainingArguments`` field."""
-    return liger and system in TRAINER_SYSTEMS
+def on_trainer_path(system: str, flag: bool) -> bool:
+    """Whether a ``TrainingArguments`` switch (``--liger``: ``use_liger_kernel``, ``--compile``:
+    ``torch_compile``) reaches ``system``: only the Trainer-path systems have those arguments."""
+    return flag and system in TRAINER_SYSTEMS
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,9 @@ class Context:
     liger: bool = False
     """The Trainer-path systems set ``use_liger_kernel=True``: the Trainer patches Liger's Triton kernels
     (RMSNorm, RoPE, SwiGLU, fused linear cross-entropy) into the model (``--liger``)."""
+    compile: bool = False
+    """The Trainer-path systems set ``torch_compile=True`` (``--compile``): Elixir compiles each decoder
+    layer (``elixir_runtime.compile_blocks``), the stock Trainer the whole model (Accelerate's dynamo)."""
 
 
 @dataclass

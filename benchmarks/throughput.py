@@ -15,7 +15,9 @@ global norm of 1.0, as the HF Trainer does by default; ``--clip 0`` does not (th
 ``--lean-loss 1`` (default) gives Elixir's model the lean causal-LM loss, as ``ElixirTrainer`` does
 (``elixir_hf/loss.py``); the baselines keep transformers' own (recorded as ``info.lean_loss``).
 ``--liger`` sets ``use_liger_kernel=True`` in the Trainer-path systems (``systems.TRAINER_SYSTEMS``;
-recorded as ``liger`` and ``info.liger``): a run with it is a row of its own in the tables.
+recorded as ``liger`` and ``info.liger``): a run with it is a row of its own in the tables. ``--compile``
+sets ``torch_compile=True`` in the same systems (``compile``; Elixir's ``elixir/compile_s``,
+``elixir/compile_graphs`` and ``elixir/compile_graph_breaks`` in ``info.trainer_log``), a row of its own too.
 
 Each system runs in its own worker process (torchrun for several GPUs), so an OOM, a hang or a
 host OOM-kill of one cannot take down the others; a worker past ``--worker-timeout`` is killed
@@ -43,7 +45,7 @@ from elixir_hf.presets import canonical_name
 from . import report
 from ._worker import clip_fields
 from .models import DECODER_PRESETS, PRESETS, param_count, preset
-from .systems import MAX_GRAD_NORM, SYSTEMS, TRAINER_SYSTEMS, uses_liger
+from .systems import MAX_GRAD_NORM, SYSTEMS, TRAINER_SYSTEMS, on_trainer_path
 
 REPO = Path(__file__).resolve().parents[1]
 PER_BATCH_SYSTEMS = ("elixir", *TRAINER_SYSTEMS)
@@ -99,6 +101,7 @@ def worker_command(args: argparse.Namespace, system: str, model: str, batch_size
         "--lean-loss",
         str(args.lean_loss),
         *(["--liger"] if args.liger else []),
+        *(["--compile"] if args.compile else []),
     ]
     if args.gpus == 1:
         return [sys.executable, *worker]
@@ -192,7 +195,8 @@ def run_system(
                     "batch": b,
                     "seq": seq,
                     **clip_fields(bool(args.clip)),
-                    "liger": uses_liger(system, args.liger),
+                    "liger": on_trainer_path(system, args.liger),
+                    "compile": on_trainer_path(system, args.compile),
                     **gpu,
                     "status": status,
                     "error": error,
@@ -214,6 +218,7 @@ def print_summary(results: dict[str, Any], card: str, models: list[str], gpus: i
                 best = f" | elixir/best {ratio:.2f}x ({row['best_baseline']})" if ratio is not None else ""
                 head = f"{key:15s} {row['model']:9s} x{gpus} seq {row['seq']} bs {row['batch']:3d} clip {int(clip)}"
                 head += " liger" if row["liger"] else ""
+                head += " compile" if row["compile"] else ""
                 print(f"{head}: " + ", ".join(cells) + best, flush=True)
 
 
@@ -277,6 +282,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="use_liger_kernel=True (Liger's Triton kernels) in the Trainer-path systems: "
         + ", ".join(TRAINER_SYSTEMS),
+    )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch_compile=True in the Trainer-path systems (Elixir: each decoder layer; the stock Trainer: the model)",
     )
     ap.add_argument("--worker-timeout", type=float, default=420, help="seconds per worker process")
     args = ap.parse_args(argv)

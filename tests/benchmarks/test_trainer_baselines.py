@@ -20,27 +20,29 @@ NEW = ("trainer_lossy", "torchao_offload", "torchao_offload_bf16")
 CPU = torch.device("cpu")
 
 
-def test_liger_and_the_new_systems_parse_and_reach_the_workers() -> None:
+def test_liger_compile_and_the_new_systems_parse_and_reach_the_workers() -> None:
     argv = ["--model", "llama3-8b", "--batch-sizes", "8,4", "--systems", ",".join(TRAINER_SYSTEMS)]
-    args = parse_args([*argv, "--liger"])
-    assert args.liger and args.systems == ["elixir_trainer", "trainer", *NEW] and args.batch_sizes == [4, 8]
+    args = parse_args([*argv, "--liger", "--compile"])
+    assert args.liger and args.compile and args.systems == ["elixir_trainer", "trainer", *NEW]
+    assert args.batch_sizes == [4, 8]
     for system in args.systems:
         assert system in PER_BATCH_SYSTEMS  # a Trainer and its optimizer per worker
         cmd = worker_command(args, system, "llama3-8b", [4])
         worker = _worker.parse_args(cmd[cmd.index("benchmarks._worker") + 1 :])
-        assert worker.liger and worker.system == system
-    assert "--liger" not in worker_command(parse_args(argv), "trainer", "llama3-8b", [4])
+        assert worker.liger and worker.compile and worker.system == system
+    plain = worker_command(parse_args(argv), "trainer", "llama3-8b", [4])
+    assert "--liger" not in plain and "--compile" not in plain
 
 
 @pytest.mark.parametrize("system, optim", [("trainer", None), ("trainer_lossy", "paged_adamw_8bit")])
-@pytest.mark.parametrize("liger", [False, True])
-def test_training_arguments_carry_liger_and_the_optimizer(
-    system: str, optim: str | None, liger: bool, tmp_path: Path
+@pytest.mark.parametrize("liger, compile", [(False, False), (True, False), (True, True)])
+def test_training_arguments_carry_the_fused_kernels_and_the_optimizer(
+    system: str, optim: str | None, liger: bool, compile: bool, tmp_path: Path
 ) -> None:
-    ctx = Context(CPU, 1, 0, seq=32, liger=liger)
+    ctx = Context(CPU, 1, 0, seq=32, liger=liger, compile=compile)
     fields = hf_systems.training_fields(ctx, str(tmp_path), 4, 5, STOCK_TRAINERS[system].optim)
     args = TrainingArguments(**fields)
-    assert args.use_liger_kernel is liger and args.max_steps == 5 and args.per_device_train_batch_size == 4
+    assert args.use_liger_kernel is liger and args.torch_compile is compile and args.max_steps == 5 and args.per_device_train_batch_size == 4
     assert args.optim == (optim or TrainingArguments(output_dir=str(tmp_path)).optim)
     assert args.max_grad_norm == 1.0 and args.learning_rate == 1e-4 and args.weight_decay == 0.01
 
@@ -94,7 +96,7 @@ def test_the_worker_reports_a_missing_package_as_an_unavailable_row(
         assert r["liger"] is True  # --liger reaches a Trainer-path system, whatever its fate
 
 
-def _run(system: str, liger: bool, tflops: float) -> dict:
+def _run(system: str, liger: bool, tflops: float, compile: bool = False) -> dict:
     return {
         "system": system,
         "model": "llama3-8b",
@@ -104,6 +106,7 @@ def _run(system: str, liger: bool, tflops: float) -> dict:
         "batch": 4,
         "clip": True,
         "liger": liger,
+        "compile": compile,
         "status": "ok",
         "tflops": tflops,
         "card": "NVIDIA H100 80GB HBM3",
@@ -114,19 +117,22 @@ def _run(system: str, liger: bool, tflops: float) -> dict:
     }
 
 
-def test_report_keeps_liger_runs_apart_from_the_others(tmp_path: Path) -> None:
+def test_report_keeps_fused_kernel_runs_apart_from_the_others(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
     old = [_run("elixir_trainer", False, 400.0), {**_run("trainer", False, 0.0), "status": "OOM"}]
     report.write(old, out, render=False)
     new = [_run("elixir_trainer", True, 420.0), _run("trainer_lossy", True, 350.0), _run("torchao_offload", True, 90.0)]
+    new += [_run("elixir_trainer", True, 450.0, compile=True), _run("trainer_lossy", True, 360.0, compile=True)]
     results = report.write(new, out)
-    assert len(results["runs"]) == 5  # a liger run replaces none of the runs without it
-    rows = {row["liger"]: row for row in results["offload_regime"]}
-    assert rows[False]["tflops"] == {"elixir_trainer": 400.0, "trainer": None}
-    assert rows[True]["tflops"] == {"elixir_trainer": 420.0, "trainer_lossy": 350.0, "torchao_offload": 90.0}
-    assert rows[True]["best_baseline"] == "trainer_lossy"
-    assert rows[True]["elixir_over_best_baseline"] == pytest.approx(420.0 / 350.0)
+    assert len(results["runs"]) == 7  # a run with Liger or compile replaces none of the runs without
+    rows = {row["kernels"]: row for row in results["offload_regime"]}
+    assert rows["off"]["tflops"] == {"elixir_trainer": 400.0, "trainer": None}
+    assert rows["Liger"]["tflops"] == {"elixir_trainer": 420.0, "trainer_lossy": 350.0, "torchao_offload": 90.0}
+    assert rows["Liger"]["best_baseline"] == "trainer_lossy"
+    assert rows["Liger"]["elixir_over_best_baseline"] == pytest.approx(420.0 / 350.0)
+    assert rows["Liger + compile"]["elixir_over_best_baseline"] == pytest.approx(450.0 / 360.0)
     md = (tmp_path / "benchmarks.md").read_text()
-    assert "| NVIDIA H100 80GB HBM3 | llama3-8b | 1 | 2048 | 4 | 1.0 | on | 420.0 | – | 350.0 | 90.0 |" in md
+    assert "| NVIDIA H100 80GB HBM3 | llama3-8b | 1 | 2048 | 4 | 1.0 | Liger | 420.0 | – | 350.0 | 90.0 |" in md
     assert "| NVIDIA H100 80GB HBM3 | llama3-8b | 1 | 2048 | 4 | 1.0 | off | 400.0 | OOM | – | – |" in md
+    assert "| 4 | 1.0 | Liger + compile | 450.0 | – | 360.0 | – |" in md
     assert "transformers 5.17.0, Liger Kernel 0.8.5, bitsandbytes 0.50.2" in md
