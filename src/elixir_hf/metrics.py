@@ -11,6 +11,7 @@ reaches ``trainer_state.json``'s ``log_history`` and every reporter) and
 
 from __future__ import annotations
 
+import logging
 import time
 
 import psutil
@@ -22,6 +23,8 @@ from .optimizer import ElixirAcceleratedOptimizer
 
 __all__ = ["EngineMetrics"]
 
+logger = logging.getLogger(__name__)
+
 _GIB = 2**30
 
 
@@ -29,6 +32,7 @@ class EngineMetrics:
     def __init__(self, optimizer: ElixirAcceleratedOptimizer, plan: ElixirPlan, compiled: bool = False) -> None:
         self.optimizer, self.plan, self.compiled = optimizer, plan, compiled
         self._plan_logged = False
+        self._breaks_told = False
         self._since = self._now()
 
     def _now(self) -> tuple[float, int, dict[str, float]]:
@@ -50,6 +54,17 @@ class EngineMetrics:
                     "elixir/compile_graph_breaks": stats.graph_breaks,
                 }
             )
+            if stats.graph_breaks and not self._breaks_told:
+                self._breaks_told = True
+                reasons = "; ".join(f"{reason} ({n}x)" for reason, n in stats.break_reasons.items())
+                logger.warning(
+                    "elixir: torch.compile broke the compiled decoder layers %d times, each break running the rest "
+                    "of the layer eagerly, which costs more than compiling gains where the break is a fused kernel "
+                    "dynamo cannot trace (Liger's, with use_liger_kernel): keep one of torch_compile and the kernels "
+                    "(docs/hf.md, --torch_compile). Reasons: %s",
+                    stats.graph_breaks,
+                    reasons,
+                )
         return out
 
     def _rates(self) -> dict[str, float]:

@@ -42,7 +42,12 @@ def test_training_arguments_carry_the_fused_kernels_and_the_optimizer(
     ctx = Context(CPU, 1, 0, seq=32, liger=liger, compile=compile)
     fields = hf_systems.training_fields(ctx, str(tmp_path), 4, 5, STOCK_TRAINERS[system].optim)
     args = TrainingArguments(**fields)
-    assert args.use_liger_kernel is liger and args.torch_compile is compile and args.max_steps == 5 and args.per_device_train_batch_size == 4
+    assert (
+        args.use_liger_kernel is liger
+        and args.torch_compile is compile
+        and args.max_steps == 5
+        and args.per_device_train_batch_size == 4
+    )
     assert args.optim == (optim or TrainingArguments(output_dir=str(tmp_path)).optim)
     assert args.max_grad_norm == 1.0 and args.learning_rate == 1e-4 and args.weight_decay == 0.01
 

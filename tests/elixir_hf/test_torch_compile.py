@@ -46,6 +46,24 @@ def test_compiled_layers_log_the_eager_runs_losses(tmp_path) -> None:
     assert not any("elixir/compile_graphs" in h for h in eager.state.log_history)
 
 
+def test_a_graph_break_is_told_once(tmp_path, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """A kernel dynamo cannot trace (Liger's, on a GPU) breaks each compiled layer: the run says so, once."""
+    from transformers.models.llama import modeling_llama
+
+    layer_forward = modeling_llama.LlamaDecoderLayer.forward
+
+    def untraceable(self, *args, **kwargs):
+        torch._dynamo.graph_break()
+        return layer_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "forward", untraceable)
+    args = training_args(str(tmp_path), "auto", torch_compile_backend="aot_eager", max_steps=4, logging_steps=1)
+    with caplog.at_level("WARNING", logger="elixir_hf.metrics"):
+        make_trainer("llama", args).train()
+    told = [r.getMessage() for r in caplog.records if "torch.compile broke" in r.getMessage()]
+    assert len(told) == 1 and "graph_break" in told[0].lower(), told
+
+
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
 def test_cuda_graph_modes_are_refused_at_parse_time(tmp_path, mode: str) -> None:
     with pytest.raises(ElixirSpecError, match=rf"--torch_compile_mode.*mode='{mode}' uses CUDA graphs"):
