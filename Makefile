@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_PIN := torch==2.13.0
 OFFLINE_ENV := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1
 
-.PHONY: venv lint test test-perf train clean-venv
+.PHONY: venv lint test test-perf test-gpu train clean-venv
 
 venv: $(STAMP)
 
@@ -49,6 +49,18 @@ lint: $(STAMP)
 test: $(STAMP) $(COMPAT)/.installed lint
 	$(OFFLINE_ENV) $(VPY) -m pytest -q $(XDIST) -m "not perf"
 	$(OFFLINE_ENV) PYTHONPATH=$(COMPAT) $(VPY) -m pytest -q $(XDIST) -m "transformers and not engine_ranks and not perf"
+
+# On a GPU machine `make test` keeps every test on the CPU (tests/helpers/device.py); this runs the
+# engine's parity, mixed-precision and device-lane suites on CUDA (multi-rank ones over NCCL, a GPU
+# per rank) and the tests marked `gpu`. GPU_PYTHON: an interpreter that has the package's
+# dependencies and pytest where no venv can be built (an offline GPU image).
+GPU_PYTHON ?= $(VPY)
+GPU_SUITES := tests/elixir_runtime/test_parity.py tests/elixir_runtime/test_mixed_precision.py \
+	tests/elixir_runtime/runtime/test_device_lane.py
+
+test-gpu:
+	$(OFFLINE_ENV) ELIXIR_TEST_DEVICE=cuda $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m "not perf" $(GPU_SUITES)
+	$(OFFLINE_ENV) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m "gpu and not perf"
 
 test-perf: $(STAMP)
 	$(OFFLINE_ENV) $(VPY) -m pytest -q -m perf

@@ -13,6 +13,7 @@ import torch
 
 from elixir_runtime.progress import set_progress_factory
 from helpers import dist as dist_harness
+from helpers.device import pin_engine_device
 from helpers.transformers_use import uses_transformers
 
 # What every rank of a multi-rank test imports, done once by the forkserver the ranks fork from (the
@@ -30,6 +31,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Every chunk state transition is checked against its table (runtime/state.py), in spawned ranks too.
 os.environ.setdefault("ELIXIR_DEBUG_STATES", "1")
+
+
+@pytest.fixture(autouse=True)
+def _engine_on_the_test_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU test stays on the CPU where CUDA is there (``helpers/device.py``)."""
+    pin_engine_device(setattr=monkeypatch.setattr)
 
 
 @pytest.fixture(autouse=True)

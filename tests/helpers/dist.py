@@ -1,4 +1,5 @@
-"""Multi-process gloo harness for CPU tests of distributed code.
+"""Multi-process harness for tests of distributed code: gloo ranks on the CPU, NCCL ranks on GPUs
+(``ELIXIR_TEST_DEVICE=cuda``, ``helpers.device``).
 
 ``run_distributed`` starts one process per rank, wires them into a gloo
 process group through a FileStore (no TCP port races between parallel test
@@ -10,6 +11,8 @@ once per test session (``PRELOAD``): a spawned rank spent 10-25 s of a loaded
 2-core CI machine importing them, the larger part of most multi-rank tests.
 Each rank still starts from a fresh process's state (nothing of the test
 process is inherited) and with the test process's environment at start().
+On GPUs the ranks are spawned instead (a forkserver that imported the suite has
+initialised CUDA, which a forked process cannot use), each on its own GPU.
 """
 
 from __future__ import annotations
@@ -26,9 +29,12 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from .device import ON_CUDA, pin_engine_device, rank_device
 
 if __name__ != "helpers.dist" and __name__.endswith("helpers.dist"):
     # A second copy of this module (``tests.helpers.dist``) has its own PRELOAD, without what
@@ -78,14 +84,18 @@ def _worker(
     os.environ.clear()  # the test process's environment now, not the forkserver's at its start
     os.environ.update(environ, OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
+    pin_engine_device(rank)
     try:
         store = dist.FileStore(store_path, world_size)
+        if ON_CUDA:
+            torch.cuda.set_device(rank_device(rank))
         dist.init_process_group(
-            backend="gloo",
+            backend="nccl" if ON_CUDA else "gloo",
             store=store,
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=timeout),
+            device_id=rank_device(rank) if ON_CUDA else None,
         )
         # Every rank's connections are up before any rank can run ``fn`` and leave: a rank that
         # finished (or died) early closed its sockets under a peer still in connectFullMesh.
@@ -110,7 +120,7 @@ def _kill(procs: list[Any]) -> None:
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo; NCCL on GPUs).
 
     ``fn`` and ``args`` must be picklable (``fn`` defined at module level).
     Returns the per-rank return values ordered by rank.  Raises
@@ -119,8 +129,11 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    if ON_CUDA and world_size > torch.cuda.device_count():
+        pytest.skip(f"{world_size} NCCL ranks need {world_size} GPUs, this machine has {torch.cuda.device_count()}")
+    ctx = mp.get_context("spawn" if ON_CUDA else "forkserver")
+    if not ON_CUDA:
+        ctx.set_forkserver_preload(PRELOAD)
     results = ctx.Queue()
     tmpdir = tempfile.mkdtemp(prefix="elixir_dist_")
     store_path = os.path.join(tmpdir, "store")

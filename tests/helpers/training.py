@@ -17,6 +17,7 @@ import torch
 
 import elixir_runtime as er
 
+from .device import TEST_DEVICE, rank_device
 from .models import MODEL_BUILDERS, make_batch
 
 VOCAB = 128
@@ -42,8 +43,9 @@ class Recipe:
     # bias, whose true gradient is zero) into lr-sized steps, so any two correct implementations
     # drift apart in those weights.
     eps: float = 1e-6
-    device: str = "cpu"
-    """Where batches (and the reference model) go; Elixir picks its own device from LOCAL_RANK."""
+    device: str = TEST_DEVICE
+    """``cpu`` or ``cuda`` (``helpers.device``): the reference model's device (rank 0's GPU) and each
+    rank's batches' (its own GPU); Elixir's is the test device pinned for the rank."""
     meta_ranks: bool = False
     """Ranks other than 0 build the model on the meta device and start from rank 0's weights."""
 
@@ -59,7 +61,8 @@ class Result:
 def batch_for(recipe: Recipe, step: int, micro: int, rank: int | None) -> dict[str, torch.Tensor]:
     """The global batch of a micro-step is ``world_size`` micro-batches; rank ``r`` takes slice ``r``."""
     full = make_batch(VOCAB, batch=MICRO_BATCH * recipe.world_size, seq=SEQ, seed=1000 * step + micro)
-    full = {k: v.to(recipe.device) for k, v in full.items()}
+    device = rank_device(rank or 0) if recipe.device == "cuda" else torch.device(recipe.device)
+    full = {k: v.to(device) for k, v in full.items()}
     if rank is None:
         return full
     return {k: v[rank * MICRO_BATCH : (rank + 1) * MICRO_BATCH] for k, v in full.items()}
@@ -69,7 +72,7 @@ def build(recipe: Recipe, on_device: bool = False, meta: bool = False):
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = MODEL_BUILDERS[recipe.model](seed=0)
     if on_device:
-        model.to(recipe.device)
+        model.to(rank_device(0) if recipe.device == "cuda" else recipe.device)
     if recipe.ac is not None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": recipe.ac})
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay, eps=recipe.eps)
@@ -111,7 +114,7 @@ def run_elixir(recipe: Recipe, rank: int = 0, **config) -> Result:
         opt.step()
         skipped.append(opt.step_was_skipped)
         opt.zero_grad()
-    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return Result(losses, state, skipped, dict(model._elixir.runtime.stats))
 
 
