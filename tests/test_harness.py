@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import elixir_runtime as er
 from helpers.dist import DistributedError, run_distributed
 
 # --- rank functions (module level so spawn can pickle them) -----------------
@@ -86,3 +87,26 @@ def test_ranks_see_the_environment_at_start(monkeypatch) -> None:
     assert run_distributed(_environment, 2, timeout=120) == [("set-by-the-test", "1")] * 2
     monkeypatch.delenv("ELIXIR_HARNESS_PROBE")
     assert run_distributed(_environment, 2, timeout=120) == [(None, "1")] * 2
+
+
+def _engine_device(rank: int, world_size: int) -> str:
+    import elixir_runtime.api as engine_api
+
+    torch.cuda.is_available = lambda: True  # what a GPU machine says (this rank's process only)
+    return str(engine_api._resolve_device(er.ElixirConfig()))
+
+
+def test_the_engine_stays_on_the_test_device_where_cuda_is_there(monkeypatch) -> None:
+    """``prepare`` without a device picks CUDA where it is there; the suite pins the CPU (helpers/device.py),
+    in the test process and in every rank, unless ``ELIXIR_TEST_DEVICE=cuda``."""
+    from helpers.device import ON_CUDA
+    from helpers.models import make_batch, tiny_gpt2
+
+    if ON_CUDA:
+        pytest.skip("ELIXIR_TEST_DEVICE=cuda: the engine computes on the GPUs by design")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what a GPU machine says
+    model = tiny_gpt2(seed=0)
+    opt = torch.optim.AdamW(model.parameters())
+    model, _ = er.prepare(model, opt, config=er.ElixirConfig(mode="static"), example_batch=make_batch(128))
+    assert model._elixir.runtime.device == torch.device("cpu")
+    assert run_distributed(_engine_device, 2) == ["cpu", "cpu"]
