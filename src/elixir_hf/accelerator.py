@@ -12,7 +12,7 @@ places, shards and reduces it, and owns the compute dtype: accelerate's ``mixed_
 becomes the engine's dtype and Accelerate itself runs with ``"no"``); ``backward`` scales the loss
 for fp16 and reduces gradients into shards; ``clip_grad_norm_`` returns the engine's global norm
 and folds clipping into the next step; checkpoints keep the optimizer state by parameter name,
-one file per rank, loadable into any number of ranks and plan (``optimizer_files.py``);
+one file per rank, loadable into any number of ranks and plan (``checkpoint/optimizer_files.py``);
 ``accelerator.log`` carries the engine's ``elixir/*`` numbers (``elixir_metrics``) to the trackers.
 """
 
@@ -36,14 +36,14 @@ from elixir_runtime import ElixirOptimizer, check_compile_options, rank0_state_d
 from elixir_runtime.state_dict import load_safetensors
 
 from .batch_plan import planned_batch
-from .checkpoint import all_ranks_agree, optimizer_format, seal, unmark, verify
+from .checkpoint.format import all_ranks_agree, optimizer_format, seal, unmark, verify
+from .checkpoint.optimizer_files import load_optimizer, save_optimizer
 from .console import follow_accelerator
 from .engine import build_engine, has_engine, whole_model
 from .launch import check_devices, check_launch
 from .metrics import EngineMetrics
 from .mixin import mixed_class
 from .optimizer import ElixirAcceleratedOptimizer
-from .optimizer_files import load_optimizer, save_optimizer
 from .plugin import ENV_VAR, ElixirPlugin, ElixirSpecError, check_exclusive
 
 logger = logging.getLogger(__name__)

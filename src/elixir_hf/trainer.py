@@ -16,7 +16,7 @@ where the Trainer allows it:
   process only (rank 0, or with ``save_on_each_node`` each node's main process: one host copy of the
   model per writer) and writes them atomically there, with ``elixir_plan.json`` beside them (the
   final output as well as every ``checkpoint-N``);
-* optimizer state is saved by parameter name (``optimizer_files.py``: one safetensors file
+* optimizer state is saved by parameter name (``checkpoint/optimizer_files.py``: one safetensors file
   per rank and an index), plus the scheduler on rank 0; a checkpoint is complete once its marker
   (sizes and CRC-32s of all its files) is written, last, before older checkpoints are rotated out;
 * resuming verifies the checkpoint (marker, sums, step; on every rank) and checks it against the
@@ -55,7 +55,9 @@ from .accelerator import ElixirAccelerator
 from .arguments import as_elixir_args
 from .batch_plan import planned_batch
 from .callback import SHORT_CONSOLE
-from .checkpoint import (
+from .checkpoint.convert import torch_adam_state
+from .checkpoint.folder_lock import FolderInUse, job_lock
+from .checkpoint.format import (
     PLAN_NAME,
     CheckpointError,
     all_ranks_agree,
@@ -68,14 +70,12 @@ from .checkpoint import (
     unmark,
     verify,
 )
+from .checkpoint.optimizer_files import load_optimizer, save_optimizer
 from .console import follow_trainer
-from .convert import torch_adam_state
 from .engine import build_engine, has_engine
-from .folder_lock import FolderInUse, job_lock
+from .loading.stream import restream
 from .mixin import mixed_class
-from .optimizer_files import load_optimizer, save_optimizer
 from .plugin import ENV_VAR, ElixirPlugin, describe_model
-from .stream import restream
 
 __all__ = ["ElixirTrainer", "elixir_trainer"]
 
@@ -182,7 +182,7 @@ class ElixirTrainer(Trainer):
 
     @contextlib.contextmanager
     def _one_job_per_folder(self) -> Iterator[None]:
-        """``output_dir``'s lock (``folder_lock.py``), held by the saving process for the whole run; every
+        """``output_dir``'s lock (``checkpoint/folder_lock.py``), held by the saving process for the whole run; every
         rank fails, naming the folder and the job holding it, if another live job does."""
         if self.elixir_plugin is None:  # --elixir off: the stock Trainer's run
             yield

@@ -24,7 +24,7 @@ import sys
 
 from transformers import trainer_utils
 
-from .checkpoint import MARKER_NAME, PLAN_NAME, checkpoint_folders, newest_complete
+from .format import MARKER_NAME, PLAN_NAME, checkpoint_folders, newest_complete
 
 __all__ = ["get_last_checkpoint", "install"]
 

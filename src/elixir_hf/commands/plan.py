@@ -30,7 +30,7 @@ from elixir_runtime.config import parse_size as config_parse_size
 from elixir_runtime.hardware import HardwareProfile, load_hardware
 from elixir_runtime.hardware.load import ENV_HARDWARE, SHIPPED
 
-from . import __version__
+from .. import __version__
 from .plan_report import plan_report
 
 __all__ = ["main", "parse_size", "DEVICE_LANE_WORDS"]

@@ -12,7 +12,7 @@ A checkpoint that is not a local safetensors folder (a hub name, ``pytorch_model
 adapter folder), loading options that change how tensors are read (``device_map``, quantisation,
 ``variant``, ...), a key that transformers converts rather than renames (fused or split tensors,
 ``WeightConverter``) and ``keep_in_fp32`` modules under a half dtype: ``streaming_blocker`` or
-``CannotStream`` says which, and ``loading.from_pretrained`` loads without streaming, with a
+``CannotStream`` says which, and ``model.from_pretrained`` loads without streaming, with a
 warning. A parameter the checkpoint lacks (transformers would initialise it at random) is a
 ``WeightsError``: the checkpoint is incomplete or for another model.
 """

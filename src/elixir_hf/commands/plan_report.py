@@ -31,8 +31,8 @@ from elixir_runtime.profiler import ModelProfile
 from elixir_runtime.search import Budget, StepTime
 from elixir_runtime.units import find_units
 
-from .loss import use_lean_loss
-from .presets import PRESETS, canonical_name
+from ..loss import use_lean_loss
+from ..presets import PRESETS, canonical_name
 
 __all__ = [
     "PlanReport",
