@@ -10,7 +10,7 @@ script's arguments, so its own parser never sees it, and handed over as ``ELIXIR
 (unset: ``ELIXIR_CONFIG`` as it is, else ``auto``). Then every ``TrainingArguments``, ``Trainer``
 and ``Accelerator`` the script builds — the stock classes and every subclass, whether defined
 before or after (TRL's ``SFTConfig``/``SFTTrainer``) — is built as its Elixir version
-(``mixin.construct_elixir``), which reads ``ELIXIR_CONFIG``. The script then runs as
+(``patches.construct_elixir``), which reads ``ELIXIR_CONFIG``. The script then runs as
 ``python SCRIPT.py`` would run it: ``__main__``, ``sys.argv`` and ``sys.path[0]`` as Python sets them.
 With Elixir on, its ``from_pretrained`` calls stream the weights into the chunks
 (``loading.model.stream_from_pretrained_calls``; ``ELIXIR_STREAM=0`` leaves them as they are).
@@ -27,11 +27,11 @@ from collections.abc import Sequence
 from accelerate import Accelerator
 from transformers import Trainer, TrainingArguments
 
+from .. import patches
 from ..accelerator import elixir_accelerator
 from ..arguments import elixir_args
-from ..checkpoint.restart import install as install_get_last_checkpoint
+from ..checkpoint.restart import get_last_checkpoint
 from ..loading.model import STREAM_ENV, stream_from_pretrained_calls
-from ..mixin import construct_elixir
 from ..plugin import ACCEPTED, ENV_VAR, ElixirPlugin, ElixirSpecError, spec_word
 from ..trainer import elixir_trainer
 
@@ -79,10 +79,10 @@ def _mistyped_spec(arg: str) -> bool:
 def install() -> None:
     """Every ``TrainingArguments``, ``Trainer`` and ``Accelerator`` built from now on is an Elixir one,
     and ``get_last_checkpoint`` skips torn Elixir checkpoints (``checkpoint/restart.py``)."""
-    construct_elixir(TrainingArguments, elixir_args)
-    construct_elixir(Trainer, elixir_trainer)
-    construct_elixir(Accelerator, elixir_accelerator)
-    install_get_last_checkpoint()
+    patches.construct_elixir(TrainingArguments, elixir_args)
+    patches.construct_elixir(Trainer, elixir_trainer)
+    patches.construct_elixir(Accelerator, elixir_accelerator)
+    patches.replace_get_last_checkpoint(get_last_checkpoint)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
