@@ -31,8 +31,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import SAFE_WEIGHTS_NAME, DynamoBackend
 from torch import nn
 
-from elixir_runtime import ElixirOptimizer, check_compile_options, rank0_state_dict
-from elixir_runtime.state_dict import load_safetensors
+from elixir_runtime import ElixirOptimizer, check_compile_options, load_safetensors, rank0_state_dict
 
 from . import patches
 from .batch_plan import planned_batch

@@ -47,8 +47,7 @@ import torch
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from elixir_runtime import rank0_state_dict
-from elixir_runtime.chunk.attached import attached_weights
+from elixir_runtime import attached_weights, rank0_state_dict
 
 from . import patches
 from .accelerator import ElixirAccelerator

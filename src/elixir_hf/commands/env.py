@@ -31,10 +31,17 @@ from typing import Any
 
 import torch
 
-from elixir_runtime.hardware.load import ENV_HARDWARE, SHIPPED, cache_path
-from elixir_runtime.hardware.profile import UNREADABLE, HardwareProfile
-from elixir_runtime.host import host_total, usable_cores
-from elixir_runtime.kernels.select import cpu_kernel_status, gpu_kernel_status
+from elixir_runtime.hardware import (
+    ENV_HARDWARE,
+    SHIPPED,
+    UNREADABLE,
+    HardwareProfile,
+    cache_path,
+    cpu_kernel_status,
+    gpu_kernel_status,
+    host_total,
+    usable_cores,
+)
 
 from .. import __version__
 

@@ -30,9 +30,15 @@ import torch.distributed as dist
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 from transformers.utils.loading_report import LoadStateDictInfo
 
-from elixir_runtime import WeightsError, stream_weights
-from elixir_runtime.chunk.attached import attached_weights, detach_weights
-from elixir_runtime.chunk.stream import INDEX_FILE, SINGLE_FILE, CheckpointFiles
+from elixir_runtime import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointFiles,
+    WeightsError,
+    attached_weights,
+    detach_weights,
+    stream_weights,
+)
 
 from .. import patches
 

@@ -186,12 +186,12 @@ def test_verbose_adds_the_planners_workings(capsys, tmp_path) -> None:
 def test_host_memory_defaults_to_this_machines_when_planning_for_it(capsys, tmp_path, monkeypatch) -> None:
     """No --hardware: the plan is for this machine, so its available RAM (``elixir_runtime.host``,
     what prepare budgets with); --hardware: the profile's machine; --host-mem: as given. Said which."""
-    from elixir_runtime import host
+    from elixir_hf.commands import plan_report
     from elixir_runtime.hardware import load_hardware
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("ELIXIR_HARDWARE", raising=False)
-    monkeypatch.setattr(host, "host_available", lambda: 12 * 2**30)
+    monkeypatch.setattr(plan_report, "host_available", lambda: 12 * 2**30)
     base = ["--model", _tiny_config(tmp_path), "--seq-len", "128", "--batch-size", "2"]
 
     def planned(*flags: str) -> tuple[str, int]:
