@@ -17,7 +17,7 @@ import contextlib
 import io
 import json
 
-from elixir_hf.cli import main as elixir_plan
+from elixir_hf.commands.plan import main as elixir_plan
 
 OS_GIB = 3
 """What a host of N GiB keeps from the job (kernel, services): 128 GiB machines show ~125 GiB MemTotal."""

@@ -150,11 +150,11 @@ def build_meta(p: Model, seq: int | None = None, dtype: torch.dtype = torch.floa
 
 def build_initialised_in_place(p: Model, seq: int | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The model with its parameters on ``meta`` and real buffers, carrying transformers' init of it
-    (``elixir_hf.loading.init_in_place``): ``prepare`` draws each rank's shards on the GPU, no rank
+    (``elixir_hf.loading.model.init_in_place``): ``prepare`` draws each rank's shards on the GPU, no rank
     holds the model in host memory. Seed 0, as ``materialize``'s."""
     from accelerate import init_empty_weights
 
-    from elixir_hf.loading import init_in_place
+    from elixir_hf.loading.model import init_in_place
 
     with init_empty_weights(include_buffers=False):
         model = causal_lm(p.config(seq or p.default_seq)).to(dtype)

@@ -22,7 +22,7 @@ import time
 import torch
 
 import elixir_runtime as er
-from elixir_hf.cli import DEVICE_LANE_WORDS
+from elixir_hf.commands.plan import DEVICE_LANE_WORDS
 from elixir_runtime.kernels.select import select_kernel
 
 from .models import VOCAB, build_meta, count_params, materialize, preset

@@ -157,7 +157,7 @@ def _adamw(params, fused: bool) -> torch.optim.AdamW:
 def _elixir(p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
     """Auto plan for this batch: the planner sizes rCache and offload against the batch's activations."""
     import elixir_runtime as er
-    from elixir_hf.cli import DEVICE_LANE_WORDS
+    from elixir_hf.commands.plan import DEVICE_LANE_WORDS
     from elixir_hf.loss import use_lean_loss
     from elixir_runtime.kernels.threads import cpu_adam_threads
 

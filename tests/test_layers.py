@@ -1,4 +1,5 @@
-"""The import graph of the two packages: layers point one way and nothing imports in a circle.
+"""The import graph of the two packages: layers point one way, nothing imports in a circle, and
+``elixir_hf`` reaches the engine through its public faces only.
 
 Parsed with ``ast`` (nothing is imported), so a lazy import inside a function counts too: it is
 the same dependency, only hidden. Every module must be placed in ``LAYERS``; a new one fails here
@@ -124,3 +125,62 @@ def test_layers_are_stated_by_folder() -> None:
     packages = {m for m, p in modules.items() if p.name == "__init__.py"}
     split = [p for layer in LAYERS for p in layer if p.rsplit(".", 1)[0] in packages - {"elixir_runtime", "elixir_hf"}]
     assert not split, f"layers name files inside a package: {split}"
+
+
+RUNTIME_FACES = (
+    "elixir_runtime",  # the engine: prepare, the optimizer, weights left in their files, state by name
+    "elixir_runtime.config",  # what a run asks of it
+    "elixir_runtime.planner",  # plans, without a GPU (elixir-plan)
+    "elixir_runtime.hardware",  # the machine: its profile, memory, cores, Adam kernels
+    "elixir_runtime.progress",  # the progress bars' protocol
+)
+"""The modules ``elixir_hf`` may import ``elixir_runtime`` through, and of each only the names in its
+``__all__``: what the engine keeps behind them can change without the HF layer noticing."""
+
+
+def _public(path: Path) -> set[str]:
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError(f"{path} has no __all__: a public face says what it exports")
+
+
+def _runtime_uses(path: Path) -> list[tuple[int, str, str | None]]:
+    """``(line, module, name)`` of each use of ``elixir_runtime`` in ``path``: ``from M import name``,
+    ``import M`` (name ``None``), and ``M.name`` on a name bound by ``import M``."""
+    tree = ast.parse(path.read_text())
+    uses, bound = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module.split(".")[0] == "elixir_runtime":
+            uses += [(node.lineno, node.module, alias.name) for alias in node.names]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "elixir_runtime":
+                    uses.append((node.lineno, alias.name, None))
+                    bound[alias.asname or alias.name] = alias.name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+            uses.append((node.lineno, bound[node.value.id], node.attr))
+    return uses
+
+
+def test_elixir_hf_reaches_the_engine_through_its_faces() -> None:
+    modules = _modules()
+    public = {face: _public(modules[face]) for face in RUNTIME_FACES}
+    past = []
+    for name, path in sorted(modules.items()):
+        if name.split(".")[0] != "elixir_hf":
+            continue
+        for line, module, used in _runtime_uses(path):
+            if module not in public:
+                past.append(f"{name}:{line} imports {module}, not a face ({', '.join(RUNTIME_FACES)})")
+            elif used is not None and used not in public[module]:
+                past.append(f"{name}:{line} uses {module}.{used}, not in its __all__")
+    assert not past, "export what elixir_hf needs from a face of tests/test_layers.py:\n" + "\n".join(past)
+
+
+def test_the_checker_sees_runtime_uses() -> None:
+    uses = _runtime_uses(SRC / "elixir_hf" / "engine.py")
+    assert {("elixir_runtime", None), ("elixir_runtime", "prepare"), ("elixir_runtime", "ElixirOptimizer")} <= {
+        (module, used) for _, module, used in uses
+    }

@@ -4,7 +4,7 @@ Each ```python block after a ``<!-- readme-test: NAME.py -->`` marker is saved a
 folder that holds what the README says the examples need: ``my-model/`` (a tiny Llama with a
 byte-level BPE tokenizer, Llama-3's special tokens and no pad token, written here) and
 ``train.txt``. The command is the first line of the ```bash block that follows it (``elixir-run``
-becomes ``python -m elixir_hf.run``). Nothing in the code is substituted. Each run must train with
+becomes ``python -m elixir_hf.commands.run``). Nothing in the code is substituted. Each run must train with
 the engine: the weights (or the LoRA adapter, which starts at zero) change, and no logged
 gradient norm is zero.
 """
@@ -58,7 +58,7 @@ def quickstarts() -> dict[str, tuple[str, str]]:
 def argv(command: str) -> list[str]:
     words = shlex.split(command)
     if words[0] == "elixir-run":
-        return [sys.executable, "-m", "elixir_hf.run", *words[1:]]
+        return [sys.executable, "-m", "elixir_hf.commands.run", *words[1:]]
     assert words[0] == "python", f"unknown command in the README: {command!r}"
     return [sys.executable, *words[1:]]
 

@@ -49,7 +49,7 @@ def test_engine_only_modules_stay_unmarked(tmp_path) -> None:
 
 
 def test_every_hf_glue_test_is_marked() -> None:
-    modules = sorted((TESTS / "elixir_hf").glob("test_*.py"))
+    modules = sorted((TESTS / "elixir_hf").rglob("test_*.py"))
     assert modules and all(uses_transformers(m) for m in modules), [m.name for m in modules if not uses_transformers(m)]
 
 

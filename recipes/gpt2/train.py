@@ -167,7 +167,7 @@ def resolve_block_size(requested: int | None, default: int, config) -> int:
 def build_model(model_args: ModelArguments, tokenizer, rank0_only: bool) -> torch.nn.Module:
     """``rank0_only`` (Elixir on): no rank holds a copy per process: a local safetensors folder is
     streamed into each rank's shards, a new model's init drawn in them (else rank 0 reads the weights
-    and the others build on meta); ``elixir_hf.loading`` says which."""
+    and the others build on meta); ``elixir_hf.loading.model`` says which."""
     if model_args.model_name_or_path is not None:
         config = AutoConfig.from_pretrained(model_args.model_name_or_path, cache_dir=model_args.cache_dir)
         if model_args.config_overrides:

@@ -7,7 +7,7 @@ Accelerate users. ``elixir_runtime`` does the work; this package only adapts it.
     accelerator = ElixirAccelerator()                                             # instead of Accelerator()
 
 A subclass (TRL's ``SFTConfig``/``SFTTrainer``): ``elixir_args(SFTConfig)``, ``elixir_trainer(SFTTrainer)``.
-No edit at all: ``elixir-run train.py [its arguments] --elixir auto`` (``elixir_hf.run``).
+No edit at all: ``elixir-run train.py [its arguments] --elixir auto`` (``elixir_hf.commands.run``).
 
 ``from_pretrained(AutoModelForCausalLM, path, dtype=...)`` streams a local safetensors folder into
 each rank's chunk shards when the engine is built (else rank 0 reads it, the others build on meta),
@@ -47,8 +47,8 @@ _EXPORTS = {
     "ElixirTrainingArguments": "arguments",
     "elixir_args": "arguments",
     "GenerateCallback": "generate",
-    "from_config": "loading",
-    "from_pretrained": "loading",
+    "from_config": "loading.model",
+    "from_pretrained": "loading.model",
     "ElixirPlugin": "plugin",
     "ElixirSpecError": "plugin",
     "ElixirTrainer": "trainer",
@@ -57,7 +57,7 @@ _EXPORTS = {
 """Each public name and the module that defines it, imported on first use (PEP 562): the Trainer
 and Accelerate modules pull in transformers' trainer stack (and PEFT where installed), 6 s of a
 9 s import on a 2-core machine, which ``elixir-plan``, the loss and the harness's workers never use
-(``import elixir_hf.cli``: 3.4 s instead of 9)."""
+(``import elixir_hf.commands.plan``: 3.4 s instead of 9)."""
 
 __all__ = sorted(_EXPORTS)
 
@@ -78,6 +78,6 @@ if TYPE_CHECKING:
     from .accelerator import ElixirAccelerator, elixir_accelerator
     from .arguments import ElixirTrainingArguments, elixir_args
     from .generate import GenerateCallback
-    from .loading import from_config, from_pretrained
+    from .loading.model import from_config, from_pretrained
     from .plugin import ElixirPlugin, ElixirSpecError
     from .trainer import ElixirTrainer, elixir_trainer

@@ -12,7 +12,7 @@ places, shards and reduces it, and owns the compute dtype: accelerate's ``mixed_
 becomes the engine's dtype and Accelerate itself runs with ``"no"``); ``backward`` scales the loss
 for fp16 and reduces gradients into shards; ``clip_grad_norm_`` returns the engine's global norm
 and folds clipping into the next step; checkpoints keep the optimizer state by parameter name,
-one file per rank, loadable into any number of ranks and plan (``optimizer_files.py``);
+one file per rank, loadable into any number of ranks and plan (``checkpoint/optimizer_files.py``);
 ``accelerator.log`` carries the engine's ``elixir/*`` numbers (``elixir_metrics``) to the trackers.
 """
 
@@ -24,7 +24,6 @@ import functools
 import logging
 import math
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,18 +31,18 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import SAFE_WEIGHTS_NAME, DynamoBackend
 from torch import nn
 
-from elixir_runtime import ElixirOptimizer, check_compile_options, rank0_state_dict
-from elixir_runtime.state_dict import load_safetensors
+from elixir_runtime import ElixirOptimizer, check_compile_options, load_safetensors, rank0_state_dict
 
+from . import patches
 from .batch_plan import planned_batch
-from .checkpoint import all_ranks_agree, optimizer_format, seal, unmark, verify
+from .checkpoint.format import all_ranks_agree, optimizer_format, seal, unmark, verify
+from .checkpoint.optimizer_files import load_optimizer, save_optimizer
 from .console import follow_accelerator
 from .engine import build_engine, has_engine, whole_model
 from .launch import check_devices, check_launch
 from .metrics import EngineMetrics
 from .mixin import mixed_class
 from .optimizer import ElixirAcceleratedOptimizer
-from .optimizer_files import load_optimizer, save_optimizer
 from .plugin import ENV_VAR, ElixirPlugin, ElixirSpecError, check_exclusive
 
 logger = logging.getLogger(__name__)
@@ -130,9 +129,7 @@ class ElixirAccelerator(Accelerator):
                     grad_accum_steps=self.gradient_accumulation_steps,
                     compile_kwargs=self.elixir_compile,
                 )
-                # a scheduler built on `optimizer` sees its steps run by the engine (same param_groups);
-                # tell torch it has stepped, or its "scheduler before optimizer" warning fires
-                optimizer._opt_called = True
+                patches.mark_optimizer_stepped(optimizer)
         prepared = super().prepare(*objs, device_placement=device_placement)
         if models and optimizers:
             self._engine_metrics = EngineMetrics(
@@ -148,7 +145,7 @@ class ElixirAccelerator(Accelerator):
                 "ElixirAccelerator needs the model and its optimizer (torch.optim.AdamW or Adam) in the same "
                 "prepare() call: Elixir shards the optimizer states together with the parameters"
             )
-        model._is_accelerate_prepared = True  # the engine places and reduces it: no .to(), DDP, autocast
+        patches.mark_accelerate_prepared(model)  # the engine places and reduces it: no .to(), DDP, autocast
         return super().prepare_model(model, device_placement, evaluation_mode)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
@@ -228,7 +225,7 @@ class ElixirAccelerator(Accelerator):
             return super().save_state(output_dir, safe_serialization, **kwargs)
         if output_dir is not None and self.is_main_process:
             unmark(output_dir)  # saving again into a folder: torn until the new marker
-        with self._hidden(self._optimizers, opt):
+        with patches.hidden_from_accelerate(self, opt):
             location = super().save_state(output_dir, safe_serialization, **kwargs)
         digests = save_optimizer(
             location,
@@ -254,7 +251,7 @@ class ElixirAccelerator(Accelerator):
         if fmt != "plain":
             verify(input_dir, self.process_index, self.is_main_process)  # fails on every rank
         model = next(m for m in self._models if has_engine(m))
-        with self._hidden(self._optimizers, opt), self._hidden(self._models, model):
+        with patches.hidden_from_accelerate(self, opt, model):
             super().load_state(input_dir, **kwargs)
         load_safetensors(model, os.path.join(input_dir, SAFE_WEIGHTS_NAME))  # a tensor at a time, not the file per rank
         error = None
@@ -263,18 +260,6 @@ class ElixirAccelerator(Accelerator):
         except Exception as e:  # noqa: BLE001 - every rank raises it
             error = f"{type(e).__name__}: {e}"
         all_ranks_agree(error, f"loading the optimizer state of {input_dir}")
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _hidden(registry: list, obj: Any) -> Iterator[None]:
-        """Keeps Accelerate's own save/load (rank-0 optimizer state, plain-PyTorch weight loading)
-        away from an object the engine saves and loads itself."""
-        index = registry.index(obj)
-        registry.pop(index)
-        try:
-            yield
-        finally:
-            registry.insert(index, obj)
 
 
 @functools.cache

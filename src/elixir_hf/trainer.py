@@ -8,7 +8,7 @@ where the Trainer allows it:
 
 * the accelerator is an ``ElixirAccelerator`` (``backward``/``clip_grad_norm_``/``no_sync``/
   skipped steps go to the engine; ``Accelerator(**args)`` is hard-coded in the Trainer, so the
-  class is substituted for the duration of that one call);
+  class is substituted for the duration of that one call: ``patches.trainer_accelerator``);
 * ``create_optimizer`` builds the engine on ``self.model``: it runs after the resume weights were
   loaded into the plain model and before ``accelerator.prepare``, which then passes it through;
 * ``save_model`` gathers the full weights with every rank taking part (a collective; the stock
@@ -16,7 +16,7 @@ where the Trainer allows it:
   process only (rank 0, or with ``save_on_each_node`` each node's main process: one host copy of the
   model per writer) and writes them atomically there, with ``elixir_plan.json`` beside them (the
   final output as well as every ``checkpoint-N``);
-* optimizer state is saved by parameter name (``optimizer_files.py``: one safetensors file
+* optimizer state is saved by parameter name (``checkpoint/optimizer_files.py``: one safetensors file
   per rank and an index), plus the scheduler on rank 0; a checkpoint is complete once its marker
   (sizes and CRC-32s of all its files) is written, last, before older checkpoints are rotated out;
 * resuming verifies the checkpoint (marker, sums, step; on every rank) and checks it against the
@@ -44,18 +44,19 @@ from typing import Any
 from unittest import mock
 
 import torch
-import transformers.trainer
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from elixir_runtime import rank0_state_dict
-from elixir_runtime.chunk.attached import attached_weights
+from elixir_runtime import attached_weights, rank0_state_dict
 
+from . import patches
 from .accelerator import ElixirAccelerator
 from .arguments import as_elixir_args
 from .batch_plan import planned_batch
 from .callback import SHORT_CONSOLE
-from .checkpoint import (
+from .checkpoint.convert import torch_adam_state
+from .checkpoint.folder_lock import FolderInUse, job_lock
+from .checkpoint.format import (
     PLAN_NAME,
     CheckpointError,
     all_ranks_agree,
@@ -68,14 +69,12 @@ from .checkpoint import (
     unmark,
     verify,
 )
+from .checkpoint.optimizer_files import load_optimizer, save_optimizer
 from .console import follow_trainer
-from .convert import torch_adam_state
 from .engine import build_engine, has_engine
-from .folder_lock import FolderInUse, job_lock
+from .loading.stream import restream
 from .mixin import mixed_class
-from .optimizer_files import load_optimizer, save_optimizer
 from .plugin import ENV_VAR, ElixirPlugin, describe_model
-from .stream import restream
 
 __all__ = ["ElixirTrainer", "elixir_trainer"]
 
@@ -111,7 +110,7 @@ class ElixirTrainer(Trainer):
         def accelerator(**kwargs: Any) -> ElixirAccelerator:
             return ElixirAccelerator(elixir_plugin=self.elixir_plugin, **kwargs)
 
-        with mock.patch.object(transformers.trainer, "Accelerator", accelerator):
+        with patches.trainer_accelerator(accelerator):
             super().create_accelerator_and_postprocess()
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
@@ -182,7 +181,7 @@ class ElixirTrainer(Trainer):
 
     @contextlib.contextmanager
     def _one_job_per_folder(self) -> Iterator[None]:
-        """``output_dir``'s lock (``folder_lock.py``), held by the saving process for the whole run; every
+        """``output_dir``'s lock (``checkpoint/folder_lock.py``), held by the saving process for the whole run; every
         rank fails, naming the folder and the job holding it, if another live job does."""
         if self.elixir_plugin is None:  # --elixir off: the stock Trainer's run
             yield
@@ -206,8 +205,7 @@ class ElixirTrainer(Trainer):
         if self.args.should_save:
             unmark(folder)
         self._digests: dict[str, dict[str, int]] = {}
-        rotations: list[dict] = []
-        with mock.patch.object(transformers.trainer, "rotate_checkpoints", lambda **kw: rotations.append(kw)):
+        with patches.deferred_rotation() as rotate:
             super()._save_checkpoint(model, trial)
         seal(
             folder,
@@ -216,8 +214,7 @@ class ElixirTrainer(Trainer):
             optimizer=not self.args.save_only_model,
             is_main=self.args.should_save,
         )
-        for kwargs in rotations:
-            transformers.trainer.rotate_checkpoints(**kwargs)
+        rotate()
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if not has_engine(self.model):
@@ -234,7 +231,11 @@ class ElixirTrainer(Trainer):
         error = None
         if self.args.should_save:
             try:
-                with staged_dir(output_dir) as stage, _logs_name(stage, output_dir), _writes_here(self.model):
+                with (
+                    staged_dir(output_dir) as stage,
+                    patches.save_messages_name(stage, output_dir),
+                    patches.save_pretrained_where_told(self.model),
+                ):
                     self._save(stage, state_dict=state_dict)
                     plan = {**json.loads(self.model._elixir.plan.to_json()), "model": describe_model(self.model)}
                     Path(stage, PLAN_NAME).write_text(json.dumps(plan, indent=2))
@@ -348,42 +349,6 @@ class ElixirTrainer(Trainer):
             error = f"{type(e).__name__}: {e}"
         all_ranks_agree(error, f"loading the Elixir optimizer state of {checkpoint} into the stock optimizer")
         logger.info("elixir: --elixir off resumes %s with its Adam state, schedule and fp32 weights", checkpoint)
-
-
-def _writes_here(model: torch.nn.Module) -> contextlib.AbstractContextManager:
-    """transformers' ``save_pretrained`` writes on global rank 0 only once torch.distributed is up
-    (``should_save_on_this_rank``), whatever ``is_main_process`` says, which leaves the weights off
-    every other node under ``save_on_each_node``. Inside, the caller (the Trainer's ``should_save``:
-    rank 0, or each node's main process) decides."""
-    if not hasattr(model, "should_save_on_this_rank"):
-        return contextlib.nullcontext()
-    return mock.patch.object(model, "should_save_on_this_rank", lambda is_main_process: is_main_process)
-
-
-@contextlib.contextmanager
-def _logs_name(stage: str, final: str | os.PathLike) -> Iterator[None]:
-    """transformers' save messages ("Saving model checkpoint to ...", "Model weights saved in
-    ...") name the folder the files end up in, not the staging folder they are written to.
-
-    A filter on the handlers of transformers' logger and of the root logger (where its records go
-    when a script turns propagation on), for the duration of the save."""
-
-    class Rename(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            message = record.getMessage()
-            if stage in message:
-                record.msg, record.args = message.replace(stage, str(final)), ()
-            return True
-
-    rename = Rename()
-    handlers = {h for name in ("transformers", None) for h in logging.getLogger(name).handlers}
-    for handler in handlers:
-        handler.addFilter(rename)
-    try:
-        yield
-    finally:
-        for handler in handlers:
-            handler.removeFilter(rename)
 
 
 @functools.cache

@@ -8,13 +8,22 @@ optimizer.step(); optimizer.zero_grad()
 with elixir_runtime.full_params(model):   # every rank; then forwards on any rank (sampling, eval)
     ...
 elixir_runtime.compile_blocks(model)      # torch.compile each decoder layer, the chunk hooks outside
+
+Besides training, the names below cover a model's weights kept in their files until ``prepare``
+(``CheckpointFiles``, ``stream_weights``, ``attached_weights``) and the optimizer state by parameter
+name (``named_state``, ``load_named``: any rank count and plan). The other public faces are
+``config`` (settings), ``planner`` (plans, without a GPU), ``hardware`` (the machine: its profile,
+memory, cores and Adam kernels) and ``progress`` (the bars' protocol); ``elixir_hf`` imports the
+engine through these alone (tests/test_layers.py).
 """
 
 from .api import ElixirState, prepare
+from .chunk.attached import attached_weights, detach_weights
 from .chunk.init import InitError, init_weights
-from .chunk.stream import WeightsError, stream_weights
+from .chunk.stream import INDEX_FILE, SINGLE_FILE, CheckpointFiles, WeightsError, stream_weights
 from .compile import CompileStats, check_compile_options, compile_blocks, compile_stats
 from .config import ElixirConfig, LossScaleConfig, PlanError
+from .optim.named_state import load_named, named_meta, named_state, plain_to_named
 from .optim.optimizer import ElixirOptimizer
 from .plan import ElixirPlan
 from .runtime.full_params import full_params
@@ -31,7 +40,12 @@ __all__ = [
     "PlanError",
     "ElixirState",
     "load_safetensors",
+    "CheckpointFiles",
+    "SINGLE_FILE",
+    "INDEX_FILE",
     "stream_weights",
+    "attached_weights",
+    "detach_weights",
     "init_weights",
     "InitError",
     "WeightsError",
@@ -43,4 +57,8 @@ __all__ = [
     "check_compile_options",
     "compile_stats",
     "CompileStats",
+    "named_state",
+    "named_meta",
+    "load_named",
+    "plain_to_named",
 ]

@@ -31,7 +31,7 @@ from .hardware.load import job_hardware
 from .hardware.measure import collective_busbw
 from .hardware.profile import HardwareProfile
 from .host import HostMemory, held_bytes, host_available, local_ranks
-from .plan import ElixirPlan, check_fits, resolve_plan
+from .plan import DEVICE_MEMORY, ElixirPlan, check_fits, format_step_time, resolve_plan
 from .profiler.kernels import cuda_attention
 from .profiler.outside import parameters_named
 from .profiler.profile import ModelProfile, profile_model, structural_profile
@@ -40,11 +40,20 @@ from .progress import progress
 from .runtime.batch_guard import token_shape
 from .search.budget import F_FRAG, Budget
 from .search.loop import SearchResult, SearchSettings, search
-from .units import ParamTable, Unit, param_table
+from .search.step_time import StepTime
+from .units import ParamTable, Unit, find_units, param_table
 
 __all__ = [
     "Target",
     "plan_model",
+    # what plan_model takes and returns, as elixir-plan reads them
+    "find_units",
+    "ModelProfile",
+    "Budget",
+    "StepTime",
+    "ElixirPlan",
+    "DEVICE_MEMORY",
+    "format_step_time",
     "plan_static",
     "plan_job",
     "search_job",

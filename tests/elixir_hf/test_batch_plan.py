@@ -12,7 +12,7 @@ from hf_cases import OFFLOAD_PLAN, VOCAB, make_trainer, training_args
 
 import elixir_runtime as er
 from elixir_hf.batch_plan import SAMPLE, planned_batch, planned_length
-from elixir_hf.cli import main
+from elixir_hf.commands.plan import main
 from helpers.models import PAD_ID, tiny_llama
 
 

@@ -52,10 +52,10 @@ def test_the_wheel_ships_the_kernel_sources_and_the_commands(wheel: Path) -> Non
     (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]
     scripts = zipfile.ZipFile(wheel).read(entry_points).decode()
     for script in (
-        "elixir-convert = elixir_hf.convert:main",
-        "elixir-env = elixir_hf.env:main",
-        "elixir-plan = elixir_hf.cli:main",
-        "elixir-run = elixir_hf.run:main",
+        "elixir-convert = elixir_hf.commands.convert:main",
+        "elixir-env = elixir_hf.commands.env:main",
+        "elixir-plan = elixir_hf.commands.plan:main",
+        "elixir-run = elixir_hf.commands.run:main",
     ):
         assert script in scripts
 
@@ -93,7 +93,7 @@ def test_an_installed_wheel_selects_the_cpp_kernel(
     build_dir.mkdir(parents=True)
     (build_dir / "lock").touch()
 
-    cmd = [sys.executable, "-m", "elixir_hf.env", "--json"]
+    cmd = [sys.executable, "-m", "elixir_hf.commands.env", "--json"]
     procs = [
         subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2)

@@ -25,7 +25,7 @@ def test_an_unknown_name_is_an_attribute_error() -> None:
 
 def test_the_planner_cli_and_the_loss_do_not_import_the_trainer_stack() -> None:
     code = (
-        "import sys, elixir_hf.cli, elixir_hf.loss, elixir_hf.presets; "
+        "import sys, elixir_hf.commands.plan, elixir_hf.loss, elixir_hf.presets; "
         "print(sorted(m for m in ('transformers.trainer', 'accelerate', 'peft', 'elixir_hf.trainer') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
@@ -36,10 +36,10 @@ def test_the_version_is_pyproject_s(capsys: pytest.CaptureFixture) -> None:
     import tomllib
     from pathlib import Path
 
-    from elixir_hf import cli
+    from elixir_hf.commands import plan
 
     version = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["version"]
     assert elixir_hf.__version__ == version
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["--version"])
+        plan.main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"elixir-plan {version}"

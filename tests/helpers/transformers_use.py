@@ -85,7 +85,7 @@ def _references(path: Path) -> tuple[bool, set[Path]]:
         return True, set()
     for name in names:
         reached.update(_module_files(name, path.parent, imported=True))
-    for name in {s for s in strings if _DOTTED.fullmatch(s)}:  # "-m elixir_hf.run", import_module(...)
+    for name in {s for s in strings if _DOTTED.fullmatch(s)}:  # "-m elixir_hf.commands.run", import_module(...)
         reached.update(_module_files(name, path.parent, imported=False))
     for s in strings:
         if not _PATHLIKE.fullmatch(s) or s.strip(".") == "":

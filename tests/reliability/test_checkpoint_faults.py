@@ -21,8 +21,8 @@ from hf_cases import OFFLOAD_PLAN, history, make_trainer, training_args
 from launch import run_script
 from save_worker import trainer as killed_run
 
-import elixir_hf.checkpoint
-from elixir_hf.checkpoint import MARKER_NAME, CheckpointError
+import elixir_hf.checkpoint.format
+from elixir_hf.checkpoint.format import MARKER_NAME, CheckpointError
 from helpers.logs import captured
 
 SAVE = dict(max_steps=10, save_strategy="steps", save_steps=5, eval_strategy="no")
@@ -77,8 +77,8 @@ def test_kill_during_save_resumes_from_newest_complete(killed, caplog, uninterru
     run, resumes_from = out / phase, PHASES[phase]
     assert status[phase] == signal.SIGKILL
     assert (run / "checkpoint-4").is_dir()  # the torn folder a stock resume would pick
-    with captured(caplog, logging.WARNING, "elixir_hf.checkpoint"):
-        assert elixir_hf.checkpoint.newest_complete(run) == str(run / f"checkpoint-{resumes_from}")
+    with captured(caplog, logging.WARNING, "elixir_hf.checkpoint.format"):
+        assert elixir_hf.checkpoint.format.newest_complete(run) == str(run / f"checkpoint-{resumes_from}")
     assert ("torn checkpoint" in caplog.text) == (resumes_from == 2)
     resumed = killed_run(str(run))
     resumed.train(resume_from_checkpoint=True)
@@ -112,7 +112,7 @@ class _FullDisk(io.FileIO):
 
 def test_disk_full_names_the_file_and_leaves_no_temporary(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(
-        elixir_hf.checkpoint, "open", lambda path, mode: _FullDisk(path, mode.replace("b", "")), raising=False
+        elixir_hf.checkpoint.format, "open", lambda path, mode: _FullDisk(path, mode.replace("b", "")), raising=False
     )
     trainer = make_trainer("gpt2", training_args(str(tmp_path), OFFLOAD_PLAN, **SAVE), n_train=80)
     with pytest.raises(
@@ -129,11 +129,11 @@ def test_disk_full_names_the_file_and_leaves_no_temporary(tmp_path, monkeypatch)
 def test_disk_full_in_a_torch_save_keeps_the_os_error(tmp_path, monkeypatch) -> None:
     """torch.save's own C++ writer reports ``basic_ios::clear: iostream error``; ours, errno."""
     monkeypatch.setattr(
-        elixir_hf.checkpoint, "open", lambda path, mode: _FullDisk(path, mode.replace("b", "")), raising=False
+        elixir_hf.checkpoint.format, "open", lambda path, mode: _FullDisk(path, mode.replace("b", "")), raising=False
     )
     path = tmp_path / "big.pt"
     with pytest.raises(OSError) as info:
-        elixir_hf.checkpoint.atomic_torch_save({"w": torch.zeros(10_000)}, path)
+        elixir_hf.checkpoint.format.atomic_torch_save({"w": torch.zeros(10_000)}, path)
     assert info.value.errno == errno.ENOSPC and info.value.filename == str(path)
     assert list(tmp_path.iterdir()) == []
 

@@ -151,7 +151,7 @@ def test_empty_values_are_refused_everywhere(tmp_path, monkeypatch, value: str) 
     """An empty ``--elixir``/``ELIXIR_CONFIG`` (a shell variable that expanded to nothing) used to mean off."""
     from transformers import HfArgumentParser
 
-    from elixir_hf.run import main
+    from elixir_hf.commands.run import main
 
     accepted = r"is empty \(.*\): use 'auto', 'off' \(or false/no/none/0\), a JSON object .* or the path of an existing \.json file"
     with pytest.raises(ElixirSpecError, match="^--elixir " + accepted):

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from elixir_hf.checkpoint import MARKER_NAME, OPTIM_INDEX, PLAN_NAME
-from elixir_hf.optimizer_files import optim_file_name
+from elixir_hf.checkpoint.format import MARKER_NAME, OPTIM_INDEX, PLAN_NAME
+from elixir_hf.checkpoint.optimizer_files import optim_file_name
 
 WORKER = Path(__file__).with_name("nodes_worker.py")
 

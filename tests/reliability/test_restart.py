@@ -1,7 +1,7 @@
 """Restart loops of unmodified scripts: under ``elixir-run``, transformers' ``get_last_checkpoint``
 (which run_clm-style scripts call themselves, then pass the folder to ``train``) names the newest
 complete checkpoint, so a run killed during a save resumes on restart instead of failing on the
-torn folder each time (``elixir_hf/restart.py``)."""
+torn folder each time (``elixir_hf/checkpoint/restart.py``)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from hf_cases import OFFLOAD_PLAN, save_tiny_lm
 from launch import run_python
 from transformers.trainer_utils import get_last_checkpoint as stock_get_last_checkpoint
 
-from elixir_hf.checkpoint import MARKER_NAME, PLAN_NAME
-from elixir_hf.optimizer_files import optim_file_name
-from elixir_hf.restart import get_last_checkpoint
+from elixir_hf.checkpoint.format import MARKER_NAME, PLAN_NAME
+from elixir_hf.checkpoint.optimizer_files import optim_file_name
+from elixir_hf.checkpoint.restart import get_last_checkpoint
 from helpers.logs import captured
 
-SCRIPT = Path(__file__).parents[1] / "elixir_hf" / "scripts" / "hf_trainer.py"
+SCRIPT = Path(__file__).parents[1] / "elixir_hf" / "commands" / "scripts" / "hf_trainer.py"
 ARGS = [
     *("--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1"),
     *("--per_device_train_batch_size", "2", "--learning_rate", "1e-2", "--eval_strategy", "no"),
@@ -37,7 +37,7 @@ def test_a_torn_newest_checkpoint_is_skipped_by_an_unmodified_restart(tmp_path) 
     half, as a kill during the save leaves it), it resumes from checkpoint-2, warns, and logs the
     uninterrupted run's losses exactly (same ranks and plan: a bitwise resume)."""
     out = tmp_path / "out"
-    launch = ["-m", "elixir_hf.run", str(SCRIPT), "--model_name_or_path", str(save_tiny_lm(tmp_path / "m"))]
+    launch = ["-m", "elixir_hf.commands.run", str(SCRIPT), "--model_name_or_path", str(save_tiny_lm(tmp_path / "m"))]
     launch += [*ARGS, "--output_dir", str(out), "--elixir", OFFLOAD_PLAN]
     first = run_python(*launch)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -70,13 +70,13 @@ def test_which_folder_get_last_checkpoint_names(tmp_path, caplog) -> None:
     ``None``, warning about the torn ones. Other folders: transformers' answer."""
     sealed, torn = (PLAN_NAME, MARKER_NAME), (PLAN_NAME,)
     mixed = _folders(tmp_path / "mixed", **{"checkpoint-9": sealed, "checkpoint-10": torn, "checkpoint-11": ()})
-    with captured(caplog, logging.WARNING, "elixir_hf.checkpoint"):
+    with captured(caplog, logging.WARNING, "elixir_hf.checkpoint.format"):
         assert get_last_checkpoint(mixed) == str(mixed / "checkpoint-9")
     assert "skipping torn checkpoint(s)" in caplog.text and str(mixed / "checkpoint-10") in caplog.text
 
     all_torn = _folders(tmp_path / "torn", **{"checkpoint-3": torn, "checkpoint-5": ()})
     caplog.clear()
-    with captured(caplog, logging.WARNING, "elixir_hf.checkpoint"):
+    with captured(caplog, logging.WARNING, "elixir_hf.checkpoint.format"):
         assert get_last_checkpoint(all_torn) is None
     assert "no complete checkpoint is left to resume from" in caplog.text
 

@@ -1,9 +1,29 @@
 """The machine the plan is made for: copy bandwidths, Adam velocities, matmul rates, memory.
 
-Measured once per machine and cached (``measure.py``), or read from a file (``profile.py``).
+Measured once per machine and cached (``measure.py``), or read from a file (``profile.py``). The
+public face of the machine for the HF layer (``elixir-plan``, ``elixir-env``): the profile, where
+it comes from (``load.py``), the host's memory and cores (``host.py``) and the Adam kernels this
+machine runs (``kernels/select.py``).
 """
 
-from .load import load_hardware
-from .profile import HardwareProfile, LinkRates
+from ..host import host_available, host_total, usable_cores
+from ..kernels.select import cpu_kernel_status, gpu_kernel_status
+from .load import ENV_HARDWARE, SHIPPED, cache_path, load_hardware
+from .measure import measure_hardware
+from .profile import UNREADABLE, HardwareProfile, LinkRates
 
-__all__ = ["HardwareProfile", "LinkRates", "load_hardware"]
+__all__ = [
+    "HardwareProfile",
+    "LinkRates",
+    "UNREADABLE",
+    "load_hardware",
+    "measure_hardware",
+    "cache_path",
+    "ENV_HARDWARE",
+    "SHIPPED",
+    "host_available",
+    "host_total",
+    "usable_cores",
+    "cpu_kernel_status",
+    "gpu_kernel_status",
+]

@@ -3,7 +3,7 @@
 CUDA -> TritonAdamKernel (if triton imports), CPU -> CpuAdamKernel (if it builds). Set
 ``ELIXIR_ADAM_KERNEL=torch`` to force TorchAdamKernel everywhere (debugging, bisecting).
 ``cpu_kernel_status`` / ``gpu_kernel_status`` say which kernel a device gets here and why
-(``python -m elixir_hf.env``).
+(``python -m elixir_hf.commands.env``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _cpu_kernel(threads: int | None) -> AdamKernel:
     except CpuAdamUnavailable as err:
         warnings.warn(
             f"\n{'!' * 78}\nelixir: the C++ CPU Adam kernel is unavailable, so offloaded optimizer steps use the "
-            f"torch reference, several times slower. Why: {err}\nCheck with `python -m elixir_hf.env`; "
+            f"torch reference, several times slower. Why: {err}\nCheck with `python -m elixir_hf.commands.env`; "
             f"{ENV}=torch silences this.\n{'!' * 78}",
             RuntimeWarning,
             stacklevel=3,

@@ -1,5 +1,5 @@
-"""``elixir-convert CHECKPOINT OUT`` (``python -m elixir_hf.convert``): an Elixir checkpoint as a
-plain PyTorch one, to continue the run without Elixir (a plain loop, DDP, FSDP, the stock Trainer).
+"""An Elixir checkpoint as a plain PyTorch one (``elixir-convert CHECKPOINT OUT``,
+``commands/convert.py``), to continue the run without Elixir (a plain loop, DDP, FSDP, the stock Trainer).
 
 ``OUT`` gets the model in fp32 from the fp32 master weights (``save_pretrained``: config and
 safetensors weights, ``AutoModelForCausalLM.from_pretrained(OUT)`` loads it), ``optimizer.pt``: a
@@ -20,11 +20,9 @@ model is held in host memory once (as DeepSpeed's ``zero_to_fp32`` does).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import re
 import shutil
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,7 +30,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from .checkpoint import (
+from .format import (
     MARKER_NAME,
     OPTIM_INDEX,
     PLAN_NAME,
@@ -43,7 +41,7 @@ from .checkpoint import (
 )
 from .optimizer_files import read_optimizer_index
 
-__all__ = ["convert", "main", "torch_adam_state"]
+__all__ = ["convert", "torch_adam_state"]
 
 _NOT_COPIED = re.compile(
     rf"^({re.escape(MARKER_NAME)}|{re.escape(PLAN_NAME)}|{re.escape(OPTIM_INDEX)}|optimizer-.*\.safetensors"
@@ -122,24 +120,3 @@ def _gather(opened: dict, name: str, kind: str, entry: dict, param: torch.Tensor
     for file, start, end in entry["pieces"]:
         flat[start:end] = opened[file].get_tensor(f"{name}.{kind}")
     return flat.view(param.shape)
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="elixir-convert",
-        description="Write an Elixir checkpoint as a plain PyTorch one: the fp32 model (from_pretrained) and "
-        "a torch.optim.AdamW state_dict (optimizer.pt) in model.parameters() order, with the other Trainer files.",
-    )
-    parser.add_argument("checkpoint", help="an Elixir checkpoint folder (checkpoint-N, or a save_state folder)")
-    parser.add_argument("out", help="the folder to write")
-    parser.add_argument("--config", help="the model's config (folder or name) when the checkpoint has no config.json")
-    args = parser.parse_args(argv)
-    try:
-        convert(args.checkpoint, args.out, args.config)
-    except (CheckpointError, OSError) as e:
-        sys.exit(f"elixir-convert: {e}")
-    print(f"elixir-convert: wrote {args.out} (model.safetensors, config.json, optimizer.pt)")
-
-
-if __name__ == "__main__":
-    main()

@@ -66,7 +66,7 @@ def _write(fd: int, holder: dict[str, Any]) -> None:
 
 
 def _orphaned_stages(folder: Path) -> list[Path]:
-    """Save stages (``checkpoint.staged_dir``) in ``folder`` and its checkpoints."""
+    """Save stages (``format.staged_dir``) in ``folder`` and its checkpoints."""
     return sorted(p for pattern in (".elixir-save-*", "*/.elixir-save-*") for p in folder.glob(pattern) if p.is_dir())
 
 

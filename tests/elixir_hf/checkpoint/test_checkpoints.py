@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, get_linear_schedule_with_warmup
 
 import elixir_hf.trainer
-from elixir_hf import convert
-from elixir_hf.checkpoint import MARKER_NAME, OPTIM_INDEX, CheckpointError, atomic_torch_save
+from elixir_hf.checkpoint.format import MARKER_NAME, OPTIM_INDEX, CheckpointError, atomic_torch_save
+from elixir_hf.commands import convert
 from helpers.models import ATTN_IMPL, make_batch
 
 SAVE = dict(max_steps=10, save_strategy="steps", save_steps=5, eval_strategy="no")
@@ -251,7 +251,7 @@ def test_stock_trainer_checkpoint_resumes_in_elixir(tmp_path) -> None:
 
 
 def test_convert_continues_in_a_plain_loop_and_back_in_elixir(saved_run, tmp_path) -> None:
-    """``python -m elixir_hf.convert checkpoint-5 OUT``: a plain PyTorch loop (AdamW from
+    """``python -m elixir_hf.commands.convert checkpoint-5 OUT``: a plain PyTorch loop (AdamW from
     ``OUT/optimizer.pt``, the Trainer's schedule from ``OUT/scheduler.pt``, the Trainer's batches)
     takes the Elixir run's next 5 steps; and an Elixir run resumes from ``OUT`` as from checkpoint-5."""
     out, losses = saved_run

@@ -12,7 +12,7 @@ A checkpoint that is not a local safetensors folder (a hub name, ``pytorch_model
 adapter folder), loading options that change how tensors are read (``device_map``, quantisation,
 ``variant``, ...), a key that transformers converts rather than renames (fused or split tensors,
 ``WeightConverter``) and ``keep_in_fp32`` modules under a half dtype: ``streaming_blocker`` or
-``CannotStream`` says which, and ``loading.from_pretrained`` loads without streaming, with a
+``CannotStream`` says which, and ``model.from_pretrained`` loads without streaming, with a
 warning. A parameter the checkpoint lacks (transformers would initialise it at random) is a
 ``WeightsError``: the checkpoint is incomplete or for another model.
 """
@@ -24,17 +24,23 @@ import logging
 import os
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 import torch.distributed as dist
-import transformers.modeling_utils
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 from transformers.utils.loading_report import LoadStateDictInfo
 
-from elixir_runtime import WeightsError, stream_weights
-from elixir_runtime.chunk.attached import attached_weights, detach_weights
-from elixir_runtime.chunk.stream import INDEX_FILE, SINGLE_FILE, CheckpointFiles
+from elixir_runtime import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    CheckpointFiles,
+    WeightsError,
+    attached_weights,
+    detach_weights,
+    stream_weights,
+)
+
+from .. import patches
 
 __all__ = [
     "CannotStream",
@@ -116,7 +122,7 @@ def streamed_from_pretrained(model_class: Any, name_or_path: str | os.PathLike, 
     files = CheckpointFiles.open(folder)  # a missing or truncated file is named here, before anything is built
     keys: dict[str, str] = {}
     record = functools.partial(_record, keys)
-    with mock.patch.object(transformers.modeling_utils, "convert_and_load_state_dict_in_model", record):
+    with patches.weights_recorded_not_read(record):
         model = model_class.from_pretrained(name_or_path, **kwargs)
     initialised = [name for name, p in model.named_parameters() if not p.is_meta]
     if initialised:
@@ -127,7 +133,7 @@ def streamed_from_pretrained(model_class: Any, name_or_path: str | os.PathLike, 
             "at random"
         )
     stream_weights(model, files, keys)
-    _unstreamed_before_adapters()
+    patches.before_inject_adapter(_unstream_for_adapters)
     return model
 
 
@@ -155,34 +161,21 @@ def unstream(model: Any) -> None:
     detach_weights(model)
 
 
-def _unstreamed_before_adapters() -> None:
+def _unstream_for_adapters(model: Any) -> None:
     """[Note: PEFT on a streamed model] PEFT puts a new adapter on the device of the layer it adapts
     (``BaseTuner._replace_module``, ``BaseTunerLayer._move_adapter_to_device_of_base_layer``), which
     for a streamed model is ``meta``: the adapter's initial values would be lost. So before PEFT
     injects adapters into a streamed model (``BaseTuner.inject_adapter``, which ``get_peft_model``
-    and TRL's ``peft_config`` reach), the model goes back to today's path (``unstream``), loudly."""
-    try:
-        from peft.tuners.tuners_utils import BaseTuner
-    except ImportError:
-        return
-    stock = BaseTuner.inject_adapter
-    if getattr(stock, "_elixir", False):
-        return
-
-    @functools.wraps(stock)
-    def inject_adapter(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
-        source = attached_weights(model)
-        if source is not None:
-            logger.warning(
-                "elixir: a PEFT adapter is added to a model whose weights were to be streamed from %s: rank 0 reads "
-                "them now and sends each rank its shards (adapters need the base layers' device)",
-                source.origin,
-            )
-            unstream(model)
-        return stock(self, model, *args, **kwargs)
-
-    inject_adapter._elixir = True  # type: ignore[attr-defined]
-    BaseTuner.inject_adapter = inject_adapter
+    and TRL's ``peft_config`` reach: ``patches.before_inject_adapter``), the model goes back to
+    today's path (``unstream``), loudly."""
+    source = attached_weights(model)
+    if source is not None:
+        logger.warning(
+            "elixir: a PEFT adapter is added to a model whose weights were to be streamed from %s: rank 0 reads "
+            "them now and sends each rank its shards (adapters need the base layers' device)",
+            source.origin,
+        )
+        unstream(model)
 
 
 def restream(model: Any, folder: str | os.PathLike) -> None:

@@ -27,10 +27,9 @@ import torch
 
 from elixir_runtime.config import ConfigError, ElixirConfig, PlanError, resolve_dtype
 from elixir_runtime.config import parse_size as config_parse_size
-from elixir_runtime.hardware import HardwareProfile, load_hardware
-from elixir_runtime.hardware.load import ENV_HARDWARE, SHIPPED
+from elixir_runtime.hardware import ENV_HARDWARE, SHIPPED, HardwareProfile, load_hardware
 
-from . import __version__
+from .. import __version__
 from .plan_report import plan_report
 
 __all__ = ["main", "parse_size", "DEVICE_LANE_WORDS"]
@@ -198,7 +197,7 @@ def _elixir_config(args: argparse.Namespace) -> ElixirConfig:
 
 
 def _measure(path: str) -> int:
-    from elixir_runtime.hardware.measure import measure_hardware
+    from elixir_runtime.hardware import measure_hardware
 
     profile = measure_hardware()
     profile.save(path)

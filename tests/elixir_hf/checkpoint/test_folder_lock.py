@@ -1,4 +1,4 @@
-"""One job per output folder (``elixir_hf/folder_lock.py``): a second live job on an ``output_dir``
+"""One job per output folder (``elixir_hf/checkpoint/folder_lock.py``): a second live job on an ``output_dir``
 stops before training, naming the folder and the job holding it; a lock a dead job left is taken
 over, and its orphaned save stages removed; ``--elixir off`` is the stock Trainer's run."""
 
@@ -12,8 +12,8 @@ import os
 import pytest
 from hf_cases import OFFLOAD_PLAN, make_trainer, training_args
 
-from elixir_hf.checkpoint import CheckpointError
-from elixir_hf.folder_lock import LOCK_NAME
+from elixir_hf.checkpoint.folder_lock import LOCK_NAME
+from elixir_hf.checkpoint.format import CheckpointError
 from helpers.logs import captured
 
 RUN = dict(max_steps=2, save_strategy="steps", save_steps=2, eval_strategy="no")

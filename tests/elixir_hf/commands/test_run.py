@@ -1,8 +1,8 @@
 """``elixir-run``: unmodified scripts (``scripts/``: an HF Trainer script, an Accelerate loop, a
 TRL SFT script with an optional PEFT LoRA adapter) train with the Elixir engine and log the stock
 runs' losses (fp32 on CPU, relative 1e-5), at 1 rank and at 2 gloo ranks, under each launcher users
-type: ``python -m elixir_hf.run``, ``torchrun -m elixir_hf.run`` (the stock 2-rank runs) and
-``accelerate launch --config_file recipes/elixir.yaml -m elixir_hf.run`` (the Elixir 2-rank run).
+type: ``python -m elixir_hf.commands.run``, ``torchrun -m elixir_hf.commands.run`` (the stock 2-rank runs) and
+``accelerate launch --config_file recipes/elixir.yaml -m elixir_hf.commands.run`` (the Elixir 2-rank run).
 
 The stock 1-rank runs execute the script in this process (no Elixir class is touched there);
 everything through ``elixir-run`` and every 2-rank run is a subprocess. Through ``elixir-run`` the
@@ -26,11 +26,11 @@ import torch
 from hf_cases import OFFLOAD_PLAN, save_tiny_lm
 from safetensors.torch import load_file
 
-from elixir_hf.optimizer_files import optim_file_name
-from elixir_hf.run import main, split_elixir
+from elixir_hf.checkpoint.optimizer_files import optim_file_name
+from elixir_hf.commands.run import main, split_elixir
 
 SCRIPTS = Path(__file__).with_name("scripts")
-ROOT = Path(__file__).parents[2]
+ROOT = Path(__file__).parents[3]
 SRC = ROOT / "src"
 RTOL = 1e-5
 PLAN_LINE = "Elixir plan for"
@@ -69,7 +69,7 @@ def _launch(cmd: list[str], env: dict[str, str] | None = None) -> str:
 
 
 def _elixir_run(ranks: int, *args: str, env: dict[str, str] | None = None) -> str:
-    """1 rank: ``python -m elixir_hf.run``. 2 ranks: the recipe's own ``accelerate launch`` line
+    """1 rank: ``python -m elixir_hf.commands.run``. 2 ranks: the recipe's own ``accelerate launch`` line
     (recipes/elixir.yaml: 2 processes, bf16), with mixed precision off for the fp32 comparison and a
     free port; the scripts' ``--use_cpu``/``--cpu`` make the Trainer and Accelerator count both ranks."""
     launcher = (
@@ -90,7 +90,9 @@ def _elixir_run(ranks: int, *args: str, env: dict[str, str] | None = None) -> st
         ]
     )
     # the plan is an INFO log line: shown at TRANSFORMERS_VERBOSITY=info, on rank 0 only
-    return _launch([*launcher, "-m", "elixir_hf.run", *args], {"TRANSFORMERS_VERBOSITY": "info", **(env or {})})
+    return _launch(
+        [*launcher, "-m", "elixir_hf.commands.run", *args], {"TRANSFORMERS_VERBOSITY": "info", **(env or {})}
+    )
 
 
 def _stock(ranks: int, script: Path, *args: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -171,7 +173,7 @@ def test_bad_launch_fails_before_the_script_runs(tmp_path) -> None:
 def test_trainer_script_and_accelerate_loop(model_dir, tmp_path, monkeypatch, ranks: int) -> None:
     """One launch trains both scripts (``scripts/sequence.py``), once stock and once through
     elixir-run (at 2 ranks under ``accelerate launch``, which starts torchrun's launcher with
-    ``-m elixir_hf.run``). ``--elixir`` comes last, after the Accelerate script's own arguments:
+    ``-m elixir_hf.commands.run``). ``--elixir`` comes last, after the Accelerate script's own arguments:
     neither script's parser sees it; at 1 rank the settings come from ``ELIXIR_CONFIG`` instead.
     Each script's engine prints its plan exactly once (rank 0)."""
     trainer_args = ["--model_name_or_path", str(model_dir), *TRAINER_ARGS]

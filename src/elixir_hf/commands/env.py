@@ -1,7 +1,7 @@
-"""``python -m elixir_hf.env`` (``elixir-env``): what elixir-hf finds on this machine, for bug reports.
+"""``python -m elixir_hf.commands.env`` (``elixir-env``): what elixir-hf finds on this machine, for bug reports.
 
-    python -m elixir_hf.env          # a table
-    python -m elixir_hf.env --json   # one JSON object
+    python -m elixir_hf.commands.env          # a table
+    python -m elixir_hf.commands.env --json   # one JSON object
 
 It reports the package and library versions, the CPU Adam kernel offloaded chunks get (``cpp``, or
 ``torch`` and why: the C++ kernel is built here if it is not built yet, as on the first training
@@ -31,12 +31,19 @@ from typing import Any
 
 import torch
 
-from elixir_runtime.hardware.load import ENV_HARDWARE, SHIPPED, cache_path
-from elixir_runtime.hardware.profile import UNREADABLE, HardwareProfile
-from elixir_runtime.host import host_total, usable_cores
-from elixir_runtime.kernels.select import cpu_kernel_status, gpu_kernel_status
+from elixir_runtime.hardware import (
+    ENV_HARDWARE,
+    SHIPPED,
+    UNREADABLE,
+    HardwareProfile,
+    cache_path,
+    cpu_kernel_status,
+    gpu_kernel_status,
+    host_total,
+    usable_cores,
+)
 
-from . import __version__
+from .. import __version__
 
 __all__ = ["environment", "main"]
 
@@ -97,7 +104,7 @@ def environment() -> dict[str, Any]:
     triton_adam, triton_detail = gpu_kernel_status()
     return {
         "version": __version__,
-        "location": str(Path(__file__).resolve().parents[1]),
+        "location": str(Path(__file__).resolve().parents[2]),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,

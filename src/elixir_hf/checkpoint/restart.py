@@ -5,7 +5,8 @@ Scripts in run_clm's shape look for the checkpoint to resume from themselves,
 and pass the folder it names to ``trainer.train(resume_from_checkpoint=...)``. transformers' answer
 is the highest ``checkpoint-N``, finished or not: after a kill during a save, every restart resumes
 from the torn folder and fails. ``elixir-run`` puts ``get_last_checkpoint`` below in its place
-(``install``), so such a loop resumes from the newest complete checkpoint instead.
+(``patches.replace_get_last_checkpoint``), so such a loop resumes from the newest complete
+checkpoint instead.
 
 [Note: which folders are Elixir's]
 A folder is taken as an Elixir run's when one of its checkpoints holds the marker
@@ -20,13 +21,12 @@ transformers' answer unchanged: those checkpoints carry no completion mark to go
 from __future__ import annotations
 
 import os
-import sys
 
 from transformers import trainer_utils
 
-from .checkpoint import MARKER_NAME, PLAN_NAME, checkpoint_folders, newest_complete
+from .format import MARKER_NAME, PLAN_NAME, checkpoint_folders, newest_complete
 
-__all__ = ["get_last_checkpoint", "install"]
+__all__ = ["get_last_checkpoint"]
 
 _STOCK = trainer_utils.get_last_checkpoint
 
@@ -35,13 +35,3 @@ def get_last_checkpoint(folder: str | os.PathLike) -> str | None:
     """``transformers.trainer_utils.get_last_checkpoint`` that skips torn Elixir checkpoints (warning)."""
     elixir = any((p / MARKER_NAME).is_file() or (p / PLAN_NAME).is_file() for p in checkpoint_folders(folder))
     return newest_complete(folder, required=False) if elixir else _STOCK(folder)
-
-
-def install() -> None:
-    """``get_last_checkpoint`` in place of transformers': in ``transformers.trainer_utils``, which
-    scripts import it from, and in every module already loaded that imported it by name (the
-    Trainer's own module)."""
-    for module in list(sys.modules.values()):
-        names = getattr(module, "__dict__", {})  # not getattr(module, name): a lazy module would import
-        if names.get("get_last_checkpoint") is _STOCK:
-            module.get_last_checkpoint = get_last_checkpoint

@@ -1,4 +1,4 @@
-"""``python -m elixir_hf.env``: the report's keys, the kernel it says offloaded chunks get, and why
+"""``python -m elixir_hf.commands.env``: the report's keys, the kernel it says offloaded chunks get, and why
 when that is the torch fallback. (An installed wheel's report: test_install.py.)"""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from elixir_hf import env
+from elixir_hf.commands import env
 from elixir_runtime.kernels import cpu_adam
 
-VERSION = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]["version"]
+VERSION = tomllib.loads((Path(__file__).resolve().parents[3] / "pyproject.toml").read_text())["project"]["version"]
 
 
 @pytest.fixture

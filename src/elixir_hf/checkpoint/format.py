@@ -12,7 +12,7 @@ Layout of a checkpoint folder (on top of what the Trainer writes):
   it, whatever its number of ranks, chunk layout or offload placement (``load_optimizer``);
 * ``elixir_optim_rank{r}.pt``: the per-rank chunk shards of earlier versions, still loaded into
   the same number of ranks and chunk layout;
-* ``elixir_plan.json``: the plan the run used (see ``plugin.py`` for reusing it);
+* ``elixir_plan.json``: the plan the run used (see ``elixir_hf/plugin.py`` for reusing it);
 * ``elixir_checkpoint.json``, the marker, written last: the step, the number of ranks and the size
   and CRC-32 of every other file. A folder without it is torn (a save was interrupted).
 

@@ -16,10 +16,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from elixir_runtime import ElixirOptimizer
-from elixir_runtime.optim.named_state import load_named, named_meta, named_state, plain_to_named
+from elixir_runtime import ElixirOptimizer, load_named, named_meta, named_state, plain_to_named
 
-from .checkpoint import (
+from .format import (
     OPTIM_INDEX,
     PLAIN_OPTIMIZER_NAMES,
     PLAN_NAME,

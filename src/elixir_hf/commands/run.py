@@ -1,8 +1,8 @@
 """``elixir-run``: an unmodified Trainer or Accelerate script, trained by the Elixir engine.
 
     elixir-run train.py --model_name_or_path gpt2 --bf16 --elixir auto
-    torchrun --nproc_per_node 2 -m elixir_hf.run train.py ... --elixir plan.json
-    accelerate launch --config_file recipes/elixir.yaml -m elixir_hf.run train.py ...
+    torchrun --nproc_per_node 2 -m elixir_hf.commands.run train.py ... --elixir plan.json
+    accelerate launch --config_file recipes/elixir.yaml -m elixir_hf.commands.run train.py ...
     elixir-run -m trl.scripts.sft ...                       # a module instead of a file
 
 ``--elixir auto|off|JSON|FILE.json`` (anywhere on the line; bare: ``auto``) is taken out of the
@@ -10,10 +10,10 @@ script's arguments, so its own parser never sees it, and handed over as ``ELIXIR
 (unset: ``ELIXIR_CONFIG`` as it is, else ``auto``). Then every ``TrainingArguments``, ``Trainer``
 and ``Accelerator`` the script builds — the stock classes and every subclass, whether defined
 before or after (TRL's ``SFTConfig``/``SFTTrainer``) — is built as its Elixir version
-(``mixin.construct_elixir``), which reads ``ELIXIR_CONFIG``. The script then runs as
+(``patches.construct_elixir``), which reads ``ELIXIR_CONFIG``. The script then runs as
 ``python SCRIPT.py`` would run it: ``__main__``, ``sys.argv`` and ``sys.path[0]`` as Python sets them.
 With Elixir on, its ``from_pretrained`` calls stream the weights into the chunks
-(``loading.stream_from_pretrained_calls``; ``ELIXIR_STREAM=0`` leaves them as they are).
+(``loading.model.stream_from_pretrained_calls``; ``ELIXIR_STREAM=0`` leaves them as they are).
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from collections.abc import Sequence
 from accelerate import Accelerator
 from transformers import Trainer, TrainingArguments
 
-from .accelerator import elixir_accelerator
-from .arguments import elixir_args
-from .loading import STREAM_ENV, stream_from_pretrained_calls
-from .mixin import construct_elixir
-from .plugin import ACCEPTED, ENV_VAR, ElixirPlugin, ElixirSpecError, spec_word
-from .restart import install as install_get_last_checkpoint
-from .trainer import elixir_trainer
+from .. import patches
+from ..accelerator import elixir_accelerator
+from ..arguments import elixir_args
+from ..checkpoint.restart import get_last_checkpoint
+from ..loading.model import STREAM_ENV, stream_from_pretrained_calls
+from ..plugin import ACCEPTED, ENV_VAR, ElixirPlugin, ElixirSpecError, spec_word
+from ..trainer import elixir_trainer
 
 __all__ = ["main", "split_elixir", "install"]
 
@@ -78,11 +78,11 @@ def _mistyped_spec(arg: str) -> bool:
 
 def install() -> None:
     """Every ``TrainingArguments``, ``Trainer`` and ``Accelerator`` built from now on is an Elixir one,
-    and ``get_last_checkpoint`` skips torn Elixir checkpoints (``restart.py``)."""
-    construct_elixir(TrainingArguments, elixir_args)
-    construct_elixir(Trainer, elixir_trainer)
-    construct_elixir(Accelerator, elixir_accelerator)
-    install_get_last_checkpoint()
+    and ``get_last_checkpoint`` skips torn Elixir checkpoints (``checkpoint/restart.py``)."""
+    patches.construct_elixir(TrainingArguments, elixir_args)
+    patches.construct_elixir(Trainer, elixir_trainer)
+    patches.construct_elixir(Accelerator, elixir_accelerator)
+    patches.replace_get_last_checkpoint(get_last_checkpoint)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{USAGE}\n\n{__doc__.strip()}")
         sys.exit(0)
     if argv[:1] == ["--version"]:
-        from . import __version__
+        from .. import __version__
 
         print(f"elixir-run (elixir-hf) {__version__}")
         sys.exit(0)

@@ -21,10 +21,10 @@ A model on meta has no values: train or evaluate it only through Elixir.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from elixir_runtime import init_weights
 
+from .. import patches
 from .stream import holds_weights, streamed_or_why
 
 __all__ = ["from_pretrained", "from_config", "init_in_place", "holds_weights", "stream_from_pretrained_calls"]
@@ -151,23 +152,18 @@ def stream_from_pretrained_calls() -> None:
     A model loaded this way runs only once the engine is built on it: a script that loads a
     second model it runs without Elixir (a reference or teacher model) needs ``ELIXIR_STREAM=0``.
     """
-    stock = PreTrainedModel.from_pretrained.__func__
-    if getattr(stock, "_elixir", False):
-        return
+    patches.from_pretrained_through(_streamed_else_stock)
 
-    @functools.wraps(stock)
-    def from_pretrained(cls: Any, name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
-        if args or name_or_path is None or getattr(_inside, "active", False):
-            return stock(cls, name_or_path, *args, **kwargs)
-        _inside.active = True
-        try:
-            model, why = streamed_or_why(cls, name_or_path, kwargs)
-        finally:
-            _inside.active = False
-        if model is not None:
-            return model
-        logger.warning("elixir: the weights of %s are not streamed into the chunks: %s", name_or_path, why)
-        return stock(cls, name_or_path, **kwargs)
 
-    from_pretrained._elixir = True  # type: ignore[attr-defined]
-    PreTrainedModel.from_pretrained = classmethod(from_pretrained)  # type: ignore[method-assign]
+def _streamed_else_stock(stock: Callable[..., Any], cls: Any, name_or_path: Any, kwargs: dict[str, Any]) -> Any:
+    if getattr(_inside, "active", False):  # the streamed load's own from_pretrained
+        return stock(name_or_path, **kwargs)
+    _inside.active = True
+    try:
+        model, why = streamed_or_why(cls, name_or_path, kwargs)
+    finally:
+        _inside.active = False
+    if model is not None:
+        return model
+    logger.warning("elixir: the weights of %s are not streamed into the chunks: %s", name_or_path, why)
+    return stock(name_or_path, **kwargs)

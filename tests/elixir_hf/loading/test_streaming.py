@@ -223,7 +223,7 @@ def test_a_bin_checkpoint_is_loaded_without_streaming(saved, tmp_path, caplog) -
     folder.mkdir()
     shutil.copy(Path(saved["gpt2-tied-one-file"]) / "config.json", folder)
     torch.save(load_file(Path(saved["gpt2-tied-one-file"]) / "model.safetensors"), folder / "pytorch_model.bin")
-    with caplog.at_level(logging.WARNING, logger="elixir_hf.loading"):
+    with caplog.at_level(logging.WARNING, logger="elixir_hf.loading.model"):
         model = _load(str(folder), stream=True)
     assert not any(p.is_meta for p in model.parameters())  # one process: rank 0, which reads them
     assert "not streamed into the chunks" in caplog.text and "a .bin checkpoint" in caplog.text
@@ -236,7 +236,7 @@ def test_a_peft_adapter_loads_the_weights_as_without_streaming(saved, caplog) ->
 
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian")
     torch.manual_seed(0)
-    with caplog.at_level(logging.WARNING, logger="elixir_hf.stream"):
+    with caplog.at_level(logging.WARNING, logger="elixir_hf.loading.stream"):
         streamed = get_peft_model(_load(saved["llama-sharded"], stream=True), lora)
     assert "a PEFT adapter is added" in caplog.text and attached_weights(streamed) is None
     torch.manual_seed(0)

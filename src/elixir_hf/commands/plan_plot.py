@@ -3,7 +3,7 @@ holds and where it lives, as a PNG."""
 
 from __future__ import annotations
 
-from elixir_runtime.plan import DEVICE_MEMORY, ElixirPlan
+from elixir_runtime.planner import DEVICE_MEMORY, ElixirPlan
 
 from .plan_report import chunk_layers
 

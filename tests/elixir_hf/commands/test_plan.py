@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from elixir_hf.cli import main, parse_size
+from elixir_hf.commands.plan import main, parse_size
 from elixir_runtime.hardware import HardwareProfile, LinkRates
 from elixir_runtime.hardware.profile import CpuAdamRate
 
@@ -186,12 +186,12 @@ def test_verbose_adds_the_planners_workings(capsys, tmp_path) -> None:
 def test_host_memory_defaults_to_this_machines_when_planning_for_it(capsys, tmp_path, monkeypatch) -> None:
     """No --hardware: the plan is for this machine, so its available RAM (``elixir_runtime.host``,
     what prepare budgets with); --hardware: the profile's machine; --host-mem: as given. Said which."""
-    from elixir_runtime import host
+    from elixir_hf.commands import plan_report
     from elixir_runtime.hardware import load_hardware
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.delenv("ELIXIR_HARDWARE", raising=False)
-    monkeypatch.setattr(host, "host_available", lambda: 12 * 2**30)
+    monkeypatch.setattr(plan_report, "host_available", lambda: 12 * 2**30)
     base = ["--model", _tiny_config(tmp_path), "--seq-len", "128", "--batch-size", "2"]
 
     def planned(*flags: str) -> tuple[str, int]:
@@ -256,7 +256,7 @@ def test_help_is_plain_text(capsys) -> None:
 
 
 def test_chunks_are_named_by_the_layers_they_hold() -> None:
-    from elixir_hf.plan_report import describe_layers
+    from elixir_hf.commands.plan_report import describe_layers
 
     names = [
         "transformer.wte.weight",
@@ -277,9 +277,9 @@ def test_the_plot_bar_holds_everything_the_plan_puts_on_the_gpu(hardware) -> Non
     """The model states in the picture end where the plan's device memory does (gradient shards
     included: GPT2-10b at batch 8 keeps some beyond the activations' slack), inside U_allowed; the
     host bar holds the pinned shards of both GPUs."""
-    from elixir_hf.cli import _elixir_config, _hardware, _parser
-    from elixir_hf.plan_plot import host_bars, memory_bars
-    from elixir_hf.plan_report import plan_report
+    from elixir_hf.commands.plan import _elixir_config, _hardware, _parser
+    from elixir_hf.commands.plan_plot import host_bars, memory_bars
+    from elixir_hf.commands.plan_report import plan_report
 
     args = _parser().parse_args(
         [
@@ -431,8 +431,8 @@ def test_cli_and_auto_make_the_same_plan_from_the_same_profile(capsys, tmp_path,
     """``elixir-plan --hardware h100`` and prepare's ``--elixir auto`` decision (``planner.search_job``)
     with the same profile and memory give the same plan."""
     import elixir_runtime.planner as planner
+    from elixir_hf.commands.plan_report import build_meta_model, model_config
     from elixir_hf.loss import use_lean_loss
-    from elixir_hf.plan_report import build_meta_model, model_config
     from elixir_runtime.chunk.collectives import Collectives
     from elixir_runtime.config import ElixirConfig
     from elixir_runtime.search import Budget

@@ -22,17 +22,21 @@ from typing import Any
 
 import torch
 
-from elixir_runtime import host
 from elixir_runtime.config import ElixirConfig, PlanError
-from elixir_runtime.hardware import HardwareProfile
-from elixir_runtime.plan import ElixirPlan, format_step_time
-from elixir_runtime.planner import Target, plan_model
-from elixir_runtime.profiler import ModelProfile
-from elixir_runtime.search import Budget, StepTime
-from elixir_runtime.units import find_units
+from elixir_runtime.hardware import HardwareProfile, host_available
+from elixir_runtime.planner import (
+    Budget,
+    ElixirPlan,
+    ModelProfile,
+    StepTime,
+    Target,
+    find_units,
+    format_step_time,
+    plan_model,
+)
 
-from .loss import use_lean_loss
-from .presets import PRESETS, canonical_name
+from ..loss import use_lean_loss
+from ..presets import PRESETS, canonical_name
 
 __all__ = [
     "PlanReport",
@@ -144,7 +148,7 @@ def host_memory(args: argparse.Namespace, hardware: HardwareProfile) -> tuple[in
     if args.host_mem:
         return args.host_mem, "as given (--host-mem)"
     if args.hardware is None:
-        return host.host_available(), "available on this machine"
+        return host_available(), "available on this machine"
     return hardware.host_memory, f"the hardware profile's (--hardware {args.hardware})"
 
 
