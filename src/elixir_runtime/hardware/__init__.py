@@ -1,6 +1,7 @@
 """The machine the plan is made for: copy bandwidths, Adam velocities, matmul rates, memory.
 
-Measured once per machine and cached (``measure.py``), or read from a file (``profile.py``).
+Measured once per machine and cached (``measure.py``), read from a file (``profile.py``), or a
+card's shipped by name, measured or derived from published figures (``cards.py``, ``load.py``).
 """
 
 from .load import load_hardware
