@@ -78,7 +78,7 @@ def _hardware_profile() -> str:
     if not torch.cuda.is_available():
         return (
             "none: without a GPU `--elixir auto` makes a static plan (no hardware profile); elixir-plan uses the shipped "
-            f"{'/'.join(SHIPPED)} profile unless given --hardware"
+            "h100 profile unless given --gpu or --hardware"
         )
     path = cache_path()
     if path.exists():

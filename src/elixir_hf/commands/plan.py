@@ -2,17 +2,18 @@
 
     elixir-plan --model gpt2-10b --seq-len 1024 --batch-size 8 --gpus 2 --gpu-mem 80GiB --host-mem 256GiB
     elixir-plan --model gpt2-10b --seq-len 1024 --batch-size 8 --hardware h100 --gpu-memory 40GiB  # a cap per GPU
+    elixir-plan --model llama3-8b --seq-len 2048 --batch-size 4 --gpu a100-80gb   # a card you do not own
     elixir-plan --model path/to/config.json --hardware hw.json --json
     elixir-plan --measure-hardware hw.json        # on the GPU machine: its profile, for planning elsewhere
 
 The model is built from its config on the meta device, one training step is profiled on fake
 tensors, and the planner picks chunk size, rCache size and offloaded chunks for the given GPUs and
 memory, through the same decision as ``--elixir auto`` (``elixir_runtime.planner.plan_model``). The
-GPU's rates come from ``--hardware`` (a shipped card: h100, or a profile file), else from this
+GPU's rates come from ``--gpu``/``--hardware`` (a shipped card, or a profile file), else from this
 machine's GPU; without a GPU, from the shipped ``h100`` profile (said in the output): a GPU plan is
-never timed with a CPU's rates. Host memory is ``--host-mem``, else this machine's when planning
-for it (no ``--hardware``), else the profile's. This module parses the command line;
-``plan_report.py`` makes the report, ``plan_plot.py`` draws it.
+never timed with a CPU's rates. Host memory goes with the GPU's profile unless ``--host-mem`` says
+otherwise (``plan_hardware.py``). This module parses the command line; ``plan_report.py`` makes
+the report, ``plan_plot.py`` draws it.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import torch
 
 from elixir_runtime.config import ConfigError, ElixirConfig, PlanError, resolve_dtype
 from elixir_runtime.config import parse_size as config_parse_size
-from elixir_runtime.hardware import ENV_HARDWARE, SHIPPED, HardwareProfile, load_hardware
+from elixir_runtime.hardware import REFERENCE, SHIPPED
 
 from .. import __version__
+from .plan_hardware import host_mem, plan_hardware
 from .plan_report import plan_report
 
 __all__ = ["main", "parse_size", "DEVICE_LANE_WORDS"]
@@ -42,6 +44,7 @@ to host memory and why, and the predicted step time.
 examples:
   elixir-plan --model gpt2-10b --seq-len 1024 --batch-size 8 --gpus 2 --gpu-mem 80GiB --host-mem 256GiB
   elixir-plan --model path/to/config.json --hardware h100 --gpu-memory 40GiB --plot plan.png
+  elixir-plan --model llama3-8b --seq-len 2048 --gpus 2 --gpu a100-80gb   (a card you do not own)
   elixir-plan --measure-hardware hw.json   (on the GPU machine; then --hardware hw.json elsewhere)
 
 Sizes: 80GiB, 80G (binary), 80GB (decimal), 512MiB; a bare number is GiB."""
@@ -104,15 +107,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--host-mem",
         "--host_mem",
-        type=parse_size,
+        type=host_mem,
         help="host RAM available to the job before its model is loaded (what prepare counts: MemAvailable "
-        "plus what the model's own weights free; default: what this machine has available when planning for it, "
-        "i.e. without --hardware; else the hardware profile's)",
+        "plus what the model's own weights free), or 'here': what this machine has available (default: this "
+        "machine's when planning for its own GPU; else the GPU profile's host's)",
     )
-    p.add_argument(
+    card = p.add_mutually_exclusive_group()
+    card.add_argument(
+        "--gpu",
+        metavar="NAME",
+        help=f"plan for this card without owning it: {', '.join(SHIPPED)} ({REFERENCE}: measured; the others derived "
+        f"from it and their published figures), in the {REFERENCE} box (its host RAM and CPU) unless --host-mem",
+    )
+    card.add_argument(
         "--hardware",
-        help=f"a shipped card ({', '.join(SHIPPED)}) or a hardware profile JSON (default: this "
-        "machine's GPU, measured once and cached; without a GPU the shipped h100)",
+        help="a shipped card (as --gpu) or a hardware profile JSON (default: this "
+        f"machine's GPU, measured once and cached; without a GPU the shipped {REFERENCE})",
     )
     p.add_argument("--dtype", default="bf16", type=_dtype, help="compute dtype: bf16, fp16 or fp32")
     p.add_argument("--no-ac", dest="ac", action="store_false", help="without activation checkpointing")
@@ -161,9 +171,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.model:
         _parser().error("--model is required (or --measure-hardware)")
     try:
-        hardware, note = _hardware(args.hardware)
-    except (OSError, ValueError) as exc:
-        _parser().error(f"--hardware {args.hardware}: {exc}")
+        hardware, note = plan_hardware(args)
+    except ValueError as exc:  # names the value and the fix: no usage text around it
+        print(f"elixir-plan: {exc}", file=sys.stderr)
+        return 2
     try:
         report = plan_report(args, _elixir_config(args), hardware, note)
     except PlanError as exc:
@@ -204,24 +215,6 @@ def _measure(path: str) -> int:
     print(profile.to_json())
     print(f"written to {path} ({profile.source})", file=sys.stderr)
     return 0
-
-
-def _hardware(name: str | None) -> tuple[HardwareProfile, str]:
-    """The GPU profile to plan with, and a note saying where it comes from when it is not this machine's."""
-    note = ""
-    if name is None and not os.environ.get(ENV_HARDWARE) and not torch.cuda.is_available():
-        name = "h100"
-        note = (
-            "no GPU here and no --hardware: planned for the shipped H100 profile (GPU times and memory of that card). "
-            "For another card, run `elixir-plan --measure-hardware hw.json` on it and pass --hardware hw.json."
-        )
-    hardware = load_hardware(name)
-    if hardware.cpu_only:
-        raise ValueError(
-            f"{hardware.source or 'the profile'} was measured on a CPU (device 'cpu'): a GPU plan needs a GPU's rates; "
-            f"pass --hardware {'|'.join(SHIPPED)} or a profile measured with --measure-hardware on the GPU machine"
-        )
-    return hardware, note
 
 
 if __name__ == "__main__":

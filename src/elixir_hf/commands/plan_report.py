@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from elixir_runtime.config import ElixirConfig, PlanError
-from elixir_runtime.hardware import HardwareProfile, host_available
+from elixir_runtime.hardware import HardwareProfile
 from elixir_runtime.planner import (
     Budget,
     ElixirPlan,
@@ -37,11 +37,11 @@ from elixir_runtime.planner import (
 
 from ..loss import use_lean_loss
 from ..presets import PRESETS, canonical_name
+from .plan_hardware import host_memory
 
 __all__ = [
     "PlanReport",
     "plan_report",
-    "host_memory",
     "chunk_layers",
     "describe_layers",
     "model_config",
@@ -97,7 +97,7 @@ def plan_report(
         try:
             plan = plan_for(config)
         except PlanError as exc:
-            if args.host_mem:
+            if isinstance(args.host_mem, int):
                 raise
             raise PlanError(
                 f"{exc}\n(host memory: {_size(host_bytes)}, {host_source}; --host-mem to plan for another host)"
@@ -111,7 +111,7 @@ def plan_report(
     title = _title(args, card, plan.budget)
     text = _text(args, plan, hardware, hw_note, card, host_source, accumulated)
     details = _details(plan, hardware, hw_note, timings)
-    doc = _doc(args, plan, hardware, hw_note, timings)
+    doc = _doc(args, plan, hardware, hw_note, host_source, timings)
     if accumulated is not None:
         doc["accumulated"] = {
             "grad_accum": 2,
@@ -141,17 +141,6 @@ def _tflops(args: argparse.Namespace, plan: ElixirPlan, micro_batches: int) -> f
     return 8 * plan.profile.n_params * args.batch_size * args.seq_len * micro_batches / plan.predicted.total / 1e12
 
 
-def host_memory(args: argparse.Namespace, hardware: HardwareProfile) -> tuple[int, str]:
-    """Host RAM to plan with, and where it comes from: ``--host-mem``; else, planning for this machine
-    (no ``--hardware``), what this host has available now (``MemAvailable``, what ``--elixir auto``
-    budgets with at ``prepare``); else the hardware profile's, measured on its machine."""
-    if args.host_mem:
-        return args.host_mem, "as given (--host-mem)"
-    if args.hardware is None:
-        return host_available(), "available on this machine"
-    return hardware.host_memory, f"the hardware profile's (--hardware {args.hardware})"
-
-
 @contextlib.contextmanager
 def quiet_transformers() -> Iterator[None]:
     """transformers' logging at error level inside (its own verbosity switch), restored after."""
@@ -171,7 +160,7 @@ def _check_cap(args: argparse.Namespace, hardware: HardwareProfile, card: int) -
         raise PlanError(
             f"--gpu-memory {cap / GIB:.2f} GiB is more than the {card / GIB:.2f} GiB of the GPU planned for "
             f"({'--gpu-mem' if args.gpu_mem else hardware.device}): give at most {card} bytes, or plan for a larger "
-            "card (--gpu-mem, or --hardware with its profile)"
+            "card (--gpu NAME, --gpu-mem, or --hardware with its profile)"
         )
 
 
@@ -241,12 +230,13 @@ def _header(
     accum = f", {args.grad_accum} micro-batches per step" if args.grad_accum > 1 else ""
     cap = plan.budget.limit
     memory = _size(card) if cap is None else f"{_size(cap)} of its {_size(card)} (--gpu-memory)"
+    gpu_source = hw_note or f"this machine's GPU ({hardware.source})"
     return "\n".join(
         [
             f"{args.model}: {plan.profile.n_params / 1e9:.3f} B parameters, batch {args.batch_size} x {args.seq_len} "
             f"tokens per GPU{accum}, {gpus}, {plan.dtype}, activation checkpointing {'on' if args.ac else 'off'}",
             f"planned batch shape: {plan.batch_shape} (batch_shape in the plan; a run's larger batches warn)",
-            f"GPU:  {hardware.device}, {memory}; {_gpu_source(args, hardware, hw_note)}",
+            f"GPU:  {hardware.device}, {memory}; {gpu_source}",
             f"host: {_size(plan.budget.host_capacity)} RAM, {host_source}",
         ]
     )
@@ -293,14 +283,6 @@ def _host_memory(plan: ElixirPlan) -> str:
 def _size(n: int) -> str:
     """``71.3 GiB``; below 1 GiB ``512.0 MiB`` (a small model's parts are not all zeros)."""
     return f"{n / GIB:.2f} GiB" if n >= GIB or n == 0 else f"{n / 2**20:.1f} MiB"
-
-
-def _gpu_source(args: argparse.Namespace, hardware: HardwareProfile, hw_note: str) -> str:
-    if hw_note:
-        return hw_note
-    if args.hardware is None:
-        return f"this machine's GPU ({hardware.source})"
-    return f"--hardware {args.hardware}"
 
 
 def _offload_text(plan: ElixirPlan) -> str:
@@ -453,7 +435,12 @@ def _candidates_table(plan: ElixirPlan) -> str:
 
 
 def _doc(
-    args: argparse.Namespace, plan: ElixirPlan, hardware: HardwareProfile, hw_note: str, timings: dict[str, float]
+    args: argparse.Namespace,
+    plan: ElixirPlan,
+    hardware: HardwareProfile,
+    hw_note: str,
+    host_source: str,
+    timings: dict[str, float],
 ) -> dict[str, Any]:
     return {
         "model": args.model,
@@ -464,6 +451,7 @@ def _doc(
         },
         "profile": _profile_json(plan.profile),
         "hardware": {"device": hardware.device, "source": hardware.source, "note": hw_note},
+        "host": {"memory": plan.budget.host_capacity, "source": host_source},
         "plan": plan.to_dict(),
         "timings": timings,
     }

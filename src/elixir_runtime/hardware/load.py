@@ -2,9 +2,10 @@
 
 A profile is cached per machine under ``~/.cache/elixir/`` (``$ELIXIR_CACHE_DIR``) and can be
 replaced by a file (``--hardware``, ``$ELIXIR_HARDWARE``), e.g. one measured on the GPU machine a
-plan is made for, or by the name of a profile shipped with the package (``SHIPPED``: measured on
-that card with ``elixir-plan --measure-hardware``), which is what ``elixir-plan`` plans with on a
-machine without a GPU: a GPU plan is never timed with a CPU's rates.
+plan is made for, or by the name of a card shipped with the package (``SHIPPED``: measured on that
+card with ``elixir-plan --measure-hardware``, ``MEASURED``, or derived from the measured one and the
+card's published figures, ``cards.py``), which is what ``elixir-plan`` plans with on a machine
+without a GPU: a GPU plan is never timed with a CPU's rates.
 
 A job (``job_hardware``) plans with rank 0's profile, shared with every rank; where this machine's
 cached profile lacks the per-rank CPU Adam for the job's ranks per host and threads, the job's
@@ -26,6 +27,7 @@ from ..chunk.collectives import Collectives
 from ..host import local_ranks
 from ..kernels.threads import cpu_adam_threads
 from . import measure
+from .cards import CARDS, REFERENCE, derive
 from .profile import PROFILE_VERSION, UNREADABLE, HardwareProfile
 
 __all__ = [
@@ -35,7 +37,9 @@ __all__ = [
     "job_hardware",
     "record_update_rate",
     "shipped_hardware",
+    "unknown_card",
     "ENV_HARDWARE",
+    "MEASURED",
     "SHIPPED",
 ]
 
@@ -43,19 +47,37 @@ logger = logging.getLogger(__name__)
 
 ENV_HARDWARE = "ELIXIR_HARDWARE"
 
-SHIPPED = {"h100": "h100.json"}
-"""Profiles shipped in ``hardware/profiles/``, by the name ``--hardware`` takes; the host each was
-measured on: its ``source`` field and docs/planning.md, "The hardware profile"."""
+SHIPPED = tuple(CARDS)
+"""The cards ``--gpu`` and ``--hardware`` take by name (``cards.CARDS``)."""
+
+MEASURED = {"h100": "h100.json"}
+"""Cards shipped as a profile measured on them, in ``hardware/profiles/`` (the host each was measured
+on: its ``source`` field and docs/planning.md, "The hardware profile"); the other cards' are derived
+from ``cards.REFERENCE``'s."""
 
 
 def shipped_hardware(name: str) -> HardwareProfile:
-    """The shipped profile ``name`` (``SHIPPED``); its ``source`` says it is the shipped one."""
-    if name.lower() not in SHIPPED:
-        raise ValueError(f"no shipped hardware profile {name!r}: use one of {sorted(SHIPPED)} or a profile JSON file")
-    text = resources.files(__package__).joinpath("profiles", SHIPPED[name.lower()]).read_text()
-    profile = HardwareProfile.from_json(text)
-    profile.source = f"shipped profile {name.lower()!r}, {profile.source}"
+    """The shipped profile of card ``name`` (``SHIPPED``): measured on it, else derived; its
+    ``source`` says which, and that it is the shipped one."""
+    key = name.lower()
+    if key not in CARDS:
+        raise ValueError(unknown_card(name))
+    profile = _measured(key) if key in MEASURED else derive(_measured(REFERENCE), CARDS[key])
+    profile.source = f"shipped profile {key!r}, {profile.source}"
     return profile
+
+
+def _measured(name: str) -> HardwareProfile:
+    return HardwareProfile.from_json(resources.files(__package__).joinpath("profiles", MEASURED[name]).read_text())
+
+
+def unknown_card(name: str, file: bool = False) -> str:
+    """What to say of a card name (``file``: or a profile file) that is not known, and the fix."""
+    return (
+        f"{name!r} is no card elixir-plan knows{' and no profile file' if file else ''}: the shipped cards are "
+        f"{', '.join(SHIPPED)}. For another card, run `elixir-plan --measure-hardware hw.json` on a machine with it "
+        "and plan with `--hardware hw.json` (or add its published figures to CARDS in elixir_runtime/hardware/cards.py)"
+    )
 
 
 def cache_path(key: str | None = None) -> Path:
@@ -83,6 +105,8 @@ def load_hardware(
     path = path or os.environ.get(ENV_HARDWARE)
     if path and str(path).lower() in SHIPPED:
         return shipped_hardware(str(path))
+    if path and not Path(path).exists():
+        raise FileNotFoundError(unknown_card(str(path), file=True))
     if path:
         return HardwareProfile.load(path)
     cached = cache_path()
