@@ -65,6 +65,9 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 _LAUNCHES = ("run_distributed(", "run_script(", "subprocess.")
+ENGINE_TESTS = Path(__file__).parent / "elixir_runtime"
+"""The engine's own tests, marked ``engine``: transformers' models are only their subjects (tiny GPT-2,
+OPT, Llama), whose code the HF layer's tests run too; ``make test`` runs them on the newest transformers."""
 
 
 @functools.cache
@@ -82,6 +85,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if uses_transformers(Path(item.path)):
             item.add_marker(pytest.mark.transformers)
+        if ENGINE_TESTS in Path(item.path).parents:
+            item.add_marker(pytest.mark.engine)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
