@@ -307,7 +307,13 @@ class ElixirTrainer(Trainer):
             return  # weights only (save_only_model): fresh optimizer and scheduler, as the stock Trainer does
         error = None
         try:
-            load_optimizer(checkpoint, self.optimizer, self.args.process_index, marker and marker["step"])
+            load_optimizer(
+                checkpoint,
+                self.optimizer,
+                self.args.process_index,
+                marker and marker["step"],
+                allow_missing=self.elixir_plugin.allow_missing_adam_state,
+            )
             self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
         except Exception as e:  # noqa: BLE001 - every rank raises it
             error = f"{type(e).__name__}: {e}"
