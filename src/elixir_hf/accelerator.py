@@ -33,6 +33,7 @@ from accelerate.utils import SAFE_WEIGHTS_NAME, DynamoBackend
 from torch import nn
 
 from elixir_runtime import ElixirOptimizer, check_compile_options, rank0_state_dict
+from elixir_runtime.runtime.heartbeat import armed
 from elixir_runtime.state_dict import load_safetensors
 
 from .batch_plan import planned_batch
@@ -219,6 +220,7 @@ class ElixirAccelerator(Accelerator):
         with rank0_state_dict(model):
             return model.state_dict()
 
+    @armed()  # a rank that stops answering meanwhile is named (elixir_runtime/runtime/heartbeat.py)
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
         """Accelerate's state plus the optimizer state by parameter name, each rank writing its part
         (Accelerate would save rank 0's only), then the marker (sizes and CRC-32s of every file),
@@ -241,6 +243,7 @@ class ElixirAccelerator(Accelerator):
         seal(location, digests, step=None, optimizer=True, is_main=self.is_main_process)
         return location
 
+    @armed()
     def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
         """Accelerate's state, the weights through the engine's own ``load_state_dict`` (any layout,
         tied weights stored once) and the optimizer state, saved by any number of ranks and plan; a

@@ -25,7 +25,8 @@ where the Trainer allows it:
   takes the newest complete checkpoint, warning about torn ones;
 * a collective of ``train``, ``evaluate``, ``predict`` or ``save_model`` that fails because another
   rank gave up (``LockstepError``: the ranks diverged) raises that rank's error, not gloo's transport
-  error (``elixir_runtime/chunk/peer_failure.py``);
+  error (``elixir_runtime/chunk/peer_failure.py``), and one that waits for a rank that stopped
+  answering ends the job naming it (``elixir_runtime/runtime/heartbeat.py``);
 * every training log carries the engine's ``elixir/*`` numbers (``log``, so they reach
   ``log_history`` and every reporter), and the console shows them as one short entry
   (``callback.py``).
@@ -50,6 +51,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from elixir_runtime import rank0_state_dict
 from elixir_runtime.chunk.attached import attached_weights
+from elixir_runtime.runtime.heartbeat import armed
 
 from .accelerator import ElixirAccelerator
 from .arguments import as_elixir_args
@@ -156,9 +158,11 @@ class ElixirTrainer(Trainer):
     def _explained(self, where: str) -> Iterator[None]:
         """A collective inside (the Trainer's gathers included) that fails because another rank gave
         up raises that rank's ``LockstepError``, not gloo's transport error ([Note: the rank that ran
-        ahead], ``elixir_runtime/chunk/peer_failure.py``)."""
+        ahead], ``elixir_runtime/chunk/peer_failure.py``); a rank that stops answering meanwhile ends
+        the job, named (``elixir_runtime/runtime/heartbeat.py``)."""
         try:
-            yield
+            with armed():
+                yield
         except RuntimeError as exc:
             board = self.model._elixir.runtime.lockstep.board if has_engine(self.model) else None
             if board is not None:

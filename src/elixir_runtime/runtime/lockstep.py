@@ -9,7 +9,8 @@ So each such operation starts with a check-in: the ranks all-gather (operation, 
 operations this rank has started) over a gloo group of their own, on the host, with a timeout
 of ``ElixirConfig.lockstep_timeout_s`` (60 s). Different entries fail on every rank at once,
 naming what each rank was starting; a rank that waits longer fails naming the operation it
-waited at. Either way the failing rank posts its message before it raises, and a rank that ran
+waited at, or, if a rank has stopped running, ends the job naming that rank (``heartbeat.py``,
+which also watches every other collective of a step). Either way the failing rank posts its message before it raises, and a rank that ran
 ahead into another collective raises that message when its collective fails, not gloo's
 transport error ([Note: the rank that ran ahead], ``chunk/peer_failure.py``). Cost: one host
 all-gather of 16 bytes per forward, no GPU synchronization. ``full_params``
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from ..chunk.collectives import Collectives, HeldWork, abort_groups
 from ..chunk.peer_failure import FailureBoard, LockstepError
+from . import heartbeat
 
 __all__ = ["Lockstep", "LockstepError", "Op"]
 
@@ -66,11 +68,14 @@ class Lockstep:
                 ranks, timeout=timedelta(seconds=timeout_s), backend="gloo", use_local_synchronization=True
             )
             self.board = coll.board = FailureBoard(self.group.group_name)
+            heartbeat.start(ranks, timeout_s)  # a rank that stops answering is named (runtime/heartbeat.py)
 
     def check_in(self, op: Op) -> None:
         """Returns once every rank is starting ``op`` as its operation number ``self.started``."""
         if self.group is None:
             return
+        if op is Op.TRAINING_FORWARD:
+            heartbeat.step_started()
         mine = torch.tensor([int(op), self.started], dtype=torch.int64)
         self.started += 1
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
@@ -78,6 +83,7 @@ class Lockstep:
             self._held.run(dist.all_gather, everyone, mine, group=self.group)
         except RuntimeError as exc:  # gloo: timeout, or a rank that gave up and left
             self.board.raise_posted(exc, "its check-in")  # a rank that gave up first: its reason
+            heartbeat.stop_for_silent()  # a rank that stopped running: named, and the job ends
             error = self.board.post(
                 f"Elixir: rank {self.rank} started {_WHAT[op]} (its operation #{mine[1]}) and the other ranks did not "
                 f"start one within {self.timeout_s:g} s, or one of them stopped waiting ({type(exc).__name__}: "
