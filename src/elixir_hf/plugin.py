@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -28,6 +29,7 @@ __all__ = [
     "ElixirPlugin",
     "ElixirSpecError",
     "ENV_VAR",
+    "GRACE_ENV_VAR",
     "OFF_WORDS",
     "PLUGIN_KEYS",
     "describe_model",
@@ -36,6 +38,10 @@ __all__ = [
 ]
 
 ENV_VAR = "ELIXIR_CONFIG"
+GRACE_ENV_VAR = "ELIXIR_PREEMPT_GRACE_S"
+"""``ElixirPlugin.preempt_grace_s`` where the spec sets none."""
+DEFAULT_GRACE_S = 30.0
+"""torchrun's own grace between its SIGTERM and its SIGKILL (``--shutdown_timeout``)."""
 OFF_WORDS = ("off", "false", "no", "none", "0")
 """Every spelling of off a user types (any case): Elixir is disabled."""
 ACCEPTED = (
@@ -55,7 +61,7 @@ _LOSS_SCALE_KEYS = {f.name for f in fields(LossScaleConfig)}
 _SPEC_KEYS = ElixirConfig.settings()
 """The ``ElixirConfig`` fields a spec may set: all but the run's own (device, process group, alignment,
 the loop's facts), as ``ElixirConfig`` marks them."""
-PLUGIN_KEYS = ("lean_loss", "allow_missing_adam_state")
+PLUGIN_KEYS = ("lean_loss", "allow_missing_adam_state", "preempt_grace_s")
 """The ``ElixirPlugin`` fields a spec may set (the HF glue's, not the engine's)."""
 _MIXED_PRECISION_DTYPES = {"no": None, "fp16": "fp16", "bf16": "bf16"}
 _SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", "fp16": "fp16", "bf16": "bf16"}
@@ -85,6 +91,10 @@ class ElixirPlugin:
     """A plain checkpoint (``optimizer.pt``/``optimizer.bin``) without Adam state for some trainable
     parameters loads, those starting at step 0 with zero moments (what torch does for a parameter that
     never had a gradient). ``False``: refused, naming them (``optimizer_files.load_optimizer``)."""
+    preempt_grace_s: float | None = None
+    """Seconds a preemption signal (SIGTERM, SIGUSR1) leaves the run to write a checkpoint, which it
+    writes only if predicted to fit (``preemption.py``). ``None``: ``ELIXIR_PREEMPT_GRACE_S``, else
+    ``DEFAULT_GRACE_S``; the seconds once parsed."""
 
     def __post_init__(self) -> None:
         for name in ("lean_loss", "allow_missing_adam_state"):
@@ -93,6 +103,7 @@ class ElixirPlugin:
                 raise ElixirSpecError(
                     f"ElixirPlugin.{name} must be true or false, got {value!r} ({type(value).__name__})"
                 )
+        self.preempt_grace_s = _grace_s(self.preempt_grace_s)
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -268,6 +279,26 @@ def describe_model(model: torch.nn.Module) -> dict[str, Any]:
         "model_type": getattr(config, "model_type", None),
         "parameters": sum(p.numel() for p in model.parameters()),
     }
+
+
+def _grace_s(value: Any) -> float:
+    """``preempt_grace_s``'s seconds: ``value``, else the environment's, else the default; checked."""
+    source = "ElixirPlugin.preempt_grace_s"
+    if value is None:
+        text = os.environ.get(GRACE_ENV_VAR)
+        if text is None:
+            return DEFAULT_GRACE_S
+        source = GRACE_ENV_VAR
+        try:
+            value = float(text)
+        except ValueError:
+            value = text
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ElixirSpecError(
+            f"{source} must be a number of seconds >= 0 such as 30 (0: no checkpoint on a preemption signal), "
+            f"got {value!r}"
+        )
+    return float(value)
 
 
 def _canonical(dtype: str) -> str:

@@ -3,7 +3,7 @@
 With ``ElixirTrainingArguments(elixir=None/"off")`` it *is* the stock Trainer, also under
 ``elixir-run`` (the arguments' "off" wins over the launch's ``ELIXIR_CONFIG``). Plain
 ``TrainingArguments`` (or a subclass such as TRL's ``SFTConfig``) are rebuilt as Elixir ones, so
-``ELIXIR_CONFIG`` applies to them as to ``--elixir``. With Elixir on, it changes seven things, each
+``ELIXIR_CONFIG`` applies to them as to ``--elixir``. With Elixir on, it changes eight things, each
 where the Trainer allows it:
 
 * the accelerator is an ``ElixirAccelerator`` (``backward``/``clip_grad_norm_``/``no_sync``/
@@ -27,6 +27,8 @@ where the Trainer allows it:
   rank gave up (``LockstepError``: the ranks diverged) raises that rank's error, not gloo's transport
   error (``elixir_runtime/chunk/peer_failure.py``), and one that waits for a rank that stopped
   answering ends the job naming it (``elixir_runtime/runtime/heartbeat.py``);
+* SIGTERM or SIGUSR1 during ``train`` ends the run at a step's end, every rank alike, with a verified
+  checkpoint when one fits the grace period, and exit status 75 (``preemption.py``);
 * every training log carries the engine's ``elixir/*`` numbers (``log``, so they reach
   ``log_history`` and every reporter), and the console shows them as one short entry
   (``callback.py``).
@@ -77,6 +79,7 @@ from .folder_lock import FolderInUse, job_lock
 from .mixin import mixed_class
 from .optimizer_files import load_optimizer, save_optimizer
 from .plugin import ENV_VAR, ElixirPlugin, describe_model
+from .preemption import Preemption
 from .stream import restream
 
 __all__ = ["ElixirTrainer", "elixir_trainer"]
@@ -91,7 +94,9 @@ class ElixirTrainer(Trainer):
         args = as_elixir_args(args)
         args._elixir_trainer = True  # the Trainer reads args.place_model_on_device, which checks this
         super().__init__(model, args, *rest, **kwargs)
-        if self.elixir_plugin is not None:
+        self._preemption = Preemption(self) if self.elixir_plugin is not None else None
+        if self._preemption is not None:
+            self.add_callback(self._preemption)
             follow_trainer(self.args)
             callbacks = self.callback_handler.callbacks
             for i, callback in enumerate(callbacks):
@@ -182,7 +187,10 @@ class ElixirTrainer(Trainer):
         with self._explained("train"), self._one_job_per_folder():
             if self.elixir_plugin is not None and resume_from_checkpoint is True:
                 resume_from_checkpoint = newest_complete(self.args.output_dir)
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+            output = super().train(resume_from_checkpoint, *args, **kwargs)
+        if self._preemption is not None:
+            self._preemption.exit_if_preempted()  # SIGTERM/SIGUSR1: after the lock is released (preemption.py)
+        return output
 
     @contextlib.contextmanager
     def _one_job_per_folder(self) -> Iterator[None]:
