@@ -80,6 +80,8 @@ class Preemption(TrainerCallback):
         self.signalled_at = 0.0
         self.stopping = False
         """Every rank agreed to stop at this step's end."""
+        self.signals = ""
+        """Which rank got which signal (``SIGTERM on rank 1``), once the ranks agreed to stop."""
         self.preempted: str | None = None
         """How the run ended, once it did: the signals and the checkpoint (or none) it left."""
         self._save_from: float | None = None
@@ -114,7 +116,7 @@ class Preemption(TrainerCallback):
         control.should_training_stop = True
         control.should_evaluate = False
         everyone = _gather((self.signal, self._grace_left(), self._predicted_s()))
-        who = _who(name for name, _, _ in everyone)
+        self.signals = who = _who(name for name, _, _ in everyone)
         left, predicted = min(e[1] for e in everyone), max(e[2] for e in everyone)
         control.should_save = predicted <= left
         if control.should_save:
@@ -148,17 +150,16 @@ class Preemption(TrainerCallback):
         if self._save_from is not None:
             self._save_s = max(self._save_s, time.monotonic() - self._save_from)
             self._save_bytes = _checkpoint_bytes(folder)
-        who = "a signal"
         if not self.stopping:  # a signal during this save: every rank stops after it
             signals = _gather(self.signal)
             if not any(signals):
                 return
-            who = _who(signals)
+            self.signals = _who(signals)
             self.stopping = True
             control.should_training_stop = True
         started = time.monotonic()
         verify(folder, args.process_index, args.should_save)
-        self.preempted = f"{who}, with {folder} complete and verified ({time.monotonic() - started:.1f} s)"
+        self.preempted = f"{self.signals}, with {folder} complete and verified ({time.monotonic() - started:.1f} s)"
 
     # ------------------------------------------------------------------ the end
     def exit_if_preempted(self) -> None:

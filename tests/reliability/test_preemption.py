@@ -8,6 +8,7 @@ a known point. Before: SIGTERM killed the run where it stood, the newest checkpo
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -52,12 +53,16 @@ def _resumed(out: Path) -> list[float]:
     return history(trainer, "loss")
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
-def test_a_signal_mid_step_saves_that_step_and_the_resume_continues(straight, tmp_path, signum) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_a_signal_mid_step_saves_that_step_and_the_resume_continues(straight, tmp_path, caplog, signum) -> None:
     before = signal.getsignal(signum)
     trainer = _trainer(tmp_path)
     trainer.add_callback(SignalAt(step=3, signum=signum))
-    _preempted(trainer)
+    with captured(caplog, logging.WARNING, "elixir_hf.preemption"):
+        _preempted(trainer)
+    name = signal.Signals(signum).name
+    assert f"elixir: {name} on rank 0 at step 3: saving checkpoint-3 (predicted " in caplog.text
+    assert f"preempted by {name} on rank 0, with {tmp_path / 'checkpoint-3'} complete and verified (" in caplog.text
     assert history(trainer, "loss") == straight[:3]  # step 3 completed, step 4 never began
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
     verify(tmp_path / "checkpoint-3", 0, True)
@@ -69,7 +74,7 @@ def test_a_signal_mid_step_saves_that_step_and_the_resume_continues(straight, tm
 def test_a_save_that_does_not_fit_leaves_the_newest_complete_checkpoint(straight, tmp_path, caplog) -> None:
     trainer = _trainer(tmp_path, OFFLOAD_PLAN[:-1] + ', "preempt_grace_s": 0}')
     trainer.add_callback(SignalAt(step=3, signum=signal.SIGTERM))
-    with captured(caplog, 30, "elixir_hf.preemption"):
+    with captured(caplog, logging.WARNING, "elixir_hf.preemption"):
         _preempted(trainer)
     assert history(trainer, "loss") == straight[:3]
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2"]

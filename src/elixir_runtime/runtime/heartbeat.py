@@ -11,11 +11,11 @@ of the timeout, 0.05 to 5 s) it counts up its key in the default process group's
 This rank *needs* the others while it is armed: inside an engine step (from a training forward's
 check-in to ``ElixirOptimizer.zero_grad``) or a section the caller arms with ``armed()`` (the HF
 integration: the Trainer's ``train``, ``evaluate``, ``predict``, ``save_model``; Accelerate's
-``save_state``, ``load_state``). An armed rank
-that finds another rank's count unchanged for ``timeout_s`` posts the verdict in the store (the
-first rank's wins), prints it and ends its process with ``EXIT_STALLED``: its main thread is
-blocked in a collective with the silent rank, which nothing can interrupt (a gloo abort waits for
-that rank too), and the job cannot go on without it. An armed rank that finds a verdict posted does
+``save_state``, ``load_state``). An armed rank that finds another rank's count unchanged for
+``timeout_s`` posts the verdict in the store (the first rank's wins), prints it and ends its
+process with ``EXIT_STALLED``: its main thread is blocked in a collective with the silent rank,
+which nothing can interrupt (a gloo abort waits for that rank too), and the job cannot go on
+without it. An armed rank that finds a verdict posted does
 the same; a rank whose collective failed first because a stopping rank left raises the verdict as
 its ``LockstepError`` (``chunk/peer_failure.py``). A rank that is not armed (working alone after
 ``train()``) judges no one, and a process that ends or destroys its default group says so
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import socket
 import sys
@@ -89,7 +90,6 @@ class _Beat:
 
     def __init__(self, store: dist.Store, rank: int, ranks: Sequence[int], timeout_s: float) -> None:
         self.store, self.rank, self.timeout_s = store, rank, timeout_s
-        self.period = min(max(timeout_s / 10, _MIN_PERIOD_S), _MAX_PERIOD_S)
         self.keys = {r: f"elixir/beat/{r}" for r in ranks}
         self.me = f"pid {os.getpid()} on {socket.gethostname()}"
         now = time.monotonic()
@@ -101,6 +101,10 @@ class _Beat:
         self._beat()  # the key exists before any rank can read it
         self.thread = threading.Thread(target=self._run, name="elixir-heartbeat", daemon=True)
         self.thread.start()
+
+    @property
+    def period(self) -> float:
+        return min(max(self.timeout_s / 10, _MIN_PERIOD_S), _MAX_PERIOD_S)
 
     def stop(self) -> None:
         """Ends the thread and says this process left (a rank finishing later does not wait for it)."""
@@ -151,6 +155,8 @@ class _Beat:
         """Posts ``verdict`` (or takes the one posted first), prints it and ends this process."""
         with contextlib.suppress(Exception):
             verdict = self.store.compare_set(STALLED_KEY, "", verdict).decode()
+        with contextlib.suppress(Exception):  # what the script printed so far, then the verdict
+            sys.stdout.flush()
         print(f"[rank {self.rank}] {verdict}", file=sys.stderr, flush=True)
         os._exit(EXIT_STALLED)
 
@@ -214,12 +220,7 @@ def stop_for_silent() -> None:
         return
 
 
-_registered = False
-
-
+@functools.cache
 def _leave_at_exit() -> None:
     """At exit this process says it left (before ``_destroy_groups``: atexit runs in reverse order)."""
-    global _registered
-    if not _registered:
-        _registered = True
-        atexit.register(lambda: _beat is not None and _beat.stop())
+    atexit.register(lambda: _beat is not None and _beat.stop())
