@@ -31,7 +31,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import SAFE_WEIGHTS_NAME, DynamoBackend
 from torch import nn
 
-from elixir_runtime import ElixirOptimizer, check_compile_options, load_safetensors, rank0_state_dict
+from elixir_runtime import ElixirOptimizer, armed, check_compile_options, load_safetensors, rank0_state_dict
 
 from . import patches
 from .batch_plan import planned_batch
@@ -216,6 +216,7 @@ class ElixirAccelerator(Accelerator):
         with rank0_state_dict(model):
             return model.state_dict()
 
+    @armed()  # a rank that stops answering meanwhile is named (elixir_runtime/runtime/heartbeat.py)
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
         """Accelerate's state plus the optimizer state by parameter name, each rank writing its part
         (Accelerate would save rank 0's only), then the marker (sizes and CRC-32s of every file),
@@ -238,6 +239,7 @@ class ElixirAccelerator(Accelerator):
         seal(location, digests, step=None, optimizer=True, is_main=self.is_main_process)
         return location
 
+    @armed()
     def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
         """Accelerate's state, the weights through the engine's own ``load_state_dict`` (any layout,
         tied weights stored once) and the optimizer state, saved by any number of ranks and plan; a
@@ -256,7 +258,9 @@ class ElixirAccelerator(Accelerator):
         load_safetensors(model, os.path.join(input_dir, SAFE_WEIGHTS_NAME))  # a tensor at a time, not the file per rank
         error = None
         try:
-            load_optimizer(input_dir, opt, self.process_index)
+            load_optimizer(
+                input_dir, opt, self.process_index, allow_missing=self.elixir_plugin.allow_missing_adam_state
+            )
         except Exception as e:  # noqa: BLE001 - every rank raises it
             error = f"{type(e).__name__}: {e}"
         all_ranks_agree(error, f"loading the optimizer state of {input_dir}")

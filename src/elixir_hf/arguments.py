@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch.distributed as dist
 from transformers import TrainingArguments
 
 from elixir_runtime import check_compile_options
@@ -61,6 +62,7 @@ class ElixirTrainingArguments(TrainingArguments):
         if plugin is not None:
             self._reject_incompatible()
             check_devices("Trainer", cpu=bool(self.use_cpu))  # before transformers and Accelerate pick devices
+        ours = not (dist.is_available() and dist.is_initialized())  # the process group these arguments start
         super().__post_init__()
         self.elixir_plugin = plugin
         if plugin is not None:
@@ -69,6 +71,10 @@ class ElixirTrainingArguments(TrainingArguments):
             check_launch(self.world_size, "Trainer")
             self.mixed_precision = "no"
             self._n_gpu = min(self._n_gpu, 1)
+            if ours and dist.is_available() and dist.is_initialized():
+                # transformers passes --ddp_timeout to the process group on GPUs only: with --use_cpu
+                # (gloo) a collective waited torch's default 30 minutes
+                dist.distributed_c10d._set_pg_timeout(self.ddp_timeout_delta)
 
     # class attributes, not fields: the ElixirPlugin (set by __post_init__; None for arguments made
     # without it, e.g. unpickled stock ones), and whether an ElixirTrainer took these arguments
@@ -103,6 +109,12 @@ class ElixirTrainingArguments(TrainingArguments):
                 check_compile_options(self.torch_compile_backend or "inductor", self.torch_compile_mode)
             except ValueError as exc:
                 raise ElixirSpecError(f"--torch_compile_mode/--torch_compile_backend: {exc}") from None
+        if getattr(self, "enable_jit_checkpoint", False):  # transformers >= 5.x
+            raise ElixirSpecError(
+                "--enable_jit_checkpoint saves on the rank a SIGTERM reaches, alone, and an Elixir save is a collective "
+                "of every rank: drop the flag. Elixir saves on SIGTERM/SIGUSR1 itself, every rank agreeing, when the "
+                "save fits the grace period (--elixir key preempt_grace_s, ELIXIR_PREEMPT_GRACE_S)"
+            )
         if self.fp16_full_eval or self.bf16_full_eval:
             raise ElixirSpecError(
                 "--fp16_full_eval/--bf16_full_eval cast the whole model, which Elixir shards: drop the flag; "

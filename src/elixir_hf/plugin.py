@@ -1,7 +1,7 @@
 """``ElixirPlugin``: the ``ElixirConfig`` (and plan file) a user gives to the HF integration, and their grammar.
 
 One spec string is accepted everywhere (``--elixir``, ``ELIXIR_CONFIG``, ``ElixirAccelerator``):
-``off`` | ``auto`` | a JSON object of ``ElixirConfig`` fields (and ``lean_loss``, the plugin's own) | a
+``off`` | ``auto`` | a JSON object of ``ElixirConfig`` fields (and ``PLUGIN_KEYS``, the plugin's own) | a
 path to a ``.json`` file holding either such an object, a plan saved by an earlier run
 (``elixir_plan.json``) or the ``--json`` report of the ``elixir-plan`` planner. A plan pins the
 layout (static mode) and records the world size (and, when saved by a run, the model) it was made
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -28,13 +29,19 @@ __all__ = [
     "ElixirPlugin",
     "ElixirSpecError",
     "ENV_VAR",
+    "GRACE_ENV_VAR",
     "OFF_WORDS",
+    "PLUGIN_KEYS",
     "describe_model",
     "check_exclusive",
     "spec_word",
 ]
 
 ENV_VAR = "ELIXIR_CONFIG"
+GRACE_ENV_VAR = "ELIXIR_PREEMPT_GRACE_S"
+"""``ElixirPlugin.preempt_grace_s`` where the spec sets none."""
+DEFAULT_GRACE_S = 30.0
+"""torchrun's own grace between its SIGTERM and its SIGKILL (``--shutdown_timeout``)."""
 OFF_WORDS = ("off", "false", "no", "none", "0")
 """Every spelling of off a user types (any case): Elixir is disabled."""
 ACCEPTED = (
@@ -54,7 +61,8 @@ _LOSS_SCALE_KEYS = {f.name for f in fields(LossScaleConfig)}
 _SPEC_KEYS = ElixirConfig.settings()
 """The ``ElixirConfig`` fields a spec may set: all but the run's own (device, process group, alignment,
 the loop's facts), as ``ElixirConfig`` marks them."""
-_PLUGIN_KEYS = ("lean_loss",)  # the ElixirPlugin fields a spec may set (the HF glue's, not the engine's)
+PLUGIN_KEYS = ("lean_loss", "allow_missing_adam_state", "preempt_grace_s")
+"""The ``ElixirPlugin`` fields a spec may set (the HF glue's, not the engine's)."""
 _MIXED_PRECISION_DTYPES = {"no": None, "fp16": "fp16", "bf16": "bf16"}
 _SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", "fp16": "fp16", "bf16": "bf16"}
 
@@ -79,12 +87,23 @@ class ElixirPlugin:
     fp32 copies of the logits (most of a large-vocabulary model's activation peak: docs/planning.md),
     so the planner keeps more optimizer state on the GPU. A loss function the user set is kept. ``False``:
     the stock loss."""
+    allow_missing_adam_state: bool = False
+    """A plain checkpoint (``optimizer.pt``/``optimizer.bin``) without Adam state for some trainable
+    parameters loads, those starting at step 0 with zero moments (what torch does for a parameter that
+    never had a gradient). ``False``: refused, naming them (``optimizer_files.load_optimizer``)."""
+    preempt_grace_s: float | None = None
+    """Seconds a preemption signal (SIGTERM, SIGUSR1) leaves the run to write a checkpoint, which it
+    writes only if predicted to fit (``preemption.py``). ``None``: ``ELIXIR_PREEMPT_GRACE_S``, else
+    ``DEFAULT_GRACE_S``; the seconds once parsed."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.lean_loss, bool):
-            raise ElixirSpecError(
-                f"ElixirPlugin.lean_loss must be true or false, got {self.lean_loss!r} ({type(self.lean_loss).__name__})"
-            )
+        for name in ("lean_loss", "allow_missing_adam_state"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ElixirSpecError(
+                    f"ElixirPlugin.{name} must be true or false, got {value!r} ({type(value).__name__})"
+                )
+        self.preempt_grace_s = _grace_s(self.preempt_grace_s)
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -125,7 +144,7 @@ class ElixirPlugin:
             return cls._from_plan(data, source)
         if isinstance(data.get("plan"), dict):  # a report of the `elixir-plan` planner (``--json``)
             return cls._from_plan(data["plan"], source)
-        valid = [*_SPEC_KEYS, *_PLUGIN_KEYS]
+        valid = [*_SPEC_KEYS, *PLUGIN_KEYS]
         for key in data:
             if key not in valid:
                 hint = difflib.get_close_matches(key, valid, n=1)
@@ -139,10 +158,11 @@ class ElixirPlugin:
         source: str,
         plan: ElixirPlan | None = None,
         plan_model: dict[str, Any] | None = None,
-        lean_loss: bool = True,
         **kwargs: Any,
     ) -> ElixirPlugin:
-        """``kwargs``: the spec keys (``_SPEC_KEYS``); ``loss_scale`` is an object of ``LossScaleConfig`` fields."""
+        """``kwargs``: the spec keys (``_SPEC_KEYS`` and ``PLUGIN_KEYS``); ``loss_scale`` is an object of
+        ``LossScaleConfig`` fields."""
+        own = {key: kwargs.pop(key) for key in PLUGIN_KEYS if key in kwargs}
         loss_scale = kwargs.pop("loss_scale", {})
         if not isinstance(loss_scale, dict):
             raise ElixirSpecError(
@@ -155,7 +175,7 @@ class ElixirPlugin:
             )
         try:  # the config's and the plugin's own checks, one copy of each rule
             config = ElixirConfig(loss_scale=LossScaleConfig(**loss_scale), **kwargs)
-            return cls(config=config, plan=plan, plan_model=plan_model, lean_loss=lean_loss)
+            return cls(config=config, plan=plan, plan_model=plan_model, **own)
         except ValueError as exc:
             raise ElixirSpecError(f"{source}: {exc}") from exc
 
@@ -259,6 +279,26 @@ def describe_model(model: torch.nn.Module) -> dict[str, Any]:
         "model_type": getattr(config, "model_type", None),
         "parameters": sum(p.numel() for p in model.parameters()),
     }
+
+
+def _grace_s(value: Any) -> float:
+    """``preempt_grace_s``'s seconds: ``value``, else the environment's, else the default; checked."""
+    source = "ElixirPlugin.preempt_grace_s"
+    if value is None:
+        text = os.environ.get(GRACE_ENV_VAR)
+        if text is None:
+            return DEFAULT_GRACE_S
+        source = GRACE_ENV_VAR
+        try:
+            value = float(text)
+        except ValueError:
+            value = text
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ElixirSpecError(
+            f"{source} must be a number of seconds >= 0 such as 30 (0: no checkpoint on a preemption signal), "
+            f"got {value!r}"
+        )
+    return float(value)
 
 
 def _canonical(dtype: str) -> str:

@@ -3,7 +3,7 @@
 With ``ElixirTrainingArguments(elixir=None/"off")`` it *is* the stock Trainer, also under
 ``elixir-run`` (the arguments' "off" wins over the launch's ``ELIXIR_CONFIG``). Plain
 ``TrainingArguments`` (or a subclass such as TRL's ``SFTConfig``) are rebuilt as Elixir ones, so
-``ELIXIR_CONFIG`` applies to them as to ``--elixir``. With Elixir on, it changes seven things, each
+``ELIXIR_CONFIG`` applies to them as to ``--elixir``. With Elixir on, it changes eight things, each
 where the Trainer allows it:
 
 * the accelerator is an ``ElixirAccelerator`` (``backward``/``clip_grad_norm_``/``no_sync``/
@@ -25,7 +25,10 @@ where the Trainer allows it:
   takes the newest complete checkpoint, warning about torn ones;
 * a collective of ``train``, ``evaluate``, ``predict`` or ``save_model`` that fails because another
   rank gave up (``LockstepError``: the ranks diverged) raises that rank's error, not gloo's transport
-  error (``elixir_runtime/chunk/peer_failure.py``);
+  error (``elixir_runtime/chunk/peer_failure.py``), and one that waits for a rank that stopped
+  answering ends the job naming it (``elixir_runtime/runtime/heartbeat.py``);
+* SIGTERM or SIGUSR1 during ``train`` ends the run at a step's end, every rank alike, with a verified
+  checkpoint when one fits the grace period, and exit status 75 (``preemption.py``);
 * every training log carries the engine's ``elixir/*`` numbers (``log``, so they reach
   ``log_history`` and every reporter), and the console shows them as one short entry
   (``callback.py``).
@@ -47,7 +50,7 @@ import torch
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from elixir_runtime import attached_weights, rank0_state_dict
+from elixir_runtime import armed, attached_weights, rank0_state_dict
 
 from . import patches
 from .accelerator import ElixirAccelerator
@@ -75,6 +78,7 @@ from .engine import build_engine, has_engine
 from .loading.stream import restream
 from .mixin import mixed_class
 from .plugin import ENV_VAR, ElixirPlugin, describe_model
+from .preemption import Preemption
 
 __all__ = ["ElixirTrainer", "elixir_trainer"]
 
@@ -88,7 +92,9 @@ class ElixirTrainer(Trainer):
         args = as_elixir_args(args)
         args._elixir_trainer = True  # the Trainer reads args.place_model_on_device, which checks this
         super().__init__(model, args, *rest, **kwargs)
-        if self.elixir_plugin is not None:
+        self._preemption = Preemption(self) if self.elixir_plugin is not None else None
+        if self._preemption is not None:
+            self.add_callback(self._preemption)
             follow_trainer(self.args)
             callbacks = self.callback_handler.callbacks
             for i, callback in enumerate(callbacks):
@@ -155,9 +161,11 @@ class ElixirTrainer(Trainer):
     def _explained(self, where: str) -> Iterator[None]:
         """A collective inside (the Trainer's gathers included) that fails because another rank gave
         up raises that rank's ``LockstepError``, not gloo's transport error ([Note: the rank that ran
-        ahead], ``elixir_runtime/chunk/peer_failure.py``)."""
+        ahead], ``elixir_runtime/chunk/peer_failure.py``); a rank that stops answering meanwhile ends
+        the job, named (``elixir_runtime/runtime/heartbeat.py``)."""
         try:
-            yield
+            with armed():
+                yield
         except RuntimeError as exc:
             board = self.model._elixir.runtime.lockstep.board if has_engine(self.model) else None
             if board is not None:
@@ -177,7 +185,10 @@ class ElixirTrainer(Trainer):
         with self._explained("train"), self._one_job_per_folder():
             if self.elixir_plugin is not None and resume_from_checkpoint is True:
                 resume_from_checkpoint = newest_complete(self.args.output_dir)
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+            output = super().train(resume_from_checkpoint, *args, **kwargs)
+        if self._preemption is not None:
+            self._preemption.exit_if_preempted()  # SIGTERM/SIGUSR1: after the lock is released (preemption.py)
+        return output
 
     @contextlib.contextmanager
     def _one_job_per_folder(self) -> Iterator[None]:
@@ -308,7 +319,13 @@ class ElixirTrainer(Trainer):
             return  # weights only (save_only_model): fresh optimizer and scheduler, as the stock Trainer does
         error = None
         try:
-            load_optimizer(checkpoint, self.optimizer, self.args.process_index, marker and marker["step"])
+            load_optimizer(
+                checkpoint,
+                self.optimizer,
+                self.args.process_index,
+                marker and marker["step"],
+                allow_missing=self.elixir_plugin.allow_missing_adam_state,
+            )
             self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
         except Exception as e:  # noqa: BLE001 - every rank raises it
             error = f"{type(e).__name__}: {e}"

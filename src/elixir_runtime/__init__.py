@@ -27,11 +27,13 @@ from .optim.named_state import load_named, named_meta, named_state, plain_to_nam
 from .optim.optimizer import ElixirOptimizer
 from .plan import ElixirPlan
 from .runtime.full_params import full_params
+from .runtime.heartbeat import armed
 from .runtime.hooks import PlaceholderReadError
 from .runtime.lockstep import LockstepError
 from .state_dict import load_safetensors, rank0_state_dict
 
 __all__ = [
+    "armed",
     "prepare",
     "ElixirConfig",
     "LossScaleConfig",

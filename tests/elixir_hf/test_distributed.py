@@ -77,6 +77,7 @@ SAVE_BARS = [
     "elixir: gathering the weights",
     "elixir: summing the checkpoint's files",
     "elixir: summing optimizer",
+    "elixir: writing",  # OPTIMIZER_README.md (dist_worker.py reads the lowercase words of a bar's name)
     "elixir: writing elixir",
     "elixir: writing optimizer",
     "elixir: writing scheduler",

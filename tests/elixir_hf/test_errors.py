@@ -13,6 +13,7 @@ from hf_cases import OFFLOAD_PLAN, make_trainer, training_args
 from transformers import HfArgumentParser
 
 from elixir_hf import ElixirAccelerator, ElixirPlugin, ElixirSpecError, ElixirTrainingArguments
+from elixir_hf.plugin import PLUGIN_KEYS
 from elixir_runtime import ElixirConfig
 from helpers.models import tiny_gpt2
 
@@ -55,16 +56,16 @@ def test_cli_grammar(tmp_path, monkeypatch) -> None:
 
 
 def test_every_key_the_docs_name_is_accepted_and_every_setting_is_named(tmp_path) -> None:
-    """docs/hf.md's key table and ``ElixirConfig.settings()`` (+ the plugin's ``lean_loss``) are the same
+    """docs/hf.md's key table and ``ElixirConfig.settings()`` (+ the plugin's ``PLUGIN_KEYS``) are the same
     keys; each one alone, at its documented default, parses (``record_update_rate: false``, the
     documented off switch, was once refused by a hand-copied key list)."""
     docs = (Path(__file__).parents[2] / "docs" / "hf.md").read_text()
     table = docs.split("### The JSON keys", 1)[1].split("\n\n| key |", 1)[1].split("\n\n", 1)[0]
     keys = re.findall(r"^\| `(\w+)` \|", table, flags=re.M)
-    assert sorted(keys) == sorted([*ElixirConfig.settings(), "lean_loss"])
+    assert sorted(keys) == sorted([*ElixirConfig.settings(), *PLUGIN_KEYS])
     values = {"record_update_rate": False, "grad_accum_steps": None, "loss_scale": {}, "lean_loss": False}
     for key in keys:
-        value = values.get(key, getattr(ElixirConfig(), key, None))
+        value = values.get(key, getattr(ElixirConfig(), key, getattr(ElixirPlugin(), key, None)))
         assert _args(tmp_path, json.dumps({key: value}, default=str)).elixir_plugin is not None, key
     for run_key in ("device", "process_group", "alignment", "clips_grads", "grad_accum_steps"):
         with pytest.raises(ElixirSpecError, match=f"unknown --elixir key '{run_key}'"):
@@ -127,6 +128,7 @@ def test_bad_elixir_values(tmp_path, spec: str, message: str) -> None:
         ({"torch_compile_mode": "reduce-overhead"}, "--torch_compile_mode.*uses CUDA graphs"),
         ({"torch_compile_backend": "cudagraphs"}, "backend='cudagraphs' cannot work with Elixir"),
         ({"bf16_full_eval": True}, "bf16_full_eval"),
+        ({"enable_jit_checkpoint": True}, "--enable_jit_checkpoint saves on the rank a SIGTERM reaches, alone"),
     ],
 )
 def test_incompatible_training_arguments(tmp_path, kwargs: dict, message: str) -> None:

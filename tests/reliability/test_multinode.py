@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from elixir_hf.checkpoint.format import MARKER_NAME, OPTIM_INDEX, PLAN_NAME
+from elixir_hf.checkpoint.format import MARKER_NAME, NOTE_NAME, OPTIM_INDEX, PLAN_NAME
 from elixir_hf.checkpoint.optimizer_files import optim_file_name
 
 WORKER = Path(__file__).with_name("nodes_worker.py")
@@ -93,7 +93,7 @@ def test_node_local_disks_hold_a_whole_checkpoint_per_node_and_resume(one_node, 
         needed = {"model.safetensors", "config.json", PLAN_NAME, optim_file_name(rank, 2), OPTIM_INDEX}
         needed |= {"scheduler.pt", "trainer_state.json", f"rng_state_{rank}.pth"}
         assert needed <= files and optim_file_name(1 - rank, 2) not in files, (rank, sorted(files))
-        assert files == {p.name for p in ckpt.iterdir()} - {MARKER_NAME}, (rank, sorted(files))
+        assert files == {p.name for p in ckpt.iterdir()} - {MARKER_NAME, NOTE_NAME}, (rank, sorted(files))
         assert marker["world_size"] == 2 and marker["step"] == 4
         assert _losses(ckpt.parent / "checkpoint-6") == want, rank
         (ckpt.parent / "checkpoint-6").rename(ckpt.parent / "straight-6")

@@ -4,8 +4,8 @@
 ``OUT`` gets the model in fp32 from the fp32 master weights (``save_pretrained``: config and
 safetensors weights, ``AutoModelForCausalLM.from_pretrained(OUT)`` loads it), ``optimizer.pt``: a
 ``torch.optim.AdamW`` ``state_dict()`` whose parameters are numbered in ``model.parameters()``
-order, with the run's param groups (hyperparameters, ``lr`` as the scheduler last set it) and each
-parameter's step, ``exp_avg`` and ``exp_avg_sq``, and the checkpoint's other files (scheduler,
+order, with the run's param groups (hyperparameters, ``lr`` as the scheduler last set it) and every
+trainable parameter's step, ``exp_avg`` and ``exp_avg_sq`` (step 0 for one that never had a gradient), and the checkpoint's other files (scheduler,
 Trainer state, RNG states, tokenizer). It is what the stock Trainer writes, so it resumes there, and
 Elixir resumes from it too. Rebuild the optimizer with the saved groups::
 
@@ -32,6 +32,7 @@ from safetensors import safe_open
 
 from .format import (
     MARKER_NAME,
+    NOTE_NAME,
     OPTIM_INDEX,
     PLAN_NAME,
     CheckpointError,
@@ -44,7 +45,7 @@ from .optimizer_files import read_optimizer_index
 __all__ = ["convert", "torch_adam_state"]
 
 _NOT_COPIED = re.compile(
-    rf"^({re.escape(MARKER_NAME)}|{re.escape(PLAN_NAME)}|{re.escape(OPTIM_INDEX)}|optimizer-.*\.safetensors"
+    rf"^({re.escape(MARKER_NAME)}|{re.escape(PLAN_NAME)}|{re.escape(OPTIM_INDEX)}|{re.escape(NOTE_NAME)}|optimizer-.*\.safetensors"
     r"|elixir_optim_rank\d+\.pt|model.*\.safetensors(\.index\.json)?|config\.json|generation_config\.json)$"
 )
 """Elixir's files and what ``save_pretrained`` writes anew."""
@@ -104,9 +105,10 @@ def torch_adam_state(
             full = {kind: _gather(opened, name, kind, entry, param) for kind in ("master", "exp_avg", "exp_avg_sq")}
             with torch.no_grad():
                 param.copy_(full.pop("master"))
-            if entry["step"] > 0:  # torch keeps no state for a parameter that never had a gradient
-                (i,) = numbering([param])
-                state[i] = {"step": torch.tensor(float(entry["step"])), **full}
+            # every parameter, one that never had a gradient at step 0 (torch would keep none): a loader
+            # then tells such a parameter from lost state (optimizer_files.load_optimizer)
+            (i,) = numbering([param])
+            state[i] = {"step": torch.tensor(float(entry["step"])), **full}
     groups = []
     for g in index["param_groups"]:
         hypers = {k: tuple(v) if k == "betas" else v for k, v in g.items() if k != "params"}

@@ -13,6 +13,8 @@ Layout of a checkpoint folder (on top of what the Trainer writes):
 * ``elixir_optim_rank{r}.pt``: the per-rank chunk shards of earlier versions, still loaded into
   the same number of ranks and chunk layout;
 * ``elixir_plan.json``: the plan the run used (see ``elixir_hf/plugin.py`` for reusing it);
+* ``OPTIMIZER_README.md``: for a reader without Elixir, where the optimizer state is and how to
+  convert it (``checkpoint/note.py``; not summed: a reader may edit or delete it);
 * ``elixir_checkpoint.json``, the marker, written last: the step, the number of ranks and the size
   and CRC-32 of every other file. A folder without it is torn (a save was interrupted).
 
@@ -49,6 +51,7 @@ from elixir_runtime.progress import Bar, progress
 
 __all__ = [
     "MARKER_NAME",
+    "NOTE_NAME",
     "PLAN_NAME",
     "CheckpointError",
     "shard_name",
@@ -73,6 +76,8 @@ logger = logging.getLogger(__name__)
 
 PLAN_NAME = "elixir_plan.json"
 MARKER_NAME = "elixir_checkpoint.json"
+NOTE_NAME = "OPTIMIZER_README.md"
+"""For a reader without Elixir (``checkpoint/note.py``): documentation, so not summed in the marker."""
 _MARKER_FORMAT = "elixir-checkpoint/1"
 _SHARD_RE = re.compile(r"^elixir_optim_rank(\d+)\.pt$")
 OPTIM_INDEX = "optimizer.safetensors.index.json"
@@ -283,7 +288,11 @@ def seal(
             paths = {}
             for p in sorted(folder.rglob("*")):
                 rel = p.relative_to(folder).as_posix()
-                if p.is_file() and rel != MARKER_NAME and not any(s.startswith(".") for s in rel.split("/")):
+                if (
+                    p.is_file()
+                    and rel not in (MARKER_NAME, NOTE_NAME)
+                    and not any(s.startswith(".") for s in rel.split("/"))
+                ):
                     paths[rel] = p
             todo = sum(p.stat().st_size for rel, p in paths.items() if not everyone.get(rel))
             with progress(todo, "elixir: summing the checkpoint's files", unit="B") as bar:

@@ -32,6 +32,7 @@ from .format import (
     optimizer_format,
     shard_name,
 )
+from .note import write_note
 
 __all__ = ["save_optimizer", "load_optimizer", "read_optimizer_index", "load_shard", "optim_file_name"]
 
@@ -72,7 +73,8 @@ def save_optimizer(
     folder: str | os.PathLike, optimizer: Any, *, rank: int, world_size: int, is_main: bool, global_step: int | None
 ) -> dict[str, dict[str, int]]:
     """A collective: each rank writes the optimizer state it holds, by parameter name, into its own
-    file, then the main process writes the index from every rank's piece table. Returns this
+    file, then the main process writes the index from every rank's piece table and the note for a
+    reader without Elixir (``checkpoint/note.py``). Returns this
     rank's digests (for ``seal``); a failure on any rank is raised on every rank."""
     opt, folder = _elixir(optimizer), Path(folder)
     name = optim_file_name(rank, world_size)
@@ -99,6 +101,7 @@ def save_optimizer(
             for param, (start, end) in pieces.items():
                 doc["params"][param].setdefault("pieces", []).append([optim_file_name(r, world_size), start, end])
         digests[OPTIM_INDEX] = atomic_write_text(json.dumps(doc, indent=1), folder / OPTIM_INDEX)
+        write_note(folder)
 
     error = _error(index)[1] if is_main else None
     all_ranks_agree(error, f"saving the optimizer state to {folder}")
@@ -135,10 +138,19 @@ def read_optimizer_index(checkpoint: str | os.PathLike, global_step: int | None 
     return index
 
 
-def load_optimizer(checkpoint: str | os.PathLike, optimizer: Any, rank: int, global_step: int | None = None) -> None:
+def load_optimizer(
+    checkpoint: str | os.PathLike,
+    optimizer: Any,
+    rank: int,
+    global_step: int | None = None,
+    *,
+    allow_missing: bool = False,
+) -> None:
     """Loads the optimizer state of a verified checkpoint, in any format ``optimizer_format``
     knows, into this run's shards: each rank reads only the slices its shards hold. Nothing is
-    loaded unless the whole state fits this model (``CheckpointError`` naming the file)."""
+    loaded unless the whole state fits this model (``CheckpointError`` naming the file); a plain
+    state without some trainable parameter's Adam state only with ``allow_missing``
+    (``ElixirPlugin.allow_missing_adam_state``)."""
     ckpt, opt = Path(checkpoint), _elixir(optimizer)
     fmt = optimizer_format(ckpt)
     if fmt == "shards":
@@ -146,6 +158,8 @@ def load_optimizer(checkpoint: str | os.PathLike, optimizer: Any, rank: int, glo
     if fmt == "plain":
         path = next(ckpt / n for n in PLAIN_OPTIMIZER_NAMES if (ckpt / n).is_file())
         meta, read = plain_to_named(opt, torch.load(path, map_location="cpu", weights_only=True), str(path))
+        if meta["missing"] and not allow_missing:
+            raise CheckpointError(_missing_state(path, meta["missing"]))
         return _load_named(opt, meta, read, path)
     if fmt is None:
         raise CheckpointError(f"{ckpt} holds no optimizer state ({OPTIM_INDEX} is missing)")
@@ -177,6 +191,17 @@ def load_optimizer(checkpoint: str | os.PathLike, optimizer: Any, rank: int, glo
             return out
 
         _load_named(opt, index, read, ckpt / OPTIM_INDEX)
+
+
+def _missing_state(path: Path, names: list[str]) -> str:
+    return (
+        f"{path} holds no Adam state for {len(names)} trainable parameter(s) ({', '.join(map(repr, names[:5]))}"
+        f"{', ...' if len(names) > 5 else ''}): loading it would restart Adam for them (step 0, zero moments) "
+        "while the others continue. If they never had a gradient in the run that saved it (torch keeps no state "
+        "for such a parameter: a module the forward does not use), resume with --elixir "
+        "'{\"allow_missing_adam_state\": true}' (beside your other keys) and they start as torch would start "
+        "them; if their state was lost (a conversion that dropped it), resume from the checkpoint it was made from"
+    )
 
 
 def _load_named(opt: ElixirOptimizer, meta: dict[str, Any], read: Any, path: Path) -> None:

@@ -30,7 +30,10 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-__all__ = ["LockstepError", "FailureBoard"]
+__all__ = ["LockstepError", "FailureBoard", "STALLED_KEY"]
+
+STALLED_KEY = "elixir/stalled"
+"""The job's verdict on a rank that stopped answering (``runtime/heartbeat.py``), read as any board's."""
 
 
 class LockstepError(RuntimeError):
@@ -52,11 +55,12 @@ class FailureBoard:
         return LockstepError(message)
 
     def posted(self) -> str | None:
-        """The message a rank gave up with, if one did (a store gone with the rank that hosted it:
-        none)."""
+        """The message a rank gave up with, or the job's stall verdict, if there is one (a store gone
+        with the rank that hosted it: none)."""
         store = _store()
         try:
-            return store.get(self.key).decode() if store is not None and store.check([self.key]) else None
+            key = next((k for k in (self.key, STALLED_KEY) if store is not None and store.check([k])), None)
+            return store.get(key).decode() if key is not None else None
         except Exception:  # noqa: BLE001 - no store, no explanation: the caller raises its own error
             return None
 

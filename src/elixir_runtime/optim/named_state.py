@@ -179,8 +179,10 @@ def plain_to_named(opt: ElixirOptimizer, state_dict: dict[str, Any], where: str)
 
     Its parameters are numbered in its param groups' order, which this run's optimizer (built from
     the same model with the same groups, as the stock Trainer does) repeats: position → parameter →
-    name. A parameter without state never had a gradient: step 0, zero moments (torch's own lazy
-    start). The master stays what the shards hold: the weights, loaded with the model."""
+    name. A trainable parameter without state gets step 0 and zero moments (torch's own start for a
+    parameter that never had a gradient) and is listed in ``meta["missing"]``: whether that may load
+    is the caller's decision (the state may also have been lost). The master stays what the shards
+    hold: the weights, loaded with the model."""
     layout = opt.runtime.layout
     saved_groups = state_dict.get("param_groups")
     if not isinstance(saved_groups, list) or "state" not in state_dict:
@@ -192,7 +194,7 @@ def plain_to_named(opt: ElixirOptimizer, state_dict: dict[str, Any], where: str)
             "built with other groups"
         )
     index = {id(p): i for i, p in enumerate(layout.params)}
-    params, by_key = {}, {}
+    params, by_key, missing = {}, {}, []
     for gi, (saved, mine) in enumerate(zip(saved_groups, opt.param_groups)):
         for key, p in zip(saved["params"], mine["params"]):
             i = index.get(id(p))
@@ -200,6 +202,8 @@ def plain_to_named(opt: ElixirOptimizer, state_dict: dict[str, Any], where: str)
                 continue  # frozen: no optimizer state
             name = layout.names[i][0]
             state = state_dict["state"].get(key, {})
+            if not state:
+                missing.append(name)
             shape = list(layout.params[i].shape)
             for kind in ("exp_avg", "exp_avg_sq"):
                 if kind in state and list(state[kind].shape) != shape:
@@ -212,7 +216,7 @@ def plain_to_named(opt: ElixirOptimizer, state_dict: dict[str, Any], where: str)
             by_key[name] = state
     groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in saved_groups]
     steps = [e["step"] for e in params.values()]
-    meta = {"step": max(steps, default=0), "scaler": None, "param_groups": groups, "params": params}
+    meta = {"step": max(steps, default=0), "scaler": None, "param_groups": groups, "params": params, "missing": missing}
 
     def read(name: str, kind: str, start: int, end: int) -> torch.Tensor | None:
         if kind == "master":

@@ -9,10 +9,13 @@ So each such operation starts with a check-in: the ranks all-gather (operation, 
 operations this rank has started) over a gloo group of their own, on the host, with a timeout
 of ``ElixirConfig.lockstep_timeout_s`` (60 s). Different entries fail on every rank at once,
 naming what each rank was starting; a rank that waits longer fails naming the operation it
-waited at. Either way the failing rank posts its message before it raises, and a rank that ran
+waited at, or, if a rank has stopped running, ends the job naming that rank (``heartbeat.py``,
+which also watches every other collective of a step). Either way the failing rank posts its message before it raises, and a rank that ran
 ahead into another collective raises that message when its collective fails, not gloo's
 transport error ([Note: the rank that ran ahead], ``chunk/peer_failure.py``). Cost: one host
-all-gather of 16 bytes per forward, no GPU synchronization. ``full_params``
+all-gather of 24 bytes per forward, no GPU synchronization. The third number is a rank's request
+to stop (``request_stop``): every rank learns it from the same check-in, without a collective of
+its own. ``full_params``
 (``runtime/full_params.py``) is the supported way to run forwards on some ranks only.
 """
 
@@ -26,6 +29,7 @@ import torch.distributed as dist
 
 from ..chunk.collectives import Collectives, HeldWork, abort_groups
 from ..chunk.peer_failure import FailureBoard, LockstepError
+from . import heartbeat
 
 __all__ = ["Lockstep", "LockstepError", "Op"]
 
@@ -58,6 +62,9 @@ class Lockstep:
         self.rank, self.world_size, self.timeout_s = coll.rank, coll.world_size, timeout_s
         self.started = 0
         """Operations this rank has checked in for (the same on every rank while they agree)."""
+        self.stop_requested = False
+        """Whether a rank asked every rank to stop (``request_stop``): set on every rank by the same check-in."""
+        self._asked = False
         self.group = self.board = None
         self._held = HeldWork()  # a gloo group's handles ([Note: gloo at exit])
         if coll.world_size > 1:
@@ -66,18 +73,30 @@ class Lockstep:
                 ranks, timeout=timedelta(seconds=timeout_s), backend="gloo", use_local_synchronization=True
             )
             self.board = coll.board = FailureBoard(self.group.group_name)
+            heartbeat.start(ranks, timeout_s)  # a rank that stops answering is named (runtime/heartbeat.py)
+
+    def request_stop(self) -> None:
+        """This rank asks every rank to stop (the HF integration's preemption: ``elixir_hf/preemption.py``):
+        the next check-in, which every rank makes anyway, carries it, so that every rank sees
+        ``stop_requested`` from the same operation on; one rank sees it at once."""
+        self._asked = True
+        if self.group is None:
+            self.stop_requested = True
 
     def check_in(self, op: Op) -> None:
         """Returns once every rank is starting ``op`` as its operation number ``self.started``."""
         if self.group is None:
             return
-        mine = torch.tensor([int(op), self.started], dtype=torch.int64)
+        if op is Op.TRAINING_FORWARD:
+            heartbeat.step_started()
+        mine = torch.tensor([int(op), self.started, int(self._asked)], dtype=torch.int64)
         self.started += 1
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
         try:
             self._held.run(dist.all_gather, everyone, mine, group=self.group)
         except RuntimeError as exc:  # gloo: timeout, or a rank that gave up and left
             self.board.raise_posted(exc, "its check-in")  # a rank that gave up first: its reason
+            heartbeat.stop_for_silent()  # a rank that stopped running: named, and the job ends
             error = self.board.post(
                 f"Elixir: rank {self.rank} started {_WHAT[op]} (its operation #{mine[1]}) and the other ranks did not "
                 f"start one within {self.timeout_s:g} s, or one of them stopped waiting ({type(exc).__name__}: "
@@ -86,7 +105,8 @@ class Lockstep:
             )
             abort_groups()  # the others are elsewhere: their collectives with this rank fail now, explained
             raise error from exc
-        if any(not torch.equal(t, mine) for t in everyone):
+        self.stop_requested |= any(bool(t[2]) for t in everyone)
+        if any(not torch.equal(t[:2], mine[:2]) for t in everyone):
             each = "; ".join(
                 f"rank {r} starts {_WHAT[Op(int(t[0]))]} (operation #{t[1]})" for r, t in enumerate(everyone)
             )

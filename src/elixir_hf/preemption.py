@@ -1,0 +1,205 @@
+"""Preemption saves: SIGTERM or SIGUSR1 (SLURM's ``--signal``) during ``ElixirTrainer.train`` ends the
+run at the end of a step, with a complete, verified checkpoint when one is predicted to fit the grace
+period, and exit status ``EXIT_PREEMPTED``.
+
+While ``train()`` runs, the two signals only mark this rank: the time, and its hand raised in the
+engine's lockstep (``Lockstep.request_stop``). The step goes on; the next forward's check-in, an
+all-gather every rank makes anyway, tells every rank ([Note: agreeing for free]), and every rank
+ends that step the same way (``on_step_end``):
+
+* the save is predicted to fit the grace left (``ElixirPlugin.preempt_grace_s``, else
+  ``ELIXIR_PREEMPT_GRACE_S``, else 30 s, counted on each rank from its signal; the least over the
+  ranks): the Trainer saves ``checkpoint-N`` as it saves any (the marker last, older checkpoints
+  rotated after it), and every rank verifies it (``checkpoint.verify``: every file's size and CRC-32);
+* it is not: no save, and the newest complete checkpoint stays the one a resume takes.
+
+A signal during a save leaves the save to complete; its ``on_save`` asks every rank (a gather, one per
+save) and, if any was signalled, the run stops there, that checkpoint verified as the newest. Then
+``train()`` ends as the Trainer ends it (the lock on ``output_dir`` released) and
+``ElixirTrainer.train`` raises ``SystemExit(EXIT_PREEMPTED)``: the script's code after ``train()``
+(a final ``save_model``, an evaluation) does not run. A process killed meanwhile (the launcher's
+SIGKILL once its grace is over) leaves the previous complete checkpoint: every save is atomic
+(``checkpoint.py``). Outside ``train()`` the signals keep their own handlers.
+
+The predicted save time: writing, the longest save of this run so far on this rank (timed from the
+step's end, or the evaluation's, to ``on_save``), else the checkpoint's bytes at ``WRITE_RATE``; and
+verifying, its bytes at ``VERIFY_RATE``. Its bytes: the last checkpoint's files (its marker), else
+every parameter at 4 bytes and every trainable one's Adam state at 12 (fp32 master, two moments).
+
+[Note: agreeing for free]
+The signal may reach one rank only (``kill`` of one process), every rank (SLURM, ``torchrun``
+forwarding its own SIGTERM) or none but the launcher; the ranks must still end the same step the
+same way, or one waits alone in the save's collectives. Agreeing needs a collective after the
+signal: a flag all-reduced at every step's end would be one more host synchronization per step,
+and on a GPU a stall of the host that runs ahead of it. The lockstep check-in at each forward is
+such a collective already (24 bytes on the host, gloo, no GPU synchronization); its third number
+carries the flag. The cost: a signal that comes after a step's last forward stops the run one step
+later, and a step with no forward (none in the Trainer) could not carry it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+from transformers import TrainerCallback
+
+from .checkpoint.format import MARKER_NAME, _gather, newest_complete, verify
+
+__all__ = ["EXIT_PREEMPTED", "SIGNALS", "VERIFY_RATE", "WRITE_RATE", "Preemption"]
+
+logger = logging.getLogger(__name__)
+
+EXIT_PREEMPTED = 75
+"""The exit status of a preempted run (sysexits.h's ``EX_TEMPFAIL``: try again later, i.e. requeue and
+resume); a run stopped by a rank that stopped answering has its own (``heartbeat.EXIT_STALLED``)."""
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+WRITE_RATE = 200e6
+"""Bytes per second a first save is predicted to write at, summing included: a network file system's
+pace, well under a local NVMe's; later saves are predicted from this run's own."""
+VERIFY_RATE = 1e9
+"""Bytes per second of CRC-32 over files just written (the page cache): 1.3 GB/s on the 2-core test host."""
+
+
+class Preemption(TrainerCallback):
+    """``ElixirTrainer``'s preemption: ``trainer`` runs on the engine; see the module docstring."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+        self.grace_s = trainer.elixir_plugin.preempt_grace_s
+        self._previous: dict[int, Any] = {}
+        self._start()
+
+    def _start(self) -> None:
+        self.signal: str | None = None
+        self.signalled_at = 0.0
+        self.stopping = False
+        """Every rank agreed to stop at this step's end."""
+        self.signals = ""
+        """Which rank got which signal (``SIGTERM on rank 1``), once the ranks agreed to stop."""
+        self.preempted: str | None = None
+        """How the run ended, once it did: the signals and the checkpoint (or none) it left."""
+        self._save_from: float | None = None
+        self._save_s = 0.0
+        self._save_bytes: int | None = None
+
+    # ------------------------------------------------------------------ the signals
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._start()
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("elixir: train() runs outside the main thread: no preemption save on SIGTERM/SIGUSR1")
+            return
+        self._previous = {s: signal.signal(s, self._signalled) for s in SIGNALS}
+
+    def on_train_end(self, args, state, control, **kwargs):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def _signalled(self, signum: int, frame: Any) -> None:
+        """Runs in the main thread between two bytecodes: records only (no logging, no I/O)."""
+        if self.signal is None:
+            self.signal, self.signalled_at = signal.Signals(signum).name, time.monotonic()
+            self.trainer.model._elixir.runtime.lockstep.request_stop()
+
+    # ------------------------------------------------------------------ the step's end
+    def on_step_end(self, args, state, control, **kwargs):
+        self._save_from = time.monotonic()
+        if self.stopping or not self.trainer.model._elixir.runtime.lockstep.stop_requested:
+            return
+        self.stopping = True
+        control.should_training_stop = True
+        control.should_evaluate = False
+        everyone = _gather((self.signal, self._grace_left(), self._predicted_s()))
+        self.signals = who = _who(name for name, _, _ in everyone)
+        left, predicted = min(e[1] for e in everyone), max(e[2] for e in everyone)
+        control.should_save = predicted <= left
+        if control.should_save:
+            _say(
+                state,
+                f"elixir: {who} at step {state.global_step}: saving checkpoint-{state.global_step} (predicted "
+                f"{predicted:.1f} s, {left:.1f} s of the {self.grace_s:g} s grace left), then exiting with status "
+                f"{EXIT_PREEMPTED}",
+            )
+            return
+        newest = newest_complete(self.trainer._get_output_dir(trial=None), required=False)
+        self.preempted = f"{who}, without a new checkpoint (a resume takes the newest complete one: {newest})"
+        _say(
+            state,
+            f"elixir: {who} at step {state.global_step}: no checkpoint: saving is predicted to take {predicted:.1f} s "
+            f"and {left:.1f} s of the {self.grace_s:g} s grace are left (preempt_grace_s, ELIXIR_PREEMPT_GRACE_S). "
+            f"To save on preemption, give it a longer grace, and the launcher too (torchrun --shutdown_timeout, "
+            f"SLURM --signal=USR1@SECONDS)",
+        )
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        self._save_from = time.monotonic()
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._save_from = time.monotonic()
+        if self.stopping:  # the Trainer's end-of-epoch save and evaluation: not after a preemption
+            control.should_save = control.should_evaluate = False
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = os.path.join(self.trainer._get_output_dir(trial=None), f"checkpoint-{state.global_step}")
+        if self._save_from is not None:
+            self._save_s = max(self._save_s, time.monotonic() - self._save_from)
+            self._save_bytes = _checkpoint_bytes(folder)
+        if not self.stopping:  # a signal during this save: every rank stops after it
+            signals = _gather(self.signal)
+            if not any(signals):
+                return
+            self.signals = _who(signals)
+            self.stopping = True
+            control.should_training_stop = True
+        started = time.monotonic()
+        verify(folder, args.process_index, args.should_save)
+        self.preempted = f"{self.signals}, with {folder} complete and verified ({time.monotonic() - started:.1f} s)"
+
+    # ------------------------------------------------------------------ the end
+    def exit_if_preempted(self) -> None:
+        """After ``train()`` returned: a preempted run ends its process here."""
+        if self.preempted is not None:
+            _say(
+                self.trainer.state,
+                f"elixir: preempted by {self.preempted}: exit status {EXIT_PREEMPTED}; resume with "
+                "resume_from_checkpoint=True",
+            )
+            raise SystemExit(EXIT_PREEMPTED)
+
+    # ------------------------------------------------------------------ the prediction
+    def _grace_left(self) -> float:
+        return self.grace_s - (time.monotonic() - self.signalled_at if self.signal else 0.0)
+
+    def _predicted_s(self) -> float:
+        size = self._save_bytes if self._save_bytes is not None else _estimated_bytes(self.trainer.model)
+        return (self._save_s or size / WRITE_RATE) + size / VERIFY_RATE
+
+
+def _who(signals: Any) -> str:
+    """``SIGTERM on rank 1``, from every rank's signal (``None``: none), in rank order."""
+    return ", ".join(f"{name} on rank {r}" for r, name in enumerate(signals) if name)
+
+
+def _say(state: Any, message: str) -> None:
+    """A warning of the main process (every rank agrees: one says it)."""
+    if state.is_world_process_zero:
+        logger.warning(message)
+
+
+def _checkpoint_bytes(folder: str) -> int | None:
+    path = os.path.join(folder, MARKER_NAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return sum(entry["bytes"] for entry in json.load(f)["files"].values())
+
+
+def _estimated_bytes(model: Any) -> int:
+    params = list(model.parameters())
+    return 4 * sum(p.numel() for p in params) + 12 * sum(p.numel() for p in params if p.requires_grad)
