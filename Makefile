@@ -25,9 +25,9 @@ $(STAMP): pyproject.toml
 # broken code the other ran. An overlay on the venv (PYTHONPATH), so torch and the rest are shared.
 # The second pass runs the tests marked `transformers` only (tests/conftest.py marks those that reach
 # transformers code; tests/helpers/transformers_use.py gives the rule): the others run the same code twice.
-# Nor does it run the engine's tests (`engine`: tests/elixir_runtime, whose tiny GPT-2/OPT/Llama the HF
-# layer's tests train on 5.17 too) or those marked `engine_ranks` (multi-rank tests of the engine's own
-# distributed code elsewhere): they run once, in the first pass.
+# Nor does it run the tests of this repository's own code (`once`: tests/elixir_runtime, tests/reliability,
+# tests/benchmarks), whose transformers code (tiny GPT-2/OPT/Llama, the Trainer) the HF layer's tests run
+# on 5.17 too: they run once, in the first pass.
 COMPAT := $(VENV)/compat-transformers-5.17
 COMPAT_PINS := transformers==5.17.0 huggingface_hub==1.33.0 httpx==0.28.1 httpcore==1.0.9 certifi==2026.7.22
 
@@ -49,7 +49,7 @@ lint: $(STAMP)
 # Wall-clock budgets (`perf`) are not asserted by `make test`: on a loaded machine they fail without a bug.
 test: $(STAMP) $(COMPAT)/.installed lint
 	$(OFFLINE_ENV) $(VPY) -m pytest -q $(XDIST) -m "not perf"
-	$(OFFLINE_ENV) PYTHONPATH=$(COMPAT) $(VPY) -m pytest -q $(XDIST) -m "transformers and not engine and not engine_ranks and not perf"
+	$(OFFLINE_ENV) PYTHONPATH=$(COMPAT) $(VPY) -m pytest -q $(XDIST) -m "transformers and not once and not perf"
 
 # On a GPU machine `make test` keeps every test on the CPU (tests/helpers/device.py); this runs the
 # engine's parity, mixed-precision and device-lane suites on CUDA (multi-rank ones over NCCL, a GPU

@@ -65,9 +65,10 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 _LAUNCHES = ("run_distributed(", "run_script(", "subprocess.")
-ENGINE_TESTS = Path(__file__).parent / "elixir_runtime"
-"""The engine's own tests, marked ``engine``: transformers' models are only their subjects (tiny GPT-2,
-OPT, Llama), whose code the HF layer's tests run too; ``make test`` runs them on the newest transformers."""
+RUN_ONCE = tuple(Path(__file__).parent / name for name in ("elixir_runtime", "reliability", "benchmarks"))
+"""Tests of this repository's own code, marked ``once``: the engine (transformers' tiny GPT-2, OPT and
+Llama only its subjects), the fault handling of ranks, checkpoints and signals, the benchmark harness.
+The transformers code they run, the HF layer's tests run too; ``make test`` runs them on the newest only."""
 
 
 @functools.cache
@@ -85,8 +86,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if uses_transformers(Path(item.path)):
             item.add_marker(pytest.mark.transformers)
-        if ENGINE_TESTS in Path(item.path).parents:
-            item.add_marker(pytest.mark.engine)
+        if any(folder in Path(item.path).parents for folder in RUN_ONCE):
+            item.add_marker(pytest.mark.once)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")

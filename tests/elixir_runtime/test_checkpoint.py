@@ -249,7 +249,6 @@ def _state_dicts(rank: int, world_size: int) -> tuple[dict, dict]:
     return everywhere, on_rank0
 
 
-@pytest.mark.engine_ranks
 def test_rank0_state_dict_keeps_the_weights_on_rank_0_only() -> None:
     (full0, only0), (full1, only1) = run_distributed(_state_dicts, 2)
     params = {n for n, _ in tiny_gpt2().named_parameters(remove_duplicate=False)}
@@ -258,7 +257,6 @@ def test_rank0_state_dict_keeps_the_weights_on_rank_0_only() -> None:
     assert not params & set(only1)  # rank 1 holds none of the weights
 
 
-@pytest.mark.engine_ranks
 def test_save_load_continue_world2(tmp_path) -> None:
     # a world-1 shard for the cross-world-size check inside the ranks
     model, opt = _prepare(tiny_gpt2(seed=0), make_batch(128))

@@ -295,7 +295,6 @@ def _world2_runs(rank: int, world_size: int) -> list:
     ]
 
 
-@pytest.mark.engine_ranks
 def test_unused_branch_world2() -> None:
     # "min": the rCache holds only the largest unit, so chunks must be reduced (and their blocks
     # freed) during the backward even though the unused branch's chunks never complete
@@ -367,7 +366,6 @@ def _ddp_then_order_mismatch(rank: int, world_size: int) -> tuple:
     return _ddp_and_engine(rank, world_size, False, 1 << 20), _ddp_and_engine(rank, world_size, True, None, "max")
 
 
-@pytest.mark.engine_ranks
 def test_param_used_on_some_ranks_matches_ddp() -> None:
     """Used on rank 0 only, in steps 1, 4, 7: DDP averages rank 0's gradient with zeros from rank
     1 and updates the parameter (in those steps only); so does the engine. With several chunks,

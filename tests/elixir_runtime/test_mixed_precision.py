@@ -64,7 +64,6 @@ def _two_ranks(rank, world_size, recipe):
     return run_elixir(recipe, rank, n_blocks="min", offload=0.5)
 
 
-@pytest.mark.engine_ranks
 def test_two_ranks_bf16():
     recipe = Recipe(model="llama", dtype=torch.bfloat16, grad_accum=3, ac=False, clip=None, steps=4, world_size=2)
     want = run_reference(recipe)

@@ -65,7 +65,6 @@ def _rank_runs(rank: int, world_size: int, recipes: list[Recipe], shapes: list[t
     ]
 
 
-@pytest.mark.engine_ranks
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_multi_rank_matches_pytorch(world_size):
     cases = [

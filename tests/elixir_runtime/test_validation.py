@@ -241,7 +241,6 @@ def _prepare_error(rank: int, _world: int, meta_rank: int, float64_rank: int | N
     return None
 
 
-@pytest.mark.engine_ranks
 @pytest.mark.parametrize(
     "meta_rank, float64_rank, message",
     [(0, None, "rank 0 must hold the weights"), (1, 1, "rank 1's model differs from rank 0's")],

@@ -1,8 +1,8 @@
 """Which test modules run transformers code: ``make test`` runs the whole suite on the newest
 transformers, then again on 5.17 (the GPU image's) only the tests marked ``transformers``
-(``tests/conftest.py`` marks them from this rule), less the engine's own tests (``engine``:
-``tests/elixir_runtime``, whose tiny models the HF layer's tests train on 5.17 too) and those marked
-``engine_ranks`` (multi-rank tests of the engine's distributed code on tiny models). An engine-only test runs the same code under
+(``tests/conftest.py`` marks them from this rule), less the tests of this repository's own code
+(``once``: the engine's, the fault handling's and the benchmark harness's), whose transformers code the
+HF layer's tests run on 5.17 too. An engine-only test runs the same code under
 both versions, so its second run could catch nothing the first did not (265 of 744 tests, but
 only about 55 s of an 8.5-minute pass: most time goes to tests that train transformers models).
 

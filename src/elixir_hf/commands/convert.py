@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
+from .. import __version__
 from ..checkpoint.convert import convert
 from ..checkpoint.format import CheckpointError
 
@@ -18,10 +20,15 @@ def main(argv: list[str] | None = None) -> None:
         description="Write an Elixir checkpoint as a plain PyTorch one: the fp32 model (from_pretrained) and "
         "a torch.optim.AdamW state_dict (optimizer.pt) in model.parameters() order, with the other Trainer files.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("checkpoint", help="an Elixir checkpoint folder (checkpoint-N, or a save_state folder)")
     parser.add_argument("out", help="the folder to write")
     parser.add_argument("--config", help="the model's config (folder or name) when the checkpoint has no config.json")
     args = parser.parse_args(argv)
+    if not Path(args.checkpoint).is_dir():
+        parser.error(
+            f"CHECKPOINT {args.checkpoint}: no such folder (a checkpoint-N folder of an Elixir run's output_dir)"
+        )
     try:
         convert(args.checkpoint, args.out, args.config)
     except (CheckpointError, OSError) as e:

@@ -19,6 +19,7 @@ the report, ``plan_plot.py`` draws it.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -170,6 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _measure(args.measure_hardware)
     if not args.model:
         _parser().error("--model is required (or --measure-hardware)")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # before the seconds of planning
+        _parser().error(f"--plot {args.plot} needs matplotlib: pip install 'elixir-hf[plot]'")
     try:
         hardware, note = plan_hardware(args)
     except ValueError as exc:  # names the value and the fix: no usage text around it

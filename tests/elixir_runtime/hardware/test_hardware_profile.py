@@ -145,7 +145,6 @@ def test_a_version_2_profile_loads_as_the_one_rank_rate_and_warns(tmp_path) -> N
     assert shipped.cpu_adam[1].ranks == 1 and shipped.rates(1).cpu_adam == shipped.cpu_adam[1].under_copies > 1e9
 
 
-@pytest.mark.engine_ranks
 def test_a_job_measures_cpu_adam_on_all_its_ranks_at_once_and_caches_it(tmp_path, monkeypatch) -> None:
     """2 gloo ranks on one host: each times the kernel with its own threads for 2 ranks per host,
     in the same window as the other (not rank 0 alone while the other waits: each rank's timed window

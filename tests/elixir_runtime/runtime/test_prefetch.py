@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 import elixir_runtime as er
 from helpers.dist import run_distributed
 from helpers.training import Recipe, batch_for, build
@@ -61,7 +59,6 @@ def _ranks_with_different_worker_speeds(rank: int, world_size: int) -> list[floa
     return losses
 
 
-@pytest.mark.engine_ranks
 def test_prefetch_decisions_agree_across_ranks():
     """A prefetch is a collective: whether it happens must not depend on how fast each rank's CPU
     updates run. Here one rank's updates look permanently slow; the ranks must still train in

@@ -137,7 +137,6 @@ def _plan_on_two_ranks(rank: int, world: int) -> tuple:
     return decided, seen, p.search["notes"]
 
 
-@pytest.mark.engine_ranks
 def test_ranks_time_their_own_collectives_and_agree_on_the_plan() -> None:
     """Every rank times the engine's all-gather + reduce-scatter on the job's group; rank 0 plans
     with that bandwidth (not the profile's peer-copy proxy) and every rank gets its plan."""

@@ -1,0 +1,50 @@
+"""Every console script of pyproject.toml says its version, and bad input to one is a message naming
+the fix: ``--plot`` without matplotlib (an extra: ``elixir-hf[plot]``), a checkpoint folder that is not there."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+
+
+def _main(entry: str):
+    module, name = entry.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_every_console_script_says_its_version(script: str, capsys) -> None:
+    try:
+        _main(SCRIPTS[script])(["--version"])
+    except SystemExit as exit:
+        assert exit.code in (0, None)
+    out = capsys.readouterr().out.strip()
+    assert out.startswith(f"{script} ") and out.endswith(f" {importlib.metadata.version('elixir-hf')}"), out
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch, capsys, tmp_path) -> None:
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a)
+    )
+    with pytest.raises(SystemExit) as exit:
+        _main(SCRIPTS["elixir-plan"])(["--model", "gpt2", "--plot", str(tmp_path / "plan.png")])
+    assert exit.value.code == 2
+    assert "--plot" in (err := capsys.readouterr().err) and "pip install 'elixir-hf[plot]'" in err
+    assert not (tmp_path / "plan.png").exists()
+
+
+def test_convert_names_a_missing_checkpoint_folder(capsys, tmp_path) -> None:
+    with pytest.raises(SystemExit) as exit:
+        _main(SCRIPTS["elixir-convert"])([str(tmp_path / "checkpoint-9"), str(tmp_path / "out")])
+    assert exit.value.code == 2
+    assert "checkpoint-9: no such folder" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
