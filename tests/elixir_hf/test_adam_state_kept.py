@@ -5,6 +5,7 @@ checkpoint missing a trainable parameter's Adam state is refused, naming the par
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import shlex
@@ -49,6 +50,8 @@ def test_the_note_names_the_command_that_writes_a_stock_checkpoint(elixir_checkp
     assert "There is no `optimizer.pt`" in note and "restarts\n  AdamW and the learning-rate schedule" in note
     (command,) = re.findall(r"^ {6}(elixir-convert .*)$", note, flags=re.M)
     assert command == "elixir-convert checkpoint-2 checkpoint-2-plain"
+    (module,) = re.findall(r"python -m ([\w.]+) checkpoint-2 checkpoint-2-plain", note)
+    assert importlib.import_module(module).main is convert.main  # the other spelling runs the same command
     assert NOTE_NAME not in json.loads((ckpt / MARKER_NAME).read_text())["files"]
     (ckpt / NOTE_NAME).unlink()
     verify(ckpt, 0, True)  # a reader's edit of the note leaves the checkpoint trusted

@@ -31,7 +31,7 @@ elixir-hf wrote this checkpoint. Its optimizer state (AdamW's fp32 master weight
 
       elixir-convert {name} {name}-plain
 
-  (or `python -m elixir_hf.convert {name} {name}-plain`; add `--config MODEL` where this folder has
+  (or `python -m elixir_hf.commands.convert {name} {name}-plain`; add `--config MODEL` where this folder has
   no `config.json`). The new folder holds the fp32 model, `optimizer.pt` (a `torch.optim.AdamW`
   state_dict in `model.parameters()` order) and this checkpoint's scheduler, Trainer state and RNG
   files.
