@@ -141,8 +141,6 @@ def summary_row(runs: dict[str, Run]) -> dict[str, Any]:
     first = next(iter(runs.values()))
     row: dict[str, Any] = {k: first.get(k) for k in ("card", "model", "params", "gpus", "seq", "batch")}
     row["clip"] = clipped(first)
-    row["liger"] = ligered(first)
-    row["compile"] = compiled(first)
     row["kernels"] = kernels(first)
     row["tflops"] = {s: (r["tflops"] if _ok(r) else None) for s, r in runs.items()}
     row["status"] = {s: r.get("status") for s, r in runs.items()}
@@ -389,8 +387,7 @@ def render_png(results: dict[str, Any], path: Path) -> None:
             [
                 f"{r['model']} ×{r['gpus']}\nbs {r['batch']}"
                 + (" clip" if r["clip"] else "")
-                + (" liger" if r["liger"] else "")
-                + (" compile" if r["compile"] else "")
+                + (f" {r['kernels']}" if r["kernels"] != "off" else "")
                 + f"\n{_short_card(r['card'])}"
                 for r in rows
             ],

@@ -217,8 +217,7 @@ def print_summary(results: dict[str, Any], card: str, models: list[str], gpus: i
                 ratio = row["elixir_over_best_baseline"]
                 best = f" | elixir/best {ratio:.2f}x ({row['best_baseline']})" if ratio is not None else ""
                 head = f"{key:15s} {row['model']:9s} x{gpus} seq {row['seq']} bs {row['batch']:3d} clip {int(clip)}"
-                head += " liger" if row["liger"] else ""
-                head += " compile" if row["compile"] else ""
+                head += f" {row['kernels']}" if row["kernels"] != "off" else ""
                 print(f"{head}: " + ", ".join(cells) + best, flush=True)
 
 
