@@ -34,9 +34,11 @@ os.environ.setdefault("ELIXIR_DEBUG_STATES", "1")
 
 
 @pytest.fixture(autouse=True)
-def _engine_on_the_test_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A CPU test stays on the CPU where CUDA is there (``helpers/device.py``)."""
-    pin_engine_device(setattr=monkeypatch.setattr)
+def _engine_on_the_test_device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU test stays on the CPU where CUDA is there (``helpers/device.py``); a ``gpu`` test runs the
+    engine where a user's would (CUDA)."""
+    if request.node.get_closest_marker("gpu") is None:
+        pin_engine_device(setattr=monkeypatch.setattr)
 
 
 @pytest.fixture(autouse=True)

@@ -225,7 +225,10 @@ def _limit_gpu_memory(device: torch.device, gpu_memory: int | None) -> None:
 
 def _resolve_device(config: ElixirConfig) -> torch.device:
     if config.device is not None:
-        return torch.device(config.device)
+        device = torch.device(config.device)
+        if device.type == "cuda" and device.index is None:  # "cuda": the current device, as torch reads it
+            return torch.device("cuda", torch.cuda.current_device())
+        return device
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     return torch.device("cpu")

@@ -1,7 +1,11 @@
 """bf16 / fp16 compute with fp32 master weights vs a plain-PyTorch reference doing the same casts.
 
-Without clipping the two are bit-identical (same bf16/fp16 forward and backward, same grad
-accumulation in the compute dtype, same fp32 update). With clipping, the global norm is summed
+Without clipping the two are bit-identical on the CPU (same bf16/fp16 forward and backward, same grad
+accumulation in the compute dtype, same fp32 update). On CUDA (``make test-gpu``) the offloaded half is
+updated on the host while the reference updates on the GPU, whose compiled kernels fuse Adam's
+multiply-adds (one rounding where the CPU makes two): the runs agree bit for bit until such a
+difference flips a bf16 weight (step 3 of 4 on an H100), so there they are held to the fused kernels'
+tolerance. With clipping, the global norm is summed
 in a different order (~1e-7 relative); once such a difference flips one bf16 rounding of a
 weight the runs drift apart chaotically, so 20-step runs are compared with a stated looser
 tolerance: losses within 2 % and the same fp16 skipped-step pattern.
@@ -12,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.device import ON_CUDA
 from helpers.dist import run_distributed
 from helpers.training import Recipe, assert_close_losses, max_weight_diff, run_elixir, run_reference
 
@@ -26,8 +31,11 @@ def test_same_casts_are_bit_identical(dtype, model, monkeypatch):
     want = run_reference(recipe)
     monkeypatch.setenv("ELIXIR_ADAM_KERNEL", "torch")
     got = run_elixir(recipe, n_blocks="min", offload=0.5)
-    assert got.losses == want.losses
-    assert max_weight_diff(got.state, want.state) == 0.0
+    if ON_CUDA:
+        assert_close_losses(got.losses, want.losses, rtol=1e-3)
+    else:
+        assert got.losses == want.losses
+        assert max_weight_diff(got.state, want.state) == 0.0
     monkeypatch.delenv("ELIXIR_ADAM_KERNEL")
     fused = run_elixir(recipe, n_blocks="min", offload=0.5)
     assert_close_losses(fused.losses, want.losses, rtol=1e-3)

@@ -279,3 +279,10 @@ def test_bad_config_values(kwargs: dict, match: str) -> None:
 @pytest.mark.parametrize("name, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16), ("float32", torch.float32)])
 def test_dtype_names_resolve(name: str, dtype: torch.dtype) -> None:
     assert er.ElixirConfig(dtype=name).dtype == dtype
+
+
+def test_a_cuda_device_without_an_index_is_the_current_one(monkeypatch) -> None:
+    """``device="cuda"`` names the current GPU, as torch reads it (the memory probes need an index)."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert er_api._resolve_device(er.ElixirConfig(device="cuda")) == torch.device("cuda", 3)
+    assert er_api._resolve_device(er.ElixirConfig(device="cuda:1")) == torch.device("cuda", 1)
