@@ -37,6 +37,7 @@ from transformers import Trainer as HFTrainer
 from transformers import TrainerCallback, TrainingArguments
 
 from elixir_hf import ElixirTrainer, ElixirTrainingArguments
+from elixir_hf.commands.plan import DEVICE_LANE_WORDS
 
 from .models import Model, build_initialised_in_place, build_meta, materialize
 from .systems import (
@@ -116,7 +117,10 @@ def hf_trainer(
         fields = training_fields(ctx, out_dir, len(ids), warmup + steps, None if elixir else stock.optim)
         data = _Tokens(ids, len(ids) * ctx.world * (warmup + steps))
         if elixir:
-            spec = "auto" if ctx.offload is None else json.dumps({"offload": ctx.offload})  # --offload pins it
+            pinned = {"offload": ctx.offload} if ctx.offload is not None else {}  # --offload pins it
+            if ctx.device_lane != "off":
+                pinned["device_assisted_update"] = DEVICE_LANE_WORDS[ctx.device_lane]
+            spec = json.dumps(pinned) if pinned else "auto"
             args = ElixirTrainingArguments(elixir=spec, **fields)
             trainer = ElixirTrainer(model=model, args=args, train_dataset=data, callbacks=[clock])
         else:

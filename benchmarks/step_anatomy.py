@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         threads=args.threads,
         clip=bool(args.clip),
         offload=args.offload,
+        device_lane=args.device_lane,
         fused_head=args.fused_head,
     )
     gen = torch.Generator(device=device).manual_seed(0)
@@ -235,6 +236,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument(
         "--offload", type=float, default=None, help="pin the offloaded fraction of chunks (default: the plan's)"
+    )
+    ap.add_argument(
+        "--device-lane", choices=("off", "on", "auto"), default="off", help="ElixirConfig.device_assisted_update"
     )
     ap.add_argument(
         "--fused-head", action="store_true", help="the LM head's weight read outside its module, as TRL's fused head"

@@ -44,6 +44,19 @@ def test_the_trainers_loop_is_stamped_by_its_callbacks(tmp_path, capsys):
     assert rec["cpu_Gps_alone"] is None and "elixir_trainer: tiny" in capsys.readouterr().out
 
 
+def test_the_trainers_run_takes_the_device_lane(tmp_path):
+    """``--device-lane on`` reaches ``ElixirTrainer``'s spec: slices of the offloaded chunks are
+    updated by the device lane (on the CPU here, its torch kernel), the rest by the CPU lane."""
+    out = tmp_path / "anatomy.json"
+    step_anatomy.main(
+        ["--model", "tiny", "--system", "elixir_trainer", "--batch-size", "2", "--seq", "64", "--steps", "2",
+         "--offload", "0.5", "--device-lane", "on", "--threads", "2", "--device", "cpu", "--json", str(out)]
+    )  # fmt: skip
+    rec = json.loads(out.read_text())
+    assert rec["plan"]["device_lane"] > 0
+    assert sum(s["device_lane_elements"] for s in rec["steps"]) > 0
+
+
 def test_a_fused_head_chunk_is_updated_first_unless_told_chunk_order(tmp_path, capsys):
     """``--fused-head``: the head's weight is read outside its module, so its chunk is the root's;
     offloaded, the engine's CPU lane starts each step's update with it, ``--update-order chunk``
