@@ -9,9 +9,10 @@
     PYTHONPATH=src python -m benchmarks.throughput --model llama3-8b,llama2-13b --batch-sizes 4,8 --liger \\
         --systems elixir_trainer,trainer,trainer_lossy,torchao_offload,torchao_offload_bf16   # + Liger's kernels
 
-``--model``: GPT-2 presets (seq 1024), ``llama3-8b``/``qwen2.5-7b`` (seq 2048) or any HF decoder's
-``config.json`` / model folder, random init. ``--clip 1`` (default) clips every system's gradients to a
-global norm of 1.0, as the HF Trainer does by default; ``--clip 0`` does not (the older GPT-2 rows).
+``--model``: GPT-2 presets (seq 1024), the other presets of ``elixir_hf.presets`` (``llama3-8b``,
+``qwen2.5-7b``, the SFT recipes' ``llama3.1-8b``, ``qwen2.5-14b``, ``mistral-7b-v0.3``, ...: seq 2048) or
+any HF decoder's ``config.json`` / model folder, random init. ``--clip 1`` (default) clips every system's
+gradients to a global norm of 1.0, as the HF Trainer does by default; ``--clip 0`` does not (the older GPT-2 rows).
 ``--lean-loss 1`` (default) gives Elixir's model the lean causal-LM loss, as ``ElixirTrainer`` does
 (``elixir_hf/loss.py``); the baselines keep transformers' own (recorded as ``info.lean_loss``).
 ``--liger`` sets ``use_liger_kernel=True`` in the Trainer-path systems (``systems.TRAINER_SYSTEMS``;

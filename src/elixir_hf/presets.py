@@ -10,7 +10,10 @@ families carry their whole published config (vocabulary and rope included), sinc
 ``llama3-8b`` (Meta-Llama-3-8B's config.json, 8.03 B parameters) and ``qwen2.5-7b`` (Qwen2.5-7B's,
 7.62 B; its q/k/v biases are built into HF's Qwen2 model), the models users fine-tune most, and the
 larger shapes the planning table sizes boxes by: ``llama2-13b`` (13.0 B), ``codellama-34b`` (33.7 B)
-and ``llama2-70b`` (69.0 B).
+and ``llama2-70b`` (69.0 B). The SFT recipes' models (``recipes/sft``) too: ``llama3.1-8b``
+(Llama-3.1-8B's config.json: Llama-3-8B's shape, rope scaled to 128K positions), ``qwen2.5-14b``
+(Qwen2.5-14B's, 14.8 B) and ``mistral-7b-v0.3`` (Mistral-7B-v0.3's, 7.25 B: a 32768 vocabulary,
+no sliding window).
 """
 
 from __future__ import annotations
@@ -126,6 +129,60 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {  # name: (HF model_type, its 
             "rms_norm_eps": 1e-6,
             "tie_word_embeddings": False,
             "use_sliding_window": False,
+        },
+    ),
+    "llama3.1-8b": (  # Llama-3-8B's shape; 128K positions by llama3 rope scaling
+        "llama",
+        {
+            "hidden_size": 4096,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "intermediate_size": 14336,
+            "vocab_size": 128256,
+            "max_position_embeddings": 131072,
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+        },
+    ),
+    "qwen2.5-14b": (
+        "qwen2",
+        {
+            "hidden_size": 5120,
+            "num_hidden_layers": 48,
+            "num_attention_heads": 40,
+            "num_key_value_heads": 8,
+            "intermediate_size": 13824,
+            "vocab_size": 152064,
+            "max_position_embeddings": 131072,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+            "use_sliding_window": False,
+        },
+    ),
+    "mistral-7b-v0.3": (
+        "mistral",
+        {
+            "hidden_size": 4096,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "intermediate_size": 14336,
+            "vocab_size": 32768,
+            "max_position_embeddings": 32768,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-5,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
         },
     ),
 }

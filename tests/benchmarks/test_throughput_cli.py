@@ -1,5 +1,6 @@
-"""The throughput harness's models, CLI and clipping: Llama-3-8B / Qwen2.5-7B from their configs, any
-HF decoder config, ``--clip`` recorded and applied by every system, DeepSpeed's config."""
+"""The throughput harness's models, CLI and clipping: the published decoders (Llama-3-8B, Qwen2.5-7B, the
+SFT recipes' models, ...) from their configs, any HF decoder config, ``--clip`` recorded and applied by
+every system, DeepSpeed's config."""
 
 from __future__ import annotations
 
@@ -85,6 +86,29 @@ def _config_file(tmp_path: Path, **fields) -> Path:
             {"hidden_size": 8192, "num_hidden_layers": 48, "num_key_value_heads": 8, "vocab_size": 32016},
         ),
         ("llama2-70b", 68_976_648_192, {"hidden_size": 8192, "num_hidden_layers": 80, "intermediate_size": 28672}),
+        # the SFT recipes' models (recipes/sft)
+        (
+            "llama3.1-8b",
+            8_030_261_248,
+            {"hidden_size": 4096, "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072},
+        ),
+        (
+            "qwen2.5-14b",
+            14_770_033_664,
+            {
+                "hidden_size": 5120,
+                "num_hidden_layers": 48,
+                "num_attention_heads": 40,
+                "num_key_value_heads": 8,
+                "intermediate_size": 13824,
+                "vocab_size": 152064,
+            },
+        ),
+        (
+            "mistral-7b-v0.3",
+            7_248_023_552,
+            {"hidden_size": 4096, "num_key_value_heads": 8, "vocab_size": 32768, "sliding_window": None},
+        ),
     ],
 )
 def test_decoder_presets_are_the_published_models(name: str, billions: int, fields: dict) -> None:
@@ -93,15 +117,16 @@ def test_decoder_presets_are_the_published_models(name: str, billions: int, fiel
     config = p.config(2048)
     assert {k: getattr(config, k) for k in fields} == fields
     assert config.tie_word_embeddings is False and config.use_cache is False
-    theta = {"llama3-8b": 500000.0, "qwen2.5-7b": 1e6, "codellama-34b": 1e6}
-    assert config.rope_parameters["rope_theta"] == theta.get(name, 10000.0)
+    theta = {"llama3-8b": 5e5, "llama3.1-8b": 5e5, "qwen2.5-7b": 1e6, "qwen2.5-14b": 1e6, "codellama-34b": 1e6}
+    assert config.rope_parameters["rope_theta"] == theta.get(name, 1e6 if name.startswith("mistral") else 1e4)
+    assert config.rope_parameters["rope_type"] == ("llama3" if name == "llama3.1-8b" else "default")
     model = build_meta(p, 2048, torch.bfloat16)
     assert count_params(model) == billions  # the published count, untied lm_head included
     assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
     assert model.config._attn_implementation == "sdpa"
     assert all(layer.gradient_checkpointing for layer in model.model.layers)  # activation checkpointing
     q_bias = model.model.layers[0].self_attn.q_proj.bias
-    assert (q_bias is not None) == (name == "qwen2.5-7b")  # Qwen2.5's q/k/v biases
+    assert (q_bias is not None) == name.startswith("qwen2.5")  # Qwen2.5's q/k/v biases
     assert vocab_size(p) == config.vocab_size
 
 

@@ -12,7 +12,7 @@ answered with a constant (``launches.py``, [Note: kernels on fake tensors]).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,7 +110,10 @@ def _drop_grad(t: torch.Tensor) -> None:
 
 
 def _fake_batch(batch: Any, device: torch.device) -> Any:
-    """The batch's structure with every tensor replaced by a fake one on ``device``."""
+    """The batch's structure with every tensor replaced by a fake one on ``device``; a mapping that is
+    not a dict (a collator's ``BatchEncoding``: pytree does not open it) becomes a dict."""
+    if isinstance(batch, Mapping) and not isinstance(batch, dict):
+        batch = dict(batch)
     return tree_map(
         lambda t: torch.empty(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t, batch
     )

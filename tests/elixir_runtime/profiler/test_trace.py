@@ -4,6 +4,8 @@ which a real forward first calls each unit; registration order when the model ca
 from __future__ import annotations
 
 import logging
+from collections import UserDict
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -55,7 +57,7 @@ def _real_order(model: nn.Module, units: list[Unit], batch) -> list[int]:
     model.train()
     try:
         with torch.no_grad():
-            model(**batch) if isinstance(batch, dict) else model(batch)
+            model(**batch) if isinstance(batch, Mapping) else model(batch)
     finally:
         for h in handles:
             h.remove()
@@ -69,8 +71,10 @@ def _real_order(model: nn.Module, units: list[Unit], batch) -> list[int]:
         (tiny_llama, make_batch(128), torch.float32),
         (tiny_llama, make_batch(128), torch.bfloat16),
         (TiedReversed, {"input_ids": torch.randint(0, 16, (2, 5))}, torch.float32),
+        # a mapping that is not a dict: what transformers' padding collators return (BatchEncoding)
+        (tiny_llama, UserDict(make_batch(128)), torch.float32),
     ],
-    ids=["gpt2-tied", "llama", "llama-bf16", "tied-registered-in-reverse"],
+    ids=["gpt2-tied", "llama", "llama-bf16", "tied-registered-in-reverse", "llama-mapping-batch"],
 )
 def test_order_is_the_real_forwards_first_calls(build, batch, dtype, caplog) -> None:
     model = build()
