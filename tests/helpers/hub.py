@@ -51,6 +51,8 @@ class FakeHub:
         online = not kwargs.get("local_files_only") and not huggingface_hub.is_offline_mode()
         self.events.append(("download" if online else "cache", kwargs["allow_patterns"]))
         if online:
+            if repo_id not in self.repos:
+                raise OSError(f"404 Client Error: {repo_id} is not on the Hub")
             cache = Path(kwargs.get("cache_dir") or huggingface_hub.constants.HF_HUB_CACHE)
             cache_snapshot(cache, repo_id, self.repos[repo_id], kwargs.get("revision") or "main",
                            patterns=kwargs["allow_patterns"])  # fmt: skip

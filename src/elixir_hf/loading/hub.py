@@ -70,7 +70,8 @@ def is_hub_id(name_or_path: str | os.PathLike) -> bool:
 def snapshot_folder(repo_id: str, kwargs: dict[str, Any]) -> Path:
     """The folder of ``repo_id``'s snapshot in the cache, holding what ``from_pretrained(repo_id,
     **kwargs)`` reads; downloaded by local rank 0 of each host while the others wait (Note:
-    download once). Not cached where it cannot be downloaded: ``NotCachedError`` on every rank."""
+    download once). Not cached where it cannot be downloaded: ``NotCachedError``. A downloader's failure
+    is raised there and said by rank 0; the other ranks end without a word (``launch.stop``)."""
     offline = huggingface_hub.is_offline_mode() or bool(kwargs.get("local_files_only"))
     wait = _waiter(next(_calls))
     downloader = wait is None or _local_rank() == 0
@@ -78,15 +79,13 @@ def snapshot_folder(repo_id: str, kwargs: dict[str, Any]) -> Path:
     if downloader:
         try:
             folder = _fetch(repo_id, kwargs, local_files_only=offline)
-        except LocalEntryNotFoundError as e:
-            failure = NotCachedError(_not_cached(repo_id, kwargs, e))
-        except Exception as e:  # noqa: BLE001 - any failure must reach the waiting ranks before it is raised
+        except (Exception, NotCachedError) as e:  # every failure reaches the waiting ranks before it is raised
             failure = e
-    failed = [m for m in wait(_message(failure) if failure else None, downloader) if m] if wait else []
+    failed = [m for m in wait(_message(repo_id, failure) if failure else None, downloader) if m] if wait else []
     if failure is not None:
         raise failure
     if failed:
-        stop(f"elixir-hf: {repo_id} could not be downloaded: {failed[0]}", every_rank_says_it=True)
+        stop(failed[0], every_rank_says_it=True)
     return folder if folder is not None else _fetch(repo_id, kwargs, local_files_only=True)
 
 
@@ -104,13 +103,16 @@ def _fetch(repo_id: str, kwargs: dict[str, Any], local_files_only: bool) -> Path
         "local_files_only": local_files_only,
         "force_download": bool(kwargs.get("force_download")) and not local_files_only,
     }
-    folder = Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=at(files), **common))
-    index = folder / sub / INDEX_FILE
-    if index.is_file():
-        shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
-        huggingface_hub.snapshot_download(repo_id, allow_patterns=at(sorted(shards)), **common)
-    if local_files_only and not any((folder / sub / name).is_file() for name in _LOADABLE):
-        raise LocalEntryNotFoundError(f"{folder / sub} holds a config but no weights")  # a config fetched alone
+    try:
+        folder = Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=at(files), **common))
+        index = folder / sub / INDEX_FILE
+        if index.is_file():
+            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+            huggingface_hub.snapshot_download(repo_id, allow_patterns=at(sorted(shards)), **common)
+        if local_files_only and not any((folder / sub / name).is_file() for name in _LOADABLE):
+            raise LocalEntryNotFoundError(f"{folder / sub} holds a config but no weights")  # a config fetched alone
+    except LocalEntryNotFoundError as e:
+        raise NotCachedError(_not_cached(repo_id, kwargs, e)) from None
     return folder
 
 
@@ -136,9 +138,10 @@ def _not_cached(repo_id: str, kwargs: dict[str, Any], error: Exception) -> str:
     )
 
 
-def _message(failure: BaseException) -> str:
-    text = str(failure.code if isinstance(failure, SystemExit) else failure)
-    return text if isinstance(failure, SystemExit) else f"{type(failure).__name__}: {text}"
+def _message(repo_id: str, failure: BaseException) -> str:
+    if isinstance(failure, SystemExit):
+        return str(failure.code)
+    return f"elixir-hf: {repo_id} could not be downloaded: {type(failure).__name__}: {failure}"
 
 
 def _waiter(call: int) -> Any:
@@ -153,7 +156,11 @@ def _waiter(call: int) -> Any:
 
         return gathered
     env = os.environ
-    if int(env.get("WORLD_SIZE", "1")) == 1 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if (
+        int(env.get("WORLD_SIZE", "1")) == 1
+        or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        or "GROUP_RANK" not in env
+    ):
         return None
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=STORE_WAIT)
     key = f"elixir_hf/hub/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/{call}/{env['GROUP_RANK']}"

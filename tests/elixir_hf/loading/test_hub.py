@@ -149,7 +149,7 @@ def _two_ranks(rank: int, world_size: int, repos: dict[str, Path], cache: str) -
     import torch.distributed as dist
 
     events: list = []
-    fake = FakeHub({REPO: repos[REPO]}, events)
+    fake = FakeHub(repos, events)
     huggingface_hub.constants.HF_HUB_CACHE, huggingface_hub.constants.HF_HUB_OFFLINE = cache, False
     huggingface_hub.snapshot_download = fake
     os.environ["LOCAL_RANK"] = str(rank)  # one host
@@ -201,3 +201,26 @@ def test_two_torchrun_ranks_before_a_process_group_wait_on_the_launchers_store(r
     loaded = ["loaded", str(snapshot_path(cache, REPO)), False]  # no process group was built
     assert ranks[0] == [["download", list(hub.FILES)], ["download", shards], ["waited", True], loaded]
     assert ranks[1] == [["waited", True], ["cache", list(hub.FILES)], ["cache", shards], loaded]
+
+
+def _failing_download(rank: int, world_size: int, cache: str) -> str:
+    from elixir_hf import launch
+
+    launch.QUIET_RANK_WAIT_S = 0  # the launcher would end this rank once rank 0 has said it
+    huggingface_hub.constants.HF_HUB_CACHE, huggingface_hub.constants.HF_HUB_OFFLINE = cache, False
+    huggingface_hub.snapshot_download = FakeHub({})
+    os.environ["LOCAL_RANK"] = str(rank)
+    try:
+        _load(REPO)
+    except OSError as e:
+        return f"raised {e}"
+    except SystemExit as e:
+        return f"exit {e.code}"
+    return "loaded"
+
+
+def test_a_download_failing_on_rank_0_ends_every_rank(tmp_path) -> None:
+    """Rank 1 does not wait forever for a download that failed: rank 0 raises the error, rank 1 ends
+    without repeating it."""
+    ranks = run_distributed(_failing_download, 2, str(tmp_path / "hf-cache"))
+    assert ranks == [f"raised 404 Client Error: {REPO} is not on the Hub", "exit 1"]
