@@ -110,7 +110,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         "transformers.models.auto.auto_factory._BaseAutoModelClass.from_pretrained",
-        "every Auto class's from_pretrained (AutoModelForCausalLM's through super())",
+        "AutoModelForCausalLM.from_pretrained and every Auto class's own copy of it (auto_class_update)",
         "from_pretrained_through",
         "under elixir-run, an Auto class reads a Hub id's config through transformers on every rank before the "
         "download once, and offline without the model cached stops with transformers' traceback instead of the "

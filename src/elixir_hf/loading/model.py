@@ -158,9 +158,7 @@ def stream_from_pretrained_calls() -> None:
 
 
 def _streamed_else_stock(stock: Callable[..., Any], cls: Any, name_or_path: Any, kwargs: dict[str, Any]) -> Any:
-    if getattr(
-        _inside, "active", False
-    ):  # inside a call decided already: an Auto class's model class, the streamed load
+    if getattr(_inside, "active", False):  # decided already: an Auto class's model class, the streamed load
         return stock(name_or_path, **kwargs)
     _inside.active = True
     try:
