@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["LaunchError", "check_devices", "check_launch", "QUIET_RANK_WAIT_S"]
+__all__ = ["LaunchError", "check_devices", "check_launch", "stop", "QUIET_RANK_WAIT_S"]
 
 QUIET_RANK_WAIT_S = 30.0
 """How long a rank other than 0 waits before it exits without a word, when rank 0 reports the
@@ -44,12 +44,12 @@ def check_devices(who: str, cpu: bool) -> None:
         return
     launched = _launched()
     if launched > 1 and not torch.cuda.is_available():
-        _stop(_no_gpu_message(launched, who), every_rank_says_it=True)
+        stop(_no_gpu_message(launched, who), every_rank_says_it=True)
     local_rank = int(os.environ.get("LOCAL_RANK", "-1"))
     if local_rank >= 0 and torch.cuda.is_available() and local_rank >= torch.cuda.device_count():
         gpus = torch.cuda.device_count()
         local = os.environ.get("LOCAL_WORLD_SIZE", "?")
-        _stop(
+        stop(
             f"elixir-hf: rank {_rank()} (local rank {local_rank}) has no GPU of its own: this host shows {gpus} "
             f"GPU(s) ({_visible()}) to {local} processes. Launch at most {gpus} process(es) per host "
             f"(accelerate launch --num_processes {gpus}, torchrun --nproc_per_node {gpus}), or make more GPUs "
@@ -72,7 +72,7 @@ def check_launch(world_size: int, who: str = "Trainer/Accelerator") -> None:
             f"would shard over ranks the data is not split over. Launch one process per GPU (accelerate launch "
             f"--num_processes N, torchrun --nproc_per_node N) and let the {who} see them all."
         )
-    _stop(message, every_rank_says_it=True)
+    stop(message, every_rank_says_it=True)
 
 
 def _no_gpu_message(launched: int, who: str) -> str:
@@ -110,7 +110,8 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _stop(message: str, every_rank_says_it: bool) -> None:
+def stop(message: str, every_rank_says_it: bool) -> None:
+    """Ends this process with ``message`` (a ``LaunchError``); a mistake every rank makes is said by rank 0 alone."""
     if every_rank_says_it and _rank() != 0:
         time.sleep(QUIET_RANK_WAIT_S)  # rank 0 says it; the launcher stops this rank when rank 0 exits
         raise LaunchError(1)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import sys
 from collections.abc import Callable, Iterator
@@ -105,6 +106,15 @@ PATCHES: tuple[Patch, ...] = (
         "from_pretrained_through",
         "under elixir-run, a script's from_pretrained loads the whole model on every rank: host memory per rank "
         "is the model's size again",
+        _TRANSFORMERS,
+    ),
+    Patch(
+        "transformers.models.auto.auto_factory._BaseAutoModelClass.from_pretrained",
+        "AutoModelForCausalLM.from_pretrained and every Auto class's own copy of it (auto_class_update)",
+        "from_pretrained_through",
+        "under elixir-run, an Auto class reads a Hub id's config through transformers on every rank before the "
+        "download once, and offline without the model cached stops with transformers' traceback instead of the "
+        "command that downloads it",
         _TRANSFORMERS,
     ),
     Patch(
@@ -263,16 +273,37 @@ def weights_recorded_not_read(record: Callable[..., Any]) -> contextlib.Abstract
 
 
 def from_pretrained_through(load: Callable[[Callable[..., Any], type, Any, dict[str, Any]], Any]) -> None:
-    """From now on, ``SomeModel.from_pretrained(name_or_path, **kwargs)`` of every model class is
-    ``load(stock, SomeModel, name_or_path, kwargs)``, where ``stock(name_or_path, **kwargs)`` is
-    transformers' own; calls with extra positional arguments or no name go to transformers as they are.
-    Once per process."""
+    """From now on, ``SomeModel.from_pretrained(name_or_path, **kwargs)`` of every model class and of
+    every Auto class is ``load(stock, SomeModel, name_or_path, kwargs)``, where ``stock(name_or_path,
+    **kwargs)`` is transformers' own; calls with extra positional arguments or no name go to
+    transformers as they are. Once per process.
+
+    transformers gives each Auto class its own copy of ``_BaseAutoModelClass.from_pretrained``
+    (``auto_class_update``): each copy is patched."""
     from transformers import PreTrainedModel
+    from transformers.models.auto import modeling_auto  # noqa: F401 - defines the Auto classes
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
-    stock = PreTrainedModel.from_pretrained.__func__
-    if getattr(stock, "_elixir", False):
-        return
+    for owner in (PreTrainedModel, *_copies_of(_BaseAutoModelClass, "from_pretrained")):
+        stock = owner.__dict__["from_pretrained"].__func__
+        if not getattr(stock, "_elixir", False):
+            owner.from_pretrained = classmethod(_through(stock, load))  # type: ignore[method-assign]
 
+
+def _copies_of(base: type, name: str) -> list[type]:
+    """The subclasses of ``base``, at any depth, whose own classmethod ``name`` is a copy of ``base``'s."""
+    code = vars(base)[name].__func__.__code__
+    found, todo = [], [base]
+    while todo:
+        for cls in todo.pop().__subclasses__():
+            todo.append(cls)
+            own = vars(cls).get(name)
+            if isinstance(own, classmethod) and inspect.unwrap(own.__func__).__code__ is code:
+                found.append(cls)
+    return found
+
+
+def _through(stock: Callable[..., Any], load: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(stock)
     def from_pretrained(cls: Any, name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
         if args or name_or_path is None:
@@ -280,7 +311,7 @@ def from_pretrained_through(load: Callable[[Callable[..., Any], type, Any, dict[
         return load(functools.partial(stock, cls), cls, name_or_path, kwargs)
 
     from_pretrained._elixir = True  # type: ignore[attr-defined]
-    PreTrainedModel.from_pretrained = classmethod(from_pretrained)  # type: ignore[method-assign]
+    return from_pretrained
 
 
 def before_inject_adapter(hook: Callable[[Any], None]) -> None:

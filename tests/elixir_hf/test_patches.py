@@ -142,6 +142,20 @@ def _from_pretrained() -> None:
     )
 
 
+def _auto_from_pretrained() -> None:
+    import transformers
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    method = _BaseAutoModelClass.__dict__["from_pretrained"]
+    assert isinstance(method, classmethod), "_BaseAutoModelClass.from_pretrained is no classmethod"
+    params = list(inspect.signature(method.__func__).parameters.values())
+    assert params[1].name == "pretrained_model_name_or_path" and params[1].kind is params[1].POSITIONAL_OR_KEYWORD
+    assert params[-1].kind is params[-1].VAR_KEYWORD
+    autos = patches._copies_of(_BaseAutoModelClass, "from_pretrained")
+    for name in ("AutoModel", "AutoModelForCausalLM", "AutoModelForSequenceClassification", "AutoModelForSeq2SeqLM"):
+        assert getattr(transformers, name) in autos, f"{name}.from_pretrained is no copy of the base's"
+
+
 def _inject_adapter() -> None:
     pytest.importorskip("peft")
     from peft.tuners.tuners_utils import BaseTuner
@@ -235,6 +249,7 @@ CONTRACTS: dict[str, Callable[[], None]] = {
     "model.should_save_on_this_rank": _should_save_on_this_rank,
     "transformers.modeling_utils.convert_and_load_state_dict_in_model": _convert_and_load_state_dict_in_model,
     "transformers.PreTrainedModel.from_pretrained": _from_pretrained,
+    "transformers.models.auto.auto_factory._BaseAutoModelClass.from_pretrained": _auto_from_pretrained,
     "peft.tuners.tuners_utils.BaseTuner.inject_adapter": _inject_adapter,
     "transformers.trainer_utils.get_last_checkpoint": _get_last_checkpoint,
     "transformers.TrainingArguments.__new__": _constructed("transformers.TrainingArguments", (("trl", "SFTConfig"),)),

@@ -12,8 +12,9 @@ and ``Accelerator`` the script builds — the stock classes and every subclass, 
 before or after (TRL's ``SFTConfig``/``SFTTrainer``) — is built as its Elixir version
 (``patches.construct_elixir``), which reads ``ELIXIR_CONFIG``. The script then runs as
 ``python SCRIPT.py`` would run it: ``__main__``, ``sys.argv`` and ``sys.path[0]`` as Python sets them.
-With Elixir on, its ``from_pretrained`` calls stream the weights into the chunks
-(``loading.model.stream_from_pretrained_calls``; ``ELIXIR_STREAM=0`` leaves them as they are).
+With Elixir on, its ``from_pretrained`` calls stream the weights into the chunks, a Hub id from its
+snapshot in the cache, downloaded once per host (``loading.model.stream_from_pretrained_calls``;
+``ELIXIR_STREAM=0`` leaves them as they are).
 """
 
 from __future__ import annotations

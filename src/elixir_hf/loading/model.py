@@ -2,18 +2,19 @@
 
 With ``torchrun --nproc_per_node 4`` a plain ``from_pretrained`` puts four full copies of the
 model in host memory before Elixir shards it: 4 × 80 GB for a 20B model in fp32, more than most
-hosts have. ``from_pretrained`` of a local safetensors folder builds the model on ``meta`` on
-every rank and leaves the weights in their files (``stream.py``): ``prepare`` (through the
-Trainer's ``--elixir`` or ``ElixirAccelerator``) reads each rank's shards from them, so the host
-never holds the model, even on one rank. Where that cannot apply (a hub name, a ``.bin``
-checkpoint, quantisation, ...: ``stream.streaming_blocker``), or with ``stream=False``, rank 0
+hosts have. ``from_pretrained`` of a safetensors folder (local, or a Hub id's snapshot in the cache,
+downloaded once per host: ``hub.py``) builds the model on ``meta`` on every rank and leaves the
+weights in their files (``stream.py``): ``prepare`` (through the Trainer's ``--elixir`` or
+``ElixirAccelerator``) reads each rank's shards from them, so the host never holds the model, even
+on one rank. Where that cannot apply (a ``.bin`` checkpoint, quantisation, ...:
+``stream.streaming_blocker``), or with ``stream=False``, rank 0
 reads the weights and every other rank builds the same module on ``meta``; ``prepare`` fills each
 rank's shards from rank 0's tensors. ``from_config`` builds the model on ``meta`` on every rank
 carrying its init, which ``prepare`` draws on each rank's shards on the GPU (``init="rank0"``:
 rank 0 initialises it, as ``from_pretrained`` without streaming). Use them only for a model
 Elixir will prepare: DDP or the stock Trainer would train the empty meta copies.
 
-    model = elixir_hf.from_pretrained(AutoModelForCausalLM, "path/to/llama", dtype=torch.bfloat16)
+    model = elixir_hf.from_pretrained(AutoModelForCausalLM, "meta-llama/Meta-Llama-3-8B", dtype=torch.bfloat16)
     model = elixir_hf.from_config(AutoModelForCausalLM, config)
 
 A model on meta has no values: train or evaluate it only through Elixir.
@@ -145,9 +146,10 @@ _inside = threading.local()
 
 
 def stream_from_pretrained_calls() -> None:
-    """From now on, ``PreTrainedModel.from_pretrained`` (which the Auto classes call) streams the
-    weights where it can, as ``from_pretrained`` does; elsewhere it loads as it always did, with a
-    warning saying why. ``elixir-run`` installs it when Elixir is on and ``ELIXIR_STREAM`` is not ``0``.
+    """From now on, ``from_pretrained`` of every model class and Auto class streams the weights
+    where it can, as ``from_pretrained`` does (a Hub id from its snapshot in the cache, downloaded
+    once per host); elsewhere it loads as it always did, with a warning saying why. ``elixir-run``
+    installs it when Elixir is on and ``ELIXIR_STREAM`` is not ``0``.
 
     A model loaded this way runs only once the engine is built on it: a script that loads a
     second model it runs without Elixir (a reference or teacher model) needs ``ELIXIR_STREAM=0``.
@@ -156,14 +158,14 @@ def stream_from_pretrained_calls() -> None:
 
 
 def _streamed_else_stock(stock: Callable[..., Any], cls: Any, name_or_path: Any, kwargs: dict[str, Any]) -> Any:
-    if getattr(_inside, "active", False):  # the streamed load's own from_pretrained
+    if getattr(_inside, "active", False):  # decided already: an Auto class's model class, the streamed load
         return stock(name_or_path, **kwargs)
     _inside.active = True
     try:
         model, why = streamed_or_why(cls, name_or_path, kwargs)
+        if model is None:
+            logger.warning("elixir: the weights of %s are not streamed into the chunks: %s", name_or_path, why)
+            model = stock(name_or_path, **kwargs)
     finally:
         _inside.active = False
-    if model is not None:
-        return model
-    logger.warning("elixir: the weights of %s are not streamed into the chunks: %s", name_or_path, why)
-    return stock(name_or_path, **kwargs)
+    return model

@@ -8,9 +8,9 @@ which parameter. The parameters stay on meta on every rank, the model carries th
 (``elixir_runtime.stream_weights``) and ``prepare`` reads each rank's shards from them.
 
 [Note: what cannot be streamed]
-A checkpoint that is not a local safetensors folder (a hub name, ``pytorch_model.bin``, a PEFT
-adapter folder), loading options that change how tensors are read (``device_map``, quantisation,
-``variant``, ...), a key that transformers converts rather than renames (fused or split tensors,
+A checkpoint that is not a safetensors folder (``pytorch_model.bin``, a PEFT adapter folder; a Hub
+id is its snapshot folder in the cache: ``hub.py``), loading options that change how tensors are
+read (``device_map``, quantisation, ``variant``, ...), a key that transformers converts rather than renames (fused or split tensors,
 ``WeightConverter``) and ``keep_in_fp32`` modules under a half dtype: ``streaming_blocker`` or
 ``CannotStream`` says which, and ``model.from_pretrained`` loads without streaming, with a
 warning. A parameter the checkpoint lacks (transformers would initialise it at random) is a
@@ -41,6 +41,7 @@ from elixir_runtime import (
 )
 
 from .. import patches
+from .hub import HUB_KWARGS, is_hub_id, snapshot_folder
 
 __all__ = [
     "CannotStream",
@@ -84,7 +85,8 @@ class CannotStream(Exception):
 
 
 def streaming_blocker(name_or_path: str | os.PathLike, kwargs: dict[str, Any]) -> str | None:
-    """Why this ``from_pretrained`` call cannot stream, judged before anything is built; None if it may."""
+    """Why this ``from_pretrained`` call cannot stream, judged before anything is built or downloaded;
+    None if it may (a Hub id's snapshot is judged once it is in the cache: ``streamed_or_why``)."""
     passed = [k for k in _READ_KWARGS if kwargs.get(k) is not None and kwargs.get(k) is not False]
     if passed:
         return f"from_pretrained was given {', '.join(passed)}"
@@ -92,9 +94,12 @@ def streaming_blocker(name_or_path: str | os.PathLike, kwargs: dict[str, Any]) -
         return f"{name_or_path} holds a PEFT adapter"
     if kwargs.get("use_safetensors") is False:
         return "from_pretrained was given use_safetensors=False"
-    folder = Path(name_or_path, kwargs.get("subfolder") or "")
+    return None if is_hub_id(name_or_path) else _folder_blocker(Path(name_or_path, kwargs.get("subfolder") or ""))
+
+
+def _folder_blocker(folder: Path) -> str | None:
     if not folder.is_dir():
-        return f"{folder} is not a local folder (download it first, e.g. `hf download NAME --local-dir DIR`)"
+        return f"{folder} is not a local folder or a Hub id"
     if (folder / "adapter_config.json").is_file():
         return f"{folder} holds a PEFT adapter"
     if not (folder / SINGLE_FILE).is_file() and not (folder / INDEX_FILE).is_file():
@@ -103,14 +108,23 @@ def streaming_blocker(name_or_path: str | os.PathLike, kwargs: dict[str, Any]) -
 
 
 def streamed_or_why(model_class: Any, name_or_path: str | os.PathLike, kwargs: dict[str, Any]) -> tuple[Any, str]:
-    """``(the streamed model, "")``, or ``(None, why it cannot be streamed)``; a bad checkpoint raises."""
-    why = streaming_blocker(name_or_path, kwargs)
+    """``(the streamed model, "")``, or ``(None, why it cannot be streamed)``; a bad checkpoint raises.
+    A Hub id is streamed from its snapshot in the cache (``hub.snapshot_folder``: downloaded once per
+    host, every rank calls this), the model's ``name_or_path`` staying the id."""
+    why, hub_id = streaming_blocker(name_or_path, kwargs), None
+    if why is None and is_hub_id(name_or_path):
+        hub_id, name_or_path = str(name_or_path), snapshot_folder(str(name_or_path), kwargs)
+        kwargs = {k: v for k, v in kwargs.items() if k not in HUB_KWARGS}
+        why = _folder_blocker(Path(name_or_path, kwargs.get("subfolder") or ""))
     if why is not None:
         return None, why
     try:
-        return streamed_from_pretrained(model_class, name_or_path, **kwargs), ""
+        model = streamed_from_pretrained(model_class, name_or_path, **kwargs)
     except CannotStream as e:
         return None, str(e)
+    if hub_id is not None:
+        model.config.name_or_path = hub_id  # what transformers records (PEFT's base_model_name_or_path), not the cache
+    return model, ""
 
 
 def streamed_from_pretrained(model_class: Any, name_or_path: str | os.PathLike, **kwargs: Any) -> Any:

@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 
 from elixir_hf.checkpoint.optimizer_files import optim_file_name
 from elixir_hf.commands.run import main, split_elixir
+from helpers.hub import cache_snapshot
 
 SCRIPTS = Path(__file__).with_name("scripts")
 ROOT = Path(__file__).parents[3]
@@ -217,6 +218,36 @@ def test_trainer_script_and_accelerate_loop(model_dir, tmp_path, monkeypatch, ra
     for rank in range(ranks):
         assert (tmp_path / "elixir" / "loop" / "state" / optim_file_name(rank, ranks)).is_file()
     assert not (tmp_path / "stock" / "loop" / "state" / optim_file_name(0, 1)).exists()
+
+
+def test_a_hub_id_in_the_script_streams_from_the_cache(model_dir, tmp_path) -> None:
+    """The script's ``AutoModelForCausalLM.from_pretrained("org/tiny-gpt2")``, offline, the model in
+    ``HF_HUB_CACHE``: the engine fills its shards from the snapshot folder, nothing loads it whole."""
+    cache = tmp_path / "hf-cache"
+    snapshot = cache_snapshot(cache, "org/tiny-gpt2", model_dir)
+    args = ["--model_name_or_path", "org/tiny-gpt2", *TRAINER_ARGS, "--max_steps", "2"]
+    out = _elixir_run(
+        1,
+        str(SCRIPTS / "hf_trainer.py"),
+        *args,
+        *("--output_dir", str(tmp_path / "out"), "--elixir", OFFLOAD_PLAN),
+        env={"HF_HUB_CACHE": str(cache)},
+    )
+    assert out.count(f"every rank fills its shards of the weights from {snapshot}") == 1, out[-3000:]
+    assert "not streamed" not in out
+    assert len(_history(tmp_path / "out", "loss")) == 2
+
+
+def test_a_hub_id_offline_and_not_cached_stops_naming_the_download(tmp_path) -> None:
+    """One message, no traceback: the id, the command that downloads it, the variable that keeps it offline."""
+    cmd = [sys.executable, "-m", "elixir_hf.commands.run", str(SCRIPTS / "hf_trainer.py"), "--model_name_or_path"]
+    cmd += ["org/absent", "--output_dir", str(tmp_path / "out"), "--use_cpu", "--report_to", "none"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hf-cache"), "CUDA_VISIBLE_DEVICES": ""}
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "org/absent is not a local folder" in proc.stderr and "`hf download org/absent`" in proc.stderr
+    assert "HF_HUB_OFFLINE" in proc.stderr
 
 
 # --------------------------------------------------------------------------- TRL and PEFT
