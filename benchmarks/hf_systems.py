@@ -38,6 +38,7 @@ from transformers import TrainerCallback, TrainingArguments
 
 from elixir_hf import ElixirTrainer, ElixirTrainingArguments
 from elixir_hf.commands.plan import DEVICE_LANE_WORDS
+from elixir_runtime.planner import plan_table
 
 from .models import Model, build_initialised_in_place, build_meta, materialize
 from .systems import (
@@ -134,10 +135,10 @@ def hf_trainer(
         if anatomy:
             info["anatomy"] = {"stamps": clock.stamps, "trace": clock.trace}
         if elixir:
-            plan = trainer.model._elixir.plan
-            print(plan.table(), flush=True)
+            plan, live = trainer.model._elixir.plan, trainer.model._elixir.live
+            print(plan_table(plan), flush=True)
             # resident_chunks: those of parameters read outside their module (Liger's or TRL's fused head)
-            info.update(plan=plan_summary(plan), plan_batch=len(ids), resident_chunks=len(plan.root_chunks))
+            info.update(plan=plan_summary(plan), plan_batch=len(ids), resident_chunks=len(live.root_chunks))
         return clock.times[warmup:], out.training_loss
 
     return Trainer(info=info, timed=timed)

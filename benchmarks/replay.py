@@ -101,7 +101,7 @@ def predict(run: dict[str, Any], observed: float | None = None) -> StepTime:
         skip_nonfinite=bool(run["info"].get("skip_nonfinite", True)),
         device_assisted_update=bool(plan.get("device_lane")),  # as recorded, not chosen again
     )
-    return plan_model(model, find_units(model, None), {"input_ids": ids, "labels": ids}, config, target).predicted
+    return plan_model(model, find_units(model, None), {"input_ids": ids, "labels": ids}, config, target).plan.predicted
 
 
 def replay(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -185,8 +185,10 @@ def _elixir(p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
     resident = use_fused_head(model) if ctx.fused_head else []
     opt = _adamw(model.parameters(), fused=False)
     model, opt = er.prepare(model, opt, config, example_batch=batch, resident=resident)
+    from elixir_runtime.planner import plan_table
+
     plan = model._elixir.plan
-    print(plan.table(), flush=True)
+    print(plan_table(plan), flush=True)
 
     def step(ids: torch.Tensor) -> torch.Tensor:
         loss = model(input_ids=ids, labels=ids).loss
@@ -224,8 +226,8 @@ def plan_summary(plan: ElixirPlan) -> dict[str, Any]:
         host_bytes=plan.host_bytes,
         predicted_step_s=plan.predicted_step_s,
         predicted=saved["predicted"],
-        rates=plan.search.get("rates"),
-        hardware=plan.search.get("hardware"),
+        rates=saved["search"].get("rates"),
+        hardware=saved["search"].get("hardware"),
     )
     return out
 

@@ -31,8 +31,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("elixir_runtime.hardware", "elixir_runtime.profiler"),
     # the cost model and the search over plans; it reads the engine's constants, never the reverse
     ("elixir_runtime.search",),
-    # the plan and the planner that decides it (profile, search, layout) for prepare and elixir-plan
-    ("elixir_runtime.plan", "elixir_runtime.planner"),
+    # the plan, its one renderer, and the planner that decides it (profile, search, layout) for prepare and elixir-plan
+    ("elixir_runtime.plan", "elixir_runtime.plan_view", "elixir_runtime.planner"),
     ("elixir_runtime.api", "elixir_runtime.compile", "elixir_runtime"),
     ("elixir_hf",),
 ]

@@ -15,6 +15,8 @@ from torch import nn
 
 import elixir_runtime
 from elixir_runtime import ElixirOptimizer
+from elixir_runtime.config import PlanMismatch
+from elixir_runtime.planner import plan_table
 
 from . import console  # noqa: F401  (this package's and the engine's loggers under transformers')
 from .loss import use_lean_loss
@@ -82,9 +84,10 @@ def build_engine(
     grad_accum_steps: int | None = None,
     compile_kwargs: dict[str, Any] | None = None,
 ) -> ElixirOptimizer:
-    """Checks the plan file (if any), gives the model the lean causal-LM loss (``plugin.lean_loss``;
-    before the engine traces a training step, so the plan counts that loss's memory), then
-    ``elixir_runtime.prepare``s the model in place and logs the plan as a table (INFO; ``console.py``
+    """Checks the plan file (if any) names this model, gives the model the lean causal-LM loss
+    (``plugin.lean_loss``; before the engine traces a training step, so the plan counts that loss's
+    memory), then ``elixir_runtime.prepare``s the model in place, following the plan file (its layout
+    checked against the model's before anything is allocated), and logs the plan as a table (INFO; ``console.py``
     says which processes show it: under the Trainer, rank 0 at ``--log_level``, the others at
     ``--log_level_replica``).
 
@@ -110,22 +113,13 @@ def build_engine(
             "of their own that every forward gathers",
             len(resident),
         )
-    _, elixir_optimizer = elixir_runtime.prepare(
-        model, optimizer, config=config, example_batch=batch, resident=resident
-    )
-    plan = model._elixir.plan
     try:
-        plugin.check_plan(plan)
-    except ElixirSpecError as exc:
-        table = plan.param_table
-        names = [table.names[i][0] for i, r in enumerate(table.resident) if r]
-        if not names:
-            raise
-        raise ElixirSpecError(
-            f"{exc}. Here {names} have chunks of their own because the forward reads them outside their module "
-            "(a fused LM head or loss), which elixir-plan cannot know: use --elixir auto or a JSON config instead of "
-            "the plan file"
-        ) from None
+        _, elixir_optimizer = elixir_runtime.prepare(
+            model, optimizer, config=config, example_batch=batch, resident=resident, plan=plugin.plan
+        )
+    except PlanMismatch as exc:  # the plan file's layout is not this model's: a spec error, as the other checks
+        raise ElixirSpecError(str(exc)) from None
+    plan = model._elixir.plan
     if compile_kwargs is not None:
         n = elixir_runtime.compile_blocks(model, **compile_kwargs)
         logger.info(
@@ -133,7 +127,7 @@ def build_engine(
         )
     if logger.isEnabledFor(logging.INFO):
         m = describe_model(model)
-        logger.info("Elixir plan for %s (%.1fM parameters):\n%s", m["class"], m["parameters"] / 1e6, plan.table())
+        logger.info("Elixir plan for %s (%.1fM parameters):\n%s", m["class"], m["parameters"] / 1e6, plan_table(plan))
     return elixir_optimizer
 
 

@@ -18,6 +18,7 @@ import psutil
 import torch
 
 from elixir_runtime import ElixirPlan, compile_stats
+from elixir_runtime.planner import plan_metrics
 
 from .optimizer import ElixirAcceleratedOptimizer
 
@@ -88,20 +89,8 @@ class EngineMetrics:
 
 
 def _plan_metrics(plan: ElixirPlan) -> dict[str, float]:
-    out = {
-        "elixir/plan_chunks": plan.n_chunks,
-        "elixir/plan_chunk_size": plan.chunk_size,
-        "elixir/plan_rcache_blocks": plan.n_blocks,
-        "elixir/plan_offloaded_chunks": len(plan.offload),
-        "elixir/plan_device_gib": plan.device_bytes / _GIB,
-        "elixir/plan_host_gib": plan.host_bytes / _GIB,
-    }
-    if plan.predicted is not None:  # a searched plan: its predicted step and the CPU update rate it priced
-        out["elixir/plan_step_s"] = plan.predicted.total
-        rate = (plan.search.get("rates") or {}).get("cpu_update_Gps")
-        if rate and plan.offload:
-            out["elixir/plan_cpu_update_Gps"] = rate
-    return out
+    """The plan's key numbers, as the plan's renderer gives them (``plan_view.plan_metrics``)."""
+    return {f"elixir/{k}": v for k, v in plan_metrics(plan).items()}
 
 
 def _memory_metrics(device: torch.device) -> dict[str, float]:

@@ -78,7 +78,8 @@ class ElixirPlugin:
 
     config: ElixirConfig = field(default_factory=ElixirConfig)
     plan: ElixirPlan | None = None
-    """The saved plan this run must follow (set by a plan file); checked against model and ranks."""
+    """The saved plan this run must follow (set by a plan file); checked against model and ranks, and
+    by ``prepare`` against the model's layout before anything is allocated."""
     plan_model: dict[str, Any] | None = None
     """The model the plan file was saved for (``describe_model``), when the file names one."""
     lean_loss: bool = True
@@ -185,17 +186,7 @@ class ElixirPlugin:
             plan = ElixirPlan.from_dict({k: v for k, v in data.items() if k != "model"})
         except (TypeError, ValueError) as exc:
             raise ElixirSpecError(f"{source} looks like a plan but is not one: {exc}") from exc
-        return cls._built(
-            source,
-            mode="static",
-            chunk_size=plan.chunk_size,
-            n_blocks=plan.n_blocks,
-            offload=list(plan.offload),
-            gpu_memory=plan.gpu_memory,
-            device_assisted_update=plan.device_lane > 0,  # the plan pins the update lanes too
-            plan=plan,
-            plan_model=data.get("model"),
-        )
+        return cls._built(source, **plan.settings(), plan=plan, plan_model=data.get("model"))
 
     # ------------------------------------------------------------------ resolution
     def resolve_dtype(self, mixed_precision: str | None) -> None:
@@ -234,18 +225,6 @@ class ElixirPlugin:
         if saved and saved != describe_model(model):
             raise ElixirSpecError(
                 f"the plan file was made for another model ({saved}) than this one ({describe_model(model)}): "
-                "re-plan with --elixir auto, or load the model the plan was made for"
-            )
-
-    def check_plan(self, plan: ElixirPlan) -> None:
-        """After the engine is built: the layout must be the one the plan file describes."""
-        if self.plan is None:
-            return
-        got = {k: getattr(plan, k) for k in ("n_chunks", "chunk_size", "world_size")}
-        want = {k: getattr(self.plan, k) for k in got}
-        if got != want:
-            raise ElixirSpecError(
-                f"the plan file does not fit this model: it describes {want}, this model gives {got}; "
                 "re-plan with --elixir auto, or load the model the plan was made for"
             )
 

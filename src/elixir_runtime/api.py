@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -26,7 +26,8 @@ from .hardware.load import record_update_rate
 from .host import local_ranks
 from .kernels.threads import cpu_adam_threads
 from .optim.optimizer import ElixirOptimizer
-from .plan import ElixirPlan
+from .plan import ElixirPlan, LivePlan
+from .plan_view import plan_table
 from .planner import plan_job
 from .runtime.chunk_runtime import ChunkRuntime
 from .runtime.device_lane import DeviceLane
@@ -47,6 +48,8 @@ class ElixirState:
 
     runtime: ChunkRuntime
     plan: ElixirPlan
+    live: LivePlan
+    """The parameter table, layout and unit chunks the plan was decided on (not in the plan file)."""
     units: list[Unit]
     optimizer: ElixirOptimizer
     model_state: ModelStateHooks
@@ -60,6 +63,7 @@ def prepare(
     example_batch: Any | None = None,
     *,
     resident: Iterable[nn.Parameter] = (),
+    plan: ElixirPlan | None = None,
 ) -> tuple[nn.Module, ElixirOptimizer]:
     """Installs the Elixir engine on ``model`` in place and returns ``(model, elixir_optimizer)``.
 
@@ -74,8 +78,14 @@ def prepare(
     placeholder, silently. Each of these parameters gets a private chunk (never evicted; counted in
     ``plan.memory.private``) that every forward of ``model`` gathers first; its gradient is written
     back, reduced and updated like any other's.
+
+    ``plan``: a plan to follow (``ElixirPlan.from_json`` of a plan file): its choices
+    (``ElixirPlan.settings()``) replace the config's, and the layout this model gives must be the
+    one it describes, checked before anything is allocated (``PlanMismatch``).
     """
     config = config or ElixirConfig()
+    if plan is not None:
+        config = replace(config, **plan.settings())
     _check_model(model)
     decoupled = _check_optimizer(optimizer)
     device = _resolve_device(config)
@@ -88,7 +98,7 @@ def prepare(
     _limit_gpu_memory(device, config.gpu_memory)
     # gradient shards come and go during each backward (chunk/store.py): page-mapped segments keep that from fragmenting
     expandable = device.type == "cuda" and expandable_segments()
-    plan = plan_job(
+    planned = plan_job(
         model,
         units,
         example_batch,
@@ -99,11 +109,13 @@ def prepare(
         param_group=lambda p: group_of[id(p)],
         grads_share_activations=expandable,
         resident=list(resident),
+        follow=plan,
     )
+    plan, live = planned.plan, planned.live
     if coll.rank == 0:  # the HF integration prints it; a debug record for runtime-only users
-        logger.debug("Elixir plan:\n%s", plan.table())
+        logger.debug("Elixir plan:\n%s", plan_table(plan))
 
-    params = plan.param_table.params
+    params = live.param_table.params
     orig_dtypes = [p.dtype for p in params]
     _move_buffers(model, device, source)
     unmeta_parameters(params)
@@ -111,7 +123,7 @@ def prepare(
     lane = DeviceLane(plan.device_lane, device, dtype) if plan.device_lane else None
     with source.reading(device):  # streamed weights: a failed read fails prepare on every rank
         runtime = ChunkRuntime(
-            plan.layout,
+            live.layout,
             plan.placement(),
             plan.n_blocks,
             coll,
@@ -121,11 +133,11 @@ def prepare(
             lockstep,
             source.part,
             lane,
-            grads_share_activations=plan.grad_window.shares,
-            root_chunks=plan.root_chunks,
+            grads_share_activations=live.grad_window.shares,
+            root_chunks=live.root_chunks,
         )
     detach_weights(model)
-    install_hooks(model, units, plan.unit_chunks, runtime, plan.batch_shape)
+    install_hooks(model, units, live.unit_chunks, runtime, plan.batch_shape)
     model_state = ModelStateHooks(runtime, orig_dtypes)
     model_state.install(model)
     threads = cpu_adam_threads(local_ranks(), config.cpu_threads)
@@ -139,7 +151,7 @@ def prepare(
         max_consecutive_skips=config.max_consecutive_skips,
         rate_probe=_rate_probe(plan, runtime, coll, device, threads) if config.record_update_rate else None,
     )
-    model._elixir = ElixirState(runtime, plan, units, elixir_optimizer, model_state)
+    model._elixir = ElixirState(runtime, plan, live, units, elixir_optimizer, model_state)
     return model, elixir_optimizer
 
 

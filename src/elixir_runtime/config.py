@@ -15,13 +15,18 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-__all__ = ["ConfigError", "ElixirConfig", "LossScaleConfig", "PlanError", "parse_size", "resolve_dtype"]
+__all__ = ["ConfigError", "ElixirConfig", "LossScaleConfig", "PlanError", "PlanMismatch", "parse_size", "resolve_dtype"]
 
 BlockCount = int | Literal["min", "max"]
 
 
 class PlanError(ValueError):
     """The requested plan cannot run; the message names the numbers and the fix."""
+
+
+class PlanMismatch(PlanError):
+    """A plan given to follow (a plan file) describes another layout than this model gives;
+    raised before anything is allocated."""
 
 
 class ConfigError(ValueError):

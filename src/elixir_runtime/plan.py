@@ -3,16 +3,20 @@
 The planner (``planner.py``) decides a plan before any training memory is allocated; this module
 holds what a plan is and its rules: the rCache bounds, the user's explicit choices (``n_blocks``,
 ``offload``), the memory count and whether it fits this machine (``PlanError`` with the numbers).
-A searched plan also carries the predicted step time, the budget and the rigid alternatives it was
-compared with. The JSON file holds the decided values; the layout and table it was decided on are
-this process's objects and stay out of it.
+
+[Note: one plan object] A plan is built once (``resolve_plan``) and never changed: ``ElixirPlan``
+is a frozen dataclass tree holding exactly what its JSON file holds, typed (the search's report,
+the profile's summary, each chunk's parameters), so a plan read from a file and the plan a run
+decided are the same kind of object, rendered by one renderer (``plan_view.py``). A variant (for
+another batch, another file) is ``dataclasses.replace`` of it. The objects it was decided on,
+which the runtime builds from (parameter table, layout, each unit's chunks), are this process's
+and stay out of it: ``LivePlan``, beside it in ``Planned``.
 """
 
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,24 +26,38 @@ import torch
 from .chunk.layout import ChunkLayout
 from .config import ElixirConfig, PlanError
 from .gpu_limit import device_capacity, process_limit
-from .host import GIB, HostMemory
-from .profiler.profile import ModelProfile
-from .runtime.device_lane import LANE_DEPTH
+from .host import HostMemory
+from .profiler.profile import ProfileSummary
 from .search.budget import Budget
 from .search.loop import SearchResult, resident_chunks
 from .search.memory import ArenaBytes, GradWindow
 from .search.placement import offloaded_chunks
+from .search.report import Alternative, SearchReport
 from .search.step_time import StepTime
 from .units import ParamTable
 
-__all__ = ["DEVICE_MEMORY", "ElixirPlan", "PlanMemory", "resolve_plan", "check_fits", "format_step_time"]
+__all__ = [
+    "DEVICE_MEMORY",
+    "PLAN_FORMAT",
+    "ElixirPlan",
+    "LivePlan",
+    "PlanMemory",
+    "PlannedChunk",
+    "Planned",
+    "resolve_plan",
+    "check_fits",
+]
 
 DEVICE_MEMORY = ("rcache", "private", "device_shards", "device_grads", "lane_staging")
 """The fields of ``PlanMemory`` that are GPU memory per rank for model states and rCache: what
 ``device_bytes`` sums and the budget's ``U_allowed`` bounds (activations and buffers come on top)."""
 
+PLAN_FORMAT = 2
+"""The plan file's format (its ``format`` key). 2: typed, with ``profile`` and ``chunks``; a file
+without the key is of format 1 (before it: the same keys less those two) and loads unchanged."""
 
-@dataclass
+
+@dataclass(frozen=True)
 class PlanMemory:
     """Predicted bytes per rank by arena, with the search's formula (``search.memory.ArenaBytes``)."""
 
@@ -62,26 +80,26 @@ class PlanMemory:
     def to_dict(self) -> dict[str, int]:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
-    @classmethod
-    def from_dict(cls, data: dict[str, int]) -> PlanMemory:
-        return cls(**data)
+
+@dataclass(frozen=True)
+class PlannedChunk:
+    """One chunk of the plan's layout, in chunk order: its size, kind and parameters (their first
+    names), which name the layers it holds (``plan_view.chunk_layers``)."""
+
+    numel: int
+    private: bool
+    trainable: bool
+    params: tuple[str, ...]
 
 
-def _runtime(default: Any = None, factory: Any = None) -> Any:
-    """A field of this process's objects: not in the file, not compared."""
-    kw = {"default_factory": factory} if factory is not None else {"default": default}
-    return field(repr=False, compare=False, metadata={"runtime": True}, **kw)
-
-
-@dataclass
+@dataclass(frozen=True)
 class ElixirPlan:
-    """What the engine runs: the decided values (the JSON file, ``to_json``/``from_json``), and, on a
-    plan the planner returned, the objects they were decided on (runtime fields: not in the file,
-    not compared; ``None`` on a plan read from a file, which drives ``prepare`` as a static config)."""
+    """What the engine runs: the decided values, exactly the JSON file's (``to_json``/``from_json``).
+    Frozen: derive a variant with ``dataclasses.replace`` ([Note: one plan object])."""
 
     chunk_size: int
     n_blocks: int
-    offload: list[int]
+    offload: tuple[int, ...]
     """Indices of chunks whose shard and optimizer state live in host memory."""
     n_chunks: int
     world_size: int
@@ -97,31 +115,40 @@ class ElixirPlan:
     """Predicted seconds per optimizer step and its parts; ``None`` when the plan was not searched."""
     budget: Budget | None = None
     """The memory budget the search respected; ``None`` when the plan was not searched."""
-    search: dict[str, Any] = field(default_factory=dict)
-    """Why this plan: the chunk sizes simulated, I(n)/J(n) at the choice, hardware, timings."""
-    alternatives: list[dict[str, Any]] = field(default_factory=list)
+    search: SearchReport | None = None
+    """Why this plan: the chunk sizes simulated, I(n)/J(n) at the choice, rates, hardware, timings;
+    ``None`` when the plan was not searched."""
+    alternatives: tuple[Alternative, ...] = ()
     """Rigid plans of the same layout (ZeRO-2/3-like offload-all, rCache max/min) with their
     predicted memory and step time."""
     gpu_memory: int | None = None
     """``ElixirConfig.gpu_memory`` the plan was made under (bytes per GPU; ``None``: no cap); a run
     from this plan file is held to it again."""
-    batch_shape: list[int] | None = None
-    """``[batch, seq]`` of the example batch the plan was made with (its activations are the ones
+    batch_shape: tuple[int, int] | None = None
+    """``(batch, seq)`` of the example batch the plan was made with (its activations are the ones
     budgeted); a larger training batch warns once (``runtime/batch_guard.py``). ``None``: no batch
     (and plan files from before it was recorded)."""
+    profile: ProfileSummary | None = None
+    """The profiled step the search planned from; ``None`` when not searched (and format 1 files)."""
+    chunks: tuple[PlannedChunk, ...] = ()
+    """Each chunk of the layout; empty in format 1 files."""
 
-    param_table: ParamTable | None = _runtime()
-    """The parameters in first-use order the layout was built from (``None``: a plan read from a file)."""
-    layout: ChunkLayout | None = _runtime()
-    unit_chunks: list[tuple[int, ...]] = _runtime(factory=list)
-    """The chunks each unit's hooks acquire (``param_table.units`` order)."""
-    root_chunks: tuple[int, ...] = _runtime(default=())
-    """The (private) chunks of the parameters read outside their module's call (``ParamTable.resident``),
-    which the model's own forward acquires before anything else runs."""
-    grad_window: GradWindow = _runtime(factory=GradWindow)
-    """What the GPU's gradient shards share memory with (``search.memory.grad_window``; none unsearched)."""
-    profile: ModelProfile | None = _runtime()
-    """The profiled step the search planned from (on the rank that searched)."""
+    def __post_init__(self) -> None:  # JSON and callers give lists: the plan keeps tuples
+        object.__setattr__(self, "offload", tuple(self.offload))
+        if self.batch_shape is not None:
+            object.__setattr__(self, "batch_shape", tuple(self.batch_shape))
+
+    def settings(self) -> dict[str, Any]:
+        """The ``ElixirConfig`` fields that make the planner decide this plan again for its model:
+        static, its chunk size, rCache, offloaded chunks, GPU cap and update lane (a plan file's)."""
+        return {
+            "mode": "static",
+            "chunk_size": self.chunk_size,
+            "n_blocks": self.n_blocks,
+            "offload": list(self.offload),
+            "gpu_memory": self.gpu_memory,
+            "device_assisted_update": self.device_lane > 0,
+        }
 
     def placement(self) -> list[str]:
         off = set(self.offload)
@@ -145,97 +172,20 @@ class ElixirPlan:
         """Model states and rCache plus the profiled activation peak and buffers."""
         return self.device_bytes + (self.memory.activations or 0) + (self.memory.buffers or 0)
 
-    def table(self, verbose: bool = False) -> str:
-        """The plan in rows of plain words (printed by the HF integration when it builds the engine);
-        ``verbose`` adds the search's I(n)/J(n) at the choice (``elixir-plan --verbose``)."""
-        gib = 2**30
-        own = "; tied or oversize parameters get chunks of their own" if self.memory.private else ""
-        rows = [
-            ("chunks", f"{self.n_chunks} of at most {self.chunk_size:,} elements ({self.dtype}){own}"),
-            (
-                "gathered-parameter cache",
-                f"{self.n_blocks} blocks (rCache; at least {self.min_blocks}, at most {self.max_blocks} useful)",
-            ),
-        ]
-        if self.memory.private:
-            rows.append(
-                (
-                    "own-chunk buffers",
-                    f"{self.memory.private / gib:.3f} GiB (tied parameters and those larger "
-                    "than a chunk, or read outside their module: kept gathered)",
-                )
-            )
-        rows += [
-            ("offloaded chunks", f"{len(self.offload)} of {self.n_chunks}"),
-            ("world size", str(self.world_size)),
-        ]
-        if self.batch_shape:
-            b, s = self.batch_shape
-            rows.append(("planned batch", f"{b} x {s} tokens per micro-batch (a larger training batch warns)"))
-        rows += [
-            ("GPU memory / rank", f"{self.device_bytes / gib:.3f} GiB (model states + gathered-parameter cache)"),
-            ("host memory / rank", f"{self.host_bytes / gib:.3f} GiB (pinned)"),
-            (
-                "device update lane",
-                f"on: {LANE_DEPTH} x {self.device_lane:,} elements staged ({self.memory.lane_staging / gib:.3f} GiB)"
-                if self.device_lane
-                else "off (CPU alone)"
-                if self.offload
-                else "- (nothing offloaded)",
-            ),
-        ]
-        if self.memory.activations is not None:
-            rows.append(
-                (
-                    "GPU peak / rank",
-                    f"{self.device_peak_bytes / gib:.3f} GiB (+ activations "
-                    f"{self.memory.activations / gib:.3f}, buffers {(self.memory.buffers or 0) / gib:.3f})",
-                )
-            )
-        if self.gpu_memory is not None:
-            rows.append(("GPU memory cap", f"{self.gpu_memory / gib:.3f} GiB per GPU (ElixirConfig.gpu_memory)"))
-        if self.budget is not None:
-            rows.append(
-                (
-                    "budget / rank",
-                    f"{self.budget.allowed / gib:.3f} GiB GPU for model states and cache, "
-                    f"{self.budget.host_allowed / gib:.3f} GiB pinned host",
-                )
-            )
-        if self.predicted is not None:
-            rows.append(("predicted step", format_step_time(self.predicted)))
-        if self.search.get("rates"):
-            r = self.search["rates"]
-            cpu = f" ({r['cpu_adam_alone_Gps']} alone)" if r.get("cpu_adam_alone_Gps") else ""
-            if r.get("cpu_update_observed_Gps"):
-                cpu += f" ({r['cpu_update_observed_Gps']} in a run here)"
-            rows.append(
-                (
-                    "rates / rank",
-                    f"H2D {r['h2d_GBps']} / D2H {r['d2h_GBps']} GB/s, collectives "
-                    f"{r['busbw_GBps'] or '-'} GB/s, Adam GPU {r['gpu_adam_Gps']} / CPU {r['cpu_adam_Gps']}{cpu} G params/s"
-                    + (f" ({r['cpu_threads']} threads)" if r.get("cpu_threads") else ""),
-                )
-            )
-        if verbose and "i_per_gib" in self.search:
-            i, j = (
-                ("-" if v is None else f"{v * 1e3:.2f}") for v in (self.search["i_per_gib"], self.search["j_per_gib"])
-            )
-            rows.append(
-                (
-                    "I(n) / J(n)",
-                    f"{i} / {j} ms per GiB saved by one more rCache block / by the next upload (- : none left)",
-                )
-            )
-        width = max(len(k) for k, _ in rows)
-        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
     def to_dict(self) -> dict[str, Any]:
-        """The file's fields (the runtime ones left out); ``predicted``/``budget`` are ``{}`` when not searched."""
-        out = {f.name: getattr(self, f.name) for f in _file_fields()}
+        """The file's keys; ``predicted``/``budget``/``search`` are ``{}`` and ``profile`` ``None``
+        when not searched."""
+        out: dict[str, Any] = {"format": PLAN_FORMAT}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, tuple) and f.name in ("offload", "batch_shape") else value
         out["memory"] = self.memory.to_dict()
         out["predicted"] = {} if self.predicted is None else self.predicted.to_dict()
         out["budget"] = {} if self.budget is None else self.budget.to_dict()
+        out["search"] = {} if self.search is None else self.search.to_dict()
+        out["alternatives"] = [a.to_dict() for a in self.alternatives]
+        out["profile"] = None if self.profile is None else self.profile.to_dict()
+        out["chunks"] = [{**asdict(c), "params": list(c.params)} for c in self.chunks]
         return out
 
     def to_json(self) -> str:
@@ -252,36 +202,59 @@ class ElixirPlan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ElixirPlan:
-        """The plan a saved ``to_json`` document describes: the one plan reader (``elixir_hf``'s plan
-        files too). Unknown keys are an error naming them; ``predicted_step_s`` is derived, ignored."""
+        """The plan a saved ``to_json`` document describes, of any ``format`` up to ``PLAN_FORMAT``:
+        the one plan reader (``elixir_hf``'s plan files too). Unknown keys are an error naming them;
+        ``predicted_step_s`` is derived, ignored."""
         data = {k: v for k, v in data.items() if k != "predicted_step_s"}
-        known = {f.name for f in _file_fields()}
+        version = data.pop("format", 1)
+        if not isinstance(version, int) or not 1 <= version <= PLAN_FORMAT:
+            raise ValueError(
+                f"plan format {version!r} is not one this version reads (1 to {PLAN_FORMAT}): a newer elixir-hf "
+                "wrote it; upgrade elixir-hf, or re-plan with this one"
+            )
+        known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"not an ElixirPlan: unknown keys {unknown}; a plan has {sorted(known)}")
         memory, predicted, budget = data.pop("memory", {}), data.pop("predicted", {}), data.pop("budget", {})
+        search, alternatives = data.pop("search", {}), data.pop("alternatives", ())
+        profile, chunks = data.pop("profile", None), data.pop("chunks", ())
         return cls(
             **data,
-            memory=PlanMemory.from_dict(memory),
+            memory=PlanMemory(**memory),
             predicted=StepTime.from_dict(predicted) if predicted else None,
             budget=Budget.from_dict(budget) if budget else None,
+            search=SearchReport.from_dict(search) if search else None,
+            alternatives=tuple(Alternative.from_dict(a) for a in alternatives),
+            profile=ProfileSummary.from_dict(profile) if profile else None,
+            chunks=tuple(PlannedChunk(**{**c, "params": tuple(c["params"])}) for c in chunks),
         )
 
 
-def _file_fields() -> list:
-    return [f for f in fields(ElixirPlan) if not f.metadata.get("runtime")]
+@dataclass(frozen=True, eq=False)
+class LivePlan:
+    """The objects a plan was decided on, which the runtime builds from: this process's
+    parameters, so never in the file; on a plan given (a plan file, rank 0's decision on the other
+    ranks) built here from its chunk size."""
+
+    param_table: ParamTable
+    """The parameters in first-use order the layout was built from."""
+    layout: ChunkLayout
+    unit_chunks: tuple[tuple[int, ...], ...]
+    """The chunks each unit's hooks acquire (``param_table.units`` order)."""
+    root_chunks: tuple[int, ...]
+    """The (private) chunks of the parameters read outside their module's call (``ParamTable.resident``),
+    which the model's own forward acquires before anything else runs."""
+    grad_window: GradWindow
+    """What the GPU's gradient shards share memory with (``search.memory.grad_window``; none unsearched)."""
 
 
-def format_step_time(t: StepTime) -> str:
-    """``1.234 s (compute 1.0, exposed transfers 0.1, GPU Adam 0.1, exposed CPU Adam 0.0; moved: ...)``."""
-    coll = "not measured" if t.collectives is None else f"{t.collectives:.3f}"
-    return (
-        f"{t.total:.3f} s (compute {t.compute:.3f}, exposed transfers {t.exposed_transfers:.3f}, "
-        f"GPU Adam {t.gpu_adam:.3f}, exposed CPU Adam {t.exposed_cpu_adam:.3f}; moved: H2D {t.h2d:.3f}, "
-        f"D2H {t.d2h:.3f}, collectives {coll}, CPU Adam {t.cpu_adam:.3f}"
-        + (f", device lane Adam {t.device_lane_adam:.3f}" if t.device_lane_adam else "")
-        + ")"
-    )
+@dataclass(frozen=True, eq=False)
+class Planned:
+    """A plan decided in this process: the file's contents and the live objects beside them."""
+
+    plan: ElixirPlan
+    live: LivePlan
 
 
 def _count_memory(
@@ -310,13 +283,15 @@ def resolve_plan(
     *,
     search: SearchResult | None = None,
     lane: bool = False,
-) -> ElixirPlan:
-    """The plan for ``layout`` (built from ``table``): the config's explicit choices, the search's for
-        the rest (if it ran, it already honoured the explicit ones), else the static defaults (rCache max,
-        nothing offloaded). ``lane``: whether a static plan has the device update lane (a searched one has
-    the search's). The rCache holds at once
-        every unit's chunks and, when the search profiled them, every checkpointed region's
-        (``ChunkLayout.block_bounds``)."""
+    batch_shape: tuple[int, int] | None = None,
+    profile: ProfileSummary | None = None,
+) -> Planned:
+    """The plan for ``layout`` (built from ``table``), whole: the config's explicit choices, the
+    search's for the rest (if it ran, it already honoured the explicit ones), else the static
+    defaults (rCache max, nothing offloaded). ``lane``: whether a static plan has the device update
+    lane (a searched one has the search's). The rCache holds at once every unit's chunks and, when
+    the search profiled them, every checkpointed region's (``ChunkLayout.block_bounds``).
+    ``batch_shape``, ``profile``: the example batch's shape and the profile's summary, recorded."""
     unit_chunks, regions, root = resident_chunks(layout, table, search.regions if search is not None else [])
     resident = {f"unit {u.name!r}": cs for u, cs in zip(table.units, unit_chunks)}
     resident.update({f"checkpointed region {i}": cs for i, cs in enumerate(regions)})
@@ -331,6 +306,16 @@ def resolve_plan(
     window = search.grad_window if search is not None else GradWindow()
     lane = search.device_lane if search is not None else lane
     memory, lane_numel = _count_memory(layout, set(offload), n_blocks, dtype, lane, window)
+    searched = {}
+    if search is not None:
+        budget = search.budget
+        memory = replace(memory, activations=int(budget.activations), buffers=int(budget.buffers))
+        searched = dict(
+            predicted=search.placement.time,
+            budget=budget,
+            search=search.report,
+            alternatives=search.alternatives,
+        )
     plan = ElixirPlan(
         chunk_size=layout.chunk_size,
         n_blocks=n_blocks,
@@ -343,15 +328,16 @@ def resolve_plan(
         device_lane=lane_numel,
         memory=memory,
         gpu_memory=config.gpu_memory,
-        param_table=table,
-        layout=layout,
-        unit_chunks=unit_chunks,
-        root_chunks=root,
-        grad_window=window,
+        batch_shape=batch_shape,
+        profile=profile,
+        chunks=tuple(
+            PlannedChunk(c.numel, c.private, c.trainable, tuple(layout.names[s.param][0] for s in c.slots))
+            for c in layout.chunks
+        ),
+        **searched,
     )
-    if search is not None:
-        _attach_search(plan, search)
-    return plan
+    live = LivePlan(table, layout, tuple(unit_chunks), root, window)
+    return Planned(plan, live)
 
 
 def _rcache_blocks(
@@ -372,24 +358,6 @@ def _rcache_blocks(
     if config.n_blocks == "max" or search is None:
         return hi
     return min(max(search.placement.n_blocks, lo), hi)
-
-
-def _attach_search(plan: ElixirPlan, search: SearchResult) -> None:
-    plan.memory.activations = int(search.budget.activations)
-    plan.memory.buffers = int(search.budget.buffers)
-    chosen = search.placement
-    plan.predicted = chosen.time
-    plan.budget = search.budget
-    plan.search = {
-        "i_per_gib": chosen.i_per_byte * GIB if math.isfinite(chosen.i_per_byte) else None,
-        "j_per_gib": chosen.j_per_byte * GIB if math.isfinite(chosen.j_per_byte) else None,
-        "candidates": search.candidates,
-        "notes": search.notes,
-        "seconds": search.seconds,
-        "rates": search.rates,
-        "hardware": search.hardware,
-    }
-    plan.alternatives = search.alternatives
 
 
 def check_fits(plan: ElixirPlan, device: torch.device, host: HostMemory) -> None:

@@ -1,13 +1,15 @@
 """The planner: the one place a plan is decided, for ``prepare``, ``elixir-plan`` and the benchmarks.
 
-``plan_model`` decides for a ``Target`` (world size, device, dtype, hardware profile, memory
-budget): profile the step → unit order → parameter table → search → the plan of the winning
-layout, which the search built; the plan carries that layout, the table and each unit's chunks,
-so nothing downstream builds them again. ``plan_static`` is a plan *given* (a static config or a
-plan file: its chunk size): the layout is built from it, nothing is searched. ``plan_job`` is
-``prepare``'s entry: searched (``search_job``: the job's hardware measured, decided on rank 0, the
-plan given to every rank) or static, then checked against this machine's memory, the host's as the
-run will have it (``job_host_memory``). Runs before any training memory exists.
+Each entry returns a ``Planned``: the frozen ``ElixirPlan`` (the file's contents, built once) and
+the live layout it was decided on (``LivePlan``: table, layout, each unit's chunks), so nothing
+downstream builds them again. ``plan_model`` decides for a ``Target`` (world size, device, dtype,
+hardware profile, memory budget): profile the step → unit order → parameter table → search → the
+plan of the winning layout, which the search built. ``plan_static`` is a plan *given* (a static
+config or a plan file: its chunk size): the layout is built from it, nothing is searched.
+``plan_job`` is ``prepare``'s entry: searched (``search_job``: the job's hardware measured, decided
+on rank 0, the plan given to every rank) or static; a plan file to follow checked against the
+layout this model gives (``PlanMismatch``), then the plan against this machine's memory, the
+host's as the run will have it (``job_host_memory``). Runs before any training memory exists.
 """
 
 from __future__ import annotations
@@ -25,21 +27,40 @@ from torch import nn
 
 from .chunk.collectives import Collectives
 from .chunk.layout import ChunkLayout, build_layout
-from .config import ElixirConfig
+from .config import ElixirConfig, PlanMismatch
 from .gpu_limit import device_capacity, process_limit
 from .hardware.load import job_hardware
 from .hardware.measure import collective_busbw
 from .hardware.profile import HardwareProfile
 from .host import HostMemory, held_bytes, host_available, local_ranks
-from .plan import DEVICE_MEMORY, ElixirPlan, check_fits, format_step_time, resolve_plan
+from .plan import DEVICE_MEMORY, ElixirPlan, LivePlan, Planned, check_fits, resolve_plan
+from .plan_view import (
+    MEMORY_PARTS,
+    alternatives_table,
+    budget_text,
+    candidates_table,
+    chunk_layers,
+    describe_layers,
+    format_step_time,
+    host_line,
+    memory_lines,
+    offload_text,
+    plan_metrics,
+    plan_table,
+    profile_text,
+    size_text,
+    step_text,
+    tflops,
+)
 from .profiler.kernels import cuda_attention
 from .profiler.outside import parameters_named
-from .profiler.profile import ModelProfile, profile_model, structural_profile
+from .profiler.profile import ModelProfile, ProfileSummary, profile_model, structural_profile
 from .profiler.trace import trace_unit_order
 from .progress import progress
 from .runtime.batch_guard import token_shape
 from .search.budget import F_FRAG, Budget
 from .search.loop import SearchResult, SearchSettings, search
+from .search.report import Alternative, Candidate, SearchReport
 from .search.step_time import StepTime
 from .units import ParamTable, Unit, find_units, param_table
 
@@ -52,8 +73,30 @@ __all__ = [
     "Budget",
     "StepTime",
     "ElixirPlan",
+    "LivePlan",
+    "Planned",
+    "ProfileSummary",
+    "SearchReport",
+    "Candidate",
+    "Alternative",
     "DEVICE_MEMORY",
+    # the one renderer of a plan (plan_view.py)
+    "MEMORY_PARTS",
+    "alternatives_table",
+    "budget_text",
+    "candidates_table",
+    "chunk_layers",
+    "describe_layers",
     "format_step_time",
+    "host_line",
+    "memory_lines",
+    "offload_text",
+    "plan_metrics",
+    "plan_table",
+    "profile_text",
+    "size_text",
+    "step_text",
+    "tflops",
     "plan_static",
     "plan_job",
     "search_job",
@@ -152,11 +195,11 @@ def plan_model(
     param_group: ParamGroup | None = None,
     exact: bool = False,
     resident: Resident = (),
-) -> ElixirPlan:
+) -> Planned:
     """The searched plan of ``model`` trained on ``example_batch`` for ``target``; ``exact``: trace
     every block (``profile_model``). Not checked against this machine's memory (``check_fits``)."""
-    plan = _searched(model, units, example_batch, config, target, param_group, exact, resident).plan(config, target)
-    return _for_batch(plan, example_batch)
+    searched = _searched(model, units, example_batch, config, target, param_group, exact, resident)
+    return searched.planned(config, target, _batch_shape(example_batch))
 
 
 def plan_static(
@@ -170,12 +213,14 @@ def plan_static(
     dtype: torch.dtype,
     param_group: ParamGroup | None = None,
     resident: Resident = (),
-) -> ElixirPlan:
+    batch_shape: tuple[int, int] | None = None,
+) -> Planned:
     """The plan of ``config`` as given (its chunk size, else the default; rCache max and nothing
-    offloaded unless it says otherwise) for units called in ``order``."""
+    offloaded unless it says otherwise) for units called in ``order``; ``batch_shape`` recorded."""
     table = _table(model, units, order, param_group, resident)
     layout = _layout(table, config, world_size, config.chunk_size)
-    return resolve_plan(config, table, layout, dtype, lane=device_lane_wanted(config, device))
+    lane = device_lane_wanted(config, device)
+    return resolve_plan(config, table, layout, dtype, lane=lane, batch_shape=batch_shape)
 
 
 def plan_job(
@@ -190,13 +235,15 @@ def plan_job(
     param_group: ParamGroup | None = None,
     grads_share_activations: bool = True,
     resident: Resident = (),
-) -> ElixirPlan:
+    follow: ElixirPlan | None = None,
+) -> Planned:
     """``prepare``'s plan, the same on every rank and checked against this machine's memory:
     searched with ``mode="auto"`` on a GPU (``search_job``), else as the config gives it
-    (``plan_static``) in the use order traced on rank 0."""
+    (``plan_static``) in the use order traced on rank 0. ``follow``: the plan a plan file gives,
+    whose layout this model's must be (``PlanMismatch``)."""
     host = job_host_memory(model, example_batch, device, coll)
     if config.mode == "auto" and device.type == "cuda":
-        plan = search_job(
+        planned = search_job(
             model,
             units,
             example_batch,
@@ -213,7 +260,7 @@ def plan_job(
         order, outside = coll.decided_by_rank0(
             lambda: trace_unit_order(model, units, example_batch, dtype, device), device
         )
-        plan = plan_static(
+        planned = plan_static(
             model,
             units,
             order,
@@ -223,16 +270,39 @@ def plan_job(
             dtype=dtype,
             param_group=param_group,
             resident=_with_outside(model, resident, outside),
+            batch_shape=_batch_shape(example_batch),
         )
-    check_fits(plan, device, host)
-    return _for_batch(plan, example_batch)
+    if follow is not None:
+        _check_follows(follow, planned)
+    check_fits(planned.plan, device, host)
+    return planned
 
 
-def _for_batch(plan: ElixirPlan, example_batch: Any | None) -> ElixirPlan:
-    """``plan`` with the shape of the batch it was made with (``ElixirPlan.batch_shape``)."""
+def _batch_shape(example_batch: Any | None) -> tuple[int, int] | None:
+    """The shape of the batch a plan is made with (``ElixirPlan.batch_shape``)."""
     shape = token_shape(example_batch) if example_batch is not None else None
-    plan.batch_shape = list(shape) if shape is not None else None
-    return plan
+    return tuple(shape) if shape is not None else None
+
+
+def _check_follows(given: ElixirPlan, planned: Planned) -> None:
+    """A plan to follow must describe the layout this model gives: its chunks, their size, the ranks."""
+    got = {k: getattr(planned.plan, k) for k in ("n_chunks", "chunk_size", "world_size")}
+    want = {k: getattr(given, k) for k in got}
+    if got == want:
+        return
+    table = planned.live.param_table
+    outside = [table.names[i][0] for i, r in enumerate(table.resident) if r]
+    raise PlanMismatch(
+        f"the plan file does not fit this model: it describes {want}, this model gives {got}; re-plan for this "
+        "model (--elixir auto), or load the model the plan was made for"
+        + (
+            f". Here {outside} have chunks of their own because the forward reads them outside their module "
+            "(a fused LM head or loss), which elixir-plan cannot know: use --elixir auto or a JSON config instead "
+            "of the plan file"
+            if outside
+            else ""
+        )
+    )
 
 
 def search_job(
@@ -248,7 +318,7 @@ def search_job(
     grads_share_activations: bool = True,
     resident: Resident = (),
     host: HostMemory | None = None,
-) -> ElixirPlan:
+) -> Planned:
     """The searched plan of the job ``coll`` spans, on ``device``'s free memory and ``host``'s
     (default: ``job_host_memory``), identical on every rank.
 
@@ -271,34 +341,42 @@ def search_job(
     target = Target(coll.world_size, device, dtype, hardware, budget, busbw, grads_share_activations)
     mine: list[_Searched] = []
 
-    def decide() -> tuple[list[int], list[str], SearchResult]:
+    def decide() -> tuple[list[int], list[str], SearchResult, ProfileSummary]:
         mine.append(_searched(model, units, example_batch, config, target, param_group, resident=resident))
-        return mine[0].order, mine[0].profile.read_outside, replace(mine[0].result, layout=None)
+        return mine[0].order, mine[0].outside, replace(mine[0].result, layout=None), mine[0].profile
 
-    order, outside, result = coll.decided_by_rank0(decide, device)
+    order, outside, result, profile = coll.decided_by_rank0(decide, device)
     if not mine:
         table = _table(model, units, order, param_group, _with_outside(model, resident, outside, log=False))
-        mine.append(_Searched(order, table, result))
-    return mine[0].plan(config, target)
+        mine.append(_Searched(order, outside, table, result, profile))
+    return mine[0].planned(config, target, _batch_shape(example_batch))
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Searched:
     """The search's decision with what it was made from."""
 
     order: list[int]
     """Unit indices in first-use order."""
+    outside: list[str]
+    """Parameters the profiled forward read outside their units (``ModelProfile.read_outside``)."""
     table: ParamTable
     result: SearchResult
-    profile: ModelProfile | None = None
+    profile: ProfileSummary
 
-    def plan(self, config: ElixirConfig, target: Target) -> ElixirPlan:
+    def planned(self, config: ElixirConfig, target: Target, batch_shape: tuple[int, int] | None) -> Planned:
         """The plan of the winning layout (built here from the chosen chunk size where the result came
         from another rank)."""
         layout = self.result.layout or _layout(self.table, config, target.world_size, self.result.chunk_size)
-        plan = resolve_plan(config, self.table, layout, target.dtype, search=self.result)
-        plan.profile = self.profile
-        return plan
+        return resolve_plan(
+            config,
+            self.table,
+            layout,
+            target.dtype,
+            search=self.result,
+            batch_shape=batch_shape,
+            profile=self.profile,
+        )
 
 
 def _searched(
@@ -319,7 +397,7 @@ def _searched(
     table = _table(model, units, order, param_group, _with_outside(model, resident, profile.read_outside))
     budget = target.budget(profile)
     if example_batch is None:
-        budget.activations = int(UNPROFILED_ACTIVATION_SHARE * budget.capacity / F_FRAG)
+        budget = replace(budget, activations=int(UNPROFILED_ACTIVATION_SHARE * budget.capacity / F_FRAG))
     settings = SearchSettings(
         target.world_size,
         target.dtype,
@@ -328,10 +406,12 @@ def _searched(
         device_lane=device_lane_wanted(config, target.device),
         grads_share_activations=target.grads_share_activations,
     )
-    result = search(table, profile, target.hardware, budget, settings)
-    result.notes.insert(0, f"hardware: {target.hardware.device}, {target.hardware.source}")
-    result.notes.insert(1, f"profile: {profile.seconds:.2f} s; activation peak at {profile.peak_at}")
-    return _Searched(order, table, result, profile)
+    result = search(table, profile, target.hardware, budget, settings).noted(
+        f"hardware: {target.hardware.device}, {target.hardware.source}",
+        f"profile: {profile.seconds:.2f} s; activation peak at {profile.peak_at}",
+        first=True,
+    )
+    return _Searched(order, profile.read_outside, table, result, profile.summary())
 
 
 def _table(

@@ -46,7 +46,7 @@ def _recorded_run(batch: int = 2, gpus: int = 2) -> dict:
 
     target = Target(gpus, torch.device("cuda"), dtype, _hardware(), budget, busbw=150e9)
     config = ElixirConfig(offload=0.5, n_blocks="min", clips_grads=False)
-    plan = plan_model(model, find_units(model, None), {"input_ids": ids, "labels": ids}, config, target)
+    plan = plan_model(model, find_units(model, None), {"input_ids": ids, "labels": ids}, config, target).plan
     assert plan.offload, "the case must offload"
     return {
         "system": "elixir",

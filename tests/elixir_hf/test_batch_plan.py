@@ -56,7 +56,7 @@ def test_the_trainer_plans_for_the_long_examples_and_warns_once_beyond(tmp_path,
     trainer.train_dataset, trainer.data_collator = VariableLengths(), pad
     trainer.create_optimizer()
     model = trainer.model
-    assert model._elixir.plan.batch_shape == [2, 32]
+    assert model._elixir.plan.batch_shape == (2, 32)
     with caplog.at_level(logging.WARNING, logger="elixir_runtime"):
         trainer.train()  # every batch within the plan
         assert not [r for r in caplog.records if "batch_shape" in r.getMessage()]

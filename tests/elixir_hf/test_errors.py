@@ -4,8 +4,6 @@ parses as documented from the command line and from ``ELIXIR_CONFIG``."""
 from __future__ import annotations
 
 import json
-import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +14,7 @@ from elixir_hf import ElixirAccelerator, ElixirPlugin, ElixirSpecError, ElixirTr
 from elixir_hf.plugin import PLUGIN_KEYS
 from elixir_runtime import ElixirConfig
 from helpers.models import tiny_gpt2
+from helpers.spec_keys import documented_keys, documented_value
 
 
 @pytest.fixture(autouse=True)
@@ -59,14 +58,11 @@ def test_every_key_the_docs_name_is_accepted_and_every_setting_is_named(tmp_path
     """docs/hf.md's key table and ``ElixirConfig.settings()`` (+ the plugin's ``PLUGIN_KEYS``) are the same
     keys; each one alone, at its documented default, parses (``record_update_rate: false``, the
     documented off switch, was once refused by a hand-copied key list)."""
-    docs = (Path(__file__).parents[2] / "docs" / "hf.md").read_text()
-    table = docs.split("### The JSON keys", 1)[1].split("\n\n| key |", 1)[1].split("\n\n", 1)[0]
-    keys = re.findall(r"^\| `(\w+)` \|", table, flags=re.M)
+    keys = documented_keys()
     assert sorted(keys) == sorted([*ElixirConfig.settings(), *PLUGIN_KEYS])
-    values = {"record_update_rate": False, "grad_accum_steps": None, "loss_scale": {}, "lean_loss": False}
     for key in keys:
-        value = values.get(key, getattr(ElixirConfig(), key, getattr(ElixirPlugin(), key, None)))
-        assert _args(tmp_path, json.dumps({key: value}, default=str)).elixir_plugin is not None, key
+        spec = json.dumps({key: documented_value(key)}, default=str)
+        assert _args(tmp_path, spec).elixir_plugin is not None, key
     for run_key in ("device", "process_group", "alignment", "clips_grads", "grad_accum_steps"):
         with pytest.raises(ElixirSpecError, match=f"unknown --elixir key '{run_key}'"):
             _args(tmp_path, json.dumps({run_key: 1}))
@@ -165,7 +161,7 @@ def test_plan_file_round_trip_and_mismatches(tmp_path) -> None:
     # the same model follows the saved plan exactly
     trainer = make_trainer("gpt2", training_args(str(tmp_path / "again"), str(path), max_steps=1, eval_strategy="no"))
     trainer.train()
-    assert trainer.model._elixir.plan.offload == plan["offload"]
+    assert list(trainer.model._elixir.plan.offload) == plan["offload"]
 
     # another model: refused before the engine is built
     trainer = make_trainer("llama", training_args(str(tmp_path / "llama"), str(path), max_steps=1, eval_strategy="no"))
@@ -179,6 +175,7 @@ def test_plan_file_round_trip_and_mismatches(tmp_path) -> None:
     trainer = make_trainer("gpt2", training_args(str(tmp_path / "bare"), str(path), max_steps=1, eval_strategy="no"))
     with pytest.raises(ElixirSpecError, match="does not fit this model"):
         trainer.train()
+    assert not hasattr(trainer.model, "_elixir")  # refused before the engine allocated anything
 
     # another world size: refused at argument parsing
     path.write_text(json.dumps({**plan, "world_size": 2}))

@@ -80,11 +80,11 @@ def test_stock_sft_trainer_trains_an_untied_head(llama_dir, tmp_path, lora: bool
     stock = _sft(llama_dir, str(tmp_path / "stock"), None, lora)
     ours = _sft(llama_dir, str(tmp_path / "elixir"), OFFLOAD_PLAN, lora)
     # the head has a private chunk of its own, gathered by the model's forward and counted in the plan
-    plan, head = ours.model._elixir.plan, ours.model.get_output_embeddings().weight
-    table = plan.param_table
+    plan, live, head = ours.model._elixir.plan, ours.model._elixir.live, ours.model.get_output_embeddings().weight
+    table = live.param_table
     i = table.index[id(head)]
-    assert table.resident[i] and table.private[i] and plan.root_chunks == (plan.layout.param_chunk[i],)
-    assert plan.layout.chunks[plan.root_chunks[0]].private and plan.memory.private >= head.numel() * 4  # fp32
+    assert table.resident[i] and table.private[i] and live.root_chunks == (live.layout.param_chunk[i],)
+    assert live.layout.chunks[live.root_chunks[0]].private and plan.memory.private >= head.numel() * 4  # fp32
     for key in ("loss", "grad_norm"):
         got, want = history(ours, key), history(stock, key)
         assert len(got) == len(want) == 4, (key, got, want)

@@ -46,9 +46,9 @@ def test_liger_trains_as_the_stock_trainer(tmp_path, elixir: str) -> None:
     stock.train()
     ours = make_trainer("llama", _args(str(tmp_path / "elixir"), elixir))
     ours.train()
-    plan = ours.model._elixir.plan
+    table = ours.model._elixir.live.param_table
     head = ours.model.lm_head.weight
-    assert plan.param_table.resident[plan.param_table.index[id(head)]]  # found by the trace, not named
+    assert table.resident[table.index[id(head)]]  # found by the trace, not named
     got, want = history(ours, "loss"), history(stock, "loss")
     assert len(got) == len(want) == 10
     for i, (g, w) in enumerate(zip(got, want)):

@@ -7,7 +7,7 @@ import dataclasses
 
 from elixir_hf.metrics import _plan_metrics
 from elixir_runtime import ElixirPlan
-from elixir_runtime.search import StepTime
+from elixir_runtime.search import RateSummary, SearchReport, StepTime
 
 STATIC = ElixirPlan(
     chunk_size=4096, n_blocks=3, offload=[2], n_chunks=4, world_size=1, dtype="bfloat16", min_blocks=2, max_blocks=4
@@ -17,7 +17,8 @@ STATIC = ElixirPlan(
 def test_a_searched_plan_logs_its_prediction_and_cpu_rate() -> None:
     times = dict.fromkeys(("total", "compute", "h2d", "d2h", "gpu_adam", "cpu_adam", "exposed_transfers"), 0.5)
     predicted = StepTime(**times, collectives=None, exposed_cpu_adam=0.2, rcache_bytes=0, serial=1.0)
-    searched = dataclasses.replace(STATIC, predicted=predicted, search={"rates": {"cpu_update_Gps": 4.4}})
+    report = SearchReport(i_per_gib=None, j_per_gib=None, rates=RateSummary(cpu_update_Gps=4.4))
+    searched = dataclasses.replace(STATIC, predicted=predicted, search=report)
     got = _plan_metrics(searched)
     assert got["elixir/plan_step_s"] == 0.5 and got["elixir/plan_cpu_update_Gps"] == 4.4
     assert "elixir/plan_cpu_update_Gps" not in _plan_metrics(dataclasses.replace(searched, offload=[]))

@@ -14,7 +14,7 @@ import elixir_runtime as er
 from elixir_runtime.config import ConfigError, parse_size
 from elixir_runtime.gpu_limit import device_capacity, limit_gpu_memory, process_limit
 from elixir_runtime.host import HostMemory
-from elixir_runtime.planner import device_budget
+from elixir_runtime.planner import device_budget, plan_table
 from helpers.fake_cuda import GIB, FakeGPU
 from helpers.logs import captured
 from helpers.models import make_batch, tiny_gpt2
@@ -116,7 +116,7 @@ def test_prepare_records_the_cap_and_says_it_is_ignored_on_a_cpu(caplog) -> None
         model, _ = er.prepare(model, torch.optim.AdamW(model.parameters()), config=config)
     plan = model._elixir.plan
     assert plan.gpu_memory == GIB and json.loads(plan.to_json())["gpu_memory"] == GIB
-    assert re.search(r"GPU memory cap +1.000 GiB per GPU \(ElixirConfig.gpu_memory\)", plan.table())
+    assert re.search(r"GPU memory cap +1.000 GiB per GPU \(ElixirConfig.gpu_memory\)", plan_table(plan))
     assert "gpu_memory=1073741824 bytes is ignored: this run computes on cpu" in caplog.text
 
 

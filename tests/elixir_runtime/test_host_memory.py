@@ -100,12 +100,12 @@ def _plan_model(model, batch, config, gpu: int, host_mem: int) -> er.ElixirPlan:
         return planner.Budget(gpu, profile.activation_peak, profile.buffer_bytes, host_mem, 1)
 
     target = planner.Target(1, CUDA, torch.bfloat16, load_hardware("h100"), budget)
-    return planner.plan_model(model, find_units(model, None), batch, config, target)
+    return planner.plan_model(model, find_units(model, None), batch, config, target).plan
 
 
 def _plan_job(model, batch, config) -> er.ElixirPlan:
     units = find_units(model, None)
-    return planner.plan_job(model, units, batch, config, CUDA, torch.bfloat16, Collectives(None))
+    return planner.plan_job(model, units, batch, config, CUDA, torch.bfloat16, Collectives(None)).plan
 
 
 def test_the_machine_plans_as_elixir_plan_for_its_memory_with_the_weights_deciding(monkeypatch) -> None:
@@ -129,7 +129,7 @@ def test_the_machine_plans_as_elixir_plan_for_its_memory_with_the_weights_decidi
     for key in ("chunk_size", "n_chunks", "n_blocks", "offload", "device_lane", "memory", "predicted"):
         assert mine[key] == theirs[key], key
     assert dataclasses.replace(on_machine.budget, host_released=0) == for_it.budget
-    assert on_machine.offload == list(range(on_machine.n_chunks)) and on_machine.host_bytes == need
+    assert on_machine.offload == tuple(range(on_machine.n_chunks)) and on_machine.host_bytes == need
 
 
 def test_no_fit_states_the_host_accounting(monkeypatch) -> None:
@@ -163,7 +163,7 @@ def test_check_fits_counts_the_weights_freed() -> None:
         torch.device("cpu"),
         torch.float32,
         Collectives(None),
-    )
+    ).plan
     from elixir_runtime.plan import check_fits
 
     check_fits(plan, torch.device("cpu"), HostMemory(plan.host_bytes // 2, plan.host_bytes))

@@ -4,6 +4,7 @@
     elixir-plan --model gpt2-10b --seq-len 1024 --batch-size 8 --hardware h100 --gpu-memory 40GiB  # a cap per GPU
     elixir-plan --model llama3-8b --seq-len 2048 --batch-size 4 --gpu a100-80gb   # a card you do not own
     elixir-plan --model path/to/config.json --hardware hw.json --json
+    elixir-plan --model llama3-8b --elixir '{"offload": 0.5, "n_blocks": "min"}'   # what the run's --elixir says
     elixir-plan --measure-hardware hw.json        # on the GPU machine: its profile, for planning elsewhere
 
 The model is built from its config on the meta device, one training step is profiled on fake
@@ -12,26 +13,28 @@ memory, through the same decision as ``--elixir auto`` (``elixir_runtime.planner
 GPU's rates come from ``--gpu``/``--hardware`` (a shipped card, or a profile file), else from this
 machine's GPU; without a GPU, from the shipped ``h100`` profile (said in the output): a GPU plan is
 never timed with a CPU's rates. Host memory goes with the GPU's profile unless ``--host-mem`` says
-otherwise (``plan_hardware.py``). This module parses the command line; ``plan_report.py`` makes
-the report, ``plan_plot.py`` draws it.
+otherwise (``plan_hardware.py``). What the run asks of the engine is its ``--elixir`` JSON (the
+same keys, the same parser: ``ElixirPlugin``), of which ``--dtype``, ``--gpu-memory``,
+``--device-lane`` and ``--stock-loss`` are shorthands. This module parses the command line;
+``plan_report.py`` makes the report, ``plan_plot.py`` draws it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
 import sys
 from collections.abc import Sequence
 
-import torch
-
 from elixir_runtime.config import ConfigError, ElixirConfig, PlanError, resolve_dtype
 from elixir_runtime.config import parse_size as config_parse_size
 from elixir_runtime.hardware import REFERENCE, SHIPPED
 
 from .. import __version__
+from ..plugin import ElixirPlugin, ElixirSpecError
 from .plan_hardware import host_mem, plan_hardware
 from .plan_report import plan_report
 
@@ -46,6 +49,7 @@ examples:
   elixir-plan --model gpt2-10b --seq-len 1024 --batch-size 8 --gpus 2 --gpu-mem 80GiB --host-mem 256GiB
   elixir-plan --model path/to/config.json --hardware h100 --gpu-memory 40GiB --plot plan.png
   elixir-plan --model llama3-8b --seq-len 2048 --gpus 2 --gpu a100-80gb   (a card you do not own)
+  elixir-plan --model llama3-8b --elixir '{"offload": 0.5, "cpu_threads": 6}'   (the run's --elixir keys)
   elixir-plan --measure-hardware hw.json   (on the GPU machine; then --hardware hw.json elsewhere)
 
 Sizes: 80GiB, 80G (binary), 80GB (decimal), 512MiB; a bare number is GiB."""
@@ -73,11 +77,12 @@ def _positive(text: str) -> int:
     return value
 
 
-def _dtype(text: str) -> torch.dtype:
+def _dtype(text: str) -> str:
     try:
-        return resolve_dtype(text)
+        resolve_dtype(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def _gpu_memory(text: str) -> int:
@@ -85,6 +90,16 @@ def _gpu_memory(text: str) -> int:
         return ElixirConfig(gpu_memory=text).gpu_memory
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _spec(text: str) -> dict:
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not a JSON object ({exc}): {text!r}") from None
+    if not isinstance(spec, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"offload\": 0.5}}', got {text!r}")
+    return spec
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -125,12 +140,19 @@ def _parser() -> argparse.ArgumentParser:
         help="a shipped card (as --gpu) or a hardware profile JSON (default: this "
         f"machine's GPU, measured once and cached; without a GPU the shipped {REFERENCE})",
     )
-    p.add_argument("--dtype", default="bf16", type=_dtype, help="compute dtype: bf16, fp16 or fp32")
+    p.add_argument(
+        "--elixir",
+        type=_spec,
+        metavar="JSON",
+        help="what the run's --elixir JSON asks of the engine, as it would (its keys: ElixirConfig's settings and "
+        'the HF integration\'s, docs/hf.md), e.g. \'{"offload": 0.5, "n_blocks": "min"}\'; the flags below '
+        "that name a key are shorthands for it",
+    )
+    p.add_argument("--dtype", type=_dtype, help="compute dtype: bf16 (default), fp16 or fp32 (the dtype key)")
     p.add_argument("--no-ac", dest="ac", action="store_false", help="without activation checkpointing")
     p.add_argument(
         "--device-lane",
         choices=tuple(DEVICE_LANE_WORDS),
-        default="off",
         help="the device update lane (ElixirConfig.device_assisted_update): off (default), on, or auto "
         "(kept where the predicted step is shorter)",
     )
@@ -138,7 +160,8 @@ def _parser() -> argparse.ArgumentParser:
         "--stock-loss",
         "--stock_loss",
         dest="lean_loss",
-        action="store_false",
+        action="store_const",
+        const=False,
         help="plan for transformers' own causal-LM loss (--elixir '{\"lean_loss\": false}'); default: the "
         "lean loss an Elixir run installs (elixir_hf/loss.py), without fp32 copies of the logits",
     )
@@ -179,7 +202,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"elixir-plan: {exc}", file=sys.stderr)
         return 2
     try:
-        report = plan_report(args, _elixir_config(args), hardware, note)
+        config = _elixir_config(args)
+    except ElixirSpecError as exc:
+        _parser().error(str(exc))
+    try:
+        report = plan_report(args, config, hardware, note)
     except PlanError as exc:
         if args.json:
             print(json.dumps({"error": str(exc)}, indent=2))
@@ -200,14 +227,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+_SHORTHANDS = {  # flag: (its attribute, the --elixir key it sets, that key's value from the flag's)
+    "--dtype": ("dtype", "dtype", str),
+    "--gpu-memory": ("gpu_memory", "gpu_memory", int),
+    "--device-lane": ("device_lane", "device_assisted_update", DEVICE_LANE_WORDS.__getitem__),
+    "--stock-loss": ("lean_loss", "lean_loss", bool),
+}
+"""The flags that are shorthands for an ``--elixir`` key."""
+
+
 def _elixir_config(args: argparse.Namespace) -> ElixirConfig:
-    """What the command line asks of the engine, as ``--elixir`` would."""
-    return ElixirConfig(
-        dtype=args.dtype,
-        gpu_memory=args.gpu_memory,
-        grad_accum_steps=args.grad_accum,
-        device_assisted_update=DEVICE_LANE_WORDS[args.device_lane],
-    )
+    """What the command line asks of the engine, parsed as the run's ``--elixir`` is (``ElixirPlugin``:
+    the keys ``ElixirConfig.settings()`` marks, and the plugin's): ``--elixir`` with the shorthand
+    flags' keys added (one given both ways with two values is an error); ``args``' ``dtype``,
+    ``gpu_memory`` and ``lean_loss`` become what it resolves to, which the report reads."""
+    spec = dict(args.elixir or {})
+    for flag, (attr, key, value) in _SHORTHANDS.items():
+        given = getattr(args, attr)
+        if given is None:
+            continue
+        if key in spec and spec[key] != value(given):
+            raise ElixirSpecError(f"{flag} says {key} {value(given)!r}, --elixir says {spec[key]!r}: give it once")
+        spec[key] = value(given)
+    plugin = ElixirPlugin.from_spec({"dtype": "bf16", **spec}, source="elixir-plan --elixir")
+    if plugin.plan is not None or plugin.config.mode != "auto":
+        raise ElixirSpecError(
+            "elixir-plan --elixir takes the settings of an auto plan, not a plan or mode 'static': elixir-plan makes "
+            "the plan --elixir auto would"
+        )
+    config = dataclasses.replace(plugin.config, grad_accum_steps=args.grad_accum)
+    args.dtype, args.gpu_memory, args.lean_loss = config.dtype, config.gpu_memory, plugin.lean_loss
+    return config
 
 
 def _measure(path: str) -> int:

@@ -3,23 +3,21 @@ holds and where it lives, as a PNG."""
 
 from __future__ import annotations
 
-from elixir_runtime.planner import DEVICE_MEMORY, ElixirPlan
-
-from .plan_report import chunk_layers
+from elixir_runtime.planner import DEVICE_MEMORY, MEMORY_PARTS, ElixirPlan, chunk_layers
 
 __all__ = ["memory_bars", "host_bars", "plot_plan"]
 
 GIB = 2**30
 ON_GPU, OFFLOADED = "tab:green", "tab:red"
 
-_BARS = {
-    "rcache": ("gathered-parameter cache (rCache)", "tab:blue"),
-    "private": ("tied / oversize weights, kept gathered", "tab:purple"),
-    "device_shards": ("model states on the GPU (weights, Adam state)", ON_GPU),
-    "device_grads": ("their gradients, beyond what the activations free", "tab:olive"),
-    "lane_staging": ("update-lane staging", "tab:cyan"),
+_COLOURS = {
+    "rcache": "tab:blue",
+    "private": "tab:purple",
+    "device_shards": ON_GPU,
+    "device_grads": "tab:olive",
+    "lane_staging": "tab:cyan",
 }
-"""Label and colour of each of the plan's ``DEVICE_MEMORY`` parts in the plot."""
+"""The colour of each of the plan's ``DEVICE_MEMORY`` parts in the plot (their labels: ``MEMORY_PARTS``)."""
 
 
 def memory_bars(plan: ElixirPlan) -> list[tuple[str, int, str]]:
@@ -27,7 +25,7 @@ def memory_bars(plan: ElixirPlan) -> list[tuple[str, int, str]]:
     ``DEVICE_MEMORY`` (what the budget for model states bounds; gradient shards beyond the
     activation memory freed under them), then the activations as budgeted (x the fragmentation
     factor) and buffers. Empty parts are left out."""
-    parts = [(_BARS[k][0], getattr(plan.memory, k), _BARS[k][1]) for k in DEVICE_MEMORY]
+    parts = [(MEMORY_PARTS[k], getattr(plan.memory, k), _COLOURS[k]) for k in DEVICE_MEMORY]
     parts += [
         (
             f"activations (peak x {plan.budget.f_frag} for fragmentation)",

@@ -4,7 +4,9 @@ The plan comes from ``elixir_runtime.planner.plan_model``, the decision ``--elix
 a GPU described by a hardware profile and the memory the command line gives. The default text says
 what a user decides on (memory per GPU and host, what is offloaded and why, the predicted step);
 ``--verbose`` adds the planner's own terms (profile, budget formula, I(n)/J(n), every chunk size
-tried, the rigid alternatives).
+tried, the rigid alternatives). Every part of the plan is worded by the plan's one renderer
+(``elixir_runtime/plan_view.py``, through the planner's face); this module adds what only the
+command line knows (the model's name, where the hardware and host memory come from, timings).
 """
 
 from __future__ import annotations
@@ -13,10 +15,9 @@ import argparse
 import contextlib
 import copy
 import json
-import re
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,25 +29,27 @@ from elixir_runtime.planner import (
     Budget,
     ElixirPlan,
     ModelProfile,
-    StepTime,
     Target,
+    alternatives_table,
+    budget_text,
+    candidates_table,
     find_units,
-    format_step_time,
+    host_line,
+    memory_lines,
+    offload_text,
     plan_model,
+    plan_table,
+    profile_text,
+    size_text,
+    step_text,
+    tflops,
 )
 
 from ..loss import use_lean_loss
 from ..presets import PRESETS, canonical_name
 from .plan_hardware import host_memory
 
-__all__ = [
-    "PlanReport",
-    "plan_report",
-    "chunk_layers",
-    "describe_layers",
-    "model_config",
-    "build_meta_model",
-]
+__all__ = ["PlanReport", "plan_report", "model_config", "build_meta_model"]
 
 GIB = 2**30
 HOST_BOUND = 0.25
@@ -85,13 +88,13 @@ def plan_report(
         build_s = time.perf_counter() - t0
         ids = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long, device="meta")
         units, batch, target = (
-            find_units(model, None),
+            find_units(model, config.unit_classes),
             {"input_ids": ids, "labels": ids},
             _target(args, hardware, card, host_bytes),
         )
 
         def plan_for(cfg: ElixirConfig) -> ElixirPlan:
-            return plan_model(model, units, batch, cfg, target, exact=args.exact)
+            return plan_model(model, units, batch, cfg, target, exact=args.exact).plan
 
         t1 = time.perf_counter()
         try:
@@ -100,7 +103,7 @@ def plan_report(
             if isinstance(args.host_mem, int):
                 raise
             raise PlanError(
-                f"{exc}\n(host memory: {_size(host_bytes)}, {host_source}; --host-mem to plan for another host)"
+                f"{exc}\n(host memory: {size_text(host_bytes)}, {host_source}; --host-mem to plan for another host)"
             ) from exc
         timings = {
             "build_s": build_s,
@@ -116,7 +119,7 @@ def plan_report(
         doc["accumulated"] = {
             "grad_accum": 2,
             "predicted_step_s": accumulated.predicted.total,
-            "tflops": _tflops(args, accumulated, 2),
+            "tflops": tflops(accumulated, 2),
         }
     return PlanReport(plan, title, text, details, doc)
 
@@ -134,11 +137,6 @@ def _accumulated(
         return plan_for(replace(config, grad_accum_steps=2))
     except PlanError:
         return None
-
-
-def _tflops(args: argparse.Namespace, plan: ElixirPlan, micro_batches: int) -> float:
-    """8 x parameters x tokens per optimizer step / the predicted step (per GPU)."""
-    return 8 * plan.profile.n_params * args.batch_size * args.seq_len * micro_batches / plan.predicted.total / 1e12
 
 
 @contextlib.contextmanager
@@ -207,19 +205,19 @@ def _text(
     return "\n\n".join(
         [
             _header(args, plan, hardware, hw_note, card, host_source),
-            "\n".join([*_gpu_memory(plan), _host_memory(plan), "offloaded: " + _offload_text(plan)]),
-            _step_text(args, plan) + ("\n" + _accumulated_text(plan, accumulated, args) if accumulated else ""),
+            "\n".join([*memory_lines(plan), host_line(plan), "offloaded: " + offload_text(plan)]),
+            step_text(plan, args.grad_accum) + ("\n" + _accumulated_text(plan, accumulated) if accumulated else ""),
         ]
     )
 
 
-def _accumulated_text(plan: ElixirPlan, accumulated: ElixirPlan, args: argparse.Namespace) -> str:
+def _accumulated_text(plan: ElixirPlan, accumulated: ElixirPlan) -> str:
     t, t2 = plan.predicted, accumulated.predicted
     return (
         f"  host-bound: {t.exposed_cpu_adam:.3f} s of it is the CPU update of offloaded chunks, once per optimizer "
         f"step whatever its tokens; with 2 micro-batches per step (--grad-accum 2; the Trainer's "
         f"gradient_accumulation_steps) the plan predicts {t2.total:.3f} s for twice the tokens, "
-        f"{_tflops(args, accumulated, 2):.0f} TFLOPS per GPU"
+        f"{tflops(accumulated, 2):.0f} TFLOPS per GPU"
     )
 
 
@@ -229,209 +227,36 @@ def _header(
     gpus = f"{args.gpus} GPU{'s' if args.gpus > 1 else ''}"
     accum = f", {args.grad_accum} micro-batches per step" if args.grad_accum > 1 else ""
     cap = plan.budget.limit
-    memory = _size(card) if cap is None else f"{_size(cap)} of its {_size(card)} (--gpu-memory)"
+    memory = size_text(card) if cap is None else f"{size_text(cap)} of its {size_text(card)} (--gpu-memory)"
     gpu_source = hw_note or f"this machine's GPU ({hardware.source})"
     return "\n".join(
         [
-            f"{args.model}: {plan.profile.n_params / 1e9:.3f} B parameters, batch {args.batch_size} x {args.seq_len} "
+            f"{args.model}: {plan.profile.parameters / 1e9:.3f} B parameters, batch {args.batch_size} x {args.seq_len} "
             f"tokens per GPU{accum}, {gpus}, {plan.dtype}, activation checkpointing {'on' if args.ac else 'off'}",
-            f"planned batch shape: {plan.batch_shape} (batch_shape in the plan; a run's larger batches warn)",
+            f"planned batch shape: {list(plan.batch_shape)} (batch_shape in the plan; a run's larger batches warn)",
             f"GPU:  {hardware.device}, {memory}; {gpu_source}",
-            f"host: {_size(plan.budget.host_capacity)} RAM, {host_source}",
+            f"host: {size_text(plan.budget.host_capacity)} RAM, {host_source}",
         ]
     )
-
-
-def _gpu_memory(plan: ElixirPlan) -> list[str]:
-    """One GPU's memory by part, in words; the optional parts only where the plan has them."""
-    memory = plan.memory
-    rows = [  # (name, bytes, what it is, shown when empty)
-        (
-            "model states on the GPU",
-            memory.device_shards + memory.device_grads,
-            "this GPU's share of weights, gradients and Adam state",
-            True,
-        ),
-        (
-            "gathered-parameter cache",
-            memory.rcache + memory.private,
-            f"{plan.n_blocks} blocks of {plan.chunk_size / 1e6:.1f} M parameters (rCache)"
-            + (" and tied or oversize weights" if memory.private else ""),
-            True,
-        ),
-        ("update-lane staging", memory.lane_staging, "the GPU updates slices of offloaded chunks", False),
-        ("activations (peak)", memory.activations or 0, f"at {plan.profile.peak_at}", True),
-        ("buffers", memory.buffers or 0, "the model's buffers", False),
-    ]
-    rows = [row for row in rows if row[1] or row[3]]
-    width = max(len(name) for name, *_ in rows) + 2
-    capacity = plan.budget.capacity
-    return [f"GPU memory per GPU: {_size(plan.device_peak_bytes)} of {_size(capacity)}"] + [
-        f"  {name:<{width}}{_size(size):>10}  {what}" for name, size, what, _ in rows
-    ]
-
-
-def _host_memory(plan: ElixirPlan) -> str:
-    ranks, pinned = plan.budget.ranks_per_host, plan.host_bytes
-    usable = _size(plan.budget.host_allowed * ranks)
-    if not pinned:
-        return f"host memory: nothing pinned ({usable} usable for offloaded chunks)"
-    both = f", {_size(pinned * ranks)} for the {ranks} GPUs" if ranks > 1 else ""
-    return f"host memory: {_size(pinned)} pinned per GPU{both}, of {usable} usable"
-
-
-def _size(n: int) -> str:
-    """``71.3 GiB``; below 1 GiB ``512.0 MiB`` (a small model's parts are not all zeros)."""
-    return f"{n / GIB:.2f} GiB" if n >= GIB or n == 0 else f"{n / 2**20:.1f} MiB"
-
-
-def _offload_text(plan: ElixirPlan) -> str:
-    """Which chunks live in host memory, which layers they hold, and why."""
-    if not plan.offload:
-        return f"nothing: all {plan.n_chunks} chunks keep weights, gradients and Adam state on the GPU"
-    layers = describe_layers(n for i in plan.offload for n in _chunk_names(plan, i))
-    text = (
-        f"{len(plan.offload)} of {plan.n_chunks} chunks ({layers}) keep their weights and Adam state in pinned "
-        "host memory; the CPU updates them while the GPU computes"
-    )
-    on_gpu = [a for a in plan.alternatives if a["name"] in ("rcache-min", "rcache-max") and not a["offloaded"]]
-    smallest = min(on_gpu, key=lambda a: a["device_bytes"], default=None)
-    if smallest is not None and not smallest["fits"]:
-        text += (
-            f"\n  why: keeping every chunk on the GPU needs {_size(smallest['device_bytes'])} per GPU for "
-            f"model states and cache, more than the {_size(plan.budget.allowed)} the GPU has for them "
-            "beside the activations"
-        )
-    return text
-
-
-def _step_text(args: argparse.Namespace, plan: ElixirPlan) -> str:
-    t = plan.predicted
-    tflops = _tflops(args, plan, args.grad_accum)
-    parts = [f"compute {t.compute:.3f} s"]
-    parts += [
-        f"{name} {v:.3f} s"
-        for name, v in (
-            ("transfers not hidden", t.exposed_transfers),
-            ("Adam on the GPU", t.gpu_adam),
-            ("CPU Adam not hidden", t.exposed_cpu_adam),
-        )
-        if v >= 0.0005
-    ]
-    rigid = {a["name"]: a for a in plan.alternatives}
-    zero = [
-        f"{label} {rigid[k]['time']['total']:.3f} s"
-        for k, label in (
-            ("zero2-offload-all", "ZeRO-2-like offload-all"),
-            ("zero3-offload-all", "ZeRO-3-like offload-all"),
-        )
-        if k in rigid
-    ]
-    return "\n".join(
-        [
-            f"predicted step: {t.total:.3f} s per optimizer step ({', '.join(parts)})",
-            f"  {tflops:.{0 if tflops >= 100 else 1 if tflops >= 1 else 3}f} TFLOPS per GPU (8 x parameters x tokens / step time)"
-            + (f"; for comparison {', '.join(zero)}" if zero else ""),
-        ]
-    )
-
-
-# --------------------------------------------------------------------------- layers of chunks
-
-_BLOCK = re.compile(r"^(?:.*\.)?([^.]+)\.(\d+)\.")
-
-
-def describe_layers(names: Iterable[str]) -> str:
-    """Parameter names in short: the numbered blocks as ranges (``h.0-3``, ``layers.12``), the
-    other modules by their last name (``wte``, ``lm_head``), in first-seen order."""
-    blocks: dict[str, list[int]] = {}
-    parts: dict[str, None] = {}
-    for name in names:
-        m = _BLOCK.match(name)
-        if m:
-            stack, index = m.group(1), int(m.group(2))
-            parts.setdefault(stack, None)
-            blocks.setdefault(stack, []).append(index)
-        else:
-            module = name.rsplit(".", 1)[0] if "." in name else name
-            parts.setdefault(module.rsplit(".", 1)[-1], None)
-    out = []
-    for part in parts:
-        if part in blocks:
-            out.append(f"{part}.{_ranges(sorted(set(blocks[part])))}")
-        else:
-            out.append(part)
-    return ", ".join(out)
-
-
-def _ranges(indices: list[int]) -> str:
-    runs, start = [], indices[0]
-    for prev, cur in zip(indices, indices[1:] + [None]):
-        if cur != prev + 1:
-            runs.append(str(start) if start == prev else f"{start}-{prev}")
-            start = cur
-    return ",".join(runs)
-
-
-def _chunk_names(plan: ElixirPlan, index: int) -> list[str]:
-    layout = plan.layout
-    return [layout.names[s.param][0] for s in layout.chunks[index].slots]
-
-
-def chunk_layers(plan: ElixirPlan) -> list[str]:
-    """What each chunk holds, in short (``describe_layers``); empty names for a plan read from a file."""
-    if plan.layout is None:
-        return [""] * plan.n_chunks
-    return [describe_layers(_chunk_names(plan, i)) for i in range(plan.n_chunks)]
 
 
 # --------------------------------------------------------------------------- --verbose
 
 
 def _details(plan: ElixirPlan, hardware: HardwareProfile, hw_note: str, timings: dict[str, float]) -> str:
-    notes = "".join(f"\nnote: {n}" for n in plan.search["notes"])
+    notes = "".join(f"\nnote: {n}" for n in plan.search.notes)
     return "\n\n".join(
         [
-            "== profile ==\n" + plan.profile.summary(),
+            "== profile ==\n" + profile_text(plan.profile),
             f"== hardware ==\n{hardware.device}: {hardware.source}" + (f"\n{hw_note}" if hw_note else ""),
-            "== plan ==\n" + plan.table(verbose=True),
-            "== memory budget per GPU ==\n" + _budget_text(plan.budget),
-            "== alternatives (same chunks) ==\n" + _alternatives_table(plan),
-            "== chunk sizes tried ==\n" + _candidates_table(plan),
+            "== plan ==\n" + plan_table(plan, verbose=True),
+            "== memory budget per GPU ==\n" + budget_text(plan.budget),
+            "== alternatives (same chunks) ==\n" + alternatives_table(plan),
+            "== chunk sizes tried ==\n" + candidates_table(plan),
             f"model built in {timings['build_s']:.2f} s, profiled in {timings['profile_s']:.2f} s, searched "
-            f"{len(plan.search['candidates'])} chunk sizes in {timings['search_s']:.2f} s" + notes,
+            f"{len(plan.search.candidates)} chunk sizes in {timings['search_s']:.2f} s" + notes,
         ]
     )
-
-
-def _budget_text(budget: Budget) -> str:
-    g = GIB
-    return "\n".join(
-        [
-            f"U_allowed = F_alloc x (capacity - U_buffer - F_frag x U_act) = {budget.f_alloc} x ({budget.capacity / g:.2f} "
-            f"- {budget.buffers / g:.2f} - {budget.f_frag} x {budget.activations / g:.2f}) = {budget.allowed / g:.2f} GiB "
-            "for model states and rCache",
-            f"host: F_host x host memory / GPUs per host = {budget.f_host} x {budget.host_capacity / g:.2f} / "
-            f"{budget.ranks_per_host} = {budget.host_allowed / g:.2f} GiB pinned per GPU",
-        ]
-    )
-
-
-def _candidates_table(plan: ElixirPlan) -> str:
-    head = f"{'chunk size':>12} {'chunks':>6} {'min blocks':>10} {'blocks':>6} {'offloaded':>9} {'step s':>8}"
-    lines = [head]
-    for c in plan.search["candidates"]:
-        fits = c["step_s"] is not None
-        lines.append(
-            f"{c['chunk_size']:>12,} {c['n_chunks']:>6} {c['min_blocks']:>10} "
-            + (
-                f"{c['n_blocks']:>6} {c['offloaded']:>9} {c['step_s']:>8.3f}"
-                if fits
-                else f"{'-':>6} {'-':>9} {'no fit':>8}"
-            )
-            + ("  <- chosen" if c["chunk_size"] == plan.chunk_size else "")
-        )
-    return "\n".join(lines)
 
 
 def _doc(
@@ -449,59 +274,12 @@ def _doc(
             for k, v in vars(args).items()
             if k not in ("json", "plot", "measure_hardware", "verbose")
         },
-        "profile": _profile_json(plan.profile),
+        "profile": plan.profile.to_dict(),
         "hardware": {"device": hardware.device, "source": hardware.source, "note": hw_note},
         "host": {"memory": plan.budget.host_capacity, "source": host_source},
         "plan": plan.to_dict(),
         "timings": timings,
     }
-
-
-def _profile_json(profile: ModelProfile) -> dict[str, Any]:
-    return {
-        "parameters": profile.n_params,
-        "parameter_bytes": profile.param_bytes,
-        "buffer_bytes": profile.buffer_bytes,
-        "activation_peak": profile.activation_peak,
-        "peak_at": profile.peak_at,
-        "forward_peak": profile.forward_peak,
-        "saved_bytes": profile.saved_bytes,
-        "late_peak": profile.late_peak,
-        "head_params": profile.head_params,
-        "ac_regions": len(profile.ac_regions),
-        "ac_buffer_numel": profile.ac_buffer_numel(),
-        "tied": [p.name for p in profile.params if p.aliases],
-        "flops": {k: c.total_flops for k, c in profile.compute.items()},
-        "blocks": asdict(profile.blocks) if profile.blocks else None,
-        "device": profile.device,
-        "seconds": profile.seconds,
-    }
-
-
-def _alternatives_table(plan: ElixirPlan) -> str:
-    rows = [
-        ("elixir (chosen)", plan.n_blocks, len(plan.offload), plan.device_bytes, plan.host_bytes, True, plan.predicted)
-    ]
-    rows += [
-        (
-            a["name"],
-            a["n_blocks"],
-            a["offloaded"],
-            a["device_bytes"],
-            a["host_bytes"],
-            a["fits"],
-            StepTime.from_dict(a["time"]),
-        )
-        for a in plan.alternatives
-    ]
-    head = f"{'plan':<18} {'blocks':>6} {'offloaded':>9} {'GPU GiB':>8} {'host GiB':>8} {'fits':>5} {'step s':>8}  breakdown"
-    lines = [head]
-    for name, blocks, off, dev, host_b, fits, t in rows:
-        lines.append(
-            f"{name:<18} {blocks:>6} {off:>9} {dev / GIB:>8.2f} {host_b / GIB:>8.2f} {'yes' if fits else 'NO':>5} "
-            f"{t.total:>8.3f}  {format_step_time(t)}"
-        )
-    return "\n".join(lines)
 
 
 def model_config(name: str, seq_len: int):

@@ -241,25 +241,6 @@ class Rates:
     """OpenMP threads per rank the CPU Adam rate was measured with."""
     notes: list[str] = field(default_factory=list)
 
-    def summary(self) -> dict[str, float | int | None]:
-        """The per-rank transfer, collective and update rates a plan was made with (GB/s, G params/s)."""
-
-        def giga(x: float | None) -> float | None:
-            return round(x / 1e9, 3) if x else None
-
-        return {
-            "ranks": self.n,
-            "h2d_GBps": giga(self.h2d),
-            "d2h_GBps": giga(self.d2h),
-            "duplex_GBps": giga(self.duplex),
-            "busbw_GBps": giga(self.busbw),
-            "gpu_adam_Gps": giga(self.gpu_adam),
-            "cpu_adam_Gps": giga(self.cpu_adam),
-            "cpu_adam_alone_Gps": giga(self.cpu_adam_alone),
-            "cpu_update_observed_Gps": giga(self.cpu_update_observed),
-            "cpu_threads": self.cpu_threads,
-        }
-
     def flop_rate(self, size_class: str) -> float:
         """The measured rate of the nearest measured GEMM size; attention and convolutions use
         their own/the largest measured rate."""

@@ -29,7 +29,15 @@ from .recorder import Recorder
 from .timeline import BlockPlan, Cost, Region, Segment, Timeline, UnitEvent, replay
 from .trace import call_model
 
-__all__ = ["BackwardSegment", "ParamInfo", "ModelProfile", "profile_model", "structural_profile", "PROFILED_BLOCKS"]
+__all__ = [
+    "BackwardSegment",
+    "ParamInfo",
+    "ModelProfile",
+    "ProfileSummary",
+    "profile_model",
+    "structural_profile",
+    "PROFILED_BLOCKS",
+]
 
 PROFILED_BLOCKS = 3
 """Blocks traced of a longer identical stack: the first, one standing for the middle, the last."""
@@ -135,50 +143,85 @@ class ModelProfile:
         d["blocks"] = BlockPlan(**d["blocks"]) if d["blocks"] else None
         return cls(**d)
 
-    def _late_summary(self) -> str:
-        if self.late_peak is None:
-            return ""
-        lowest = min(b.peak for b in self.backward[1:])
-        return f", after the head {self.late_peak / 2**30:.2f} GiB falling to {lowest / 2**30:.2f} GiB"
-
-    def summary(self) -> str:
-        gib = 2**30
-        tied = sum(1 for p in self.params if p.aliases)
-        blocks = (
-            f"{self.blocks.profiled} of {self.blocks.total} identical blocks ({self.blocks.prefix}) traced, the rest "
-            "replayed; embeddings, head and loss traced exactly"
-            if self.blocks
-            else "every block traced"
+    def summary(self) -> ProfileSummary:
+        """The profile's figures a plan keeps (``ElixirPlan.profile``)."""
+        late = [b.peak for b in self.backward[1:]]
+        return ProfileSummary(
+            model=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            inputs=tuple(tuple(shape) for shape in self.inputs),
+            parameters=self.n_params,
+            parameter_bytes=self.param_bytes,
+            buffer_bytes=self.buffer_bytes,
+            activation_peak=self.activation_peak,
+            peak_at=self.peak_at,
+            forward_peak=self.forward_peak,
+            saved_bytes=self.saved_bytes,
+            late_peak=max(late, default=None),
+            late_low=min(late, default=None),
+            head_params=tuple(self.head_params),
+            ac_regions=len(self.ac_regions),
+            ac_buffer_numel=self.ac_buffer_numel(),
+            tied=tuple(p.name for p in self.params if p.aliases),
+            forward_flops=self.compute["fwd"].total_flops,
+            backward_flops=self.compute["bwd"].total_flops,
+            blocks=self.blocks,
+            seconds=self.seconds,
         )
-        rows = [
-            (
-                "model",
-                f"{self.model}: {self.n_params / 1e9:.3f} B parameters, {self.param_bytes / gib:.2f} GiB in {self.dtype}",
-            ),
-            ("batch", " ".join(dict.fromkeys("x".join(map(str, s)) for s in self.inputs))),  # ids and labels: once
-            (
-                "activation peak",
-                f"{self.activation_peak / gib:.2f} GiB (at {self.peak_at}); forward peak "
-                f"{self.forward_peak / gib:.2f} GiB, saved for backward {self.saved_bytes / gib:.2f} GiB"
-                + self._late_summary(),
-            ),
-            (
-                "checkpointing",
-                f"{len(self.ac_regions)} regions, largest {self.ac_buffer_numel() / 1e6:.1f} M elements"
-                if self.ac_regions
-                else "off",
-            ),
-            ("tied parameters", str(tied)),
-            ("buffers", f"{self.buffer_bytes / 2**20:.1f} MiB"),
-            (
-                "compute",
-                f"forward {self.compute['fwd'].total_flops / 1e12:.2f} TFLOP, "
-                f"backward {self.compute['bwd'].total_flops / 1e12:.2f} TFLOP (incl. recomputation)",
-            ),
-            ("traced", f"{blocks}, in {self.seconds:.2f} s on {self.device}"),
-        ]
-        width = max(len(k) for k, _ in rows)
-        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+@dataclass(frozen=True)
+class ProfileSummary:
+    """What a plan keeps of the profiled step (``ModelProfile.summary``): sizes, the activation
+    peak and where, checkpointing, compute, and how it was traced."""
+
+    model: str
+    dtype: str
+    device: str
+    inputs: tuple[tuple[int, ...], ...]
+    """Shapes of the batch's tensors."""
+    parameters: int
+    parameter_bytes: int
+    buffer_bytes: int
+    activation_peak: int
+    peak_at: str
+    forward_peak: int
+    saved_bytes: int
+    late_peak: int | None
+    """Activation peak once backward is past the loss and head; ``None``: none known."""
+    late_low: int | None
+    """The lowest of the backward segments' peaks after the head."""
+    head_params: tuple[str, ...]
+    ac_regions: int
+    """Activation-checkpointed regions."""
+    ac_buffer_numel: int
+    tied: tuple[str, ...]
+    forward_flops: int
+    backward_flops: int
+    """Recomputation included."""
+    blocks: BlockPlan | None
+    """Identical blocks replayed from a few traced ones; ``None``: every block traced."""
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON keys of ``elixir-plan --json``'s ``profile``."""
+        out = asdict(self)
+        out["inputs"] = [list(s) for s in self.inputs]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ProfileSummary:
+        blocks = data.get("blocks")
+        return cls(
+            **{
+                **data,
+                "inputs": tuple(tuple(s) for s in data["inputs"]),
+                "head_params": tuple(data["head_params"]),
+                "tied": tuple(data["tied"]),
+                "blocks": BlockPlan(**blocks) if blocks else None,
+            }
+        )
 
 
 def profile_model(

@@ -8,10 +8,15 @@ nothing and decides nothing beyond its inputs (``planner.py`` gathers them and m
 
 from .budget import Budget
 from .loop import SearchResult, SearchSettings, search
+from .report import Alternative, Candidate, RateSummary, SearchReport
 from .step_time import StepTime
 
 __all__ = [
+    "Alternative",
     "Budget",
+    "Candidate",
+    "RateSummary",
+    "SearchReport",
     "StepTime",
     "SearchResult",
     "SearchSettings",

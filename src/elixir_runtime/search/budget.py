@@ -23,7 +23,7 @@ F_FRAG = 1.25
 F_HOST = 0.95
 
 
-@dataclass
+@dataclass(frozen=True)
 class Budget:
     capacity: int
     """GPU bytes per rank the plan may use in total."""

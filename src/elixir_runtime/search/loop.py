@@ -13,10 +13,10 @@ fits, ``PlanError`` says by how much and what would make it fit.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ from .budget import Budget
 from .candidates import chunk_size_candidates
 from .memory import ArenaBytes, GradWindow, grad_window
 from .placement import Placement, best_placement, offloaded_chunks
+from .report import Alternative, Candidate, RateSummary, SearchReport
 from .step_time import StepModel
 
 __all__ = ["SearchSettings", "SearchResult", "search", "resident_chunks"]
@@ -77,7 +78,7 @@ class SearchSettings:
         return self.config.clips_grads or self.config.skip_nonfinite or self.dtype == torch.float16
 
 
-@dataclass
+@dataclass(frozen=True)
 class SearchResult:
     """The search's choice and why. The plan's own numbers (chunk count, rCache bounds, memory) are
     the plan's to count (``plan.resolve_plan``), from ``layout``."""
@@ -89,24 +90,22 @@ class SearchResult:
     placement: Placement
     """rCache blocks, offloaded chunks, predicted step time and bytes, I(n)/J(n) of the winner."""
     budget: Budget
-    candidates: list[dict] = field(default_factory=list)
-    alternatives: list[dict] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    rates: dict[str, float | int | None] = field(default_factory=dict)
-    """The per-rank rates the prediction used (``Rates.summary``), and the CPU update's rate as the
-    step model priced it (``cpu_update_Gps``: ``StepModel.cpu_rate``)."""
-    regions: list[list[str]] = field(default_factory=list)
+    report: SearchReport
+    """I(n)/J(n) at the choice, every chunk size tried, notes, seconds, the rates and hardware priced with."""
+    alternatives: tuple[Alternative, ...] = ()
+    regions: tuple[tuple[str, ...], ...] = ()
     """Parameter names of each activation-checkpointed region of the profile: their chunks must be
     resident together (``ChunkLayout.block_bounds``), in the search and in the plan."""
     device_lane: bool = False
     """Whether the placement was searched with the device update lane (``SearchSettings.device_lane``)."""
-    hardware: dict[str, Any] = field(default_factory=dict)
-    """The whole hardware profile searched with (``HardwareProfile.to_dict``): enough to predict
-    the same plan again offline (``benchmarks.replay``)."""
     grad_window: GradWindow = field(default_factory=GradWindow)
     """What the GPU's gradient shards share memory with (``memory.grad_window``): the plan counts its
     memory with the same."""
+
+    def noted(self, *notes: str, first: bool = False) -> SearchResult:
+        """This result with ``notes`` added to its report's, after them (or before, ``first``)."""
+        old = self.report.notes
+        return replace(self, report=replace(self.report, notes=(*notes, *old) if first else (*old, *notes)))
 
 
 @dataclass
@@ -148,8 +147,7 @@ def search(
     if not fitting and settings.device_lane and settings.config.device_assisted_update == "auto":
         # the lane's staging buffers may be what does not fit: without it, the CPU alone
         result = search(table, profile, hardware, budget, replace(settings, device_lane=False))
-        result.notes.append("device update lane off: with its staging buffers no plan fits the GPU")
-        return result
+        return result.noted("device update lane off: with its staging buffers no plan fits the GPU")
     if not fitting:
         fewest = min(e.min_blocks for e in evaluated)
         if isinstance(settings.config.n_blocks, int) and settings.config.n_blocks < fewest:
@@ -171,27 +169,35 @@ def search(
         # and staging memory: it is kept only where the predicted step says it pays.
         alone = search(table, profile, hardware, budget, replace(settings, device_lane=False))
         if alone.placement.time.total <= best.placement.time.total:
-            alone.notes.append(
+            return alone.noted(
                 f"device update lane off: predicted step {alone.placement.time.total:.3f} s without it, "
                 f"{best.placement.time.total:.3f} s with it"
             )
-            return alone
     p = best.placement
+    report = SearchReport(
+        i_per_gib=_per_gib(p.i_per_byte),
+        j_per_gib=_per_gib(p.j_per_byte),
+        candidates=tuple(_candidate(e) for e in evaluated),
+        notes=(*rates.notes, *_update_note(p.offload, settings.clips_grads)),
+        seconds=time.perf_counter() - start,
+        rates=RateSummary.of(rates, best.model.cpu_rate),
+        hardware=HardwareProfile.from_dict(hardware.to_dict()),  # a copy: the plan's, whatever loads after
+    )
     return SearchResult(
         chunk_size=best.layout.chunk_size,
         layout=best.layout,
         placement=p,
         budget=budget,
-        candidates=[_row(e) for e in evaluated],
+        report=report,
         alternatives=_alternatives(best, budget),
-        notes=list(rates.notes) + _update_note(p.offload, settings.clips_grads),
-        seconds=time.perf_counter() - start,
-        rates={**rates.summary(), "cpu_update_Gps": round(best.model.cpu_rate / 1e9, 3)},
-        regions=[list(r.params) for r in profile.ac_regions],
-        hardware=hardware.to_dict(),
+        regions=tuple(tuple(r.params) for r in profile.ac_regions),
         device_lane=settings.device_lane,
         grad_window=window,
     )
+
+
+def _per_gib(per_byte: float) -> float | None:
+    return per_byte * GIB if math.isfinite(per_byte) else None
 
 
 def resident_chunks(
@@ -264,7 +270,7 @@ def _evaluate(
     return _Evaluated(layout, model, mem, lo, hi, placement, n_blocks if isinstance(n_blocks, int) else lo)
 
 
-def _update_note(offload: list[int], clips_grads: bool) -> list[str]:
+def _update_note(offload: Sequence[int], clips_grads: bool) -> list[str]:
     if not offload:
         return []
     if clips_grads:
@@ -278,21 +284,21 @@ def _update_note(offload: list[int], clips_grads: bool) -> list[str]:
     ]
 
 
-def _row(e: _Evaluated) -> dict:
+def _candidate(e: _Evaluated) -> Candidate:
     p = e.placement
-    return {
-        "chunk_size": e.layout.chunk_size,
-        "n_chunks": len(e.layout.chunks),
-        "min_blocks": e.min_blocks,
-        "n_blocks": p.n_blocks if p else None,
-        "offloaded": len(p.offload) if p else None,
-        "rcache_gib_per_step": p.time.rcache_bytes / GIB if p else None,
-        "step_s": float(p.time.total) if p else None,
-        "serial_s": float(p.time.serial) if p else None,
-    }
+    return Candidate(
+        chunk_size=e.layout.chunk_size,
+        n_chunks=len(e.layout.chunks),
+        min_blocks=e.min_blocks,
+        n_blocks=p.n_blocks if p else None,
+        offloaded=len(p.offload) if p else None,
+        rcache_gib_per_step=p.time.rcache_bytes / GIB if p else None,
+        step_s=float(p.time.total) if p else None,
+        serial_s=float(p.time.serial) if p else None,
+    )
 
 
-def _alternatives(best: _Evaluated, budget: Budget) -> list[dict]:
+def _alternatives(best: _Evaluated, budget: Budget) -> tuple[Alternative, ...]:
     """The rigid end points of the same layout: ZeRO-2/3-like with everything offloaded, and the
     rCache extremes with nothing offloaded."""
     k = len(best.layout.chunks)
@@ -306,17 +312,17 @@ def _alternatives(best: _Evaluated, budget: Budget) -> list[dict]:
     ):
         device, host = best.mem.device(blocks, on_device), best.mem.host(on_device)
         out.append(
-            {
-                "name": name,
-                "n_blocks": blocks,
-                "offloaded": int((~on_device).sum()),
-                "device_bytes": device,
-                "host_bytes": host,
-                "fits": device <= budget.allowed and host <= budget.host_allowed,
-                "time": best.model.step(blocks, on_device).to_dict(),
-            }
+            Alternative(
+                name=name,
+                n_blocks=blocks,
+                offloaded=int((~on_device).sum()),
+                device_bytes=device,
+                host_bytes=host,
+                fits=device <= budget.allowed and host <= budget.host_allowed,
+                time=best.model.step(blocks, on_device),
+            )
         )
-    return out
+    return tuple(out)
 
 
 def _no_fit_message(

@@ -29,7 +29,7 @@ from .step_time import StepModel, StepTime
 __all__ = ["Placement", "greedy_path", "best_placement", "offloaded_chunks"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Placement:
     n_blocks: int
     on_device: np.ndarray

@@ -68,7 +68,7 @@ count, calibrated on the recorded runs that update offloaded chunks after a host
 the rate under copies too, which no recorded run calibrates."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepTime:
     """Seconds per optimizer step, per rank."""
 

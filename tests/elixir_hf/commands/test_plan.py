@@ -9,8 +9,11 @@ import pytest
 import torch
 
 from elixir_hf.commands.plan import main, parse_size
+from elixir_hf.plugin import ElixirSpecError
+from elixir_runtime.config import ElixirConfig
 from elixir_runtime.hardware import HardwareProfile, LinkRates
 from elixir_runtime.hardware.profile import CpuAdamRate
+from helpers.spec_keys import documented_keys, documented_value
 
 
 @pytest.fixture
@@ -230,7 +233,7 @@ def test_help_is_plain_text(capsys) -> None:
 
 
 def test_chunks_are_named_by_the_layers_they_hold() -> None:
-    from elixir_hf.commands.plan_report import describe_layers
+    from elixir_runtime.planner import describe_layers
 
     names = [
         "transformer.wte.weight",
@@ -445,13 +448,13 @@ def test_cli_and_auto_make_the_same_plan_from_the_same_profile(capsys, tmp_path,
     config, cuda = ElixirConfig(dtype="bf16", device_assisted_update="auto"), torch.device("cuda")
     plan = planner.search_job(
         model, units, {"input_ids": ids, "labels": ids}, config, cuda, torch.bfloat16, Collectives(None)
-    )
+    ).plan
     assert cli_plan["offload"] or cli_plan["n_blocks"] < cli_plan["max_blocks"], "the case must make a choice"
     saved = plan.to_dict()
     for key in ("chunk_size", "n_chunks", "n_blocks", "offload", "device_lane", "memory", "predicted"):
         assert cli_plan[key] == saved[key], key
     # on 6 MiB the device lane's staging leaves no plan: "auto" falls back to the CPU alone, saying so
-    assert plan.device_lane == 0 and any("device update lane off" in n for n in plan.search["notes"])
+    assert plan.device_lane == 0 and any("device update lane off" in n for n in plan.search.notes)
 
 
 @pytest.mark.parametrize(
@@ -580,3 +583,50 @@ def test_a_host_bound_step_is_priced_with_two_micro_batches(capsys, tmp_path) ->
     assert "host-bound" not in out and "accumulated" not in doc
     out, doc = run(1e6, "--grad-accum", "2")  # already accumulating: nothing to suggest
     assert "host-bound" not in out and "accumulated" not in doc
+
+
+# --------------------------------------------------------------------------- --elixir: the run's keys
+
+
+def _config(*argv: str):
+    from elixir_hf.commands.plan import _elixir_config, _parser
+
+    args = _parser().parse_args(["--model", "gpt2", *argv])
+    return _elixir_config(args), args
+
+
+@pytest.mark.parametrize("key", documented_keys())
+def test_every_key_the_docs_name_is_an_elixir_plan_key(key: str) -> None:
+    """``elixir-plan --elixir`` parses as the run's ``--elixir`` (``ElixirPlugin``): each key of
+    docs/hf.md's table, at its documented default, is accepted."""
+    config, _ = _config("--elixir", json.dumps({key: documented_value(key)}, default=str))
+    assert isinstance(config, ElixirConfig), key
+
+
+def test_the_flags_are_shorthands_for_elixir_keys() -> None:
+    config, args = _config("--elixir", '{"offload": 0.5, "n_blocks": "min", "lean_loss": false}', "--grad-accum", "2")
+    assert (config.offload, config.n_blocks, config.grad_accum_steps, config.dtype) == (0.5, "min", 2, torch.bfloat16)
+    assert args.lean_loss is False and args.dtype == torch.bfloat16  # what the report reads
+    config, args = _config("--dtype", "fp16", "--gpu-memory", "40GiB", "--device-lane", "auto", "--stock-loss")
+    assert (config.dtype, config.gpu_memory, config.device_assisted_update) == (torch.float16, 40 * 2**30, "auto")
+    assert args.gpu_memory == 40 * 2**30 and args.lean_loss is False
+    assert (
+        _config("--dtype", "fp32", "--elixir", '{"dtype": "fp32"}')[0].dtype == torch.float32
+    )  # said twice, once meant
+    with pytest.raises(ElixirSpecError, match="--dtype says dtype 'fp16', --elixir says 'bf16': give it once"):
+        _config("--dtype", "fp16", "--elixir", '{"dtype": "bf16"}')
+    with pytest.raises(ElixirSpecError, match="unknown elixir-plan --elixir key 'ofload' \\(did you mean 'offload'"):
+        _config("--elixir", '{"ofload": 0.5}')
+    with pytest.raises(ElixirSpecError, match="not a plan or mode 'static'"):
+        _config("--elixir", '{"mode": "static"}')
+
+
+def test_an_elixir_key_reaches_the_plan(capsys, tmp_path) -> None:
+    """``{"offload": 1.0}``: every chunk offloaded, as the run with that ``--elixir`` would plan."""
+    argv = ["--model", _tiny_config(tmp_path), "--seq-len", "128", "--batch-size", "2", "--hardware", "h100"]
+    code, out, _ = _run(capsys, *argv, "--elixir", '{"offload": 1.0}', "--json")
+    assert code == 0, out
+    plan = json.loads(out)["plan"]
+    assert plan["offload"] == list(range(plan["n_chunks"])) and json.loads(out)["settings"]["elixir"] == {
+        "offload": 1.0
+    }

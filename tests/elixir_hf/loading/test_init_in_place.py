@@ -41,7 +41,7 @@ def _prepare(rank: int, world_size: int, case: str, chunk_size: int, steps: int 
     batch = {k: v[rank::world_size] for k, v in make_batch(VOCAB, 4, 16).items()}  # one batch, split over the ranks
     config = er.ElixirConfig(mode="static", device="cpu", chunk_size=chunk_size, offload=0.5)
     model, opt = er.prepare(model, opt, config, batch)
-    layout = model._elixir.plan.layout
+    layout = model._elixir.live.layout
     out = {"start": model.state_dict(), "losses": []}
     for _ in range(steps):
         loss = model(**batch).loss

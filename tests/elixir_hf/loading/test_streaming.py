@@ -66,7 +66,7 @@ def _train(model, rank: int, world_size: int, reads: list[int] | None = None) ->
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    layout = model._elixir.plan.layout
+    layout = model._elixir.live.layout
     return {
         "start": start,
         "losses": losses,

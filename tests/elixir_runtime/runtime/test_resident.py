@@ -117,10 +117,10 @@ def test_the_resident_chunk_is_private_and_counted() -> None:
     recipe = Recipe(model="llama")
     model, opt = build(recipe)
     model, _ = er.prepare(model, opt, er.ElixirConfig(mode="static"), resident=[model.lm_head.weight])
-    plan = model._elixir.plan
-    i = plan.param_table.index[id(model.lm_head.weight)]
-    (chunk,) = plan.root_chunks
-    assert plan.layout.param_chunk[i] == chunk and plan.layout.chunks[chunk].private
+    plan, live = model._elixir.plan, model._elixir.live
+    i = live.param_table.index[id(model.lm_head.weight)]
+    (chunk,) = live.root_chunks
+    assert live.layout.param_chunk[i] == chunk and live.layout.chunks[chunk].private
     assert plan.memory.private == model.lm_head.weight.numel() * 4  # fp32, its own buffer
     with pytest.raises(ValueError, match="not parameters of this model"):
         other, opt2 = build(recipe)

@@ -47,9 +47,10 @@ def test_auto_plan_runs_in_the_engine(monkeypatch) -> None:
     batch = make_batch(128)
     units = find_units(model, None)
     config = er.ElixirConfig()
-    searched = planner.search_job(model, units, batch, config, torch.device("cpu"), torch.float32, Collectives(None))
-    assert {id(p) for p in searched.param_table.params} == {id(p) for p in model.parameters()} and searched.offload
-    assert any("hardware: test GPU" in n for n in searched.search["notes"])
+    planned = planner.search_job(model, units, batch, config, torch.device("cpu"), torch.float32, Collectives(None))
+    searched = planned.plan
+    assert {id(p) for p in planned.live.param_table.params} == {id(p) for p in model.parameters()} and searched.offload
+    assert any("hardware: test GPU" in n for n in searched.search.notes)
 
     static = er.ElixirConfig(
         mode="static", chunk_size=searched.chunk_size, n_blocks=searched.n_blocks, offload=searched.offload
@@ -58,7 +59,7 @@ def test_auto_plan_runs_in_the_engine(monkeypatch) -> None:
     plan = model._elixir.plan
     assert (plan.n_chunks, plan.chunk_size, plan.offload) == (searched.n_chunks, searched.chunk_size, searched.offload)
     # a static plan has no profile, so no gradient window: every GPU gradient shard counts
-    windowed = ArenaBytes(model._elixir.runtime.layout, torch.float32, window=searched.grad_window)
+    windowed = ArenaBytes(model._elixir.runtime.layout, torch.float32, window=planned.live.grad_window)
     on_device = np.array([s == "device" for s in plan.placement()])
     assert plan.host_bytes == searched.host_bytes
     assert plan.device_bytes - plan.memory.device_grads == searched.device_bytes - windowed.grads(on_device)
@@ -72,10 +73,11 @@ def test_without_a_batch_the_activations_get_a_fixed_share(monkeypatch) -> None:
     model = _model()
     _fake_machine(monkeypatch, model, share=3.0)
     units = find_units(model, None)
-    plan = planner.search_job(
+    planned = planner.search_job(
         model, units, None, er.ElixirConfig(), torch.device("cpu"), torch.float32, Collectives(None)
     )
-    assert plan.param_table.params == param_table(model, units, [u.index for u in units]).params
+    plan = planned.plan
+    assert planned.live.param_table.params == param_table(model, units, [u.index for u in units]).params
     assert plan.budget.activations == int(planner.UNPROFILED_ACTIVATION_SHARE * plan.budget.capacity / 1.25)
 
 
@@ -124,17 +126,20 @@ def _plan_on_two_ranks(rank: int, world: int) -> tuple:
     planner.search = spy
     units = find_units(model, None)
     coll = Collectives(torch.distributed.group.WORLD)
-    p = planner.search_job(model, units, make_batch(128), er.ElixirConfig(), torch.device("cpu"), torch.float32, coll)
+    planned = planner.search_job(
+        model, units, make_batch(128), er.ElixirConfig(), torch.device("cpu"), torch.float32, coll
+    )
+    p, live = planned.plan, planned.live
     # rank 0 keeps the layout its search built, rank 1 builds it from the chunk size: the same layout
     decided = (
-        [n[0] for n in p.param_table.names],
+        [n[0] for n in live.param_table.names],
         p.chunk_size,
         p.offload,
         p.n_blocks,
-        p.layout.fingerprint(),
+        live.layout.fingerprint(),
         p.to_dict(),
     )
-    return decided, seen, p.search["notes"]
+    return decided, seen, p.search.notes
 
 
 def test_ranks_time_their_own_collectives_and_agree_on_the_plan() -> None:
@@ -160,7 +165,7 @@ def test_the_gpu_limit_shrinks_the_plan(monkeypatch) -> None:
         limit_gpu_memory(torch.device("cuda", 0), config.gpu_memory)
         return planner.search_job(
             model, find_units(model, None), None, config, torch.device("cpu"), torch.float32, coll
-        )
+        ).plan
 
     whole = plan()
     assert whole.budget.limit is None and not whole.offload

@@ -1,9 +1,11 @@
-"""The planner decides a plan once: ``prepare`` installs the plan it returns, and a searched plan
-keeps the layout the search built."""
+"""The planner decides a plan once: ``prepare`` installs the plan it returns, a searched plan
+keeps the layout the search built, and a plan to follow is checked against the model before the
+engine allocates anything."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -12,6 +14,8 @@ from search_cases import GIB, gpu_host, model_state_bytes
 import elixir_runtime as er
 import elixir_runtime.planner as planner
 from elixir_runtime.chunk.collectives import Collectives
+from elixir_runtime.chunk.store import ShardArenas
+from elixir_runtime.config import PlanMismatch
 from elixir_runtime.search import Budget
 from elixir_runtime.units import find_units
 from helpers.models import make_batch, read_head_outside, tiny_gpt2, tiny_llama
@@ -42,11 +46,13 @@ def test_prepare_installs_the_plan_the_planner_makes() -> None:
     )
 
     model, _ = er.prepare(model, _optimizer(model), config, example_batch=batch)
-    installed = model._elixir.plan
-    assert installed.to_dict() == planned.to_dict() and installed.offload
-    assert installed.layout.fingerprint() == planned.layout.fingerprint()
-    assert installed.unit_chunks == planned.unit_chunks
-    assert model._elixir.runtime.layout is installed.layout  # the runtime runs the plan's layout, not a rebuilt one
+    installed, live = model._elixir.plan, model._elixir.live
+    assert installed == planned.plan and installed.offload
+    assert live.layout.fingerprint() == planned.live.layout.fingerprint()
+    assert live.unit_chunks == planned.live.unit_chunks
+    assert model._elixir.runtime.layout is live.layout  # the runtime runs the plan's layout, not a rebuilt one
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        installed.n_blocks = 1  # built once: a variant is dataclasses.replace of it
 
 
 def test_a_searched_plan_carries_the_layout_the_search_built(monkeypatch) -> None:
@@ -69,7 +75,7 @@ def test_a_searched_plan_carries_the_layout_the_search_built(monkeypatch) -> Non
         return results[-1]
 
     monkeypatch.setattr(planner, "search", spy)
-    plan = planner.search_job(
+    planned = planner.search_job(
         model,
         find_units(model, None),
         make_batch(128),
@@ -78,14 +84,16 @@ def test_a_searched_plan_carries_the_layout_the_search_built(monkeypatch) -> Non
         torch.float32,
         Collectives(None),
     )
-    assert len(results) == 1 and plan.layout is results[0].layout and plan.offload
-    assert (plan.chunk_size, plan.n_blocks, plan.offload) == (
+    plan = planned.plan
+    assert len(results) == 1 and planned.live.layout is results[0].layout and plan.offload
+    assert (plan.chunk_size, plan.n_blocks, list(plan.offload)) == (
         results[0].chunk_size,
         results[0].placement.n_blocks,
         results[0].placement.offload,
     )
     again = er.ElixirPlan.from_json(plan.to_json())
-    assert again == plan and again.layout is None and again.predicted == plan.predicted and again.budget == plan.budget
+    assert again == plan and again.predicted == plan.predicted and again.budget == plan.budget
+    assert again.search == plan.search and again.profile == plan.profile and again.chunks == plan.chunks
 
 
 @pytest.mark.parametrize("named", [True, False], ids=["named", "found-by-the-profile"])
@@ -100,7 +108,7 @@ def test_the_search_plans_the_resident_chunk(monkeypatch, named: bool) -> None:
     monkeypatch.setattr(planner, "job_hardware", lambda coll, device, cpu_threads=None: gpu_host())
     model = tiny_llama()
     head = read_head_outside(model)
-    plan = planner.search_job(
+    planned = planner.search_job(
         model,
         find_units(model, None),
         make_batch(128),
@@ -110,7 +118,45 @@ def test_the_search_plans_the_resident_chunk(monkeypatch, named: bool) -> None:
         Collectives(None),
         resident=[head] if named else [],
     )
-    i = plan.param_table.index[id(head)]
-    assert plan.param_table.resident[i] and plan.predicted is not None
-    assert plan.root_chunks == (plan.layout.param_chunk[i],) and plan.layout.chunks[plan.root_chunks[0]].private
+    plan, live = planned.plan, planned.live
+    i = live.param_table.index[id(head)]
+    assert live.param_table.resident[i] and plan.predicted is not None
+    assert live.root_chunks == (live.layout.param_chunk[i],) and live.layout.chunks[live.root_chunks[0]].private
     assert plan.memory.private == head.numel() * 4
+
+
+def test_a_plan_to_follow_is_checked_before_any_engine_memory(monkeypatch) -> None:
+    """``prepare(..., plan=...)`` (a plan file): the plan's layout is checked against the model's
+    before the chunk store allocates a byte; the plan of this model is followed, another model's
+    refused with no arena built."""
+    events: list[str] = []
+    check, allocate = planner._check_follows, ShardArenas.__init__
+
+    def checked(given, planned):
+        events.append("check")
+        check(given, planned)
+
+    def allocated(self, *args, **kwargs):
+        events.append("arenas")
+        allocate(self, *args, **kwargs)
+
+    monkeypatch.setattr(planner, "_check_follows", checked)
+    monkeypatch.setattr(ShardArenas, "__init__", allocated)
+    batch = make_batch(64)
+    config = er.ElixirConfig(mode="static", n_blocks="min", offload=0.5, chunk_size=20_000)
+    model = tiny_gpt2(n_layer=3, n_embd=64)
+    model, _ = er.prepare(model, _optimizer(model), config, batch)
+    saved = er.ElixirPlan.from_json(model._elixir.plan.to_json())
+    assert "check" not in events  # nothing to follow
+
+    events.clear()
+    same = tiny_gpt2(n_layer=3, n_embd=64)
+    same, _ = er.prepare(same, _optimizer(same), example_batch=batch, plan=saved)
+    assert events[0] == "check" and "arenas" in events
+    assert same._elixir.plan == saved  # followed: the same plan, decided again for this model
+
+    events.clear()
+    other = tiny_gpt2(n_layer=5, n_embd=64)
+    with pytest.raises(PlanMismatch, match="does not fit this model: it describes"):
+        er.prepare(other, _optimizer(other), example_batch=batch, plan=saved)
+    assert events == ["check"] and not hasattr(other, "_elixir")

@@ -14,6 +14,7 @@ from elixir_runtime.chunk.layout import build_layout
 from elixir_runtime.config import ElixirConfig, PlanError
 from elixir_runtime.hardware.profile import CpuAdamRate
 from elixir_runtime.plan import ElixirPlan, _count_memory, resolve_plan
+from elixir_runtime.plan_view import plan_table
 from elixir_runtime.search import Budget, SearchSettings, search
 from elixir_runtime.search.budget import F_ALLOC, F_HOST
 from elixir_runtime.search.candidates import chunk_size_candidates
@@ -36,7 +37,7 @@ def _budget(profile, capacity: int, host: int = 64 * GIB, ranks: int = 1) -> Bud
 
 def _plan(table, r) -> ElixirPlan:
     """The plan of search result ``r``: the chunk count and rCache bounds are the plan's to count."""
-    return resolve_plan(ElixirConfig(), table, r.layout, BF16, search=r)
+    return resolve_plan(ElixirConfig(), table, r.layout, BF16, search=r).plan
 
 
 def _settings(**kw) -> SearchSettings:
@@ -63,8 +64,8 @@ def test_never_exceeds_the_budget(gpt2, clips_grads) -> None:
             assert r.placement.device_bytes <= budget.allowed and r.placement.host_bytes <= budget.host_allowed
             plan = _plan(table, r)
             assert plan.min_blocks <= r.placement.n_blocks <= plan.max_blocks
-            for c in r.candidates:
-                assert c["chunk_size"] >= max(p.numel() for p, priv in zip(table.params, table.private) if not priv)
+            for c in r.report.candidates:
+                assert c.chunk_size >= max(p.numel() for p, priv in zip(table.params, table.private) if not priv)
 
 
 @pytest.mark.parametrize("clips_grads", [True, False])
@@ -96,13 +97,13 @@ def test_predicted_steps_that_tie_go_to_the_smallest_chunk(gpt2) -> None:
             r = search(table, profile, gpu_host(), _budget(profile, capacity), _settings(clips_grads=True))
         except PlanError:
             continue
-        rows = [c for c in r.candidates if c["step_s"] is not None]
-        shortest = min(c["serial_s"] for c in rows)
-        near = [c for c in rows if c["serial_s"] <= shortest * (1 + SERIAL_TIE)]
-        fastest = min(c["step_s"] for c in near)
-        tied = [c["chunk_size"] for c in near if c["step_s"] <= fastest * (1 + STEP_TIE)]
+        rows = [c for c in r.report.candidates if c.step_s is not None]
+        shortest = min(c.serial_s for c in rows)
+        near = [c for c in rows if c.serial_s <= shortest * (1 + SERIAL_TIE)]
+        fastest = min(c.step_s for c in near)
+        tied = [c.chunk_size for c in near if c.step_s <= fastest * (1 + STEP_TIE)]
         assert r.chunk_size == min(tied)
-        ties += len(tied) > 1 and min(tied) != min(near, key=lambda c: c["step_s"])["chunk_size"]
+        ties += len(tied) > 1 and min(tied) != min(near, key=lambda c: c.step_s).chunk_size
     assert ties
 
 
@@ -117,7 +118,7 @@ def test_states_that_fit_stay_on_the_gpu_even_where_offload_would_hide(gpt2, cli
         r = search(table, profile, gpu_host(cpu_adam=5e11), roomy, _settings(clips_grads=clips_grads))
     assert r.placement.offload == [] and r.placement.n_blocks == _plan(table, r).max_blocks
     assert [(b.desc, b.total, b.n) for b in bars] == [
-        ("elixir: searching chunk sizes", len(r.candidates), len(r.candidates))
+        ("elixir: searching chunk sizes", len(r.report.candidates), len(r.report.candidates))
     ]
 
 
@@ -129,14 +130,15 @@ def test_little_memory_offloads_plenty_keeps_everything(gpt2) -> None:
     assert tight.placement.offload and not roomy.placement.offload
     assert roomy.placement.n_blocks == _plan(table, roomy).max_blocks
     # the CPU update rate the step model priced: the profile's, on the engine's arenas
-    assert tight.rates["cpu_update_Gps"] == pytest.approx(ARENA_RATE * tight.rates["cpu_adam_alone_Gps"], rel=1e-3)
+    rates = tight.report.rates
+    assert rates.cpu_update_Gps == pytest.approx(ARENA_RATE * rates.cpu_adam_alone_Gps, rel=1e-3)
     assert roomy.placement.time.total < tight.placement.time.total
     # the forward's first chunks stay on the GPU, the last ones are offloaded
     n = _plan(table, tight).n_chunks
     assert tight.placement.offload == list(range(n - len(tight.placement.offload), n))
-    names = [a["name"] for a in tight.alternatives]
+    names = [a.name for a in tight.alternatives]
     assert names == ["zero2-offload-all", "zero3-offload-all", "rcache-max", "rcache-min"]
-    assert all(tight.placement.time.total <= a["time"]["total"] + 1e-12 for a in tight.alternatives if a["fits"])
+    assert all(tight.placement.time.total <= a.time.total + 1e-12 for a in tight.alternatives if a.fits)
 
 
 @pytest.mark.parametrize("lane", [False, True], ids=["cpu-alone", "device-lane"])
@@ -160,25 +162,29 @@ def test_plan_memory_is_what_the_engine_allocates(gpt2, lane) -> None:
     )
     assert mem.host_shards == r.placement.host_bytes
     assert (lane_numel > 0) == lane and mem.lane_staging == 2 * lane_numel * (12 + 2)  # fp32 m, v, master + bf16
-    plan = resolve_plan(ElixirConfig(), table, r.layout, BF16, search=r)
-    assert (plan.n_blocks, plan.offload, plan.device_lane) == (r.placement.n_blocks, r.placement.offload, lane_numel)
+    plan = resolve_plan(ElixirConfig(), table, r.layout, BF16, search=r).plan
+    assert (plan.n_blocks, list(plan.offload), plan.device_lane) == (
+        r.placement.n_blocks,
+        r.placement.offload,
+        lane_numel,
+    )
     assert plan.device_bytes == r.placement.device_bytes and plan.predicted.total == pytest.approx(
         r.placement.time.total
     )
     again = ElixirPlan.from_json(plan.to_json())
-    assert again == plan and "predicted step" in again.table()
+    assert again == plan and "predicted step" in plan_table(again)
 
 
 def test_explicit_choices_are_honoured(gpt2) -> None:
     model, table, profile = gpt2
     budget = _budget(profile, _capacities(model, profile)[-1])
     first = search(table, profile, gpu_host(), budget, _settings())
-    size = first.candidates[0]["chunk_size"]
+    size = first.report.candidates[0].chunk_size
     fixed = search(table, profile, gpu_host(), budget, _settings(chunk_size=size, n_blocks="min", offload=0.5))
     plan = _plan(table, fixed)
     assert fixed.chunk_size == size and fixed.placement.n_blocks == plan.min_blocks
     assert fixed.placement.offload == list(range(plan.n_chunks - round(0.5 * plan.n_chunks), plan.n_chunks))
-    assert len(fixed.candidates) == 1
+    assert len(fixed.report.candidates) == 1
 
 
 def test_two_ranks_shard_the_states(gpt2) -> None:
@@ -192,16 +198,16 @@ def test_two_ranks_shard_the_states(gpt2) -> None:
     )
     assert two.placement.time.collectives is not None and two.placement.time.collectives > 0
     # the plan records each rank's share of the host it was predicted with
-    assert one.rates["ranks"] == 1 and two.rates["ranks"] == 2
-    assert two.rates["cpu_adam_Gps"] == pytest.approx(one.rates["cpu_adam_Gps"] / 2) == 2.5
-    assert two.rates["h2d_GBps"] == pytest.approx(50) and two.rates["busbw_GBps"] == pytest.approx(200)
+    assert one.report.rates.ranks == 1 and two.report.rates.ranks == 2
+    assert two.report.rates.cpu_adam_Gps == pytest.approx(one.report.rates.cpu_adam_Gps / 2) == 2.5
+    assert two.report.rates.h2d_GBps == pytest.approx(50) and two.report.rates.busbw_GBps == pytest.approx(200)
     # a CPU Adam rate measured for 2 ranks per host is each rank's; 2 ranks on 2 hosts get the one-rank rate
     measured = gpu_host(2)
     measured.cpu_adam[2] = CpuAdamRate(2, 7, 4e9, 4.5e9)
     per_host = search(table, profile, measured, _budget(profile, capacity, ranks=2), _settings(world_size=2))
-    assert (per_host.rates["cpu_adam_Gps"], per_host.rates["cpu_threads"]) == (4.0, 7)
+    assert (per_host.report.rates.cpu_adam_Gps, per_host.report.rates.cpu_threads) == (4.0, 7)
     apart = search(table, profile, measured, _budget(profile, capacity, ranks=1), _settings(world_size=2))
-    assert apart.rates["cpu_adam_Gps"] == 5.0
+    assert apart.report.rates.cpu_adam_Gps == 5.0
 
 
 def test_the_serial_step_overlaps_the_devices_transfers_and_not_the_hosts(gpt2) -> None:
