@@ -175,18 +175,19 @@ class ElixirPlan:
     def to_dict(self) -> dict[str, Any]:
         """The file's keys; ``predicted``/``budget``/``search`` are ``{}`` and ``profile`` ``None``
         when not searched."""
-        out: dict[str, Any] = {"format": PLAN_FORMAT}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            out[f.name] = list(value) if isinstance(value, tuple) and f.name in ("offload", "batch_shape") else value
-        out["memory"] = self.memory.to_dict()
-        out["predicted"] = {} if self.predicted is None else self.predicted.to_dict()
-        out["budget"] = {} if self.budget is None else self.budget.to_dict()
-        out["search"] = {} if self.search is None else self.search.to_dict()
-        out["alternatives"] = [a.to_dict() for a in self.alternatives]
-        out["profile"] = None if self.profile is None else self.profile.to_dict()
-        out["chunks"] = [{**asdict(c), "params": list(c.params)} for c in self.chunks]
-        return out
+        return {
+            "format": PLAN_FORMAT,
+            **{f.name: getattr(self, f.name) for f in fields(self)},  # the scalars; the rest as JSON has them:
+            "offload": list(self.offload),
+            "batch_shape": None if self.batch_shape is None else list(self.batch_shape),
+            "memory": self.memory.to_dict(),
+            "predicted": {} if self.predicted is None else self.predicted.to_dict(),
+            "budget": {} if self.budget is None else self.budget.to_dict(),
+            "search": {} if self.search is None else self.search.to_dict(),
+            "alternatives": [a.to_dict() for a in self.alternatives],
+            "profile": None if self.profile is None else self.profile.to_dict(),
+            "chunks": [{**asdict(c), "params": list(c.params)} for c in self.chunks],
+        }
 
     def to_json(self) -> str:
         """``to_dict`` plus ``predicted_step_s`` for readers of the file (derived: ignored on load)."""
