@@ -86,10 +86,10 @@ def build_engine(
 ) -> ElixirOptimizer:
     """Checks the plan file (if any) names this model, gives the model the lean causal-LM loss
     (``plugin.lean_loss``; before the engine traces a training step, so the plan counts that loss's
-    memory), then ``elixir_runtime.prepare``s the model in place, following the plan file (its layout
-    checked against the model's before anything is allocated), and logs the plan as a table (INFO; ``console.py``
-    says which processes show it: under the Trainer, rank 0 at ``--log_level``, the others at
-    ``--log_level_replica``).
+    memory), then ``elixir_runtime.prepare``s the model in place, following the plan file (its
+    layout checked against the model's before anything is allocated), and logs the plan as a table
+    (INFO; ``console.py`` says which processes show it: under the Trainer, rank 0 at
+    ``--log_level``, the others at ``--log_level_replica``).
 
     ``batch`` (one training batch) lets the engine order chunks by first use in forward.
     ``args`` (the ``TrainingArguments``, if any) tells the planner whether the loop clips

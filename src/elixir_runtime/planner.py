@@ -280,8 +280,7 @@ def plan_job(
 
 def _batch_shape(example_batch: Any | None) -> tuple[int, int] | None:
     """The shape of the batch a plan is made with (``ElixirPlan.batch_shape``)."""
-    shape = token_shape(example_batch) if example_batch is not None else None
-    return tuple(shape) if shape is not None else None
+    return token_shape(example_batch) if example_batch is not None else None
 
 
 def _check_follows(given: ElixirPlan, planned: Planned) -> None:
