@@ -46,7 +46,7 @@ __all__ = ["convert", "torch_adam_state"]
 
 _NOT_COPIED = re.compile(
     rf"^({re.escape(MARKER_NAME)}|{re.escape(PLAN_NAME)}|{re.escape(OPTIM_INDEX)}|{re.escape(NOTE_NAME)}|optimizer-.*\.safetensors"
-    r"|elixir_optim_rank\d+\.pt|model.*\.safetensors(\.index\.json)?|config\.json|generation_config\.json)$"
+    r"|model.*\.safetensors(\.index\.json)?|config\.json|generation_config\.json)$"
 )
 """Elixir's files and what ``save_pretrained`` writes anew."""
 
@@ -61,12 +61,7 @@ def convert(checkpoint: str | Path, out: str | Path, config: str | Path | None =
     if fmt != "named":
         raise CheckpointError(
             f"{ckpt} holds no optimizer state by parameter name ({OPTIM_INDEX})"
-            + {
-                "plain": ": it is a plain PyTorch checkpoint already",
-                "shards": ": its per-rank shards (earlier elixir-hf versions) load only into the run that wrote "
-                f"them; resume it with --elixir {ckpt / PLAN_NAME} and the same number of processes, save, and "
-                "convert that checkpoint",
-            }.get(fmt, "")
+            + (": it is a plain PyTorch checkpoint already" if fmt == "plain" else "")
         )
     if config is None and not (ckpt / "config.json").is_file():
         raise CheckpointError(f"{ckpt} has no config.json (a save_state folder?): pass the model's with --config")
