@@ -85,7 +85,10 @@ def torch_adam_state(
     ``state`` and ``param_groups`` for ``model``, whose parameters get the fp32 master weights.
     ``numbering(params)``: the state-dict positions of a group's parameters. Refuses a parameter of
     the checkpoint ``model`` lacks, or a shape that differs."""
-    index = read_optimizer_index(ckpt, read_marker(ckpt)["step"])
+    marker = read_marker(ckpt)
+    if marker is None:
+        raise CheckpointError(f"{ckpt} has no {MARKER_NAME}: not a complete Elixir checkpoint")
+    index = read_optimizer_index(ckpt, marker["step"])
     by_name = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
     state: dict[int, dict[str, torch.Tensor]] = {}
     files = {p[0] for e in index["params"].values() for p in e["pieces"]}

@@ -39,7 +39,7 @@ import tempfile
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import torch
 import torch.distributed as dist
@@ -95,7 +95,8 @@ class _Summing:
     counts the bytes."""
 
     def __init__(self, f: BinaryIO, bar: Bar) -> None:
-        self.f, self.crc, self.bytes, self.error, self.bar = f, 0, 0, None, bar
+        self.f, self.crc, self.bytes, self.bar = f, 0, 0, bar
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         try:
@@ -136,7 +137,7 @@ def _replace(path: str | os.PathLike, produce: Callable[[Path], dict[str, int]])
     return digest
 
 
-def _write_file(path: str | os.PathLike, write: Callable[[_Summing], None]) -> dict[str, int]:
+def _write_file(path: str | os.PathLike, write: Callable[[_Summing], object]) -> dict[str, int]:
     """``write(f)`` into ``path`` atomically and durably; returns its size and CRC-32."""
 
     def produce(tmp: Path) -> dict[str, int]:
@@ -174,7 +175,7 @@ def atomic_safetensors_save(
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> dict[str, int]:
-    return _write_file(path, lambda f: torch.save(obj, f))
+    return _write_file(path, lambda f: torch.save(obj, cast(BinaryIO, f)))  # a file object: write, flush
 
 
 def atomic_write_text(text: str, path: str | os.PathLike) -> dict[str, int]:

@@ -223,7 +223,9 @@ def plain_to_named(opt: OptimizerView, state_dict: dict[str, Any], where: str) -
             "built with other groups"
         )
     index = {id(p): i for i, p in enumerate(layout.params)}
-    params, by_key, missing = {}, {}, []
+    params: dict[str, dict[str, Any]] = {}
+    by_key: dict[str, dict[str, Any]] = {}
+    missing: list[str] = []
     for gi, (saved, mine) in enumerate(zip(saved_groups, opt.param_groups)):
         for key, p in zip(saved["params"], mine["params"]):
             i = index.get(id(p))

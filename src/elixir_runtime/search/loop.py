@@ -23,7 +23,7 @@ import torch
 
 from ..chunk.layout import ChunkLayout, build_layout, round_up
 from ..config import ElixirConfig, PlanError
-from ..hardware.profile import HardwareProfile
+from ..hardware.profile import HardwareProfile, Rates
 from ..host import GIB
 from ..host import size_text as gib
 from ..profiler.profile import ModelProfile
@@ -89,8 +89,8 @@ class SearchResult:
     placement: Placement
     """rCache blocks, offloaded chunks, predicted step time and bytes, I(n)/J(n) of the winner."""
     budget: Budget
-    candidates: list[dict] = field(default_factory=list)
-    alternatives: list[dict] = field(default_factory=list)
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+    alternatives: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     rates: dict[str, float | int | None] = field(default_factory=dict)
@@ -216,7 +216,7 @@ def _evaluate(
     chunk_size: int,
     table: ParamTable,
     profile: ModelProfile,
-    rates,
+    rates: Rates,
     budget: Budget,
     settings: SearchSettings,
     window: GradWindow | None = None,
@@ -278,7 +278,7 @@ def _update_note(offload: list[int], clips_grads: bool) -> list[str]:
     ]
 
 
-def _row(e: _Evaluated) -> dict:
+def _row(e: _Evaluated) -> dict[str, Any]:
     p = e.placement
     return {
         "chunk_size": e.layout.chunk_size,
@@ -292,7 +292,7 @@ def _row(e: _Evaluated) -> dict:
     }
 
 
-def _alternatives(best: _Evaluated, budget: Budget) -> list[dict]:
+def _alternatives(best: _Evaluated, budget: Budget) -> list[dict[str, Any]]:
     """The rigid end points of the same layout: ZeRO-2/3-like with everything offloaded, and the
     rCache extremes with nothing offloaded."""
     k = len(best.layout.chunks)
