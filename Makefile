@@ -39,12 +39,17 @@ $(COMPAT)/.installed: $(STAMP)
 # Both passes on every core (pytest-xdist), a module per worker at a time (its fixtures built once).
 XDIST := -n auto --dist loadfile
 
-# The lint and format gate (pyproject.toml [tool.ruff]); `ruff format` and `ruff check --fix` repair most of it.
+# The lint gate, before every test run and in CI: ruff's lint and format check ([tool.ruff]; `ruff format` and
+# `ruff check --fix` repair most of it), the type check ([tool.mypy]: its files, strict where it says), and
+# spelling ([tool.codespell]). .pre-commit-config.yaml runs the same on each commit.
 LINTED := src tests benchmarks recipes
+SPELLED := $(LINTED) docs README.md CHANGELOG.md
 
 lint: $(STAMP)
 	$(VPY) -m ruff check $(LINTED)
 	$(VPY) -m ruff format --check $(LINTED)
+	$(VPY) -m mypy
+	$(VENV)/bin/codespell $(SPELLED)
 
 # Wall-clock budgets (`perf`) are not asserted by `make test`: on a loaded machine they fail without a bug.
 test: $(STAMP) $(COMPAT)/.installed lint

@@ -24,9 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .harness import MAX_GRAD_NORM, SYSTEMS, Context, Trainer, Unavailable, on_trainer_path
 from .hostmem import GIB, HostMemorySampler, host_total_bytes, rss_bytes
 from .models import param_count, preset, vocab_size
-from .systems import MAX_GRAD_NORM, SYSTEMS, Context, Trainer, Unavailable, build, on_trainer_path
+from .systems import build
 
 PG_TIMEOUT_S = 300
 _DIST_SYSTEMS = ("fsdp2", "fsdp2_offload", "ds2_offload", "ds3_offload")

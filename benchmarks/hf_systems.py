@@ -6,7 +6,7 @@ bf16=True)`` over a bf16 model, with the Trainer's defaults (AdamW, linear sched
 ``--clip 0``, the lean loss ``ElixirTrainer`` installs). ``trainer`` is the stock ``Trainer`` with the
 same arguments over an fp32 model (mixed precision by autocast, fp32 master weights: the numerics
 Elixir keeps) and no Elixir: where it does not fit, its failure is the row. The other stock baselines
-(``systems.STOCK_TRAINERS``) change the weights' dtype and the optimizer only: ``trainer_lossy`` bf16
+(``harness.STOCK_TRAINERS``) change the weights' dtype and the optimizer only: ``trainer_lossy`` bf16
 weights and ``optim="paged_adamw_8bit"`` (bitsandbytes); ``torchao_offload`` / ``torchao_offload_bf16``
 fp32 / bf16 weights on the GPU and ``optimizers=(CPUOffloadOptimizer(params, AdamW, fused=True), None)``
 (torchao): the Trainer's linear schedule wraps it as it is (a ``torch.optim.Optimizer`` subclass whose
@@ -40,8 +40,7 @@ from elixir_hf import ElixirTrainer, ElixirTrainingArguments
 from elixir_hf.commands.plan import DEVICE_LANE_WORDS
 from elixir_runtime.planner import plan_table
 
-from .models import Model, build_initialised_in_place, build_meta, materialize
-from .systems import (
+from .harness import (
     LR,
     MAX_GRAD_NORM,
     STOCK_TRAINERS,
@@ -52,6 +51,7 @@ from .systems import (
     Unavailable,
     plan_summary,
 )
+from .models import Model, build_initialised_in_place, build_meta, materialize
 
 __all__ = ["hf_trainer", "training_fields"]
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from . import systems
+from . import harness, systems
 from ._worker import env_info
 from .models import param_count, preset, vocab_size
 
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     p = preset(args.model)
     seq = args.seq or p.default_seq
-    ctx = systems.Context(
+    ctx = harness.Context(
         device,
         1,
         0,
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _harness_steps(trainer: systems.Trainer, ctx: systems.Context, ids: torch.Tensor, n: int) -> tuple:
+def _harness_steps(trainer: harness.Trainer, ctx: harness.Context, ids: torch.Tensor, n: int) -> tuple:
     """``n`` steps of the harness's loop, stamped; then the same update alone (a backward, then the
     update with the GPU idle and nothing beside it): (stamps, trace, (busy s, elements) alone)."""
     model, opt = trainer.handles["model"], trainer.handles["optimizer"]
@@ -160,7 +160,7 @@ def _harness_steps(trainer: systems.Trainer, ctx: systems.Context, ids: torch.Te
         t["loss"] = time.perf_counter()
         opt.backward(loss)
         if ctx.clip:
-            opt.clip_grad_norm(systems.MAX_GRAD_NORM)  # the host sync: backward is over
+            opt.clip_grad_norm(harness.MAX_GRAD_NORM)  # the host sync: backward is over
         t["synced"] = time.perf_counter()
         opt.step()
         t["stepped"] = time.perf_counter()
@@ -174,7 +174,7 @@ def _harness_steps(trainer: systems.Trainer, ctx: systems.Context, ids: torch.Te
     loss = model(input_ids=ids, labels=ids).loss
     opt.backward(loss)
     if ctx.clip:
-        opt.clip_grad_norm(systems.MAX_GRAD_NORM)
+        opt.clip_grad_norm(harness.MAX_GRAD_NORM)
     updates.wait_all()
     _sync(ctx.device)
     start = time.perf_counter()

@@ -15,7 +15,7 @@ any HF decoder's ``config.json`` / model folder, random init. ``--clip 1`` (defa
 gradients to a global norm of 1.0, as the HF Trainer does by default; ``--clip 0`` does not (the older GPT-2 rows).
 ``--lean-loss 1`` (default) gives Elixir's model the lean causal-LM loss, as ``ElixirTrainer`` does
 (``elixir_hf/loss.py``); the baselines keep transformers' own (recorded as ``info.lean_loss``).
-``--liger`` sets ``use_liger_kernel=True`` in the Trainer-path systems (``systems.TRAINER_SYSTEMS``;
+``--liger`` sets ``use_liger_kernel=True`` in the Trainer-path systems (``harness.TRAINER_SYSTEMS``;
 recorded as ``liger`` and ``info.liger``): a run with it is a row of its own in the tables. ``--compile``
 sets ``torch_compile=True`` in the same systems (``compile``; Elixir's ``elixir/compile_s``,
 ``elixir/compile_graphs`` and ``elixir/compile_graph_breaks`` in ``info.trainer_log``), a row of its own too.
@@ -45,8 +45,8 @@ from elixir_hf.presets import canonical_name
 
 from . import report
 from ._worker import clip_fields
+from .harness import MAX_GRAD_NORM, SYSTEMS, TRAINER_SYSTEMS, on_trainer_path
 from .models import DECODER_PRESETS, PRESETS, param_count, preset
-from .systems import MAX_GRAD_NORM, SYSTEMS, TRAINER_SYSTEMS, on_trainer_path
 
 REPO = Path(__file__).resolve().parents[1]
 PER_BATCH_SYSTEMS = ("elixir", *TRAINER_SYSTEMS)

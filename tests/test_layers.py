@@ -1,5 +1,5 @@
-"""The import graph of the two packages: layers point one way, nothing imports in a circle, and
-``elixir_hf`` reaches the engine through its public faces only.
+"""The import graph of the two packages and the benchmarks over them: layers point one way, nothing
+imports in a circle, and ``elixir_hf`` reaches the engine through its public faces only.
 
 Parsed with ``ast`` (nothing is imported), so a lazy import inside a function counts too: it is
 the same dependency, only hidden. Every module must be placed in ``LAYERS``; a new one fails here
@@ -11,7 +11,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+PACKAGES = {"elixir_runtime": SRC, "elixir_hf": SRC, "benchmarks": ROOT}
+"""Each top-level package of the graph and the folder it sits in."""
 
 LAYERS: list[tuple[str, ...]] = [
     # what the user asks for, and facts of this host (its memory, the GPU memory this process may use);
@@ -35,16 +38,19 @@ LAYERS: list[tuple[str, ...]] = [
     ("elixir_runtime.plan", "elixir_runtime.plan_view", "elixir_runtime.planner"),
     ("elixir_runtime.api", "elixir_runtime.compile", "elixir_runtime"),
     ("elixir_hf",),
+    # the throughput harness and the measurements over the packages
+    ("benchmarks",),
 ]
 
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for f in SRC.rglob("*.py"):
-        parts = list(f.relative_to(SRC).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        out[".".join(parts)] = f
+    for package, root in PACKAGES.items():
+        for f in (root / package).rglob("*.py"):
+            parts = list(f.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            out[".".join(parts)] = f
     return out
 
 
@@ -117,13 +123,14 @@ def test_the_checker_sees_imports() -> None:
     assert "elixir_runtime.hardware.measure" in graph["elixir_runtime.hardware.load"]  # `from . import measure`
     assert "elixir_runtime.plan" in graph["elixir_runtime.api"]
     assert "elixir_runtime.chunk.layout" in graph["elixir_runtime.search.loop"]
+    assert "benchmarks.hf_systems" in graph["benchmarks.systems"]  # lazy, inside a function
 
 
 def test_layers_are_stated_by_folder() -> None:
     """A layer names whole packages (or top-level modules): no file of a folder sits in another layer."""
     modules = _modules()
     packages = {m for m, p in modules.items() if p.name == "__init__.py"}
-    split = [p for layer in LAYERS for p in layer if p.rsplit(".", 1)[0] in packages - {"elixir_runtime", "elixir_hf"}]
+    split = [p for layer in LAYERS for p in layer if p.rsplit(".", 1)[0] in packages - set(PACKAGES)]
     assert not split, f"layers name files inside a package: {split}"
 
 

@@ -258,9 +258,7 @@ class ElixirAccelerator(Accelerator):
         load_safetensors(model, os.path.join(input_dir, SAFE_WEIGHTS_NAME))  # a tensor at a time, not the file per rank
         error = None
         try:
-            load_optimizer(
-                input_dir, opt, self.process_index, allow_missing=self.elixir_plugin.allow_missing_adam_state
-            )
+            load_optimizer(input_dir, opt, allow_missing=self.elixir_plugin.allow_missing_adam_state)
         except Exception as e:  # noqa: BLE001 - every rank raises it
             error = f"{type(e).__name__}: {e}"
         all_ranks_agree(error, f"loading the optimizer state of {input_dir}")

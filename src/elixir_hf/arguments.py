@@ -78,7 +78,7 @@ class ElixirTrainingArguments(TrainingArguments):
 
     # class attributes, not fields: the ElixirPlugin (set by __post_init__; None for arguments made
     # without it, e.g. unpickled stock ones), and whether an ElixirTrainer took these arguments
-    elixir_plugin = None
+    elixir_plugin: ElixirPlugin | None = None
     _elixir_trainer = False
 
     @property
@@ -143,7 +143,7 @@ def elixir_args(cls: type[TrainingArguments]) -> type[ElixirTrainingArguments]:
 
 
 def _restore(cls: type[TrainingArguments], state: dict[str, Any]) -> ElixirTrainingArguments:
-    args = object.__new__(elixir_args(cls))
+    args = object.__new__(elixir_args(cls))  # type: ignore[arg-type]  # a class is hashable (mypy reads its instances')
     args.__dict__.update(state)
     return args
 
@@ -156,4 +156,4 @@ def as_elixir_args(args: TrainingArguments | None) -> ElixirTrainingArguments:
     if args is None:
         return ElixirTrainingArguments(output_dir="tmp_trainer")
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
-    return elixir_args(type(args))(**values)
+    return elixir_args(type(args))(**values)  # type: ignore[arg-type]  # as in _restore

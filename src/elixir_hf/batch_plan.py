@@ -133,7 +133,7 @@ def _stretched(example: Mapping[str, Any], seq: int) -> dict[str, Any]:
     if n == 0:
         raise ValueError("the longest example is empty")
     reps = math.ceil(seq / n)
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in example.items():
         if isinstance(value, torch.Tensor) and value.dim() == 1 and len(value) == n:
             out[key] = value.repeat(reps)[:seq]

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import PrinterCallback, ProgressCallback
+from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
 __all__ = ["ElixirPrinterCallback", "ElixirProgressCallback", "SHORT_CONSOLE", "console_logs"]
 
 PREFIX = "elixir/"
 
 
-class _ShortLine:
+class _ShortLine(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs: Any):
         return super().on_log(args, state, control, logs=console_logs(logs), **kwargs)
 

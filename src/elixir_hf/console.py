@@ -25,7 +25,7 @@ Elsewhere none.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 from transformers.utils import logging as hf_logging
 
@@ -47,7 +47,7 @@ def connect_logging() -> None:
         tree = logging.getLogger(name)
         if tree.parent is not root:
             # logging has no call for it; ``parent`` is what getEffectiveLevel and callHandlers walk
-            tree.parent = root
+            tree.parent = cast(logging.Logger, root)  # transformers' logger class is one
             tree.setLevel(tree.level)  # same level; clears the loggers' cached levels
 
 

@@ -7,14 +7,14 @@ import dataclasses
 import inspect
 import itertools
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 import elixir_runtime
-from elixir_runtime import ElixirOptimizer
+from elixir_runtime import ElixirOptimizer, ElixirState
 from elixir_runtime.config import PlanMismatch
 from elixir_runtime.planner import plan_table
 
@@ -59,7 +59,8 @@ def read_outside_modules(model: nn.Module) -> list[nn.Parameter]:
         forward = module.__dict__.get("forward")  # patched on the instance, not the class's own
         if forward is None or not _takes_fused_lm_head(forward):
             continue
-        head = module.get_output_embeddings() if hasattr(module, "get_output_embeddings") else None
+        get_head = getattr(module, "get_output_embeddings", None)
+        head = get_head() if get_head is not None else None
         for p in (getattr(head, "weight", None), getattr(head, "bias", None)):
             if isinstance(p, nn.Parameter):
                 found.setdefault(id(p), p)
@@ -119,7 +120,7 @@ def build_engine(
         )
     except PlanMismatch as exc:  # the plan file's layout is not this model's: a spec error, as the other checks
         raise ElixirSpecError(str(exc)) from None
-    plan = model._elixir.plan
+    plan = cast(ElixirState, model._elixir).plan
     if compile_kwargs is not None:
         n = elixir_runtime.compile_blocks(model, **compile_kwargs)
         logger.info(
@@ -149,7 +150,7 @@ def example_batch(dataset: Any, collate_fn: Callable[[list], Any] | None, batch_
     """
     try:
         if hasattr(dataset, "__len__") and not isinstance(dataset, torch.utils.data.IterableDataset):
-            items: Sequence[Any] = [dataset[i] for i in range(min(len(dataset), batch_size))]
+            items: list[Any] = [dataset[i] for i in range(min(len(dataset), batch_size))]
         else:
             items = list(itertools.islice(dataset, batch_size))
         return collate_fn(items) if collate_fn is not None else torch.utils.data.default_collate(items)

@@ -139,7 +139,9 @@ def use_lean_loss(model: nn.Module) -> list[str]:
         if type(m).loss_function is not stock_property:
             continue
         # what the property returns, without its warning for a loss_type it does not know
-        loss = getattr(m, "_loss_function", None) or LOSS_MAPPING.get(getattr(m, "loss_type", None), ForCausalLMLoss)
+        loss = getattr(m, "_loss_function", None) or LOSS_MAPPING.get(
+            str(getattr(m, "loss_type", None)), ForCausalLMLoss
+        )
         if loss is ForCausalLMLoss:
             m.loss_function = lean_causal_lm_loss
             installed.append(type(m).__name__)

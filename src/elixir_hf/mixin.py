@@ -11,12 +11,14 @@ from the last class in the reversed MRO that declares it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar, cast
 
 __all__ = ["mixed_class"]
 
+_E = TypeVar("_E")
 
-def mixed_class(cls: type, elixir: type, namespace: dict[str, Any] | None = None) -> type:
+
+def mixed_class(cls: type, elixir: type[_E], namespace: dict[str, Any] | None = None) -> type[_E]:
     """``class Elixir<cls>(cls, elixir)``; ``cls`` itself if it already is Elixir, ``elixir`` if
     ``cls`` is the stock class ``elixir`` extends."""
     if issubclass(cls, elixir):
@@ -24,4 +26,5 @@ def mixed_class(cls: type, elixir: type, namespace: dict[str, Any] | None = None
     if issubclass(elixir, cls):
         return elixir
     name = f"Elixir{cls.__name__}"
-    return type(name, (cls, elixir), {"__module__": elixir.__module__, "__qualname__": name, **(namespace or {})})
+    made = type(name, (cls, elixir), {"__module__": elixir.__module__, "__qualname__": name, **(namespace or {})})
+    return cast(type[_E], made)

@@ -287,15 +287,17 @@ def from_pretrained_through(load: Callable[[Callable[..., Any], type, Any, dict[
     for owner in (PreTrainedModel, *_copies_of(_BaseAutoModelClass, "from_pretrained")):
         stock = owner.__dict__["from_pretrained"].__func__
         if not getattr(stock, "_elixir", False):
-            owner.from_pretrained = classmethod(_through(stock, load))  # type: ignore[method-assign]
+            owner.from_pretrained = classmethod(_through(stock, load))  # type: ignore[method-assign, attr-defined]
 
 
 def _copies_of(base: type, name: str) -> list[type]:
     """The subclasses of ``base``, at any depth, whose own classmethod ``name`` is a copy of ``base``'s."""
     code = vars(base)[name].__func__.__code__
-    found, todo = [], [base]
+    found: list[type] = []
+    todo: list[type] = [base]
     while todo:
-        for cls in todo.pop().__subclasses__():
+        subclasses: list[type] = todo.pop().__subclasses__()
+        for cls in subclasses:
             todo.append(cls)
             own = vars(cls).get(name)
             if isinstance(own, classmethod) and inspect.unwrap(own.__func__).__code__ is code:
@@ -331,7 +333,7 @@ def before_inject_adapter(hook: Callable[[Any], None]) -> None:
         return stock(self, model, *args, **kwargs)
 
     inject_adapter._elixir = True  # type: ignore[attr-defined]
-    BaseTuner.inject_adapter = inject_adapter
+    BaseTuner.inject_adapter = inject_adapter  # type: ignore[method-assign]
 
 
 # ---------------------------------------------------------------------------------- elixir-run
@@ -345,7 +347,7 @@ def replace_get_last_checkpoint(replacement: Callable[[Any], str | None]) -> Non
     for module in list(sys.modules.values()):
         names = getattr(module, "__dict__", {})  # not getattr(module, name): a lazy module would import
         if names.get("get_last_checkpoint") is stock:
-            module.get_last_checkpoint = replacement
+            module.get_last_checkpoint = replacement  # type: ignore[attr-defined]
 
 
 def construct_elixir(stock: type, elixir_of: Callable[[type], type]) -> None:
@@ -359,7 +361,7 @@ def construct_elixir(stock: type, elixir_of: Callable[[type], type]) -> None:
         return object.__new__(elixir_of(cls))
 
     __new__._elixir = True  # type: ignore[attr-defined]
-    stock.__new__ = staticmethod(__new__)  # type: ignore[method-assign]
+    stock.__new__ = staticmethod(__new__)  # type: ignore[method-assign, assignment]
 
 
 # ---------------------------------------------------------------------------------- Accelerate

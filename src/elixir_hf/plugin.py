@@ -280,5 +280,5 @@ def _grace_s(value: Any) -> float:
     return float(value)
 
 
-def _canonical(dtype: str) -> str:
+def _canonical(dtype: str | torch.dtype) -> str:
     return str(resolve_dtype(dtype)).removeprefix("torch.")

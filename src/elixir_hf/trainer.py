@@ -322,7 +322,6 @@ class ElixirTrainer(Trainer):
             load_optimizer(
                 checkpoint,
                 self.optimizer,
-                self.args.process_index,
                 marker and marker["step"],
                 allow_missing=self.elixir_plugin.allow_missing_adam_state,
             )

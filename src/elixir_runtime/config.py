@@ -10,7 +10,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal
+from typing import Literal, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -36,12 +36,16 @@ class ConfigError(ValueError):
     came from: ``--elixir``, ``ELIXIR_CONFIG`` or a file)."""
 
 
-def _int(v: Any) -> bool:
+def _int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _real(v: Any) -> bool:
+def _real(v: object) -> TypeGuard[float]:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _indices(v: object) -> TypeGuard[Sequence[int]]:
+    return isinstance(v, (list, tuple)) and all(_int(i) and i >= 0 for i in v)
 
 
 def _check(config: object, rules: dict[str, tuple[bool, str]]) -> None:
@@ -176,7 +180,6 @@ class ElixirConfig:
 
     def __post_init__(self) -> None:
         offload = self.offload
-        indices = isinstance(offload, (list, tuple)) and all(_int(i) and i >= 0 for i in offload)
         classes = self.unit_classes
         _check(
             self,
@@ -202,7 +205,7 @@ class ElixirConfig:
                 "offload": (
                     offload is None
                     or (_real(offload) and 0 <= offload <= 1)
-                    or (indices and len(set(offload)) == len(offload)),
+                    or (_indices(offload) and len(set(offload)) == len(offload)),
                     "a fraction of the chunks in [0, 1] (1.0: all), a list of distinct chunk indices, or None",
                 ),
                 "prefetch": (_int(self.prefetch) and self.prefetch >= 0, "an int >= 0 (chunks gathered ahead)"),

@@ -15,7 +15,7 @@ tied ones, ``private``, and the root's forward gathers their chunks (``runtime/h
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -80,7 +80,7 @@ def _check_classes_exist(model: nn.Module, classes: list[type | str]) -> None:
         )
 
 
-def _unique(params) -> list[nn.Parameter]:
+def _unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
     seen: set[int] = set()
     out = []
     for p in params:

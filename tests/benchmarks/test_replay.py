@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from benchmarks import replay
+from benchmarks.harness import plan_summary
 from benchmarks.models import PRESETS, build_meta
-from benchmarks.systems import plan_summary
 from elixir_runtime.config import ElixirConfig
 from elixir_runtime.hardware.profile import CpuAdamRate, HardwareProfile, LinkRates
 from elixir_runtime.planner import Target, plan_model

@@ -12,8 +12,9 @@ import torch
 from transformers import TrainingArguments
 
 from benchmarks import _worker, hf_systems, report
+from benchmarks.harness import STOCK_TRAINERS, TRAINER_SYSTEMS, Context, Unavailable
 from benchmarks.models import preset, vocab_size
-from benchmarks.systems import STOCK_TRAINERS, TRAINER_SYSTEMS, Context, Unavailable, build
+from benchmarks.systems import build
 from benchmarks.throughput import PER_BATCH_SYSTEMS, parse_args, worker_command
 
 NEW = ("trainer_lossy", "torchao_offload", "torchao_offload_bf16")

@@ -1,5 +1,5 @@
-"""Checkpoints: consolidated model state dict from any layout, loading it back, sharded optimizer
-state, save -> load -> continue equal to an uninterrupted run, and the HF save/load round trip.
+"""Checkpoints: consolidated model state dict from any layout, loading it back, the optimizer state
+by parameter name, save -> load -> continue equal to an uninterrupted run, and the HF save/load round trip.
 
 Parity runs use Adam eps=1e-6: with eps=1e-8, Adam turns pure round-off gradients (e.g. GPT-2's
 attention key bias, whose true gradient is 0) into lr-sized steps, and two runs that differ only
@@ -226,18 +226,21 @@ def test_save_load_continue_world1(tmp_path, name: str) -> None:
 
 def _resume_world2(rank: int, world_size: int, tmp: str) -> dict:
     straight, resumed = _resume_run(tmp, "gpt2", rank)
-    # (e) a shard of the world-1 run, or of the other rank, must not load here
-    model, opt = _prepare(tiny_gpt2(seed=0), make_batch(128))
-    errors = {}
-    for key, path in (
-        ("world1", os.path.join(tmp, "world1_optim.pt")),
-        ("other_rank", os.path.join(tmp, f"optim.rank{1 - rank}.pt")),
-    ):
-        try:
-            opt.load_state_dict(torch.load(path))
-        except ValueError as e:
-            errors[key] = str(e)
-    return {"straight": straight, "resumed": resumed, "errors": errors}
+    # (e) the world-1 run's state holds every element: each rank of 2 takes its pieces of it by name;
+    # the other rank's state does not hold this rank's pieces, and is refused
+    _, opt = _prepare(tiny_gpt2(seed=0), make_batch(128))
+    world1 = torch.load(os.path.join(tmp, "world1_optim.pt"))
+    opt.load_state_dict(world1)
+    tensors, pieces = er.named_state(opt)
+    loaded = all(
+        torch.equal(t, world1["tensors"][key][slice(*pieces[key.rsplit(".", 1)[0]])]) for key, t in tensors.items()
+    )
+    try:
+        opt.load_state_dict(torch.load(os.path.join(tmp, f"optim.rank{1 - rank}.pt")))
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return {"straight": straight, "resumed": resumed, "world1_loaded": loaded and opt.step_count == 1, "error": error}
 
 
 def _state_dicts(rank: int, world_size: int) -> tuple[dict, dict]:
@@ -258,7 +261,7 @@ def test_rank0_state_dict_keeps_the_weights_on_rank_0_only() -> None:
 
 
 def test_save_load_continue_world2(tmp_path) -> None:
-    # a world-1 shard for the cross-world-size check inside the ranks
+    # a world-1 state for the cross-world-size load inside the ranks
     model, opt = _prepare(tiny_gpt2(seed=0), make_batch(128))
     _train(model, opt, _batches(128, range(1)))
     torch.save(opt.state_dict(), tmp_path / "world1_optim.pt")
@@ -266,8 +269,8 @@ def test_save_load_continue_world2(tmp_path) -> None:
     results = run_distributed(_resume_world2, 2, str(tmp_path), timeout=300)
     for rank, r in enumerate(results):
         torch.testing.assert_close(torch.tensor(r["resumed"]), torch.tensor(r["straight"]), rtol=0, atol=1e-6)
-        assert "world1" in r["errors"] and "same number of ranks" in r["errors"]["world1"], r["errors"]
-        assert "other_rank" in r["errors"] and f"rank {1 - rank}/2" in r["errors"]["other_rank"], r["errors"]
+        assert r["world1_loaded"]
+        assert r["error"] is not None and f"(rank {1 - rank} of 2 saved it) and this rank ({rank} of 2)" in r["error"]
     # the ranks saw different data, so their losses differ: the test really ran two shards
     assert results[0]["straight"] != results[1]["straight"]
 
@@ -308,20 +311,20 @@ def test_save_pretrained_round_trip(tmp_path) -> None:
 # --------------------------------------------------------------------------- (e) bad optimizer loads
 
 
-def test_optimizer_shard_from_other_layout_is_rejected() -> None:
+def test_optimizer_state_loads_by_name_into_another_layout() -> None:
+    """Another chunk size and every chunk offloaded: the state goes to each parameter by its name."""
     batch = make_batch(128)
     model, opt = _prepare(tiny_gpt2(seed=0), batch)
     _train(model, opt, [batch])
-    shard = opt.state_dict()
+    saved = opt.state_dict()
+    assert saved["format"] == "elixir-optimizer-state/1" and saved["step"] == 1
+    assert {k.rsplit(".", 1)[1] for k in saved["tensors"]} == {"master", "exp_avg", "exp_avg_sq"}
 
-    _, other = _prepare(tiny_gpt2(seed=0), batch, chunk_size=8192)
-    with pytest.raises(ValueError, match="different chunk layout"):
-        other.load_state_dict(shard)
-
-    # the same layout does load
-    _, same = _prepare(tiny_gpt2(seed=0), batch)
-    same.load_state_dict(shard)
-    assert same.step_count == 1
+    _, other = _prepare(tiny_gpt2(seed=1), batch, **LAYOUTS["big-chunks-full-offload"])
+    other.load_state_dict(saved)
+    tensors, pieces = er.named_state(other)
+    assert pieces == saved["pieces"] and other.step_count == 1
+    assert all(torch.equal(t, saved["tensors"][k]) for k, t in tensors.items())
 
 
 def test_plain_torch_optimizer_state_is_rejected() -> None:
@@ -332,19 +335,32 @@ def test_plain_torch_optimizer_state_is_rejected() -> None:
     plain_opt.step()
 
     _, opt = _prepare(tiny_gpt2(seed=0), batch)
-    with pytest.raises(ValueError, match="plain torch optimizer"):
+    with pytest.raises(ValueError, match="a plain torch optimizer's; elixir_runtime.plain_to_named"):
         opt.load_state_dict(plain_opt.state_dict())
 
 
-def test_world_size_mismatch_is_rejected_without_distributed() -> None:
-    # a shard claiming another world size (as a 2-rank run writes) is refused before anything is copied
+def test_state_without_this_ranks_pieces_is_rejected_before_any_copy() -> None:
+    # what rank 1 of 2 holds of a parameter (its second half) does not cover this one rank's whole range
     batch = make_batch(128)
-    model, opt = _prepare(tiny_gpt2(seed=0), batch)
-    shard = opt.state_dict()
-    before = model.state_dict()
-    shard["world_size"] = 2
-    shard["chunks"] = {k: {n: t * 0 for n, t in v.items()} for k, v in shard["chunks"].items()}
-    with pytest.raises(ValueError, match="same number of ranks"):
-        opt.load_state_dict(shard)
-    after = model.state_dict()
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    _, opt = _prepare(tiny_gpt2(seed=0), batch)
+    saved = opt.state_dict()
+    before = {k: t.clone() for k, t in er.named_state(opt)[0].items()}
+    name = "transformer.h.0.mlp.c_fc.weight"
+    half = saved["pieces"][name][1] // 2
+    saved.update(rank=1, world_size=2, step=7)
+    saved["pieces"][name] = [half, 2 * half]
+    saved["tensors"] = {k: (t[half:] if k.startswith(name + ".") else t) * 0 for k, t in saved["tensors"].items()}
+    with pytest.raises(
+        ValueError, match=rf"holds elements \[{half}, {2 * half}\) of '{name}' \(rank 1 of 2 saved it\)"
+    ):
+        opt.load_state_dict(saved)
+    assert opt.step_count == 0
+    assert all(torch.equal(t, before[k]) for k, t in er.named_state(opt)[0].items())
+
+
+def test_per_rank_shard_of_0_1_0_is_refused_by_its_format() -> None:
+    """What ``state_dict()`` returned up to 0.1.0: the message names the format and the version that reads it."""
+    _, opt = _prepare(tiny_gpt2(seed=0), make_batch(128))
+    legacy = {"format": "elixir-optimizer-shard/1", "rank": 0, "world_size": 1, "step": 3, "chunks": {}}
+    with pytest.raises(ValueError, match=r"'elixir-optimizer-shard/1'.*pip install elixir-hf==0\.1\.0"):
+        opt.load_state_dict(legacy)

@@ -46,7 +46,7 @@ __all__ = ["convert", "torch_adam_state"]
 
 _NOT_COPIED = re.compile(
     rf"^({re.escape(MARKER_NAME)}|{re.escape(PLAN_NAME)}|{re.escape(OPTIM_INDEX)}|{re.escape(NOTE_NAME)}|optimizer-.*\.safetensors"
-    r"|elixir_optim_rank\d+\.pt|model.*\.safetensors(\.index\.json)?|config\.json|generation_config\.json)$"
+    r"|model.*\.safetensors(\.index\.json)?|config\.json|generation_config\.json)$"
 )
 """Elixir's files and what ``save_pretrained`` writes anew."""
 
@@ -61,12 +61,7 @@ def convert(checkpoint: str | Path, out: str | Path, config: str | Path | None =
     if fmt != "named":
         raise CheckpointError(
             f"{ckpt} holds no optimizer state by parameter name ({OPTIM_INDEX})"
-            + {
-                "plain": ": it is a plain PyTorch checkpoint already",
-                "shards": ": its per-rank shards (earlier elixir-hf versions) load only into the run that wrote "
-                f"them; resume it with --elixir {ckpt / PLAN_NAME} and the same number of processes, save, and "
-                "convert that checkpoint",
-            }.get(fmt, "")
+            + (": it is a plain PyTorch checkpoint already" if fmt == "plain" else "")
         )
     if config is None and not (ckpt / "config.json").is_file():
         raise CheckpointError(f"{ckpt} has no config.json (a save_state folder?): pass the model's with --config")
@@ -90,7 +85,10 @@ def torch_adam_state(
     ``state`` and ``param_groups`` for ``model``, whose parameters get the fp32 master weights.
     ``numbering(params)``: the state-dict positions of a group's parameters. Refuses a parameter of
     the checkpoint ``model`` lacks, or a shape that differs."""
-    index = read_optimizer_index(ckpt, read_marker(ckpt)["step"])
+    marker = read_marker(ckpt)
+    if marker is None:
+        raise CheckpointError(f"{ckpt} has no {MARKER_NAME}: not a complete Elixir checkpoint")
+    index = read_optimizer_index(ckpt, marker["step"])
     by_name = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
     state: dict[int, dict[str, torch.Tensor]] = {}
     files = {p[0] for e in index["params"].values() for p in e["pieces"]}

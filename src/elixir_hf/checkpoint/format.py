@@ -10,8 +10,8 @@ Layout of a checkpoint folder (on top of what the Trainer writes):
   by the main process: each parameter's pieces (file, flat start, end), shape, group and step, the
   param groups, the loss scale, the Trainer's ``global_step`` and the format version. Any run loads
   it, whatever its number of ranks, chunk layout or offload placement (``load_optimizer``);
-* ``elixir_optim_rank{r}.pt``: the per-rank chunk shards of earlier versions, still loaded into
-  the same number of ranks and chunk layout;
+* ``elixir_optim_rank{r}.pt``: the per-rank chunk shards that versions before 0.1.0 wrote; refused,
+  naming the version that reads them (``optimizer_format``);
 * ``elixir_plan.json``: the plan the run used (see ``elixir_hf/plugin.py`` for reusing it);
 * ``OPTIMIZER_README.md``: for a reader without Elixir, where the optimizer state is and how to
   convert it (``checkpoint/note.py``; not summed: a reader may edit or delete it);
@@ -39,7 +39,7 @@ import tempfile
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import torch
 import torch.distributed as dist
@@ -54,7 +54,6 @@ __all__ = [
     "NOTE_NAME",
     "PLAN_NAME",
     "CheckpointError",
-    "shard_name",
     "atomic_torch_save",
     "atomic_write_text",
     "staged_dir",
@@ -64,7 +63,6 @@ __all__ = [
     "checkpoint_folders",
     "newest_complete",
     "all_ranks_agree",
-    "saved_world_size",
     "check_resume",
     "OPTIM_INDEX",
     "PLAIN_OPTIMIZER_NAMES",
@@ -79,7 +77,7 @@ MARKER_NAME = "elixir_checkpoint.json"
 NOTE_NAME = "OPTIMIZER_README.md"
 """For a reader without Elixir (``checkpoint/note.py``): documentation, so not summed in the marker."""
 _MARKER_FORMAT = "elixir-checkpoint/1"
-_SHARD_RE = re.compile(r"^elixir_optim_rank(\d+)\.pt$")
+_SHARD_RE = re.compile(r"^elixir_optim_rank\d+\.pt$")
 OPTIM_INDEX = "optimizer.safetensors.index.json"
 _OPTIM_RE = re.compile(r"^optimizer-(\d{5})-of-\d{5}\.safetensors$")
 PLAIN_OPTIMIZER_NAMES = ("optimizer.pt", "optimizer.bin")
@@ -91,17 +89,14 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be written or trusted; raised on every rank."""
 
 
-def shard_name(rank: int) -> str:
-    return f"elixir_optim_rank{rank}.pt"
-
-
 class _Summing:
     """The file object ``write`` sees: sums what passes and keeps the first OS error, which
     ``torch.save``'s C++ writer would turn into ``basic_ios::clear: iostream error``. ``bar``
     counts the bytes."""
 
     def __init__(self, f: BinaryIO, bar: Bar) -> None:
-        self.f, self.crc, self.bytes, self.error, self.bar = f, 0, 0, None, bar
+        self.f, self.crc, self.bytes, self.bar = f, 0, 0, bar
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
         try:
@@ -142,7 +137,7 @@ def _replace(path: str | os.PathLike, produce: Callable[[Path], dict[str, int]])
     return digest
 
 
-def _write_file(path: str | os.PathLike, write: Callable[[_Summing], None]) -> dict[str, int]:
+def _write_file(path: str | os.PathLike, write: Callable[[_Summing], object]) -> dict[str, int]:
     """``write(f)`` into ``path`` atomically and durably; returns its size and CRC-32."""
 
     def produce(tmp: Path) -> dict[str, int]:
@@ -180,7 +175,7 @@ def atomic_safetensors_save(
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> dict[str, int]:
-    return _write_file(path, lambda f: torch.save(obj, f))
+    return _write_file(path, lambda f: torch.save(obj, cast(BinaryIO, f)))  # a file object: write, flush
 
 
 def atomic_write_text(text: str, path: str | os.PathLike) -> dict[str, int]:
@@ -405,29 +400,23 @@ def newest_complete(output_dir: str | os.PathLike, required: bool = True) -> str
     return str(p) if p is not None else None
 
 
-def saved_world_size(checkpoint: str | os.PathLike) -> int | None:
-    """Number of ranks that wrote optimizer shards into ``checkpoint`` (``None``: no shards)."""
-    marker = read_marker(checkpoint)
-    if marker is not None and marker["world_size"] is not None:
-        return int(marker["world_size"])
-    plan = Path(checkpoint) / PLAN_NAME
-    if plan.is_file():
-        return int(json.loads(plan.read_text())["world_size"])
-    ranks = [int(m.group(1)) for p in Path(checkpoint).iterdir() if (m := _SHARD_RE.match(p.name))]
-    return max(ranks) + 1 if ranks else None
-
-
 def optimizer_format(checkpoint: str | os.PathLike) -> str | None:
     """How ``checkpoint`` holds the optimizer state: ``"named"`` (by parameter name, any layout),
-    ``"shards"`` (the per-rank chunk shards of earlier versions), ``"plain"`` (a torch optimizer's
-    ``state_dict()`` in a folder without Elixir files: the stock Trainer's or Accelerate's), ``None``."""
+    ``"plain"`` (a torch optimizer's ``state_dict()`` in a folder without Elixir files: the stock
+    Trainer's or Accelerate's), ``None``. The per-rank chunk shards that versions before 0.1.0 wrote
+    are refused (``CheckpointError`` naming the version that reads them): every reader asks here first."""
     ckpt = Path(checkpoint)
     if (ckpt / OPTIM_INDEX).is_file():
         return "named"
     if not ckpt.is_dir():
         return None
     if any(_SHARD_RE.match(p.name) for p in ckpt.iterdir()):
-        return "shards"
+        raise CheckpointError(
+            f"{ckpt} holds the optimizer state as per-rank chunk shards (elixir_optim_rank{{r}}.pt), which "
+            "elixir-hf wrote before 0.1.0 and no longer reads. Resume it once with elixir-hf 0.1.0 (pip install "
+            f"elixir-hf==0.1.0), the last version that reads them, on as many processes as saved it and with "
+            f"--elixir {ckpt / PLAN_NAME}, save a checkpoint (by parameter name), and resume from that one"
+        )
     elixir = (ckpt / MARKER_NAME).is_file() or (ckpt / PLAN_NAME).is_file()
     if not elixir and any((ckpt / n).is_file() for n in PLAIN_OPTIMIZER_NAMES):
         return "plain"
@@ -438,8 +427,8 @@ def check_resume(
     checkpoint: str | os.PathLike, model: nn.Module, world_size: int, rank: int, is_main: bool
 ) -> dict[str, Any] | None:
     """Fails before any weight is loaded, on every rank, when the checkpoint cannot continue this
-    run (a bad file, another model, shards of an earlier version on another number of ranks);
-    returns its marker (``None``: a plain PyTorch checkpoint, which has none)."""
+    run (a bad file, another model, an optimizer format no longer read); returns its marker
+    (``None``: a plain PyTorch checkpoint, which has none)."""
     ckpt = Path(checkpoint)
     fmt = optimizer_format(ckpt)
     if fmt == "plain":
@@ -448,15 +437,6 @@ def check_resume(
         )
         _check_weights_match(ckpt, model)
         return None
-    saved = saved_world_size(ckpt)
-    if fmt == "shards" and saved != world_size:
-        raise ValueError(
-            f"checkpoint {ckpt} holds per-rank optimizer shards (elixir_optim_rank{{r}}.pt, the format of earlier "
-            f"elixir-hf versions) written by {saved} rank(s), and this run has {world_size}: such shards load only "
-            f"into the same number of ranks and chunk layout. Resume it once with {saved} processes and "
-            f"--elixir {ckpt / PLAN_NAME}, save a checkpoint (by parameter name, loadable with any number of "
-            "ranks and plan), and resume from that one"
-        )
     marker = verify(ckpt, rank, is_main)
     _check_weights_match(ckpt, model)
     return marker

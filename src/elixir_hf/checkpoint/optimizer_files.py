@@ -1,8 +1,7 @@
 """The optimizer state's files in a checkpoint, saved and loaded: by parameter name (a
 safetensors file per rank and a JSON index, loadable into any number of ranks, chunk layout or
-offload placement), the per-rank chunk shards of earlier versions (same ranks and plan only), and a
-plain torch optimizer's ``state_dict()`` (the stock Trainer's ``optimizer.pt``, Accelerate's
-``optimizer.bin``). The index's layout is in docs/hf.md, "Checkpoints"."""
+offload placement), and a plain torch optimizer's ``state_dict()`` (the stock Trainer's
+``optimizer.pt``, Accelerate's ``optimizer.bin``). The index's layout is in docs/hf.md, "Checkpoints"."""
 
 from __future__ import annotations
 
@@ -21,7 +20,6 @@ from elixir_runtime import ElixirOptimizer, load_named, named_meta, named_state,
 from .format import (
     OPTIM_INDEX,
     PLAIN_OPTIMIZER_NAMES,
-    PLAN_NAME,
     CheckpointError,
     _error,
     _gather,
@@ -30,34 +28,14 @@ from .format import (
     atomic_safetensors_save,
     atomic_write_text,
     optimizer_format,
-    shard_name,
 )
 from .note import write_note
 
-__all__ = ["save_optimizer", "load_optimizer", "read_optimizer_index", "load_shard", "optim_file_name"]
+__all__ = ["save_optimizer", "load_optimizer", "read_optimizer_index", "optim_file_name"]
 
 _OPTIM_FORMAT = "elixir-optimizer"
 _OPTIM_VERSION = 1
 """The index's format version; a newer one is refused (``read_optimizer_index``)."""
-
-
-def load_shard(checkpoint: str | os.PathLike, rank: int, optimizer: Any, global_step: int | None = None) -> None:
-    """Loads rank ``rank``'s shard of a verified checkpoint of the per-rank format into
-    ``optimizer``; a shard of another step (``global_step``: the Trainer's, saved in the shard) or
-    layout fails naming the file."""
-    path = Path(checkpoint) / shard_name(rank)
-    shard = torch.load(path, map_location="cpu", weights_only=True)
-    saved = shard.pop("global_step", None)
-    if global_step is not None and saved != global_step:
-        raise CheckpointError(f"{path} is stale: it holds step {saved} and the checkpoint step {global_step}")
-    try:
-        optimizer.load_state_dict(shard)
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(
-            f"{path} does not fit this run: {e}. Shards of this per-rank format (earlier elixir-hf versions) load "
-            f"only into the plan that wrote them: resume with --elixir {Path(checkpoint) / PLAN_NAME}, then save "
-            "again (by parameter name, loadable with any plan)"
-        ) from e
 
 
 def optim_file_name(rank: int, world_size: int) -> str:
@@ -141,7 +119,6 @@ def read_optimizer_index(checkpoint: str | os.PathLike, global_step: int | None 
 def load_optimizer(
     checkpoint: str | os.PathLike,
     optimizer: Any,
-    rank: int,
     global_step: int | None = None,
     *,
     allow_missing: bool = False,
@@ -153,8 +130,6 @@ def load_optimizer(
     (``ElixirPlugin.allow_missing_adam_state``)."""
     ckpt, opt = Path(checkpoint), _elixir(optimizer)
     fmt = optimizer_format(ckpt)
-    if fmt == "shards":
-        return load_shard(ckpt, rank, optimizer, global_step)
     if fmt == "plain":
         path = next(ckpt / n for n in PLAIN_OPTIMIZER_NAMES if (ckpt / n).is_file())
         meta, read = plain_to_named(opt, torch.load(path, map_location="cpu", weights_only=True), str(path))

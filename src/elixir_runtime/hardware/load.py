@@ -112,7 +112,7 @@ def load_hardware(
     cached = cache_path()
     profile = _cached(cached) if not refresh else None
     changed = profile is None or profile.version < PROFILE_VERSION  # an older measurement is measured again
-    if changed:
+    if profile is None or changed:
         profile = measure.measure_hardware(quick=quick, ranks=())
     for n in measure.rank_counts() if ranks is None else ranks:
         if n not in profile.cpu_adam:

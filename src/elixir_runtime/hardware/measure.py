@@ -20,6 +20,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,10 @@ from ..kernels.select import select_kernel
 from ..kernels.threads import cpu_adam_threads
 from ..progress import progress
 from .profile import PROFILE_VERSION, CpuAdamRate, HardwareProfile, LinkRates
+
+if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
+    from multiprocessing.synchronize import Barrier
 
 __all__ = ["measure_hardware", "host_cpu_adam", "job_cpu_adam", "rank_cpu_adam", "rank_counts", "collective_busbw"]
 
@@ -200,7 +205,7 @@ def rank_counts(gpus: int | None = None) -> list[int]:
 def rank_cpu_adam(
     threads: int,
     device: torch.device | None,
-    barrier: Callable[[], None],
+    barrier: Callable[[], object],
     *,
     quick: bool = False,
     dtype: torch.dtype = torch.bfloat16,
@@ -284,7 +289,15 @@ def host_cpu_adam(
 _SPAWNED_TIMEOUT_S = 300
 
 
-def _spawned_rank(rank: int, threads: int, gpu: bool, quick: bool, dtype: torch.dtype, barrier, results) -> None:
+def _spawned_rank(
+    rank: int,
+    threads: int,
+    gpu: bool,
+    quick: bool,
+    dtype: torch.dtype,
+    barrier: Barrier,
+    results: Queue[tuple[float, float] | str],
+) -> None:
     torch.set_num_threads(1)
     try:
         device = torch.device("cuda", rank) if gpu else None

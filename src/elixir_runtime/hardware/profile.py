@@ -19,6 +19,7 @@ import os
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..kernels.threads import cpu_adam_threads
 
@@ -106,7 +107,7 @@ class HardwareProfile:
     def cpu_only(self) -> bool:
         return self.device == "cpu"
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """JSON-native (``links`` and ``cpu_adam`` keyed by strings), so a plan holding it survives a
         JSON round trip."""
         d = asdict(self)
@@ -118,7 +119,7 @@ class HardwareProfile:
         return json.dumps(self.to_dict(), indent=2)
 
     @classmethod
-    def from_dict(cls, d: dict) -> HardwareProfile:
+    def from_dict(cls, d: dict[str, Any]) -> HardwareProfile:
         """Also reads versions 1 and 2, whose single ``cpu_adam`` (one process, every core but one)
         becomes the one-rank entry: plans and replays of old records predict what they did."""
         d = dict(d)

@@ -22,7 +22,7 @@ def step_constants(hypers: Sequence[AdamHyper], step: int, div_scale: float) -> 
     second-moment scale, AdamW decay as a multiplier, Adam's L2 as a grad term, 1/div_scale."""
     if step < 1 or div_scale <= 0.0:
         raise ValueError("step is 1-based and div_scale must be positive")
-    out = []
+    out: list[tuple[float, ...]] = []
     for h in hypers:
         out.append(
             (

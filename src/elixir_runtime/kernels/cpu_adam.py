@@ -214,15 +214,15 @@ class CpuAdamKernel:
         self._lib = load_library(isa)
         self.isa: str = self._lib.elixir_adam_isa().decode()
         self._threads = threads
-        self._tables: dict[tuple[GroupRange, ...], tuple[ctypes.Array, int, int]] = {}
+        self._tables: dict[tuple[GroupRange, ...], tuple[ctypes.Array[_Seg], int, int]] = {}
 
-    def _table(self, segments: Sequence[GroupRange]) -> tuple[ctypes.Array, int, int]:
+    def _table(self, segments: Sequence[GroupRange]) -> tuple[ctypes.Array[_Seg], int, int]:
         """The C segment table, the arena end and the group count it needs; cached per segments."""
         key = tuple(segments)
         hit = self._tables.get(key)
         if hit is None:
             end, groups = segment_extent(key)
-            table = (_Seg * len(key))(*[(s.offset, s.length, s.group) for s in key])
+            table = (_Seg * len(key))(*[_Seg(s.offset, s.length, s.group) for s in key])
             hit = bounded_put(self._tables, key, (table, end, groups))
         return hit
 
@@ -255,7 +255,7 @@ class CpuAdamKernel:
             _NO_OUT if param_out is None else _DTYPE_CODE[param_out.dtype],
             table,
             len(table),
-            (_Group * len(consts))(*consts),
+            (_Group * len(consts))(*[_Group(*c) for c in consts]),
             0,
             n,
             self._threads or torch.get_num_threads(),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -47,7 +47,11 @@ gradient; parameters without one make other lists (one per set of used parameter
 model with data-dependent routing could multiply without bound."""
 
 
-def bounded_put(cache: dict, key, value):
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+def bounded_put(cache: dict[_K, _V], key: _K, value: _V) -> _V:
     """``cache[key] = value``, first dropping the oldest entry of a full cache; returns ``value``."""
     if len(cache) >= TABLE_CACHE:
         del cache[next(iter(cache))]
@@ -60,7 +64,16 @@ _GRAD = (torch.float32, torch.bfloat16, torch.float16)
 _OUT = (torch.bfloat16, torch.float16)
 
 
-def check_arenas(master, exp_avg, exp_avg_sq, grad, param_out, end: int, groups: int, n_hypers: int) -> None:
+def check_arenas(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    param_out: torch.Tensor | None,
+    end: int,
+    groups: int,
+    n_hypers: int,
+) -> None:
     """What the fused kernels assume of their arenas (they take raw pointers / flat offsets):
     contiguous, element-aligned, all of ``master``'s size and device, fp32 state, a fp32/bf16/fp16
     grad, a bf16/fp16 ``param_out`` (or none), and segments (``end``, ``groups`` from
@@ -115,7 +128,18 @@ class TorchAdamKernel:
     The reference and the fallback: correct on any device, slow (one pass per op per segment).
     """
 
-    def step(self, master, exp_avg, exp_avg_sq, grad, param_out, segments, hypers, step, div_scale):
+    def step(
+        self,
+        master: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        grad: torch.Tensor,
+        param_out: torch.Tensor | None,
+        segments: Sequence[GroupRange],
+        hypers: Sequence[AdamHyper],
+        step: int,
+        div_scale: float,
+    ) -> None:
         for seg in segments:
             h = hypers[seg.group]
             sl = slice(seg.offset, seg.offset + seg.length)

@@ -11,25 +11,54 @@ name in ``model.named_parameters()`` (the name ``save_pretrained`` keeps).
 ``Meta`` is the part every rank has whole (steps, groups, shapes, the loss scale): JSON, the same on
 every rank. Loading checks everything against this run before the first element is copied, so a
 state of another model or a partial one changes nothing.
+
+``ElixirOptimizer.state_dict()`` is this format in memory (``state_dict``): the meta, and this
+rank's pieces with their ranges. The per-rank chunk shards that ``state_dict()`` returned up to
+elixir-hf 0.1.0 are refused by their format's name (``load_state_dict``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from ..chunk.store import shard_overlap
-from ..runtime.chunk_runtime import ChunkState
+from ..runtime.chunk_runtime import ChunkRuntime, ChunkState
+from .loss_scaler import LossScaler
 
-if TYPE_CHECKING:
-    from .optimizer import ElixirOptimizer
-
-__all__ = ["KINDS", "Piece", "owned_pieces", "named_state", "named_meta", "load_named", "plain_to_named"]
+__all__ = [
+    "KINDS",
+    "STATE_FORMAT",
+    "Piece",
+    "owned_pieces",
+    "named_state",
+    "named_meta",
+    "load_named",
+    "plain_to_named",
+    "state_dict",
+    "load_state_dict",
+]
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
+STATE_FORMAT = "elixir-optimizer-state/1"
+"""``ElixirOptimizer.state_dict()``'s format: ``named_meta`` and this rank's pieces by name."""
+SHARD_FORMAT = "elixir-optimizer-shard/1"
+"""The per-rank chunk shard ``state_dict()`` returned up to elixir-hf 0.1.0: refused by name."""
+
+
+class OptimizerView(Protocol):
+    """What this module reads and sets of an ``ElixirOptimizer`` (``optimizer.py``, which imports it)."""
+
+    runtime: ChunkRuntime
+    param_groups: list[dict[str, Any]]
+    scaler: LossScaler
+    step_count: int
+    param_steps: list[int]
+    consecutive_skips: int
+
 
 Reader = Callable[[str, str, int, int], "torch.Tensor | None"]
 """``read(name, kind, start, end)``: elements ``[start, end)`` of that flattened parameter's state,
@@ -48,7 +77,7 @@ class Piece:
     offset: int
 
 
-def owned_pieces(opt: ElixirOptimizer) -> list[Piece]:
+def owned_pieces(opt: OptimizerView) -> list[Piece]:
     """What this rank holds of each trainable parameter, in arena order."""
     rt = opt.runtime
     layout = rt.layout
@@ -63,7 +92,7 @@ def owned_pieces(opt: ElixirOptimizer) -> list[Piece]:
     return out
 
 
-def named_meta(opt: ElixirOptimizer) -> dict[str, Any]:
+def named_meta(opt: OptimizerView) -> dict[str, Any]:
     """The rank-independent part: every trainable parameter's names, shape, group and step; the
     param groups' hyperparameters and members (by name, in the optimizer's order: a plain torch
     optimizer numbers its state in that order); the optimizer's step count and loss scale."""
@@ -89,7 +118,7 @@ def named_meta(opt: ElixirOptimizer) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def named_state(opt: ElixirOptimizer) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+def named_state(opt: OptimizerView) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
     """This rank's pieces as ``{"{name}.{kind}": 1-D fp32 CPU tensor}`` and ``{name: [start, end]}``.
     Host shards are returned as views (no copy); waits for in-flight updates first."""
     opt.runtime.grads.wait_for_grads()
@@ -109,7 +138,7 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-def _check(opt: ElixirOptimizer, meta: dict[str, Any], where: str) -> dict[int, str]:
+def _check(opt: OptimizerView, meta: dict[str, Any], where: str) -> dict[int, str]:
     """``{param: saved name}`` for every trainable parameter; raises ``ValueError`` naming the first
     mismatches (``where``: the source, in the message) when ``meta`` is not a state of this model."""
     layout = opt.runtime.layout
@@ -152,7 +181,7 @@ def _check(opt: ElixirOptimizer, meta: dict[str, Any], where: str) -> dict[int, 
 
 
 @torch.no_grad()
-def load_named(opt: ElixirOptimizer, meta: dict[str, Any], read: Reader, where: str) -> None:
+def load_named(opt: OptimizerView, meta: dict[str, Any], read: Reader, where: str) -> None:
     """Fills this rank's shards, step counts, hyperparameters and loss scale from ``meta`` and
     ``read``; every check runs before the first copy (``ValueError`` naming ``where``)."""
     rt = opt.runtime
@@ -174,7 +203,7 @@ def load_named(opt: ElixirOptimizer, meta: dict[str, Any], read: Reader, where: 
     rt.reload_shards()
 
 
-def plain_to_named(opt: ElixirOptimizer, state_dict: dict[str, Any], where: str) -> tuple[dict[str, Any], Reader]:
+def plain_to_named(opt: OptimizerView, state_dict: dict[str, Any], where: str) -> tuple[dict[str, Any], Reader]:
     """A plain ``torch.optim.Adam/AdamW`` ``state_dict()`` as ``(meta, read)`` for ``load_named``.
 
     Its parameters are numbered in its param groups' order, which this run's optimizer (built from
@@ -194,7 +223,9 @@ def plain_to_named(opt: ElixirOptimizer, state_dict: dict[str, Any], where: str)
             "built with other groups"
         )
     index = {id(p): i for i, p in enumerate(layout.params)}
-    params, by_key, missing = {}, {}, []
+    params: dict[str, dict[str, Any]] = {}
+    by_key: dict[str, dict[str, Any]] = {}
+    missing: list[str] = []
     for gi, (saved, mine) in enumerate(zip(saved_groups, opt.param_groups)):
         for key, p in zip(saved["params"], mine["params"]):
             i = index.get(id(p))
@@ -225,3 +256,63 @@ def plain_to_named(opt: ElixirOptimizer, state_dict: dict[str, Any], where: str)
         return torch.zeros(end - start) if value is None else value.reshape(-1)[start:end]
 
     return meta, read
+
+
+def state_dict(opt: OptimizerView) -> dict[str, Any]:
+    """``ElixirOptimizer.state_dict()``: ``named_meta``, this rank's pieces (``{name: [start, end]}``)
+    and their tensors (``{"{name}.{kind}": 1-D fp32 CPU copy}``), the rank and the number of ranks."""
+    tensors, pieces = named_state(opt)
+    return {
+        "format": STATE_FORMAT,
+        "rank": opt.runtime.coll.rank,
+        "world_size": opt.runtime.coll.world_size,
+        **named_meta(opt),
+        "pieces": pieces,
+        "tensors": {k: t.to("cpu", copy=True) for k, t in tensors.items()},
+    }
+
+
+def load_state_dict(opt: OptimizerView, saved: dict[str, Any]) -> None:
+    """``ElixirOptimizer.load_state_dict()``: a ``state_dict()`` of any layout, placement or rank count
+    whose pieces hold what this rank holds (a one-rank state holds it all; each rank's own, on the
+    same ranks and chunk size). Everything is checked before the first copy (``ValueError``)."""
+    where = "the optimizer state_dict"
+    fmt = saved.get("format")
+    if fmt == SHARD_FORMAT:
+        raise ValueError(
+            f"{where} is a per-rank chunk shard (format {SHARD_FORMAT!r}), which ElixirOptimizer.state_dict() "
+            "returned up to elixir-hf 0.1.0 and this version no longer reads. Load it with elixir-hf 0.1.0 "
+            "(pip install elixir-hf==0.1.0), the last version that reads it, into the run that saved it, and save "
+            "again by parameter name: a checkpoint of ElixirTrainer or ElixirAccelerator.save_state, which this "
+            "version resumes on any number of ranks"
+        )
+    if fmt != STATE_FORMAT:
+        plain = "state" in saved and "param_groups" in saved
+        raise ValueError(
+            f"{where} is not an ElixirOptimizer state_dict (format {fmt!r}, expected {STATE_FORMAT!r})"
+            + (
+                ": it is a plain torch optimizer's; elixir_runtime.plain_to_named and load_named load that, "
+                "by optimizer order (as elixir_hf resumes a stock Trainer's optimizer.pt)"
+                if plain
+                else ""
+            )
+        )
+    names = _check(opt, saved, where)
+    pieces = saved["pieces"]
+    for p in owned_pieces(opt):
+        start, end = pieces.get(names[p.param], (0, 0))
+        if not start <= p.start < p.end <= end:
+            raise ValueError(
+                f"{where} holds elements [{start}, {end}) of {names[p.param]!r} (rank {saved['rank']} of "
+                f"{saved['world_size']} saved it) and this rank ({opt.runtime.coll.rank} of "
+                f"{opt.runtime.coll.world_size}) holds [{p.start}, {p.end}): a state_dict() holds its own rank's "
+                "pieces, so load each rank's into the same rank, number of ranks and chunk size (one rank's holds "
+                "everything); to change them, save a checkpoint by name (elixir_hf), which loads into any"
+            )
+    tensors = saved["tensors"]
+
+    def read(name: str, kind: str, start: int, end: int) -> torch.Tensor:
+        first = pieces[name][0]
+        return tensors[f"{name}.{kind}"][start - first : end - first]
+
+    load_named(opt, saved, read, where)

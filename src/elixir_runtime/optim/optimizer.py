@@ -37,11 +37,10 @@ from ..runtime import heartbeat
 from ..runtime.chunk_runtime import ChunkRuntime, ChunkState
 from ..runtime.device_lane import SliceUpdate, slice_updates
 from ..runtime.update_rate import UpdateRateProbe
+from . import named_state
 from .loss_scaler import LossScaler
 
 __all__ = ["ElixirOptimizer"]
-
-_FORMAT = "elixir-optimizer-shard/1"
 
 
 class ElixirOptimizer(torch.optim.Optimizer):
@@ -266,68 +265,14 @@ class ElixirOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """This rank's chunk shards of the optimizer state, loadable into the same layout and rank
-        only; checkpoints save it by parameter name instead (``named_state.py``), for any layout."""
-        rt = self.runtime
-        rt.grads.wait_for_grads()
-        chunks = {}
-        for c in rt.trainable:
-            sl = slice(c.offset, c.offset + c.shard_numel)
-            chunks[c.index] = {
-                k: getattr(c.shards, k)[sl].detach().cpu().clone() for k in ("master", "exp_avg", "exp_avg_sq")
-            }
-        return {
-            "format": _FORMAT,
-            "rank": rt.coll.rank,
-            "world_size": rt.coll.world_size,
-            "layout": rt.layout.fingerprint(),
-            "step": self.step_count,
-            "param_steps": list(self.param_steps),
-            "scaler": self.scaler.state_dict(),
-            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
-            "chunks": chunks,
-        }
+        """The optimizer state by parameter name: the steps, param groups and loss scale, and the pieces of
+        each parameter's master, ``exp_avg`` and ``exp_avg_sq`` this rank holds (copies); ``named_state.py``."""
+        return named_state.state_dict(self)
 
-    @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        rt = self.runtime
-        if state_dict.get("format") != _FORMAT:
-            raise ValueError(
-                "not an Elixir optimizer shard (expected format "
-                f"{_FORMAT!r}, got {state_dict.get('format')!r}); was it saved by a plain torch optimizer?"
-            )
-        if state_dict["world_size"] != rt.coll.world_size or state_dict["rank"] != rt.coll.rank:
-            raise ValueError(
-                f"optimizer shard of rank {state_dict['rank']}/{state_dict['world_size']} cannot be loaded on rank "
-                f"{rt.coll.rank}/{rt.coll.world_size}: resume with the same number of ranks, or load only the model weights"
-            )
-        if state_dict["layout"] != rt.layout.fingerprint():
-            raise ValueError(
-                "optimizer shard was saved with a different chunk layout (model, chunk size or world size changed); "
-                "resume with the same ElixirConfig, or load only the model weights"
-            )
-        if len(state_dict["param_groups"]) != len(self.param_groups):
-            raise ValueError(
-                f"optimizer shard has {len(state_dict['param_groups'])} param groups, this optimizer {len(self.param_groups)}"
-            )
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            group.update(saved)
-        for c in rt.trainable:
-            saved = state_dict["chunks"][c.index]
-            sl = slice(c.offset, c.offset + c.shard_numel)
-            for k in ("master", "exp_avg", "exp_avg_sq"):
-                getattr(c.shards, k)[sl].copy_(saved[k])
-        self.step_count = int(state_dict["step"])
-        # shards saved before per-parameter counts existed: every parameter took every step
-        saved_steps = state_dict.get("param_steps") or [self.step_count if g >= 0 else 0 for g in rt.layout.groups]
-        if len(saved_steps) != len(self.param_steps):
-            raise ValueError(
-                f"optimizer shard has step counts for {len(saved_steps)} parameters, this model {len(self.param_steps)}"
-            )
-        self.param_steps = [int(n) for n in saved_steps]
-        self.consecutive_skips = 0
-        self.scaler.load_state_dict(state_dict["scaler"])
-        rt.reload_shards()
+        """Loads a ``state_dict()`` into this run's shards, whatever layout or placement saved it, where its
+        pieces hold this rank's; a per-rank shard of elixir-hf 0.1.0 is refused naming the fix."""
+        named_state.load_state_dict(self, state_dict)
 
 
 def _param_pieces(runtime: ChunkRuntime, c: ChunkState) -> list[tuple[int, int, int, int]]:

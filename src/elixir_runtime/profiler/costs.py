@@ -34,25 +34,25 @@ def size_class(m: int, n: int, k: int) -> str:
     return str(2 ** round(math.log2(mean)))
 
 
-def _mm(args: tuple) -> tuple[int, str]:
+def _mm(args: tuple[Any, ...]) -> tuple[int, str]:
     (m, k), n = args[0].shape, args[1].shape[1]
     return 2 * m * k * n, size_class(m, n, k)
 
 
-def _addmm(args: tuple) -> tuple[int, str]:
+def _addmm(args: tuple[Any, ...]) -> tuple[int, str]:
     return _mm(args[1:])
 
 
-def _bmm(args: tuple) -> tuple[int, str]:
+def _bmm(args: tuple[Any, ...]) -> tuple[int, str]:
     (b, m, k), n = args[0].shape, args[1].shape[2]
     return 2 * b * m * k * n, size_class(m, n, k)
 
 
-def _baddbmm(args: tuple) -> tuple[int, str]:
+def _baddbmm(args: tuple[Any, ...]) -> tuple[int, str]:
     return _bmm(args[1:])
 
 
-_MATMUL: dict[Any, Callable[[tuple], tuple[int, str]]] = {
+_MATMUL: dict[Any, Callable[[tuple[Any, ...]], tuple[int, str]]] = {
     aten.mm: _mm,
     aten.addmm: _addmm,
     aten.bmm: _bmm,
@@ -60,7 +60,7 @@ _MATMUL: dict[Any, Callable[[tuple], tuple[int, str]]] = {
 }
 
 
-def _attention_flops(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> int | None:
+def _attention_flops(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
     """Fused attention (SDPA kernels of every backend): 4·B·H·Sq·Sk·D forward, 2.5× that
     backward (five GEMMs of that size instead of two), halved when causal (the kernels skip the
     masked half)."""
@@ -72,7 +72,7 @@ def _attention_flops(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> 
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         return None
     batch, heads, sq, dim = q.shape
-    sk = k.shape[-2]
+    sk: int = k.shape[-2]
     flops = 4 * batch * heads * sq * sk * dim
     if backward:
         flops = flops * 5 // 2
@@ -81,7 +81,7 @@ def _attention_flops(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> 
     return flops
 
 
-def _argument(func: torch._ops.OpOverload, args: tuple, kwargs: dict, name: str) -> Any:
+def _argument(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
     for i, arg in enumerate(func._schema.arguments):
         if arg.name == name:
             if name in kwargs:
@@ -106,7 +106,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def op_cost(func: torch._ops.OpOverload, args: tuple, kwargs: dict, inputs: list, outputs: list) -> OpCost:
+def op_cost(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: list[Any], outputs: list[Any]
+) -> OpCost:
     """``inputs``/``outputs`` are the flattened args and results (tensors among other leaves)."""
     if func.is_view:
         return 0, "", 0
@@ -115,9 +117,9 @@ def op_cost(func: torch._ops.OpOverload, args: tuple, kwargs: dict, inputs: list
     if matmul is not None:
         flops, cls = matmul(args)
         return flops, cls, 0
-    flops = _attention_flops(func, args, kwargs)
-    if flops is not None:
-        return flops, ATTENTION, 0
+    attention = _attention_flops(func, args, kwargs)
+    if attention is not None:
+        return attention, ATTENTION, 0
     if packet in flop_registry:  # convolutions
         try:
             out = outputs[0] if len(outputs) == 1 else tuple(outputs)

@@ -12,12 +12,13 @@ answered with a constant (``launches.py``, [Note: kernels on fake tensors]).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
+from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
@@ -49,7 +50,7 @@ def fake_run(
     with (
         torch.compiler.set_stance("force_eager"),  # compiled code is not traced here (compile.py)
         FakeTensorMode(allow_non_fake_inputs=True) as mode,
-        _ConstantItems(),
+        _ConstantItems(),  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is unannotated
         skipped_launches(on_launch),
         _fake_state(model, dtype, device) as (
             params,
@@ -73,7 +74,7 @@ def _fake_state(
     """
     fakes: dict[int, torch.Tensor] = {}
     buffers: dict[int, torch.Tensor] = {}
-    swapped: list[tuple[dict, str, torch.Tensor]] = []
+    swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     try:
         for module in model.modules():
             for key, p in list(module._parameters.items()):
@@ -82,7 +83,7 @@ def _fake_state(
                 if id(p) not in fakes:
                     fakes[id(p)] = _fake_param(p, dtype, device)
                 swapped.append((module._parameters, key, p))
-                module._parameters[key] = fakes[id(p)]
+                module._parameters[key] = fakes[id(p)]  # type: ignore[assignment]  # a fake tensor in its place
             for key, b in list(module._buffers.items()):
                 if b is None:
                     continue
@@ -128,7 +129,7 @@ def loss_of(output: Any) -> torch.Tensor:
     outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not outs:
         raise ValueError("the model's output holds no loss and no tensor that requires grad: nothing to backward")
-    return sum(t.float().sum() for t in outs)
+    return cast(torch.Tensor, sum(t.float().sum() for t in outs))
 
 
 @contextlib.contextmanager
@@ -156,7 +157,9 @@ class _ConstantItems(TorchDispatchMode):
     """Answers the ops of ``_DATA_ANSWERS`` on fake tensors, which the fake mode would refuse: see
     [Note: kernels on fake tensors] in ``launches.py``."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self, func: OpOverload, types: Sequence[type], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         answer = _DATA_ANSWERS.get(func)
         if answer is not None and args[0].dtype is not torch.bool:
             return answer(*args)

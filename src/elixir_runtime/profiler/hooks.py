@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.utils.checkpoint
@@ -38,10 +38,10 @@ class Markers:
 
     def __init__(self, model: nn.Module, timeline: Timeline, units: list[Unit], stack: BlockStack | None) -> None:
         self.tl = timeline
-        self._handles: list = []
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._restore: list[Callable[[], None]] = []
         if stack is not None:
-            self._mark_blocks(list(stack.parent._modules[stack.attr]))
+            self._mark_blocks(list(cast(nn.ModuleList, stack.parent._modules[stack.attr])))
         for unit in units:
             self._mark_unit(unit)
         self._wrap_checkpoints(model)
@@ -59,7 +59,7 @@ class Markers:
         last = len(blocks) - 1
         for i, block in enumerate(blocks):
 
-            def pre(_m, args, kwargs, i=i):
+            def pre(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], i: int = i) -> None:
                 if self.tl.phase != "fwd":
                     return
                 self.tl.mark("fwd", i)
@@ -67,7 +67,7 @@ class Markers:
                     for t in _grad_tensors((args, kwargs))[:1]:
                         t.register_hook(lambda _g: self.tl.mark("post"))
 
-            def post(_m, _args, _kwargs, output, i=i):
+            def post(_m: nn.Module, _args: tuple[Any, ...], _kwargs: dict[str, Any], output: Any, i: int = i) -> None:
                 if self.tl.phase != "fwd":
                     return
                 for t in _grad_tensors(output)[:1]:
@@ -80,10 +80,10 @@ class Markers:
 
     # ------------------------------------------------------------------ units
     def _mark_unit(self, unit: Unit) -> None:
-        def pre(_m, _args):
+        def pre(_m: nn.Module, _args: tuple[Any, ...]) -> None:
             self.tl.unit_event(unit.name)
 
-        def post(_m, _args, output):
+        def post(_m: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
             if torch.is_grad_enabled():
                 outs = _grad_tensors(output)
                 if outs:
@@ -97,7 +97,7 @@ class Markers:
 
     # ------------------------------------------------------------------ checkpointed regions
     def _wrap_checkpoints(self, model: nn.Module) -> None:
-        self._names = {id(m): n for n, m in model.named_modules()}
+        self._names: dict[int, str] = {id(m): n for n, m in model.named_modules()}
         for name, module in model.named_modules():
             fn = module.__dict__.get("_gradient_checkpointing_func")
             if fn is not None:
@@ -107,9 +107,9 @@ class Markers:
         torch.utils.checkpoint.checkpoint = self._region(original, None)
         self._restore.append(functools.partial(setattr, torch.utils.checkpoint, "checkpoint", original))
 
-    def _region(self, checkpoint: Callable, name: str | None) -> Callable:
+    def _region(self, checkpoint: Callable[..., Any], name: str | None) -> Callable[..., Any]:
         @functools.wraps(checkpoint)
-        def recorded(function, *args, **kwargs):
+        def recorded(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             region = self.tl.region_begin(name or self._name_of(function))
             try:
                 return checkpoint(function, *args, **kwargs)
@@ -118,8 +118,8 @@ class Markers:
 
         return recorded
 
-    def _name_of(self, function: Callable) -> str:
+    def _name_of(self, function: Callable[..., Any]) -> str:
         owner = function if isinstance(function, nn.Module) else getattr(function, "__self__", None)
         if owner is None and isinstance(function, functools.partial):
             owner = function.args[0] if function.args else None
-        return self._names.get(id(owner), getattr(function, "__qualname__", "checkpoint"))
+        return self._names.get(id(owner), str(getattr(function, "__qualname__", "checkpoint")))

@@ -12,7 +12,8 @@ meta kernels give the exact shapes of what they allocate and save.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +23,17 @@ __all__ = ["cuda_attention"]
 aten = torch.ops.aten
 
 
-def _as_cuda(original):
-    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+def _as_cuda(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def sdpa(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
         if enable_gqa and key.size(-3) != query.size(-3):
             repeat = query.size(-3) // key.size(-3)
             key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
@@ -31,15 +41,17 @@ def _as_cuda(original):
         if query.dim() != 4 or head_dim > 256 or head_dim % 8:
             return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale)
         if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16):
-            return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
+            out = aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)
+            return cast(torch.Tensor, out[0])
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
                 ~attn_mask, float("-inf")
             )
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        return aten._scaled_dot_product_efficient_attention(
+        out = aten._scaled_dot_product_efficient_attention(
             query, key, value, attn_mask, grad, dropout_p, is_causal, scale=scale
-        )[0]
+        )
+        return cast(torch.Tensor, out[0])
 
     return sdpa
 

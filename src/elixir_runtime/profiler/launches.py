@@ -32,7 +32,7 @@ Launch = Callable[[int], None]
 """Told of each skipped launch: the bytes of its distinct tensor arguments."""
 
 
-def _fake_bytes(args: tuple, kwargs: dict) -> int | None:
+def _fake_bytes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
     """The bytes of the distinct fake tensors among a launch's arguments; ``None`` if there are none."""
     seen: dict[int, int] = {}
     for a in (*args, *kwargs.values()):

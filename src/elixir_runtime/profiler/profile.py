@@ -118,7 +118,7 @@ class ModelProfile:
         """Units in the order of their first forward call."""
         return list(dict.fromkeys(e.unit for e in self.unit_events if e.phase == "fwd"))
 
-    def unit_indices(self, units: list) -> list[int]:
+    def unit_indices(self, units: list[Unit]) -> list[int]:
         """Indices of ``units`` (``units.Unit``) in first-use order, the never-called ones last."""
         by_name = {u.name: u.index for u in units}
         order = [by_name[n] for n in self.unit_order() if n in by_name]
@@ -346,7 +346,7 @@ def _replayable(segments: list[Segment], plan: BlockPlan) -> bool:
     if not any(s.label == "mid" for s in segments):
         return False
 
-    def pattern(label: str, b: int, inside_only: bool) -> tuple:
+    def pattern(label: str, b: int, inside_only: bool) -> tuple[list[str], list[tuple[str, str]], list[list[str]]]:
         def keep(name: str) -> bool:
             return not inside_only or plan.rename(name, b, -1) != name
 

@@ -11,9 +11,11 @@ before the step (parameters, buffers, the batch) are not activations and are nev
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import arg_tree_leaves, tree_leaves
 
@@ -25,7 +27,7 @@ __all__ = ["Recorder"]
 
 class Recorder(TorchDispatchMode):
     def __init__(self, timeline: Timeline, param_names: dict[int, str]) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is unannotated
         self.timeline = timeline
         self.param_names = param_names
         """``id`` of each (fake) parameter tensor → its canonical name."""
@@ -40,7 +42,9 @@ class Recorder(TorchDispatchMode):
         """Stops accounting: storages still alive after the step free nothing into the timeline."""
         self._closed = True
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self, func: OpOverload, types: Sequence[type], args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         inputs = arg_tree_leaves(*args, **kwargs)

@@ -13,6 +13,7 @@ capacity is the memory the run will have once the model's own weights are in chu
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from ..host import accounting, size_text
 
@@ -65,6 +66,6 @@ class Budget:
         return {**asdict(self), "allowed": self.allowed, "host_allowed": self.host_allowed}
 
     @classmethod
-    def from_dict(cls, data: dict[str, float]) -> Budget:
+    def from_dict(cls, data: dict[str, Any]) -> Budget:
         """``allowed`` and ``host_allowed`` are derived: ignored."""
         return cls(**{k: v for k, v in data.items() if k not in ("allowed", "host_allowed")})

@@ -23,7 +23,7 @@ import torch
 
 from ..chunk.layout import ChunkLayout, build_layout, round_up
 from ..config import ElixirConfig, PlanError
-from ..hardware.profile import HardwareProfile
+from ..hardware.profile import HardwareProfile, Rates
 from ..host import GIB
 from ..host import size_text as gib
 from ..profiler.profile import ModelProfile
@@ -222,7 +222,7 @@ def _evaluate(
     chunk_size: int,
     table: ParamTable,
     profile: ModelProfile,
-    rates,
+    rates: Rates,
     budget: Budget,
     settings: SearchSettings,
     window: GradWindow | None = None,

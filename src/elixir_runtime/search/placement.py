@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -130,7 +131,7 @@ def offloaded_chunks(offload: float | Sequence[int], n_chunks: int, chunk_size: 
     gradients arrive first in backward), a list is checked against the layout."""
     if isinstance(offload, (float, int)) and not isinstance(offload, bool):
         return list(range(n_chunks - round(float(offload) * n_chunks), n_chunks))
-    chunks = sorted({int(i) for i in offload})
+    chunks = sorted({int(i) for i in cast(Sequence[int], offload)})  # a bool is neither: ElixirConfig refuses it
     bad = [i for i in chunks if not 0 <= i < n_chunks]
     if bad:
         raise PlanError(

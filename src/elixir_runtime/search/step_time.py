@@ -34,6 +34,7 @@ updates back to back, because the host's overlaps are the ones the machine does 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -98,7 +99,7 @@ class StepTime:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, float | None]) -> StepTime:
+    def from_dict(cls, data: dict[str, Any]) -> StepTime:
         return cls(**data)
 
 
@@ -140,9 +141,10 @@ class StepModel:
             up, down = lane_bytes(dtype)
             link_up, link_down = rates.duplex or rates.h2d, rates.duplex or rates.d2h
             self.lane_rate = 1.0 / max(up / link_up, down / link_down, 1.0 / rates.gpu_adam)
-        after_backward = clips_grads and not device_lane and bool(rates.cpu_adam_alone)
+        alone = rates.cpu_adam_alone if clips_grads and not device_lane else None
+        after_backward = bool(alone)
         observed = rates.cpu_update_observed if after_backward else None
-        self.cpu_rate = observed or ARENA_RATE * (rates.cpu_adam_alone if after_backward else rates.cpu_adam)
+        self.cpu_rate = observed or ARENA_RATE * (alone or rates.cpu_adam)
         """Elements per second of the CPU Adam on the engine's arenas: after a synced backward without
         the lane, the rate a job on this machine observed (``cpu_update_observed``) or else the
         profile's rate alone; its rate under copies otherwise (docs/planning.md, ``cpu_adam[n]``);
@@ -221,7 +223,7 @@ class StepModel:
 
     def _transfer(self, on_device: np.ndarray, link: float) -> np.ndarray:
         """Seconds to move each chunk's shard between its arena and the rCache."""
-        return self._device_copy(on_device) + self._host_link(on_device, link)
+        return cast(np.ndarray, self._device_copy(on_device) + self._host_link(on_device, link))
 
     def _device_copy(self, on_device: np.ndarray) -> np.ndarray:
         """The device's part: a copy from a GPU-resident arena (read and write)."""
@@ -248,7 +250,7 @@ class StepModel:
         adam = (self.elements[on_device].sum() / r.gpu_adam) + (
             self.elements[host].sum() / (self.cpu_rate + self.lane_rate)
         )
-        return self.micro * (float((m[FWD] + m[BWD]) @ gather) + float(reduce.sum())) + adam
+        return self.micro * (float((m[FWD] + m[BWD]) @ gather) + float(reduce.sum())) + float(adam)
 
     def step(self, n_blocks: int, on_device: np.ndarray) -> StepTime:
         r = self.rates

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, get_linear_schedule_with_warmup
 
 import elixir_hf.trainer
-from elixir_hf.checkpoint.format import MARKER_NAME, OPTIM_INDEX, CheckpointError, atomic_torch_save
+from elixir_hf.checkpoint.format import MARKER_NAME, OPTIM_INDEX, CheckpointError
 from elixir_hf.commands import convert
 from helpers.models import ATTN_IMPL, make_batch
 
@@ -188,52 +188,42 @@ def test_bad_optimizer_index_fails_before_training(saved_run, tmp_path, edit, me
     assert trainer.state.global_step == 5 and not history(trainer, "loss", after_step=5), "no step may run"
 
 
-# ------------------------------------------------------------------ per-rank shards of earlier versions
-def _legacy_save(folder, optimizer, *, rank: int, world_size: int, is_main: bool, global_step: int) -> dict:
-    """What a save wrote before the optimizer state was saved by name: one chunk shard per rank."""
-    name = f"elixir_optim_rank{rank}.pt"
-    return {name: atomic_torch_save({**optimizer.state_dict(), "global_step": global_step}, Path(folder) / name)}
+# ------------------------------------------------------------------ per-rank shards of versions before 0.1.0
+@pytest.fixture
+def legacy_checkpoint(saved_run, tmp_path) -> Path:
+    """A checkpoint as versions before 0.1.0 wrote it: the optimizer state as one chunk shard per rank."""
+    ckpt = tmp_path / "legacy"
+    shutil.copytree(saved_run[0] / "checkpoint-5", ckpt)
+    for f in [*ckpt.glob("optimizer-*.safetensors"), ckpt / OPTIM_INDEX]:
+        f.unlink()
+    torch.save({"format": "elixir-optimizer-shard/1", "rank": 0, "world_size": 1}, ckpt / "elixir_optim_rank0.pt")
+    return ckpt
 
 
-@pytest.fixture(scope="module")
-def legacy_run(tmp_path_factory) -> tuple[Path, list[float]]:
-    out = tmp_path_factory.mktemp("legacy")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(elixir_hf.trainer, "save_optimizer", _legacy_save)
-        trainer = make_trainer("gpt2", training_args(str(out), OFFLOAD_PLAN, **SAVE))
-        trainer.train()
-    assert (out / "checkpoint-5" / "elixir_optim_rank0.pt").is_file()
-    return out, history(trainer, "loss")
+def _legacy_message(ckpt: Path) -> str:
+    return (
+        rf"{ckpt} holds the optimizer state as per-rank chunk shards \(elixir_optim_rank\{{r\}}.pt\).*"
+        rf"pip install elixir-hf==0\.1\.0.*--elixir {ckpt}/elixir_plan.json, save a checkpoint"
+    )
 
 
-def test_shards_of_earlier_versions_resume_on_the_same_ranks_and_plan(legacy_run, tmp_path) -> None:
-    out, losses = legacy_run
-    resumed = make_trainer("gpt2", training_args(str(tmp_path / "new"), OFFLOAD_PLAN, **SAVE))
-    resumed.train(resume_from_checkpoint=str(out / "checkpoint-5"))
-    assert history(resumed, "loss", after_step=5) == losses[5:]
-
-
-def test_shards_of_earlier_versions_on_another_world_size_fail_clearly(legacy_run, tmp_path) -> None:
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(legacy_run[0] / "checkpoint-5", ckpt)
-    marker = json.loads((ckpt / MARKER_NAME).read_text())  # the marker records the ranks
-    (ckpt / MARKER_NAME).write_text(json.dumps({**marker, "world_size": 2}))
-    with pytest.raises(
-        ValueError,
-        match=rf"per-rank optimizer shards .* written by 2 rank\(s\), and this run has 1.*Resume it once with 2 processes and --elixir {ckpt}/elixir_plan.json, save",
-    ):
-        _resume(tmp_path, ckpt)
-
-
-def test_shards_of_earlier_versions_in_another_plan_fail_clearly(legacy_run, tmp_path) -> None:
-    ckpt = legacy_run[0] / "checkpoint-5"
-    coarse = '{"mode": "static", "n_blocks": "min", "offload": 0.5, "chunk_size": 65536}'
-    trainer = make_trainer("gpt2", training_args(str(tmp_path / "new"), coarse, **SAVE))
-    with pytest.raises(
-        CheckpointError,
-        match=rf"elixir_optim_rank0.pt does not fit this run: .*different chunk layout.*resume with --elixir {ckpt}/elixir_plan.json",
-    ):
-        trainer.train(resume_from_checkpoint=str(ckpt))
+def test_shards_of_versions_before_0_1_0_are_refused_by_name(legacy_checkpoint, tmp_path) -> None:
+    """Resume, ``--elixir off`` and elixir-convert each stop before a step, naming the version that reads them."""
+    trainer = make_trainer("gpt2", training_args(str(tmp_path / "new"), OFFLOAD_PLAN, **SAVE))
+    with pytest.raises(CheckpointError, match=_legacy_message(legacy_checkpoint)):
+        trainer.train(resume_from_checkpoint=str(legacy_checkpoint))
+    assert not history(trainer, "loss"), "no step may run"
+    data = make_trainer("gpt2", training_args(str(tmp_path / "ref"), **SAVE))  # the same model and data
+    off = elixir_hf.trainer.ElixirTrainer(
+        model=data.model,
+        args=training_args(str(tmp_path / "off"), "off", **SAVE),
+        train_dataset=data.train_dataset,
+        data_collator=data.data_collator,
+    )
+    with pytest.raises(CheckpointError, match=_legacy_message(legacy_checkpoint)):
+        off.train(resume_from_checkpoint=str(legacy_checkpoint))
+    with pytest.raises(SystemExit, match="elixir-convert: " + _legacy_message(legacy_checkpoint)):
+        convert.main([str(legacy_checkpoint), str(tmp_path / "plain")])
 
 
 # ------------------------------------------------------------------ plain PyTorch checkpoints, in and out
