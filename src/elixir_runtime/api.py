@@ -17,10 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .chunk.attached import detach_weights
-from .chunk.collectives import Collectives
-from .chunk.source import WeightSource, unmeta_parameters, weight_source
 from .config import ElixirConfig
+from .distributed.collectives import Collectives
+from .distributed.lockstep import Lockstep
 from .gpu_limit import expandable_segments, limit_gpu_memory
 from .hardware.load import record_update_rate
 from .host import local_ranks
@@ -31,10 +30,11 @@ from .planner import plan_job
 from .runtime.chunk_runtime import ChunkRuntime
 from .runtime.device_lane import DeviceLane
 from .runtime.hooks import install_hooks
-from .runtime.lockstep import Lockstep
 from .runtime.update_rate import UpdateRateProbe
 from .state_dict import ModelStateHooks
 from .units import Unit, find_units
+from .weights.attached import detach_weights
+from .weights.source import WeightSource, unmeta_parameters, weight_source
 
 __all__ = ["prepare", "ElixirState"]
 

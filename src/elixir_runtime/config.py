@@ -137,7 +137,7 @@ class ElixirConfig:
     one (``kernels/threads.py``), whatever ``OMP_NUM_THREADS`` says."""
     lockstep_timeout_s: float = 60.0
     """Seconds a rank waits for the others at each forward and ``state_dict()`` before all fail naming
-    the operation (``runtime/lockstep.py``) rather than hang until the process group's timeout."""
+    the operation (``distributed/lockstep.py``) rather than hang until the process group's timeout."""
     record_update_rate: bool = True
     """Record the rate this job's CPU updated offloaded chunks at in this machine's cached hardware
     profile, which the next plan made here prices them at (``runtime/update_rate.py``)."""

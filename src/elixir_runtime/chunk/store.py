@@ -67,7 +67,7 @@ __all__ = [
 
 Weights = Callable[[torch.Tensor, int, int], torch.Tensor]
 """``weights(param, start, numel)``: elements ``[start, start + numel)`` of ``param``'s flattened
-starting value (``numel`` may be 0), in the parameter's dtype (``chunk/source.WeightSource.part``)."""
+starting value (``numel`` may be 0), in the parameter's dtype (``weights/source.WeightSource.part``)."""
 
 
 def own_part(p: torch.Tensor, start: int, numel: int) -> torch.Tensor:

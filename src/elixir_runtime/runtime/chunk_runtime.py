@@ -3,7 +3,7 @@
 It builds the arenas (``chunk/store.py``), the rCache and one ``ChunkState`` per chunk
 (``state.py``), and composes
 
-* ``ChunkResidency`` (``residency.py``): acquire, prefetch, gather, evict, release; each chunk's
+* ``ChunkResidency`` (``gathers.py``): acquire, prefetch, gather, evict, release; each chunk's
   ``ParamState``;
 * ``ChunkGradients`` (``gradients.py``): gradient write-back, reduce-scatter, end of backward,
   ``zero_grad``, the norm; each trainable chunk's ``GradState``.
@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from ..chunk.collectives import Collectives
 from ..chunk.layout import ChunkLayout
 from ..chunk.rcache import RCache
 from ..chunk.store import Residence, Weights, build_arenas, grads_on_demand, own_part
+from ..distributed.collectives import Collectives
+from ..distributed.lockstep import Lockstep
+from .gathers import ChunkResidency, RCacheExhausted
 from .gradients import ChunkGradients
 from .host_updates import HostUpdates, Lane, update_order
-from .lockstep import Lockstep
-from .residency import ChunkResidency, RCacheExhausted
 from .state import ChunkState, GradState, ParamState, Residency
 
 __all__ = ["ChunkRuntime", "ChunkState", "GradState", "ParamState", "RCacheExhausted", "Residency"]

@@ -8,7 +8,7 @@ sampling or evaluating on the main process needs the whole model there first, as
         if rank == 0:
             text = model.generate(**prompt)                    # any forward, on any subset of ranks
 
-Entering is a collective: the ranks check in (``runtime/lockstep.py``) and gather every chunk
+Entering is a collective: the ranks check in (``distributed/lockstep.py``) and gather every chunk
 that is not resident in the rCache into a buffer of its own (a chunk already resident is used
 where it is, and pinned). Inside, the module hooks stand by and autograd is off (the parameters
 are a gathered copy in the compute dtype: a backward would not reach the shards; changes to
@@ -30,8 +30,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ..distributed.lockstep import Op
 from .chunk_runtime import ChunkRuntime
-from .lockstep import Op
 from .state import ChunkState, ParamState, Residency
 
 __all__ = ["full_params"]

@@ -33,11 +33,11 @@ import warnings
 import torch
 from torch import nn
 
-from ..chunk.collectives import Collectives
 from ..chunk.layout import ChunkLayout
 from ..chunk.store import grads_on_demand
+from ..distributed.collectives import Collectives
+from .gathers import ChunkResidency, on_stream
 from .host_updates import HostUpdates
-from .residency import ChunkResidency, on_stream
 from .state import ChunkState, GradState
 
 __all__ = ["ChunkGradients"]

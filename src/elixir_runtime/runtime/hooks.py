@@ -48,11 +48,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import arg_tree_leaves, tree_flatten, tree_unflatten
 
+from ..distributed.lockstep import Op
 from ..units import Unit
 from . import state
 from .batch_guard import BatchGuard
 from .chunk_runtime import ChunkRuntime
-from .lockstep import Op
 from .state import Residency
 
 __all__ = ["PlaceholderReadError", "install_hooks"]
@@ -189,7 +189,7 @@ class _RootHooks:
         if self.runtime.residency is Residency.FULL:
             return
         grad = torch.is_grad_enabled()
-        if self.depth == 0:  # every rank must be starting this forward too (runtime/lockstep.py)
+        if self.depth == 0:  # every rank must be starting this forward too (distributed/lockstep.py)
             self.runtime.lockstep.check_in(Op.TRAINING_FORWARD if grad else Op.NO_GRAD_FORWARD)
             if grad and self.model.training:
                 self.guard.check(args, kwargs)

@@ -2,7 +2,7 @@
 
 Each chunk carries two state machines that change independently ([Note: two machines]):
 
-* ``ParamState``: whether its parameters are readable, and from where (``residency.py``);
+* ``ParamState``: whether its parameters are readable, and from where (``gathers.py``);
 * ``GradState``: what its gradient shard and its gathered buffer hold of this step's gradient
   (``gradients.py``).
 

@@ -21,10 +21,10 @@ import contextlib
 
 import torch
 
-from ..chunk.collectives import Collectives
 from ..chunk.layout import ChunkLayout
 from ..chunk.rcache import Buffer, RCache
 from ..chunk.schedule import AccessSchedule
+from ..distributed.collectives import Collectives
 from .host_updates import HostUpdates
 from .state import ChunkState, ParamState
 
