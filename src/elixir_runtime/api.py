@@ -28,6 +28,7 @@ from .optim.optimizer import ElixirOptimizer
 from .plan import ElixirPlan
 from .planner import plan_job
 from .runtime.chunk_runtime import ChunkRuntime
+from .runtime.context import EngineContext
 from .runtime.device_lane import DeviceLane
 from .runtime.hooks import install_hooks
 from .runtime.update_rate import UpdateRateProbe
@@ -107,20 +108,17 @@ def prepare(
     orig_dtypes = [p.dtype for p in params]
     _move_buffers(model, device, source)
     unmeta_parameters(params)
-    lockstep = Lockstep(coll, config.lockstep_timeout_s)
+    ctx = EngineContext(coll, device, dtype, Lockstep(coll, config.lockstep_timeout_s))
     lane = DeviceLane(plan.device_lane, device, dtype) if plan.device_lane else None
     with source.reading(device):  # streamed weights: a failed read fails prepare on every rank
         runtime = ChunkRuntime(
+            ctx,
             plan.layout,
             plan.placement(),
             plan.n_blocks,
-            coll,
-            device,
-            dtype,
             config.prefetch,
-            lockstep,
-            source.part,
-            lane,
+            weights=source.part,
+            lane=lane,
             grads_share_activations=plan.grad_window.shares,
             root_chunks=plan.root_chunks,
         )
@@ -137,21 +135,19 @@ def prepare(
         cpu_threads=threads,
         skip_nonfinite=config.skip_nonfinite,
         max_consecutive_skips=config.max_consecutive_skips,
-        rate_probe=_rate_probe(plan, runtime, coll, device, threads) if config.record_update_rate else None,
+        rate_probe=_rate_probe(plan, ctx, threads) if config.record_update_rate else None,
     )
     model._elixir = ElixirState(runtime, plan, units, elixir_optimizer, model_state)
     return model, elixir_optimizer
 
 
-def _rate_probe(
-    plan: ElixirPlan, runtime: ChunkRuntime, coll: Collectives, device: torch.device, threads: int
-) -> UpdateRateProbe | None:
+def _rate_probe(plan: ElixirPlan, ctx: EngineContext, threads: int) -> UpdateRateProbe | None:
     """Where the CPU updates offloaded chunks beside a GPU without the device lane: a probe whose
     report records the job's rate into this machine's cached profile ([Note: the run's own rate])."""
-    if device.type != "cuda" or not plan.offload or plan.device_lane:
+    if not ctx.cuda or not plan.offload or plan.device_lane:
         return None
     ranks = local_ranks()
-    return UpdateRateProbe(runtime.stats, lambda rate: record_update_rate(coll, device, ranks, threads, rate))
+    return UpdateRateProbe(ctx.stats, lambda rate: record_update_rate(ctx.coll, ctx.device, ranks, threads, rate))
 
 
 def _check_model(model: nn.Module) -> None:

@@ -32,7 +32,8 @@ from torch import nn
 
 from ..distributed.lockstep import Op
 from .chunk_runtime import ChunkRuntime
-from .state import ChunkState, ParamState, Residency
+from .phase import Phase
+from .state import ChunkState, ParamState
 
 __all__ = ["full_params"]
 
@@ -45,21 +46,22 @@ def full_params(model: nn.Module, *, rank0_only: bool = False) -> Iterator[nn.Mo
     if state is None:
         raise ValueError("full_params needs a model prepared by elixir_runtime.prepare")
     rt: ChunkRuntime = state.runtime
-    if rt.residency is not Residency.SHARDED:
+    phase = rt.ctx.phase
+    if phase.full:
         raise RuntimeError("full_params is already entered on this model; leave it before entering it again")
-    if rt.grads.in_backward or any(c.pins for c in rt.chunks):
+    if phase.now is not Phase.IDLE or any(c.pins for c in rt.chunks):
         raise RuntimeError(
             "full_params cannot be entered during a forward or backward of the model; enter it between steps"
         )
     rt.lockstep.check_in(Op.FULL_PARAMS)
     keep = not rank0_only or rt.coll.rank == 0
     pinned, copied = _gather_all(rt, keep)
-    rt.residency = Residency.FULL if keep else Residency.ELSEWHERE
+    phase.to(Phase.FULL if keep else Phase.FULL_ELSEWHERE)
     try:
         with torch.no_grad():
             yield model
     finally:
-        rt.residency = Residency.SHARDED
+        phase.to(Phase.IDLE)
         for c in copied:
             rt.resident.hide_params(c)
             c.transition(ParamState.RELEASED)
@@ -72,7 +74,7 @@ def full_params(model: nn.Module, *, rank0_only: bool = False) -> Iterator[nn.Mo
 def _gather_all(rt: ChunkRuntime, keep: bool) -> tuple[list[ChunkState], list[ChunkState]]:
     """Makes every chunk's parameters full on this rank (if ``keep``); returns the chunks pinned in
     the rCache (``GATHERING``/``RESIDENT``, left so) and those gathered into buffers of their own
-    (``RELEASED -> COPIED``). The same on every rank: residency is."""
+    (``RELEASED -> COPIED``). The same on every rank: which chunks are gathered is."""
     rt.grads.wait_for_grads()  # CPU updates, reductions and prefetches settled
     pinned, copied = [], []
     largest = max((c.spec.numel for c in rt.chunks), default=0)  # a private chunk may exceed chunk_size

@@ -24,7 +24,7 @@ import torch
 from ..chunk.layout import ChunkLayout
 from ..chunk.rcache import Buffer, RCache
 from ..chunk.schedule import AccessSchedule
-from ..distributed.collectives import Collectives
+from .context import EngineContext
 from .host_updates import HostUpdates
 from .state import ChunkState, ParamState
 
@@ -51,26 +51,21 @@ def on_stream(stream: torch.cuda.Stream | None, buffer: Buffer | None, device: t
 class ChunkResidency:
     def __init__(
         self,
+        ctx: EngineContext,
         layout: ChunkLayout,
         chunks: list[ChunkState],
         rcache: RCache,
-        coll: Collectives,
-        device: torch.device,
-        dtype: torch.dtype,
         prefetch: int,
         host_updates: HostUpdates,
-        stats: dict[str, int],
     ) -> None:
-        self.layout, self.chunks, self.rcache, self.coll = layout, chunks, rcache, coll
-        self.device, self.dtype, self.prefetch_depth = device, dtype, prefetch
-        self.host_updates, self.stats = host_updates, stats
-        self.cuda = device.type == "cuda"
-        self.fetch_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.ctx, self.layout, self.chunks, self.rcache = ctx, layout, chunks, rcache
+        self.prefetch_depth, self.host_updates = prefetch, host_updates
+        self.fetch_stream = torch.cuda.Stream(ctx.device) if ctx.cuda else None
         self.schedule = AccessSchedule()
         self._resident: dict[int, ChunkState] = {}
         """Public chunks holding an rCache buffer (``GATHERING`` or ``RESIDENT``)."""
         self._buffer_by_ptr = {b.data.data_ptr(): b for b in rcache.buffers}
-        zero = torch.zeros((), dtype=dtype, device=device)
+        zero = torch.zeros((), dtype=ctx.dtype, device=ctx.device)
         self.placeholder_ptr = zero.data_ptr()
         """The one storage every placeholder is a view of (``runtime/hooks.py``, [Note: placeholder reads])."""
         self._placeholders = [zero.expand(p.shape) for p in layout.params]
@@ -112,7 +107,7 @@ class ChunkResidency:
     def _use(self, c: ChunkState) -> None:
         """``GATHERING -> RESIDENT``: the current stream waits for the chunk's gather."""
         if c.ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(c.ready)
+            torch.cuda.current_stream(self.ctx.device).wait_event(c.ready)
             c.ready = None
         c.transition(ParamState.RESIDENT)
 
@@ -134,14 +129,14 @@ class ChunkResidency:
             if self._update_in_the_way(i) or not (c.spec.private or self._has_buffer_for(distance)):
                 return  # never block the training loop on a prefetch (a private chunk has its own buffer)
             self._gather(c)
-            self.stats["prefetches"] += 1
+            self.ctx.stats.add(prefetches=1)
             fetched += 1
 
     def _update_in_the_way(self, i: int) -> bool:
         """Whether prefetching chunk ``i`` would wait on its CPU update. With several ranks a
         prefetch is a collective, so the answer must not depend on timing: any update not yet
         waited for counts. Alone, only one still running does."""
-        if self.coll.world_size > 1:
+        if self.ctx.coll.world_size > 1:
             return self.host_updates.pending(i)
         return self.host_updates.busy(i)
 
@@ -165,7 +160,7 @@ class ChunkResidency:
                 f"({sorted(self._resident)}); use a larger n_blocks"
             )
         self.drop(victim)
-        self.stats["evictions"] += 1
+        self.ctx.stats.add(evictions=1)
         return self.rcache.free.pop()
 
     def _gather(self, c: ChunkState) -> None:
@@ -175,10 +170,10 @@ class ChunkResidency:
             c.buffer.chunk = c.index
             self._resident[c.index] = c
         full = c.buffer.data[: c.spec.numel]
-        self.stats["gathers"] += 1
-        with on_stream(self.fetch_stream, c.buffer, self.device):
+        self.ctx.stats.add(gathers=1)
+        with on_stream(self.fetch_stream, c.buffer, self.ctx.device):
             self.fill(c, full)
-            if self.cuda:
+            if self.ctx.cuda:
                 c.ready = torch.cuda.Event()
                 c.ready.record(self.fetch_stream)
                 c.gathered = c.ready
@@ -188,8 +183,8 @@ class ChunkResidency:
     def fill(self, c: ChunkState, full: torch.Tensor) -> None:
         """Gathers chunk ``c`` from every rank's shard into ``full`` (a collective, on the current stream)."""
         self.host_updates.wait(c.index)
-        self.coll.shard_of(full).copy_(c.gather_source, non_blocking=True)
-        self.coll.all_gather_(full)
+        self.ctx.coll.shard_of(full).copy_(c.gather_source, non_blocking=True)
+        self.ctx.coll.all_gather_(full)
 
     def show_params(self, c: ChunkState, full: torch.Tensor) -> None:
         """Points the parameters of ``c`` at their slots in the gathered buffer ``full``."""
@@ -210,10 +205,10 @@ class ChunkResidency:
         c.transition(ParamState.RELEASED)
         buffer = c.buffer
         assert buffer is not None
-        if self.cuda:
+        if self.ctx.cuda:
             if event is None:
                 event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(self.device))
+                event.record(torch.cuda.current_stream(self.ctx.device))
             buffer.free_event = event
         if not buffer.private:
             buffer.chunk = None

@@ -53,7 +53,7 @@ from ..units import Unit
 from . import state
 from .batch_guard import BatchGuard
 from .chunk_runtime import ChunkRuntime
-from .state import Residency
+from .phase import Phase
 
 __all__ = ["PlaceholderReadError", "install_hooks"]
 
@@ -86,8 +86,8 @@ class _UnitHooks:
         self.bwd_pinned = False
 
     def pre_forward(self, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self.runtime.residency is not Residency.SHARDED:
-            return args, kwargs  # inside full_params: the parameters are all here
+        if self.runtime.ctx.phase.full:
+            return args, kwargs  # the parameters are all here
         self.runtime.resident.acquire(self.chunks, pin=True)
         self.post_backward_armed = False
         if not torch.is_grad_enabled():
@@ -103,7 +103,7 @@ class _UnitHooks:
         return tree_unflatten(flat, spec)
 
     def post_forward(self, _module: nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
-        if self.runtime.residency is not Residency.SHARDED:
+        if self.runtime.ctx.phase.full:
             return
         self.runtime.resident.release(self.chunks)
         if not torch.is_grad_enabled():
@@ -181,12 +181,13 @@ class _RootHooks:
         after its backward: a checkpointed block recomputed there must run as its forward ran."""
 
     def pre_forward(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.runtime.residency is Residency.ELSEWHERE:
+        phase = self.runtime.ctx.phase
+        if phase.now is Phase.FULL_ELSEWHERE:
             raise RuntimeError(
                 "full_params(rank0_only=True) gathered the parameters on rank 0 only: run this forward on rank 0 "
                 "(`if rank == 0:` inside the context), or enter full_params() without rank0_only"
             )
-        if self.runtime.residency is Residency.FULL:
+        if phase.now is Phase.FULL:
             return
         grad = torch.is_grad_enabled()
         if self.depth == 0:  # every rank must be starting this forward too (distributed/lockstep.py)
@@ -196,6 +197,7 @@ class _RootHooks:
         self.depth += 1
         if self.depth > 1:
             return
+        phase.to(Phase.FORWARD)
         kind = (grad, self.model.training)
         self.runtime.resident.schedule.begin(kind)
         if self.chunks:  # private: never evicted, so no pin is needed to keep them
@@ -212,15 +214,18 @@ class _RootHooks:
             self.saved_hooks.__enter__()
 
     def post_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
-        if self.runtime.residency is not Residency.SHARDED:
+        if self.runtime.ctx.phase.full or self.depth == 0:  # depth 0: its pre-forward failed before counting it
             return
-        self.depth = max(self.depth - 1, 0)
-        if self.depth == 0 and self.watch is not None:
+        self.depth -= 1
+        if self.depth > 0:
+            return
+        self.runtime.ctx.phase.to(Phase.IDLE)
+        if self.watch is not None:
             self.watch.__exit__(None, None, None)
             self.watch = None
             if output is None or not torch.is_grad_enabled():  # failed (always_call gives None), or no backward
                 self.end_eager()  # else at the end of its backward (install_hooks)
-        if self.depth == 0 and self.saved_hooks is not None:
+        if self.saved_hooks is not None:
             self.saved_hooks.__exit__(None, None, None)
             self.saved_hooks = None
 

@@ -45,20 +45,8 @@ __all__ = [
     "GradState",
     "IllegalTransition",
     "ParamState",
-    "Residency",
     "check_transitions",
 ]
-
-
-class Residency(enum.Enum):
-    """Where the parameters a forward reads come from (the whole engine's mode, not a chunk's)."""
-
-    SHARDED = "sharded"
-    """Training: each unit gathers its chunks with the other ranks (forwards are collectives)."""
-    FULL = "full"
-    """Inside ``full_params``: every parameter is on this rank; forwards run alone, hooks stand by."""
-    ELSEWHERE = "full on rank 0 only"
-    """Inside ``full_params(rank0_only=True)`` on another rank: no forward can run here."""
 
 
 class ParamState(enum.Enum):
