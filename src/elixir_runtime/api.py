@@ -2,7 +2,7 @@
 
 Order matters and is the whole point of the function: every check and the plan happen before
 any training memory is allocated; then the shards are filled from the live weights, the
-parameters become views into the rCache (placeholders of the right shape when not resident),
+parameters become views into the rCache (placeholders of the right shape when not gathered),
 and the hooks are installed on the same ``nn.Module`` object the user keeps calling.
 """
 

@@ -160,7 +160,7 @@ class ElixirConfig:
     """The loop syncs the host before ``step()`` (``clip_grad_norm``, fp16): offloaded chunks' CPU
     updates are predicted to start after backward; ``False``: during it, as gradients land."""
     grad_accum_steps: int = field(default=1, metadata=_RUN)
-    """Backwards per optimizer step. With one, GPU-resident chunks' gradient shards are planned into
+    """Backwards per optimizer step. With one, on-device chunks' gradient shards are planned into
     memory the activations free (``search/memory.py``); with more they are counted beside them. The
     HF integration sets it from ``gradient_accumulation_steps``."""
 

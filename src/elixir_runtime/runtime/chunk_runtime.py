@@ -3,12 +3,12 @@
 It builds the arenas (``chunk/store.py``), the rCache and one ``ChunkState`` per chunk
 (``state.py``), and composes
 
-* ``ChunkResidency`` (``gathers.py``): acquire, prefetch, gather, evict, release; each chunk's
+* ``ChunkGathers`` (``gathers.py``): acquire, prefetch, gather, evict, release; each chunk's
   ``ParamState``;
 * ``ChunkGradients`` (``gradients.py``): gradient write-back, reduce-scatter, end of backward,
   ``zero_grad``, the norm; each trainable chunk's ``GradState``.
 
-Callers address the part they need (``runtime.resident.acquire``, ``runtime.grads.on_grad``); the
+Callers address the part they need (``runtime.gathers.acquire``, ``runtime.grads.on_grad``); the
 states, their tables and where they are checked are in ``state.py``. Everything that moves chunk
 data lives in those two modules; the module hooks only say *when*.
 """
@@ -19,11 +19,11 @@ import torch
 
 from ..chunk.layout import ChunkLayout
 from ..chunk.rcache import RCache
-from ..chunk.store import Residence, Weights, build_arenas, grads_on_demand, own_part
+from ..chunk.store import Weights, Where, build_arenas, grads_on_demand, own_part
 from ..distributed.collectives import Collectives
 from ..distributed.lockstep import Lockstep
 from .context import EngineContext
-from .gathers import ChunkResidency, RCacheExhausted
+from .gathers import ChunkGathers, RCacheExhausted
 from .gradients import ChunkGradients
 from .host_updates import HostUpdates, Lane, update_order
 from .state import ChunkState, GradState, ParamState
@@ -37,7 +37,7 @@ class ChunkRuntime:
         self,
         ctx: EngineContext,
         layout: ChunkLayout,
-        placement: list[Residence],
+        placement: list[Where],
         n_blocks: int,
         prefetch: int,
         *,
@@ -73,8 +73,8 @@ class ChunkRuntime:
             if c.spec.trainable and not grads_on_demand(c.shards.placement):
                 c.grad = c.shards.grad[c.offset : c.offset + c.shard_numel]
         self.host_updates = HostUpdates(ctx.stats, lane)
-        self.resident = ChunkResidency(ctx, layout, self.chunks, self.rcache, prefetch, self.host_updates)
-        self.grads = ChunkGradients(ctx, layout, self.chunks, self.resident, self.host_updates, grads_share_activations)
+        self.gathers = ChunkGathers(ctx, layout, self.chunks, self.rcache, prefetch, self.host_updates)
+        self.grads = ChunkGradients(ctx, layout, self.chunks, self.gathers, self.host_updates, grads_share_activations)
         self.trainable = self.grads.trainable
         self.root_chunks = root_chunks
         by_index = {c.index: c for c in self.trainable}
@@ -105,7 +105,7 @@ class ChunkRuntime:
 
     def invalidate_trainable(self) -> None:
         """After an update the gathered copies of trainable chunks are stale."""
-        self.resident.drop_all(self.trainable, "optimizer step")
+        self.gathers.drop_all(self.trainable, "optimizer step")
 
     @torch.no_grad()
     def reload_shards(self) -> None:
@@ -114,4 +114,4 @@ class ChunkRuntime:
         for a in self.arenas.values():
             if a.param_copy is not None:
                 a.param_copy.copy_(a.master)
-        self.resident.drop_all(self.chunks, "checkpoint load")
+        self.gathers.drop_all(self.chunks, "checkpoint load")

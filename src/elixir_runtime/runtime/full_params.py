@@ -9,16 +9,16 @@ sampling or evaluating on the main process needs the whole model there first, as
             text = model.generate(**prompt)                    # any forward, on any subset of ranks
 
 Entering is a collective: the ranks check in (``distributed/lockstep.py``) and gather every chunk
-that is not resident in the rCache into a buffer of its own (a chunk already resident is used
+that is not gathered in the rCache into a buffer of its own (a chunk already gathered is used
 where it is, and pinned). Inside, the module hooks stand by and autograd is off (the parameters
 are a gathered copy in the compute dtype: a backward would not reach the shards; changes to
 them are discarded at exit, FSDP's ``writeback=False``). Exiting is a collective too: the ranks
 wait for each other (up to torch's default 30 minutes), so a long generation on rank 0 does not
 trip the others' next forward.
 
-Memory: the chunks not resident in the rCache, in the compute dtype, on the compute device of
+Memory: the chunks not gathered in the rCache, in the compute dtype, on the compute device of
 every rank that holds the full parameters, on top of the training state (nothing extra with
-rCache max once every chunk is resident). ``rank0_only=True``: only rank 0 holds them; the other
+rCache max once every chunk is gathered). ``rank0_only=True``: only rank 0 holds them; the other
 ranks gather through one chunk-sized buffer and may run no forward inside.
 """
 
@@ -63,7 +63,7 @@ def full_params(model: nn.Module, *, rank0_only: bool = False) -> Iterator[nn.Mo
     finally:
         phase.to(Phase.IDLE)
         for c in copied:
-            rt.resident.hide_params(c)
+            rt.gathers.hide_params(c)
             c.transition(ParamState.RELEASED)
         for c in pinned:
             c.pins -= 1
@@ -73,7 +73,7 @@ def full_params(model: nn.Module, *, rank0_only: bool = False) -> Iterator[nn.Mo
 @torch.no_grad()
 def _gather_all(rt: ChunkRuntime, keep: bool) -> tuple[list[ChunkState], list[ChunkState]]:
     """Makes every chunk's parameters full on this rank (if ``keep``); returns the chunks pinned in
-    the rCache (``GATHERING``/``RESIDENT``, left so) and those gathered into buffers of their own
+    the rCache (``GATHERING``/``GATHERED``, left so) and those gathered into buffers of their own
     (``RELEASED -> COPIED``). The same on every rank: which chunks are gathered is."""
     rt.grads.wait_for_grads()  # CPU updates, reductions and prefetches settled
     pinned, copied = [], []
@@ -86,9 +86,9 @@ def _gather_all(rt: ChunkRuntime, keep: bool) -> tuple[list[ChunkState], list[Ch
                 pinned.append(c)
             continue
         full = torch.empty(c.spec.numel, dtype=rt.dtype, device=rt.device) if keep else scratch[: c.spec.numel]
-        rt.resident.fill(c, full)
+        rt.gathers.fill(c, full)
         if keep:
-            rt.resident.show_params(c, full)
+            rt.gathers.show_params(c, full)
             c.transition(ParamState.COPIED)
             copied.append(c)
     return pinned, copied

@@ -1,8 +1,8 @@
-"""Residency: which chunks are gathered into rCache buffers, and when.
+"""Gathers: which chunks are gathered into rCache buffers, and when.
 
-``ChunkResidency`` moves every chunk's ``ParamState`` (``state.py``); the module hooks say when:
+``ChunkGathers`` moves every chunk's ``ParamState`` (``state.py``); the module hooks say when:
 
-* ``acquire`` makes chunks resident for the compute stream (gathering those that are not,
+* ``acquire`` makes chunks gathered for the compute stream (gathering those that are not,
   evicting the Belady victim for a buffer) and pins them while a unit runs; ``release`` unpins;
 * ``prefetch`` gathers the next chunks of the recorded trace early on the fetch stream
   (``RELEASED -> GATHERING``), never waiting for a buffer or a CPU update to do so;
@@ -12,7 +12,7 @@
 Contracts: a gather is a collective, so every rank gathers the same chunks in the same order
 (prefetch decisions depend only on the trace and on state that is the same on every rank). A
 buffer is reused only after its last user's event (``Buffer.free_event``). The compute stream
-waits for a chunk's gather (``ready``) before its first use: the ``GATHERING -> RESIDENT`` step.
+waits for a chunk's gather (``ready``) before its first use: the ``GATHERING -> GATHERED`` step.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from .context import EngineContext
 from .host_updates import HostUpdates
 from .state import ChunkState, ParamState
 
-__all__ = ["ChunkResidency", "RCacheExhausted", "on_stream"]
+__all__ = ["ChunkGathers", "RCacheExhausted", "on_stream"]
 
 
 class RCacheExhausted(RuntimeError):
@@ -48,7 +48,7 @@ def on_stream(stream: torch.cuda.Stream | None, buffer: Buffer | None, device: t
         yield
 
 
-class ChunkResidency:
+class ChunkGathers:
     def __init__(
         self,
         ctx: EngineContext,
@@ -62,8 +62,8 @@ class ChunkResidency:
         self.prefetch_depth, self.host_updates = prefetch, host_updates
         self.fetch_stream = torch.cuda.Stream(ctx.device) if ctx.cuda else None
         self.schedule = AccessSchedule()
-        self._resident: dict[int, ChunkState] = {}
-        """Public chunks holding an rCache buffer (``GATHERING`` or ``RESIDENT``)."""
+        self._gathered: dict[int, ChunkState] = {}
+        """Public chunks holding an rCache buffer (``GATHERING`` or ``GATHERED``)."""
         self._buffer_by_ptr = {b.data.data_ptr(): b for b in rcache.buffers}
         zero = torch.zeros((), dtype=ctx.dtype, device=ctx.device)
         self.placeholder_ptr = zero.data_ptr()
@@ -73,7 +73,7 @@ class ChunkResidency:
             p.data = self._placeholders[i]
 
     def acquire(self, ids: tuple[int, ...], pin: bool) -> None:
-        """Makes chunks ``ids`` resident for the current stream; pins them if ``pin``."""
+        """Makes chunks ``ids`` gathered for the current stream; pins them if ``pin``."""
         for i in ids:
             self.schedule.access(i)
         for i in ids:
@@ -95,8 +95,8 @@ class ChunkResidency:
             assert c.pins > 0, f"chunk {i} released more often than acquired"
             c.pins -= 1
 
-    def ensure_resident(self, i: int) -> ChunkState:
-        """Chunk ``i`` resident for the current stream, not pinned (saved-tensor unpacks, gradients)."""
+    def ensure_gathered(self, i: int) -> ChunkState:
+        """Chunk ``i`` gathered for the current stream, not pinned (saved-tensor unpacks, gradients)."""
         c = self.chunks[i]
         if not c.valid:
             self.acquire((i,), pin=False)
@@ -105,11 +105,11 @@ class ChunkResidency:
         return c
 
     def _use(self, c: ChunkState) -> None:
-        """``GATHERING -> RESIDENT``: the current stream waits for the chunk's gather."""
+        """``GATHERING -> GATHERED``: the current stream waits for the chunk's gather."""
         if c.ready is not None:
             torch.cuda.current_stream(self.ctx.device).wait_event(c.ready)
             c.ready = None
-        c.transition(ParamState.RESIDENT)
+        c.transition(ParamState.GATHERED)
 
     def buffer_of(self, t: torch.Tensor) -> Buffer | None:
         """The rCache buffer ``t``'s storage belongs to (``None`` for anything else)."""
@@ -147,7 +147,7 @@ class ChunkResidency:
         return victim is not None and self.schedule.eviction_score(victim.index) > distance
 
     def _victim(self) -> ChunkState | None:
-        candidates = [c for c in self._resident.values() if c.evictable]
+        candidates = [c for c in self._gathered.values() if c.evictable]
         return max(candidates, key=lambda c: self.schedule.eviction_score(c.index), default=None)
 
     def _take_buffer(self) -> Buffer:
@@ -157,7 +157,7 @@ class ChunkResidency:
         if victim is None:
             raise RCacheExhausted(
                 f"all {len(self.rcache.buffers)} rCache blocks hold chunks in use "
-                f"({sorted(self._resident)}); use a larger n_blocks"
+                f"({sorted(self._gathered)}); use a larger n_blocks"
             )
         self.drop(victim)
         self.ctx.stats.add(evictions=1)
@@ -168,7 +168,7 @@ class ChunkResidency:
         if c.buffer is None:
             c.buffer = self._take_buffer()
             c.buffer.chunk = c.index
-            self._resident[c.index] = c
+            self._gathered[c.index] = c
         full = c.buffer.data[: c.spec.numel]
         self.ctx.stats.add(gathers=1)
         with on_stream(self.fetch_stream, c.buffer, self.ctx.device):
@@ -213,7 +213,7 @@ class ChunkResidency:
         if not buffer.private:
             buffer.chunk = None
             c.buffer = None
-            del self._resident[c.index]
+            del self._gathered[c.index]
             self.rcache.free.append(buffer)
 
     def drop_all(self, chunks: list[ChunkState], why: str) -> None:

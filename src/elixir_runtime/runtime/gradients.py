@@ -36,7 +36,7 @@ from torch import nn
 from ..chunk.layout import ChunkLayout
 from ..chunk.store import grads_on_demand
 from .context import EngineContext
-from .gathers import ChunkResidency, on_stream
+from .gathers import ChunkGathers, on_stream
 from .host_updates import HostUpdates
 from .phase import Phase
 from .state import ChunkState, GradState
@@ -52,13 +52,13 @@ class ChunkGradients:
         ctx: EngineContext,
         layout: ChunkLayout,
         chunks: list[ChunkState],
-        residency: ChunkResidency,
+        gathers: ChunkGathers,
         host_updates: HostUpdates,
         warn_accumulation: bool,
     ) -> None:
         """``warn_accumulation``: the plan let the GPU's gradient shards use memory the loss's
         activations free (one micro-batch per step, ``search.memory.GradWindow``)."""
-        self.ctx, self.layout, self.chunks, self.residency = ctx, layout, chunks, residency
+        self.ctx, self.layout, self.chunks, self.gathers = ctx, layout, chunks, gathers
         self.host_updates, self.warn_accumulation = host_updates, warn_accumulation
         self.reduce_stream = torch.cuda.Stream(ctx.device) if ctx.cuda else None
         self.trainable = [c for c in chunks if c.spec.trainable]
@@ -117,7 +117,7 @@ class ChunkGradients:
                 f"parameter {self.layout.names[param_index][0]!r} received a gradient after its chunk was "
                 "reduced in this backward; is it used outside the module that owns it?"
             )
-        self.residency.ensure_resident(c.index)
+        self.gathers.ensure_gathered(c.index)
         s = self.layout.param_slot[param_index]
         slot = c.buffer.data[s.offset : s.offset + s.numel]
         grad = param.grad.reshape(-1)
@@ -164,7 +164,7 @@ class ChunkGradients:
         c.transition(GradState.REDUCED)
         self.ctx.stats.add(reduces=1)
         if buffer is not None:
-            self.residency.drop(c, event)
+            self.gathers.drop(c, event)
 
     @torch.no_grad()
     def finish_backward(self) -> None:
@@ -278,13 +278,13 @@ class ChunkGradients:
         self.host_updates.wait_all()
         if self.ctx.cuda:
             self.reduce_stream.synchronize()
-            self.residency.fetch_stream.synchronize()
+            self.gathers.fetch_stream.synchronize()
 
     def device_grads_ready(self) -> None:
         """Makes the compute stream wait for reductions and gathers (no host sync): updates follow."""
         if self.ctx.cuda:
             torch.cuda.current_stream(self.ctx.device).wait_stream(self.reduce_stream)
-            torch.cuda.current_stream(self.ctx.device).wait_stream(self.residency.fetch_stream)
+            torch.cuda.current_stream(self.ctx.device).wait_stream(self.gathers.fetch_stream)
 
     @staticmethod
     def wait_host_chunk(c: ChunkState) -> None:

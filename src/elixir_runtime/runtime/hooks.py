@@ -88,7 +88,7 @@ class _UnitHooks:
     def pre_forward(self, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.runtime.ctx.phase.full:
             return args, kwargs  # the parameters are all here
-        self.runtime.resident.acquire(self.chunks, pin=True)
+        self.runtime.gathers.acquire(self.chunks, pin=True)
         self.post_backward_armed = False
         if not torch.is_grad_enabled():
             return args, kwargs
@@ -105,7 +105,7 @@ class _UnitHooks:
     def post_forward(self, _module: nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
         if self.runtime.ctx.phase.full:
             return
-        self.runtime.resident.release(self.chunks)
+        self.runtime.gathers.release(self.chunks)
         if not torch.is_grad_enabled():
             return
         self.runtime.grads.note_grad_forward()
@@ -116,16 +116,16 @@ class _UnitHooks:
 
     def pre_backward(self, pin: bool) -> None:
         """Pins only calls whose post-backward will fire (their inputs need grad); a call without
-        one just gets its chunks made resident, and saved-tensor/grad hooks re-fetch on demand."""
+        one just gets its chunks gathered, and saved-tensor/grad hooks re-fetch on demand."""
         self.runtime.grads.begin_backward()
         if self.bwd_pinned:
             return
-        self.runtime.resident.acquire(self.chunks, pin=pin)
+        self.runtime.gathers.acquire(self.chunks, pin=pin)
         self.bwd_pinned = pin
 
     def post_backward(self) -> None:
         if self.bwd_pinned:
-            self.runtime.resident.release(self.chunks)
+            self.runtime.gathers.release(self.chunks)
             self.bwd_pinned = False
 
 
@@ -147,7 +147,7 @@ class _PlaceholderReads(TorchDispatchMode):
 
     def __init__(self, runtime: ChunkRuntime) -> None:
         super().__init__()
-        self.ptr = runtime.resident.placeholder_ptr
+        self.ptr = runtime.gathers.placeholder_ptr
         self.names = {id(p): names[0] for p, names in zip(runtime.layout.params, runtime.layout.names)}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -199,9 +199,9 @@ class _RootHooks:
             return
         phase.to(Phase.FORWARD)
         kind = (grad, self.model.training)
-        self.runtime.resident.schedule.begin(kind)
+        self.runtime.gathers.schedule.begin(kind)
         if self.chunks:  # private: never evicted, so no pin is needed to keep them
-            self.runtime.resident.acquire(self.chunks, pin=False)
+            self.runtime.gathers.acquire(self.chunks, pin=False)
         self.end_eager()  # a new forward: the last one's backward ran, or never will
         if kind not in self.watched or state.CHECKING:
             self.watched.add(kind)
@@ -235,7 +235,7 @@ class _RootHooks:
             self.eager = None
 
     def pack(self, t: torch.Tensor) -> Any:
-        buffer = self.runtime.resident.buffer_of(t)
+        buffer = self.runtime.gathers.buffer_of(t)
         if buffer is None or buffer.chunk is None:
             return t
         return _Packed(buffer.chunk, t)
@@ -243,7 +243,7 @@ class _RootHooks:
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Packed):
             return packed
-        chunk = self.runtime.resident.ensure_resident(packed.chunk)
+        chunk = self.runtime.gathers.ensure_gathered(packed.chunk)
         return chunk.buffer.data.as_strided(packed.size, packed.stride, packed.offset)
 
 
