@@ -53,8 +53,8 @@ def full_params(model: nn.Module, *, rank0_only: bool = False) -> Iterator[nn.Mo
         raise RuntimeError(
             "full_params cannot be entered during a forward or backward of the model; enter it between steps"
         )
-    rt.lockstep.check_in(Op.FULL_PARAMS)
-    keep = not rank0_only or rt.coll.rank == 0
+    rt.ctx.lockstep.check_in(Op.FULL_PARAMS)
+    keep = not rank0_only or rt.ctx.coll.rank == 0
     pinned, copied = _gather_all(rt, keep)
     phase.to(Phase.FULL if keep else Phase.FULL_ELSEWHERE)
     try:
@@ -67,7 +67,7 @@ def full_params(model: nn.Module, *, rank0_only: bool = False) -> Iterator[nn.Mo
             c.transition(ParamState.RELEASED)
         for c in pinned:
             c.pins -= 1
-        rt.lockstep.barrier()
+        rt.ctx.lockstep.barrier()
 
 
 @torch.no_grad()
@@ -78,14 +78,14 @@ def _gather_all(rt: ChunkRuntime, keep: bool) -> tuple[list[ChunkState], list[Ch
     rt.grads.wait_for_grads()  # CPU updates, reductions and prefetches settled
     pinned, copied = [], []
     largest = max((c.spec.numel for c in rt.chunks), default=0)  # a private chunk may exceed chunk_size
-    scratch = None if keep else torch.empty(largest, dtype=rt.dtype, device=rt.device)
+    scratch = None if keep else torch.empty(largest, dtype=rt.ctx.dtype, device=rt.ctx.device)
     for c in rt.chunks:
         if c.valid:
             if keep:
                 c.pins += 1
                 pinned.append(c)
             continue
-        full = torch.empty(c.spec.numel, dtype=rt.dtype, device=rt.device) if keep else scratch[: c.spec.numel]
+        full = torch.empty(c.spec.numel, dtype=rt.ctx.dtype, device=rt.ctx.device) if keep else scratch[: c.spec.numel]
         rt.gathers.fill(c, full)
         if keep:
             rt.gathers.show_params(c, full)

@@ -191,7 +191,7 @@ class _RootHooks:
             return
         grad = torch.is_grad_enabled()
         if self.depth == 0:  # every rank must be starting this forward too (distributed/lockstep.py)
-            self.runtime.lockstep.check_in(Op.TRAINING_FORWARD if grad else Op.NO_GRAD_FORWARD)
+            self.runtime.ctx.lockstep.check_in(Op.TRAINING_FORWARD if grad else Op.NO_GRAD_FORWARD)
             if grad and self.model.training:
                 self.guard.check(args, kwargs)
         self.depth += 1
