@@ -8,7 +8,7 @@
 ``run`` times ``elixir_hf.from_pretrained`` (streamed: every rank on meta; ``--no-stream``: rank 0
 reads the weights, the others on meta) and ``elixir_runtime.prepare`` (the plan and the fill of
 the chunk shards) and prints one JSON line on rank 0: ``load_s``, ``prepare_s``, ``build_s`` and per
-rank the peak resident set (``VmHWM``; it includes the pinned shards the plan keeps on the host)
+rank the peak RSS (``VmHWM``; it includes the pinned shards the plan keeps on the host)
 and the RSS before loading, plus the host's peak used memory (sampled) and the plan's host bytes.
 """
 

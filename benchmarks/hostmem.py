@@ -28,7 +28,7 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-    """The process's peak resident set since it started (the kernel's high-water mark)."""
+    """The process's peak RSS since it started (the kernel's high-water mark)."""
     return _kib_field("/proc/self/status", "VmHWM") or 0
 
 

@@ -22,7 +22,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("elixir_runtime.config", "elixir_runtime.host", "elixir_runtime.gpu_limit", "elixir_runtime.progress"),
     # the model as the planner and the engine see it: fetch units, parameter table
     ("elixir_runtime.units",),
-    # chunk layout and the memory, copies and collectives of chunks
+    # the plumbing between ranks: chunk collectives, check-ins, a rank's failure, heartbeats
+    ("elixir_runtime.distributed",),
+    # where the starting weights come from: each rank's, rank 0's, files, the model's init
+    ("elixir_runtime.weights",),
+    # chunk layout and the memory and copies of chunks
     ("elixir_runtime.chunk",),
     # Adam kernels (torch, C++, Triton) and their thread counts
     ("elixir_runtime.kernels",),

@@ -216,7 +216,7 @@ class ElixirAccelerator(Accelerator):
         with rank0_state_dict(model):
             return model.state_dict()
 
-    @armed()  # a rank that stops answering meanwhile is named (elixir_runtime/runtime/heartbeat.py)
+    @armed()  # a rank that stops answering meanwhile is named (elixir_runtime/distributed/heartbeat.py)
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
         """Accelerate's state plus the optimizer state by parameter name, each rank writing its part
         (Accelerate would save rank 0's only), then the marker (sizes and CRC-32s of every file),

@@ -25,8 +25,8 @@ where the Trainer allows it:
   takes the newest complete checkpoint, warning about torn ones;
 * a collective of ``train``, ``evaluate``, ``predict`` or ``save_model`` that fails because another
   rank gave up (``LockstepError``: the ranks diverged) raises that rank's error, not gloo's transport
-  error (``elixir_runtime/chunk/peer_failure.py``), and one that waits for a rank that stopped
-  answering ends the job naming it (``elixir_runtime/runtime/heartbeat.py``);
+  error (``elixir_runtime/distributed/peer_failure.py``), and one that waits for a rank that stopped
+  answering ends the job naming it (``elixir_runtime/distributed/heartbeat.py``);
 * SIGTERM or SIGUSR1 during ``train`` ends the run at a step's end, every rank alike, with a verified
   checkpoint when one fits the grace period, and exit status 75 (``preemption.py``);
 * every training log carries the engine's ``elixir/*`` numbers (``log``, so they reach
@@ -161,8 +161,8 @@ class ElixirTrainer(Trainer):
     def _explained(self, where: str) -> Iterator[None]:
         """A collective inside (the Trainer's gathers included) that fails because another rank gave
         up raises that rank's ``LockstepError``, not gloo's transport error ([Note: the rank that ran
-        ahead], ``elixir_runtime/chunk/peer_failure.py``); a rank that stops answering meanwhile ends
-        the job, named (``elixir_runtime/runtime/heartbeat.py``)."""
+        ahead], ``elixir_runtime/distributed/peer_failure.py``); a rank that stops answering meanwhile ends
+        the job, named (``elixir_runtime/distributed/heartbeat.py``)."""
         try:
             with armed():
                 yield

@@ -18,19 +18,19 @@ engine through these alone (tests/test_layers.py).
 """
 
 from .api import ElixirState, prepare
-from .chunk.attached import attached_weights, detach_weights
-from .chunk.init import InitError, init_weights
-from .chunk.stream import INDEX_FILE, SINGLE_FILE, CheckpointFiles, WeightsError, stream_weights
 from .compile import CompileStats, check_compile_options, compile_blocks, compile_stats
 from .config import ElixirConfig, LossScaleConfig, PlanError
+from .distributed.heartbeat import armed
+from .distributed.lockstep import LockstepError
 from .optim.named_state import load_named, named_meta, named_state, plain_to_named
 from .optim.optimizer import ElixirOptimizer
 from .plan import ElixirPlan
 from .runtime.full_params import full_params
-from .runtime.heartbeat import armed
 from .runtime.hooks import PlaceholderReadError
-from .runtime.lockstep import LockstepError
 from .state_dict import load_safetensors, rank0_state_dict
+from .weights.attached import attached_weights, detach_weights
+from .weights.init import InitError, init_weights
+from .weights.stream import INDEX_FILE, SINGLE_FILE, CheckpointFiles, WeightsError, stream_weights
 
 __all__ = [
     "armed",

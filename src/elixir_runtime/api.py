@@ -2,7 +2,7 @@
 
 Order matters and is the whole point of the function: every check and the plan happen before
 any training memory is allocated; then the shards are filled from the live weights, the
-parameters become views into the rCache (placeholders of the right shape when not resident),
+parameters become views into the rCache (placeholders of the right shape when not gathered),
 and the hooks are installed on the same ``nn.Module`` object the user keeps calling.
 """
 
@@ -17,10 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .chunk.attached import detach_weights
-from .chunk.collectives import Collectives
-from .chunk.source import WeightSource, unmeta_parameters, weight_source
 from .config import ElixirConfig
+from .distributed.collectives import Collectives
+from .distributed.lockstep import Lockstep
 from .gpu_limit import expandable_segments, limit_gpu_memory
 from .hardware.load import record_update_rate
 from .host import local_ranks
@@ -30,12 +29,14 @@ from .plan import ElixirPlan, LivePlan
 from .plan_view import plan_table
 from .planner import plan_job
 from .runtime.chunk_runtime import ChunkRuntime
+from .runtime.context import EngineContext
 from .runtime.device_lane import DeviceLane
 from .runtime.hooks import install_hooks
-from .runtime.lockstep import Lockstep
 from .runtime.update_rate import UpdateRateProbe
 from .state_dict import ModelStateHooks
 from .units import Unit, find_units
+from .weights.attached import detach_weights
+from .weights.source import WeightSource, unmeta_parameters, weight_source
 
 __all__ = ["prepare", "ElixirState"]
 
@@ -119,20 +120,17 @@ def prepare(
     orig_dtypes = [p.dtype for p in params]
     _move_buffers(model, device, source)
     unmeta_parameters(params)
-    lockstep = Lockstep(coll, config.lockstep_timeout_s)
+    ctx = EngineContext(coll, device, dtype, Lockstep(coll, config.lockstep_timeout_s))
     lane = DeviceLane(plan.device_lane, device, dtype) if plan.device_lane else None
     with source.reading(device):  # streamed weights: a failed read fails prepare on every rank
         runtime = ChunkRuntime(
+            ctx,
             live.layout,
             plan.placement(),
             plan.n_blocks,
-            coll,
-            device,
-            dtype,
             config.prefetch,
-            lockstep,
-            source.part,
-            lane,
+            weights=source.part,
+            lane=lane,
             grads_share_activations=live.grad_window.shares,
             root_chunks=live.root_chunks,
         )
@@ -149,21 +147,19 @@ def prepare(
         cpu_threads=threads,
         skip_nonfinite=config.skip_nonfinite,
         max_consecutive_skips=config.max_consecutive_skips,
-        rate_probe=_rate_probe(plan, runtime, coll, device, threads) if config.record_update_rate else None,
+        rate_probe=_rate_probe(plan, ctx, threads) if config.record_update_rate else None,
     )
     model._elixir = ElixirState(runtime, plan, live, units, elixir_optimizer, model_state)
     return model, elixir_optimizer
 
 
-def _rate_probe(
-    plan: ElixirPlan, runtime: ChunkRuntime, coll: Collectives, device: torch.device, threads: int
-) -> UpdateRateProbe | None:
+def _rate_probe(plan: ElixirPlan, ctx: EngineContext, threads: int) -> UpdateRateProbe | None:
     """Where the CPU updates offloaded chunks beside a GPU without the device lane: a probe whose
     report records the job's rate into this machine's cached profile ([Note: the run's own rate])."""
-    if device.type != "cuda" or not plan.offload or plan.device_lane:
+    if not ctx.cuda or not plan.offload or plan.device_lane:
         return None
     ranks = local_ranks()
-    return UpdateRateProbe(runtime.stats, lambda rate: record_update_rate(coll, device, ranks, threads, rate))
+    return UpdateRateProbe(ctx.stats, lambda rate: record_update_rate(ctx.coll, ctx.device, ranks, threads, rate))
 
 
 def _check_model(model: nn.Module) -> None:

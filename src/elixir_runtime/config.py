@@ -146,7 +146,7 @@ class ElixirConfig:
     one (``kernels/threads.py``), whatever ``OMP_NUM_THREADS`` says."""
     lockstep_timeout_s: float = 60.0
     """Seconds a rank waits for the others at each forward and ``state_dict()`` before all fail naming
-    the operation (``runtime/lockstep.py``) rather than hang until the process group's timeout."""
+    the operation (``distributed/lockstep.py``) rather than hang until the process group's timeout."""
     record_update_rate: bool = True
     """Record the rate this job's CPU updated offloaded chunks at in this machine's cached hardware
     profile, which the next plan made here prices them at (``runtime/update_rate.py``)."""
@@ -169,7 +169,7 @@ class ElixirConfig:
     """The loop syncs the host before ``step()`` (``clip_grad_norm``, fp16): offloaded chunks' CPU
     updates are predicted to start after backward; ``False``: during it, as gradients land."""
     grad_accum_steps: int = field(default=1, metadata=_RUN)
-    """Backwards per optimizer step. With one, GPU-resident chunks' gradient shards are planned into
+    """Backwards per optimizer step. With one, on-device chunks' gradient shards are planned into
     memory the activations free (``search/memory.py``); with more they are counted beside them. The
     HF integration sets it from ``gradient_accumulation_steps``."""
 

@@ -81,7 +81,7 @@ def expandable_segments() -> bool:
     """Turns on the caching allocator's expandable segments unless the user's allocator settings
     (``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``) choose; returns whether they are on.
 
-    The GPU-resident chunks' gradient shards are allocated during backward, among the recomputed
+    The on-device chunks' gradient shards are allocated during backward, among the recomputed
     activations, and freed after the update (``chunk/store.py``); in fixed-size segments that
     interleaving fragments the cache (docs/runtime.md, "Semantics worth knowing"). Expandable segments
     map pages into one growing range per stream, so freed memory is whole again; without them the

@@ -8,7 +8,7 @@ measurement and the warning about every rank holding its own copy of the weights
 ``prepare`` plans while the model's own copy of its weights is still in host memory, and that copy
 is freed once the weights are in chunks (``chunk/store.py`` lets each parameter's storage go as its
 chunk is filled). So the host memory a plan may use is ``MemAvailable`` now plus what this host's
-ranks free then (``HostMemory.released``), counted from the tensors themselves: CPU-resident, not
+ranks free then (``HostMemory.released``), counted from the tensors themselves: on the CPU, not
 meta, each storage once, and only anonymous memory. Weights that are views of a file mapped into
 memory (``from_pretrained`` maps safetensors files and hands out views of them where no conversion
 is needed) are page cache, which ``MemAvailable`` already counts as available: they free nothing.
@@ -110,7 +110,7 @@ def size_text(n: float) -> str:
 
 
 def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    """Anonymous host memory these tensors hold: CPU-resident, not meta, each storage once, none of
+    """Anonymous host memory these tensors hold: on the CPU, not meta, each storage once, none of
     a file mapped into memory (page cache: ``MemAvailable`` counts it already)."""
     storages: dict[int, int] = {}
     for t in tensors:

@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .chunk.collectives import Collectives
 from .chunk.layout import ChunkLayout, build_layout
 from .config import ElixirConfig, PlanMismatch
+from .distributed.collectives import Collectives
 from .gpu_limit import device_capacity, process_limit
 from .hardware.load import job_hardware
 from .hardware.measure import collective_busbw

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from .chunk.store import write_param
+from .distributed.lockstep import Op
 from .progress import track
 from .runtime.chunk_runtime import ChunkRuntime
-from .runtime.lockstep import Op
 
 __all__ = ["ModelStateHooks", "load_safetensors", "rank0_state_dict"]
 

@@ -2,7 +2,7 @@
 
 A unit is a transformer block (the model's ``_no_split_modules``) or any other module that holds
 parameters outside every block; its forward/backward hooks gather and release chunks (FSDP2
-style). All chunks holding a unit's parameters are resident while the unit runs, so the rCache
+style). All chunks holding a unit's parameters are gathered while the unit runs, so the rCache
 can be no smaller than the largest unit. The parameter table lists the parameters in the order
 and with the flags the chunk layout packs them with; ``prepare``, ``elixir-plan`` and the search
 build it here, once.
@@ -28,7 +28,7 @@ __all__ = ["Unit", "find_units", "ParamTable", "param_table"]
 
 @dataclass(frozen=True, eq=False)
 class Unit:
-    """One hooked module and the parameters it needs resident."""
+    """One hooked module and the parameters it needs gathered."""
 
     index: int
     name: str

@@ -17,8 +17,8 @@ import torch
 import elixir_runtime as er
 import elixir_runtime.planner as planner
 from elixir_runtime import host
-from elixir_runtime.chunk.collectives import Collectives
 from elixir_runtime.config import PlanError
+from elixir_runtime.distributed.collectives import Collectives
 from elixir_runtime.hardware import load_hardware
 from elixir_runtime.host import HostMemory, held_bytes, size_text
 from elixir_runtime.progress import set_progress_factory

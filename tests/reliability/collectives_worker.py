@@ -5,7 +5,7 @@ gather). Before the fix, 6 in 30 such runs of bare torch collectives aborted at 
 import torch
 import torch.distributed as dist
 
-from elixir_runtime.chunk.collectives import Collectives
+from elixir_runtime.distributed.collectives import Collectives
 
 dist.init_process_group("gloo")
 coll = Collectives(None)

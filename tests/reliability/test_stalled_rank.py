@@ -14,7 +14,7 @@ import pytest
 from launch import run_script
 from stall_worker import DDP_TIMEOUT
 
-from elixir_runtime.runtime.heartbeat import EXIT_STALLED
+from elixir_runtime.distributed.heartbeat import EXIT_STALLED
 
 
 @pytest.mark.parametrize("where", ["forward", "save"])

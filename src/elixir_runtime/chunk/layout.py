@@ -109,13 +109,13 @@ class ChunkLayout:
         """The chunks holding these parameters (table indices), in chunk order."""
         return tuple(sorted({self.param_chunk[i] for i in params}))
 
-    def block_bounds(self, resident: Iterable[Sequence[int]]) -> tuple[int, int]:
-        """(min, max) useful rCache blocks. Each set of chunks in ``resident`` must be in the rCache
+    def block_bounds(self, together: Iterable[Sequence[int]]) -> tuple[int, int]:
+        """(min, max) useful rCache blocks. Each set of chunks in ``together`` must be in the rCache
         at once: a unit's while it runs, and a checkpointed region's from its recomputation to the
         end of its backward (the recomputed saved tensors are raw views of the blocks, so no chunk
         of the region may be evicted in between). Private chunks have blocks of their own."""
         public = {c.index for c in self.chunks if not c.private}
-        lo = max((len(public.intersection(cs)) for cs in resident), default=0)
+        lo = max((len(public.intersection(cs)) for cs in together), default=0)
         return lo, max(lo, len(public))
 
     def fingerprint(self) -> str:

@@ -1,7 +1,7 @@
 """Belady replacement over the chunk access sequence of the previous iteration of the same kind.
 
 The first iteration of a kind (training step, eval forward) records which chunks are demanded in
-what order; later iterations follow that trace and evict the resident chunk whose next use is
+what order; later iterations follow that trace and evict the gathered chunk whose next use is
 farthest away (never again = infinity). If an iteration deviates from its trace (dynamic control
 flow), it falls back to least-recently-used for the rest of the iteration and re-records.
 """

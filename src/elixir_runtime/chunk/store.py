@@ -17,7 +17,7 @@ casts the fp32 master straight into the rCache (``casts_on_gather``), bitwise wh
 bf16 copy held (both round to nearest even), so 2 bytes per element more optimizer state fit on
 the GPU. Offloaded chunks keep theirs: it is what crosses PCIe, at half the bytes of the master.
 
-Gradient shards of GPU-resident chunks are not in an arena either: each is allocated when its
+Gradient shards of on-device chunks are not in an arena either: each is allocated when its
 chunk is first reduced in a step and freed by ``zero_grad`` (``ChunkState.grad``), so GPU memory
 holds them only from backward to the update, past the loss's activation peak; the search counts
 them against the activations freed by then (``search/memory.py``). Pinned host arenas keep theirs:
@@ -53,7 +53,7 @@ from .host_memory import empty_arena, pin_host
 from .layout import ChunkLayout, ChunkSpec, GroupRange, Slot
 
 __all__ = [
-    "Residence",
+    "Where",
     "ShardArenas",
     "Weights",
     "own_part",
@@ -67,7 +67,7 @@ __all__ = [
 
 Weights = Callable[[torch.Tensor, int, int], torch.Tensor]
 """``weights(param, start, numel)``: elements ``[start, start + numel)`` of ``param``'s flattened
-starting value (``numel`` may be 0), in the parameter's dtype (``chunk/source.WeightSource.part``)."""
+starting value (``numel`` may be 0), in the parameter's dtype (``weights/source.WeightSource.part``)."""
 
 
 def own_part(p: torch.Tensor, start: int, numel: int) -> torch.Tensor:
@@ -75,17 +75,17 @@ def own_part(p: torch.Tensor, start: int, numel: int) -> torch.Tensor:
     return p.detach().reshape(-1)[start : start + numel]
 
 
-Residence = Literal["device", "host"]
+Where = Literal["device", "host"]
 """Where a chunk's shard and optimizer state live (the search's ``Placement`` chooses it per chunk)."""
 
 
-def casts_on_gather(placement: Residence, dtype: torch.dtype) -> bool:
+def casts_on_gather(placement: Where, dtype: torch.dtype) -> bool:
     """Whether trainable shards of this placement keep no compute-dtype copy and gathers cast their
     fp32 master instead: on the device, in mixed precision (see the module docstring)."""
     return placement == "device" and dtype != torch.float32
 
 
-def grads_on_demand(placement: Residence) -> bool:
+def grads_on_demand(placement: Where) -> bool:
     """Whether gradient shards of this placement are allocated per chunk at its first reduction of
     a step and freed by ``zero_grad`` rather than kept in an arena: on the device (module docstring)."""
     return placement == "device"
@@ -93,7 +93,7 @@ def grads_on_demand(placement: Residence) -> bool:
 
 @dataclass(eq=False)
 class ShardArenas:
-    placement: Residence
+    placement: Where
     device: torch.device
     param: torch.Tensor
     """Compute-dtype shards: of every chunk, or of the frozen ones only where ``cast_on_gather``."""
@@ -137,13 +137,13 @@ class ShardArenas:
 
 def build_arenas(
     layout: ChunkLayout,
-    placement: list[Residence],
+    placement: list[Where],
     rank: int,
     compute_device: torch.device,
     dtype: torch.dtype,
     weights: Weights = own_part,
     release: bool = False,
-) -> dict[Residence, ShardArenas]:
+) -> dict[Where, ShardArenas]:
     """Allocates the arenas and fills them from ``weights`` (by default the parameters' current values).
 
     The master weights are filled from the parameters in their original precision, the
@@ -152,7 +152,7 @@ def build_arenas(
     (``release_param``; [Note: host memory during the fill]). A progress bar (``progress.py``)
     counts the chunks filled.
     """
-    out: dict[Residence, ShardArenas] = {}
+    out: dict[Where, ShardArenas] = {}
     for where in ("device", "host"):
         members = [c for c in layout.chunks if placement[c.index] == where]
         members.sort(key=lambda c: not c.trainable)  # trainable first: state arenas are a prefix

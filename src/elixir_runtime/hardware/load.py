@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..chunk.collectives import Collectives
+from ..distributed.collectives import Collectives
 from ..host import local_ranks
 from ..kernels.threads import cpu_adam_threads
 from . import measure

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ..chunk.collectives import Collectives
 from ..chunk.host_memory import empty_host
 from ..chunk.layout import GroupRange
+from ..distributed.collectives import Collectives
 from ..host import host_total, usable_cores
 from ..kernels.kernel import AdamHyper
 from ..kernels.select import select_kernel

@@ -1,6 +1,6 @@
 """The one interface every Adam kernel implements, and the torch reference behind it.
 
-The chunk optimizer keeps each placement's shards (GPU-resident or offloaded) in flat arenas:
+The chunk optimizer keeps each placement's shards (on-device or offloaded) in flat arenas:
 fp32 master, exp_avg, exp_avg_sq, a low-precision (or fp32) grad and the compute-dtype param copy.
 A static list of :class:`GroupRange` s says which arena range belongs to which param group, so a
 kernel updates a whole placement in one call with no per-parameter Python work.
@@ -105,7 +105,7 @@ class AdamKernel(Protocol):
     ``grad`` is divided by ``div_scale`` first (loss-scale unscaling and clipping fused);
     ``step`` is the 1-based step number used for bias correction. ``param_out`` is ``None``
     where there is no compute-dtype copy to keep: the master *is* the param (fp32), or gathers cast
-    the master (GPU-resident shards in mixed precision, ``chunk/store.py``).
+    the master (on-device shards in mixed precision, ``chunk/store.py``).
     """
 
     def step(

@@ -31,9 +31,9 @@ import torch
 from ..chunk.layout import GroupRange
 from ..chunk.store import shard_overlap
 from ..config import LossScaleConfig
+from ..distributed import heartbeat
 from ..kernels.kernel import AdamHyper
 from ..kernels.select import select_kernel
-from ..runtime import heartbeat
 from ..runtime.chunk_runtime import ChunkRuntime, ChunkState
 from ..runtime.device_lane import SliceUpdate, slice_updates
 from ..runtime.update_rate import UpdateRateProbe
@@ -246,7 +246,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.runtime.grads.zero_grad()
         self._reset_norm()
-        heartbeat.step_ended()  # armed from the step's first check-in until here (runtime/heartbeat.py)
+        heartbeat.step_ended()  # armed from the step's first check-in until here (distributed/heartbeat.py)
 
     def _reset_norm(self) -> None:
         self._norm = None

@@ -92,7 +92,7 @@ class ModelProfile:
     """Parameters the forward read while no unit holding them ran (``outside.py``)."""
     backward: list[BackwardSegment] = field(default_factory=list)
     """Backward from the loss and head on, a segment per block: what is live beside the gradient
-    shards GPU-resident chunks accumulate as it goes (``search/memory.py``). Empty: no head was
+    shards on-device chunks accumulate as it goes (``search/memory.py``). Empty: no head was
     found (no block stack), nothing is known to be freed."""
 
     @property
@@ -125,7 +125,7 @@ class ModelProfile:
         return order + [u.index for u in units if u.index not in set(order)]
 
     def ac_buffer_numel(self) -> int:
-        """Appendix A.3: the most elements any checkpointed region needs resident at once."""
+        """Appendix A.3: the most elements any checkpointed region needs gathered at once."""
         numel = {p.name: p.numel for p in self.params}
         return max((sum(numel.get(n, 0) for n in r.params) for r in self.ac_regions), default=0)
 

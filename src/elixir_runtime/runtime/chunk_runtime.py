@@ -3,12 +3,12 @@
 It builds the arenas (``chunk/store.py``), the rCache and one ``ChunkState`` per chunk
 (``state.py``), and composes
 
-* ``ChunkResidency`` (``residency.py``): acquire, prefetch, gather, evict, release; each chunk's
+* ``ChunkGathers`` (``gathers.py``): acquire, prefetch, gather, evict, release; each chunk's
   ``ParamState``;
 * ``ChunkGradients`` (``gradients.py``): gradient write-back, reduce-scatter, end of backward,
   ``zero_grad``, the norm; each trainable chunk's ``GradState``.
 
-Callers address the part they need (``runtime.resident.acquire``, ``runtime.grads.on_grad``); the
+Callers address the part they need (``runtime.gathers.acquire``, ``runtime.grads.on_grad``); the
 states, their tables and where they are checked are in ``state.py``. Everything that moves chunk
 data lives in those two modules; the module hooks only say *when*.
 """
@@ -17,30 +17,30 @@ from __future__ import annotations
 
 import torch
 
-from ..chunk.collectives import Collectives
 from ..chunk.layout import ChunkLayout
 from ..chunk.rcache import RCache
-from ..chunk.store import Residence, Weights, build_arenas, grads_on_demand, own_part
+from ..chunk.store import Weights, Where, build_arenas, grads_on_demand, own_part
+from ..distributed.collectives import Collectives
+from ..distributed.lockstep import Lockstep
+from .context import EngineContext
+from .gathers import ChunkGathers, RCacheExhausted
 from .gradients import ChunkGradients
 from .host_updates import HostUpdates, Lane, update_order
-from .lockstep import Lockstep
-from .residency import ChunkResidency, RCacheExhausted
-from .state import ChunkState, GradState, ParamState, Residency
+from .state import ChunkState, GradState, ParamState
+from .stats import EngineStats
 
-__all__ = ["ChunkRuntime", "ChunkState", "GradState", "ParamState", "RCacheExhausted", "Residency"]
+__all__ = ["ChunkRuntime", "ChunkState", "GradState", "ParamState", "RCacheExhausted"]
 
 
 class ChunkRuntime:
     def __init__(
         self,
+        ctx: EngineContext,
         layout: ChunkLayout,
-        placement: list[Residence],
+        placement: list[Where],
         n_blocks: int,
-        coll: Collectives,
-        device: torch.device,
-        dtype: torch.dtype,
         prefetch: int,
-        lockstep: Lockstep,
+        *,
         weights: Weights = own_part,
         lane: Lane | None = None,
         grads_share_activations: bool = False,
@@ -51,12 +51,10 @@ class ChunkRuntime:
         ``grads_share_activations``: the plan let the GPU's gradient shards use memory the loss's
         activations free (one micro-batch per step, ``search.memory.GradWindow``); ``root_chunks``:
         the private chunks every forward acquires first (parameters read outside their units)."""
-        self.layout, self.coll, self.device, self.dtype = layout, coll, device, dtype
-        self.lockstep = lockstep
-        self.residency = Residency.SHARDED
-        self.cuda = device.type == "cuda"
+        self.ctx, self.layout = ctx, layout
+        dtype, device = ctx.dtype, ctx.device
         # the parameters' own storages go as their chunks fill: the runtime points them at its chunks
-        self.arenas = build_arenas(layout, placement, coll.rank, device, dtype, weights, release=True)
+        self.arenas = build_arenas(layout, placement, ctx.coll.rank, device, dtype, weights, release=True)
         self.rcache = RCache(n_blocks, layout.block_numel, dtype, device)
         self.chunks = [
             ChunkState(
@@ -74,43 +72,40 @@ class ChunkRuntime:
                 c.buffer = self.rcache.private_buffer(c.spec.numel, dtype, device)
             if c.spec.trainable and not grads_on_demand(c.shards.placement):
                 c.grad = c.shards.grad[c.offset : c.offset + c.shard_numel]
-        self.stats = {
-            "gathers": 0,
-            "prefetches": 0,
-            "evictions": 0,
-            "reduces": 0,
-            "updated_cpu": 0,
-            "updated_device": 0,
-            "cpu_update_s": 0.0,
-            "update_wait_s": 0.0,
-        }
-        """Counters since prepare, for logging and tests (``updated_*``: offloaded elements each update
-        lane updated; ``cpu_update_s``: seconds the CPU lane spent updating them; ``update_wait_s``:
-        seconds the loop's thread waited for them)."""
-        self.host_updates = HostUpdates(lane, self.stats)
-        self.resident = ChunkResidency(
-            layout, self.chunks, self.rcache, coll, device, dtype, prefetch, self.host_updates, self.stats
-        )
-        self.grads = ChunkGradients(
-            layout,
-            self.chunks,
-            self.resident,
-            coll,
-            device,
-            dtype,
-            self.host_updates,
-            self.stats,
-            grads_share_activations,
-        )
+        self.host_updates = HostUpdates(ctx.stats, lane)
+        self.gathers = ChunkGathers(ctx, layout, self.chunks, self.rcache, prefetch, self.host_updates)
+        self.grads = ChunkGradients(ctx, layout, self.chunks, self.gathers, self.host_updates, grads_share_activations)
         self.trainable = self.grads.trainable
         self.root_chunks = root_chunks
         by_index = {c.index: c for c in self.trainable}
         self.update_order = [by_index[i] for i in update_order(list(by_index), root_chunks)]
         """The trainable chunks in the order the next forward needs them (``host_updates.update_order``)."""
 
+    # the context's, for the engine's users (the optimizer, the state-dict hooks, elixir_hf)
+    @property
+    def coll(self) -> Collectives:
+        return self.ctx.coll
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.ctx.dtype
+
+    @property
+    def lockstep(self) -> Lockstep:
+        return self.ctx.lockstep
+
+    @property
+    def stats(self) -> EngineStats:
+        """The counters now (``runtime/stats.py``)."""
+        return self.ctx.stats.now
+
     def invalidate_trainable(self) -> None:
         """After an update the gathered copies of trainable chunks are stale."""
-        self.resident.drop_all(self.trainable, "optimizer step")
+        self.gathers.drop_all(self.trainable, "optimizer step")
 
     @torch.no_grad()
     def reload_shards(self) -> None:
@@ -119,4 +114,4 @@ class ChunkRuntime:
         for a in self.arenas.values():
             if a.param_copy is not None:
                 a.param_copy.copy_(a.master)
-        self.resident.drop_all(self.chunks, "checkpoint load")
+        self.gathers.drop_all(self.chunks, "checkpoint load")

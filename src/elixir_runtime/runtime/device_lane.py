@@ -3,7 +3,7 @@
 With clipping (the Trainer default) the CPU Adam of offloaded chunks starts only after the whole
 backward, and while it runs the link and the GPU idle. This lane streams slices of an offloaded
 shard through ``depth`` staging buffers on the GPU: the fp32 master, exp_avg, exp_avg_sq and the gradient shard up (host to device),
-the same kernel as GPU-resident shards (``select.select_kernel``) with the same hyperparameters,
+the same kernel as on-device shards (``select.select_kernel``) with the same hyperparameters,
 step counts and ``div_scale``, and master, m, v and the compute-dtype param shard the gather
 reads back down (the param only where the kernel wrote it), each buffer on its own stream, so
 one slice's upload overlaps the previous one's download (bf16: 14 bytes each way per element;

@@ -33,11 +33,12 @@ import warnings
 import torch
 from torch import nn
 
-from ..chunk.collectives import Collectives
 from ..chunk.layout import ChunkLayout
 from ..chunk.store import grads_on_demand
+from .context import EngineContext
+from .gathers import ChunkGathers, on_stream
 from .host_updates import HostUpdates
-from .residency import ChunkResidency, on_stream
+from .phase import Phase
 from .state import ChunkState, GradState
 
 __all__ = ["ChunkGradients"]
@@ -48,27 +49,21 @@ _FINGERPRINT_MOD = 2**61 - 1  # a prime: the reduce-order fingerprint fits an in
 class ChunkGradients:
     def __init__(
         self,
+        ctx: EngineContext,
         layout: ChunkLayout,
         chunks: list[ChunkState],
-        residency: ChunkResidency,
-        coll: Collectives,
-        device: torch.device,
-        dtype: torch.dtype,
+        gathers: ChunkGathers,
         host_updates: HostUpdates,
-        stats: dict[str, int],
         warn_accumulation: bool,
     ) -> None:
         """``warn_accumulation``: the plan let the GPU's gradient shards use memory the loss's
         activations free (one micro-batch per step, ``search.memory.GradWindow``)."""
-        self.layout, self.chunks, self.residency, self.coll = layout, chunks, residency, coll
-        self.device, self.dtype, self.host_updates, self.stats = device, dtype, host_updates, stats
-        self.warn_accumulation = warn_accumulation
-        self.cuda = device.type == "cuda"
-        self.reduce_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.ctx, self.layout, self.chunks, self.gathers = ctx, layout, chunks, gathers
+        self.host_updates, self.warn_accumulation = host_updates, warn_accumulation
+        self.reduce_stream = torch.cuda.Stream(ctx.device) if ctx.cuda else None
         self.trainable = [c for c in chunks if c.spec.trainable]
         self.trainable_params = [i for i, g in enumerate(layout.groups) if g >= 0]
         """Indices of the parameters the optimizer updates."""
-        self.in_backward = False
         self.backward_pending = False
         """A grad-enabled forward ran whose backward has not been finished yet."""
         self.on_finish_backward: list = []
@@ -108,8 +103,8 @@ class ChunkGradients:
         self.backward_pending = True
 
     def begin_backward(self) -> None:
-        if not self.in_backward:
-            self.in_backward = True
+        if self.ctx.phase.now is not Phase.BACKWARD:
+            self.ctx.phase.to(Phase.BACKWARD)
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
     @torch.no_grad()
@@ -122,7 +117,7 @@ class ChunkGradients:
                 f"parameter {self.layout.names[param_index][0]!r} received a gradient after its chunk was "
                 "reduced in this backward; is it used outside the module that owns it?"
             )
-        self.residency.ensure_resident(c.index)
+        self.gathers.ensure_gathered(c.index)
         s = self.layout.param_slot[param_index]
         slot = c.buffer.data[s.offset : s.offset + s.numel]
         grad = param.grad.reshape(-1)
@@ -147,29 +142,29 @@ class ChunkGradients:
         buffer = c.buffer if written else None
         event = None
         dst = c.grad_shard()  # allocated on the compute stream, which frees it (zero_grad)
-        if self.cuda and dst.is_cuda:
+        if self.ctx.cuda and dst.is_cuda:
             dst.record_stream(self.reduce_stream)
-        with on_stream(self.reduce_stream, buffer, self.device):
+        with on_stream(self.reduce_stream, buffer, self.ctx.device):
             if buffer is None:
-                full = torch.zeros(c.spec.numel, dtype=self.dtype, device=self.device)
+                full = torch.zeros(c.spec.numel, dtype=self.ctx.dtype, device=self.ctx.device)
             else:
                 full = buffer.data[: c.spec.numel]
-            shard = self.coll.reduce_scatter_avg_(full)
+            shard = self.ctx.coll.reduce_scatter_avg_(full)
             if not c.has_grad:  # the first reduction since zero_grad overwrites
                 self._norm_parts.append(torch.linalg.vector_norm(shard, dtype=torch.float32))
                 dst.copy_(shard, non_blocking=True)
             else:  # accumulated on its own device: the norm is taken from the shards at the end
                 self._norm_from_shards = True
                 dst.add_(shard.to(dst.device))
-            if self.cuda:
+            if self.ctx.cuda:
                 event = torch.cuda.Event()
                 event.record(self.reduce_stream)
                 c.reduced_event = event
         c.written.clear()
         c.transition(GradState.REDUCED)
-        self.stats["reduces"] += 1
+        self.ctx.stats.add(reduces=1)
         if buffer is not None:
-            self.residency.drop(c, event)
+            self.gathers.drop(c, event)
 
     @torch.no_grad()
     def finish_backward(self) -> None:
@@ -184,7 +179,7 @@ class ChunkGradients:
                     if s.param not in c.written:
                         c.buffer.data[s.offset : s.offset + s.numel].zero_()
                 self._reduce(c)
-            elif self.coll.world_size > 1:  # collectives must match across ranks
+            elif self.ctx.coll.world_size > 1:  # collectives must match across ranks
                 self._reduce(c, written=False)
             elif c.grad_state is GradState.EMPTY:
                 self.host_updates.wait(c.index)  # the last step's CPU update may still read it
@@ -193,7 +188,8 @@ class ChunkGradients:
         for c in self.trainable:
             if c.grad_state is GradState.REDUCED:
                 c.transition(GradState.HELD)
-        self.in_backward = False
+        if self.ctx.phase.now is Phase.BACKWARD:  # not when called for a backward that reached no hook
+            self.ctx.phase.to(Phase.IDLE)
         self.backward_pending = False
 
     # ------------------------------------------------------------------ step
@@ -228,15 +224,15 @@ class ChunkGradients:
         checks that every rank reduced the chunks in the same order, as a parameter used on some
         ranks only can break ([Note: reduce order]).
         """
-        if self.coll.world_size == 1:
+        if self.ctx.coll.world_size == 1:
             return list(self.got_grad)
         missing, self._missing = self._missing, None  # this step's answer only
         if missing is not None and missing.item() == 0:
             return [g >= 0 for g in self.layout.groups]  # every trainable one, everywhere
         local = torch.tensor(self.got_grad, dtype=torch.int64)
         order = torch.tensor([self._reduce_order], dtype=torch.int64)
-        flags = torch.cat([local, -local, order, -order]).to(self.device)
-        self.coll.all_reduce_max_(flags)
+        flags = torch.cat([local, -local, order, -order]).to(self.ctx.device)
+        self.ctx.coll.all_reduce_max_(flags)
         flags = flags.tolist()
         n = len(self.got_grad)
         anywhere, everywhere = flags[:n], [-f for f in flags[n : 2 * n]]
@@ -260,35 +256,35 @@ class ChunkGradients:
         if self._norm_from_shards:
             self.wait_for_grads()
             parts = [
-                torch.linalg.vector_norm(c.grad, dtype=torch.float32).to(self.device)
+                torch.linalg.vector_norm(c.grad, dtype=torch.float32).to(self.ctx.device)
                 for c in self.trainable
                 if c.has_grad
             ]
         else:
             self.device_grads_ready()
             parts = self._norm_parts
-        total = torch.stack(parts).square().sum() if parts else torch.zeros((), device=self.device)
-        if self.coll.world_size == 1:
+        total = torch.stack(parts).square().sum() if parts else torch.zeros((), device=self.ctx.device)
+        if self.ctx.coll.world_size == 1:
             return total
         # the same all-reduce counts the parameters some rank got no gradient for (see used_params)
         missing = sum(not self.got_grad[i] for i in self.trainable_params)
-        both = torch.stack([total, torch.tensor(float(missing), device=self.device)])
-        self.coll.all_reduce_sum_(both)
+        both = torch.stack([total, torch.tensor(float(missing), device=self.ctx.device)])
+        self.ctx.coll.all_reduce_sum_(both)
         self._missing = both[1]
         return both[0]
 
     def wait_for_grads(self) -> None:
         """Host-side wait for in-flight reductions, gathers and CPU updates (checkpoints, tests)."""
         self.host_updates.wait_all()
-        if self.cuda:
+        if self.ctx.cuda:
             self.reduce_stream.synchronize()
-            self.residency.fetch_stream.synchronize()
+            self.gathers.fetch_stream.synchronize()
 
     def device_grads_ready(self) -> None:
         """Makes the compute stream wait for reductions and gathers (no host sync): updates follow."""
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.reduce_stream)
-            torch.cuda.current_stream(self.device).wait_stream(self.residency.fetch_stream)
+        if self.ctx.cuda:
+            torch.cuda.current_stream(self.ctx.device).wait_stream(self.reduce_stream)
+            torch.cuda.current_stream(self.ctx.device).wait_stream(self.gathers.fetch_stream)
 
     @staticmethod
     def wait_host_chunk(c: ChunkState) -> None:

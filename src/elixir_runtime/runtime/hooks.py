@@ -48,12 +48,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import arg_tree_leaves, tree_flatten, tree_unflatten
 
+from ..distributed.lockstep import Op
 from ..units import Unit
 from . import state
 from .batch_guard import BatchGuard
 from .chunk_runtime import ChunkRuntime
-from .lockstep import Op
-from .state import Residency
+from .phase import Phase
 
 __all__ = ["PlaceholderReadError", "install_hooks"]
 
@@ -86,9 +86,9 @@ class _UnitHooks:
         self.bwd_pinned = False
 
     def pre_forward(self, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self.runtime.residency is not Residency.SHARDED:
-            return args, kwargs  # inside full_params: the parameters are all here
-        self.runtime.resident.acquire(self.chunks, pin=True)
+        if self.runtime.ctx.phase.full:
+            return args, kwargs  # the parameters are all here
+        self.runtime.gathers.acquire(self.chunks, pin=True)
         self.post_backward_armed = False
         if not torch.is_grad_enabled():
             return args, kwargs
@@ -103,9 +103,9 @@ class _UnitHooks:
         return tree_unflatten(flat, spec)
 
     def post_forward(self, _module: nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
-        if self.runtime.residency is not Residency.SHARDED:
+        if self.runtime.ctx.phase.full:
             return
-        self.runtime.resident.release(self.chunks)
+        self.runtime.gathers.release(self.chunks)
         if not torch.is_grad_enabled():
             return
         self.runtime.grads.note_grad_forward()
@@ -116,16 +116,16 @@ class _UnitHooks:
 
     def pre_backward(self, pin: bool) -> None:
         """Pins only calls whose post-backward will fire (their inputs need grad); a call without
-        one just gets its chunks made resident, and saved-tensor/grad hooks re-fetch on demand."""
+        one just gets its chunks gathered, and saved-tensor/grad hooks re-fetch on demand."""
         self.runtime.grads.begin_backward()
         if self.bwd_pinned:
             return
-        self.runtime.resident.acquire(self.chunks, pin=pin)
+        self.runtime.gathers.acquire(self.chunks, pin=pin)
         self.bwd_pinned = pin
 
     def post_backward(self) -> None:
         if self.bwd_pinned:
-            self.runtime.resident.release(self.chunks)
+            self.runtime.gathers.release(self.chunks)
             self.bwd_pinned = False
 
 
@@ -147,7 +147,7 @@ class _PlaceholderReads(TorchDispatchMode):
 
     def __init__(self, runtime: ChunkRuntime) -> None:
         super().__init__()
-        self.ptr = runtime.resident.placeholder_ptr
+        self.ptr = runtime.gathers.placeholder_ptr
         self.names = {id(p): names[0] for p, names in zip(runtime.layout.params, runtime.layout.names)}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -181,25 +181,27 @@ class _RootHooks:
         after its backward: a checkpointed block recomputed there must run as its forward ran."""
 
     def pre_forward(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.runtime.residency is Residency.ELSEWHERE:
+        phase = self.runtime.ctx.phase
+        if phase.now is Phase.FULL_ELSEWHERE:
             raise RuntimeError(
                 "full_params(rank0_only=True) gathered the parameters on rank 0 only: run this forward on rank 0 "
                 "(`if rank == 0:` inside the context), or enter full_params() without rank0_only"
             )
-        if self.runtime.residency is Residency.FULL:
+        if phase.now is Phase.FULL:
             return
         grad = torch.is_grad_enabled()
-        if self.depth == 0:  # every rank must be starting this forward too (runtime/lockstep.py)
-            self.runtime.lockstep.check_in(Op.TRAINING_FORWARD if grad else Op.NO_GRAD_FORWARD)
+        if self.depth == 0:  # every rank must be starting this forward too (distributed/lockstep.py)
+            self.runtime.ctx.lockstep.check_in(Op.TRAINING_FORWARD if grad else Op.NO_GRAD_FORWARD)
             if grad and self.model.training:
                 self.guard.check(args, kwargs)
         self.depth += 1
         if self.depth > 1:
             return
+        phase.to(Phase.FORWARD)
         kind = (grad, self.model.training)
-        self.runtime.resident.schedule.begin(kind)
+        self.runtime.gathers.schedule.begin(kind)
         if self.chunks:  # private: never evicted, so no pin is needed to keep them
-            self.runtime.resident.acquire(self.chunks, pin=False)
+            self.runtime.gathers.acquire(self.chunks, pin=False)
         self.end_eager()  # a new forward: the last one's backward ran, or never will
         if kind not in self.watched or state.CHECKING:
             self.watched.add(kind)
@@ -212,15 +214,18 @@ class _RootHooks:
             self.saved_hooks.__enter__()
 
     def post_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
-        if self.runtime.residency is not Residency.SHARDED:
+        if self.runtime.ctx.phase.full or self.depth == 0:  # depth 0: its pre-forward failed before counting it
             return
-        self.depth = max(self.depth - 1, 0)
-        if self.depth == 0 and self.watch is not None:
+        self.depth -= 1
+        if self.depth > 0:
+            return
+        self.runtime.ctx.phase.to(Phase.IDLE)
+        if self.watch is not None:
             self.watch.__exit__(None, None, None)
             self.watch = None
             if output is None or not torch.is_grad_enabled():  # failed (always_call gives None), or no backward
                 self.end_eager()  # else at the end of its backward (install_hooks)
-        if self.depth == 0 and self.saved_hooks is not None:
+        if self.saved_hooks is not None:
             self.saved_hooks.__exit__(None, None, None)
             self.saved_hooks = None
 
@@ -230,7 +235,7 @@ class _RootHooks:
             self.eager = None
 
     def pack(self, t: torch.Tensor) -> Any:
-        buffer = self.runtime.resident.buffer_of(t)
+        buffer = self.runtime.gathers.buffer_of(t)
         if buffer is None or buffer.chunk is None:
             return t
         return _Packed(buffer.chunk, t)
@@ -238,7 +243,7 @@ class _RootHooks:
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Packed):
             return packed
-        chunk = self.runtime.resident.ensure_resident(packed.chunk)
+        chunk = self.runtime.gathers.ensure_gathered(packed.chunk)
         return chunk.buffer.data.as_strided(packed.size, packed.stride, packed.offset)
 
 

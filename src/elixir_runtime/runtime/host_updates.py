@@ -24,6 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .stats import StatsCounter
+
 __all__ = ["HostUpdates", "Lane", "update_order"]
 
 
@@ -55,15 +57,14 @@ class _Chunk:
 
 
 class HostUpdates:
-    def __init__(self, lane: Lane | None = None, stats: dict[str, float] | None = None) -> None:
-        """``stats``: counters to add each lane's updated elements to (``updated_cpu``,
-        ``updated_device``), the CPU lane's busy seconds (``cpu_update_s``) and the seconds waited
-        for updates (``update_wait_s``)."""
-        self.lane = lane
+    def __init__(self, stats: StatsCounter, lane: Lane | None = None) -> None:
+        """``stats``: where each lane's updated elements (``updated_cpu``, ``updated_device``), the
+        CPU lane's busy seconds (``cpu_update_s``) and the seconds waited for updates
+        (``update_wait_s``) are counted."""
+        self.lane, self.stats = lane, stats
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="elixir-update")
         self._pending: dict[int, _Chunk] = {}
         self._lock = threading.Lock()
-        self.stats = stats if stats is not None else {}
         self.trace: list[tuple[str, int, float, float, int]] | None = None
         """When a list: every slice a lane finished as ``(lane, chunk, start, end, elements)`` and
         every wait for a chunk as ``("wait", chunk, start, end, 0)``, in ``time.perf_counter``
@@ -124,14 +125,10 @@ class HostUpdates:
         self, job: Any, lane: str, error: BaseException | None, records: dict[int, _Chunk], cpu_busy: float = 0.0
     ) -> None:
         rec = records[job.index]
+        if error is None:  # one call: a reader of the stats sees both or neither
+            self.stats.add(**{f"updated_{lane}": job.numel}, cpu_update_s=cpu_busy)
         with self._lock:
-            if error is None:
-                key = f"updated_{lane}"
-                counts = {key: self.stats.get(key, 0) + job.numel}
-                if cpu_busy:
-                    counts["cpu_update_s"] = self.stats.get("cpu_update_s", 0.0) + cpu_busy
-                self.stats.update(counts)  # one call: a reader of the stats sees both or neither
-            elif rec.error is None:
+            if error is not None and rec.error is None:
                 rec.error = error
             rec.left -= 1
             if rec.left == 0:
@@ -154,7 +151,7 @@ class HostUpdates:
             start = time.perf_counter()
             rec.done.wait()
             end = time.perf_counter()
-            self.stats["update_wait_s"] = self.stats.get("update_wait_s", 0.0) + end - start
+            self.stats.add(update_wait_s=end - start)
             if self.trace is not None:
                 self.trace.append(("wait", chunk, start, end, 0))
             if rec.error is not None:

@@ -2,7 +2,7 @@
 
 Each chunk carries two state machines that change independently ([Note: two machines]):
 
-* ``ParamState``: whether its parameters are readable, and from where (``residency.py``);
+* ``ParamState``: whether its parameters are readable, and from where (``gathers.py``);
 * ``GradState``: what its gradient shard and its gathered buffer hold of this step's gradient
   (``gradients.py``).
 
@@ -18,7 +18,7 @@ chunk is re-gathered in backward after an earlier micro-step's reduction), and a
 released while its gradient shard holds gradients: the states are a product, not a list. The two
 meet at the gathered buffer only: in backward the buffer holds gradients in the slots of the
 parameters whose gradient arrived (``written``), so while ``GradState`` is ``WRITING`` or
-``ACCUMULATING`` the parameters must stay ``RESIDENT`` until the reduction frees the buffer.
+``ACCUMULATING`` the parameters must stay ``GATHERED`` until the reduction frees the buffer.
 
 [Note: pins] A pin (``ChunkState.pins``, a count: chunks shared by units are pinned by each) holds
 a chunk against eviction while a unit runs; it is not a state. A reduction frees a chunk's buffer
@@ -45,20 +45,8 @@ __all__ = [
     "GradState",
     "IllegalTransition",
     "ParamState",
-    "Residency",
     "check_transitions",
 ]
-
-
-class Residency(enum.Enum):
-    """Where the parameters a forward reads come from (the whole engine's mode, not a chunk's)."""
-
-    SHARDED = "sharded"
-    """Training: each unit gathers its chunks with the other ranks (forwards are collectives)."""
-    FULL = "full"
-    """Inside ``full_params``: every parameter is on this rank; forwards run alone, hooks stand by."""
-    ELSEWHERE = "full on rank 0 only"
-    """Inside ``full_params(rank0_only=True)`` on another rank: no forward can run here."""
 
 
 class ParamState(enum.Enum):
@@ -70,7 +58,7 @@ class ParamState(enum.Enum):
     GATHERING = "gathering"
     """An all-gather into its buffer is issued on the fetch stream (a prefetch, or an acquire that
     has not reached it yet); the compute stream has not waited for it (``ready``)."""
-    RESIDENT = "resident"
+    GATHERED = "gathered"
     """Its buffer holds the gathered parameters and the compute stream has waited for them."""
     COPIED = "copied"
     """Inside ``full_params``: gathered into a buffer of its own, outside the rCache; hooks stand by."""
@@ -95,8 +83,8 @@ class GradState(enum.Enum):
 
 PARAM_TRANSITIONS: dict[ParamState, frozenset[ParamState]] = {
     ParamState.RELEASED: frozenset({ParamState.GATHERING, ParamState.COPIED}),  # gather / full_params
-    ParamState.GATHERING: frozenset({ParamState.RESIDENT, ParamState.RELEASED}),  # first use / evicted unused
-    ParamState.RESIDENT: frozenset({ParamState.RELEASED}),  # evicted, reduced, stale after a step or a load
+    ParamState.GATHERING: frozenset({ParamState.GATHERED, ParamState.RELEASED}),  # first use / evicted unused
+    ParamState.GATHERED: frozenset({ParamState.RELEASED}),  # evicted, reduced, stale after a step or a load
     ParamState.COPIED: frozenset({ParamState.RELEASED}),  # full_params exits
 }
 """The legal changes of ``ParamState``: from each state, the states it may go to."""
@@ -187,7 +175,7 @@ class ChunkState:
     @property
     def valid(self) -> bool:
         """Its buffer holds (or is being filled with) the gathered params."""
-        return self.param_state is ParamState.RESIDENT or self.param_state is ParamState.GATHERING
+        return self.param_state is ParamState.GATHERED or self.param_state is ParamState.GATHERING
 
     @property
     def has_grad(self) -> bool:
@@ -215,7 +203,7 @@ class ChunkState:
 
 def _check(c: ChunkState, old: ParamState | GradState, new: ParamState | GradState) -> None:
     """Raises ``IllegalTransition`` unless ``old -> new`` is in its table and keeps the rules tying
-    the machines together: gradients are written only into a resident buffer, and a buffer holding
+    the machines together: gradients are written only into a gathered buffer, and a buffer holding
     gradients not yet reduced is never released ([Note: two machines])."""
     table = PARAM_TRANSITIONS if type(new) is ParamState else GRAD_TRANSITIONS
     kind = type(new).__name__
@@ -225,9 +213,9 @@ def _check(c: ChunkState, old: ParamState | GradState, new: ParamState | GradSta
         raise IllegalTransition(
             f"{where}: illegal {kind} transition {old.name} -> {new.name} (from {old.name}: {legal})"
         )
-    if new in _GRAD_IN_BUFFER and c.param_state is not ParamState.RESIDENT:
+    if new in _GRAD_IN_BUFFER and c.param_state is not ParamState.GATHERED:
         raise IllegalTransition(
-            f"{where}: {kind} {old.name} -> {new.name} while its params are {c.param_state.name}, not RESIDENT"
+            f"{where}: {kind} {old.name} -> {new.name} while its params are {c.param_state.name}, not GATHERED"
         )
     if new is ParamState.RELEASED and c.grad_state in _GRAD_IN_BUFFER:
         raise IllegalTransition(

@@ -16,6 +16,8 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 
+from .stats import StatsCounter
+
 __all__ = ["UpdateRateProbe", "SKIP", "STEPS"]
 
 SKIP = 2
@@ -29,7 +31,7 @@ class UpdateRateProbe:
     ``step()``; calls ``report(rate)`` once, in the same call on every rank, with the median rate of
     the counted steps whose updates were synced (0.0 where fewer than half of them were)."""
 
-    def __init__(self, stats: dict[str, float], report: Callable[[float], None]) -> None:
+    def __init__(self, stats: StatsCounter, report: Callable[[float], None]) -> None:
         self.stats, self.report = stats, report
         self.rates: list[float] = []
         """The counted steps' rates (elements/s), synced ones only."""
@@ -42,7 +44,8 @@ class UpdateRateProbe:
         whether they ran after a host sync. (The first call has none: no step before it.)"""
         if self.done:
             return
-        now = (float(self.stats.get("updated_cpu", 0)), float(self.stats.get("cpu_update_s", 0.0)))
+        stats = self.stats.now
+        now = (float(stats.updated_cpu), stats.cpu_update_s)
         elements, busy = now[0] - self._last[0], now[1] - self._last[1]
         self._last = now
         step = self.calls  # the step whose updates these were (1-based; 0: none yet)

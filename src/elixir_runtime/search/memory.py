@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..chunk.layout import ChunkLayout
-from ..chunk.store import Residence, casts_on_gather, grads_on_demand
+from ..chunk.store import Where, casts_on_gather, grads_on_demand
 from ..profiler.profile import BackwardSegment
 from ..runtime.device_lane import LANE_DEPTH, lane_numel
 
@@ -42,7 +42,7 @@ def staging_bytes(numel: int, dtype: torch.dtype) -> int:
     return LANE_DEPTH * numel * (12 + torch.empty((), dtype=dtype).element_size())
 
 
-def trainable_bytes_per_element(dtype: torch.dtype, placement: Residence) -> int:
+def trainable_bytes_per_element(dtype: torch.dtype, placement: Where) -> int:
     """Bytes per element of a trainable shard's arenas in ``placement``: param (none where gathers
     cast the master), grad (host only: the device's are counted apart, ``ArenaBytes.grads``), m, v,
     and an fp32 master unless it is the param (fp32)."""

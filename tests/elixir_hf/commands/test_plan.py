@@ -410,8 +410,8 @@ def test_cli_and_auto_make_the_same_plan_from_the_same_profile(capsys, tmp_path,
     import elixir_runtime.planner as planner
     from elixir_hf.commands.plan_report import build_meta_model, model_config
     from elixir_hf.loss import use_lean_loss
-    from elixir_runtime.chunk.collectives import Collectives
     from elixir_runtime.config import ElixirConfig
+    from elixir_runtime.distributed.collectives import Collectives
     from elixir_runtime.search import Budget
     from elixir_runtime.units import find_units
 

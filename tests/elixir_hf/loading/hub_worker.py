@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 import elixir_hf  # noqa: E402
 from elixir_hf.loading import hub  # noqa: E402
-from elixir_runtime.chunk.attached import attached_weights  # noqa: E402
+from elixir_runtime.weights.attached import attached_weights  # noqa: E402
 from helpers.hub import FakeHub, snapshot_path  # noqa: E402
 
 REPO = "org/tiny"

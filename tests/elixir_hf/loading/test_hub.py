@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 import elixir_hf
 from elixir_hf.loading import hub
-from elixir_runtime.chunk.attached import attached_weights
+from elixir_runtime.weights.attached import attached_weights
 from helpers.dist import run_distributed
 from helpers.hub import FakeHub, cache_snapshot, snapshot_path
 from helpers.models import ATTN_IMPL, tiny_llama

@@ -16,7 +16,7 @@ from transformers.models.llama import modeling_llama
 
 import elixir_hf
 import elixir_runtime as er
-from elixir_runtime.chunk.attached import attached_weights
+from elixir_runtime.weights.attached import attached_weights
 from helpers.dist import run_distributed
 from helpers.models import ATTN_IMPL, make_batch, tiny_gpt2, tiny_llama
 

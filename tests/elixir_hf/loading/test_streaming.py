@@ -1,5 +1,5 @@
 """Weights streamed from a ``save_pretrained`` folder into the chunk shards (``elixir_hf.from_pretrained``,
-``elixir_runtime.chunk.stream``): every rank builds the model on meta and reads only its shards' elements,
+``elixir_runtime.weights.stream``): every rank builds the model on meta and reads only its shards' elements,
 yet the engine starts from, and trains to, exactly what ``from_pretrained`` + ``prepare`` give (bit for
 bit, 1 and 2 gloo ranks; sharded and single-file checkpoints; tied and untied heads; fp32 weights read
 into a bf16 model). No read is larger than a chunk shard and the ranks together read each weight once.
@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 import elixir_hf
 import elixir_runtime as er
-from elixir_runtime.chunk.attached import attached_weights
+from elixir_runtime.weights.attached import attached_weights
 from helpers.dist import run_distributed
 from helpers.models import ATTN_IMPL, make_batch, tiny_gpt2, tiny_llama
 

@@ -1,7 +1,7 @@
 """``AccessSchedule``: Belady over the recorded trace, LRU fallback on divergence, prefetch order.
 
 The engine calls ``access(chunk)`` for every demand access, then (on a miss with a full rCache)
-evicts the resident chunk with the largest ``eviction_score``. The cache simulations below do
+evicts the gathered chunk with the largest ``eviction_score``. The cache simulations below do
 exactly that and compare the resulting misses with brute-force optimal replacement.
 """
 
@@ -123,7 +123,7 @@ def _opt_exhaustive(trace: list[int], capacity: int) -> int:
 def test_eviction_choice_is_farthest_next_use(seed: int) -> None:
     rng = random.Random(seed)
     trace = _random_trace(rng, n_chunks=rng.randint(2, 8), length=rng.randint(5, 30))
-    chunks = sorted(set(trace)) + [99]  # 99: resident but never used by the trace
+    chunks = sorted(set(trace)) + [99]  # 99: gathered but never used by the trace
     sched = AccessSchedule()
     _record(sched, trace)  # first iteration records
     sched.begin("train")  # second follows
@@ -191,7 +191,7 @@ def test_divergence_falls_back_to_lru_and_rerecords() -> None:
     assert list(sched.upcoming())[:2] == [(2, 0), (3, 1)]
     sched.access(3)  # diverges: the trace expected 2
     assert list(sched.upcoming()) == []
-    # LRU: the least recently used resident chunk scores highest, whatever the old trace said
+    # LRU: the least recently used gathered chunk scores highest, whatever the old trace said
     scores = {c: sched.eviction_score(c) for c in (0, 1, 3)}
     assert max(scores, key=scores.get) == 0
     assert scores[0] > scores[1] > scores[3]

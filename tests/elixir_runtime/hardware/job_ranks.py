@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from elixir_runtime.chunk.collectives import Collectives
+from elixir_runtime.distributed.collectives import Collectives
 from elixir_runtime.hardware import measure
 from elixir_runtime.hardware.load import ENV_HARDWARE, job_hardware
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import elixir_runtime.hardware.measure as measure
-from elixir_runtime.chunk.collectives import Collectives
+from elixir_runtime.distributed.collectives import Collectives
 from elixir_runtime.hardware import HardwareProfile, load_hardware
 from elixir_runtime.hardware.load import ENV_HARDWARE, cache_path, record_update_rate
 from elixir_runtime.hardware.measure import measure_hardware

@@ -15,6 +15,7 @@ import torch
 import elixir_runtime as er
 from elixir_runtime.runtime import device_lane
 from elixir_runtime.runtime.host_updates import HostUpdates
+from elixir_runtime.runtime.stats import StatsCounter
 from helpers.training import Recipe, assert_close_losses, build, max_weight_diff, run_elixir, run_reference
 
 LOSS_RTOL, WEIGHT_ATOL = 1e-6, 1e-5  # test_parity.py's: only summation orders differ
@@ -206,7 +207,7 @@ class _Lane:
 
 def test_scheduler_runs_every_slice_once_from_both_ends():
     lane = _Lane()
-    updates = HostUpdates(lane, {})
+    updates = HostUpdates(StatsCounter(), lane)
     jobs = [_Job(c, 10) for c in range(4) for _ in range(25)]
     updates.submit(jobs, lambda job: job.by.append("cpu"))
     updates.wait_all()
@@ -214,13 +215,14 @@ def test_scheduler_runs_every_slice_once_from_both_ends():
     assert jobs[0].by == ["cpu"] and jobs[-1].by == ["device"]  # each lane starts at its end
     cpu = [i for i, j in enumerate(jobs) if j.by == ["cpu"]]
     assert cpu == list(range(len(cpu)))  # the CPU took a prefix, the lane the rest
-    assert updates.stats.pop("cpu_update_s") > 0 and updates.stats.pop("update_wait_s") >= 0
-    assert updates.stats == {"updated_cpu": 10 * len(cpu), "updated_device": 10 * (len(jobs) - len(cpu))}
+    stats = updates.stats.now
+    assert stats.cpu_update_s > 0 and stats.update_wait_s >= 0
+    assert (stats.updated_cpu, stats.updated_device) == (10 * len(cpu), 10 * (len(jobs) - len(cpu)))
     assert lane.most <= lane.depth
 
 
 def test_trace_records_each_slice_and_wait():
-    updates = HostUpdates(_Lane(), {})
+    updates = HostUpdates(StatsCounter(), _Lane())
     updates.trace = []
     jobs = [_Job(c, 10) for c in range(3) for _ in range(4)]
     updates.submit(jobs, lambda job: job.by.append("cpu"))
@@ -234,7 +236,7 @@ def test_trace_records_each_slice_and_wait():
 
 def test_a_chunk_waits_for_both_lanes_and_errors_reach_the_waiter():
     gate = threading.Event()
-    updates = HostUpdates(_Lane(gate), {})
+    updates = HostUpdates(StatsCounter(), _Lane(gate))
     jobs = [_Job(0, 1), _Job(0, 1)]  # chunk 0: one slice per lane
     updates.submit(jobs, lambda job: job.by.append("cpu"))
     assert updates.pending(0)
@@ -242,7 +244,7 @@ def test_a_chunk_waits_for_both_lanes_and_errors_reach_the_waiter():
     updates.wait(0)  # returns only once the lane's slice is finished too
     assert [j.by for j in jobs] == [["cpu"], ["device"]] and not updates.pending(0)
 
-    updates = HostUpdates(_Lane(fail=1), {})
+    updates = HostUpdates(StatsCounter(), _Lane(fail=1))
     updates.submit([_Job(0, 1), _Job(1, 1)], lambda job: None)
     updates.wait(0)
     with pytest.raises(ValueError, match="lane failed on chunk 1"):

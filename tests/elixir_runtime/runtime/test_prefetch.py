@@ -23,11 +23,11 @@ def _train_step(recipe, model, opt, step: int) -> None:
 
 def test_prefetch_starts_once_the_trace_is_recorded():
     recipe, model, opt = _prepared(offload=0.0)
-    stats = model._elixir.runtime.stats
+    runtime = model._elixir.runtime
     _train_step(recipe, model, opt, 0)  # records the trace: nothing to prefetch from yet
-    assert stats["prefetches"] == 0
+    assert runtime.stats.prefetches == 0
     _train_step(recipe, model, opt, 1)
-    assert stats["prefetches"] > 0
+    assert runtime.stats.prefetches > 0
 
 
 def test_prefetch_skips_chunks_still_being_updated(monkeypatch):
@@ -36,13 +36,13 @@ def test_prefetch_skips_chunks_still_being_updated(monkeypatch):
     for step in range(2):
         _train_step(recipe, model, opt, step)
     monkeypatch.setattr(runtime.host_updates, "busy", lambda chunk: True)
-    before = runtime.stats["prefetches"]
+    before = runtime.stats.prefetches
     _train_step(recipe, model, opt, 2)
-    assert runtime.stats["prefetches"] == before  # demand gathers only: no early wait
+    assert runtime.stats.prefetches == before  # demand gathers only: no early wait
     monkeypatch.undo()
     runtime.host_updates.wait_all()  # every update landed: nothing is busy, however fast the CPU thread ran
     _train_step(recipe, model, opt, 3)
-    assert runtime.stats["prefetches"] > before
+    assert runtime.stats.prefetches > before
 
 
 def _ranks_with_different_worker_speeds(rank: int, world_size: int) -> list[float]:

@@ -52,7 +52,7 @@ def _chunk(params: ParamState = ParamState.RELEASED, grads: GradState = GradStat
 def _setup_for(new) -> dict:
     """The other machine's state that the cross rules ask for on entering ``new``."""
     if new in (GradState.WRITING, GradState.ACCUMULATING):
-        return {"params": ParamState.RESIDENT}
+        return {"params": ParamState.GATHERED}
     return {}
 
 
@@ -94,10 +94,10 @@ def test_every_illegal_transition_raises_naming_both_states_and_the_chunk(checki
 
 
 def test_the_cross_rules(checking):
-    with pytest.raises(IllegalTransition, match=r"EMPTY -> WRITING while its params are GATHERING, not RESIDENT"):
+    with pytest.raises(IllegalTransition, match=r"EMPTY -> WRITING while its params are GATHERING, not GATHERED"):
         _chunk(ParamState.GATHERING).transition(GradState.WRITING)
-    with pytest.raises(IllegalTransition, match=r"RESIDENT -> RELEASED while its gradients are ACCUMULATING"):
-        _chunk(ParamState.RESIDENT, GradState.ACCUMULATING).transition(ParamState.RELEASED)
+    with pytest.raises(IllegalTransition, match=r"GATHERED -> RELEASED while its gradients are ACCUMULATING"):
+        _chunk(ParamState.GATHERED, GradState.ACCUMULATING).transition(ParamState.RELEASED)
 
 
 def test_unchecked_transitions_are_plain_writes():
@@ -162,8 +162,8 @@ def test_training_walks_only_legal_transitions(walked, cfg):
     P, G = ParamState, GradState
     expected = {
         (P.RELEASED, P.GATHERING),
-        (P.GATHERING, P.RESIDENT),
-        (P.RESIDENT, P.RELEASED),
+        (P.GATHERING, P.GATHERED),
+        (P.GATHERED, P.RELEASED),
         (G.EMPTY, G.WRITING),
         (G.WRITING, G.REDUCED),
         (G.REDUCED, G.HELD),
@@ -171,7 +171,7 @@ def test_training_walks_only_legal_transitions(walked, cfg):
         (G.ACCUMULATING, G.REDUCED),
         (G.HELD, G.EMPTY),
     }
-    if cfg["n_blocks"] == "min":  # rCache max keeps every chunk resident: nothing left to copy
+    if cfg["n_blocks"] == "min":  # rCache max keeps every chunk gathered: nothing left to copy
         expected |= {(P.RELEASED, P.COPIED), (P.COPIED, P.RELEASED)}
     assert expected <= walked, expected - walked
 

@@ -14,6 +14,7 @@ import elixir_runtime as er
 from elixir_runtime.hardware.load import ENV_HARDWARE, cache_path
 from elixir_runtime.hardware.profile import CpuAdamRate, HardwareProfile
 from elixir_runtime.kernels.threads import cpu_adam_threads
+from elixir_runtime.runtime.stats import StatsCounter
 from elixir_runtime.runtime.update_rate import SKIP, STEPS, UpdateRateProbe
 from helpers.training import Recipe, batch_for, build, run_elixir
 from tests.elixir_runtime.search.search_cases import gpu_host
@@ -25,14 +26,13 @@ def _feed(probe: UpdateRateProbe, steps: list[tuple[int, float, bool]]) -> None:
     if probe.calls == 0:
         probe.step_done(False)
     for elements, busy, synced in steps:
-        probe.stats["updated_cpu"] = probe.stats.get("updated_cpu", 0) + elements
-        probe.stats["cpu_update_s"] = probe.stats.get("cpu_update_s", 0.0) + busy
+        probe.stats.add(updated_cpu=elements, cpu_update_s=busy)
         probe.step_done(synced)
 
 
 def test_reports_the_median_of_the_synced_steps_after_the_warmup_once() -> None:
     reports: list[float] = []
-    probe = UpdateRateProbe({}, reports.append)
+    probe = UpdateRateProbe(StatsCounter(), reports.append)
     warmup = [(100, 1.0, True)] * SKIP  # steps 1 and 2: not counted
     counted = [(4000, 1.0, True), (1000, 1.0, False), (2000, 1.0, True)] + [(3000, 1.0, True)] * (STEPS - 3)
     _feed(probe, warmup + counted[:-1])
@@ -46,7 +46,7 @@ def test_reports_the_median_of_the_synced_steps_after_the_warmup_once() -> None:
 
 def test_reports_zero_when_most_steps_were_not_synced() -> None:
     reports: list[float] = []
-    probe = UpdateRateProbe({}, reports.append)
+    probe = UpdateRateProbe(StatsCounter(), reports.append)
     _feed(probe, [(1000, 1.0, False)] * (SKIP + STEPS - 1) + [(1000, 1.0, True)])
     assert probe.rates == [1000.0] and reports == [0.0]
 
@@ -62,7 +62,7 @@ def _train(steps: int, **config) -> tuple[list[float], UpdateRateProbe]:
     )
     assert opt.rate_probe is None  # on CPU nothing is recorded (api._rate_probe: beside a GPU only)
     reports: list[float] = []
-    opt.rate_probe = UpdateRateProbe(model._elixir.runtime.stats, reports.append)
+    opt.rate_probe = UpdateRateProbe(model._elixir.runtime.ctx.stats, reports.append)
     for step in range(steps):
         opt.backward(model(**batch_for(recipe, step, 0, None)).loss)
         if config.get("skip_nonfinite", True):

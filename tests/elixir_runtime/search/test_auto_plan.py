@@ -13,7 +13,7 @@ from search_cases import GIB, gpu_host, model_state_bytes
 
 import elixir_runtime as er
 import elixir_runtime.planner as planner
-from elixir_runtime.chunk.collectives import Collectives
+from elixir_runtime.distributed.collectives import Collectives
 from elixir_runtime.gpu_limit import limit_gpu_memory
 from elixir_runtime.search import Budget
 from elixir_runtime.search.memory import ArenaBytes

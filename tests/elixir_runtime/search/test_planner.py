@@ -13,9 +13,9 @@ from search_cases import GIB, gpu_host, model_state_bytes
 
 import elixir_runtime as er
 import elixir_runtime.planner as planner
-from elixir_runtime.chunk.collectives import Collectives
 from elixir_runtime.chunk.store import ShardArenas
 from elixir_runtime.config import PlanMismatch
+from elixir_runtime.distributed.collectives import Collectives
 from elixir_runtime.search import Budget
 from elixir_runtime.units import find_units
 from helpers.models import make_batch, read_head_outside, tiny_gpt2, tiny_llama

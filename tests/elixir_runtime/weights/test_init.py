@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import elixir_runtime as er
-from elixir_runtime.chunk import init as init_mod
+from elixir_runtime.weights import init as init_mod
 
 
 class _Custom(nn.Module):

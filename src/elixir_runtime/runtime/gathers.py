@@ -1,8 +1,8 @@
-"""Residency: which chunks are gathered into rCache buffers, and when.
+"""Gathers: which chunks are gathered into rCache buffers, and when.
 
-``ChunkResidency`` moves every chunk's ``ParamState`` (``state.py``); the module hooks say when:
+``ChunkGathers`` moves every chunk's ``ParamState`` (``state.py``); the module hooks say when:
 
-* ``acquire`` makes chunks resident for the compute stream (gathering those that are not,
+* ``acquire`` makes chunks gathered for the compute stream (gathering those that are not,
   evicting the Belady victim for a buffer) and pins them while a unit runs; ``release`` unpins;
 * ``prefetch`` gathers the next chunks of the recorded trace early on the fetch stream
   (``RELEASED -> GATHERING``), never waiting for a buffer or a CPU update to do so;
@@ -12,7 +12,7 @@
 Contracts: a gather is a collective, so every rank gathers the same chunks in the same order
 (prefetch decisions depend only on the trace and on state that is the same on every rank). A
 buffer is reused only after its last user's event (``Buffer.free_event``). The compute stream
-waits for a chunk's gather (``ready``) before its first use: the ``GATHERING -> RESIDENT`` step.
+waits for a chunk's gather (``ready``) before its first use: the ``GATHERING -> GATHERED`` step.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import contextlib
 
 import torch
 
-from ..chunk.collectives import Collectives
 from ..chunk.layout import ChunkLayout
 from ..chunk.rcache import Buffer, RCache
 from ..chunk.schedule import AccessSchedule
+from .context import EngineContext
 from .host_updates import HostUpdates
 from .state import ChunkState, ParamState
 
-__all__ = ["ChunkResidency", "RCacheExhausted", "on_stream"]
+__all__ = ["ChunkGathers", "RCacheExhausted", "on_stream"]
 
 
 class RCacheExhausted(RuntimeError):
@@ -48,29 +48,24 @@ def on_stream(stream: torch.cuda.Stream | None, buffer: Buffer | None, device: t
         yield
 
 
-class ChunkResidency:
+class ChunkGathers:
     def __init__(
         self,
+        ctx: EngineContext,
         layout: ChunkLayout,
         chunks: list[ChunkState],
         rcache: RCache,
-        coll: Collectives,
-        device: torch.device,
-        dtype: torch.dtype,
         prefetch: int,
         host_updates: HostUpdates,
-        stats: dict[str, int],
     ) -> None:
-        self.layout, self.chunks, self.rcache, self.coll = layout, chunks, rcache, coll
-        self.device, self.dtype, self.prefetch_depth = device, dtype, prefetch
-        self.host_updates, self.stats = host_updates, stats
-        self.cuda = device.type == "cuda"
-        self.fetch_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.ctx, self.layout, self.chunks, self.rcache = ctx, layout, chunks, rcache
+        self.prefetch_depth, self.host_updates = prefetch, host_updates
+        self.fetch_stream = torch.cuda.Stream(ctx.device) if ctx.cuda else None
         self.schedule = AccessSchedule()
-        self._resident: dict[int, ChunkState] = {}
-        """Public chunks holding an rCache buffer (``GATHERING`` or ``RESIDENT``)."""
+        self._gathered: dict[int, ChunkState] = {}
+        """Public chunks holding an rCache buffer (``GATHERING`` or ``GATHERED``)."""
         self._buffer_by_ptr = {b.data.data_ptr(): b for b in rcache.buffers}
-        zero = torch.zeros((), dtype=dtype, device=device)
+        zero = torch.zeros((), dtype=ctx.dtype, device=ctx.device)
         self.placeholder_ptr = zero.data_ptr()
         """The one storage every placeholder is a view of (``runtime/hooks.py``, [Note: placeholder reads])."""
         self._placeholders = [zero.expand(p.shape) for p in layout.params]
@@ -78,7 +73,7 @@ class ChunkResidency:
             p.data = self._placeholders[i]
 
     def acquire(self, ids: tuple[int, ...], pin: bool) -> None:
-        """Makes chunks ``ids`` resident for the current stream; pins them if ``pin``."""
+        """Makes chunks ``ids`` gathered for the current stream; pins them if ``pin``."""
         for i in ids:
             self.schedule.access(i)
         for i in ids:
@@ -100,8 +95,8 @@ class ChunkResidency:
             assert c.pins > 0, f"chunk {i} released more often than acquired"
             c.pins -= 1
 
-    def ensure_resident(self, i: int) -> ChunkState:
-        """Chunk ``i`` resident for the current stream, not pinned (saved-tensor unpacks, gradients)."""
+    def ensure_gathered(self, i: int) -> ChunkState:
+        """Chunk ``i`` gathered for the current stream, not pinned (saved-tensor unpacks, gradients)."""
         c = self.chunks[i]
         if not c.valid:
             self.acquire((i,), pin=False)
@@ -110,11 +105,11 @@ class ChunkResidency:
         return c
 
     def _use(self, c: ChunkState) -> None:
-        """``GATHERING -> RESIDENT``: the current stream waits for the chunk's gather."""
+        """``GATHERING -> GATHERED``: the current stream waits for the chunk's gather."""
         if c.ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(c.ready)
+            torch.cuda.current_stream(self.ctx.device).wait_event(c.ready)
             c.ready = None
-        c.transition(ParamState.RESIDENT)
+        c.transition(ParamState.GATHERED)
 
     def buffer_of(self, t: torch.Tensor) -> Buffer | None:
         """The rCache buffer ``t``'s storage belongs to (``None`` for anything else)."""
@@ -134,14 +129,14 @@ class ChunkResidency:
             if self._update_in_the_way(i) or not (c.spec.private or self._has_buffer_for(distance)):
                 return  # never block the training loop on a prefetch (a private chunk has its own buffer)
             self._gather(c)
-            self.stats["prefetches"] += 1
+            self.ctx.stats.add(prefetches=1)
             fetched += 1
 
     def _update_in_the_way(self, i: int) -> bool:
         """Whether prefetching chunk ``i`` would wait on its CPU update. With several ranks a
         prefetch is a collective, so the answer must not depend on timing: any update not yet
         waited for counts. Alone, only one still running does."""
-        if self.coll.world_size > 1:
+        if self.ctx.coll.world_size > 1:
             return self.host_updates.pending(i)
         return self.host_updates.busy(i)
 
@@ -152,7 +147,7 @@ class ChunkResidency:
         return victim is not None and self.schedule.eviction_score(victim.index) > distance
 
     def _victim(self) -> ChunkState | None:
-        candidates = [c for c in self._resident.values() if c.evictable]
+        candidates = [c for c in self._gathered.values() if c.evictable]
         return max(candidates, key=lambda c: self.schedule.eviction_score(c.index), default=None)
 
     def _take_buffer(self) -> Buffer:
@@ -162,10 +157,10 @@ class ChunkResidency:
         if victim is None:
             raise RCacheExhausted(
                 f"all {len(self.rcache.buffers)} rCache blocks hold chunks in use "
-                f"({sorted(self._resident)}); use a larger n_blocks"
+                f"({sorted(self._gathered)}); use a larger n_blocks"
             )
         self.drop(victim)
-        self.stats["evictions"] += 1
+        self.ctx.stats.add(evictions=1)
         return self.rcache.free.pop()
 
     def _gather(self, c: ChunkState) -> None:
@@ -173,12 +168,12 @@ class ChunkResidency:
         if c.buffer is None:
             c.buffer = self._take_buffer()
             c.buffer.chunk = c.index
-            self._resident[c.index] = c
+            self._gathered[c.index] = c
         full = c.buffer.data[: c.spec.numel]
-        self.stats["gathers"] += 1
-        with on_stream(self.fetch_stream, c.buffer, self.device):
+        self.ctx.stats.add(gathers=1)
+        with on_stream(self.fetch_stream, c.buffer, self.ctx.device):
             self.fill(c, full)
-            if self.cuda:
+            if self.ctx.cuda:
                 c.ready = torch.cuda.Event()
                 c.ready.record(self.fetch_stream)
                 c.gathered = c.ready
@@ -188,8 +183,8 @@ class ChunkResidency:
     def fill(self, c: ChunkState, full: torch.Tensor) -> None:
         """Gathers chunk ``c`` from every rank's shard into ``full`` (a collective, on the current stream)."""
         self.host_updates.wait(c.index)
-        self.coll.shard_of(full).copy_(c.gather_source, non_blocking=True)
-        self.coll.all_gather_(full)
+        self.ctx.coll.shard_of(full).copy_(c.gather_source, non_blocking=True)
+        self.ctx.coll.all_gather_(full)
 
     def show_params(self, c: ChunkState, full: torch.Tensor) -> None:
         """Points the parameters of ``c`` at their slots in the gathered buffer ``full``."""
@@ -210,15 +205,15 @@ class ChunkResidency:
         c.transition(ParamState.RELEASED)
         buffer = c.buffer
         assert buffer is not None
-        if self.cuda:
+        if self.ctx.cuda:
             if event is None:
                 event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(self.device))
+                event.record(torch.cuda.current_stream(self.ctx.device))
             buffer.free_event = event
         if not buffer.private:
             buffer.chunk = None
             c.buffer = None
-            del self._resident[c.index]
+            del self._gathered[c.index]
             self.rcache.free.append(buffer)
 
     def drop_all(self, chunks: list[ChunkState], why: str) -> None:

@@ -1,8 +1,8 @@
-"""``chunk.source``: the hint for jobs whose every rank holds its own copy of the weights."""
+"""``weights.source``: the hint for jobs whose every rank holds its own copy of the weights."""
 
 from __future__ import annotations
 
-from elixir_runtime.chunk.source import copies_warning
+from elixir_runtime.weights.source import copies_warning
 
 GIB = 2**30
 

@@ -38,7 +38,7 @@ class Collectives:
         self.rank = dist.get_rank(group) if self.distributed else 0
         self._held = HeldWork() if self.distributed and dist.get_backend(group) == "gloo" else None
         self.board: FailureBoard | None = None
-        """Where a rank that gives up leaves its reason (set by the engine's ``runtime/lockstep.py``)."""
+        """Where a rank that gives up leaves its reason (set by the engine's ``distributed/lockstep.py``)."""
 
     @property
     def source_rank(self) -> int:

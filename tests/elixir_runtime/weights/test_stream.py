@@ -1,4 +1,4 @@
-"""``chunk.stream``: a flattened range of a tensor read as at most ``2 * ndim - 1`` blocks, and a
+"""``weights.stream``: a flattened range of a tensor read as at most ``2 * ndim - 1`` blocks, and a
 torch model on meta filled from a safetensors file by ``prepare`` (names as keys, or a key map)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 import elixir_runtime as er
-from elixir_runtime.chunk.stream import pieces
+from elixir_runtime.weights.stream import pieces
 from helpers.models import make_mlp_batch, tiny_mlp
 
 

@@ -12,7 +12,7 @@ naming what each rank was starting; a rank that waits longer fails naming the op
 waited at, or, if a rank has stopped running, ends the job naming that rank (``heartbeat.py``,
 which also watches every other collective of a step). Either way the failing rank posts its message before it raises, and a rank that ran
 ahead into another collective raises that message when its collective fails, not gloo's
-transport error ([Note: the rank that ran ahead], ``chunk/peer_failure.py``). Cost: one host
+transport error ([Note: the rank that ran ahead], ``distributed/peer_failure.py``). Cost: one host
 all-gather of 24 bytes per forward, no GPU synchronization. The third number is a rank's request
 to stop (``request_stop``): every rank learns it from the same check-in, without a collective of
 its own. ``full_params``
@@ -27,9 +27,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..chunk.collectives import Collectives, HeldWork, abort_groups
-from ..chunk.peer_failure import FailureBoard, LockstepError
 from . import heartbeat
+from .collectives import Collectives, HeldWork, abort_groups
+from .peer_failure import FailureBoard, LockstepError
 
 __all__ = ["Lockstep", "LockstepError", "Op"]
 
@@ -73,7 +73,7 @@ class Lockstep:
                 ranks, timeout=timedelta(seconds=timeout_s), backend="gloo", use_local_synchronization=True
             )
             self.board = coll.board = FailureBoard(self.group.group_name)
-            heartbeat.start(ranks, timeout_s)  # a rank that stops answering is named (runtime/heartbeat.py)
+            heartbeat.start(ranks, timeout_s)  # a rank that stops answering is named (distributed/heartbeat.py)
 
     def request_stop(self) -> None:
         """This rank asks every rank to stop (the HF integration's preemption: ``elixir_hf/preemption.py``):

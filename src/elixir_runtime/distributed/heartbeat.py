@@ -17,7 +17,7 @@ process with ``EXIT_STALLED``: its main thread is blocked in a collective with t
 which nothing can interrupt (a gloo abort waits for that rank too), and the job cannot go on
 without it. An armed rank that finds a verdict posted does
 the same; a rank whose collective failed first because a stopping rank left raises the verdict as
-its ``LockstepError`` (``chunk/peer_failure.py``). A rank that is not armed (working alone after
+its ``LockstepError`` (``distributed/peer_failure.py``). A rank that is not armed (working alone after
 ``train()``) judges no one, and a process that ends or destroys its default group says so
 (``left``; the beat thread notices a destroyed group at its next beat), so that a rank still
 finishing is not taken for a silent one. Not armed, a stopped rank is caught by the
@@ -47,7 +47,7 @@ from collections.abc import Iterator, Sequence
 
 import torch.distributed as dist
 
-from ..chunk.peer_failure import STALLED_KEY
+from .peer_failure import STALLED_KEY
 
 __all__ = ["EXIT_STALLED", "armed", "start", "step_ended", "step_started", "stop_for_silent"]
 
@@ -186,7 +186,7 @@ _beat: _Beat | None = None
 
 def start(ranks: Sequence[int], timeout_s: float) -> None:
     """This process beats, and watches ``ranks`` (global ranks, this one among them), from now on: a
-    multi-rank engine calls it once built (``runtime/lockstep.py``). Another engine on the same
+    multi-rank engine calls it once built (``distributed/lockstep.py``). Another engine on the same
     process group replaces the timeout; one on a new process group starts a new beat."""
     global _beat
     store = dist.distributed_c10d._get_default_store()

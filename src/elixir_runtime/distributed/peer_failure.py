@@ -2,7 +2,7 @@
 collective that then fails on another rank raises it, not the transport error.
 
 [Note: the rank that ran ahead]
-When ranks diverge (``runtime/lockstep.py``: a check-in that times out, or entries that differ),
+When ranks diverge (``distributed/lockstep.py``: a check-in that times out, or entries that differ),
 the rank that finds it out is waiting in a check-in; a rank that ran ahead is blocked in some other
 collective (a chunk gather or reduction of the engine, the step's norm, the Trainer's gathers,
 ``all_ranks_agree``), which nothing can interrupt. It fails only when the first rank's connections
@@ -33,7 +33,7 @@ import torch.distributed as dist
 __all__ = ["LockstepError", "FailureBoard", "STALLED_KEY"]
 
 STALLED_KEY = "elixir/stalled"
-"""The job's verdict on a rank that stopped answering (``runtime/heartbeat.py``), read as any board's."""
+"""The job's verdict on a rank that stopped answering (``distributed/heartbeat.py``), read as any board's."""
 
 
 class LockstepError(RuntimeError):

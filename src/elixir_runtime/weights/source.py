@@ -7,9 +7,9 @@ tensors, broadcast one at a time, so the host holds the model once instead of on
 a rank never holds more than its shards plus one tensor.
 
 A model whose parameters are on meta on every rank and that carries where their values are
-(``chunk/attached.py``) is filled from there: safetensors files (``chunk/stream.py``;
+(``weights/attached.py``) is filled from there: safetensors files (``weights/stream.py``;
 ``elixir_hf.from_pretrained`` makes one), each rank reading only its shards' elements, or the
-model's own init replayed on each rank's ranges on the compute device (``chunk/init.py``;
+model's own init replayed on each rank's ranges on the compute device (``weights/init.py``;
 ``elixir_hf.from_config``). The host never holds the model at all.
 """
 
@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..distributed.collectives import Collectives
 from ..host import host_total, local_ranks
 from .attached import AttachedWeights, attached_weights, unguard
-from .collectives import Collectives
 
 __all__ = ["WeightSource", "weight_source", "unmeta_parameters", "copies_warning"]
 
