@@ -1,8 +1,8 @@
 """``EngineMetrics``: what the engine decided and how it behaves, as ``elixir/*`` log values.
 
-Each ``collect()`` returns the numbers since the previous one: the plan's key numbers
-(``elixir/plan_*``, first call only), loss scale, skipped steps, GPU and host memory, the
-step-time breakdown and the engine's chunk traffic per optimizer step; with compiled blocks, the
+Each ``collect()`` returns the numbers since the previous one: the plan's shape (``elixir/plan_*``,
+first call only) and its predictions of what is measured (``COMPARED``), loss scale, skipped steps,
+GPU and host memory, the step-time breakdown and the engine's chunk traffic per optimizer step; with compiled blocks, the
 compile time (the cold start), graphs and graph breaks so far (``elixir/compile_*``). ``ElixirAccelerator``
 holds one per prepared engine: ``ElixirTrainer.log`` merges it into every training log (so it
 reaches ``trainer_state.json``'s ``log_history`` and every reporter) and
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import psutil
 import torch
@@ -21,11 +22,36 @@ from elixir_runtime import ElixirPlan, compile_stats
 
 from .optimizer import ElixirAcceleratedOptimizer
 
-__all__ = ["EngineMetrics"]
+__all__ = ["COMPARED", "Compared", "EngineMetrics"]
 
 logger = logging.getLogger(__name__)
 
 _GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Compared:
+    """A measured ``elixir/*`` value and the plan's prediction of it, logged side by side."""
+
+    label: str
+    unit: str
+    run: str
+    """The measured key."""
+    plan: str
+    """The predicted key (in every log, with ``run``: a flat line beside it in a reporter's chart)."""
+    peak: bool = False
+    """Over a run: the highest logged value (memory), else the median of the logs after the first (times)."""
+
+
+COMPARED = (
+    Compared("step time", "s", "elixir/step_s", "elixir/plan_step_s"),
+    Compared("optimizer step", "s", "elixir/optimizer_s", "elixir/plan_optimizer_s"),
+    Compared("CPU update of offloaded chunks", "s", "elixir/cpu_update_s_per_step", "elixir/plan_cpu_update_s"),
+    Compared("forward waiting for it", "s", "elixir/update_wait_s_per_step", "elixir/plan_update_wait_s"),
+    Compared("GPU peak", "GiB", "elixir/gpu_peak_gib", "elixir/plan_gpu_peak_gib", peak=True),
+    Compared("host RSS / pinned shards", "GiB", "elixir/host_rss_gib", "elixir/plan_host_gib", peak=True),
+)
+"""What a run is held against its plan by: ``elixir-plan --run``'s rows, the reporters' grouped charts."""
 
 
 class EngineMetrics:
@@ -41,6 +67,7 @@ class EngineMetrics:
     def collect(self) -> dict[str, float]:
         out = {} if self._plan_logged else _plan_metrics(self.plan)
         self._plan_logged = True
+        out.update(_predicted(self.plan))
         out["elixir/loss_scale"] = self.optimizer.elixir_optimizer.loss_scale
         out["elixir/skipped_steps"] = self.optimizer.skipped_steps
         out.update(_memory_metrics(self.optimizer.elixir_optimizer.runtime.device))
@@ -88,19 +115,33 @@ class EngineMetrics:
 
 
 def _plan_metrics(plan: ElixirPlan) -> dict[str, float]:
+    """The plan's shape (first log only)."""
     out = {
         "elixir/plan_chunks": plan.n_chunks,
         "elixir/plan_chunk_size": plan.chunk_size,
         "elixir/plan_rcache_blocks": plan.n_blocks,
         "elixir/plan_offloaded_chunks": len(plan.offload),
         "elixir/plan_device_gib": plan.device_bytes / _GIB,
-        "elixir/plan_host_gib": plan.host_bytes / _GIB,
     }
-    if plan.predicted is not None:  # a searched plan: its predicted step and the CPU update rate it priced
-        out["elixir/plan_step_s"] = plan.predicted.total
-        rate = (plan.search.get("rates") or {}).get("cpu_update_Gps")
-        if rate and plan.offload:
-            out["elixir/plan_cpu_update_Gps"] = rate
+    rate = (plan.search.get("rates") or {}).get("cpu_update_Gps")
+    if plan.predicted is not None and rate and plan.offload:  # the CPU update rate a searched plan priced
+        out["elixir/plan_cpu_update_Gps"] = rate
+    return out
+
+
+def _predicted(plan: ElixirPlan) -> dict[str, float]:
+    """The plan's predictions of ``COMPARED`` (every log): its pinned host memory; a searched plan's step, GPU
+    update and, with offloaded chunks, the CPU update and the forward's wait for it; a profiled plan's GPU peak."""
+    out = {"elixir/plan_host_gib": plan.host_bytes / _GIB}
+    if plan.predicted is not None:
+        t = plan.predicted
+        out["elixir/plan_step_s"] = t.total
+        out["elixir/plan_optimizer_s"] = t.gpu_adam
+        if plan.offload:
+            out["elixir/plan_cpu_update_s"] = t.cpu_adam
+            out["elixir/plan_update_wait_s"] = t.exposed_cpu_adam
+    if plan.memory.activations is not None:
+        out["elixir/plan_gpu_peak_gib"] = plan.device_peak_bytes / _GIB
     return out
 
 

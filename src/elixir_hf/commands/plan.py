@@ -5,6 +5,7 @@
     elixir-plan --model llama3-8b --seq-len 2048 --batch-size 4 --gpu a100-80gb   # a card you do not own
     elixir-plan --model path/to/config.json --hardware hw.json --json
     elixir-plan --measure-hardware hw.json        # on the GPU machine: its profile, for planning elsewhere
+    elixir-plan --run out/                        # a Trainer run's measured numbers against its plan, per rank
 
 The model is built from its config on the meta device, one training step is profiled on fake
 tensors, and the planner picks chunk size, rCache size and offloaded chunks for the given GPUs and
@@ -13,7 +14,7 @@ GPU's rates come from ``--gpu``/``--hardware`` (a shipped card, or a profile fil
 machine's GPU; without a GPU, from the shipped ``h100`` profile (said in the output): a GPU plan is
 never timed with a CPU's rates. Host memory goes with the GPU's profile unless ``--host-mem`` says
 otherwise (``plan_hardware.py``). This module parses the command line; ``plan_report.py`` makes
-the report, ``plan_plot.py`` draws it.
+the report, ``plan_plot.py`` draws it; ``plan_run.py`` holds a run against its plan (``--run``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ examples:
   elixir-plan --model path/to/config.json --hardware h100 --gpu-memory 40GiB --plot plan.png
   elixir-plan --model llama3-8b --seq-len 2048 --gpus 2 --gpu a100-80gb   (a card you do not own)
   elixir-plan --measure-hardware hw.json   (on the GPU machine; then --hardware hw.json elsewhere)
+  elixir-plan --run out/   (an Elixir Trainer run's --output_dir: predicted vs measured, per rank)
 
 Sizes: 80GiB, 80G (binary), 80GB (decimal), 512MiB; a bare number is GiB."""
 
@@ -162,13 +164,33 @@ def _parser() -> argparse.ArgumentParser:
         help="measure this machine, write its profile to PATH, exit "
         "(CPU Adam per rank for 1, 2, 4, 8 and all its GPUs' ranks, each count by as many processes at once)",
     )
+    p.add_argument(
+        "--run",
+        metavar="OUTPUT_DIR",
+        help="an Elixir Trainer run (its --output_dir) against its plan, per rank: predicted and measured step "
+        "time and its phases, GPU peak, host memory; a table, and a PNG into OUTPUT_DIR/elixir_run (or --plot "
+        "PNG; with matplotlib); takes --plot and --json only",
+    )
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.measure_hardware:
         return _measure(args.measure_hardware)
+    if args.run:
+        default = vars(parser.parse_args([]))
+        given = [
+            a.option_strings[0]
+            for a in parser._actions
+            if a.dest in default and getattr(args, a.dest) != default[a.dest]
+        ]
+        if extra := [flag for flag in given if flag not in ("--run", "--plot", "--json")]:
+            parser.error(f"--run reads a run's records and takes --plot and --json only, not {', '.join(extra)}")
+        from .plan_run import run_command
+
+        return run_command(args.run, png=args.plot, as_json=args.json)
     if not args.model:
         _parser().error("--model is required (or --measure-hardware)")
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # before the seconds of planning
