@@ -192,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_command(args.run, png=args.plot, as_json=args.json)
     if not args.model:
-        _parser().error("--model is required (or --measure-hardware)")
+        parser.error("--model is required (or --measure-hardware, or --run)")
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # before the seconds of planning
         _parser().error(f"--plot {args.plot} needs matplotlib: pip install 'elixir-hf[plot]'")
     try:
