@@ -6,7 +6,8 @@ byte-level BPE tokenizer, Llama-3's special tokens and no pad token, written her
 ``train.txt``. The command is the first line of the ```bash block that follows it (``elixir-run``
 becomes ``python -m elixir_hf.commands.run``). Nothing in the code is substituted. Each run must train with
 the engine: the weights (or the LoRA adapter, which starts at zero) change, and no logged
-gradient norm is zero.
+gradient norm is zero; and a FutureWarning of transformers that the quickstart's code or
+elixir-hf's causes is an error (``helpers/future_warnings.py``), on each transformers the suite runs on.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+FUTURE_WARNINGS = ROOT / "tests" / "helpers" / "future_warnings.py"
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.S | re.M)
 MARKER = re.compile(r"<!-- readme-test: (\S+) -->")
 
@@ -56,11 +58,12 @@ def quickstarts() -> dict[str, tuple[str, str]]:
 
 
 def argv(command: str) -> list[str]:
+    """The command, run by ``helpers/future_warnings.py`` (as ``python`` would run it)."""
     words = shlex.split(command)
     if words[0] == "elixir-run":
-        return [sys.executable, "-m", "elixir_hf.commands.run", *words[1:]]
+        return [sys.executable, str(FUTURE_WARNINGS), "-m", "elixir_hf.commands.run", *words[1:]]
     assert words[0] == "python", f"unknown command in the README: {command!r}"
-    return [sys.executable, *words[1:]]
+    return [sys.executable, str(FUTURE_WARNINGS), *words[1:]]
 
 
 def write_tiny_model(folder: Path) -> None:

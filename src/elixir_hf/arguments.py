@@ -76,9 +76,10 @@ class ElixirTrainingArguments(TrainingArguments):
                 # (gloo) a collective waited torch's default 30 minutes
                 dist.distributed_c10d._set_pg_timeout(self.ddp_timeout_delta)
 
-    # class attributes, not fields: the ElixirPlugin (set by __post_init__; None for arguments made
-    # without it, e.g. unpickled stock ones), and whether an ElixirTrainer took these arguments
-    elixir_plugin: ElixirPlugin | None = None
+    # not arguments: the ElixirPlugin (set by __post_init__; the class's None for arguments made without
+    # it, e.g. unpickled stock ones; init=False keeps it out of the command line and of to_dict, which the
+    # reporters write as JSON), and whether an ElixirTrainer took these arguments
+    elixir_plugin: ElixirPlugin | None = field(default=None, init=False, repr=False, compare=False)
     _elixir_trainer = False
 
     @property

@@ -19,19 +19,33 @@ unless the script set a level on the trees itself.
 ``transformers.utils.logging.tqdm`` (off after ``disable_progress_bar()``, and with
 ``TQDM_DISABLE=1``, as every tqdm bar) on the process that shows the Trainer's bars:
 ``follow_trainer`` (rank 0, unless ``--disable_tqdm``), ``follow_accelerator`` (the main process).
-Elsewhere none.
+Elsewhere none. Where stderr is not a terminal (a log file, a job scheduler's output), a bar's
+redraws would each stay in the log as a line: there a phase prints a line as it starts and one as
+it ends, with its time (``PhaseLines``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import time
 from typing import Any, cast
 
+import tqdm
 from transformers.utils import logging as hf_logging
 
 from elixir_runtime.progress import BarFactory, set_progress_factory
 
-__all__ = ["LOGGER_TREES", "connect_logging", "follow_accelerator", "follow_trainer", "show_progress", "tqdm_bar"]
+__all__ = [
+    "LOGGER_TREES",
+    "PhaseLines",
+    "connect_logging",
+    "follow_accelerator",
+    "follow_trainer",
+    "show_progress",
+    "tqdm_bar",
+]
 
 LOGGER_TREES = ("elixir_runtime", "elixir_hf")
 
@@ -53,8 +67,43 @@ def connect_logging() -> None:
 
 def tqdm_bar(total: int | None, desc: str, unit: str = "it") -> Any:
     """One bar of ``elixir_runtime.progress``: transformers' tqdm (a no-op while its bars are disabled),
-    gone from the console once closed."""
-    return hf_logging.tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", leave=False)
+    gone from the console once closed; where stderr is not a terminal, ``PhaseLines``."""
+    if sys.stderr.isatty():
+        return hf_logging.tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", leave=False)
+    if hf_logging.is_progress_bar_enabled() and not os.environ.get("TQDM_DISABLE"):  # any value, as tqdm reads it
+        return PhaseLines(total, desc, unit)
+    return hf_logging.tqdm(total=total, disable=True)
+
+
+class PhaseLines:
+    """A bar for a log: ``desc ...`` (with its total) as the phase starts, ``desc: done in 1.2 s`` as it ends."""
+
+    def __init__(self, total: int | None, desc: str, unit: str = "it") -> None:
+        self.total, self.desc, self.unit = total, desc, unit
+        self.n = 0
+        self._start: float | None = time.perf_counter()
+        self._print(f"{desc} ({self._amount(total)}) ..." if total and unit != "it" else f"{desc} ...")
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def close(self) -> None:
+        if self._start is None:
+            return
+        seconds, self._start = time.perf_counter() - self._start, None
+        if self.total and self.n < self.total:  # left early: an error on its way
+            self._print(f"{self.desc}: stopped after {seconds:.1f} s, at {self.n} of {self._amount(self.total)}")
+        else:
+            self._print(f"{self.desc}: done in {seconds:.1f} s")
+
+    def _amount(self, n: int) -> str:
+        if self.unit == "B":
+            return tqdm.tqdm.format_sizeof(n, "B")  # as tqdm's bar writes bytes
+        return f"{n:,} {self.unit}{'s' if n != 1 and self.unit != 'it' else ''}"
+
+    @staticmethod
+    def _print(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
 
 
 def show_progress(on: bool) -> BarFactory | None:

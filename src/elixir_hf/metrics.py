@@ -1,7 +1,8 @@
 """``EngineMetrics``: what the engine decided and how it behaves, as ``elixir/*`` log values.
 
 Each ``collect()`` returns the numbers since the previous one: the plan's key numbers
-(``elixir/plan_*``, first call only), loss scale, skipped steps, GPU and host memory, the
+(``elixir/plan_*``, ``plan_view.plan_metrics``: all of them in the first call, in every call those
+that predict a measured value, ``COMPARED``), loss scale, skipped steps, GPU and host memory, the
 step-time breakdown and the engine's chunk traffic per optimizer step; with compiled blocks, the
 compile time (the cold start), graphs and graph breaks so far (``elixir/compile_*``). ``ElixirAccelerator``
 holds one per prepared engine: ``ElixirTrainer.log`` merges it into every training log (so it
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import psutil
 import torch
@@ -22,11 +24,37 @@ from elixir_runtime.planner import plan_metrics
 
 from .optimizer import ElixirAcceleratedOptimizer
 
-__all__ = ["EngineMetrics"]
+__all__ = ["COMPARED", "Compared", "EngineMetrics"]
 
 logger = logging.getLogger(__name__)
 
 _GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Compared:
+    """A measured ``elixir/*`` value and the plan's prediction of it, logged side by side."""
+
+    label: str
+    unit: str
+    run: str
+    """The measured key."""
+    plan: str
+    """The predicted key (in every log, with ``run``: a flat line beside it in a reporter's chart)."""
+    peak: bool = False
+    """Over a run: the highest logged value (memory), else the median of the logs after the first (times)."""
+
+
+COMPARED = (
+    Compared("step time", "s", "elixir/step_s", "elixir/plan_step_s"),
+    Compared("optimizer step", "s", "elixir/optimizer_s", "elixir/plan_optimizer_s"),
+    Compared("CPU update of offloaded chunks", "s", "elixir/cpu_update_s_per_step", "elixir/plan_cpu_update_s"),
+    Compared("forward waiting for it", "s", "elixir/update_wait_s_per_step", "elixir/plan_update_wait_s"),
+    Compared("GPU peak", "GiB", "elixir/gpu_peak_gib", "elixir/plan_gpu_peak_gib", peak=True),
+    Compared("host RSS / pinned shards", "GiB", "elixir/host_rss_gib", "elixir/plan_host_gib", peak=True),
+)
+"""What a run is held against its plan by: ``elixir-plan --run``'s rows, the reporters' grouped charts."""
+_PREDICTIONS = frozenset(c.plan for c in COMPARED)
 
 
 class EngineMetrics:
@@ -40,7 +68,7 @@ class EngineMetrics:
         return time.perf_counter(), self.optimizer.steps, dict(self.optimizer.elixir_optimizer.runtime.stats)
 
     def collect(self) -> dict[str, float]:
-        out = {} if self._plan_logged else _plan_metrics(self.plan)
+        out = _predicted(self.plan) if self._plan_logged else _plan_metrics(self.plan)
         self._plan_logged = True
         out["elixir/loss_scale"] = self.optimizer.elixir_optimizer.loss_scale
         out["elixir/skipped_steps"] = self.optimizer.skipped_steps
@@ -91,6 +119,11 @@ class EngineMetrics:
 def _plan_metrics(plan: ElixirPlan) -> dict[str, float]:
     """The plan's key numbers, as the plan's renderer gives them (``plan_view.plan_metrics``)."""
     return {f"elixir/{k}": v for k, v in plan_metrics(plan).items()}
+
+
+def _predicted(plan: ElixirPlan) -> dict[str, float]:
+    """Those of the plan's numbers that predict a measured one (``COMPARED``): in every log, beside it."""
+    return {k: v for k, v in _plan_metrics(plan).items() if k in _PREDICTIONS}
 
 
 def _memory_metrics(device: torch.device) -> dict[str, float]:

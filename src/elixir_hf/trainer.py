@@ -30,8 +30,9 @@ where the Trainer allows it:
 * SIGTERM or SIGUSR1 during ``train`` ends the run at a step's end, every rank alike, with a verified
   checkpoint when one fits the grace period, and exit status 75 (``preemption.py``);
 * every training log carries the engine's ``elixir/*`` numbers (``log``, so they reach
-  ``log_history`` and every reporter), and the console shows them as one short entry
-  (``callback.py``).
+  ``log_history`` and every reporter), and the console shows them as one short entry; each rank's
+  go into ``OUTPUT_DIR/elixir_run``, and the end of training writes the run against its plan there
+  (``callback.py``, ``elixir-plan --run``).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from . import patches
 from .accelerator import ElixirAccelerator
 from .arguments import as_elixir_args
 from .batch_plan import planned_batch
-from .callback import SHORT_CONSOLE
+from .callback import SHORT_CONSOLE, RunRecorder
 from .checkpoint.convert import torch_adam_state
 from .checkpoint.folder_lock import FolderInUse, job_lock
 from .checkpoint.format import (
@@ -100,6 +101,7 @@ class ElixirTrainer(Trainer):
             for i, callback in enumerate(callbacks):
                 if type(callback) in SHORT_CONSOLE:  # the Trainer built it with no arguments
                     callbacks[i] = SHORT_CONSOLE[type(callback)]()
+            callbacks.insert(0, RunRecorder(callbacks, self.accelerator.elixir_metrics))  # ends before the reporters
 
     @property
     def elixir_plugin(self) -> ElixirPlugin | None:

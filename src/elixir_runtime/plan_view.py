@@ -152,8 +152,10 @@ def format_step_time(t: StepTime) -> str:
 
 
 def plan_metrics(plan: ElixirPlan) -> dict[str, float]:
-    """The plan's key numbers (``elixir_hf``'s ``elixir/plan_*`` log values, without the prefix): a
-    searched plan adds its predicted step and, offloading, the CPU update rate it priced."""
+    """The plan's key numbers (``elixir_hf``'s ``elixir/plan_*`` log values, without the prefix): its
+    shape and pinned host memory; a searched plan adds its predicted step and GPU update and, offloading,
+    the CPU update, the forward's wait for it and the CPU update rate it priced; a profiled plan (its
+    activations known) its GPU peak."""
     out = {
         "plan_chunks": plan.n_chunks,
         "plan_chunk_size": plan.chunk_size,
@@ -162,11 +164,17 @@ def plan_metrics(plan: ElixirPlan) -> dict[str, float]:
         "plan_device_gib": plan.device_bytes / GIB,
         "plan_host_gib": plan.host_bytes / GIB,
     }
-    if plan.predicted is not None:
-        out["plan_step_s"] = plan.predicted.total
-        rates = plan.search.rates if plan.search is not None else None
-        if rates is not None and rates.cpu_update_Gps and plan.offload:
-            out["plan_cpu_update_Gps"] = rates.cpu_update_Gps
+    if (t := plan.predicted) is not None:
+        out["plan_step_s"] = t.total
+        out["plan_optimizer_s"] = t.gpu_adam
+        if plan.offload:
+            out["plan_cpu_update_s"] = t.cpu_adam
+            out["plan_update_wait_s"] = t.exposed_cpu_adam
+            rates = plan.search.rates if plan.search is not None else None
+            if rates is not None and rates.cpu_update_Gps:
+                out["plan_cpu_update_Gps"] = rates.cpu_update_Gps
+    if plan.memory.activations is not None:
+        out["plan_gpu_peak_gib"] = plan.device_peak_bytes / GIB
     return out
 
 

@@ -54,12 +54,13 @@ class _Tee(io.TextIOBase):
 
 
 def _shown(err: _Tee, since: int) -> dict:
-    """What this rank's stderr showed since offset ``since``: Elixir's INFO lines and its bars."""
+    """What this rank's stderr showed since offset ``since``: Elixir's INFO lines and its bars (lines
+    here: this stderr is not a terminal, elixir_hf/console.py)."""
     text = err.text.getvalue()[since:]
     return {
         "plan": text.count("Elixir plan for"),
         "lean_loss": text.count("ForCausalLMLoss replaced"),
-        "bars": sorted(set(re.findall(r"\r(elixir: [a-z' ]+[a-z])", text))),
+        "bars": sorted(set(re.findall(r"^(elixir: [a-z' ]+[a-z])", text, re.M))),
     }
 
 

@@ -1,8 +1,8 @@
 """Two ranks (torchrun, CPU, gloo): ElixirTrainer matches the stock Trainer under DDP, a 2-rank
 checkpoint resumes with the same losses, a model loaded on rank 0 only trains the same, the
-consolidated model equals DDP's, and Elixir's log lines and progress bars follow --log_level,
---log_level_replica and --disable_tqdm (resuming on another number of ranks:
-tests/reliability/test_resume_change.py)."""
+consolidated model equals DDP's, each rank records the run against its plan, and Elixir's log lines
+and progress bars follow --log_level, --log_level_replica and --disable_tqdm (resuming on another
+number of ranks: tests/reliability/test_resume_change.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ import torch
 from hf_cases import VOCAB
 from transformers import AutoModelForCausalLM
 
+from elixir_hf.commands.plan_run import run_table
+from elixir_hf.run_record import read_run, record_dir
 from helpers.models import ATTN_IMPL, make_batch
 
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -104,6 +106,24 @@ def test_log_lines_and_bars_follow_the_trainers_flags(two_rank_run) -> None:
         "bars": FILL_BARS + ["elixir: gathering the weights"],
     }
     assert rank1["accelerate_info"] == none
+
+
+def test_each_rank_records_the_run_against_its_plan(two_rank_run) -> None:
+    """Both ranks' elixir/* values in OUTPUT_DIR/elixir_run, of the last run in the folder (the resume
+    of the streamed model: steps 5-8), and the table of them the end of that run wrote, per rank."""
+    out, _ = two_rank_run
+    folder = out / "elixir"
+    records = read_run(folder)
+    assert [(r.rank, r.world_size) for r in records] == [(0, 2), (1, 2)]
+    assert all([log["step"] for log in r.logs] == [5, 6, 7, 8] for r in records)
+    table = run_table(records, folder)
+    rss = next(row for row in table.rows if row.compared.run == "elixir/host_rss_gib")
+    assert rss.ranks == [max(log["elixir/host_rss_gib"] for log in r.logs) for r in records]
+    assert rss.plan == records[0].logs[-1]["elixir/plan_host_gib"] > 0  # half the chunks offloaded
+    written = (record_dir(folder) / "run_vs_plan.txt").read_text().splitlines()
+    assert written[1].split() == ["plan", "rank", "0", "rank", "1"]
+    assert written[1:] == table.text().splitlines()[1:]
+    assert (record_dir(folder) / "run_vs_plan.png").stat().st_size > 0
 
 
 def test_two_rank_resume_gives_the_same_losses(two_rank_run) -> None:

@@ -54,6 +54,16 @@ def test_cli_grammar(tmp_path, monkeypatch) -> None:
     assert _parse(["--elixir", "off"]).elixir_plugin is None  # the flag wins over the environment
 
 
+def test_the_plugin_is_no_argument(tmp_path) -> None:
+    """``elixir_plugin`` comes from ``--elixir``: no flag of its own, and not in ``to_dict`` (TensorBoard and W&B
+    write the arguments as JSON as training begins; an ElixirPlugin in them failed there)."""
+    args = _args(tmp_path, "auto")
+    assert args.elixir_plugin == ElixirPlugin() and "elixir_plugin" not in args.to_dict()
+    assert json.loads(args.to_json_string())["elixir"] == "auto"
+    with pytest.raises(ValueError, match="elixir_plugin"):
+        _parse(["--elixir_plugin", "auto"])
+
+
 def test_every_key_the_docs_name_is_accepted_and_every_setting_is_named(tmp_path) -> None:
     """docs/hf.md's key table and ``ElixirConfig.settings()`` (+ the plugin's ``PLUGIN_KEYS``) are the same
     keys; each one alone, at its documented default, parses (``record_update_rate: false``, the

@@ -112,7 +112,7 @@ def test_a_shared_disk_keeps_one_marker_and_resumes_on_two_nodes(one_node, tmp_p
     assert {optim_file_name(0, 2), optim_file_name(1, 2), OPTIM_INDEX, "model.safetensors"} <= set(marker["files"])
     _two_nodes([shared, shared], [str(shared / "checkpoint-4")] * 2, "shared")
     assert _losses(shared / "checkpoint-6") == _losses(one_node / "checkpoint-6")
-    assert sorted(p.name for p in shared.iterdir()) == ["checkpoint-4", "checkpoint-6"]
+    assert sorted(p.name for p in shared.iterdir()) == ["checkpoint-4", "checkpoint-6", "elixir_run"]
 
 
 def test_nodes_that_would_resume_from_different_steps_stop_before_loading(one_node, tmp_path) -> None:

@@ -6,6 +6,7 @@
     elixir-plan --model path/to/config.json --hardware hw.json --json
     elixir-plan --model llama3-8b --elixir '{"offload": 0.5, "n_blocks": "min"}'   # what the run's --elixir says
     elixir-plan --measure-hardware hw.json        # on the GPU machine: its profile, for planning elsewhere
+    elixir-plan --run out/                        # a Trainer run's measured numbers against its plan, per rank
 
 The model is built from its config on the meta device, one training step is profiled on fake
 tensors, and the planner picks chunk size, rCache size and offloaded chunks for the given GPUs and
@@ -16,7 +17,8 @@ never timed with a CPU's rates. Host memory goes with the GPU's profile unless `
 otherwise (``plan_hardware.py``). What the run asks of the engine is its ``--elixir`` JSON (the
 same keys, the same parser: ``ElixirPlugin``), of which ``--dtype``, ``--gpu-memory``,
 ``--device-lane`` and ``--stock-loss`` are shorthands. This module parses the command line;
-``plan_report.py`` makes the report, ``plan_plot.py`` draws it.
+``plan_report.py`` makes the report, ``plan_plot.py`` draws it; ``plan_run.py`` holds a run against
+its plan (``--run``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ examples:
   elixir-plan --model llama3-8b --seq-len 2048 --gpus 2 --gpu a100-80gb   (a card you do not own)
   elixir-plan --model llama3-8b --elixir '{"offload": 0.5, "cpu_threads": 6}'   (the run's --elixir keys)
   elixir-plan --measure-hardware hw.json   (on the GPU machine; then --hardware hw.json elsewhere)
+  elixir-plan --run out/   (an Elixir Trainer run's --output_dir: predicted vs measured, per rank)
 
 Sizes: 80GiB, 80G (binary), 80GB (decimal), 512MiB; a bare number is GiB."""
 
@@ -185,17 +188,37 @@ def _parser() -> argparse.ArgumentParser:
         help="measure this machine, write its profile to PATH, exit "
         "(CPU Adam per rank for 1, 2, 4, 8 and all its GPUs' ranks, each count by as many processes at once)",
     )
+    p.add_argument(
+        "--run",
+        metavar="OUTPUT_DIR",
+        help="an Elixir Trainer run (its --output_dir) against its plan, per rank: predicted and measured step "
+        "time and its phases, GPU peak, host memory; a table, and a PNG into OUTPUT_DIR/elixir_run (or --plot "
+        "PNG; with matplotlib); takes --plot and --json only",
+    )
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.measure_hardware:
         return _measure(args.measure_hardware)
+    if args.run:
+        default = vars(parser.parse_args([]))
+        given = [
+            a.option_strings[0]
+            for a in parser._actions
+            if a.dest in default and getattr(args, a.dest) != default[a.dest]
+        ]
+        if extra := [flag for flag in given if flag not in ("--run", "--plot", "--json")]:
+            parser.error(f"--run reads a run's records and takes --plot and --json only, not {', '.join(extra)}")
+        from .plan_run import run_command
+
+        return run_command(args.run, png=args.plot, as_json=args.json)
     if not args.model:
-        _parser().error("--model is required (or --measure-hardware)")
+        parser.error("--model is required (or --measure-hardware, or --run)")
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # before the seconds of planning
-        _parser().error(f"--plot {args.plot} needs matplotlib: pip install 'elixir-hf[plot]'")
+        parser.error(f"--plot {args.plot} needs matplotlib: pip install 'elixir-hf[plot]'")
     try:
         hardware, note = plan_hardware(args)
     except ValueError as exc:  # names the value and the fix: no usage text around it
@@ -204,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = _elixir_config(args)
     except ElixirSpecError as exc:
-        _parser().error(str(exc))
+        parser.error(str(exc))
     try:
         report = plan_report(args, config, hardware, note)
     except PlanError as exc:

@@ -273,7 +273,10 @@ def test_trl_sft_with_a_lora_adapter(model_dir, tmp_path, monkeypatch) -> None:
         _close(_history(tmp_path / "elixir", key), _history(tmp_path / "stock", key), key)
     files = {p.name for p in (tmp_path / "elixir").iterdir()}
     assert {"adapter_model.safetensors", "adapter_config.json"} <= files and "model.safetensors" not in files
-    assert files == {p.name for p in (tmp_path / "stock").iterdir()} | {"elixir_plan.json"}  # + the plan file
+    assert files == {p.name for p in (tmp_path / "stock").iterdir()} | {
+        "elixir_plan.json",
+        "elixir_run",
+    }  # + the plan, the run
     ours, stock = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("elixir", "stock"))
     assert ours.keys() == stock.keys() and all("lora_" in k for k in ours)
     for key in ours:
