@@ -84,6 +84,10 @@ class Preemption(TrainerCallback):
         """Which rank got which signal (``SIGTERM on rank 1``), once the ranks agreed to stop."""
         self.preempted: str | None = None
         """How the run ended, once it did: the signals and the checkpoint (or none) it left."""
+        self.decided: tuple[float, float] | None = None
+        """Once the ranks agreed to stop at a step's end: (the save's predicted seconds, the grace left), the job's."""
+        self.saved: tuple[float, float] | None = None
+        """The preemption's checkpoint, on this rank: (seconds writing it, from the step's end; seconds verifying it)."""
         self._save_from: float | None = None
         self._save_s = 0.0
         self._save_bytes: int | None = None
@@ -118,6 +122,7 @@ class Preemption(TrainerCallback):
         everyone = _gather((self.signal, self._grace_left(), self._predicted_s()))
         self.signals = who = _who(name for name, _, _ in everyone)
         left, predicted = min(e[1] for e in everyone), max(e[2] for e in everyone)
+        self.decided = (predicted, left)
         control.should_save = predicted <= left
         if control.should_save:
             _say(
@@ -147,8 +152,9 @@ class Preemption(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         folder = os.path.join(self.trainer._get_output_dir(trial=None), f"checkpoint-{state.global_step}")
+        written = time.monotonic() - self._save_from if self._save_from is not None else 0.0
         if self._save_from is not None:
-            self._save_s = max(self._save_s, time.monotonic() - self._save_from)
+            self._save_s = max(self._save_s, written)
             self._save_bytes = _checkpoint_bytes(folder)
         if not self.stopping:  # a signal during this save: every rank stops after it
             signals = _gather(self.signal)
@@ -159,7 +165,8 @@ class Preemption(TrainerCallback):
             control.should_training_stop = True
         started = time.monotonic()
         verify(folder, args.process_index, args.should_save)
-        self.preempted = f"{self.signals}, with {folder} complete and verified ({time.monotonic() - started:.1f} s)"
+        self.saved = (written, time.monotonic() - started)
+        self.preempted = f"{self.signals}, with {folder} complete and verified ({self.saved[1]:.1f} s)"
 
     # ------------------------------------------------------------------ the end
     def exit_if_preempted(self) -> None:

@@ -1,10 +1,8 @@
-"""A 2-rank ElixirTrainer job (run by ``torchrun`` in ``test_rank_local_forward.py``) in which rank 0
-alone, after step 2, runs a forward (``argv[2] == "forward"``) or saves the model (``"save"``), as a
-main-process-only callback would, with a 2 s lockstep timeout. Each rank writes what it raised, and
-when, to ``<argv[1]>/rank<r>.json``.
-
-A rank that fails waits for the other rank's report before it exits: ``torchrun`` stops the other
-ranks 0.1 s after one exits, which would race with the report."""
+"""A 2-rank ElixirTrainer job (``run_ranks`` in ``test_rank_faults.py``, on the CPU or a GPU each) in
+which rank 0 alone, after step 2, runs a forward (``argv[2] == "forward"``) or saves the model
+(``"save"``), as a main-process-only callback would, with a 2 s lockstep timeout. It marks
+``<argv[1]>/diverged`` (the time) first; each rank that raises writes what, and when, to
+``<argv[1]>/rank<r>.json``."""
 
 from __future__ import annotations
 
@@ -20,6 +18,7 @@ sys.path[:0] = [
 
 import torch  # noqa: E402
 from hf_cases import TokenDataset, make_trainer, training_args  # noqa: E402
+from launch import backend_args  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 CONFIG = '{"mode": "static", "n_blocks": "min", "offload": 0.5, "lockstep_timeout_s": 2}'
@@ -35,13 +34,13 @@ class MainProcessOnly(TrainerCallback):
                 f.write(str(time.time()))
             if self.what == "forward":
                 with torch.no_grad():
-                    model(input_ids=TokenDataset(2).ids)
+                    model(input_ids=TokenDataset(2).ids.to(args.device))
             else:
                 self.trainer.save_model(os.path.join(self.out, "saved"))
 
 
 def main(out: str, what: str) -> None:
-    args = training_args(out, CONFIG, max_steps=4, eval_strategy="no", ddp_backend="gloo", ddp_timeout=120)
+    args = training_args(out, CONFIG, max_steps=4, eval_strategy="no", **backend_args(), ddp_timeout=120)
     trainer = make_trainer("gpt2", args, n_train=64)
     callback = MainProcessOnly(what, out)
     callback.trainer = trainer
@@ -53,10 +52,6 @@ def main(out: str, what: str) -> None:
         report = {"type": type(exc).__name__, "message": str(exc), "time": time.time()}
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(report, f)
-        other = os.path.join(out, f"rank{1 - rank}.json")
-        deadline = time.monotonic() + 60
-        while not os.path.exists(other) and time.monotonic() < deadline:
-            time.sleep(0.1)
         raise
 
 

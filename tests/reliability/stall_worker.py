@@ -1,19 +1,25 @@
-"""A 2-rank ElixirTrainer job (run by ``torchrun`` in ``test_stalled_rank.py``) in which rank 1 stops
-itself (SIGSTOP, as ctrl-Z or a debugger would) at ``argv[2]``: ``forward``, the start of step 3 (rank 0
-waits in the forward's check-in), or ``save``, inside the optimizer save of ``checkpoint-2`` (rank 0
-waits in the save's gather, a collective on the default group, whose ``--ddp_timeout`` is 120 s).
-Lockstep timeout 3 s. Rank 0 writes its pid and its default group's gloo timeout to
-``<argv[1]>/rank0.json`` when training starts; rank 1 marks ``<argv[1]>/stopping`` as it stops, and
-leaves a process that kills it once rank 0 has ended (``torchrun`` would wait 30 s for a stopped rank
-before it kills it)."""
+"""ElixirTrainer jobs (``run_ranks`` in ``test_rank_faults.py``, on the CPU or a GPU each) in which a rank
+stops answering: 4 steps, a checkpoint every 2, lockstep timeout 3 s, ``--ddp_timeout`` 120 s.
+
+``stall_worker.py OUT FAULT WHERE RANK``: rank ``RANK`` stops itself (``FAULT`` ``stop``: SIGSTOP, as
+ctrl-Z or a debugger would) or dies (``kill``: SIGKILL, as the OOM killer would) at ``WHERE``: ``step``,
+inside step 3's forward (the last block's; the others wait in a chunk's gather), or ``save``, inside
+its optimizer save of ``checkpoint-4`` (the others wait in the save's gather, on the default group).
+``checkpoint-2`` is the newest complete one then. It marks ``OUT/fault`` (the time) first; the
+lowest other rank writes its pid and its default group's timeout to ``OUT/waiting.json`` when training
+starts.
+
+``stall_worker.py OUT resume FOLDER...``: the same job uninterrupted, in ``OUT/straight``, then each
+``FOLDER`` resumed from its newest complete checkpoint to the end; rank 0 writes every run's losses
+to ``OUT/losses.json``."""
 
 from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import sys
+import time
 
 sys.path[:0] = [
     os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "elixir_hf"),
@@ -22,7 +28,8 @@ sys.path[:0] = [
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from hf_cases import make_trainer, training_args  # noqa: E402
+from hf_cases import history, make_trainer, training_args  # noqa: E402
+from launch import backend_args, on_cuda  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 import elixir_hf.trainer  # noqa: E402
@@ -31,42 +38,72 @@ CONFIG = '{"mode": "static", "n_blocks": "min", "offload": 0.5, "lockstep_timeou
 DDP_TIMEOUT = 120
 
 
-def stop(out: str) -> None:
-    with open(os.path.join(out, "rank0.json")) as f:
-        rank0 = json.load(f)["pid"]
-    if os.fork() == 0:  # waits for rank 0's end (a pidfd), then kills its stopped parent
-        select.select([os.pidfd_open(rank0)], [], [])
-        os.kill(os.getppid(), signal.SIGKILL)
-        os._exit(0)
-    open(os.path.join(out, "stopping"), "w").close()
-    os.kill(os.getpid(), signal.SIGSTOP)
+def fault(out: str, how: str) -> None:
+    with open(os.path.join(out, "fault"), "w") as f:
+        f.write(str(time.time()))
+    os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
 
 
-class Report(TrainerCallback):
-    def __init__(self, out: str, where: str) -> None:
-        self.out, self.where = out, where
+class Fault(TrainerCallback):
+    def __init__(self, out: str, how: str, where: str, rank: int) -> None:
+        self.out, self.how, self.where, self.rank = out, how, where, rank
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        if args.process_index == 0:
-            backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
-            with open(os.path.join(self.out, "rank0.json"), "w") as f:
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if args.process_index == min({0, 1} - {self.rank}):
+            group = dist.distributed_c10d._get_default_group()
+            backend = group._get_backend(torch.device("cuda" if on_cuda() else "cpu"))
+            with open(os.path.join(self.out, "waiting.json"), "w") as f:
                 json.dump({"pid": os.getpid(), "ddp_timeout_s": backend.options._timeout.total_seconds()}, f)
+        if self.where == "step" and args.process_index == self.rank:
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        if self.where == "forward" and args.process_index == 1 and state.global_step == 2:
-            stop(self.out)
+            def inside_step_3(*_) -> None:
+                if state.global_step == 2:
+                    fault(self.out, self.how)
+
+            model.transformer.h[-1].register_forward_pre_hook(inside_step_3)
 
 
-def main(out: str, where: str) -> None:
+def trainer(out: str):
     args = dict(max_steps=4, save_strategy="steps", save_steps=2, eval_strategy="no")
-    args = training_args(out, CONFIG, **args, ddp_backend="gloo", ddp_timeout=DDP_TIMEOUT)
-    trainer = make_trainer("gpt2", args, n_train=64)
-    trainer.add_callback(Report(out, where))
-    if where == "save" and args.process_index == 1:
+    return make_trainer(
+        "gpt2", training_args(out, CONFIG, **args, **backend_args(), ddp_timeout=DDP_TIMEOUT), n_train=64
+    )
+
+
+def main(out: str, how: str, where: str, rank: int) -> None:
+    job = trainer(out)
+    job.add_callback(Fault(out, how, where, rank))
+    if where == "save" and job.args.process_index == rank:
         save = elixir_hf.trainer.save_optimizer
-        elixir_hf.trainer.save_optimizer = lambda *a, **kw: (stop(out), save(*a, **kw))[1]
-    trainer.train()
+
+        def faulty_save(folder, *args, **kwargs):
+            if os.path.basename(folder) == "checkpoint-4":
+                fault(out, how)
+            return save(folder, *args, **kwargs)
+
+        elixir_hf.trainer.save_optimizer = faulty_save
+    job.train()
+
+
+def resume(out: str, folders: list[str]) -> None:
+    straight = trainer(os.path.join(out, "straight"))
+    straight.train()
+    losses = {"straight": history(straight, "loss")}
+    for folder in folders:
+        resumed = trainer(folder)
+        resumed.train(resume_from_checkpoint=True)
+        losses[folder] = history(resumed, "loss", after_step=2)
+    if dist.get_rank() == 0:
+        with open(os.path.join(out, "losses.json"), "w") as f:
+            json.dump(losses, f)
+    dist.destroy_process_group()  # before the interpreter finalizes (gloo at exit)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if on_cuda():  # a resume compared bit for bit: cuBLAS's and torch's deterministic kernels where they have one
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    if sys.argv[2] == "resume":
+        resume(sys.argv[1], sys.argv[3:])
+    else:
+        main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))

@@ -2,35 +2,52 @@
 one silent for ``ElixirConfig.lockstep_timeout_s`` ends the job, naming it, with ``EXIT_STALLED``.
 
 A stopped rank (SIGSTOP, ctrl-Z, a debugger's stop, a frozen host or one cut off from the others)
-answers no collective and raises nothing: the others wait in their next collective until its
-timeout (30 minutes by default), and a collective's timeout names no rank. So each process of a
-multi-rank engine beats from a daemon thread ([Note: stopped, not busy]): every ``period`` (a tenth
-of the timeout, 0.05 to 5 s) it counts up its key in the default process group's store (under
-``torchrun`` the launcher's, which no rank holds up) and reads every rank's with one request.
+or a killed one (SIGKILL, the OOM killer) answers no collective: the others wait in their next
+collective until its timeout (30 minutes by default), which names no rank; on NCCL a killed peer
+does not even fail it. So each process of a multi-rank engine beats from a daemon thread ([Note:
+stopped, not busy]): every ``period`` (a tenth of the timeout, 0.05 to 5 s) it counts up its key in
+the default process group's store (under ``torchrun`` the launcher's, which no rank holds up) and
+reads every rank's with one request.
 
-This rank *needs* the others while it is armed: inside an engine step (from a training forward's
-check-in to ``ElixirOptimizer.zero_grad``) or a section the caller arms with ``armed()`` (the HF
-integration: the Trainer's ``train``, ``evaluate``, ``predict``, ``save_model``; Accelerate's
-``save_state``, ``load_state``). An armed rank that finds another rank's count unchanged for
-``timeout_s`` posts the verdict in the store (the first rank's wins), prints it and ends its
-process with ``EXIT_STALLED``: its main thread is blocked in a collective with the silent rank,
-which nothing can interrupt (a gloo abort waits for that rank too), and the job cannot go on
-without it. An armed rank that finds a verdict posted does
-the same; a rank whose collective failed first because a stopping rank left raises the verdict as
-its ``LockstepError`` (``distributed/peer_failure.py``). A rank that is not armed (working alone after
-``train()``) judges no one, and a process that ends or destroys its default group says so
-(``left``; the beat thread notices a destroyed group at its next beat), so that a rank still
-finishing is not taken for a silent one. Not armed, a stopped rank is caught by the
-collective's own timeout (the HF integration sets it from ``--ddp_timeout`` on every backend).
+This rank *needs* the others while it is armed: from any engine operation's check-in (a forward,
+``state_dict()``, ``full_params``) to the end of its step (``ElixirOptimizer.zero_grad``), and in a
+section the caller arms with ``armed()`` (the HF integration: the Trainer's ``train``, ``evaluate``,
+``predict``, ``save_model``; Accelerate's ``save_state``, ``load_state``). An armed rank that finds
+another rank's count unchanged for ``timeout_s`` posts the verdict in the store (the first rank's
+wins), prints it and ends its process with ``EXIT_STALLED``: its main thread is blocked in a
+collective with the silent rank, which nothing can interrupt (a gloo abort waits for that rank too),
+and the job cannot go on without it. An armed rank that finds a verdict posted does the same, and
+so does a rank whose collective failed because a rank left (``distributed/peer_failure.py``): every rank
+of the job exits alike. A rank that is not armed (working alone after ``train()``) judges no one,
+and a process that ends or destroys its default group says so (``left``; the beat thread notices a
+destroyed group at its next beat), so that a rank still finishing is not taken for a silent one.
+Not armed, a stopped rank is caught by the collective's own timeout (the HF integration sets it
+from ``--ddp_timeout`` on every backend).
 
 [Note: stopped, not busy]
 The beat comes from a thread, not from the training loop, so a rank that computes, writes a
 checkpoint or waits for the others keeps beating: torch's kernels, collectives, ``torch.save``,
 safetensors' writes and ``zlib.crc32`` release the GIL (measured: no gap over 0.05 s in a 600 MB
 ``save_file``, ``torch.save``, ``torch.load`` or CRC). A count that stops means a process that stopped
-running Python threads at all, not one that is slow. A store that the stopped rank hosts itself (a
-``tcp://`` rank-0 store, not ``torchrun``'s) blocks the beats of all: then the collectives' timeout is
-what ends the job.
+running Python threads at all, not one that is slow.
+
+[Note: the store's host]
+A store that a stopped rank hosts itself (rank 0 under ``init_method="env://"`` or ``tcp://``, not
+``torchrun``, whose launcher hosts it) answers nobody: every beat thread blocks in its read. A
+second thread watches the beat's store requests; one outstanding for the timeout while this rank is
+armed ends the process naming the store and, where rank 0 hosts it, rank 0 (the pid and host of its
+last beat). Nothing can be posted then: each rank judges alone, and alike. A rank that hosts the
+store and ends the job lingers two beats first, so that the others read the verdict before the
+store goes with it. A store host that is killed closes the store (the others' requests fail rather
+than wait): that is not told from a job's normal end, so the collectives' timeout ends the others.
+
+[Note: waits nothing releases]
+On gloo, a rank that gives up (``distributed/lockstep.py``) aborts its groups, which fails the
+collectives the others wait in, and they raise its posted message. On NCCL the wait is on the GPU
+(the host blocks in whatever synchronizes next) and neither a peer's abort nor its exit ends it. So
+where the engine's collectives are not all gloo, an armed rank's beat also reads its engine's
+``FailureBoard``: a message this rank has not raised itself within two beats ends its process with
+that message and ``EXIT_STALLED``.
 """
 
 from __future__ import annotations
@@ -38,25 +55,23 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import multiprocessing.util
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
 
 import torch.distributed as dist
 
-from .peer_failure import STALLED_KEY
+from .peer_failure import EXIT_STALLED, STALLED_KEY, FailureBoard, end_process
 
 __all__ = ["EXIT_STALLED", "armed", "start", "step_ended", "step_started", "stop_for_silent"]
 
-EXIT_STALLED = 69
-"""The exit status of every rank that stops because another rank stopped answering (sysexits.h's
-``EX_UNAVAILABLE``); a preempted run has its own (``elixir_hf.preemption.EXIT_PREEMPTED``)."""
-
 _LEFT = "left"
 _MIN_PERIOD_S, _MAX_PERIOD_S = 0.05, 5.0
+_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+"""Set (``True``) by ``torchrun``, whose launcher hosts the store; else rank 0 hosts it."""
 
 _sections = 0
 """``armed()`` sections this process is inside (the main thread's; the beat thread reads it)."""
@@ -75,7 +90,7 @@ def armed() -> Iterator[None]:
 
 
 def step_started() -> None:
-    """A training forward checked in: armed until ``step_ended``."""
+    """An engine operation checked in: armed until ``step_ended``."""
     global _in_step
     _in_step = True
 
@@ -85,29 +100,42 @@ def step_ended() -> None:
     _in_step = False
 
 
+def _needed() -> bool:
+    return bool(_sections or _in_step)
+
+
 class _Beat:
-    """This process's beat thread and what it has seen of the others."""
+    """This process's beat thread, the thread watching its store requests, and what they have seen."""
 
     def __init__(self, store: dist.Store, rank: int, ranks: Sequence[int], timeout_s: float) -> None:
         self.store, self.rank, self.timeout_s = store, rank, timeout_s
+        self.board: FailureBoard | None = None
+        self.releasable = True
+        """Every collective of the engine is gloo's: an abort releases them ([Note: waits nothing releases])."""
         self.keys = {r: f"elixir/beat/{r}" for r in ranks}
         self.me = f"pid {os.getpid()} on {socket.gethostname()}"
         now = time.monotonic()
         self.seen: dict[int, tuple[str, float]] = {r: ("", now) for r in ranks if r != rank}
         """Each other rank's last value and when it changed (this process's clock)."""
         self.count = 0
+        self.asking: float | None = None
+        """When the beat thread's outstanding store requests began (None: none outstanding)."""
+        self.posted_at: float | None = None
+        """When the beat first found the board's message ([Note: waits nothing releases])."""
         self.done = threading.Event()
-        self.lock = threading.Lock()  # ``seen``: the beat thread's, and a failed check-in's (``stop_for_silent``)
+        self.lock = threading.Lock()  # ``seen``: the beat thread's, and a failed collective's (``stop_for_silent``)
         self._beat()  # the key exists before any rank can read it
         self.thread = threading.Thread(target=self._run, name="elixir-heartbeat", daemon=True)
         self.thread.start()
+        self.watcher = threading.Thread(target=self._watch_store, name="elixir-heartbeat-store", daemon=True)
+        self.watcher.start()
 
     @property
     def period(self) -> float:
         return min(max(self.timeout_s / 10, _MIN_PERIOD_S), _MAX_PERIOD_S)
 
     def stop(self) -> None:
-        """Ends the thread and says this process left (a rank finishing later does not wait for it)."""
+        """Ends the threads and says this process left (a rank finishing later does not wait for it)."""
         self.done.set()
         if threading.current_thread() is not self.thread:
             self.thread.join(self.period + 1)  # not inside a store call when the group is destroyed at exit
@@ -123,16 +151,34 @@ class _Beat:
             if not (dist.is_initialized() and dist.distributed_c10d._get_default_store() is self.store):
                 self.stop()  # the group this beat belongs to was destroyed
                 return
+            self.asking = time.monotonic()
             try:
                 self._beat()
                 values = self.read()
-                if self.done.is_set() or not (_sections or _in_step):
+                if self.done.is_set() or not _needed():
                     continue
                 verdict = self._posted() or self.judge(values, self.timeout_s)
+                unreleased = None if verdict is not None else self._unreleased()
             except Exception:  # noqa: BLE001 - the store is gone (the job is ending): nothing to watch
                 return
+            finally:
+                self.asking = None
             if verdict is not None:
                 self.stop_job(verdict)
+            if unreleased is not None:
+                end_process(unreleased)
+
+    def _watch_store(self) -> None:
+        """[Note: the store's host]: a beat whose requests have not returned for the timeout."""
+        while not self.done.wait(self.period):
+            if not self.thread.is_alive():
+                return
+            since = self.asking
+            if since is None or not _needed() or time.monotonic() - since < self.timeout_s:
+                continue
+            time.sleep(self.period)  # a beat thread only starved of the GIL returns meanwhile
+            if self.asking == since and not self.done.is_set():
+                end_process(self._unreachable(time.monotonic() - since))
 
     def read(self) -> dict[int, str]:
         """Every other rank's value (all keys exist once every rank has started; until then, none)."""
@@ -151,14 +197,29 @@ class _Beat:
     def _posted(self) -> str | None:
         return self.store.get(STALLED_KEY).decode() if self.store.check([STALLED_KEY]) else None
 
+    def _unreleased(self) -> str | None:
+        """[Note: waits nothing releases]: the board's message, once this rank has left it unraised for two beats."""
+        if self.releasable or self.board is None or self.board.learned:
+            return None
+        message = self.board.posted()
+        if message is None:
+            self.posted_at = None
+            return None
+        self.posted_at = self.posted_at or time.monotonic()
+        if time.monotonic() - self.posted_at < 2 * self.period:  # the main thread may be about to raise it
+            return None
+        return (
+            f"{message} [rank {self.rank} ends too (exit status {EXIT_STALLED}): it waited in a collective on NCCL, "
+            "which that rank's error cannot release]"
+        )
+
     def stop_job(self, verdict: str) -> None:
         """Posts ``verdict`` (or takes the one posted first), prints it and ends this process."""
         with contextlib.suppress(Exception):
             verdict = self.store.compare_set(STALLED_KEY, "", verdict).decode()
-        with contextlib.suppress(Exception):  # what the script printed so far, then the verdict
-            sys.stdout.flush()
-        print(f"[rank {self.rank}] {verdict}", file=sys.stderr, flush=True)
-        os._exit(EXIT_STALLED)
+        if self.rank == 0 and os.environ.get(_AGENT_STORE) != "True":
+            time.sleep(2 * self.period)  # the store may be this process's: the others read the verdict first
+        end_process(verdict)
 
     def judge(self, values: dict[int, str], quiet_s: float) -> str | None:
         """The verdict naming each rank (pid, host) whose count has not moved for ``quiet_s``, if any."""
@@ -175,52 +236,91 @@ class _Beat:
         return (
             f"Elixir: a rank stopped answering: its heartbeat has not advanced ({who}; "
             f"ElixirConfig.lockstep_timeout_s={self.timeout_s:g}) while rank {self.rank} needed it in a step or a "
-            "save. Its process is stopped (SIGSTOP, ctrl-Z, a debugger) or hung outside Python, or its host is "
-            f"unreachable; every collective needs it, so every rank stops (exit status {EXIT_STALLED}). Resume from "
-            "the newest complete checkpoint (resume_from_checkpoint=True) once every rank runs."
+            f"save. {_STOPPED} {_RESUME}"
         )
 
+    def _unreachable(self, quiet: float) -> str:
+        """The verdict on a store that stopped answering ([Note: the store's host])."""
+        store = self.store
+        while isinstance(store, dist.PrefixStore):
+            store = store.underlying_store
+        where = f"{type(store).__name__} at {store.host}:{store.port}" if isinstance(store, dist.TCPStore) else ""
+        waited = f"for {quiet:.1f} s; ElixirConfig.lockstep_timeout_s={self.timeout_s:g}"
+        needed = f"while rank {self.rank} needed it in a step or a save"
+        if isinstance(store, dist.TCPStore) and os.environ.get(_AGENT_STORE) != "True" and 0 in self.seen:
+            host = self.seen[0][0].partition(" ")[2] or "its pid not read yet"
+            return (
+                f"Elixir: a rank stopped answering: rank 0 ({host}), which hosts the job's store ({where}: torch "
+                f"starts it on rank 0 under init_method env:// and tcp://), has not answered ({waited}) {needed}. "
+                f"{_STOPPED} (Under torchrun the launcher hosts the store, and a stopped rank 0 is named like any "
+                f"rank.) {_RESUME}"
+            )
+        host = "the launcher (torchrun) hosts it" if os.environ.get(_AGENT_STORE) == "True" else "its host"
+        return (
+            f"Elixir: the job's store ({where or type(store).__name__}; {host}) has not answered ({waited}) {needed}. "
+            f"Its process is stopped or hung, or its host is unreachable; every rank needs it, so every rank stops "
+            f"(exit status {EXIT_STALLED}). {_RESUME}"
+        )
+
+
+_STOPPED = (
+    "Its process is stopped (SIGSTOP, ctrl-Z, a debugger), killed, or hung outside Python, or its host is unreachable; "
+    f"every collective needs it, so every rank stops (exit status {EXIT_STALLED})."
+)
+_RESUME = "Resume from the newest complete checkpoint (resume_from_checkpoint=True) once every rank runs."
 
 _beat: _Beat | None = None
 
 
-def start(ranks: Sequence[int], timeout_s: float) -> None:
+def start(ranks: Sequence[int], timeout_s: float, board: FailureBoard, group: dist.ProcessGroup | None) -> None:
     """This process beats, and watches ``ranks`` (global ranks, this one among them), from now on: a
-    multi-rank engine calls it once built (``distributed/lockstep.py``). Another engine on the same
-    process group replaces the timeout; one on a new process group starts a new beat."""
+    multi-rank engine calls it once built (``distributed/lockstep.py``) with its ``FailureBoard`` and the
+    group of its collectives. Another engine on the same process group replaces the timeout and the
+    board; one on a new process group starts a new beat."""
     global _beat
     store = dist.distributed_c10d._get_default_store()
-    if _beat is not None and _beat.store is store and set(_beat.keys) == set(ranks):
-        _beat.timeout_s = timeout_s
-        return
-    if _beat is not None:
-        _beat.stop()
-    _beat = _Beat(store, dist.get_rank(), ranks, timeout_s)
-    _leave_at_exit()
+    if _beat is None or _beat.store is not store or set(_beat.keys) != set(ranks):
+        if _beat is not None:
+            _beat.stop()
+        _beat = _Beat(store, dist.get_rank(), ranks, timeout_s)
+        _leave_at_exit()
+    _beat.timeout_s, _beat.board, _beat.posted_at = timeout_s, board, None
+    _beat.releasable = {dist.get_backend(), dist.get_backend(group)} == {"gloo"}
 
 
 def stop_for_silent() -> None:
-    """Where a collective with the others timed out (a check-in, armed or not): if a rank has been
-    silent for the timeout, ends the job naming it, as the beat thread would. A rank silent for half
-    of it is watched until it beats again or reaches the timeout (at most the timeout more); one that
-    beats returns at once, and the caller raises its own error."""
+    """Where a collective with the others failed (armed or not): watches them until each has beaten
+    since or said it left (the caller then raises its own error), or ends the job as the beat thread
+    would if one has been silent for the timeout or a verdict is posted. At most the timeout and two
+    beats: a rank killed just before the failure is named."""
     if _beat is None:
         return
-    deadline = time.monotonic() + _beat.timeout_s
-    try:
-        while True:
-            values = _beat.read()
-            verdict = _beat.judge(values, _beat.timeout_s)
-            if verdict is not None:
-                _beat.stop_job(verdict)
-            if _beat.judge(values, _beat.timeout_s / 2) is None or time.monotonic() > deadline:
-                return
-            time.sleep(_beat.period)
-    except Exception:  # noqa: BLE001 - no store: the caller raises its own error
-        return
+    failed = time.monotonic()
+    deadline = failed + _beat.timeout_s + 2 * _beat.period
+    with armed():  # the store's watcher covers this wait too ([Note: the store's host])
+        try:
+            while True:
+                values = _beat.read()
+                verdict = _beat._posted() or _beat.judge(values, _beat.timeout_s)
+                if verdict is not None:
+                    _beat.stop_job(verdict)
+                with _beat.lock:
+                    answered = all(since >= failed or value == _LEFT for value, since in _beat.seen.values())
+                if (values and answered) or time.monotonic() > deadline:
+                    return
+                time.sleep(_beat.period)
+        except Exception:  # noqa: BLE001 - no store: the caller raises its own error
+            return
 
 
 @functools.cache
 def _leave_at_exit() -> None:
-    """At exit this process says it left (before ``_destroy_groups``: atexit runs in reverse order)."""
-    atexit.register(lambda: _beat is not None and _beat.stop())
+    """At exit this process says it left (before ``_destroy_groups``: atexit runs in reverse order); a
+    ``multiprocessing`` child (``torch.multiprocessing.spawn``) ends without atexit, with its finalizers."""
+    atexit.register(_leave)
+    multiprocessing.util.Finalize(None, _leave, exitpriority=0)
+
+
+def _leave() -> None:
+    if _beat is not None:
+        _beat.stop()

@@ -9,10 +9,12 @@ So each such operation starts with a check-in: the ranks all-gather (operation, 
 operations this rank has started) over a gloo group of their own, on the host, with a timeout
 of ``ElixirConfig.lockstep_timeout_s`` (60 s). Different entries fail on every rank at once,
 naming what each rank was starting; a rank that waits longer fails naming the operation it
-waited at, or, if a rank has stopped running, ends the job naming that rank (``heartbeat.py``,
-which also watches every other collective of a step). Either way the failing rank posts its message before it raises, and a rank that ran
-ahead into another collective raises that message when its collective fails, not gloo's
-transport error ([Note: the rank that ran ahead], ``distributed/peer_failure.py``). Cost: one host
+waited at, or, if a rank has stopped running or was killed, ends the job naming that rank
+(``heartbeat.py``, which also watches every other collective from the check-in to the step's end).
+Either way the failing rank posts its message before it raises, and a rank that ran ahead into
+another collective raises that message when its collective fails, not gloo's transport error, or on
+NCCL, where nothing releases it, ends with it ([Note: the rank that ran ahead],
+``distributed/peer_failure.py``). Cost: one host
 all-gather of 24 bytes per forward, no GPU synchronization. The third number is a rank's request
 to stop (``request_stop``): every rank learns it from the same check-in, without a collective of
 its own. ``full_params``
@@ -73,7 +75,8 @@ class Lockstep:
                 ranks, timeout=timedelta(seconds=timeout_s), backend="gloo", use_local_synchronization=True
             )
             self.board = coll.board = FailureBoard(self.group.group_name)
-            heartbeat.start(ranks, timeout_s)  # a rank that stops answering is named (distributed/heartbeat.py)
+            self.board.watch = heartbeat.stop_for_silent  # a failed collective: a rank killed or stopped is named
+            heartbeat.start(ranks, timeout_s, self.board, coll.group)  # so is one that stops answering
 
     def request_stop(self) -> None:
         """This rank asks every rank to stop (the HF integration's preemption: ``elixir_hf/preemption.py``):
@@ -87,16 +90,14 @@ class Lockstep:
         """Returns once every rank is starting ``op`` as its operation number ``self.started``."""
         if self.group is None:
             return
-        if op is Op.TRAINING_FORWARD:
-            heartbeat.step_started()
+        heartbeat.step_started()  # this rank needs the others until its step ends (distributed/heartbeat.py)
         mine = torch.tensor([int(op), self.started, int(self._asked)], dtype=torch.int64)
         self.started += 1
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
         try:
             self._held.run(dist.all_gather, everyone, mine, group=self.group)
         except RuntimeError as exc:  # gloo: timeout, or a rank that gave up and left
-            self.board.raise_posted(exc, "its check-in")  # a rank that gave up first: its reason
-            heartbeat.stop_for_silent()  # a rank that stopped running: named, and the job ends
+            self.board.raise_posted(exc, "its check-in")  # a rank that gave up first, or stopped: its reason
             error = self.board.post(
                 f"Elixir: rank {self.rank} started {_WHAT[op]} (its operation #{mine[1]}) and the other ranks did not "
                 f"start one within {self.timeout_s:g} s, or one of them stopped waiting ({type(exc).__name__}: "
