@@ -43,9 +43,9 @@ from typing import Any
 
 import torch
 
+from .harness import LR, MAX_GRAD_NORM, WEIGHT_DECAY
 from .hostmem import peak_rss_bytes
 from .models import build_meta, count_params, preset
-from .systems import LR, MAX_GRAD_NORM, WEIGHT_DECAY
 
 REPO = Path(__file__).resolve().parents[1]
 EXIT_PREEMPTED = 75  # elixir_hf.preemption.EXIT_PREEMPTED; the driver does not import the Trainer stack
