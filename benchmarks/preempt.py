@@ -13,6 +13,8 @@ on ``meta``, its init drawn in each rank's shards (bf16 on GPUs; ``benchmarks/mo
    grace (``--grace``, as ``ELIXIR_PREEMPT_GRACE_S``), verifies it and exits 75;
 2. the resume: the same arguments with ``resume_from_checkpoint=True``, to ``--steps``.
 
+``--phase run`` or ``--phase resume`` runs one of them (the resume reads ``--out``'s checkpoint).
+
 Prints one JSON object on stdout (the jobs' output goes to stderr): per rank of the run, its exit
 status, the seconds from its signal to the end of the step it stopped after, the save's seconds
 (writing, from that step's end; verifying: every file's size and CRC-32), the predicted save and the
@@ -63,6 +65,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--signal-rank", default="all", help="'all', or the one rank signalled")
     ap.add_argument("--grace", type=float, default=1800.0, help="preempt_grace_s: seconds a save may take")
     ap.add_argument("--out", required=True, help="the run's output_dir (the checkpoint is written there)")
+    ap.add_argument(
+        "--phase", choices=("both", "run", "resume"), default="both", help="one job only (each within a time limit)"
+    )
     ap.add_argument("--worker", choices=("run", "resume"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if not 1 <= args.signal_at <= args.steps - 2:
@@ -83,18 +88,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.gpus and torch.cuda.device_count() < args.gpus:
         sys.exit(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} GPUs")
     out = Path(args.out)
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
     params = count_params(build_meta(preset(args.model), args.seq))
-    needed = params * (2 if args.gpus else 4) + 12 * params
-    free = shutil.disk_usage(out).free
-    if free < needed * 1.05:
-        sys.exit(
-            f"--out {out}: its disk has {free / 1e9:.1f} GB free and the checkpoint of {args.model} needs "
-            f"{needed / 1e9:.1f} GB (weights and Adam state): pass --out on a disk with more room"
-        )
+    if args.phase != "resume":
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        needed = params * (2 if args.gpus else 4) + 12 * params
+        free = shutil.disk_usage(out).free
+        if free < needed * 1.05:
+            sys.exit(
+                f"--out {out}: its disk has {free / 1e9:.1f} GB free and the checkpoint of {args.model} needs "
+                f"{needed / 1e9:.1f} GB (weights and Adam state): pass --out on a disk with more room"
+            )
+    elif not any(out.glob("checkpoint-*")):
+        sys.exit(f"--phase resume: {out} holds no checkpoint; run --phase run (or both) with this --out first")
     report: dict[str, Any] = {"model": args.model, "params": params, "ranks": ranks, "device": _device(args)}
-    for phase in ("run", "resume"):
+    for phase in ("run", "resume") if args.phase == "both" else (args.phase,):
         started = time.monotonic()
         proc = subprocess.run(_command(args, ranks, phase), cwd=REPO, env=_env(args, ranks), stdout=sys.stderr)
         report[phase] = {
@@ -102,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
             "wall_s": round(time.monotonic() - started, 1),
             "ranks": [_read(out / f"{phase}-rank{r}.json") for r in range(ranks)],
         }
-    saves = [r["save"] for r in report["run"]["ranks"] if r and r.get("save")]
+    saves = [r["save"] for r in report.get("run", {"ranks": []})["ranks"] if r and r.get("save")]
     if saves:
         folder = Path(saves[0]["checkpoint"])
         size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
