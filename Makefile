@@ -36,8 +36,10 @@ $(COMPAT)/.installed: $(STAMP)
 	$(VPY) -m pip install -q --no-deps --target $(COMPAT) $(COMPAT_PINS)
 	touch $@
 
-# Both passes on every core (pytest-xdist), a module per worker at a time (its fixtures built once).
-XDIST := -n auto --dist loadfile
+# Both passes on every core and one more (pytest-xdist), a module per worker at a time (its fixtures built
+# once): the multi-process tests spend much of their time waiting on their ranks, leaving a core idle.
+WORKERS := $(shell echo $$(( $$(nproc) + 1 )))
+XDIST := -n $(WORKERS) --dist loadfile
 
 # The lint gate, before every test run and in CI: ruff's lint and format check ([tool.ruff]; `ruff format` and
 # `ruff check --fix` repair most of it), the type check ([tool.mypy]: its files, strict where it says), and

@@ -95,6 +95,7 @@ def test_launch_check_compares_the_launched_ranks(monkeypatch) -> None:
     check_launch(2)
 
 
+@pytest.mark.once  # accelerate's launcher, not transformers code: the newest transformers only
 def test_accelerate_launch_of_2_cpu_processes_without_use_cpu_says_it_once(tmp_path) -> None:
     """The mistake as a user makes it: ``accelerate launch`` with a 2-GPU config on a host without
     GPUs, a Trainer script without --use_cpu, through ``elixir-run``. One message, from rank 0; no

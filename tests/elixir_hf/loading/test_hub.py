@@ -180,6 +180,7 @@ def test_two_ranks_in_a_process_group_download_once(repos, tmp_path) -> None:
         assert all(torch.equal(r["weights"][k], want[k]) for k in want)
 
 
+@pytest.mark.once  # the wait on torchrun's store; the 2-rank gloo test runs the loading on both versions
 def test_two_torchrun_ranks_before_a_process_group_wait_on_the_launchers_store(repos, tmp_path) -> None:
     """A script that loads its model before anything builds a process group (``hub_worker.py``): rank 1
     waits on torchrun's store for local rank 0's download, then reads the cache alone."""
