@@ -131,28 +131,6 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {  # name: (HF model_type, its 
             "use_sliding_window": False,
         },
     ),
-    "llama3.1-8b": (  # Llama-3-8B's shape; 128K positions by llama3 rope scaling
-        "llama",
-        {
-            "hidden_size": 4096,
-            "num_hidden_layers": 32,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "intermediate_size": 14336,
-            "vocab_size": 128256,
-            "max_position_embeddings": 131072,
-            "rope_theta": 500000.0,
-            "rope_scaling": {
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192,
-            },
-            "rms_norm_eps": 1e-5,
-            "tie_word_embeddings": False,
-        },
-    ),
     "qwen2.5-14b": (
         "qwen2",
         {
@@ -186,6 +164,22 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {  # name: (HF model_type, its 
         },
     ),
 }
+
+# Llama-3.1-8B: Llama-3-8B's shape, 128K positions by llama3 rope scaling
+PRESETS["llama3.1-8b"] = (
+    "llama",
+    {
+        **PRESETS["llama3-8b"][1],
+        "max_position_embeddings": 131072,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    },
+)
 
 ALIASES: dict[str, str] = {
     "gpt2-xl": "gpt2-1.5b",  # the Hub's name; docs/planning.md's measured table
