@@ -67,7 +67,7 @@ GPU_SUITES := tests/elixir_runtime/test_parity.py tests/elixir_runtime/test_mixe
 
 test-gpu:
 	$(OFFLINE_ENV) ELIXIR_TEST_DEVICE=cuda $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m "not perf" $(GPU_SUITES)
-	$(OFFLINE_ENV) $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m "gpu and not perf"
+	$(OFFLINE_ENV) ELIXIR_TEST_DEVICE=cuda $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m "gpu and not perf"
 
 test-perf: $(STAMP)
 	$(OFFLINE_ENV) $(VPY) -m pytest -q -m perf

@@ -9,7 +9,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
+
+# `make test` on a GPU machine runs as on a CPU-only one: the suite, its ranks and the processes it
+# launches see no GPU (a test's result must not depend on the machine, and a rank forked from a
+# forkserver that touched CUDA cannot use it). `ELIXIR_TEST_DEVICE=cuda` (`make test-gpu`) shows them.
+if os.environ.get("ELIXIR_TEST_DEVICE", "cpu") == "cpu":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+import torch  # noqa: E402 - after the GPUs are hidden (torch reads CUDA_VISIBLE_DEVICES once)
 
 from elixir_runtime.progress import set_progress_factory
 from helpers import dist as dist_harness
@@ -92,7 +99,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.once)
     if torch.cuda.is_available():
         return
-    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    skip_gpu = pytest.mark.skip(reason="needs CUDA: make test-gpu (ELIXIR_TEST_DEVICE=cuda) runs it")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)

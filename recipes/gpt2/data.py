@@ -1,6 +1,6 @@
 """Text, tokenizer and blocks for the GPT-2 recipe, with ``datasets`` as run_clm.py does, offline by default.
 
-* The default corpus is the source code of Python's standard library (its ``.py`` files outside
+* The default corpus is the source code of Python's standard library (its ``.py`` files of 1 kB or more outside
   the test suites: ~12.6 MB, ~3.3M tokens of the recipe's 8192-token BPE on Python 3.11), so the
   recipe needs no download and the GPU default (200 steps of 8 x 1024 tokens, 1.6M tokens) sees
   about half an epoch. It is deterministic for a given Python version: the files in a fixed
@@ -39,6 +39,9 @@ from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 __all__ = ["cache_dir", "stdlib_corpus", "load_raw", "train_tokenizer", "lm_datasets"]
 
 EOS = "<|endoftext|>"
+MIN_DOCUMENT_BYTES = 1000
+"""Smaller standard-library files (empty ``__init__.py`` files, which some Python builds ship many
+of) are left out of the default corpus: a small held-out split of them could hold no whole block."""
 STREAMED_TOKENIZER_TEXTS = 10_000
 """With ``--streaming`` and no tokenizer, the BPE is trained on the stream's first documents."""
 
@@ -56,6 +59,7 @@ def stdlib_corpus(max_mb: float | None = None) -> Path:
         p
         for p in root.rglob("*.py")
         if not {"test", "tests", "site-packages", "__pycache__"} & set(p.relative_to(root).parts[:-1])
+        and p.stat().st_size >= MIN_DOCUMENT_BYTES
     ]
     files.sort(key=lambda p: hashlib.sha256(p.relative_to(root).as_posix().encode()).hexdigest())
     version = f"py{sys.version_info.major}.{sys.version_info.minor}"
@@ -183,4 +187,11 @@ def lm_datasets(
     tokenized = raw.map(
         tokenize, batched=True, remove_columns=columns(raw["train"]), **options("Running tokenizer on dataset")
     )
-    return tokenized.map(group_texts, batched=True, **options(f"Grouping texts in chunks of {block_size}"))
+    blocks = tokenized.map(group_texts, batched=True, **options(f"Grouping texts in chunks of {block_size}"))
+    for name, split in ({} if streaming else blocks).items():
+        if len(split) == 0:
+            raise SystemExit(
+                f"the {name} split holds fewer than {block_size} tokens, not one block of --block_size {block_size}: "
+                "give it more text (--corpus_mb, --validation_split_percentage) or lower --block_size"
+            )
+    return blocks

@@ -143,6 +143,23 @@ def test_text_files_keep_or_drop_line_breaks(recipe, tmp_path) -> None:
     assert list(dropped["train"]["text"]) == ["second line", "third line"]
 
 
+def test_a_split_without_one_block_is_an_error_naming_the_fix(recipe, tmp_path) -> None:
+    """A held-out split too small for one block would evaluate on nothing (a Trainer logs no eval_loss)."""
+    path = tmp_path / "corpus.txt"
+    path.write_text("a long enough line of text to make several blocks of the training split\n" * 40 + "tiny\n")
+    raw = recipe.data.load_raw(_data_args(train_file=str(path), validation_split_percentage=50), str(tmp_path))
+    raw["validation"] = raw["validation"].select([len(raw["validation"]) - 1])  # "tiny" alone
+    tokenizer = recipe.data.train_tokenizer(recipe.data.training_texts(raw, False), 300, 32)
+    with pytest.raises(SystemExit, match=r"the validation split holds fewer than 32 tokens.*--block_size"):
+        recipe.data.lm_datasets(raw, tokenizer, 32)
+
+
+def test_the_default_corpus_leaves_out_small_files(recipe) -> None:
+    """Some Python builds ship many empty ``__init__.py`` files; a held-out split of them holds no block."""
+    texts = [json.loads(line)["text"] for line in recipe.data.stdlib_corpus(0.3).read_text().splitlines()]
+    assert min(len(t.encode()) for t in texts) >= recipe.data.MIN_DOCUMENT_BYTES
+
+
 def test_default_corpus_covers_the_gpu_default(recipe) -> None:
     """The GPU default (``gpt2``: 200 steps of 8 x 1024 tokens) must see well under two epochs of the
     default corpus: at the 3.8 characters per token measured for the recipe's 8192-token BPE on it

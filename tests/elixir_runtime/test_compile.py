@@ -61,8 +61,10 @@ def _train(checkpointing: bool, compiled: bool) -> tuple[list[float], dict, list
 def test_compiled_blocks_train_as_eager(checkpointing: bool) -> None:
     want_losses, want, _ = _train(checkpointing, compiled=False)
     losses, state, seen = _train(checkpointing, compiled=True)
-    assert losses == want_losses
-    assert max_weight_diff(state, want) == 0
+    # Bit-identical on the CI machine's CPU; inductor vectorises for the CPU it runs on, and an H200
+    # host's ended one float32 ulp (3.7e-9) away in a weight after three steps.
+    assert losses == pytest.approx(want_losses, rel=1e-6)
+    assert max_weight_diff(state, want) < 1e-7
     assert seen == [(0, 0), (1, 1), (2, 1), (3, 1)]  # eager first forward; one graph for both layers
     stats = er.compile_stats()
     assert stats.graphs == 1 and stats.graph_breaks == 0 and stats.compile_s > 0

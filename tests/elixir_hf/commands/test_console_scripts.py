@@ -4,12 +4,13 @@ the fix: ``--plot`` without matplotlib (an extra: ``elixir-hf[plot]``), a checkp
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import importlib.util
 import tomllib
 from pathlib import Path
 
 import pytest
+
+import elixir_hf
 
 ROOT = Path(__file__).resolve().parents[3]
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
@@ -27,7 +28,7 @@ def test_every_console_script_says_its_version(script: str, capsys) -> None:
     except SystemExit as exit:
         assert exit.code in (0, None)
     out = capsys.readouterr().out.strip()
-    assert out.startswith(f"{script} ") and out.endswith(f" {importlib.metadata.version('elixir-hf')}"), out
+    assert out.startswith(f"{script} ") and out.endswith(f" {elixir_hf.__version__}"), out
 
 
 def test_plot_without_matplotlib_names_the_extra(monkeypatch, capsys, tmp_path) -> None:

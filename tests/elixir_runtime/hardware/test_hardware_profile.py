@@ -168,14 +168,16 @@ def test_a_job_measures_cpu_adam_on_all_its_ranks_at_once_and_caches_it(tmp_path
     assert HardwareProfile.from_json(cache_path().read_text()).cpu_adam == first0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned copies to a GPU)")
+@pytest.mark.gpu  # pinned copies to a GPU
 def test_cpu_adam_is_timed_under_copies_both_ways() -> None:
     under, alone = measure.rank_cpu_adam(cpu_adam_threads(1), torch.device("cuda", 0), lambda: None, quick=True)
     assert 1e6 < under < 1e12 and 1e6 < alone < 1e12
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (one spawned rank per GPU)")
+@pytest.mark.gpu
 def test_spawned_ranks_measure_the_per_rank_rate_of_two_ranks() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (one spawned rank per GPU)")
     rate = measure.host_cpu_adam(2, quick=True)
     assert (rate.ranks, rate.threads) == (2, cpu_adam_threads(2)) and 1e6 < rate.under_copies <= rate.alone * 1.5
 
