@@ -34,6 +34,14 @@ def _hang_in_collective(rank: int, world_size: int) -> int:
     return rank
 
 
+def _fail_with_a_teardown_that_hangs(rank: int, world_size: int) -> int:
+    if rank == 1:
+        # as NCCL's teardown flushing a collective rank 0 never joins, not knowing rank 1 failed
+        dist.destroy_process_group = lambda *_: time.sleep(3600)
+        raise RuntimeError("rank one failed in a forward")
+    return rank
+
+
 def _crash_rank_one(rank: int, world_size: int) -> int:
     if rank == 1:
         os._exit(3)  # no Python exception, no report: like a segfault
@@ -68,6 +76,12 @@ def test_exception_in_one_rank_is_reported() -> None:
 def test_failed_rank_does_not_hang_peers() -> None:
     with pytest.raises(DistributedError, match="rank one died"):
         run_distributed(_hang_in_collective, 2, timeout=60)
+
+
+def test_an_error_is_reported_before_the_teardown() -> None:
+    """Else it comes only once the group is torn down, which under NCCL can wait for ever."""
+    with pytest.raises(DistributedError, match="rank one failed in a forward"):
+        run_distributed(_fail_with_a_teardown_that_hangs, 2, timeout=30)
 
 
 def test_silent_crash_is_reported() -> None:

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 import elixir_runtime as er
+from helpers.device import local_device
 from helpers.dist import run_distributed
 from helpers.models import ATTN_IMPL, MODEL_BUILDERS, make_batch, tiny_gpt2
 from helpers.training import max_weight_diff
@@ -94,7 +95,7 @@ def test_consolidated_state_dict_matches_plain(name: str) -> None:
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_load_plain_state_dict_gives_plain_logits(name: str, layout: str) -> None:
     build = MODEL_BUILDERS[name]
-    source = build(seed=7)
+    source = build(seed=7, device=local_device())
     batch = make_batch(source.config.vocab_size)
     source.eval()
     want = _logits(source, batch)
@@ -109,11 +110,11 @@ def test_load_plain_state_dict_gives_plain_logits(name: str, layout: str) -> Non
     torch.testing.assert_close(_logits(model, batch), want, rtol=0, atol=1e-6)
     sd = model.state_dict()
     for k, v in source.state_dict().items():
-        assert torch.equal(sd[k], v), k
+        assert torch.equal(sd[k], v.cpu()), k
 
 
 def test_load_without_tied_lm_head_is_strict_ok() -> None:
-    source = tiny_gpt2(seed=3)
+    source = tiny_gpt2(seed=3, device=local_device())
     batch = make_batch(source.config.vocab_size)
     source.eval()
     want = _logits(source, batch)
@@ -126,7 +127,7 @@ def test_load_without_tied_lm_head_is_strict_ok() -> None:
     assert list(result.missing_keys) == []
     torch.testing.assert_close(_logits(model, batch), want, rtol=0, atol=1e-6)
     sd = model.state_dict()
-    assert torch.equal(sd["lm_head.weight"], source.transformer.wte.weight.detach())
+    assert torch.equal(sd["lm_head.weight"], source.transformer.wte.weight.detach().cpu())
 
 
 def test_load_missing_untied_key_fails_strict() -> None:
@@ -153,7 +154,7 @@ def test_load_wrong_shape_is_size_mismatch() -> None:
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_load_safetensors_streams_to_the_same_model(tmp_path, name: str) -> None:
     """HF's file (tied lm_head not stored), a tensor at a time: the same logits as the source."""
-    source = MODEL_BUILDERS[name](seed=7).eval()
+    source = MODEL_BUILDERS[name](seed=7, device=local_device()).eval()
     source.save_pretrained(tmp_path)
     batch = make_batch(source.config.vocab_size)
     model, _ = _prepare(MODEL_BUILDERS[name](seed=0), batch, **LAYOUTS["big-chunks-full-offload"])
@@ -297,14 +298,14 @@ def test_save_pretrained_round_trip(tmp_path) -> None:
     assert "lm_head.weight" not in keys, "tied lm_head must be written once (as wte)"
     assert "transformer.wte.weight" in keys
 
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=ATTN_IMPL)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=ATTN_IMPL).to(local_device())
     loaded.eval()
     assert loaded.lm_head.weight is loaded.transformer.wte.weight
     torch.testing.assert_close(_logits(loaded, batch), want, rtol=0, atol=1e-6)
     # and the trained weights really moved away from the initial ones
     init = tiny_gpt2(seed=0).state_dict()
     assert not torch.equal(
-        loaded.state_dict()["transformer.h.0.mlp.c_fc.weight"], init["transformer.h.0.mlp.c_fc.weight"]
+        loaded.state_dict()["transformer.h.0.mlp.c_fc.weight"].cpu(), init["transformer.h.0.mlp.c_fc.weight"]
     )
 
 
@@ -328,7 +329,7 @@ def test_optimizer_state_loads_by_name_into_another_layout() -> None:
 
 
 def test_plain_torch_optimizer_state_is_rejected() -> None:
-    plain = tiny_gpt2(seed=0)
+    plain = tiny_gpt2(seed=0, device=local_device())
     batch = make_batch(128)
     plain_opt = _adamw(plain)
     plain(**batch).loss.backward()

@@ -2,10 +2,12 @@
 
 ``prepare`` without ``ElixirConfig.device`` computes on CUDA wherever CUDA is there, so on a GPU
 machine a test written for the CPU would put the model on the GPU and keep its batches on the CPU.
-``pin_engine_device`` makes such a ``prepare`` compute on the test device instead, in the test
-process (``tests/conftest.py``) and in every rank of ``helpers.dist``. With ``ELIXIR_TEST_DEVICE=cuda``
-the recipes of ``helpers.training`` put their batches and reference models on each rank's GPU too,
-and ``helpers.dist`` joins the ranks over NCCL.
+One rule instead: a test computes on ``local_device()``, the CPU or this process's GPU (each rank of
+``helpers.dist`` its own). ``pin_engine_device`` makes a ``prepare`` without a device compute there,
+in the test process (``tests/conftest.py``) and in every rank of ``helpers.dist``; the batches of
+``helpers.models`` and ``helpers.training`` are made there, and a plain-PyTorch model a test compares
+the engine against is put there (``device=local_device()`` of the tiny models' builders). A model
+that goes to ``prepare`` is built on the CPU, where a user's is.
 """
 
 from __future__ import annotations
@@ -22,19 +24,24 @@ if TEST_DEVICE not in ("cpu", "cuda"):
 ON_CUDA = TEST_DEVICE == "cuda"
 
 
-def rank_device(rank: int = 0) -> torch.device:
-    """The device rank ``rank`` computes on: the CPU, or its own GPU."""
+def rank_device(rank: int) -> torch.device:
+    """The device ``helpers.dist`` gives rank ``rank``: the CPU, or its own GPU (made its current one)."""
     return torch.device("cuda", rank) if ON_CUDA else torch.device("cpu")
 
 
-def pin_engine_device(rank: int | None = None, setattr=setattr) -> None:
-    """``prepare`` without ``ElixirConfig.device`` computes on ``rank``'s test device (default: the
-    process's ``LOCAL_RANK``, else 0). ``setattr``: a ``MonkeyPatch.setattr``, undone after the test."""
+def local_device(kind: str = TEST_DEVICE) -> torch.device:
+    """Where this process computes for a test on ``kind`` (``cpu`` or ``cuda``; a ``gpu`` test asks
+    for ``cuda`` whatever the suite's device): the CPU, or the current GPU (a rank's own, GPU 0 in
+    the test process)."""
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+
+
+def pin_engine_device(setattr=setattr) -> None:
+    """``prepare`` without ``ElixirConfig.device`` computes on ``local_device()``. ``setattr``: a
+    ``MonkeyPatch.setattr``, undone after the test."""
     unpinned = engine_api._resolve_device
 
     def resolve(config):
-        if config.device is not None:
-            return unpinned(config)
-        return rank_device(int(os.environ.get("LOCAL_RANK", "0")) if rank is None else rank)
+        return unpinned(config) if config.device is not None else local_device()
 
     setattr(engine_api, "_resolve_device", resolve)

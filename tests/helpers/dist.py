@@ -25,7 +25,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import Any
 
@@ -84,11 +84,11 @@ def _worker(
     os.environ.clear()  # the test process's environment now, not the forkserver's at its start
     os.environ.update(environ, OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    pin_engine_device(rank)
+    pin_engine_device()
     try:
         store = dist.FileStore(store_path, world_size)
         if ON_CUDA:
-            torch.cuda.set_device(rank_device(rank))
+            torch.cuda.set_device(rank_device(rank))  # the rank's local_device()
         dist.init_process_group(
             backend="nccl" if ON_CUDA else "gloo",
             store=store,
@@ -100,15 +100,26 @@ def _worker(
         # Every rank's connections are up before any rank can run ``fn`` and leave: a rank that
         # finished (or died) early closed its sockets under a peer still in connectFullMesh.
         dist.barrier()
-        try:
-            value = fn(rank, world_size, *args)
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        # Pickle here: a Queue pickles in a feeder thread, where errors vanish.
-        results.put((rank, True, pickle.dumps(value)))
+        # Pickled here: a Queue pickles in a feeder thread, where errors vanish.
+        value = pickle.dumps(fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001 - everything must reach the parent
+        # Reported before the group is torn down: NCCL's teardown flushes this rank's collectives,
+        # which peers that went on without it may never join (the parent ends the ranks then).
         results.put((rank, False, traceback.format_exc()))
+        with suppress(Exception):
+            _leave()
+        return
+    try:
+        _leave()
+    except BaseException:  # noqa: BLE001
+        results.put((rank, False, traceback.format_exc()))
+        return
+    results.put((rank, True, value))
+
+
+def _leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _kill(procs: list[Any]) -> None:

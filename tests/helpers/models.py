@@ -4,6 +4,11 @@ Every builder constructs from a config (never from the Hub), seeds the RNG in
 a forked scope so the caller's global RNG state is untouched, and disables
 dropout so two builds with the same seed give bit-identical losses.  Eager
 attention is used because it is deterministic on CPU across torch versions.
+
+Devices (``helpers.device``): a model is built on the CPU, where a user's is when it reaches
+``prepare``; one the test runs as plain PyTorch, to compare the engine against, is moved to
+``device=local_device()`` (the same weights). Batches are made on ``local_device()``, where the
+engine of the test computes.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from transformers import (
     PreTrainedModel,
 )
 
+from .device import local_device
+
 ATTN_IMPL = "eager"
 
 # Special token ids kept well inside any tiny vocab (vocab >= 4).
@@ -44,13 +51,14 @@ def preset_on_meta(name: str, dtype: torch.dtype = torch.bfloat16) -> PreTrained
     return model
 
 
-def _build(config: PretrainedConfig, seed: int) -> PreTrainedModel:
-    """Instantiate a causal LM from ``config`` under a private, seeded RNG."""
+def _build(config: PretrainedConfig, seed: int, device: torch.device | None) -> PreTrainedModel:
+    """Instantiate a causal LM from ``config`` under a private, seeded RNG, on the CPU (or the device
+    context's: ``meta``), then moved to ``device``."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPL)
     model.train()
-    return model
+    return model if device is None else model.to(device)
 
 
 def tiny_gpt2(
@@ -61,6 +69,7 @@ def tiny_gpt2(
     vocab: int = 128,
     n_positions: int = 64,
     tie: bool = True,
+    device: torch.device | None = None,
 ) -> PreTrainedModel:
     """GPT-2 with learned positions and (by default) tied input/output embeddings."""
     config = GPT2Config(
@@ -79,7 +88,7 @@ def tiny_gpt2(
         tie_word_embeddings=tie,
         use_cache=False,
     )
-    return _build(config, seed)
+    return _build(config, seed, device)
 
 
 def tiny_opt(
@@ -90,6 +99,7 @@ def tiny_opt(
     vocab: int = 128,
     n_positions: int = 64,
     tie: bool = True,
+    device: torch.device | None = None,
 ) -> PreTrainedModel:
     """OPT (pre-LN, ReLU FFN, offset learned positions); tied by default like the real one."""
     config = OPTConfig(
@@ -109,7 +119,7 @@ def tiny_opt(
         tie_word_embeddings=tie,
         use_cache=False,
     )
-    return _build(config, seed)
+    return _build(config, seed, device)
 
 
 def tiny_llama(
@@ -121,6 +131,7 @@ def tiny_llama(
     n_positions: int = 64,
     tie: bool = False,
     n_kv_head: int | None = None,
+    device: torch.device | None = None,
 ) -> PreTrainedModel:
     """Llama (RMSNorm, RoPE, SwiGLU, optional GQA); untied by default like the real one."""
     config = LlamaConfig(
@@ -138,7 +149,7 @@ def tiny_llama(
         tie_word_embeddings=tie,
         use_cache=False,
     )
-    return _build(config, seed)
+    return _build(config, seed, device)
 
 
 MODEL_BUILDERS: dict[str, Callable[..., PreTrainedModel]] = {
@@ -148,10 +159,14 @@ MODEL_BUILDERS: dict[str, Callable[..., PreTrainedModel]] = {
 }
 
 
-def make_batch(vocab: int, batch: int = 2, seq: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random token batch; ``labels`` equals ``input_ids`` because HF shifts internally."""
+def make_batch(
+    vocab: int, batch: int = 2, seq: int = 16, seed: int = 0, device: torch.device | None = None
+) -> dict[str, torch.Tensor]:
+    """Random token batch on ``device`` (default: ``local_device()``), the same tokens on any;
+    ``labels`` equals ``input_ids`` because HF shifts internally."""
     gen = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab, (batch, seq), generator=gen, dtype=torch.long)
+    input_ids = input_ids.to(local_device() if device is None else device)
     return {"input_ids": input_ids, "labels": input_ids.clone()}
 
 
@@ -205,12 +220,11 @@ def tiny_mlp(seed: int = 0, **kwargs: Any) -> TinyMLP:
 
 
 def make_mlp_batch(d_in: int = 8, n_classes: int = 4, batch: int = 4, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random inputs and class labels matching :class:`TinyMLP` defaults."""
+    """Random inputs and class labels matching :class:`TinyMLP` defaults, on ``local_device()``."""
     gen = torch.Generator().manual_seed(seed)
-    return {
-        "x": torch.randn(batch, d_in, generator=gen),
-        "labels": torch.randint(0, n_classes, (batch,), generator=gen),
-    }
+    x = torch.randn(batch, d_in, generator=gen)
+    labels = torch.randint(0, n_classes, (batch,), generator=gen)
+    return {"x": x.to(local_device()), "labels": labels.to(local_device())}
 
 
 def read_head_outside(model: PreTrainedModel) -> nn.Parameter:

@@ -17,7 +17,7 @@ import torch
 
 import elixir_runtime as er
 
-from .device import TEST_DEVICE, rank_device
+from .device import TEST_DEVICE, local_device
 from .models import MODEL_BUILDERS, make_batch
 
 VOCAB = 128
@@ -44,8 +44,8 @@ class Recipe:
     # drift apart in those weights.
     eps: float = 1e-6
     device: str = TEST_DEVICE
-    """``cpu`` or ``cuda`` (``helpers.device``): the reference model's device (rank 0's GPU) and each
-    rank's batches' (its own GPU); Elixir's is the test device pinned for the rank."""
+    """``cpu`` or ``cuda`` (``helpers.device``): where the batches and the reference model are, in each
+    process its ``local_device`` (a rank's own GPU); Elixir's is the test device pinned there."""
     meta_ranks: bool = False
     """Ranks other than 0 build the model on the meta device and start from rank 0's weights."""
 
@@ -59,10 +59,15 @@ class Result:
 
 
 def batch_for(recipe: Recipe, step: int, micro: int, rank: int | None) -> dict[str, torch.Tensor]:
-    """The global batch of a micro-step is ``world_size`` micro-batches; rank ``r`` takes slice ``r``."""
-    full = make_batch(VOCAB, batch=MICRO_BATCH * recipe.world_size, seq=SEQ, seed=1000 * step + micro)
-    device = rank_device(rank or 0) if recipe.device == "cuda" else torch.device(recipe.device)
-    full = {k: v.to(device) for k, v in full.items()}
+    """The global batch of a micro-step is ``world_size`` micro-batches; slice ``rank`` is rank
+    ``rank``'s (``None``: all of it). Made on this process's device, whichever slice it takes."""
+    full = make_batch(
+        VOCAB,
+        batch=MICRO_BATCH * recipe.world_size,
+        seq=SEQ,
+        seed=1000 * step + micro,
+        device=local_device(recipe.device),
+    )
     if rank is None:
         return full
     return {k: v[rank * MICRO_BATCH : (rank + 1) * MICRO_BATCH] for k, v in full.items()}
@@ -70,9 +75,7 @@ def batch_for(recipe: Recipe, step: int, micro: int, rank: int | None) -> dict[s
 
 def build(recipe: Recipe, on_device: bool = False, meta: bool = False):
     with torch.device("meta") if meta else contextlib.nullcontext():
-        model = MODEL_BUILDERS[recipe.model](seed=0)
-    if on_device:
-        model.to(rank_device(0) if recipe.device == "cuda" else recipe.device)
+        model = MODEL_BUILDERS[recipe.model](seed=0, device=local_device(recipe.device) if on_device else None)
     if recipe.ac is not None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": recipe.ac})
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay, eps=recipe.eps)
@@ -172,8 +175,9 @@ def run_reference(recipe: Recipe) -> Result:
 
 
 def max_weight_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """On the CPU: the engine's state dicts are there, a reference model's on the test device."""
     assert set(a) == set(b), set(a) ^ set(b)
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    return max((a[k].float().cpu() - b[k].float().cpu()).abs().max().item() for k in a)
 
 
 def assert_close_losses(got: list[float], want: list[float], rtol: float) -> None:

@@ -16,6 +16,7 @@ import elixir_runtime as er
 from elixir_runtime.runtime import device_lane
 from elixir_runtime.runtime.host_updates import HostUpdates
 from elixir_runtime.runtime.stats import StatsCounter
+from helpers.device import ON_CUDA
 from helpers.training import Recipe, assert_close_losses, build, max_weight_diff, run_elixir, run_reference
 
 LOSS_RTOL, WEIGHT_ATOL = 1e-6, 1e-5  # test_parity.py's: only summation orders differ
@@ -67,7 +68,7 @@ def test_lane_with_params_larger_than_a_chunk(monkeypatch):
 def test_clip_coefficient_below_one_in_the_clipped_case():
     """The ``clipped`` case above really scales the gradients (its norms are above 1.0)."""
     recipe = Recipe(model="llama")
-    model, opt = build(recipe)
+    model, opt = build(recipe, on_device=True)
     from helpers.training import batch_for
 
     model(**batch_for(recipe, 0, 0, None)).loss.backward()
@@ -93,12 +94,14 @@ def test_plan_counts_the_staging_it_allocates(small_slices):
     assert plan.device_bytes == (
         plan.memory.rcache + plan.memory.private + plan.memory.device_shards + plan.memory.device_grads + allocated
     )
-    for setting in (False, "auto"):  # "auto" is off on a CPU device
-        off, _ = er.prepare(
+    # "auto": a static plan keeps the lane on a GPU (no search to weigh it), never on a CPU device
+    for setting, lane_elements in ((False, 0), ("auto", SLICE if ON_CUDA else 0)):
+        other, _ = er.prepare(
             *build(recipe), config=er.ElixirConfig(mode="static", offload=0.5, device_assisted_update=setting)
         )
-        assert off._elixir.plan.device_lane == 0 and off._elixir.plan.memory.lane_staging == 0
-        assert off._elixir.runtime.host_updates.lane is None
+        assert other._elixir.plan.device_lane == lane_elements
+        assert (other._elixir.plan.memory.lane_staging > 0) == (lane_elements > 0)
+        assert (other._elixir.runtime.host_updates.lane is None) == (lane_elements == 0)
     nothing, _ = er.prepare(
         *build(recipe), config=er.ElixirConfig(mode="static", offload=0, device_assisted_update=True)
     )

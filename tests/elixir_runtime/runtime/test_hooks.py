@@ -15,9 +15,7 @@ from helpers.models import make_batch, tiny_gpt2
 def _trained_runtime(offload: float) -> weakref.ref:
     model = tiny_gpt2()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt = er.prepare(
-        model, opt, er.ElixirConfig(mode="static", offload=offload, device="cpu"), example_batch=make_batch(128)
-    )
+    model, opt = er.prepare(model, opt, er.ElixirConfig(mode="static", offload=offload), example_batch=make_batch(128))
     loss = model(**make_batch(128)).loss
     opt.backward(loss)
     opt.step()

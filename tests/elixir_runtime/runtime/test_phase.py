@@ -22,7 +22,7 @@ def checking():
 def _prepared(**config):
     model = tiny_gpt2(n_layer=3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    config = er.ElixirConfig(mode="static", n_blocks="min", device="cpu", **config)
+    config = er.ElixirConfig(mode="static", n_blocks="min", **config)
     return er.prepare(model, opt, config, example_batch=make_batch(128))
 
 

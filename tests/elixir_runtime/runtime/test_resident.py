@@ -35,7 +35,7 @@ def _run(
     """``rank=None``: plain PyTorch on the global batch; else Elixir on this rank's slice (``traced``:
     prepared with an example batch)."""
     recipe = Recipe(model="llama", world_size=world_size, grad_accum=GRAD_ACCUM, steps=STEPS)
-    model, opt = build(recipe)
+    model, opt = build(recipe, on_device=rank is None)
     head = read_head_outside(model)
     if rank is not None:
         config = er.ElixirConfig(mode="static", n_blocks="min", offload=offload)

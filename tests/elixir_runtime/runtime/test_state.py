@@ -142,9 +142,7 @@ def test_training_walks_only_legal_transitions(walked, cfg):
     model = tiny_gpt2(n_layer=3)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt = er.prepare(
-        model, opt, er.ElixirConfig(mode="static", device="cpu", **cfg), example_batch=make_batch(128)
-    )
+    model, opt = er.prepare(model, opt, er.ElixirConfig(mode="static", **cfg), example_batch=make_batch(128))
     rt = model._elixir.runtime
     batches = [make_batch(128, seed=s) for s in range(2)]
     for _ in range(3):
@@ -183,7 +181,7 @@ def test_unused_and_frozen_parameters_walk_only_legal_transitions(walked):
     model, opt = er.prepare(
         model,
         opt,
-        er.ElixirConfig(mode="static", n_blocks="min", offload=0.5, device="cpu"),
+        er.ElixirConfig(mode="static", n_blocks="min", offload=0.5),
         example_batch=make_mlp_batch(),
     )
     for s in range(2):
@@ -196,9 +194,7 @@ def test_zero_grad_inside_a_backward_is_caught(checking):
     """A misuse the table rules out: zero_grad while chunks are reduced in a running backward."""
     model = tiny_gpt2(n_layer=3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, opt = er.prepare(
-        model, opt, er.ElixirConfig(mode="static", n_blocks="min", device="cpu"), example_batch=make_batch(128)
-    )
+    model, opt = er.prepare(model, opt, er.ElixirConfig(mode="static", n_blocks="min"), example_batch=make_batch(128))
     hidden = []
     model.transformer.h[0].register_forward_hook(
         lambda _m, _a, out: hidden.append(out[0] if isinstance(out, tuple) else out)
