@@ -20,7 +20,6 @@ import torch  # noqa: E402 - after the GPUs are hidden (torch reads CUDA_VISIBLE
 
 from elixir_runtime.progress import set_progress_factory
 from helpers import dist as dist_harness
-from helpers.device import pin_engine_device
 from helpers.transformers_use import uses_transformers
 
 # What every rank of a multi-rank test imports, done once by the forkserver the ranks fork from (the
@@ -38,14 +37,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # Every chunk state transition is checked against its table (runtime/state.py), in spawned ranks too.
 os.environ.setdefault("ELIXIR_DEBUG_STATES", "1")
-
-
-@pytest.fixture(autouse=True)
-def _engine_on_the_test_device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A CPU test stays on the CPU where CUDA is there (``helpers/device.py``); a ``gpu`` test runs the
-    engine where a user's would (CUDA)."""
-    if request.node.get_closest_marker("gpu") is None:
-        pin_engine_device(setattr=monkeypatch.setattr)
 
 
 @pytest.fixture(autouse=True)

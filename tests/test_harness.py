@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-import elixir_runtime as er
 from helpers.dist import DistributedError, run_distributed
 
 # --- rank functions (module level so spawn can pickle them) -----------------
@@ -103,24 +104,22 @@ def test_ranks_see_the_environment_at_start(monkeypatch) -> None:
     assert run_distributed(_environment, 2, timeout=120) == [(None, "1")] * 2
 
 
-def _engine_device(rank: int, world_size: int) -> str:
-    import elixir_runtime.api as engine_api
-
-    torch.cuda.is_available = lambda: True  # what a GPU machine says (this rank's process only)
-    return str(engine_api._resolve_device(er.ElixirConfig()))
+def _visible_gpus(rank: int, world_size: int) -> tuple[str | None, int]:
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count()
 
 
-def test_the_engine_stays_on_the_test_device_where_cuda_is_there(monkeypatch) -> None:
-    """``prepare`` without a device picks CUDA where it is there; the suite pins the CPU (helpers/device.py),
-    in the test process and in every rank, unless ``ELIXIR_TEST_DEVICE=cuda``."""
+def test_the_suite_sees_no_gpu_unless_it_runs_on_cuda() -> None:
+    """``make test`` on a GPU machine runs as on a CPU-only one (tests/conftest.py): the test process,
+    the ranks of ``helpers.dist`` and the processes the tests launch see no GPU; ``prepare`` without a
+    device computes on the CPU."""
     from helpers.device import ON_CUDA
-    from helpers.models import make_batch, tiny_gpt2
 
     if ON_CUDA:
-        pytest.skip("ELIXIR_TEST_DEVICE=cuda: the engine computes on the GPUs by design")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what a GPU machine says
-    model = tiny_gpt2(seed=0)
-    opt = torch.optim.AdamW(model.parameters())
-    model, _ = er.prepare(model, opt, config=er.ElixirConfig(mode="static"), example_batch=make_batch(128))
-    assert model._elixir.runtime.device == torch.device("cpu")
-    assert run_distributed(_engine_device, 2) == ["cpu", "cpu"]
+        pytest.skip("ELIXIR_TEST_DEVICE=cuda: the suite computes on the GPUs by design")
+    assert _visible_gpus(0, 1) == ("", 0)
+    assert run_distributed(_visible_gpus, 2, timeout=120) == [("", 0)] * 2
+    launched = subprocess.run(
+        [sys.executable, "-c", "import os, torch; print(repr(os.environ['CUDA_VISIBLE_DEVICES']), torch.cuda.device_count())"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert launched.stdout.split() == ["''", "0"]

@@ -1,13 +1,11 @@
 """Where the engine's tests compute: the CPU, unless ``ELIXIR_TEST_DEVICE=cuda`` (``make test-gpu``).
 
-``prepare`` without ``ElixirConfig.device`` computes on CUDA wherever CUDA is there, so on a GPU
-machine a test written for the CPU would put the model on the GPU and keep its batches on the CPU.
-One rule instead: a test computes on ``local_device()``, the CPU or this process's GPU (each rank of
-``helpers.dist`` its own). ``pin_engine_device`` makes a ``prepare`` without a device compute there,
-in the test process (``tests/conftest.py``) and in every rank of ``helpers.dist``; the batches of
-``helpers.models`` and ``helpers.training`` are made there, and a plain-PyTorch model a test compares
-the engine against is put there (``device=local_device()`` of the tiny models' builders). A model
-that goes to ``prepare`` is built on the CPU, where a user's is.
+On the CPU the suite sees no GPU (``tests/conftest.py`` hides them), so ``prepare`` without
+``ElixirConfig.device`` computes on the CPU on any machine; with ``cuda`` it computes on the current
+GPU (each rank of ``helpers.dist`` its own). One rule for the tests: they compute on ``local_device()``.
+The batches of ``helpers.models`` and ``helpers.training`` are made there, and a plain-PyTorch model a
+test compares the engine against is put there (``device=local_device()`` of the tiny models'
+builders). A model that goes to ``prepare`` is built on the CPU, where a user's is.
 """
 
 from __future__ import annotations
@@ -15,8 +13,6 @@ from __future__ import annotations
 import os
 
 import torch
-
-import elixir_runtime.api as engine_api
 
 TEST_DEVICE = os.environ.get("ELIXIR_TEST_DEVICE", "cpu")
 if TEST_DEVICE not in ("cpu", "cuda"):
@@ -34,14 +30,3 @@ def local_device(kind: str = TEST_DEVICE) -> torch.device:
     for ``cuda`` whatever the suite's device): the CPU, or the current GPU (a rank's own, GPU 0 in
     the test process)."""
     return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
-
-
-def pin_engine_device(setattr=setattr) -> None:
-    """``prepare`` without ``ElixirConfig.device`` computes on ``local_device()``. ``setattr``: a
-    ``MonkeyPatch.setattr``, undone after the test."""
-    unpinned = engine_api._resolve_device
-
-    def resolve(config):
-        return unpinned(config) if config.device is not None else local_device()
-
-    setattr(engine_api, "_resolve_device", resolve)

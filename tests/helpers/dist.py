@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .device import ON_CUDA, pin_engine_device, rank_device
+from .device import ON_CUDA, rank_device
 
 if __name__ != "helpers.dist" and __name__.endswith("helpers.dist"):
     # A second copy of this module (``tests.helpers.dist``) has its own PRELOAD, without what
@@ -84,7 +84,6 @@ def _worker(
     os.environ.clear()  # the test process's environment now, not the forkserver's at its start
     os.environ.update(environ, OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    pin_engine_device()
     try:
         store = dist.FileStore(store_path, world_size)
         if ON_CUDA:
