@@ -57,7 +57,7 @@ test: $(STAMP) $(COMPAT)/.installed lint
 	$(OFFLINE_ENV) $(VPY) -m pytest -q $(XDIST) -m "not perf"
 	$(OFFLINE_ENV) PYTHONPATH=$(COMPAT) $(VPY) -m pytest -q $(XDIST) -m "transformers and not once and not perf"
 
-# On a GPU machine `make test` keeps every test on the CPU (tests/helpers/device.py); this runs the
+# On a GPU machine `make test` runs as on a CPU-only one (tests/conftest.py hides the GPUs); this runs the
 # engine's parity, mixed-precision, checkpoint and runtime suites on CUDA (tests/elixir_runtime/runtime:
 # chunk states, phases, gathers and prefetch, hooks, resident parameters, the update lanes and their
 # rate; multi-rank ones over NCCL, a GPU per rank) and the tests marked `gpu`. GPU_PYTHON: an
