@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .chunk.layout import ChunkLayout
+from .chunk.store import Where
 from .config import ElixirConfig, PlanError
 from .gpu_limit import device_capacity, process_limit
 from .host import HostMemory
@@ -150,7 +151,7 @@ class ElixirPlan:
             "device_assisted_update": self.device_lane > 0,
         }
 
-    def placement(self) -> list[str]:
+    def placement(self) -> list[Where]:
         off = set(self.offload)
         return ["host" if i in off else "device" for i in range(self.n_chunks)]
 

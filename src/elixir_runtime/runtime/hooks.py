@@ -41,6 +41,7 @@ all on this rank and forwards run alone.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -250,9 +251,9 @@ class _RootHooks:
 def install_hooks(
     model: nn.Module,
     units: list[Unit],
-    unit_chunks: list[tuple[int, ...]],
+    unit_chunks: Sequence[tuple[int, ...]],
     runtime: ChunkRuntime,
-    batch_shape: list[int] | None = None,
+    batch_shape: tuple[int, int] | None = None,
 ) -> list:
     """Installs every hook (``unit_chunks[i]``: the chunks unit ``i`` acquires; ``runtime.root_chunks``:
     the private ones every forward of ``model`` acquires first; ``batch_shape``: the plan's, which a
