@@ -235,6 +235,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         range of chunk ``c``'s shard: the kernels see the range as their whole arena."""
         a, part = c.shards, slice(lo, hi)
         param_out = None if a.param_copy is None else a.param_copy[part]
+        assert c.grad is not None, "finish_backward gave every trainable chunk its gradient shard"
         grad = c.grad[lo - c.offset : hi - c.offset]
         kernel = self.kernels[a.placement]
         for step, segments in work:
@@ -252,7 +253,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self._norm = None
         self._clip_coef = 1.0
 
-    def _hyper(self, group: dict) -> AdamHyper:
+    def _hyper(self, group: dict[str, Any]) -> AdamHyper:
         beta1, beta2 = group["betas"]
         return AdamHyper(
             lr=float(group["lr"]),

@@ -41,6 +41,8 @@ class Lane(Protocol):
     results are back in host memory; up to ``depth`` slices are in flight."""
 
     depth: int
+    numel: int
+    """Elements of the largest slice it takes (the optimizer cuts offloaded chunks into slices of it)."""
 
     def issue(self, job: Any) -> Any: ...
 
