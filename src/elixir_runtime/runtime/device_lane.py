@@ -97,12 +97,11 @@ class DeviceLane:
         # buffer's stream only (a table uploaded on one stream and read on another could race)
         kind = type(select_kernel(device)) if self.cuda else TorchAdamKernel
         self._kernels: list[AdamKernel] = [kind() for _ in range(self.depth)]
-        f32 = dict(dtype=torch.float32, device=device)
         self._buffers = [
             {
-                "master": torch.zeros(numel, **f32),
-                "exp_avg": torch.zeros(numel, **f32),
-                "exp_avg_sq": torch.zeros(numel, **f32),
+                "master": torch.zeros(numel, dtype=torch.float32, device=device),
+                "exp_avg": torch.zeros(numel, dtype=torch.float32, device=device),
+                "exp_avg_sq": torch.zeros(numel, dtype=torch.float32, device=device),
                 "grad": torch.zeros(numel, dtype=dtype, device=device),
             }
             for _ in range(self.depth)

@@ -256,7 +256,7 @@ class _Recorder(TorchDispatchMode):
     """Records ops on the tracked parameters' storages as ``_Op``s (Note: recording the init)."""
 
     def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]  # torch's, unannotated (untyped_calls_exclude misses super())
+        super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is unannotated
         self.index: dict[int, tuple[int, str, torch.Tensor]] = {}
         self.ops: list[list[_Op]] = []
         self.written: list[list[tuple[int, int]]] = []
