@@ -35,7 +35,8 @@ from ..distributed import heartbeat
 from ..kernels.kernel import AdamHyper
 from ..kernels.select import select_kernel
 from ..runtime.chunk_runtime import ChunkRuntime, ChunkState
-from ..runtime.device_lane import SliceUpdate, slice_updates
+from ..runtime.device_lane import slice_updates
+from ..runtime.host_updates import SliceUpdate
 from ..runtime.update_rate import UpdateRateProbe
 from . import named_state
 from .loss_scaler import LossScaler

@@ -24,14 +24,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from ..chunk.layout import GroupRange
+from ..kernels.kernel import AdamHyper
+from .state import ChunkState
 from .stats import StatsCounter
 
 if TYPE_CHECKING:
     import torch
 
-    from .device_lane import SliceUpdate
-
-__all__ = ["HostUpdates", "Lane", "update_order"]
+__all__ = ["HostUpdates", "Lane", "SliceUpdate", "update_order"]
 
 
 def update_order(chunks: Sequence[int], root: Collection[int]) -> list[int]:
@@ -39,6 +40,27 @@ def update_order(chunks: Sequence[int], root: Collection[int]) -> list[int]:
     before any unit runs (``root``), then chunk order. The engine's queue and the step model's."""
     first = set(root)
     return [c for c in chunks if c in first] + [c for c in chunks if c not in first]
+
+
+@dataclass(frozen=True, eq=False)
+class SliceUpdate:
+    """Arena range ``[lo, hi)`` of an offloaded chunk's shard and the kernel calls that update it."""
+
+    chunk: ChunkState
+    lo: int
+    hi: int
+    work: list[tuple[int, list[GroupRange]]]
+    """``(step count, segments)`` in arena offsets, inside ``[lo, hi)``."""
+    hypers: list[AdamHyper]
+    div_scale: float
+
+    @property
+    def index(self) -> int:
+        return self.chunk.index
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
 
 
 class Lane(Protocol):
