@@ -12,7 +12,7 @@ import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -90,13 +90,13 @@ def prepare(
     _check_model(model)
     decoupled = _check_optimizer(optimizer)
     device = _resolve_device(config)
-    dtype = config.dtype or _model_dtype(model)
+    dtype = cast(torch.dtype | None, config.dtype) or _model_dtype(model)  # ElixirConfig resolves a name
     coll = Collectives(config.process_group)
     source = weight_source(model, coll, device)
 
     units = find_units(model, config.unit_classes)
     group_of = _param_groups(optimizer, model)
-    _limit_gpu_memory(device, config.gpu_memory)
+    _limit_gpu_memory(device, cast(int | None, config.gpu_memory))  # ElixirConfig stores it as bytes
     # gradient shards come and go during each backward (chunk/store.py): page-mapped segments keep that from fragmenting
     expandable = device.type == "cuda" and expandable_segments()
     planned = plan_job(
@@ -149,7 +149,8 @@ def prepare(
         max_consecutive_skips=config.max_consecutive_skips,
         rate_probe=_rate_probe(plan, ctx, threads) if config.record_update_rate else None,
     )
-    model._elixir = ElixirState(runtime, plan, live, units, elixir_optimizer, model_state)
+    state = ElixirState(runtime, plan, live, units, elixir_optimizer, model_state)
+    model._elixir = state  # type: ignore[assignment]  # Module.__setattr__ takes any value (typed: tensors, modules)
     return model, elixir_optimizer
 
 

@@ -34,7 +34,9 @@ __all__ = ["CompileStats", "compile_blocks", "compile_stats", "check_compile_opt
 _CUDA_GRAPHS = "CUDA graphs replay the parameter addresses they recorded, and the engine re-points them at each gather"
 
 
-def check_compile_options(backend: Any = "inductor", mode: str | None = None, options: dict | None = None) -> None:
+def check_compile_options(
+    backend: Any = "inductor", mode: str | None = None, options: dict[str, object] | None = None
+) -> None:
     """Refuses what cannot work with the engine's chunk hooks, naming the option and the fix."""
     if mode in ("reduce-overhead", "max-autotune"):
         raise ConfigError(

@@ -18,12 +18,13 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from .chunk.layout import ChunkLayout
+from .chunk.store import Where
 from .config import ElixirConfig, PlanError
 from .gpu_limit import device_capacity, process_limit
 from .host import HostMemory
@@ -150,7 +151,7 @@ class ElixirPlan:
             "device_assisted_update": self.device_lane > 0,
         }
 
-    def placement(self) -> list[str]:
+    def placement(self) -> list[Where]:
         off = set(self.offload)
         return ["host" if i in off else "device" for i in range(self.n_chunks)]
 
@@ -307,20 +308,12 @@ def resolve_plan(
     window = search.grad_window if search is not None else GradWindow()
     lane = search.device_lane if search is not None else lane
     memory, lane_numel = _count_memory(layout, set(offload), n_blocks, dtype, lane, window)
-    searched = {}
     if search is not None:
-        budget = search.budget
-        memory = replace(memory, activations=int(budget.activations), buffers=int(budget.buffers))
-        searched = dict(
-            predicted=search.placement.time,
-            budget=budget,
-            search=search.report,
-            alternatives=search.alternatives,
-        )
+        memory = replace(memory, activations=int(search.budget.activations), buffers=int(search.budget.buffers))
     plan = ElixirPlan(
         chunk_size=layout.chunk_size,
         n_blocks=n_blocks,
-        offload=offload,
+        offload=tuple(offload),
         n_chunks=n,
         world_size=layout.world_size,
         dtype=str(dtype).removeprefix("torch."),
@@ -328,14 +321,17 @@ def resolve_plan(
         max_blocks=hi,
         device_lane=lane_numel,
         memory=memory,
-        gpu_memory=config.gpu_memory,
+        predicted=search.placement.time if search is not None else None,
+        budget=search.budget if search is not None else None,
+        search=search.report if search is not None else None,
+        alternatives=search.alternatives if search is not None else (),
+        gpu_memory=cast(int | None, config.gpu_memory),  # ElixirConfig.__post_init__ stores it as bytes
         batch_shape=batch_shape,
         profile=profile,
         chunks=tuple(
             PlannedChunk(c.numel, c.private, c.trainable, tuple(layout.names[s.param][0] for s in c.slots))
             for c in layout.chunks
         ),
-        **searched,
     )
     live = LivePlan(table, layout, tuple(unit_chunks), root, window)
     return Planned(plan, live)

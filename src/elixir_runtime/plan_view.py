@@ -246,6 +246,8 @@ def offload_text(plan: ElixirPlan) -> str:
 def tflops(plan: ElixirPlan, micro_batches: int = 1) -> float:
     """8 x parameters x tokens per optimizer step / the predicted step (per GPU): what
     ``benchmarks/`` reports; the tokens are ``micro_batches`` of the planned batch."""
+    assert plan.profile is not None and plan.predicted is not None, "a searched plan"
+    assert plan.batch_shape is not None, "a plan made with an example batch"
     b, s = plan.batch_shape
     return 8 * plan.profile.parameters * b * s * micro_batches / plan.predicted.total / 1e12
 
@@ -253,6 +255,7 @@ def tflops(plan: ElixirPlan, micro_batches: int = 1) -> float:
 def step_text(plan: ElixirPlan, micro_batches: int = 1) -> str:
     """The predicted step by part, its TFLOPS, and the rigid offload-all plans beside it."""
     t = plan.predicted
+    assert t is not None, "a searched plan"
     rate = tflops(plan, micro_batches)
     parts = [f"compute {t.compute:.3f} s"]
     parts += [
@@ -289,7 +292,7 @@ def profile_text(p: ProfileSummary) -> str:
     """The profiled step in rows: sizes, the activation peak and where, checkpointing, compute, tracing."""
     late = (
         f", after the head {p.late_peak / GIB:.2f} GiB falling to {p.late_low / GIB:.2f} GiB"
-        if p.late_peak is not None
+        if p.late_peak is not None and p.late_low is not None  # both of the same segments, or neither
         else ""
     )
     blocks = (
@@ -342,6 +345,7 @@ def budget_text(budget: Budget) -> str:
 
 def alternatives_table(plan: ElixirPlan) -> str:
     """The chosen plan beside the rigid ones of its layout: memory, whether each fits, its step."""
+    assert plan.predicted is not None, "a searched plan"
     rows = [
         ("elixir (chosen)", plan.n_blocks, len(plan.offload), plan.device_bytes, plan.host_bytes, True, plan.predicted)
     ]
@@ -358,6 +362,7 @@ def alternatives_table(plan: ElixirPlan) -> str:
 
 def candidates_table(plan: ElixirPlan) -> str:
     """Every chunk size the search tried, the chosen one marked."""
+    assert plan.search is not None, "a searched plan"
     head = f"{'chunk size':>12} {'chunks':>6} {'min blocks':>10} {'blocks':>6} {'offloaded':>9} {'step s':>8}"
     lines = [head]
     for c in plan.search.candidates:
@@ -392,7 +397,8 @@ def describe_layers(names: Iterable[str]) -> str:
 
 
 def _ranges(indices: list[int]) -> str:
-    runs, start = [], indices[0]
+    runs: list[str] = []
+    start: int | None = indices[0]  # None past the last index
     for prev, cur in zip(indices, indices[1:] + [None]):
         if cur != prev + 1:
             runs.append(str(start) if start == prev else f"{start}-{prev}")

@@ -19,7 +19,7 @@ import logging
 import socket
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -163,10 +163,12 @@ def job_host_memory(model: nn.Module, example_batch: Any | None, device: torch.d
     batch, which ``prepare`` keeps no reference to). A collective where the job has several ranks."""
     released = held_bytes(_released_tensors(model, example_batch, device))
     if coll.world_size > 1:
-        here, everyone = socket.gethostname(), [None] * coll.world_size
+        here = socket.gethostname()
+        everyone: list[tuple[str, int] | None] = [None] * coll.world_size
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             dist.all_gather_object(everyone, (here, released), group=coll.group)
-        released = sum(held for host, held in everyone if host == here)
+        gathered = cast(list[tuple[str, int]], everyone)  # all_gather_object set every rank's entry
+        released = sum(held for host, held in gathered if host == here)
     return HostMemory(host_available(), released, local_ranks())
 
 

@@ -13,15 +13,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .chunk.store import write_param
 from .distributed.lockstep import Op
 from .progress import track
 from .runtime.chunk_runtime import ChunkRuntime
+
+if TYPE_CHECKING:
+    from torch.nn.modules.module import _IncompatibleKeys
 
 __all__ = ["ModelStateHooks", "load_safetensors", "rank0_state_dict"]
 
@@ -50,7 +54,7 @@ class ModelStateHooks:
         self.keep = True
         """Whether this rank copies the gathered weights to the host (``rank0_state_dict`` sets it)."""
 
-    def install(self, model: nn.Module) -> list:
+    def install(self, model: nn.Module) -> list[RemovableHandle]:
         # torch tags hook objects with attributes, which bound methods refuse: wrap them
         return [
             model.register_state_dict_post_hook(lambda *a: self._state_dict_post(*a)),
@@ -80,7 +84,7 @@ class ModelStateHooks:
                 out[s.param] = host[s.offset : s.offset + s.numel].view(shape).to(self.orig_dtypes[s.param]).clone()
         return out
 
-    def _state_dict_post(self, _module: nn.Module, state_dict: dict, prefix: str, _meta: Any) -> None:
+    def _state_dict_post(self, _module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
         for i, tensor in enumerate(self.full_params()):
             for name in self.runtime.layout.names[i]:
                 if prefix + name not in state_dict:
@@ -91,7 +95,17 @@ class ModelStateHooks:
                     state_dict[prefix + name] = tensor
 
     @torch.no_grad()
-    def _load_pre(self, _m, state_dict, prefix, _meta, _strict, _missing, _unexpected, error_msgs) -> None:
+    def _load_pre(
+        self,
+        _m: nn.Module,
+        state_dict: dict[str, Any],
+        prefix: str,
+        _meta: Any,
+        _strict: bool,
+        _missing: list[str],
+        _unexpected: list[str],
+        error_msgs: list[str],
+    ) -> None:
         self._loaded = set()
         for i, names in enumerate(self.runtime.layout.names):
             keys = [prefix + n for n in names if prefix + n in state_dict]
@@ -120,7 +134,7 @@ class ModelStateHooks:
         write_param(layout, c.shards, c.spec, layout.param_slot[i], value, self.runtime.coll.rank)
         return None
 
-    def _load_post(self, _module: nn.Module, incompatible) -> None:
+    def _load_post(self, _module: nn.Module, incompatible: _IncompatibleKeys) -> None:
         incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in self._loaded]
 
 

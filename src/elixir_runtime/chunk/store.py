@@ -203,7 +203,13 @@ def build_arenas(
 
 @torch.no_grad()
 def _fill(
-    layout: ChunkLayout, members, arenas: ShardArenas, rank: int, weights: Weights, release: bool, bar: Bar
+    layout: ChunkLayout,
+    members: list[ChunkSpec],
+    arenas: ShardArenas,
+    rank: int,
+    weights: Weights,
+    release: bool,
+    bar: Bar,
 ) -> None:
     copy = arenas.param_copy
     for c in members:

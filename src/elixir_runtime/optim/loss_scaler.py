@@ -25,8 +25,8 @@ class LossScaler:
         if self.good_steps % self.config.growth_interval == 0:
             self.scale *= self.config.growth_factor
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, float]:
         return {"scale": self.scale, "good_steps": self.good_steps}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, float]) -> None:
         self.scale, self.good_steps = float(state["scale"]), int(state["good_steps"])

@@ -309,7 +309,7 @@ def load_state_dict(opt: OptimizerView, saved: dict[str, Any]) -> None:
                 "pieces, so load each rank's into the same rank, number of ranks and chunk size (one rank's holds "
                 "everything); to change them, save a checkpoint by name (elixir_hf), which loads into any"
             )
-    tensors = saved["tensors"]
+    tensors: dict[str, torch.Tensor] = saved["tensors"]
 
     def read(name: str, kind: str, start: int, end: int) -> torch.Tensor:
         first = pieces[name][0]

@@ -35,7 +35,8 @@ from ..distributed import heartbeat
 from ..kernels.kernel import AdamHyper
 from ..kernels.select import select_kernel
 from ..runtime.chunk_runtime import ChunkRuntime, ChunkState
-from ..runtime.device_lane import SliceUpdate, slice_updates
+from ..runtime.device_lane import slice_updates
+from ..runtime.host_updates import SliceUpdate
 from ..runtime.update_rate import UpdateRateProbe
 from . import named_state
 from .loss_scaler import LossScaler
@@ -235,6 +236,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         range of chunk ``c``'s shard: the kernels see the range as their whole arena."""
         a, part = c.shards, slice(lo, hi)
         param_out = None if a.param_copy is None else a.param_copy[part]
+        assert c.grad is not None, "finish_backward gave every trainable chunk its gradient shard"
         grad = c.grad[lo - c.offset : hi - c.offset]
         kernel = self.kernels[a.placement]
         for step, segments in work:
@@ -252,7 +254,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
         self._norm = None
         self._clip_coef = 1.0
 
-    def _hyper(self, group: dict) -> AdamHyper:
+    def _hyper(self, group: dict[str, Any]) -> AdamHyper:
         beta1, beta2 = group["betas"]
         return AdamHyper(
             lr=float(group["lr"]),

@@ -55,7 +55,7 @@ class BatchGuard:
         self.planned = tuple(planned) if planned else None
         self.warned = False
 
-    def check(self, args: tuple, kwargs: dict) -> None:
+    def check(self, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         if self.planned is None or self.warned:
             return
         shape = token_shape(args, kwargs)

@@ -19,7 +19,6 @@ scheduling and the exactness are the same code.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 
@@ -28,8 +27,9 @@ from ..kernels.kernel import AdamHyper, AdamKernel, TorchAdamKernel
 from ..kernels.select import select_kernel
 from .chunk_runtime import ChunkState
 from .gradients import ChunkGradients
+from .host_updates import SliceUpdate
 
-__all__ = ["DeviceLane", "SliceUpdate", "slice_updates", "LANE_SLICE", "LANE_DEPTH", "lane_numel"]
+__all__ = ["DeviceLane", "slice_updates", "LANE_SLICE", "LANE_DEPTH", "lane_numel"]
 
 LANE_SLICE = 2**25
 """Elements per staging buffer of the lane (32 M): large enough that per-slice launches and host
@@ -42,27 +42,6 @@ LANE_DEPTH = 2
 def lane_numel(offloaded_shards: list[int]) -> int:
     """Elements per staging buffer for offloaded trainable shards of these sizes (0: none, no lane)."""
     return min(LANE_SLICE, max(offloaded_shards, default=0))
-
-
-@dataclass(frozen=True, eq=False)
-class SliceUpdate:
-    """Arena range ``[lo, hi)`` of an offloaded chunk's shard and the kernel calls that update it."""
-
-    chunk: ChunkState
-    lo: int
-    hi: int
-    work: list[tuple[int, list[GroupRange]]]
-    """``(step count, segments)`` in arena offsets, inside ``[lo, hi)``."""
-    hypers: list[AdamHyper]
-    div_scale: float
-
-    @property
-    def index(self) -> int:
-        return self.chunk.index
-
-    @property
-    def numel(self) -> int:
-        return self.hi - self.lo
 
 
 def slice_updates(
@@ -97,12 +76,11 @@ class DeviceLane:
         # buffer's stream only (a table uploaded on one stream and read on another could race)
         kind = type(select_kernel(device)) if self.cuda else TorchAdamKernel
         self._kernels: list[AdamKernel] = [kind() for _ in range(self.depth)]
-        f32 = dict(dtype=torch.float32, device=device)
         self._buffers = [
             {
-                "master": torch.zeros(numel, **f32),
-                "exp_avg": torch.zeros(numel, **f32),
-                "exp_avg_sq": torch.zeros(numel, **f32),
+                "master": torch.zeros(numel, dtype=torch.float32, device=device),
+                "exp_avg": torch.zeros(numel, dtype=torch.float32, device=device),
+                "exp_avg_sq": torch.zeros(numel, dtype=torch.float32, device=device),
                 "grad": torch.zeros(numel, dtype=dtype, device=device),
             }
             for _ in range(self.depth)

@@ -85,7 +85,11 @@ def _gather_all(rt: ChunkRuntime, keep: bool) -> tuple[list[ChunkState], list[Ch
                 c.pins += 1
                 pinned.append(c)
             continue
-        full = torch.empty(c.spec.numel, dtype=rt.ctx.dtype, device=rt.ctx.device) if keep else scratch[: c.spec.numel]
+        full = (
+            torch.empty(c.spec.numel, dtype=rt.ctx.dtype, device=rt.ctx.device)
+            if scratch is None
+            else scratch[: c.spec.numel]
+        )
         rt.gathers.fill(c, full)
         if keep:
             rt.gathers.show_params(c, full)

@@ -18,6 +18,7 @@ waits for a chunk's gather (``ready``) before its first use: the ``GATHERING -> 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -36,7 +37,7 @@ class RCacheExhausted(RuntimeError):
 
 
 @contextlib.contextmanager
-def on_stream(stream: torch.cuda.Stream | None, buffer: Buffer | None, device: torch.device):
+def on_stream(stream: torch.cuda.Stream | None, buffer: Buffer | None, device: torch.device) -> Iterator[None]:
     """Runs on ``stream`` after the current stream's work and the buffer's last user (inline on CPU)."""
     if stream is None:
         yield

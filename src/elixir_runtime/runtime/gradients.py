@@ -29,6 +29,7 @@ a chunk has accumulated a second micro-step its norm is taken from the shards at
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -66,7 +67,7 @@ class ChunkGradients:
         """Indices of the parameters the optimizer updates."""
         self.backward_pending = False
         """A grad-enabled forward ran whose backward has not been finished yet."""
-        self.on_finish_backward: list = []
+        self.on_finish_backward: list[Callable[[], None]] = []
         """Called first at the end of each backward (the units' post-backward: unpins)."""
         self.got_grad = [False] * len(layout.params)
         """Params that received a gradient on this rank since the last ``zero_grad``."""
@@ -119,6 +120,7 @@ class ChunkGradients:
             )
         self.gathers.ensure_gathered(c.index)
         s = self.layout.param_slot[param_index]
+        assert c.buffer is not None and param.grad is not None, "a gathered chunk; the hook of an accumulated grad"
         slot = c.buffer.data[s.offset : s.offset + s.numel]
         grad = param.grad.reshape(-1)
         if param_index in c.written:
@@ -142,7 +144,7 @@ class ChunkGradients:
         buffer = c.buffer if written else None
         event = None
         dst = c.grad_shard()  # allocated on the compute stream, which frees it (zero_grad)
-        if self.ctx.cuda and dst.is_cuda:
+        if self.reduce_stream is not None and dst.is_cuda:
             dst.record_stream(self.reduce_stream)
         with on_stream(self.reduce_stream, buffer, self.ctx.device):
             if buffer is None:
@@ -175,6 +177,7 @@ class ChunkGradients:
             if c.grad_state is GradState.REDUCED:
                 continue
             if c.written:  # some params got no grad this step: their slots must not add to the sum
+                assert c.buffer is not None, "gradients are written into a gathered buffer"
                 for s in c.spec.slots:
                     if s.param not in c.written:
                         c.buffer.data[s.offset : s.offset + s.numel].zero_()
@@ -233,10 +236,10 @@ class ChunkGradients:
         order = torch.tensor([self._reduce_order], dtype=torch.int64)
         flags = torch.cat([local, -local, order, -order]).to(self.ctx.device)
         self.ctx.coll.all_reduce_max_(flags)
-        flags = flags.tolist()
+        maxed: list[int] = flags.tolist()
         n = len(self.got_grad)
-        anywhere, everywhere = flags[:n], [-f for f in flags[n : 2 * n]]
-        if flags[2 * n] != -flags[2 * n + 1]:
+        anywhere, everywhere = maxed[:n], [-f for f in maxed[n : 2 * n]]
+        if maxed[2 * n] != -maxed[2 * n + 1]:
             some = [self.layout.names[i][0] for i in range(n) if anywhere[i] and not everywhere[i]]
             raise RuntimeError(
                 f"the ranks reduced gradient chunks in different orders this step because parameters {some[:5]} "
@@ -276,15 +279,15 @@ class ChunkGradients:
     def wait_for_grads(self) -> None:
         """Host-side wait for in-flight reductions, gathers and CPU updates (checkpoints, tests)."""
         self.host_updates.wait_all()
-        if self.ctx.cuda:
-            self.reduce_stream.synchronize()
-            self.gathers.fetch_stream.synchronize()
+        for stream in (self.reduce_stream, self.gathers.fetch_stream):  # CUDA only
+            if stream is not None:
+                stream.synchronize()
 
     def device_grads_ready(self) -> None:
         """Makes the compute stream wait for reductions and gathers (no host sync): updates follow."""
-        if self.ctx.cuda:
-            torch.cuda.current_stream(self.ctx.device).wait_stream(self.reduce_stream)
-            torch.cuda.current_stream(self.ctx.device).wait_stream(self.gathers.fetch_stream)
+        for stream in (self.reduce_stream, self.gathers.fetch_stream):  # CUDA only
+            if stream is not None:
+                torch.cuda.current_stream(self.ctx.device).wait_stream(stream)
 
     @staticmethod
     def wait_host_chunk(c: ChunkState) -> None:

@@ -41,12 +41,16 @@ all on this rank and forwards run alone.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from torch import nn
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import arg_tree_leaves, tree_flatten, tree_unflatten
+from torch.utils.hooks import RemovableHandle
 
 from ..distributed.lockstep import Op
 from ..units import Unit
@@ -62,12 +66,12 @@ class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs whose backward runs once the unit's backward is done."""
 
     @staticmethod
-    def forward(ctx, callback, *inputs):
+    def forward(ctx: Any, callback: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.callback = callback
         return inputs
 
     @staticmethod
-    def backward(ctx, *grads):
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         ctx.callback()
         return (None, *grads)
 
@@ -85,7 +89,9 @@ class _UnitHooks:
         self.post_backward_armed = False
         self.bwd_pinned = False
 
-    def pre_forward(self, _module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def pre_forward(
+        self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.runtime.ctx.phase.full:
             return args, kwargs  # the parameters are all here
         self.runtime.gathers.acquire(self.chunks, pin=True)
@@ -97,10 +103,13 @@ class _UnitHooks:
         if not where:
             return args, kwargs
         self.post_backward_armed = True
-        wrapped = _PostBackward.apply(self.post_backward, *(flat[i] for i in where))
+        wrapped: tuple[torch.Tensor, ...] = _PostBackward.apply(  # type: ignore[no-untyped-call]  # Function.apply: unannotated
+            self.post_backward, *(flat[i] for i in where)
+        )
         for i, t in zip(where, wrapped):
             flat[i] = t
-        return tree_unflatten(flat, spec)
+        hooked: tuple[tuple[Any, ...], dict[str, Any]] = tree_unflatten(flat, spec)  # what was flattened
+        return hooked
 
     def post_forward(self, _module: nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
         if self.runtime.ctx.phase.full:
@@ -146,11 +155,17 @@ class _PlaceholderReads(TorchDispatchMode):
     """Raises at an op reading a placeholder ([Note: placeholder reads])."""
 
     def __init__(self, runtime: ChunkRuntime) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is unannotated
         self.ptr = runtime.gathers.placeholder_ptr
         self.names = {id(p): names[0] for p, names in zip(runtime.layout.params, runtime.layout.names)}
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self,
+        func: OpOverload[..., object],
+        types: tuple[type, ...],
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> object:
         kwargs = kwargs or {}
         for t in arg_tree_leaves(*args, **kwargs):
             if _is_placeholder(t, self.ptr):
@@ -176,11 +191,11 @@ class _RootHooks:
         self.watched: set[tuple[bool, bool]] = set()
         """The kinds of forward (grad enabled, training) already run under ``_PlaceholderReads``."""
         self.watch: _PlaceholderReads | None = None
-        self.eager: Any = None
+        self.eager: AbstractContextManager[object] | None = None
         """``torch.compiler.set_stance("force_eager")``, entered for a watched forward and left after it, or
         after its backward: a checkpointed block recomputed there must run as its forward ran."""
 
-    def pre_forward(self, _module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def pre_forward(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         phase = self.runtime.ctx.phase
         if phase.now is Phase.FULL_ELSEWHERE:
             raise RuntimeError(
@@ -208,7 +223,7 @@ class _RootHooks:
             self.eager = torch.compiler.set_stance("force_eager")
             self.eager.__enter__()
             self.watch = _PlaceholderReads(self.runtime)
-            self.watch.__enter__()
+            self.watch.__enter__()  # type: ignore[no-untyped-call]  # TorchDispatchMode's, unannotated
         if grad:
             self.saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             self.saved_hooks.__enter__()
@@ -221,7 +236,7 @@ class _RootHooks:
             return
         self.runtime.ctx.phase.to(Phase.IDLE)
         if self.watch is not None:
-            self.watch.__exit__(None, None, None)
+            self.watch.__exit__(None, None, None)  # type: ignore[no-untyped-call]  # as __enter__
             self.watch = None
             if output is None or not torch.is_grad_enabled():  # failed (always_call gives None), or no backward
                 self.end_eager()  # else at the end of its backward (install_hooks)
@@ -234,31 +249,32 @@ class _RootHooks:
             self.eager.__exit__(None, None, None)
             self.eager = None
 
-    def pack(self, t: torch.Tensor) -> Any:
+    def pack(self, t: torch.Tensor) -> torch.Tensor | _Packed:
         buffer = self.runtime.gathers.buffer_of(t)
         if buffer is None or buffer.chunk is None:
             return t
         return _Packed(buffer.chunk, t)
 
-    def unpack(self, packed: Any) -> torch.Tensor:
+    def unpack(self, packed: torch.Tensor | _Packed) -> torch.Tensor:
         if not isinstance(packed, _Packed):
             return packed
         chunk = self.runtime.gathers.ensure_gathered(packed.chunk)
+        assert chunk.buffer is not None, "a gathered chunk holds a buffer"
         return chunk.buffer.data.as_strided(packed.size, packed.stride, packed.offset)
 
 
 def install_hooks(
     model: nn.Module,
     units: list[Unit],
-    unit_chunks: list[tuple[int, ...]],
+    unit_chunks: Sequence[tuple[int, ...]],
     runtime: ChunkRuntime,
-    batch_shape: list[int] | None = None,
-) -> list:
+    batch_shape: tuple[int, int] | None = None,
+) -> list[RemovableHandle]:
     """Installs every hook (``unit_chunks[i]``: the chunks unit ``i`` acquires; ``runtime.root_chunks``:
     the private ones every forward of ``model`` acquires first; ``batch_shape``: the plan's, which a
     larger training batch is warned about); returns the handles (removing them detaches the engine)."""
     root_chunks = runtime.root_chunks
-    handles = []
+    handles: list[RemovableHandle] = []
     for unit, chunks in zip(units, unit_chunks, strict=True):
         h = _UnitHooks(runtime, chunks)
         handles.append(unit.module.register_forward_pre_hook(h.pre_forward, with_kwargs=True))

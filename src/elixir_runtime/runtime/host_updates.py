@@ -22,11 +22,17 @@ from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from ..chunk.layout import GroupRange
+from ..kernels.kernel import AdamHyper
+from .state import ChunkState
 from .stats import StatsCounter
 
-__all__ = ["HostUpdates", "Lane", "update_order"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["HostUpdates", "Lane", "SliceUpdate", "update_order"]
 
 
 def update_order(chunks: Sequence[int], root: Collection[int]) -> list[int]:
@@ -36,15 +42,38 @@ def update_order(chunks: Sequence[int], root: Collection[int]) -> list[int]:
     return [c for c in chunks if c in first] + [c for c in chunks if c not in first]
 
 
+@dataclass(frozen=True, eq=False)
+class SliceUpdate:
+    """Arena range ``[lo, hi)`` of an offloaded chunk's shard and the kernel calls that update it."""
+
+    chunk: ChunkState
+    lo: int
+    hi: int
+    work: list[tuple[int, list[GroupRange]]]
+    """``(step count, segments)`` in arena offsets, inside ``[lo, hi)``."""
+    hypers: list[AdamHyper]
+    div_scale: float
+
+    @property
+    def index(self) -> int:
+        return self.chunk.index
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+
 class Lane(Protocol):
     """A second update lane: ``issue`` starts a slice's update, ``finish`` blocks until its
     results are back in host memory; up to ``depth`` slices are in flight."""
 
     depth: int
+    numel: int
+    """Elements of the largest slice it takes (the optimizer cuts offloaded chunks into slices of it)."""
 
-    def issue(self, job: Any) -> Any: ...
+    def issue(self, job: SliceUpdate) -> torch.cuda.Event | None: ...
 
-    def finish(self, token: Any) -> None: ...
+    def finish(self, token: torch.cuda.Event | None) -> None: ...
 
 
 @dataclass(eq=False)
@@ -70,7 +99,7 @@ class HostUpdates:
         every wait for a chunk as ``("wait", chunk, start, end, 0)``, in ``time.perf_counter``
         seconds (``benchmarks/step_anatomy.py``)."""
 
-    def submit(self, jobs: list, cpu: Callable[[Any], None]) -> None:
+    def submit(self, jobs: list[SliceUpdate], cpu: Callable[[SliceUpdate], None]) -> None:
         """Queues one step's ``jobs`` (slices in the next forward's order, each with ``index``, its
         chunk, and ``numel``); ``cpu(job)`` updates one on the CPU, the lane (if any) takes the others."""
         records: dict[int, _Chunk] = {}
@@ -85,7 +114,13 @@ class HostUpdates:
             self._pool.submit(self._run_lane, queue, queue.pop(), records)
         self._pool.submit(self._run_cpu, queue, first, cpu, records)
 
-    def _run_cpu(self, queue: deque, job: Any, cpu: Callable[[Any], None], records: dict[int, _Chunk]) -> None:
+    def _run_cpu(
+        self,
+        queue: deque[SliceUpdate],
+        job: SliceUpdate | None,
+        cpu: Callable[[SliceUpdate], None],
+        records: dict[int, _Chunk],
+    ) -> None:
         while job is not None:
             error, start = None, time.perf_counter()
             try:
@@ -97,32 +132,39 @@ class HostUpdates:
             self._retire(job, "cpu", error, records, cpu_busy=end - start)
             job = _take(queue, queue.popleft)
 
-    def _run_lane(self, queue: deque, job: Any, records: dict[int, _Chunk]) -> None:
-        in_flight: deque = deque()
+    def _run_lane(self, queue: deque[SliceUpdate], job: SliceUpdate | None, records: dict[int, _Chunk]) -> None:
+        lane = self.lane
+        assert lane is not None, "submit starts this worker where there is a lane"
+        in_flight: deque[tuple[SliceUpdate, torch.cuda.Event | None, float]] = deque()
         while job is not None or in_flight:
             if job is not None:
                 start = time.perf_counter()
                 try:
-                    in_flight.append((job, self.lane.issue(job), start))
+                    in_flight.append((job, lane.issue(job), start))
                 except BaseException as exc:
                     self._retire(job, "device", exc, records)
                 job = _take(queue, queue.pop)
-            if in_flight and (job is None or len(in_flight) >= self.lane.depth):
+            if in_flight and (job is None or len(in_flight) >= lane.depth):
                 done, token, start = in_flight.popleft()
                 error = None
                 try:
-                    self.lane.finish(token)
+                    lane.finish(token)
                 except BaseException as exc:
                     error = exc
                 self._record("device", done, start, time.perf_counter())
                 self._retire(done, "device", error, records)
 
-    def _record(self, lane: str, job: Any, start: float, end: float) -> None:
+    def _record(self, lane: str, job: SliceUpdate, start: float, end: float) -> None:
         if self.trace is not None:  # failed slices too (the stats count only finished ones)
             self.trace.append((lane, job.index, start, end, job.numel))
 
     def _retire(
-        self, job: Any, lane: str, error: BaseException | None, records: dict[int, _Chunk], cpu_busy: float = 0.0
+        self,
+        job: SliceUpdate,
+        lane: str,
+        error: BaseException | None,
+        records: dict[int, _Chunk],
+        cpu_busy: float = 0.0,
     ) -> None:
         rec = records[job.index]
         if error is None:  # one call: a reader of the stats sees both or neither
@@ -162,7 +204,7 @@ class HostUpdates:
             self.wait(chunk)
 
 
-def _take(queue: deque, pop: Callable[[], Any]) -> Any:
+def _take(queue: deque[SliceUpdate], pop: Callable[[], SliceUpdate]) -> SliceUpdate | None:
     """The next job from one end of the shared queue, ``None`` once it is empty (deque pops are atomic)."""
     try:
         return pop()

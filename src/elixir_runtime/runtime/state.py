@@ -159,7 +159,7 @@ class ChunkState:
 
     def transition(self, new: ParamState | GradState) -> None:
         """The one way a chunk changes state; checks the table when checking is on."""
-        if type(new) is ParamState:
+        if isinstance(new, ParamState):
             if CHECKING:
                 _check(self, self.param_state, new)
             self.param_state = new
@@ -205,11 +205,13 @@ def _check(c: ChunkState, old: ParamState | GradState, new: ParamState | GradSta
     """Raises ``IllegalTransition`` unless ``old -> new`` is in its table and keeps the rules tying
     the machines together: gradients are written only into a gathered buffer, and a buffer holding
     gradients not yet reduced is never released ([Note: two machines])."""
-    table = PARAM_TRANSITIONS if type(new) is ParamState else GRAD_TRANSITIONS
+    allowed: frozenset[ParamState] | frozenset[GradState] = (
+        PARAM_TRANSITIONS[old] if isinstance(old, ParamState) else GRAD_TRANSITIONS[old]
+    )
     kind = type(new).__name__
     where = f"chunk {c.index} (first param {c.name!r})"
-    if new not in table[old]:
-        legal = ", ".join(sorted(s.name for s in table[old])) or "nothing"
+    if new not in allowed:
+        legal = ", ".join(sorted(s.name for s in allowed)) or "nothing"
         raise IllegalTransition(
             f"{where}: illegal {kind} transition {old.name} -> {new.name} (from {old.name}: {legal})"
         )

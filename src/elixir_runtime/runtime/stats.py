@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 __all__ = ["EngineStats", "StatsCounter"]
 
 
 @dataclass(frozen=True)
-class EngineStats(Mapping):
+class EngineStats(Mapping[str, float]):
     """The counters at one moment; a read-only ``Mapping`` of its fields too (``dict(stats)`` for logs)."""
 
     gathers: int = 0
@@ -38,7 +39,8 @@ class EngineStats(Mapping):
     def __getitem__(self, key: str) -> float:
         if key not in _NAMES:
             raise KeyError(key)
-        return getattr(self, key)
+        value: float = getattr(self, key)
+        return value
 
     def __iter__(self) -> Iterator[str]:
         return iter(_NAMES)
@@ -54,7 +56,7 @@ class StatsCounter:
     """The counters, as they grow."""
 
     def __init__(self) -> None:
-        self._counts = {f.name: f.default for f in fields(EngineStats)}
+        self._counts: dict[str, Any] = asdict(EngineStats())  # each field's int or float
         self._lock = threading.Lock()
 
     def add(self, **counts: float) -> None:

@@ -31,7 +31,7 @@ class UpdateRateProbe:
     ``step()``; calls ``report(rate)`` once, in the same call on every rank, with the median rate of
     the counted steps whose updates were synced (0.0 where fewer than half of them were)."""
 
-    def __init__(self, stats: StatsCounter, report: Callable[[float], None]) -> None:
+    def __init__(self, stats: StatsCounter, report: Callable[[float], object]) -> None:
         self.stats, self.report = stats, report
         self.rates: list[float] = []
         """The counted steps' rates (elements/s), synced ones only."""

@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 __all__ = ["AttachedWeights", "attach_weights", "attached_weights", "detach_weights"]
 
@@ -21,15 +22,18 @@ _ATTR = "_elixir_weights"
 
 
 class AttachedWeights(Protocol):
-    origin: str
-    """Where the values come from, for messages (``the files in /path``, ``the model's init``)."""
+    @property
+    def origin(self) -> str:
+        """Where the values come from, for messages (``the files in /path``, ``the model's init``)."""
+        ...
+
     fallback: str
     """How to build the model with its values instead (the fix an error names)."""
-    guard: object | None
+    guard: RemovableHandle | None
 
     def covers(self, p: torch.Tensor) -> bool: ...
 
-    def read(self, p: torch.Tensor, start: int, numel: int, device: torch.device) -> torch.Tensor:
+    def read(self, p: torch.Tensor, start: int, numel: int, device: torch.device | None = None) -> torch.Tensor:
         """Elements ``[start, start + numel)`` of ``p``'s flattened value in ``p``'s dtype, on
         ``device`` or the CPU (the caller copies it into the shard)."""
         ...
@@ -72,7 +76,7 @@ def detach_weights(model: nn.Module) -> None:
             source.close()
 
 
-def _refuse_before_prepare(module: nn.Module, _args) -> None:
+def _refuse_before_prepare(module: nn.Module, _args: tuple[object, ...]) -> None:
     source = attached_weights(module)
     origin = source.origin if source is not None else "its source"
     fallback = source.fallback if source is not None else "build it with its values"

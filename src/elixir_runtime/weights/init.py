@@ -36,13 +36,16 @@ import math
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn, cast
 
 import torch
 from torch import nn
+from torch._ops import OpOverload, OpOverloadPacket
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.types import Number
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
 
 from .attached import attach_weights
 
@@ -69,10 +72,11 @@ class _Op:
     stop: int
     kind: str
     """``normal``, ``uniform``, ``trunc_normal`` (draws), ``fill``, ``copy`` (writes), ``pointwise``."""
-    args: tuple = ()
-    func: Any = None
+    args: tuple[object, ...] = ()
+    """After the tensor: a draw's floats, a fill's scalar, a ``pointwise`` op's constants."""
+    func: OpOverloadPacket[..., object] | None = None
     """The aten op of a ``pointwise`` op (``args``, ``kwargs`` after the tensor)."""
-    kwargs: tuple = ()
+    kwargs: tuple[tuple[str, object], ...] = ()
     value: torch.Tensor | None = None
     """The flat constant of a ``copy``, in the parameter's dtype, on the CPU."""
 
@@ -83,17 +87,20 @@ class _Op:
     def apply(self, out: torch.Tensor, lo: int, hi: int, key: tuple[int, ...], gen: torch.Generator) -> None:
         """Applies the op to ``out``: the parameter's flat elements ``[lo, hi)``, inside the op's range."""
         if self.kind == "fill":
-            out.fill_(self.args[0])
+            out.fill_(cast(Number | complex, self.args[0]))  # _Recorder.record: zero_'s 0.0, fill_'s scalar
         elif self.kind == "copy":
+            assert self.value is not None, "a copy carries its constant"
             out.copy_(self.value[lo - self.start : hi - self.start])
         elif self.kind == "pointwise":
+            assert self.func is not None, "a pointwise op carries its aten op"
             self.func(out, *self.args, **dict(self.kwargs))
         else:
+            args = cast(tuple[float, ...], self.args)  # _Recorder.record: a draw's arguments as floats
             for k in range((lo - self.start) // BLOCK, (hi - 1 - self.start) // BLOCK + 1):
                 b0 = self.start + k * BLOCK
                 b1 = min(b0 + BLOCK, self.stop)
                 gen.manual_seed(_block_seed((*key, k)))
-                block = _draw(self.kind, self.args, b1 - b0, out.dtype, out.device, gen)
+                block = _draw(self.kind, args, b1 - b0, out.dtype, out.device, gen)
                 a, b = max(b0, lo), min(b1, hi)
                 out[a - lo : b - lo].copy_(block[a - b0 : b - b0])
 
@@ -103,7 +110,9 @@ def _block_seed(key: tuple[int, ...]) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def _draw(kind: str, args: tuple, n: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator):
+def _draw(
+    kind: str, args: tuple[float, ...], n: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator
+) -> torch.Tensor:
     if kind == "normal":
         return torch.empty(n, dtype=dtype, device=device).normal_(*args, generator=gen)
     if kind == "uniform":
@@ -124,7 +133,7 @@ class InitWeights:
     """``id(param)`` → (its index in the model, its ops in order)."""
     params: list[nn.Parameter]
     """The parameters ``ops`` is keyed by (kept so their ids stay theirs)."""
-    guard: object | None = None
+    guard: RemovableHandle | None = None
     fallback: str = FALLBACK
     _gens: dict[torch.device, torch.Generator] = field(default_factory=dict)
 
@@ -161,7 +170,7 @@ class InitWeights:
         self._gens.clear()
 
 
-def init_weights(model: nn.Module, init: Callable[[], Any] | None = None, seed: int | None = None) -> InitWeights:
+def init_weights(model: nn.Module, init: Callable[[], object] | None = None, seed: int | None = None) -> InitWeights:
     """Records ``init``'s effect on ``model``'s meta parameters and attaches it for ``prepare``.
 
     ``init``: what initialises the model (default: ``reset_parameters()`` of every module that
@@ -208,8 +217,9 @@ def _reset_parameters(model: nn.Module) -> Callable[[], None]:
 
     def reset() -> None:
         for m in model.modules():
-            if callable(getattr(m, "reset_parameters", None)):
-                m.reset_parameters()
+            reset_parameters = getattr(m, "reset_parameters", None)
+            if callable(reset_parameters):
+                reset_parameters()
 
     return reset
 
@@ -219,13 +229,13 @@ def _fakes(model: nn.Module, params: dict[int, nn.Parameter]) -> Iterator[dict[i
     """The meta parameters swapped for fake CPU tensors of their shape and dtype (tied ones share one), restored after."""
     with FakeTensorMode(allow_non_fake_inputs=True):
         fakes = {pid: torch.empty(p.shape, dtype=p.dtype) for pid, p in params.items()}
-    swapped = []
+    swapped: list[tuple[dict[str, nn.Parameter | None], str, nn.Parameter]] = []
     try:
         for m in model.modules():
             for key, p in list(m._parameters.items()):
                 if p is not None and id(p) in fakes:
                     swapped.append((m._parameters, key, p))
-                    m._parameters[key] = fakes[id(p)]
+                    m._parameters[key] = cast(nn.Parameter, fakes[id(p)])  # a fake stands in while the init runs
         yield fakes
     finally:
         for table, key, p in swapped:
@@ -246,7 +256,7 @@ class _Recorder(TorchDispatchMode):
     """Records ops on the tracked parameters' storages as ``_Op``s (Note: recording the init)."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__ is unannotated
         self.index: dict[int, tuple[int, str, torch.Tensor]] = {}
         self.ops: list[list[_Op]] = []
         self.written: list[list[tuple[int, int]]] = []
@@ -256,7 +266,13 @@ class _Recorder(TorchDispatchMode):
         self.ops.append([])
         self.written.append([])
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(
+        self,
+        func: OpOverload[..., object],
+        types: tuple[type, ...],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> object:
         kwargs = kwargs or {}
         touched = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and _storage(t) in self.index]
         if not touched:
@@ -268,12 +284,15 @@ class _Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if not only_target:
             self._refuse(touched[-1], func, "it reads the parameter's values")
+        assert target is not None, "every touched tensor is the target, and one is"
         if name in _DRAWS or name in ("zero_", "fill_", "copy_") or name in _POINTWISE:
             self.record(target, func, name, args[1:], kwargs)
             return func(*args, **kwargs)
         self._refuse(target, func, "it reads or rearranges the parameter's values")
 
-    def record(self, t: torch.Tensor, func: Any, name: str, rest: tuple, kwargs: dict) -> None:
+    def record(
+        self, t: torch.Tensor, func: OpOverload[..., object], name: str, rest: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
         index, _, base = self.index[_storage(t)]
         start, stop = self._range(t, base, func, order_free=name != "copy_")
         if name in _DRAWS:  # a generator the init passes is left out: the draws are ours either way
@@ -303,23 +322,23 @@ class _Recorder(TorchDispatchMode):
         if op.writes:
             self.written[index].append((op.start, op.stop))
 
-    def _range(self, t: torch.Tensor, base: torch.Tensor, func: Any, order_free: bool) -> tuple[int, int]:
+    def _range(self, t: torch.Tensor, base: torch.Tensor, func: object, order_free: bool) -> tuple[int, int]:
         """The flat range of the parameter that ``t`` (a view of it) covers."""
-        start = t.storage_offset() - base.storage_offset()
+        start = cast(int, t.storage_offset() - base.storage_offset())  # fake tensors of concrete shapes
         if t.is_contiguous():
             return start, start + t.numel()
         if order_free and t.numel() == base.numel():
             return 0, base.numel()
         self._refuse(t, func, "it writes a strided part of the parameter")
 
-    def _scalar(self, t: torch.Tensor, func: Any, a: Any) -> Any:
+    def _scalar(self, t: torch.Tensor, func: object, a: object) -> object:
         if isinstance(a, torch.Tensor):
             if isinstance(a, FakeTensor) or a.is_meta or a.numel() != 1:
                 self._refuse(t, func, "its argument is a computed tensor, not a constant")
             return a.item()
         return a
 
-    def _refuse(self, t: torch.Tensor, func: Any, why: str) -> None:
+    def _refuse(self, t: torch.Tensor, func: object, why: str) -> NoReturn:
         _, name, base = self.index[_storage(t)]
         raise InitError(
             f"parameter {name!r} {tuple(base.shape)}: the model's init applies {func} to it, which cannot be "
@@ -332,7 +351,9 @@ def _trunc_normal_taken_whole(recorder: _Recorder) -> Iterator[None]:
     """``torch.nn.init.trunc_normal_`` on a parameter recorded as one draw (its sampling reads values)."""
     stock = torch.nn.init._no_grad_trunc_normal_
 
-    def trunc_normal(tensor, mean, std, a, b, generator=None):
+    def trunc_normal(
+        tensor: torch.Tensor, mean: float, std: float, a: float, b: float, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         if _storage(tensor) not in recorder.index:
             return stock(tensor, mean, std, a, b, generator)
         index, _, base = recorder.index[_storage(tensor)]
@@ -350,7 +371,8 @@ def _trunc_normal_taken_whole(recorder: _Recorder) -> Iterator[None]:
 
 
 def _storage(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+    cdata: int = t.untyped_storage()._cdata  # the storage's C++ address
+    return cdata
 
 
 def _covers(intervals: list[tuple[int, int]], lo: int, hi: int) -> bool:

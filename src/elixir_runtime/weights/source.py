@@ -19,6 +19,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,8 @@ from .attached import AttachedWeights, attached_weights, unguard
 __all__ = ["WeightSource", "weight_source", "unmeta_parameters", "copies_warning"]
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,13 @@ def weight_source(model: nn.Module, coll: Collectives, device: torch.device) -> 
     return WeightSource(coll, device if backend == "nccl" else torch.device("cpu"))
 
 
-def _attached(model: nn.Module, source: AttachedWeights, tensors: list, coll: Collectives, device: torch.device):
+def _attached(
+    model: nn.Module,
+    source: AttachedWeights,
+    tensors: list[tuple[str, torch.Tensor]],
+    coll: Collectives,
+    device: torch.device,
+) -> WeightSource:
     """A model whose meta parameters are read from an attached source: every rank checks its own
     model and source, then all ranks agree (an error anywhere is raised everywhere, before anything
     is allocated)."""
@@ -170,7 +179,7 @@ def _attached(model: nn.Module, source: AttachedWeights, tensors: list, coll: Co
     return WeightSource(coll, attached=source, device=device)
 
 
-def _signature(tensors: list) -> list[str]:
+def _signature(tensors: list[tuple[str, torch.Tensor]]) -> list[str]:
     return [f"{name} {tuple(t.shape)} {t.dtype}" for name, t in tensors]
 
 
@@ -184,14 +193,14 @@ def _check_same_model(signatures: list[list[str]]) -> None:
             )
 
 
-def _gather(coll: Collectives, device: torch.device, obj: object) -> list:
+def _gather(coll: Collectives, device: torch.device, obj: _T) -> list[_T]:
     """Every rank's ``obj``, in rank order (a collective; just ``[obj]`` on one rank)."""
     if coll.world_size == 1:
         return [obj]
-    everyone: list = [None] * coll.world_size
+    everyone: list[_T | None] = [None] * coll.world_size
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         dist.all_gather_object(everyone, obj, group=coll.group)
-    return everyone
+    return cast(list[_T], everyone)  # all_gather_object set every rank's entry
 
 
 COPIES_WARN_SHARE = 0.25

@@ -29,11 +29,16 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .attached import attach_weights
+
+if TYPE_CHECKING:
+    from safetensors import safe_open
 
 __all__ = ["CheckpointFiles", "StreamedWeights", "TensorEntry", "WeightsError", "pieces", "stream_weights"]
 
@@ -72,7 +77,7 @@ class CheckpointFiles:
     """Each file's size in bytes when its header was read (``check`` compares)."""
 
     @classmethod
-    def open(cls, folder: str | os.PathLike) -> CheckpointFiles:
+    def open(cls, folder: str | os.PathLike[str]) -> CheckpointFiles:
         """Reads the index (if sharded) and every file's header; raises ``WeightsError`` naming the file and the fix."""
         from safetensors import SafetensorError, safe_open
 
@@ -144,9 +149,9 @@ class StreamedWeights:
     entries: dict[int, TensorEntry]
     params: list[nn.Parameter]
     """The parameters ``entries`` is keyed by (kept so their ids stay theirs)."""
-    guard: object | None = None
+    guard: RemovableHandle | None = None
     """The forward pre-hook that refuses to run the model before ``prepare`` filled its chunks."""
-    _open: dict[str, object] = field(default_factory=dict)
+    _open: dict[str, safe_open] = field(default_factory=dict)
 
     fallback = "elixir_hf.from_pretrained(..., stream=False), or ELIXIR_STREAM=0 under elixir-run"
 
@@ -176,6 +181,7 @@ class StreamedWeights:
 
             f = self._open[entry.path] = safe_open(entry.path, framework="pt", device="cpu")
         sl = f.get_slice(entry.key)
+        parts: list[torch.Tensor]
         if not entry.shape:
             parts = [f.get_tensor(entry.key).reshape(1)]
         else:
@@ -210,7 +216,7 @@ def pieces(shape: tuple[int, ...], start: int, stop: int) -> list[tuple[slice, .
 
 
 def stream_weights(
-    model: nn.Module, folder: str | os.PathLike | CheckpointFiles, keys: Mapping[str, str] | None = None
+    model: nn.Module, folder: str | os.PathLike[str] | CheckpointFiles, keys: Mapping[str, str] | None = None
 ) -> StreamedWeights:
     """Marks ``model``'s meta parameters as read from ``folder`` by ``prepare``; returns the source.
 
