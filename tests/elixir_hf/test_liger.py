@@ -26,8 +26,20 @@ def _no_env_config(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ELIXIR_CONFIG", raising=False)
 
 
+@pytest.fixture(autouse=True)
+def _liger_patches_undone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Liger rebinds transformers' Llama module for the process (its norm, MLP and rotary embedding,
+    the causal LM's forward): undone after the test, or a later test's tiny Llama in the same process
+    runs Liger's kernels (``make test-gpu`` runs every ``gpu`` test in one)."""
+    from transformers.models.llama import modeling_llama
+
+    for name, value in [(n, v) for n, v in vars(modeling_llama).items() if not n.startswith("__")]:
+        monkeypatch.setattr(modeling_llama, name, value)  # the value now, restored after the test
+    monkeypatch.setattr(modeling_llama.LlamaForCausalLM, "forward", modeling_llama.LlamaForCausalLM.forward)
+
+
 def _args(path: str, elixir: str | None) -> object:
-    return training_args(
+    args = training_args(
         path,
         elixir,
         use_cpu=False,
@@ -37,6 +49,10 @@ def _args(path: str, elixir: str | None) -> object:
         learning_rate=1e-3,
         eval_strategy="no",
     )
+    # One GPU, as Elixir's process uses: without a launcher the stock Trainer wraps the model in
+    # DataParallel on a machine with two (on 2 x H200 its replica read an embedding across GPUs).
+    args._n_gpu = 1
+    return args
 
 
 @pytest.mark.gpu
