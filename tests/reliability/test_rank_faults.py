@@ -37,7 +37,7 @@ SLACK_S = 10
 """Seconds past the lockstep timeout a rank may take to give up: the beats, a loaded machine."""
 EXIT_SLACK_S = 60
 """Seconds past it a rank that raised may take to end its process (its atexit handlers and the interpreter's
-teardown: 0.3 s on an idle 2-core host since the heap is frozen at exit, more with the cores busy)."""
+teardown: 0.2-0.3 s on an idle 2-core host since the heap is frozen at exit, more with the cores busy)."""
 STALLS = [("stop", "step"), ("stop", "save"), ("kill", "step"), ("kill", "save")]
 
 

@@ -153,9 +153,9 @@ def _destroy_groups() -> None:
     [Note: the heap at exit]
     Once the atexit handlers have run (a few hundredths of a second, this one included), a rank's
     process spent seconds more before it ended (docs/hf.md, "A rank that stops answering"): CPython's
-    finalization collects reference cycles over every object still alive, torch's and transformers'
-    modules' by the million, twice, then libtorch's static destructors run. A failed job's ranks
-    lingered as long, and a launcher waits for each. Frozen (``gc.freeze``), those objects are left out
+    finalization clears the modules and collects and frees what is left in reference cycles (torch's
+    and transformers' modules track 430,000 objects), then libtorch's static destructors run. A
+    failed job's ranks lingered as long, and a launcher waits for each. Frozen (``gc.freeze``), those objects are left out
     of the collections and the OS takes their memory. What must be written is written before: the atexit
     handlers all run (logging's flush, the beat's ``left``, the groups' destruction, those registered
     before this one after it), then Python flushes stdout and stderr and clears the modules; only
