@@ -10,6 +10,7 @@ import atexit
 import collections
 import contextlib
 import functools
+import gc
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -146,7 +147,21 @@ def abort_groups() -> None:
 
 def _destroy_groups() -> None:
     """At exit, once: every process group, as torch asks of a job before it ends (the Trainer and
-    Accelerate do not); a group's gloo threads then end while Python can still free their tensors."""
+    Accelerate do not); a group's gloo threads then end while Python can still free their tensors.
+    Then the heap is left to the OS ([Note: the heap at exit]).
+
+    [Note: the heap at exit]
+    Once the atexit handlers have run (a few hundredths of a second, this one included), a rank's
+    process spent seconds more before it ended (docs/hf.md, "A rank that stops answering"): CPython's
+    finalization clears the modules and collects and frees what is left in reference cycles (torch's
+    and transformers' modules track 430,000 objects), then libtorch's static destructors run. A
+    failed job's ranks lingered as long, and a launcher waits for each. Frozen (``gc.freeze``), those objects are left out
+    of the collections and the OS takes their memory. What must be written is written before: the atexit
+    handlers all run (logging's flush, the beat's ``left``, the groups' destruction, those registered
+    before this one after it), then Python flushes stdout and stderr and clears the modules; only
+    the finalizers of objects in reference cycles still alive at exit do not run, which Python does
+    not promise at exit either."""
     if dist.is_available() and dist.is_initialized():
         with contextlib.suppress(Exception):  # a group already torn down, or a peer already gone
             dist.destroy_process_group()
+    gc.freeze()

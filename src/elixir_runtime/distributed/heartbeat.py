@@ -36,10 +36,17 @@ A store that a stopped rank hosts itself (rank 0 under ``init_method="env://"`` 
 ``torchrun``, whose launcher hosts it) answers nobody: every beat thread blocks in its read. A
 second thread watches the beat's store requests; one outstanding for the timeout while this rank is
 armed ends the process naming the store and, where rank 0 hosts it, rank 0 (the pid and host of its
-last beat). Nothing can be posted then: each rank judges alone, and alike. A rank that hosts the
-store and ends the job lingers two beats first, so that the others read the verdict before the
-store goes with it. A store host that is killed closes the store (the others' requests fail rather
-than wait): that is not told from a job's normal end, so the collectives' timeout ends the others.
+last beat). Nothing can be posted then: each rank judges alone, and alike.
+
+A store host that is killed (SIGKILL, the OOM killer) closes the store instead: the others'
+requests fail at once (``DistNetworkError``), as they would after the host's normal end. So a host
+that leaves (at exit, or ending the job) first makes sure the others have read the store since it
+said so (``left``, or the verdict): it waits until each other rank has left or beaten twice more
+(a beat writes, then reads), at most three beats. A store whose requests fail while its host, rank
+0, had not said it left then means a host gone: an armed rank ends the process naming rank 0 (its
+beat thread, or the failed collective's watch), and a rank not armed does so once it arms; a rank
+that read ``left`` stops watching. The same holds on every backend: the beat thread ends the rank
+that a killed peer leaves waiting on NCCL.
 
 [Note: waits nothing releases]
 On gloo, a rank that gives up (``distributed/lockstep.py``) aborts its groups, which fails the
@@ -135,38 +142,76 @@ class _Beat:
         return min(max(self.timeout_s / 10, _MIN_PERIOD_S), _MAX_PERIOD_S)
 
     def stop(self) -> None:
-        """Ends the threads and says this process left (a rank finishing later does not wait for it)."""
+        """Ends the threads and says this process left (a rank finishing later does not wait for it); once."""
+        if self.done.is_set():
+            return
         self.done.set()
         if threading.current_thread() is not self.thread:
             self.thread.join(self.period + 1)  # not inside a store call when the group is destroyed at exit
         with contextlib.suppress(Exception):  # a store already gone: nobody is left to read it
             self.store.set(self.keys[self.rank], _LEFT)
+            self.until_read()
+
+    def hosted_store(self) -> dist.TCPStore | None:
+        """The job's store where rank 0 hosts it (``init_method`` ``env://`` or ``tcp://``, not ``torchrun``)."""
+        store = _underlying(self.store)
+        hosted = isinstance(store, dist.TCPStore) and os.environ.get(_AGENT_STORE) != "True" and 0 in self.keys
+        return store if hosted else None
+
+    def until_read(self) -> None:
+        """On the store's host: returns once each other rank has read the store since this call ([Note:
+        the store's host]): it left, or its count went up twice; a rank silent for the timeout is not
+        waited for. At most three beats."""
+        if self.rank != 0 or self.hosted_store() is None:
+            return
+        now = time.monotonic()
+        with self.lock:
+            waited = [r for r, (value, since) in self.seen.items() if value != _LEFT and now - since < self.timeout_s]
+        counts = self.read()
+        waited = [r for r in waited if counts.get(r, _LEFT) != _LEFT]
+        deadline = now + 3 * self.period
+        while waited and time.monotonic() < deadline:
+            time.sleep(self.period / 4)
+            values = self.read()
+            waited = [r for r in waited if values[r] != _LEFT and _count(values[r]) < _count(counts[r]) + 2]
 
     def _beat(self) -> None:
         self.count += 1
         self.store.set(self.keys[self.rank], f"{self.count} {self.me}")
 
     def _run(self) -> None:
+        gone = None  # the verdict on the store's host, gone: this rank ends once it needs the others
         while not self.done.wait(self.period):
             if not (dist.is_initialized() and dist.distributed_c10d._get_default_store() is self.store):
                 self.stop()  # the group this beat belongs to was destroyed
                 return
-            self.asking = time.monotonic()
-            try:
-                self._beat()
-                values = self.read()
-                if self.done.is_set() or not _needed():
-                    continue
-                verdict = self._posted() or self.judge(values, self.timeout_s)
-                unreleased = None if verdict is not None else self._unreleased()
-            except Exception:  # noqa: BLE001 - the store is gone (the job is ending): nothing to watch
-                return
-            finally:
-                self.asking = None
-            if verdict is not None:
-                self.stop_job(verdict)
-            if unreleased is not None:
-                end_process(unreleased)
+            if gone is None:
+                self.asking = time.monotonic()
+                try:
+                    verdict, unreleased = self._look()
+                except Exception as exc:  # noqa: BLE001 - a store request failed
+                    verdict = unreleased = None
+                    gone = self.host_gone(exc)
+                    if gone is None:  # the store went with the job's end: nothing to watch
+                        return
+                finally:
+                    self.asking = None
+                if verdict is not None:
+                    self.stop_job(verdict)
+                if unreleased is not None:
+                    end_process(unreleased)
+            if gone is not None and _needed():
+                end_process(gone)
+
+    def _look(self) -> tuple[str | None, str | None]:
+        """One beat: this rank's count up and the others' read; where this rank needs them, the verdict
+        to end the job with, or the message it waits on unreleased."""
+        self._beat()
+        values = self.read()
+        if self.done.is_set() or not _needed():
+            return None, None
+        verdict = self._posted() or self.judge(values, self.timeout_s)
+        return verdict, None if verdict is not None else self._unreleased()
 
     def _watch_store(self) -> None:
         """[Note: the store's host]: a beat whose requests have not returned for the timeout."""
@@ -217,8 +262,7 @@ class _Beat:
         """Posts ``verdict`` (or takes the one posted first), prints it and ends this process."""
         with contextlib.suppress(Exception):
             verdict = self.store.compare_set(STALLED_KEY, "", verdict).decode()
-        if self.rank == 0 and os.environ.get(_AGENT_STORE) != "True":
-            time.sleep(2 * self.period)  # the store may be this process's: the others read the verdict first
+            self.until_read()  # the store may be this process's: the others read the verdict first
         end_process(verdict)
 
     def judge(self, values: dict[int, str], quiet_s: float) -> str | None:
@@ -235,39 +279,74 @@ class _Beat:
         who = "; ".join(f"rank {r} ({where}) for {quiet:.1f} s" for r, where, quiet in silent)
         return (
             f"Elixir: a rank stopped answering: its heartbeat has not advanced ({who}; "
-            f"ElixirConfig.lockstep_timeout_s={self.timeout_s:g}) while rank {self.rank} needed it in a step or a "
-            f"save. {_STOPPED} {_RESUME}"
+            f"ElixirConfig.lockstep_timeout_s={self.timeout_s:g}) {self._needed_by()}. {_STOPPED} {_RESUME}"
         )
 
     def _unreachable(self, quiet: float) -> str:
         """The verdict on a store that stopped answering ([Note: the store's host])."""
-        store = self.store
-        while isinstance(store, dist.PrefixStore):
-            store = store.underlying_store
-        where = f"{type(store).__name__} at {store.host}:{store.port}" if isinstance(store, dist.TCPStore) else ""
         waited = f"for {quiet:.1f} s; ElixirConfig.lockstep_timeout_s={self.timeout_s:g}"
-        needed = f"while rank {self.rank} needed it in a step or a save"
-        if isinstance(store, dist.TCPStore) and os.environ.get(_AGENT_STORE) != "True" and 0 in self.seen:
-            host = self.seen[0][0].partition(" ")[2] or "its pid not read yet"
-            return (
-                f"Elixir: a rank stopped answering: rank 0 ({host}), which hosts the job's store ({where}: torch "
-                f"starts it on rank 0 under init_method env:// and tcp://), has not answered ({waited}) {needed}. "
-                f"{_STOPPED} (Under torchrun the launcher hosts the store, and a stopped rank 0 is named like any "
-                f"rank.) {_RESUME}"
-            )
+        if self.hosted_store() is not None and self.rank != 0:
+            return f"{self._host()} has not answered ({waited}) {self._needed_by()}. {_STOPPED} {_TORCHRUN} {_RESUME}"
+        store = _underlying(self.store)
+        where = f"{type(store).__name__} at {store.host}:{store.port}" if isinstance(store, dist.TCPStore) else ""
         host = "the launcher (torchrun) hosts it" if os.environ.get(_AGENT_STORE) == "True" else "its host"
         return (
-            f"Elixir: the job's store ({where or type(store).__name__}; {host}) has not answered ({waited}) {needed}. "
-            f"Its process is stopped or hung, or its host is unreachable; every rank needs it, so every rank stops "
-            f"(exit status {EXIT_STALLED}). {_RESUME}"
+            f"Elixir: the job's store ({where or type(store).__name__}; {host}) has not answered ({waited}) "
+            f"{self._needed_by()}. Its process is stopped or hung, or its host is unreachable; every rank needs it, so "
+            f"every rank stops (exit status {EXIT_STALLED}). {_RESUME}"
         )
+
+    def host_gone(self, exc: BaseException) -> str | None:
+        """The verdict on a store request that failed (``exc``) because its host, rank 0, is gone without
+        saying it left ([Note: the store's host]); None otherwise (the store went with the job's end)."""
+        if not isinstance(exc, dist.DistNetworkError) or self.rank == 0 or self.hosted_store() is None:
+            return None
+        with self.lock:
+            if self.seen[0][0] == _LEFT:
+                return None
+        error = (str(exc).strip().splitlines() or [""])[0][:160]
+        return (
+            f"{self._host()} is gone: its store closed the connection ({type(exc).__name__}: {error}) "
+            f"{self._needed_by()}, and rank 0 had not left the job. {_GONE} {_TORCHRUN} {_RESUME}"
+        )
+
+    def _host(self) -> str:
+        """Rank 0 as the store's host, for a verdict ([Note: the store's host])."""
+        store = self.hosted_store()
+        where = f"{type(store).__name__} at {store.host}:{store.port}"
+        with self.lock:
+            host = self.seen[0][0].partition(" ")[2] or "its pid not read yet"
+        return (
+            f"Elixir: a rank stopped answering: rank 0 ({host}), which hosts the job's store ({where}: torch starts "
+            "it on rank 0 under init_method env:// and tcp://),"
+        )
+
+    def _needed_by(self) -> str:
+        return f"while rank {self.rank} needed it in a step or a save"
 
 
 _STOPPED = (
     "Its process is stopped (SIGSTOP, ctrl-Z, a debugger), killed, or hung outside Python, or its host is unreachable; "
     f"every collective needs it, so every rank stops (exit status {EXIT_STALLED})."
 )
+_GONE = (
+    "Its process was killed (SIGKILL, the OOM killer) or crashed, or its host went down; every collective needs it, "
+    f"so every rank stops (exit status {EXIT_STALLED})."
+)
+_TORCHRUN = "(Under torchrun the launcher hosts the store, and a stopped or killed rank 0 is named like any rank.)"
 _RESUME = "Resume from the newest complete checkpoint (resume_from_checkpoint=True) once every rank runs."
+
+
+def _count(value: str) -> int:
+    """A beat's count (``"<count> pid <pid> on <host>"``)."""
+    return int(value.partition(" ")[0])
+
+
+def _underlying(store: dist.Store) -> dist.Store:
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
 
 _beat: _Beat | None = None
 
@@ -309,8 +388,11 @@ def stop_for_silent() -> None:
                 if (values and answered) or time.monotonic() > deadline:
                     return
                 time.sleep(_beat.period)
-        except Exception:  # noqa: BLE001 - no store: the caller raises its own error
-            return
+        except Exception as exc:  # noqa: BLE001 - a store request failed
+            gone = _beat.host_gone(exc)
+            if gone is not None:
+                end_process(gone)
+            return  # no store, as at the job's end: the caller raises its own error
 
 
 @functools.cache
