@@ -342,11 +342,6 @@ def _count(value: str) -> int:
     return int(value.partition(" ")[0])
 
 
-def _moved(before: str, now: str) -> bool:
-    """A rank beat between two reads of its value (one with no count yet: it had not started)."""
-    return before == _LEFT or _count(now) > _count(before)
-
-
 def _underlying(store: dist.Store) -> dist.Store:
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
@@ -374,24 +369,22 @@ def start(ranks: Sequence[int], timeout_s: float, board: FailureBoard, group: di
 
 def stop_for_silent() -> None:
     """Where a collective with the others failed (armed or not): watches them until each has beaten
-    since (its count in the store above the one there at the failure) or said it left (the caller
-    then raises its own error), or ends the job as the beat thread
+    since or said it left (the caller then raises its own error), or ends the job as the beat thread
     would if one has been silent for the timeout or a verdict is posted. At most the timeout and two
     beats: a rank killed just before the failure is named."""
     if _beat is None:
         return
-    deadline = time.monotonic() + _beat.timeout_s + 2 * _beat.period
+    failed = time.monotonic()
+    deadline = failed + _beat.timeout_s + 2 * _beat.period
     with armed():  # the store's watcher covers this wait too ([Note: the store's host])
         try:
-            # The counts as the failure left them, read from the store: a rank killed just before it
-            # may have beaten last after this rank's previous read, and must not count as answering.
-            failed = _beat.read()
             while True:
                 values = _beat.read()
                 verdict = _beat._posted() or _beat.judge(values, _beat.timeout_s)
                 if verdict is not None:
                     _beat.stop_job(verdict)
-                answered = all(value == _LEFT or _moved(failed.get(r, _LEFT), value) for r, value in values.items())
+                with _beat.lock:
+                    answered = all(since >= failed or value == _LEFT for value, since in _beat.seen.values())
                 if (values and answered) or time.monotonic() > deadline:
                     return
                 time.sleep(_beat.period)
