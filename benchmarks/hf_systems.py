@@ -114,32 +114,34 @@ def hf_trainer(
 
     def timed(ids: torch.Tensor, warmup: int, steps: int) -> tuple[list[float], float]:
         clock = _Clock(ctx.device, anatomy)
-        out_dir = tempfile.mkdtemp(prefix=f"bench-{'elixir-' if elixir else ''}trainer-")
-        fields = training_fields(ctx, out_dir, len(ids), warmup + steps, None if elixir else stock.optim)
-        data = _Tokens(ids, len(ids) * ctx.world * (warmup + steps))
-        if elixir:
-            pinned = {"offload": ctx.offload} if ctx.offload is not None else {}  # --offload pins it
-            if ctx.device_lane != "off":
-                pinned["device_assisted_update"] = DEVICE_LANE_WORDS[ctx.device_lane]
-            spec = json.dumps(pinned) if pinned else "auto"
-            args = ElixirTrainingArguments(elixir=spec, **fields)
-            trainer = ElixirTrainer(model=model, args=args, train_dataset=data, callbacks=[clock])
-        else:
-            args = TrainingArguments(**fields)
-            trainer = HFTrainer(model=model, args=args, train_dataset=data, callbacks=[clock], optimizers=optimizers)
-        start = clock.now()
-        out = trainer.train()
-        info["engine_build_s"] = clock.first_begin - start
-        logged = [e for e in trainer.state.log_history if "loss" in e]
-        info["trainer_log"] = logged[-1] if logged else {}  # one entry: the loop's means (elixir/*: step phases)
-        if anatomy:
-            info["anatomy"] = {"stamps": clock.stamps, "trace": clock.trace}
-        if elixir:
-            plan, live = trainer.model._elixir.plan, trainer.model._elixir.live
-            print(plan_table(plan), flush=True)
-            # resident_chunks: those of parameters read outside their module (Liger's or TRL's fused head)
-            info.update(plan=plan_summary(plan), plan_batch=len(ids), resident_chunks=len(live.root_chunks))
-        return clock.times[warmup:], out.training_loss
+        with tempfile.TemporaryDirectory(prefix=f"bench-{'elixir-' if elixir else ''}trainer-") as out_dir:
+            fields = training_fields(ctx, out_dir, len(ids), warmup + steps, None if elixir else stock.optim)
+            data = _Tokens(ids, len(ids) * ctx.world * (warmup + steps))
+            if elixir:
+                pinned = {"offload": ctx.offload} if ctx.offload is not None else {}  # --offload pins it
+                if ctx.device_lane != "off":
+                    pinned["device_assisted_update"] = DEVICE_LANE_WORDS[ctx.device_lane]
+                spec = json.dumps(pinned) if pinned else "auto"
+                args = ElixirTrainingArguments(elixir=spec, **fields)
+                trainer = ElixirTrainer(model=model, args=args, train_dataset=data, callbacks=[clock])
+            else:
+                args = TrainingArguments(**fields)
+                trainer = HFTrainer(
+                    model=model, args=args, train_dataset=data, callbacks=[clock], optimizers=optimizers
+                )
+            start = clock.now()
+            out = trainer.train()
+            info["engine_build_s"] = clock.first_begin - start
+            logged = [e for e in trainer.state.log_history if "loss" in e]
+            info["trainer_log"] = logged[-1] if logged else {}  # one entry: the loop's means (elixir/*: step phases)
+            if anatomy:
+                info["anatomy"] = {"stamps": clock.stamps, "trace": clock.trace}
+            if elixir:
+                plan, live = trainer.model._elixir.plan, trainer.model._elixir.live
+                print(plan_table(plan), flush=True)
+                # resident_chunks: those of parameters read outside their module (Liger's or TRL's fused head)
+                info.update(plan=plan_summary(plan), plan_batch=len(ids), resident_chunks=len(live.root_chunks))
+            return clock.times[warmup:], out.training_loss
 
     return Trainer(info=info, timed=timed)
 

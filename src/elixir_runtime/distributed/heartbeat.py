@@ -31,6 +31,12 @@ safetensors' writes and ``zlib.crc32`` release the GIL (measured: no gap over 0.
 ``save_file``, ``torch.save``, ``torch.load`` or CRC). A count that stops means a process that stopped
 running Python threads at all, not one that is slow.
 
+[Note: a connection of its own]
+A store client serves one request at a time: a beat sent through the job's store object waits while
+the main thread waits in it (``store.wait``, a store-based barrier of ``new_group``), and the others
+would take a rank that only waits for a key for a stopped one. So the beat talks to the store
+through a clone of it (``Store.clone``: its own connection, the same keys).
+
 [Note: the store's host]
 A store that a stopped rank hosts itself (rank 0 under ``init_method="env://"`` or ``tcp://``, not
 ``torchrun``, whose launcher hosts it) answers nobody: every beat thread blocks in its read. A
@@ -116,6 +122,8 @@ class _Beat:
 
     def __init__(self, store: dist.Store, rank: int, ranks: Sequence[int], timeout_s: float) -> None:
         self.store, self.rank, self.timeout_s = store, rank, timeout_s
+        self.client = store.clone()
+        """The beat's own connection to ``store`` ([Note: a connection of its own])."""
         self.board: FailureBoard | None = None
         self.releasable = True
         """Every collective of the engine is gloo's: an abort releases them ([Note: waits nothing releases])."""
@@ -130,6 +138,8 @@ class _Beat:
         self.posted_at: float | None = None
         """When the beat first found the board's message ([Note: waits nothing releases])."""
         self.done = threading.Event()
+        self.wakeup = threading.Condition()
+        """Notified by ``stop`` and ``retime``: the threads' naps end (``_pause``)."""
         self.lock = threading.Lock()  # ``seen``: the beat thread's, and a failed collective's (``stop_for_silent``)
         self._beat()  # the key exists before any rank can read it
         self.thread = threading.Thread(target=self._run, name="elixir-heartbeat", daemon=True)
@@ -146,11 +156,30 @@ class _Beat:
         if self.done.is_set():
             return
         self.done.set()
+        with self.wakeup:
+            self.wakeup.notify_all()
         if threading.current_thread() is not self.thread:
             self.thread.join(self.period + 1)  # not inside a store call when the group is destroyed at exit
         with contextlib.suppress(Exception):  # a store already gone: nobody is left to read it
-            self.store.set(self.keys[self.rank], _LEFT)
+            self.client.set(self.keys[self.rank], _LEFT)
             self.until_read()
+
+    def retime(self, timeout_s: float) -> None:
+        """A new timeout (another engine's): the threads wake to beat at its period, and each rank's
+        quiet time counts from now, not from a beat the old period spaced."""
+        now = time.monotonic()
+        with self.lock:
+            self.timeout_s = timeout_s
+            self.seen = {r: (value, now) for r, (value, _) in self.seen.items()}
+        with self.wakeup:
+            self.wakeup.notify_all()
+
+    def _pause(self) -> bool:
+        """A period's nap, cut short by ``stop`` or ``retime``; whether the thread goes on."""
+        with self.wakeup:
+            if not self.done.is_set():
+                self.wakeup.wait(self.period)
+        return not self.done.is_set()
 
     def hosted_store(self) -> dist.TCPStore | None:
         """The job's store where rank 0 hosts it (``init_method`` ``env://`` or ``tcp://``, not ``torchrun``)."""
@@ -177,11 +206,11 @@ class _Beat:
 
     def _beat(self) -> None:
         self.count += 1
-        self.store.set(self.keys[self.rank], f"{self.count} {self.me}")
+        self.client.set(self.keys[self.rank], f"{self.count} {self.me}")
 
     def _run(self) -> None:
         gone = None  # the verdict on the store's host, gone: this rank ends once it needs the others
-        while not self.done.wait(self.period):
+        while self._pause():
             if not (dist.is_initialized() and dist.distributed_c10d._get_default_store() is self.store):
                 self.stop()  # the group this beat belongs to was destroyed
                 return
@@ -215,7 +244,7 @@ class _Beat:
 
     def _watch_store(self) -> None:
         """[Note: the store's host]: a beat whose requests have not returned for the timeout."""
-        while not self.done.wait(self.period):
+        while self._pause():
             if not self.thread.is_alive():
                 return
             since = self.asking
@@ -229,9 +258,9 @@ class _Beat:
         """Every other rank's value (all keys exist once every rank has started; until then, none)."""
         others = list(self.seen)
         keys = [self.keys[r] for r in others]
-        if not self.store.check(keys):
+        if not self.client.check(keys):
             return {}
-        values = dict(zip(others, (v.decode() for v in self.store.multi_get(keys))))
+        values = dict(zip(others, (v.decode() for v in self.client.multi_get(keys))))
         now = time.monotonic()
         with self.lock:
             for r, value in values.items():
@@ -240,7 +269,7 @@ class _Beat:
         return values
 
     def _posted(self) -> str | None:
-        return self.store.get(STALLED_KEY).decode() if self.store.check([STALLED_KEY]) else None
+        return self.client.get(STALLED_KEY).decode() if self.client.check([STALLED_KEY]) else None
 
     def _unreleased(self) -> str | None:
         """[Note: waits nothing releases]: the board's message, once this rank has left it unraised for two beats."""
@@ -261,7 +290,7 @@ class _Beat:
     def stop_job(self, verdict: str) -> None:
         """Posts ``verdict`` (or takes the one posted first), prints it and ends this process."""
         with contextlib.suppress(Exception):
-            verdict = self.store.compare_set(STALLED_KEY, "", verdict).decode()
+            verdict = self.client.compare_set(STALLED_KEY, "", verdict).decode()
             self.until_read()  # the store may be this process's: the others read the verdict first
         end_process(verdict)
 
@@ -342,6 +371,11 @@ def _count(value: str) -> int:
     return int(value.partition(" ")[0])
 
 
+def _moved(before: str, now: str) -> bool:
+    """A rank beat between two reads of its value (one with no count yet: it had not started)."""
+    return before == _LEFT or _count(now) > _count(before)
+
+
 def _underlying(store: dist.Store) -> dist.Store:
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
@@ -363,28 +397,32 @@ def start(ranks: Sequence[int], timeout_s: float, board: FailureBoard, group: di
             _beat.stop()
         _beat = _Beat(store, dist.get_rank(), ranks, timeout_s)
         _leave_at_exit()
-    _beat.timeout_s, _beat.board, _beat.posted_at = timeout_s, board, None
+    if timeout_s != _beat.timeout_s:
+        _beat.retime(timeout_s)
+    _beat.board, _beat.posted_at = board, None
     _beat.releasable = {dist.get_backend(), dist.get_backend(group)} == {"gloo"}
 
 
 def stop_for_silent() -> None:
     """Where a collective with the others failed (armed or not): watches them until each has beaten
-    since or said it left (the caller then raises its own error), or ends the job as the beat thread
-    would if one has been silent for the timeout or a verdict is posted. At most the timeout and two
-    beats: a rank killed just before the failure is named."""
+    since (its count in the store above the one there at the failure) or said it left (the caller
+    then raises its own error), or ends the job as the beat thread would if one has been silent for
+    the timeout or a verdict is posted. At most the timeout and two beats: a rank killed just before
+    the failure is named."""
     if _beat is None:
         return
-    failed = time.monotonic()
-    deadline = failed + _beat.timeout_s + 2 * _beat.period
+    deadline = time.monotonic() + _beat.timeout_s + 2 * _beat.period
     with armed():  # the store's watcher covers this wait too ([Note: the store's host])
         try:
+            # The counts as the failure left them, read from the store: a rank killed just before it
+            # may have beaten last after this rank's previous read, and must not count as answering.
+            failed = _beat.read()
             while True:
                 values = _beat.read()
                 verdict = _beat._posted() or _beat.judge(values, _beat.timeout_s)
                 if verdict is not None:
                     _beat.stop_job(verdict)
-                with _beat.lock:
-                    answered = all(since >= failed or value == _LEFT for value, since in _beat.seen.values())
+                answered = all(value == _LEFT or _moved(failed.get(r, _LEFT), value) for r, value in values.items())
                 if (values and answered) or time.monotonic() > deadline:
                     return
                 time.sleep(_beat.period)
