@@ -12,7 +12,7 @@ import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -90,13 +90,13 @@ def prepare(
     _check_model(model)
     decoupled = _check_optimizer(optimizer)
     device = _resolve_device(config)
-    dtype = cast(torch.dtype | None, config.dtype) or _model_dtype(model)  # ElixirConfig resolves a name
+    dtype = config.compute_dtype or _model_dtype(model)
     coll = Collectives(config.process_group)
     source = weight_source(model, coll, device)
 
     units = find_units(model, config.unit_classes)
     group_of = _param_groups(optimizer, model)
-    _limit_gpu_memory(device, cast(int | None, config.gpu_memory))  # ElixirConfig stores it as bytes
+    _limit_gpu_memory(device, config.gpu_memory_bytes)
     # gradient shards come and go during each backward (chunk/store.py): page-mapped segments keep that from fragmenting
     expandable = device.type == "cuda" and expandable_segments()
     planned = plan_job(

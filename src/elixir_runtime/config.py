@@ -10,7 +10,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Literal, TypeGuard
+from typing import Literal, TypeGuard, cast
 
 import torch
 import torch.distributed as dist
@@ -267,6 +267,16 @@ class ElixirConfig:
                 object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
             except ValueError as exc:
                 raise ConfigError(f"ElixirConfig.dtype: {exc}") from exc
+
+    @property
+    def gpu_memory_bytes(self) -> int | None:
+        """``gpu_memory`` as ``__post_init__`` leaves it: bytes (None: the whole GPU)."""
+        return cast(int | None, self.gpu_memory)
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """``dtype`` as ``__post_init__`` leaves it: a torch dtype (None: the model's own)."""
+        return cast(torch.dtype | None, self.dtype)
 
 
 def _gpu_memory(value: int | str) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -325,7 +325,7 @@ def resolve_plan(
         budget=search.budget if search is not None else None,
         search=search.report if search is not None else None,
         alternatives=search.alternatives if search is not None else (),
-        gpu_memory=cast(int | None, config.gpu_memory),  # ElixirConfig.__post_init__ stores it as bytes
+        gpu_memory=config.gpu_memory_bytes,
         batch_shape=batch_shape,
         profile=profile,
         chunks=tuple(

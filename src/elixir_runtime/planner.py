@@ -14,15 +14,13 @@ host's as the run will have it (``job_host_memory``). Runs before any training m
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import socket
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .chunk.layout import ChunkLayout, build_layout
@@ -164,11 +162,7 @@ def job_host_memory(model: nn.Module, example_batch: Any | None, device: torch.d
     released = held_bytes(_released_tensors(model, example_batch, device))
     if coll.world_size > 1:
         here = socket.gethostname()
-        everyone: list[tuple[str, int] | None] = [None] * coll.world_size
-        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            dist.all_gather_object(everyone, (here, released), group=coll.group)
-        gathered = cast(list[tuple[str, int]], everyone)  # all_gather_object set every rank's entry
-        released = sum(held for host, held in gathered if host == here)
+        released = sum(held for host, held in coll.everyones((here, released), device) if host == here)
     return HostMemory(host_available(), released, local_ranks())
 
 

@@ -41,21 +41,24 @@ def two_rank_run(tmp_path_factory) -> tuple[Path, dict]:
     try:
         stdout, stderr = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
-        stdout, stderr = _stop_with_stacks(proc)
+        stdout, stderr = _stop_with_stacks(proc, out)
         stacks = "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(out.glob("stacks-rank*.txt")))
         pytest.fail(f"2-rank run timed out; output:\n{stdout[-3000:]}\n{stderr[-4000:]}\nthe ranks' stacks:\n{stacks}")
     assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
     return out, json.loads((out / "result.json").read_text())
 
 
-def _stop_with_stacks(proc: subprocess.Popen) -> tuple[str, str]:
-    """Asks every rank for its threads' stacks (the worker's faulthandler), then kills torchrun and
-    its ranks (which run in sessions of their own, out of reach of a process-group kill)."""
+def _stop_with_stacks(proc: subprocess.Popen, out: Path) -> tuple[str, str]:
+    """Asks every rank for its threads' stacks (the worker's faulthandler), waits until each rank's file
+    holds them (at most 30 s: a rank hung outside Python never writes), then kills torchrun and its
+    ranks (which run in sessions of their own, out of reach of a process-group kill)."""
     tree = [proc.pid, *(c.pid for c in psutil.Process(proc.pid).children(recursive=True))]
     for pid in tree[1:]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGUSR1)
-    time.sleep(3)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(p.stat().st_size for p in out.glob("stacks-rank*.txt")):
+        time.sleep(0.1)
     for pid in tree:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

@@ -13,7 +13,7 @@ import functools
 import gc
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -52,10 +52,19 @@ class Collectives:
         For choices every rank must share (chunk layout, plan) but that could come out differently
         per rank (free memory, a trace that fails on a rank holding a meta model).
         """
-        decided: list = [decide() if self.rank == 0 else None]
+        decided: list[T | None] = [decide() if self.rank == 0 else None]
         if self.world_size > 1:
             dist.broadcast_object_list(decided, src=self.source_rank, group=self.group, device=device)
-        return decided[0]
+        return cast("T", decided[0])  # rank 0's, on every rank
+
+    def everyones(self, obj: T, device: torch.device) -> list[T]:
+        """Every rank's (picklable) ``obj``, in rank order: a collective; ``[obj]`` on one rank."""
+        if self.world_size == 1:
+            return [obj]
+        everyone: list[T | None] = [None] * self.world_size
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            dist.all_gather_object(everyone, obj, group=self.group)
+        return cast("list[T]", everyone)  # all_gather_object set every rank's entry
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full chunk buffer."""
@@ -118,7 +127,7 @@ class HeldWork:
     _every: weakref.WeakSet[HeldWork] = weakref.WeakSet()
 
     def __init__(self) -> None:
-        self._recent: collections.deque = collections.deque(maxlen=2)
+        self._recent: collections.deque[dist.Work] = collections.deque(maxlen=2)
         HeldWork._every.add(self)
         _destroy_groups_at_exit()
 

@@ -122,7 +122,7 @@ class _Beat:
 
     def __init__(self, store: dist.Store, rank: int, ranks: Sequence[int], timeout_s: float) -> None:
         self.store, self.rank, self.timeout_s = store, rank, timeout_s
-        self.client = store.clone()
+        self.client: dist.Store = store.clone()  # type: ignore[attr-defined]  # torch's stub lacks it (2.8 on)
         """The beat's own connection to ``store`` ([Note: a connection of its own])."""
         self.board: FailureBoard | None = None
         self.releasable = True
@@ -184,8 +184,9 @@ class _Beat:
     def hosted_store(self) -> dist.TCPStore | None:
         """The job's store where rank 0 hosts it (``init_method`` ``env://`` or ``tcp://``, not ``torchrun``)."""
         store = _underlying(self.store)
-        hosted = isinstance(store, dist.TCPStore) and os.environ.get(_AGENT_STORE) != "True" and 0 in self.keys
-        return store if hosted else None
+        if isinstance(store, dist.TCPStore) and os.environ.get(_AGENT_STORE) != "True" and 0 in self.keys:
+            return store
+        return None
 
     def until_read(self) -> None:
         """On the store's host: returns once each other rank has read the store since this call ([Note:
@@ -342,6 +343,7 @@ class _Beat:
     def _host(self) -> str:
         """Rank 0 as the store's host, for a verdict ([Note: the store's host])."""
         store = self.hosted_store()
+        assert store is not None, "asked only where rank 0 hosts the store"
         where = f"{type(store).__name__} at {store.host}:{store.port}"
         with self.lock:
             host = self.seen[0][0].partition(" ")[2] or "its pid not read yet"

@@ -88,7 +88,7 @@ class Lockstep:
 
     def check_in(self, op: Op) -> None:
         """Returns once every rank is starting ``op`` as its operation number ``self.started``."""
-        if self.group is None:
+        if self.group is None or self.board is None:
             return
         heartbeat.step_started()  # this rank needs the others until its step ends (distributed/heartbeat.py)
         mine = torch.tensor([int(op), self.started, int(self._asked)], dtype=torch.int64)
@@ -116,6 +116,6 @@ class Lockstep:
     def barrier(self) -> None:
         """Every rank waits for the others (up to torch's default 30 minutes): the end of ``full_params``,
         so that a long forward on one rank does not trip the others' next check-in."""
-        if self.group is not None:
+        if self.group is not None and self.board is not None:
             with self.board.explained("the barrier at the end of full_params"):
                 dist.monitored_barrier(self.group, timeout=dist.default_pg_timeout, wait_all_ranks=True)

@@ -19,7 +19,6 @@ import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -32,8 +31,6 @@ from .attached import AttachedWeights, attached_weights, unguard
 __all__ = ["WeightSource", "weight_source", "unmeta_parameters", "copies_warning"]
 
 logger = logging.getLogger(__name__)
-
-_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -86,7 +83,7 @@ class WeightSource:
             failure = None
         finally:
             self.attached.close()
-        errors = [f"rank {r}: {e}" for r, e in enumerate(_gather(self.coll, device, error)) if e is not None]
+        errors = [f"rank {r}: {e}" for r, e in enumerate(self.coll.everyones(error, device)) if e is not None]
         if errors:
             raise RuntimeError(
                 f"reading the weights from {self.attached.origin} failed:\n  " + "\n  ".join(errors)
@@ -117,7 +114,7 @@ def weight_source(model: nn.Module, coll: Collectives, device: torch.device) -> 
         if on_meta:
             raise ValueError("model has parameters on the meta device; materialize its weights before prepare")
         return WeightSource(coll)
-    everyone = _gather(coll, device, (bool(on_meta), _signature(tensors)))
+    everyone = coll.everyones((bool(on_meta), _signature(tensors)), device)
     if everyone[0][0]:
         raise ValueError(
             "rank 0's model is on the meta device: rank 0 must hold the weights (load or initialise them there); "
@@ -161,7 +158,7 @@ def _attached(
             "a module added after building on meta (such as a PEFT adapter) or a buffer has no values; build the "
             f"model with its values ({source.fallback})"
         )
-    everyone = _gather(coll, device, (problem, _signature(tensors), source.agreement()))
+    everyone = coll.everyones((problem, _signature(tensors), source.agreement()), device)
     errors = [f"rank {r}: {p}" if coll.world_size > 1 else p for r, (p, _, _) in enumerate(everyone) if p is not None]
     if errors:
         raise ValueError("; ".join(errors))
@@ -191,16 +188,6 @@ def _check_same_model(signatures: list[list[str]]) -> None:
                 f"rank {rank}'s model differs from rank 0's (rank 0 vs rank {rank}: {diff}): build the same model, with "
                 "the same dtype, on every rank"
             )
-
-
-def _gather(coll: Collectives, device: torch.device, obj: _T) -> list[_T]:
-    """Every rank's ``obj``, in rank order (a collective; just ``[obj]`` on one rank)."""
-    if coll.world_size == 1:
-        return [obj]
-    everyone: list[_T | None] = [None] * coll.world_size
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        dist.all_gather_object(everyone, obj, group=coll.group)
-    return cast(list[_T], everyone)  # all_gather_object set every rank's entry
 
 
 COPIES_WARN_SHARE = 0.25
