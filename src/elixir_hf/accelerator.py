@@ -38,7 +38,7 @@ from .batch_plan import planned_batch
 from .checkpoint.format import all_ranks_agree, optimizer_format, seal, unmark, verify
 from .checkpoint.optimizer_files import load_optimizer, save_optimizer
 from .console import follow_accelerator
-from .engine import build_engine, has_engine, whole_model
+from .engine import build_engine, engine_state, has_engine, whole_model
 from .launch import check_devices, check_launch
 from .metrics import EngineMetrics
 from .mixin import mixed_class
@@ -132,8 +132,10 @@ class ElixirAccelerator(Accelerator):
                 patches.mark_optimizer_stepped(optimizer)
         prepared = super().prepare(*objs, device_placement=device_placement)
         if models and optimizers:
+            wrapped = self.elixir_optimizer
+            assert wrapped is not None, "prepare_optimizer wrapped the engine's optimizer"
             self._engine_metrics = EngineMetrics(
-                self.elixir_optimizer, objs[models[0]]._elixir.plan, compiled=self.elixir_compile is not None
+                wrapped, engine_state(objs[models[0]]).plan, compiled=self.elixir_compile is not None
             )
         return prepared
 
@@ -256,9 +258,11 @@ class ElixirAccelerator(Accelerator):
         with patches.hidden_from_accelerate(self, opt, model):
             super().load_state(input_dir, **kwargs)
         load_safetensors(model, os.path.join(input_dir, SAFE_WEIGHTS_NAME))  # a tensor at a time, not the file per rank
+        plugin = self.elixir_plugin
+        assert plugin is not None, "the engine is built under an Elixir plugin only"
         error = None
         try:
-            load_optimizer(input_dir, opt, allow_missing=self.elixir_plugin.allow_missing_adam_state)
+            load_optimizer(input_dir, opt, allow_missing=plugin.allow_missing_adam_state)
         except Exception as e:  # noqa: BLE001 - every rank raises it
             error = f"{type(e).__name__}: {e}"
         all_ranks_agree(error, f"loading the optimizer state of {input_dir}")

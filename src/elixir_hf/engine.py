@@ -22,13 +22,26 @@ from . import console  # noqa: F401  (this package's and the engine's loggers un
 from .loss import use_lean_loss
 from .plugin import ElixirPlugin, ElixirSpecError, describe_model
 
-__all__ = ["build_engine", "clips_grads", "example_batch", "has_engine", "read_outside_modules", "whole_model"]
+__all__ = [
+    "build_engine",
+    "clips_grads",
+    "engine_state",
+    "example_batch",
+    "has_engine",
+    "read_outside_modules",
+    "whole_model",
+]
 
 logger = logging.getLogger(__name__)
 
 
 def has_engine(model: Any) -> bool:
     return hasattr(model, "_elixir")
+
+
+def engine_state(model: nn.Module) -> ElixirState:
+    """What ``elixir_runtime.prepare`` attached to ``model`` (``has_engine``)."""
+    return cast(ElixirState, model._elixir)
 
 
 def whole_model(model: nn.Module, rank0_only: bool = False) -> contextlib.AbstractContextManager:
@@ -120,7 +133,7 @@ def build_engine(
         )
     except PlanMismatch as exc:  # the plan file's layout is not this model's: a spec error, as the other checks
         raise ElixirSpecError(str(exc)) from None
-    plan = cast(ElixirState, model._elixir).plan
+    plan = engine_state(model).plan
     if compile_kwargs is not None:
         n = elixir_runtime.compile_blocks(model, **compile_kwargs)
         logger.info(

@@ -75,7 +75,7 @@ from .checkpoint.format import (
 )
 from .checkpoint.optimizer_files import load_optimizer, save_optimizer
 from .console import follow_trainer
-from .engine import build_engine, has_engine
+from .engine import build_engine, engine_state, has_engine
 from .loading.stream import restream
 from .mixin import mixed_class
 from .plugin import ENV_VAR, ElixirPlugin, describe_model
@@ -107,6 +107,12 @@ class ElixirTrainer(Trainer):
     def elixir_plugin(self) -> ElixirPlugin | None:
         return getattr(self.args, "elixir_plugin", None)
 
+    @property
+    def _output_dir(self) -> str:
+        """``args.output_dir``: Optional among the arguments' fields, set by their ``__post_init__``."""
+        assert self.args.output_dir is not None, "TrainingArguments.__post_init__ sets output_dir"
+        return self.args.output_dir
+
     # ------------------------------------------------------------------ engine
     def create_accelerator_and_postprocess(self) -> None:
         if self.elixir_plugin is None:
@@ -127,6 +133,7 @@ class ElixirTrainer(Trainer):
             return super().create_optimizer(model)
         optimizer = super().create_optimizer(model)
         target = model if model is not None else self.model
+        assert target is not None, "the Trainer holds its model (given, or built by model_init)"
         batch = (
             planned_batch(self.train_dataset, self.data_collator, self._train_batch_size, args=self.args, model=target)
             if self.train_dataset is not None
@@ -169,7 +176,8 @@ class ElixirTrainer(Trainer):
             with armed():
                 yield
         except RuntimeError as exc:
-            board = self.model._elixir.runtime.lockstep.board if has_engine(self.model) else None
+            model = self.model
+            board = engine_state(model).runtime.lockstep.board if model is not None and has_engine(model) else None
             if board is not None:
                 board.raise_posted(exc, f"a collective in Trainer.{where}")
             raise
@@ -186,7 +194,7 @@ class ElixirTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         with self._explained("train"), self._one_job_per_folder():
             if self.elixir_plugin is not None and resume_from_checkpoint is True:
-                resume_from_checkpoint = newest_complete(self.args.output_dir)
+                resume_from_checkpoint = newest_complete(self._output_dir)
             output = super().train(resume_from_checkpoint, *args, **kwargs)
         if self._preemption is not None:
             self._preemption.exit_if_preempted()  # SIGTERM/SIGUSR1: after the lock is released (preemption.py)
@@ -203,7 +211,7 @@ class ElixirTrainer(Trainer):
             error = None
             if self.args.should_save:
                 try:
-                    held.enter_context(job_lock(self.args.output_dir))
+                    held.enter_context(job_lock(self._output_dir))
                 except FolderInUse as e:
                     error = str(e)
             all_ranks_agree(error, f"taking output_dir {self.args.output_dir}")
@@ -236,21 +244,23 @@ class ElixirTrainer(Trainer):
             self._save_model(output_dir, _internal_call)
 
     def _save_model(self, output_dir: str | None, _internal_call: bool) -> None:
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        output_dir = output_dir if output_dir is not None else self._output_dir
+        model = self.model
+        assert model is not None, "save_model saves the Trainer's model"
         # collective: every rank takes part; only the writers keep the weights (rank 0, or with
         # save_on_each_node the main process of each node, whose disk holds a folder of its own)
-        with rank0_state_dict(self.model, keep=self.args.should_save):
-            state_dict = self.model.state_dict()
+        with rank0_state_dict(model, keep=self.args.should_save):
+            state_dict = model.state_dict()
         error = None
         if self.args.should_save:
             try:
                 with (
                     staged_dir(output_dir) as stage,
                     patches.save_messages_name(stage, output_dir),
-                    patches.save_pretrained_where_told(self.model),
+                    patches.save_pretrained_where_told(model),
                 ):
                     self._save(stage, state_dict=state_dict)
-                    plan = {**json.loads(self.model._elixir.plan.to_json()), "model": describe_model(self.model)}
+                    plan = {**json.loads(engine_state(model).plan.to_json()), "model": describe_model(model)}
                     Path(stage, PLAN_NAME).write_text(json.dumps(plan, indent=2))
             except OSError as e:
                 error = str(e)
@@ -264,7 +274,8 @@ class ElixirTrainer(Trainer):
         if not has_engine(self.model):
             return super()._save_optimizer_and_scheduler(output_dir)
         os.makedirs(output_dir, exist_ok=True)
-        args = self.args
+        args, scheduler = self.args, self.lr_scheduler
+        assert scheduler is not None, "train() builds the scheduler before it saves"
         self._digests.update(
             save_optimizer(
                 output_dir,
@@ -279,7 +290,7 @@ class ElixirTrainer(Trainer):
         if args.should_save:
             try:
                 self._digests[SCHEDULER_NAME] = atomic_torch_save(
-                    self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME)
+                    scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME)
                 )
             except OSError as e:
                 error = str(e)
@@ -287,6 +298,7 @@ class ElixirTrainer(Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
         target = model if model is not None else self.model
+        assert target is not None, "the Trainer holds its model (given, or built by model_init)"
         if self.elixir_plugin is not None:
             if not os.path.isdir(resume_from_checkpoint):  # the stock Trainer's words for a mistyped path
                 raise ValueError(f"Can't find a valid checkpoint at {resume_from_checkpoint}")
@@ -319,15 +331,18 @@ class ElixirTrainer(Trainer):
         marker = self._resume_marker  # None: a plain PyTorch checkpoint
         if marker is not None and not marker["optimizer"]:
             return  # weights only (save_only_model): fresh optimizer and scheduler, as the stock Trainer does
+        plugin, scheduler = self.elixir_plugin, self.lr_scheduler
+        assert plugin is not None, "the engine is built under an Elixir plugin only"
+        assert scheduler is not None, "train() builds the scheduler before it resumes"
         error = None
         try:
             load_optimizer(
                 checkpoint,
                 self.optimizer,
-                marker and marker["step"],
-                allow_missing=self.elixir_plugin.allow_missing_adam_state,
+                marker["step"] if marker is not None else None,
+                allow_missing=plugin.allow_missing_adam_state,
             )
-            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+            scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
         except Exception as e:  # noqa: BLE001 - every rank raises it
             error = f"{type(e).__name__}: {e}"
         all_ranks_agree(error, f"loading the optimizer state of {checkpoint}")
@@ -338,31 +353,33 @@ class ElixirTrainer(Trainer):
         model, the Adam state by parameter name into the stock optimizer (what ``elixir-convert``
         writes), and the schedule into the scheduler, so the run continues as the Elixir run would.
         A trainable parameter the checkpoint holds no state for is refused, naming it."""
+        model, optimizer, scheduler = self.model, self.optimizer, self.lr_scheduler
+        assert model is not None and optimizer is not None and scheduler is not None, "train() builds them first"
         error = None
         try:
             verify(checkpoint, self.args.process_index, self.args.should_save)
-            mine = [p for g in self.optimizer.param_groups for p in g["params"]]
+            mine = [p for g in optimizer.param_groups for p in g["params"]]
             position = {id(p): i for i, p in enumerate(mine)}
 
             def numbering(params: list[torch.nn.Parameter]) -> list[int]:
                 return [position[id(p)] for p in params if id(p) in position]
 
-            state, groups = torch_adam_state(Path(checkpoint), self.model, numbering)
+            state, groups = torch_adam_state(Path(checkpoint), model, numbering)
             covered = {i for g in groups for i in g["params"]}
-            names = {id(p): n for n, p in self.model.named_parameters()}
+            names = {id(p): n for n, p in model.named_parameters()}
             missing = [names.get(id(p), "?") for i, p in enumerate(mine) if i not in covered and p.requires_grad]
             if missing:
                 raise CheckpointError(
                     f"{checkpoint} holds no Adam state for {missing}: resume with the model it was saved from"
                 )
-            sd = self.optimizer.state_dict()
+            sd = optimizer.state_dict()
             group_of = {i: g for g in groups for i in g["params"]}
             for g in sd["param_groups"]:
                 saved = group_of[g["params"][0]] if g["params"] else {}
                 g.update({k: v for k, v in saved.items() if k in ("lr", "initial_lr")})
             sd["state"] = state
-            self.optimizer.load_state_dict(sd)
-            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+            optimizer.load_state_dict(sd)
+            scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
         except Exception as e:  # noqa: BLE001 - every rank raises it
             error = f"{type(e).__name__}: {e}"
         all_ranks_agree(error, f"loading the Elixir optimizer state of {checkpoint} into the stock optimizer")

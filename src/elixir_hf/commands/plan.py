@@ -29,7 +29,8 @@ import importlib.util
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from elixir_runtime.config import ConfigError, ElixirConfig, PlanError, resolve_dtype
 from elixir_runtime.config import parse_size as config_parse_size
@@ -90,9 +91,11 @@ def _dtype(text: str) -> str:
 
 def _gpu_memory(text: str) -> int:
     try:
-        return ElixirConfig(gpu_memory=text).gpu_memory
+        size = ElixirConfig(gpu_memory=text).gpu_memory_bytes
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    assert size is not None, "a size was given"
+    return size
 
 
 def _spec(text: str) -> dict:
@@ -250,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-_SHORTHANDS = {  # flag: (its attribute, the --elixir key it sets, that key's value from the flag's)
+_SHORTHANDS: dict[str, tuple[str, str, Callable[[Any], object]]] = {  # flag: (its attribute, the --elixir key it sets, that key's value from the flag's)
     "--dtype": ("dtype", "dtype", str),
     "--gpu-memory": ("gpu_memory", "gpu_memory", int),
     "--device-lane": ("device_lane", "device_assisted_update", DEVICE_LANE_WORDS.__getitem__),
@@ -273,6 +276,7 @@ def _elixir_config(args: argparse.Namespace) -> ElixirConfig:
             raise ElixirSpecError(f"{flag} says {key} {value(given)!r}, --elixir says {spec[key]!r}: give it once")
         spec[key] = value(given)
     plugin = ElixirPlugin.from_spec({"dtype": "bf16", **spec}, source="elixir-plan --elixir")
+    assert plugin is not None, "a mapping is never 'off'"
     if plugin.plan is not None or plugin.config.mode != "auto":
         raise ElixirSpecError(
             "elixir-plan --elixir takes the settings of an auto plan, not a plan or mode 'static': elixir-plan makes "

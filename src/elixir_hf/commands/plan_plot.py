@@ -25,6 +25,7 @@ def memory_bars(plan: ElixirPlan) -> list[tuple[str, int, str]]:
     ``DEVICE_MEMORY`` (what the budget for model states bounds; gradient shards beyond the
     activation memory freed under them), then the activations as budgeted (x the fragmentation
     factor) and buffers. Empty parts are left out."""
+    assert plan.budget is not None, "a searched plan"
     parts = [(MEMORY_PARTS[k], getattr(plan.memory, k), _COLOURS[k]) for k in DEVICE_MEMORY]
     parts += [
         (
@@ -40,6 +41,7 @@ def memory_bars(plan: ElixirPlan) -> list[tuple[str, int, str]]:
 def host_bars(plan: ElixirPlan) -> list[tuple[str, int, str]]:
     """(label, bytes, colour) of the plot's host bar: the pinned shards of offloaded chunks of every
     GPU on the host (empty when nothing is offloaded)."""
+    assert plan.budget is not None, "a searched plan"
     ranks = plan.budget.ranks_per_host
     pinned = plan.host_bytes * ranks
     label = "offloaded chunks, pinned" + (f" ({ranks} GPUs x {plan.host_bytes / GIB:.1f})" if ranks > 1 else "")
@@ -73,6 +75,7 @@ def _stacked(ax, bars: list[tuple[str, int, str]]) -> None:
 
 def _gpu_panel(ax, plan: ElixirPlan, title: str) -> None:
     budget = plan.budget
+    assert budget is not None, "a searched plan"
     _stacked(ax, memory_bars(plan))
     ax.axvline(budget.capacity / GIB, color="black", label=f"GPU memory: {budget.capacity / GIB:.1f}")
     ax.axvline(
@@ -88,6 +91,7 @@ def _gpu_panel(ax, plan: ElixirPlan, title: str) -> None:
 
 def _host_panel(ax, plan: ElixirPlan) -> None:
     budget = plan.budget
+    assert budget is not None, "a searched plan"
     _stacked(ax, host_bars(plan))
     ax.axvline(budget.host_capacity / GIB, color="black", label=f"host memory: {budget.host_capacity / GIB:.1f}")
     usable = budget.host_allowed * budget.ranks_per_host

@@ -105,6 +105,7 @@ def plan_report(
             raise PlanError(
                 f"{exc}\n(host memory: {size_text(host_bytes)}, {host_source}; --host-mem to plan for another host)"
             ) from exc
+        assert plan.profile is not None and plan.budget is not None, "plan_model's plan is searched"
         timings = {
             "build_s": build_s,
             "profile_s": plan.profile.seconds,
@@ -118,7 +119,7 @@ def plan_report(
     if accumulated is not None:
         doc["accumulated"] = {
             "grad_accum": 2,
-            "predicted_step_s": accumulated.predicted.total,
+            "predicted_step_s": accumulated.predicted_step_s,
             "tflops": tflops(accumulated, 2),
         }
     return PlanReport(plan, title, text, details, doc)
@@ -213,6 +214,7 @@ def _text(
 
 def _accumulated_text(plan: ElixirPlan, accumulated: ElixirPlan) -> str:
     t, t2 = plan.predicted, accumulated.predicted
+    assert t is not None and t2 is not None, "searched plans"
     return (
         f"  host-bound: {t.exposed_cpu_adam:.3f} s of it is the CPU update of offloaded chunks, once per optimizer "
         f"step whatever its tokens; with 2 micro-batches per step (--grad-accum 2; the Trainer's "
@@ -226,6 +228,8 @@ def _header(
 ) -> str:
     gpus = f"{args.gpus} GPU{'s' if args.gpus > 1 else ''}"
     accum = f", {args.grad_accum} micro-batches per step" if args.grad_accum > 1 else ""
+    assert plan.budget is not None and plan.profile is not None, "a searched plan"
+    assert plan.batch_shape is not None, "a plan made with an example batch"
     cap = plan.budget.limit
     memory = size_text(card) if cap is None else f"{size_text(cap)} of its {size_text(card)} (--gpu-memory)"
     gpu_source = hw_note or f"this machine's GPU ({hardware.source})"
@@ -244,6 +248,7 @@ def _header(
 
 
 def _details(plan: ElixirPlan, hardware: HardwareProfile, hw_note: str, timings: dict[str, float]) -> str:
+    assert plan.search is not None and plan.profile is not None and plan.budget is not None, "a searched plan"
     notes = "".join(f"\nnote: {n}" for n in plan.search.notes)
     return "\n\n".join(
         [
@@ -267,6 +272,7 @@ def _doc(
     host_source: str,
     timings: dict[str, float],
 ) -> dict[str, Any]:
+    assert plan.profile is not None and plan.budget is not None, "a searched plan"
     return {
         "model": args.model,
         "settings": {

@@ -88,7 +88,7 @@ def run_table(records: list[RankRecord], where: str | os.PathLike) -> RunTable:
     return RunTable(title, records, rows)
 
 
-def series(record: RankRecord, key: str) -> list[tuple[int, float]]:
+def series(record: RankRecord, key: str) -> list[tuple[float, float]]:
     """``(step, value)`` of each of the rank's logs that has ``key``."""
     return [(log["step"], log[key]) for log in record.logs if key in log]
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -92,23 +93,25 @@ def snapshot_folder(repo_id: str, kwargs: dict[str, Any]) -> Path:
 def _fetch(repo_id: str, kwargs: dict[str, Any], local_files_only: bool) -> Path:
     sub = kwargs.get("subfolder") or ""
 
-    def at(names: Any) -> list[str]:  # repository paths
-        return [f"{sub}/{n}" if sub else n for n in names]
+    def download(names: Iterable[str]) -> Path:  # names: paths in the subfolder
+        return Path(
+            huggingface_hub.snapshot_download(
+                repo_id,
+                allow_patterns=[f"{sub}/{n}" if sub else n for n in names],
+                revision=kwargs.get("revision"),
+                cache_dir=kwargs.get("cache_dir"),
+                token=kwargs.get("token"),
+                local_files_only=local_files_only,
+                force_download=bool(kwargs.get("force_download")) and not local_files_only,
+            )
+        )
 
     files = (*FILES, "*.py") if kwargs.get("trust_remote_code") else FILES
-    common = {
-        "revision": kwargs.get("revision"),
-        "cache_dir": kwargs.get("cache_dir"),
-        "token": kwargs.get("token"),
-        "local_files_only": local_files_only,
-        "force_download": bool(kwargs.get("force_download")) and not local_files_only,
-    }
     try:
-        folder = Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=at(files), **common))
+        folder = download(files)
         index = folder / sub / INDEX_FILE
         if index.is_file():
-            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
-            huggingface_hub.snapshot_download(repo_id, allow_patterns=at(sorted(shards)), **common)
+            download(sorted(set(json.loads(index.read_text()).get("weight_map", {}).values())))
         if local_files_only and not any((folder / sub / name).is_file() for name in _LOADABLE):
             raise LocalEntryNotFoundError(f"{folder / sub} holds a config but no weights")  # a config fetched alone
     except LocalEntryNotFoundError as e:

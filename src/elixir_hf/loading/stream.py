@@ -168,6 +168,7 @@ def unstream(model: Any) -> None:
     place: the same objects), the others keep them on meta and get rank 0's values in ``prepare``."""
     source = attached_weights(model)
     if holds_weights():
+        assert source is not None, "unstream is for a model that carries its weights' source"
         with torch.no_grad():
             for p in source.params:
                 value = source.read(p, 0, p.numel(), torch.device("cpu")).view(p.shape)

@@ -29,6 +29,8 @@ class AttachedWeights(Protocol):
 
     fallback: str
     """How to build the model with its values instead (the fix an error names)."""
+    params: list[nn.Parameter]
+    """The meta parameters it holds the values of."""
     guard: RemovableHandle | None
 
     def covers(self, p: torch.Tensor) -> bool: ...
