@@ -24,7 +24,7 @@ import functools
 import logging
 import math
 import os
-from typing import Any
+from typing import Any, cast
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -50,8 +50,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["ElixirAccelerator", "elixir_accelerator"]
 
 
-class ElixirAccelerator(Accelerator):
-    def __init__(self, *args: Any, elixir_plugin: ElixirPlugin | str | dict | None = None, **kwargs: Any) -> None:
+class ElixirAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships no types: Accelerator is Any
+    def __init__(
+        self, *args: Any, elixir_plugin: ElixirPlugin | str | dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
         """``elixir_plugin``: an ``ElixirPlugin`` or a spec (``auto``, ``off``, JSON, file); ``None``
         reads ``ELIXIR_CONFIG`` and falls back to ``auto``."""
         if elixir_plugin is None:
@@ -139,7 +141,9 @@ class ElixirAccelerator(Accelerator):
             )
         return prepared
 
-    def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False):
+    def prepare_model(
+        self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ) -> Any:
         if self.elixir_plugin is None:
             return super().prepare_model(model, device_placement, evaluation_mode)
         if not has_engine(model):
@@ -150,7 +154,7 @@ class ElixirAccelerator(Accelerator):
         patches.mark_accelerate_prepared(model)  # the engine places and reduces it: no .to(), DDP, autocast
         return super().prepare_model(model, device_placement, evaluation_mode)
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None):
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
         if self.elixir_plugin is None or getattr(optimizer, "_is_accelerate_prepared", False):
             return super().prepare_optimizer(optimizer, device_placement)
         if not isinstance(optimizer, ElixirOptimizer):
@@ -165,7 +169,8 @@ class ElixirAccelerator(Accelerator):
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         opt = self.elixir_optimizer
         if opt is None:
-            return super().backward(loss, **kwargs)
+            super().backward(loss, **kwargs)
+            return
         with opt.timer("backward"):
             opt.elixir_optimizer.backward(loss / self.gradient_accumulation_steps, **kwargs)
 
@@ -173,12 +178,12 @@ class ElixirAccelerator(Accelerator):
         """The engine's global grad norm (all chunks, all ranks); clipping is fused into ``step``."""
         opt = self.elixir_optimizer
         if opt is None:
-            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+            return cast(torch.Tensor, super().clip_grad_norm_(parameters, max_norm, norm_type))
         if math.isinf(max_norm):
             return torch.tensor(opt.elixir_optimizer.grad_norm())
         return opt.elixir_optimizer.clip_grad_norm(max_norm, norm_type)
 
-    def no_sync(self, model: nn.Module):
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         opt = self.elixir_optimizer
         return super().no_sync(model) if opt is None else opt.elixir_optimizer.no_sync()
 
@@ -188,13 +193,13 @@ class ElixirAccelerator(Accelerator):
         ``prepare`` or with Elixir off); see ``EngineMetrics``."""
         return self._engine_metrics.collect() if self._engine_metrics is not None else {}
 
-    def log(self, values: dict, step: int | None = None, log_kwargs: dict | None = None) -> None:
+    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
         """Accelerate's ``log`` (to every tracker, on the main process), with ``elixir_metrics()``
         merged into ``values``."""
         super().log({**self.elixir_metrics(), **values}, step=step, log_kwargs=log_kwargs)
 
     # ------------------------------------------------------------------ forwards on some ranks
-    def full_params(self, model: nn.Module, rank0_only: bool = False) -> contextlib.AbstractContextManager:
+    def full_params(self, model: nn.Module, rank0_only: bool = False) -> contextlib.AbstractContextManager[nn.Module]:
         """Enter on every rank; inside, forwards run on any rank alone, e.g. on the main process::
 
             with accelerator.full_params(model):
@@ -209,12 +214,12 @@ class ElixirAccelerator(Accelerator):
         return whole_model(model, rank0_only)
 
     # ------------------------------------------------------------------ checkpoints
-    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict:
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """The consolidated weights on the main process; the other ranks get no parameters, as with
         FSDP (one host copy of the model). A collective: call it on every rank. ``save_state`` and
         ``save_model`` go through here."""
         if not has_engine(model):
-            return super().get_state_dict(model, unwrap)
+            return cast(dict[str, Any], super().get_state_dict(model, unwrap))
         with rank0_state_dict(model):
             return model.state_dict()
 
@@ -225,11 +230,11 @@ class ElixirAccelerator(Accelerator):
         written last."""
         opt = self.elixir_optimizer
         if opt is None:
-            return super().save_state(output_dir, safe_serialization, **kwargs)
+            return cast(str, super().save_state(output_dir, safe_serialization, **kwargs))
         if output_dir is not None and self.is_main_process:
             unmark(output_dir)  # saving again into a folder: torn until the new marker
         with patches.hidden_from_accelerate(self, opt):
-            location = super().save_state(output_dir, safe_serialization, **kwargs)
+            location: str = super().save_state(output_dir, safe_serialization, **kwargs)
         digests = save_optimizer(
             location,
             opt,
@@ -248,7 +253,8 @@ class ElixirAccelerator(Accelerator):
         plain Accelerate folder's ``optimizer.bin`` loads too (moments mapped by optimizer order)."""
         opt = self.elixir_optimizer
         if opt is None:
-            return super().load_state(input_dir, **kwargs)
+            super().load_state(input_dir, **kwargs)
+            return
         if input_dir is None:
             raise ValueError("ElixirAccelerator.load_state needs the checkpoint folder (input_dir)")
         fmt = optimizer_format(input_dir)

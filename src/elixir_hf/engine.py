@@ -44,7 +44,7 @@ def engine_state(model: nn.Module) -> ElixirState:
     return cast(ElixirState, model._elixir)
 
 
-def whole_model(model: nn.Module, rank0_only: bool = False) -> contextlib.AbstractContextManager:
+def whole_model(model: nn.Module, rank0_only: bool = False) -> contextlib.AbstractContextManager[nn.Module]:
     """``elixir_runtime.full_params`` for a model the engine runs, nothing for any other (a plain or
     DDP model is whole on every rank already). Enter it on every rank."""
     if has_engine(model):

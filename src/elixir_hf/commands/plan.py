@@ -98,7 +98,7 @@ def _gpu_memory(text: str) -> int:
     return size
 
 
-def _spec(text: str) -> dict:
+def _spec(text: str) -> dict[str, Any]:
     try:
         spec = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -253,7 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-_SHORTHANDS: dict[str, tuple[str, str, Callable[[Any], object]]] = {  # flag: (its attribute, the --elixir key it sets, that key's value from the flag's)
+_SHORTHANDS: dict[str, tuple[str, str, Callable[[Any], object]]] = {
+    # flag: (its attribute, the --elixir key it sets, that key's value from the flag's)
     "--dtype": ("dtype", "dtype", str),
     "--gpu-memory": ("gpu_memory", "gpu_memory", int),
     "--device-lane": ("device_lane", "device_assisted_update", DEVICE_LANE_WORDS.__getitem__),

@@ -3,7 +3,12 @@ holds and where it lives, as a PNG."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from elixir_runtime.planner import DEVICE_MEMORY, MEMORY_PARTS, ElixirPlan, chunk_layers
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 __all__ = ["memory_bars", "host_bars", "plot_plan"]
 
@@ -65,7 +70,7 @@ def plot_plan(plan: ElixirPlan, path: str, title: str = "") -> None:
     plt.close(fig)
 
 
-def _stacked(ax, bars: list[tuple[str, int, str]]) -> None:
+def _stacked(ax: Axes, bars: list[tuple[str, int, str]]) -> None:
     left = 0.0
     for label, size, color in bars:
         ax.barh(0, size / GIB, left=left, color=color, label=f"{label}: {size / GIB:.1f}")
@@ -73,7 +78,7 @@ def _stacked(ax, bars: list[tuple[str, int, str]]) -> None:
     ax.set_yticks([])
 
 
-def _gpu_panel(ax, plan: ElixirPlan, title: str) -> None:
+def _gpu_panel(ax: Axes, plan: ElixirPlan, title: str) -> None:
     budget = plan.budget
     assert budget is not None, "a searched plan"
     _stacked(ax, memory_bars(plan))
@@ -89,7 +94,7 @@ def _gpu_panel(ax, plan: ElixirPlan, title: str) -> None:
     ax.set_title(title, fontsize=9)
 
 
-def _host_panel(ax, plan: ElixirPlan) -> None:
+def _host_panel(ax: Axes, plan: ElixirPlan) -> None:
     budget = plan.budget
     assert budget is not None, "a searched plan"
     _stacked(ax, host_bars(plan))
@@ -101,7 +106,7 @@ def _host_panel(ax, plan: ElixirPlan) -> None:
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7)
 
 
-def _chunk_panel(ax, plan: ElixirPlan, max_labels: int = 40) -> None:
+def _chunk_panel(ax: Axes, plan: ElixirPlan, max_labels: int = 40) -> None:
     off = set(plan.offload)
     n = plan.n_chunks
     ax.bar(

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +48,9 @@ from elixir_runtime.planner import (
 from ..loss import use_lean_loss
 from ..presets import PRESETS, canonical_name
 from .plan_hardware import host_memory
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 __all__ = ["PlanReport", "plan_report", "model_config", "build_meta_model"]
 
@@ -146,7 +149,7 @@ def quiet_transformers() -> Iterator[None]:
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
+    hf_logging.set_verbosity(hf_logging.ERROR)
     try:
         yield
     finally:
@@ -288,7 +291,7 @@ def _doc(
     }
 
 
-def model_config(name: str, seq_len: int):
+def model_config(name: str, seq_len: int) -> PretrainedConfig:
     """A preset, a ``config.json`` (or a directory holding one), or a Hub id (cached, or online)."""
     from transformers import AutoConfig
 
@@ -303,15 +306,16 @@ def model_config(name: str, seq_len: int):
         data = json.loads(path.read_text())
         return AutoConfig.for_model(data.pop("model_type"), **data)
     try:
-        return AutoConfig.from_pretrained(name)
+        config: PretrainedConfig = AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as exc:
         raise SystemExit(
             f"elixir-plan: {name!r} is not a preset ({', '.join(PRESETS)}), a config.json, or a Hub id that can be "
             f"loaded here ({type(exc).__name__}: {exc}); without network, download its config.json and pass its path"
         ) from exc
+    return config
 
 
-def build_meta_model(config, dtype: torch.dtype, checkpointing: bool) -> torch.nn.Module:
+def build_meta_model(config: PretrainedConfig, dtype: torch.dtype, checkpointing: bool) -> torch.nn.Module:
     """On the meta device, with sdpa attention (what a GPU run uses) where the model supports it,
     else the model's own implementation."""
     from transformers import AutoModelForCausalLM
@@ -319,7 +323,9 @@ def build_meta_model(config, dtype: torch.dtype, checkpointing: bool) -> torch.n
     with torch.device("meta"):
         try:
             # a copy: a refused attempt leaves its choice in the config
-            model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype, attn_implementation="sdpa")
+            model: PreTrainedModel = AutoModelForCausalLM.from_config(
+                copy.deepcopy(config), dtype=dtype, attn_implementation="sdpa"
+            )
         except ValueError as exc:  # "... does not support ... scaled_dot_product_attention"
             if "sdpa" not in str(exc) and "scaled_dot_product_attention" not in str(exc):
                 raise

@@ -17,10 +17,13 @@ import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..metrics import COMPARED, Compared
 from ..run_record import REPORT, RankRecord, RunRecordError, read_run, record_dir, replace_file
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 __all__ = ["RunRow", "RunTable", "plot_run", "run_command", "run_table", "series", "write_report"]
 
@@ -73,7 +76,7 @@ class RunTable:
         }
 
 
-def run_table(records: list[RankRecord], where: str | os.PathLike) -> RunTable:
+def run_table(records: list[RankRecord], where: str | os.PathLike[str]) -> RunTable:
     """The rows ``records`` hold a value of: predicted, or measured (not 0) on some rank."""
     rows = []
     for c in COMPARED:
@@ -112,7 +115,7 @@ def _ratio(v: float | None, plan: float | None) -> str:
     return f" ({v / plan:.2f}x)" if v / plan < 100 else f" ({v / plan:,.0f}x)"
 
 
-def plot_run(table: RunTable, path: str | os.PathLike) -> None:
+def plot_run(table: RunTable, path: str | os.PathLike[str]) -> None:
     """Three panels: each rank's step time by log beside the plan's, the times by phase and the memory,
     the plan's bar then each rank's. A ``Figure`` of its own: the process's pyplot backend is left alone
     (the end of a run in a notebook)."""
@@ -135,7 +138,7 @@ def plot_run(table: RunTable, path: str | os.PathLike) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _bars(ax, rows: list[RunRow], records: list[RankRecord], ylabel: str) -> None:
+def _bars(ax: Axes, rows: list[RunRow], records: list[RankRecord], ylabel: str) -> None:
     """Per row, the plan's bar (hatched) and each rank's."""
     width = 0.8 / (len(records) + 1)
     for i, row in enumerate(rows):
@@ -158,7 +161,7 @@ def _bars(ax, rows: list[RunRow], records: list[RankRecord], ylabel: str) -> Non
         ax.legend(fontsize=7)
 
 
-def write_report(output_dir: str | os.PathLike, records: list[RankRecord]) -> tuple[RunTable, Path | None]:
+def write_report(output_dir: str | os.PathLike[str], records: list[RankRecord]) -> tuple[RunTable, Path | None]:
     """``run_vs_plan.txt`` and, with matplotlib, ``run_vs_plan.png`` into ``OUTPUT_DIR/elixir_run``; the
     table and the PNG's path (``None``: no matplotlib)."""
     folder = record_dir(output_dir)

@@ -57,7 +57,7 @@ class NotCachedError(LaunchError):
     downloads it. A ``SystemExit``: uncaught, the message alone, status 1."""
 
 
-def is_hub_id(name_or_path: str | os.PathLike) -> bool:
+def is_hub_id(name_or_path: str | os.PathLike[str]) -> bool:
     """Not a path that exists, and spelled as a Hub id: what transformers would look up on the Hub."""
     if Path(name_or_path).exists():
         return False

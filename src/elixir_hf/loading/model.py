@@ -48,7 +48,7 @@ _BUILD_KWARGS = ("dtype", "attn_implementation", "trust_remote_code")
 
 def from_pretrained(
     model_class: Any,
-    name_or_path: str | os.PathLike,
+    name_or_path: str | os.PathLike[str],
     *,
     rank0_only: bool = True,
     stream: bool = True,
@@ -75,7 +75,8 @@ def from_pretrained(
             why,
         )
     if holds_weights(rank0_only):
-        return model_class.from_pretrained(name_or_path, **kwargs)
+        loaded: PreTrainedModel = model_class.from_pretrained(name_or_path, **kwargs)
+        return loaded
     config = kwargs.pop("config", None)
     if not isinstance(config, PretrainedConfig):
         located = {k: kwargs[k] for k in _CONFIG_KWARGS if k in kwargs}
@@ -109,7 +110,7 @@ def from_config(
         raise ValueError(f"from_config(init={init!r}): choose one of {INIT_CHOICES}")
     if kwargs.get("dtype") == "auto":
         kwargs["dtype"] = getattr(config, "dtype", None) or torch.float32
-    build = getattr(model_class, "from_config", None) or model_class._from_config
+    build: Callable[..., PreTrainedModel] = getattr(model_class, "from_config", None) or model_class._from_config
     if not rank0_only or (init == "rank0" and holds_weights()):
         return build(config, **kwargs)
     if init == "rank0":

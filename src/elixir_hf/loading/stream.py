@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from transformers import PreTrainedModel
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 from transformers.utils.loading_report import LoadStateDictInfo
 
@@ -84,7 +85,7 @@ class CannotStream(Exception):
     """This checkpoint or these arguments need transformers' full loader (Note: what cannot be streamed)."""
 
 
-def streaming_blocker(name_or_path: str | os.PathLike, kwargs: dict[str, Any]) -> str | None:
+def streaming_blocker(name_or_path: str | os.PathLike[str], kwargs: dict[str, Any]) -> str | None:
     """Why this ``from_pretrained`` call cannot stream, judged before anything is built or downloaded;
     None if it may (a Hub id's snapshot is judged once it is in the cache: ``streamed_or_why``)."""
     passed = [k for k in _READ_KWARGS if kwargs.get(k) is not None and kwargs.get(k) is not False]
@@ -107,7 +108,9 @@ def _folder_blocker(folder: Path) -> str | None:
     return None
 
 
-def streamed_or_why(model_class: Any, name_or_path: str | os.PathLike, kwargs: dict[str, Any]) -> tuple[Any, str]:
+def streamed_or_why(
+    model_class: Any, name_or_path: str | os.PathLike[str], kwargs: dict[str, Any]
+) -> tuple[PreTrainedModel | None, str]:
     """``(the streamed model, "")``, or ``(None, why it cannot be streamed)``; a bad checkpoint raises.
     A Hub id is streamed from its snapshot in the cache (``hub.snapshot_folder``: downloaded once per
     host, every rank calls this), the model's ``name_or_path`` staying the id."""
@@ -127,7 +130,7 @@ def streamed_or_why(model_class: Any, name_or_path: str | os.PathLike, kwargs: d
     return model, ""
 
 
-def streamed_from_pretrained(model_class: Any, name_or_path: str | os.PathLike, **kwargs: Any) -> Any:
+def streamed_from_pretrained(model_class: Any, name_or_path: str | os.PathLike[str], **kwargs: Any) -> Any:
     """``model_class.from_pretrained(name_or_path, **kwargs)`` with every parameter left on meta
     and marked as read from the folder's files. Raises ``WeightsError`` for a bad checkpoint
     (a file missing or truncated, a shape or key wrong) and ``CannotStream`` where the full
@@ -193,7 +196,7 @@ def _unstream_for_adapters(model: Any) -> None:
         unstream(model)
 
 
-def restream(model: Any, folder: str | os.PathLike) -> None:
+def restream(model: Any, folder: str | os.PathLike[str]) -> None:
     """A streamed model's weights to come from ``folder`` (a Trainer checkpoint) instead: keys are
     parameter names, as the stock Trainer's resume loads them. Checked before the old source is dropped."""
     files = CheckpointFiles.open(folder)
@@ -206,8 +209,8 @@ def _record(
     model: Any,
     state_dict: dict[str, Any],
     load_config: Any,
-    disk_offload_index: dict | None = None,
-) -> tuple[LoadStateDictInfo, dict | None]:
+    disk_offload_index: dict[str, Any] | None = None,
+) -> tuple[LoadStateDictInfo, dict[str, Any] | None]:
     """Stands in for transformers' ``convert_and_load_state_dict_in_model``: the same renaming of
     each checkpoint key, then ``keys[parameter name] = checkpoint key`` instead of a read. Buffers
     the checkpoint holds (small) are loaded."""
