@@ -143,7 +143,7 @@ def search(
         _evaluate(c, table, profile, rates, budget, settings, window, work)
         for c in track(sizes, "elixir: searching chunk sizes", unit="size")
     ]
-    fitting = [e for e in evaluated if e.placement is not None]
+    fitting = [(e, e.placement) for e in evaluated if e.placement is not None]
     if not fitting and settings.device_lane and settings.config.device_assisted_update == "auto":
         # the lane's staging buffers may be what does not fit: without it, the CPU alone
         result = search(table, profile, hardware, budget, replace(settings, device_lane=False))
@@ -157,23 +157,22 @@ def search(
                 "or a larger chunk_size"
             )
         raise PlanError(_no_fit_message(evaluated, profile, budget, settings))
-    shortest = min(e.placement.time.serial for e in fitting)
-    near = [e for e in fitting if e.placement.time.serial <= shortest * (1 + SERIAL_TIE)]
-    fastest = min(e.placement.time.total for e in near)
-    best = min(
-        (e for e in near if e.placement.time.total <= fastest * (1 + STEP_TIE)),
-        key=lambda e: (e.layout.chunk_size, e.placement.time.total, e.placement.time.rcache_bytes),
+    shortest = min(p.time.serial for _, p in fitting)
+    near = [(e, p) for e, p in fitting if p.time.serial <= shortest * (1 + SERIAL_TIE)]
+    fastest = min(p.time.total for _, p in near)
+    best, p = min(
+        ((e, p) for e, p in near if p.time.total <= fastest * (1 + STEP_TIE)),
+        key=lambda ep: (ep[0].layout.chunk_size, ep[1].time.total, ep[1].time.rcache_bytes),
     )
     if settings.device_lane and settings.config.device_assisted_update == "auto":
         # The lane takes link bandwidth the CPU update needs (its rate under copies, not alone)
         # and staging memory: it is kept only where the predicted step says it pays.
         alone = search(table, profile, hardware, budget, replace(settings, device_lane=False))
-        if alone.placement.time.total <= best.placement.time.total:
+        if alone.placement.time.total <= p.time.total:
             return alone.noted(
                 f"device update lane off: predicted step {alone.placement.time.total:.3f} s without it, "
-                f"{best.placement.time.total:.3f} s with it"
+                f"{p.time.total:.3f} s with it"
             )
-    p = best.placement
     report = SearchReport(
         i_per_gib=_per_gib(p.i_per_byte),
         j_per_gib=_per_gib(p.j_per_byte),
