@@ -35,7 +35,8 @@ running Python threads at all, not one that is slow.
 A store client serves one request at a time: a beat sent through the job's store object waits while
 the main thread waits in it (``store.wait``, a store-based barrier of ``new_group``), and the others
 would take a rank that only waits for a key for a stopped one. So the beat talks to the store
-through a clone of it (``Store.clone``: its own connection, the same keys).
+through a clone of it (``Store.clone``: its own connection, the same keys; a store written in
+Python that does not implement ``clone`` is shared, and its beat waits behind the main thread's requests).
 
 [Note: the store's host]
 A store that a stopped rank hosts itself (rank 0 under ``init_method="env://"`` or ``tcp://``, not
@@ -122,7 +123,7 @@ class _Beat:
 
     def __init__(self, store: dist.Store, rank: int, ranks: Sequence[int], timeout_s: float) -> None:
         self.store, self.rank, self.timeout_s = store, rank, timeout_s
-        self.client: dist.Store = store.clone()  # type: ignore[attr-defined]  # torch's stub lacks it (2.8 on)
+        self.client = _own_connection(store)
         """The beat's own connection to ``store`` ([Note: a connection of its own])."""
         self.board: FailureBoard | None = None
         self.releasable = True
@@ -376,6 +377,15 @@ def _count(value: str) -> int:
 def _moved(before: str, now: str) -> bool:
     """A rank beat between two reads of its value (one with no count yet: it had not started)."""
     return before == _LEFT or _count(now) > _count(before)
+
+
+def _own_connection(store: dist.Store) -> dist.Store:
+    """``store`` through a connection of its own ([Note: a connection of its own]); a store written in
+    Python that cannot clone itself (torch's ``Store.clone`` is its to implement) is shared."""
+    try:
+        return store.clone()  # type: ignore[attr-defined, no-any-return]  # torch's stub lacks it (2.8 on)
+    except RuntimeError:  # "Tried to call pure virtual function ... clone"
+        return store
 
 
 def _underlying(store: dist.Store) -> dist.Store:

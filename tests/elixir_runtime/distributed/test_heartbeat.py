@@ -160,3 +160,17 @@ def test_a_nap_ends_at_a_new_timeout_or_the_stop(beat, how) -> None:
     beat.retime(1.0) if how == "retime" else beat.stop()
     thread.join()  # a nap nothing ends would hang here, until pytest's timeout
     assert events == ["nap 5 s", "woken"] and going_on == [how == "retime"]
+
+
+class _PythonStore(dist.Store):
+    """A store written in Python, as some launchers bring: it does not implement ``clone``."""
+
+    def set(self, key: str, value: str) -> None:
+        pass
+
+
+def test_a_store_that_cannot_clone_itself_is_shared() -> None:
+    store = _PythonStore()
+    assert heartbeat._own_connection(store) is store
+    tcp = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=30))
+    assert heartbeat._own_connection(tcp) is not tcp
