@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +32,11 @@ dist_harness.PRELOAD += [
     "elixir_hf",
     *(f"transformers.models.{m}.modeling_{m}" for m in ("gpt2", "opt", "llama")),
 ]
+
+# What the processes the suite launches leave in the temporary folder (torchrun's `torchelastic_*` log
+# folders, which it keeps) goes into one of this process's, removed at its exit.
+_TMP = tempfile.TemporaryDirectory(prefix="elixir-tests-", ignore_cleanup_errors=True)
+os.environ["TMPDIR"] = _TMP.name
 
 # Tests must never reach the Hub; set before transformers is imported by tests.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
