@@ -375,7 +375,7 @@ def _count(value: str) -> int:
 
 
 def _moved(before: str, now: str) -> bool:
-    """A rank beat between two reads of its value (one with no count yet: it had not started)."""
+    """A rank beat since ``before``, its value at the failure (``_LEFT`` where it had left, or had no key yet)."""
     return before == _LEFT or _count(now) > _count(before)
 
 
