@@ -137,16 +137,24 @@ def _matmul_rate(n: int, dtype: torch.dtype, device: torch.device) -> float:
 
 
 def _attention_rate(dtype: torch.dtype, device: torch.device, quick: bool) -> float:
-    batch, heads, seq, dim = (1, 4, 256, 64) if quick or device.type == "cpu" else (8, 16, 1024, 128)
+    """FLOP/s of fused causal attention, forward and backward, at a training run's shape (seq 2048,
+    head dim 128; a small one on the CPU or ``quick``), timed over 0.1 s windows.
+
+    [Note: attention's shape] The rate grows with the sequence (the kernels' tiles fill better),
+    and fresh gradients are returned each call, not accumulated: an accumulating ``backward`` times
+    three gradient adds with the kernels. A short seq-1024 shape with accumulation read 104 TFLOPS
+    on an H200 where the runs' steps imply about twice that (docs/planning.md, "Profiles for other
+    cards")."""
+    batch, heads, seq, dim = (1, 4, 256, 64) if quick or device.type == "cpu" else (4, 32, 2048, 128)
     q, k, v = (torch.randn(batch, heads, seq, dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
     grad = torch.randn(batch, heads, seq, dim, device=device, dtype=dtype)
 
     def step() -> None:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out.backward(grad)
+        torch.autograd.grad(out, (q, k, v), grad)
 
     flops = 4 * batch * heads * seq * seq * dim // 2 * 7 // 2  # causal half; forward + 2.5x backward
-    return flops / _median_time(step, sync=lambda: _sync(device))
+    return flops / _median_time(step, sync=lambda: _sync(device), target=0.1)
 
 
 def _copy_rate(device: torch.device, size: int) -> float:

@@ -28,7 +28,7 @@ __all__ = ["LinkRates", "CpuAdamRate", "HardwareProfile", "Rates", "PROFILE_VERS
 UNREADABLE = (OSError, ValueError, TypeError, KeyError, AttributeError)
 """What reading a file that holds no profile raises (``HardwareProfile.load``, ``from_json``)."""
 
-PROFILE_VERSION = 5
+PROFILE_VERSION = 6
 """5: the CPU Adam measured with the prefetching kernel ([Note: prefetch] in ``cpu_adam.cpp``; its
 gain: docs/kernels.md). 4: the Adam rates measured on values like a run's, not zeros (``measure._adam_update``, [Note:
 values]: zeros were faster on some CPUs). 3: CPU Adam per rank, for each number of ranks sharing
