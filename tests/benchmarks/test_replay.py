@@ -26,7 +26,7 @@ def _hardware() -> HardwareProfile:
         host_memory=256 * GIB,
         cpu_cores=32,
         matmul={"256": 50e12, "1024": 300e12},
-        attention=300e12,
+        attention={"2048": 300e12},
         memory_bandwidth=3e12,
         op_overhead=1e-5,
         gpu_adam=80e9,

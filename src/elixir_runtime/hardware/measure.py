@@ -83,7 +83,7 @@ def _measure_gpu(quick: bool, dtype: torch.dtype) -> HardwareProfile:
         host_memory=host_total(),
         cpu_cores=usable_cores(),
         matmul={str(s): _matmul_rate(s, dtype, dev) for s in sizes},
-        attention=_attention_rate(dtype, dev, quick),
+        attention=_attention_rates(dtype, dev, quick),
         memory_bandwidth=_copy_rate(dev, size * (1 if quick else 4)) * 2,
         op_overhead=_op_overhead(dev),
         gpu_adam=_adam_rate(dev, 2**22 if quick else 2**26, dtype),
@@ -136,23 +136,30 @@ def _matmul_rate(n: int, dtype: torch.dtype, device: torch.device) -> float:
     return 2 * n**3 / _median_time(lambda: a @ b, sync=lambda: _sync(device))
 
 
-def _attention_rate(dtype: torch.dtype, device: torch.device, quick: bool) -> float:
-    """FLOP/s of fused causal attention, forward and backward, at a training run's shape (seq 2048,
-    head dim 128; a small one on the CPU or ``quick``), timed over 0.1 s windows.
+def _attention_rates(dtype: torch.dtype, device: torch.device, quick: bool) -> dict[str, float]:
+    """FLOP/s of fused causal attention, forward and backward, by sequence length: 32 heads of 128
+    and 16k tokens a call, as a 7-8B model's layer at batch 8 × 2048 (small shapes on the CPU or
+    ``quick``), timed over 0.1 s windows.
 
-    [Note: attention's shape] The rate grows with the sequence (the kernels' tiles fill better),
-    and fresh gradients are returned each call, not accumulated: an accumulating ``backward`` times
-    three gradient adds with the kernels. A short seq-1024 shape with accumulation read 104 TFLOPS
-    on an H200 where the runs' steps imply about twice that (docs/planning.md, "Profiles for other
-    cards")."""
-    batch, heads, seq, dim = (1, 4, 256, 64) if quick or device.type == "cpu" else (4, 32, 2048, 128)
-    q, k, v = (torch.randn(batch, heads, seq, dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-    grad = torch.randn(batch, heads, seq, dim, device=device, dtype=dtype)
+    [Note: attention's shapes] The rate grows with the sequence (the kernels' tiles fill better:
+    325 to 500 TFLOPS from 1024 to 8192 keys on an H200), so it is kept by length. Each call
+    returns fresh gradients: an accumulating ``backward`` times three gradient adds with the
+    kernels. One short seq-1024 window with accumulation read 104 TFLOPS on an H200 where the
+    runs' steps imply about 400 (docs/planning.md, "Profiles for other cards")."""
+    small = quick or device.type == "cpu"
+    seqs, heads, dim, tokens = ((128, 256), 4, 64, 256) if small else ((1024, 2048, 4096, 8192), 32, 128, 2**14)
+    return {str(seq): _attention_rate((tokens // seq, heads, seq, dim), dtype, device) for seq in seqs}
+
+
+def _attention_rate(shape: tuple[int, int, int, int], dtype: torch.dtype, device: torch.device) -> float:
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(shape, device=device, dtype=dtype)
 
     def step() -> None:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         torch.autograd.grad(out, (q, k, v), grad)
 
+    batch, heads, seq, dim = shape
     flops = 4 * batch * heads * seq * seq * dim // 2 * 7 // 2  # causal half; forward + 2.5x backward
     return flops / _median_time(step, sync=lambda: _sync(device), target=0.1)
 
@@ -366,7 +373,7 @@ def _measure_cpu(quick: bool) -> HardwareProfile:
         host_memory=host,
         cpu_cores=usable_cores(),
         matmul={str(s): _matmul_rate(s, torch.float32, cpu) for s in ([128, 256] if quick else [256, 512, 1024])},
-        attention=_attention_rate(torch.float32, cpu, quick),
+        attention=_attention_rates(torch.float32, cpu, quick),
         memory_bandwidth=copy * 2,
         op_overhead=_op_overhead(cpu),
         gpu_adam=adam,

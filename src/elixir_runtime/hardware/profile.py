@@ -23,7 +23,10 @@ from typing import Any
 
 from ..kernels.threads import cpu_adam_threads
 
-__all__ = ["LinkRates", "CpuAdamRate", "HardwareProfile", "Rates", "PROFILE_VERSION", "UNREADABLE"]
+__all__ = ["LinkRates", "CpuAdamRate", "HardwareProfile", "Rates", "PROFILE_VERSION", "UNREADABLE", "ATTENTION"]
+
+ATTENTION = "attention"
+"""Fused attention's size class: ``"attention:2048"`` attends over 2048 keys (``Rates.flop_rate``)."""
 
 UNREADABLE = (OSError, ValueError, TypeError, KeyError, AttributeError)
 """What reading a file that holds no profile raises (``HardwareProfile.load``, ``from_json``)."""
@@ -84,8 +87,8 @@ class HardwareProfile:
     cpu_cores: int
     matmul: dict[str, float]
     """FLOP/s of square GEMMs in the compute dtype, by size (``"1024"``: 1024³)."""
-    attention: float
-    """FLOP/s of fused causal attention, forward + backward."""
+    attention: dict[str, float]
+    """FLOP/s of fused causal attention, forward + backward, by sequence length (``"2048"``)."""
     memory_bandwidth: float
     """Device memory, bytes/s read + written by a large copy."""
     op_overhead: float
@@ -121,8 +124,11 @@ class HardwareProfile:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> HardwareProfile:
         """Also reads versions 1 and 2, whose single ``cpu_adam`` (one process, every core but one)
-        becomes the one-rank entry: plans and replays of old records predict what they did."""
+        becomes the one-rank entry, and versions before 6, whose one ``attention`` rate (a seq-1024
+        shape) serves every length: plans and replays of old records predict what they did."""
         d = dict(d)
+        if isinstance(d.get("attention"), (int, float)):
+            d["attention"] = {"1024": d["attention"]}
         d["links"] = {int(k): LinkRates(**v) for k, v in d.get("links", {}).items()}
         if isinstance(d.get("cpu_adam"), (int, float)):
             rate, alone = d.pop("cpu_adam"), d.pop("cpu_adam_alone", None)
@@ -186,7 +192,7 @@ class HardwareProfile:
             cpu_update_observed=cpu.observed,
             cpu_threads=cpu.threads,
             matmul={int(k): v for k, v in self.matmul.items()},
-            attention=self.attention,
+            attention={int(k): v for k, v in self.attention.items()},
             memory_bandwidth=self.memory_bandwidth,
             op_overhead=self.op_overhead,
             notes=notes,
@@ -232,7 +238,7 @@ class Rates:
     gpu_adam: float
     cpu_adam: float
     matmul: dict[int, float]
-    attention: float
+    attention: dict[int, float]
     memory_bandwidth: float
     op_overhead: float
     cpu_adam_alone: float | None = None
@@ -243,12 +249,16 @@ class Rates:
     notes: list[str] = field(default_factory=list)
 
     def flop_rate(self, size_class: str) -> float:
-        """The measured rate of the nearest measured GEMM size; attention and convolutions use
-        their own/the largest measured rate."""
-        if size_class == "attention":
-            return self.attention
-        if not size_class.isdigit():
+        """The measured rate of the nearest measured size (in log space): GEMMs by size class
+        (``"4096"``), fused attention by sequence length (``"attention:2048"``); convolutions use the
+        largest GEMM rate."""
+        kind, _, size = size_class.rpartition(":")
+        if kind == ATTENTION:
+            return _nearest(self.attention, int(size))
+        if not size.isdigit():
             return max(self.matmul.values())
-        size = int(size_class)
-        nearest = min(self.matmul, key=lambda s: abs(math.log2(s) - math.log2(size)))
-        return self.matmul[nearest]
+        return _nearest(self.matmul, int(size))
+
+
+def _nearest(rates: dict[int, float], size: int) -> float:
+    return rates[min(rates, key=lambda s: abs(math.log2(s) - math.log2(size)))]

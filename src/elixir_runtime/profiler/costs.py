@@ -5,7 +5,8 @@ their size class, bytes at the measured device memory bandwidth), so the split f
 the hardware does: GEMMs and fused attention are compute-bound, the rest (norms, activations,
 adds, casts, the loss) streams memory. Views move nothing. A GEMM's size class is the power of
 two nearest the geometric mean of its ``m, n, k`` (small GEMMs run far below peak); fused
-attention is its own class.
+attention's is its number of keys (``"attention:2048"``: longer sequences fill the kernels' tiles
+better).
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["OpCost", "op_cost", "size_class", "ATTENTION", "CONVOLUTION"]
+from ..hardware.profile import ATTENTION
+
+__all__ = ["OpCost", "op_cost", "size_class", "CONVOLUTION"]
 
 aten = torch.ops.aten
 
 OpCost = tuple[int, str, int]
 """``(flops, size class, bytes)`` of one op."""
 
-ATTENTION = "attention"
 CONVOLUTION = "convolution"
 
 
@@ -60,10 +62,12 @@ _MATMUL: dict[Any, Callable[[tuple[Any, ...]], tuple[int, str]]] = {
 }
 
 
-def _attention_flops(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+def _attention_flops(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[int, str] | None:
     """Fused attention (SDPA kernels of every backend): 4·B·H·Sq·Sk·D forward, 2.5× that
     backward (five GEMMs of that size instead of two), halved when causal (the kernels skip the
-    masked half)."""
+    masked half); its size class names Sk."""
     name = func.__name__
     if "attention" not in name or not ("scaled_dot_product" in name or name.startswith(("_flash", "_efficient"))):
         return None
@@ -78,7 +82,7 @@ def _attention_flops(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs:
         flops = flops * 5 // 2
     if _argument(func, args, kwargs, "is_causal"):
         flops //= 2
-    return flops
+    return flops, f"{ATTENTION}:{sk}"
 
 
 def _argument(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
@@ -119,7 +123,7 @@ def op_cost(
         return flops, cls, 0
     attention = _attention_flops(func, args, kwargs)
     if attention is not None:
-        return attention, ATTENTION, 0
+        return *attention, 0
     if packet in flop_registry:  # convolutions
         try:
             out = outputs[0] if len(outputs) == 1 else tuple(outputs)

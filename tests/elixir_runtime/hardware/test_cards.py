@@ -34,7 +34,7 @@ def test_a_derived_card_scales_the_h100_by_its_published_figures() -> None:
     compute, memory = 312 / 989, 2.039 / 3.35
     assert a100.matmul.keys() == h100.matmul.keys()
     assert all(a100.matmul[s] == pytest.approx(h100.matmul[s] * compute) for s in h100.matmul)
-    assert a100.attention == pytest.approx(h100.attention * compute)
+    assert a100.attention == pytest.approx({s: r * compute for s, r in h100.attention.items()})
     assert a100.memory_bandwidth == pytest.approx(h100.memory_bandwidth * memory)
     assert a100.gpu_adam == pytest.approx(h100.gpu_adam * memory)
     link, ref = a100.links[1], h100.links[1]  # PCIe Gen4 against the H100 host's Gen5: half

@@ -43,9 +43,11 @@ def test_quick_measurement_is_a_valid_profile() -> None:
         assert hw.cpu_only and hw.gpus == 1 and hw.gpu_memory == hw.host_memory > 0
     assert hw.version == PROFILE_VERSION
     assert all(
-        v > 0 for v in (hw.attention, hw.memory_bandwidth, hw.op_overhead, hw.gpu_adam, hw.cpu_adam[1].under_copies)
+        v > 0
+        for v in (*hw.attention.values(), hw.memory_bandwidth, hw.op_overhead, hw.gpu_adam, hw.cpu_adam[1].under_copies)
     )
     assert list(hw.cpu_adam) == [1] and hw.cpu_adam[1].threads == cpu_adam_threads(1)
+    assert list(hw.attention) == ["128", "256"]  # by sequence length
     assert hw.matmul and all(v > 0 for v in hw.matmul.values())
     assert hw.links[1].c2g > 0 and hw.links[1].g2c > 0
     assert "measured on" in hw.source
@@ -108,7 +110,25 @@ def test_rates_share_the_host_and_scale_beyond_what_was_measured() -> None:
     assert any("links" in n and "scaled" in n for n in four.notes) and any("collective" in n for n in four.notes)
     measured = hw.rates(4, busbw=90e9)  # timed on the job's own group: replaces the proxy
     assert measured.busbw == 90e9 and not any("collective" in n and "not measured" in n for n in measured.notes)
-    assert one.flop_rate("3000") == 600e12 and one.flop_rate("300") == 50e12 and one.flop_rate("attention") == 300e12
+    assert (
+        one.flop_rate("3000") == 600e12 and one.flop_rate("300") == 50e12 and one.flop_rate("attention:512") == 300e12
+    )
+
+
+def test_attention_is_priced_at_the_nearest_measured_length() -> None:
+    hw = dataclasses.replace(gpu_host(), attention={"1024": 300e12, "4096": 450e12})
+    rates = hw.rates(1)
+    assert [rates.flop_rate(f"attention:{s}") for s in (512, 1500, 3000, 32768)] == [300e12, 300e12, 450e12, 450e12]
+    assert rates.flop_rate("4096") == 600e12  # a GEMM of the same size: its own table
+
+
+def test_a_profile_with_one_attention_rate_prices_every_length_with_it() -> None:
+    """Versions before 6 timed one seq-1024 shape: plans of old records replay as predicted."""
+    old = {**gpu_host().to_dict(), "version": 5, "attention": 193e12}
+    hw = HardwareProfile.from_dict(old)
+    assert hw.attention == {"1024": 193e12}
+    assert {hw.rates(1).flop_rate(f"attention:{s}") for s in (256, 2048, 8192)} == {193e12}
+    assert HardwareProfile.from_json(hw.to_json()) == hw
 
 
 def test_rates_take_the_cpu_adam_measured_for_the_ranks_per_host() -> None:

@@ -28,7 +28,7 @@ def gpu_host(gpus: int = 1, cpu_adam: float = 5e9) -> HardwareProfile:
         host_memory=256 * GIB,
         cpu_cores=16,
         matmul={"256": 50e12, "1024": 300e12, "4096": 600e12},
-        attention=300e12,
+        attention={"2048": 300e12},
         memory_bandwidth=3e12,
         op_overhead=1e-5,
         gpu_adam=80e9,

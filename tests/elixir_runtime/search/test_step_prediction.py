@@ -98,7 +98,7 @@ def _run_machine(case: tuple, hardware):
     return dataclasses.replace(
         cpu_adam_times(hardware, 1 / a),
         matmul={k: v / c for k, v in hardware.matmul.items()},
-        attention=hardware.attention / c,
+        attention={k: v / c for k, v in hardware.attention.items()},
         memory_bandwidth=hardware.memory_bandwidth / c,
         op_overhead=hardware.op_overhead * c,
         gpu_adam=hardware.gpu_adam / g,
