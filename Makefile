@@ -58,16 +58,15 @@ test: $(STAMP) $(COMPAT)/.installed lint
 	$(OFFLINE_ENV) PYTHONPATH=$(COMPAT) $(VPY) -m pytest -q $(XDIST) -m "transformers and not once and not perf"
 
 # On a GPU machine `make test` runs as on a CPU-only one (tests/conftest.py hides the GPUs); this runs the
-# engine's parity, mixed-precision, checkpoint and runtime suites on CUDA (tests/elixir_runtime/runtime:
+# engine's suites (`cuda_suite`: parity, mixed precision, checkpoints and tests/elixir_runtime/runtime:
 # chunk states, phases, gathers and prefetch, hooks, resident parameters, the update lanes and their
-# rate; multi-rank ones over NCCL, a GPU per rank) and the tests marked `gpu`. GPU_PYTHON: an
-# interpreter that has the package's dependencies and pytest where no venv can be built (an offline GPU image).
+# rate; tests/conftest.py's CUDA_SUITES) on CUDA, multi-rank ones over NCCL, a GPU per rank, then the
+# tests marked `gpu`. GPU_PYTHON: an interpreter that has the package's dependencies and pytest where no
+# venv can be built (an offline GPU image).
 GPU_PYTHON ?= $(VPY)
-GPU_SUITES := tests/elixir_runtime/test_parity.py tests/elixir_runtime/test_mixed_precision.py \
-	tests/elixir_runtime/test_checkpoint.py tests/elixir_runtime/runtime
 
 test-gpu:
-	$(OFFLINE_ENV) ELIXIR_TEST_DEVICE=cuda $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m "not perf" $(GPU_SUITES)
+	$(OFFLINE_ENV) ELIXIR_TEST_DEVICE=cuda $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m "cuda_suite and not perf"
 	$(OFFLINE_ENV) ELIXIR_TEST_DEVICE=cuda $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m "gpu and not perf"
 
 test-perf: $(STAMP)

@@ -21,6 +21,7 @@ import torch  # noqa: E402 - after the GPUs are hidden (torch reads CUDA_VISIBLE
 
 from elixir_runtime.progress import set_progress_factory
 from helpers import dist as dist_harness
+from helpers.device import ON_CUDA
 from helpers.transformers_use import uses_transformers
 
 # What every rank of a multi-rank test imports, done once by the forkserver the ranks fork from (the
@@ -76,6 +77,14 @@ RUN_ONCE = tuple(Path(__file__).parent / name for name in ("elixir_runtime", "re
 Llama only its subjects), the fault handling of ranks, checkpoints and signals, the benchmark harness.
 The transformers code they run, the HF layer's tests run too; ``make test`` runs them on the newest only."""
 
+CUDA_SUITES = tuple(
+    Path(__file__).parent / "elixir_runtime" / name
+    for name in ("test_parity.py", "test_mixed_precision.py", "test_checkpoint.py", "runtime")
+)
+"""The engine's suites, marked ``cuda_suite``: they compute on ``helpers.device.local_device()``, so
+with ``ELIXIR_TEST_DEVICE=cuda`` (``make test-gpu``) on CUDA, multi-rank ones over NCCL. The other
+tests compute on the CPU by design (``make test``, which hides the GPUs); there they skip, saying so."""
+
 
 @functools.cache
 def _launches_processes(path: Path) -> bool:
@@ -85,7 +94,8 @@ def _launches_processes(path: Path) -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark ``transformers`` the tests of modules that reach transformers code (``helpers/transformers_use.py``
-    gives the rule); honour the ``gpu`` marker: skip rather than fail on CPU-only machines. Modules that
+    gives the rule), ``once`` and ``cuda_suite`` by folder; honour the ``gpu`` marker: skip rather than fail
+    on CPU-only machines; with ``ELIXIR_TEST_DEVICE=cuda`` skip the CPU's tests, saying so. Modules that
     launch processes (the slow ones) run first, each in its own order: under ``make test``'s xdist the
     workers then end on short modules together instead of one waiting for the other's last long one."""
     items.sort(key=lambda item: not _launches_processes(Path(item.path)))  # stable
@@ -94,6 +104,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.transformers)
         if any(folder in Path(item.path).parents for folder in RUN_ONCE):
             item.add_marker(pytest.mark.once)
+        if any(suite == Path(item.path) or suite in Path(item.path).parents for suite in CUDA_SUITES):
+            item.add_marker(pytest.mark.cuda_suite)
+    if ON_CUDA:
+        cpu_test = pytest.mark.skip(reason="computes on the CPU by design: `make test` runs it (GPUs hidden)")
+        for item in items:
+            if "cuda_suite" not in item.keywords and "gpu" not in item.keywords:
+                item.add_marker(cpu_test)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA: make test-gpu (ELIXIR_TEST_DEVICE=cuda) runs it")

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,3 +124,16 @@ def test_the_suite_sees_no_gpu_unless_it_runs_on_cuda() -> None:
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert launched.stdout.split() == ["''", "0"]
+
+
+def test_on_cuda_the_cpu_tests_skip_saying_so() -> None:
+    """With ``ELIXIR_TEST_DEVICE=cuda`` (``make test-gpu``) the engine's suites (``cuda_suite``) and the
+    ``gpu`` tests compute on CUDA; a test that computes on the CPU by design skips, naming ``make test``,
+    rather than failing on a batch made on the GPU (tests/conftest.py)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-rs", "tests/elixir_runtime/test_progress.py"],
+        capture_output=True, text=True, cwd=Path(__file__).parents[1], env={**os.environ, "ELIXIR_TEST_DEVICE": "cuda"},
+    )  # fmt: skip
+    summary = run.stdout.strip().splitlines()[-1]
+    assert run.returncode == 0 and "skipped" in summary and "passed" not in summary, run.stdout[-2000:]
+    assert "computes on the CPU by design: `make test` runs it" in run.stdout
