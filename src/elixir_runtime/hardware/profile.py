@@ -32,7 +32,8 @@ UNREADABLE = (OSError, ValueError, TypeError, KeyError, AttributeError)
 """What reading a file that holds no profile raises (``HardwareProfile.load``, ``from_json``)."""
 
 PROFILE_VERSION = 6
-"""5: the CPU Adam measured with the prefetching kernel ([Note: prefetch] in ``cpu_adam.cpp``; its
+"""6: fused attention by sequence length, fresh gradients each call (``measure._attention_rates``,
+[Note: attention's shapes]). 5: the CPU Adam measured with the prefetching kernel ([Note: prefetch] in ``cpu_adam.cpp``; its
 gain: docs/kernels.md). 4: the Adam rates measured on values like a run's, not zeros (``measure._adam_update``, [Note:
 values]: zeros were faster on some CPUs). 3: CPU Adam per rank, for each number of ranks sharing
 the host, every rank updating (and copying to its GPU) at once with the engine's threads per rank.
