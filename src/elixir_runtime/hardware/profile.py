@@ -23,10 +23,26 @@ from typing import Any
 
 from ..kernels.threads import cpu_adam_threads
 
-__all__ = ["LinkRates", "CpuAdamRate", "HardwareProfile", "Rates", "PROFILE_VERSION", "UNREADABLE", "ATTENTION"]
+__all__ = [
+    "LinkRates",
+    "CpuAdamRate",
+    "HardwareProfile",
+    "Rates",
+    "PROFILE_VERSION",
+    "UNREADABLE",
+    "ATTENTION",
+    "attention_keys",
+]
 
 ATTENTION = "attention"
 """Fused attention's size class: ``"attention:2048"`` attends over 2048 keys (``Rates.flop_rate``)."""
+
+
+def attention_keys(size_class: str) -> int | None:
+    """The keys of a fused attention's size class (``"attention:2048"``: 2048); ``None`` for any other."""
+    kind, _, keys = size_class.rpartition(":")
+    return int(keys) if kind == ATTENTION else None
+
 
 UNREADABLE = (OSError, ValueError, TypeError, KeyError, AttributeError)
 """What reading a file that holds no profile raises (``HardwareProfile.load``, ``from_json``)."""
@@ -253,12 +269,12 @@ class Rates:
         """The measured rate of the nearest measured size (in log space): GEMMs by size class
         (``"4096"``), fused attention by sequence length (``"attention:2048"``); convolutions use the
         largest GEMM rate."""
-        kind, _, size = size_class.rpartition(":")
-        if kind == ATTENTION:
-            return _nearest(self.attention, int(size))
-        if not size.isdigit():
+        keys = attention_keys(size_class)
+        if keys is not None:
+            return _nearest(self.attention, keys)
+        if not size_class.isdigit():
             return max(self.matmul.values())
-        return _nearest(self.matmul, int(size))
+        return _nearest(self.matmul, int(size_class))
 
 
 def _nearest(rates: dict[int, float], size: int) -> float:

@@ -40,14 +40,14 @@ import numpy as np
 import torch
 
 from ..chunk.layout import ChunkLayout
-from ..hardware.profile import Rates
+from ..hardware.profile import Rates, attention_keys
 from ..profiler.timeline import Cost
 from ..runtime.device_lane import LANE_SLICE
 from ..runtime.host_updates import update_order
 from .access import BWD, FWD, AccessTrace
 from .belady import MissTable
 
-__all__ = ["StepTime", "StepModel", "compute_time", "COLLECTIVE_DRAG", "ARENA_RATE"]
+__all__ = ["StepTime", "StepModel", "compute_time", "roofline_parts", "COLLECTIVE_DRAG", "ARENA_RATE"]
 
 COLLECTIVE_DRAG = 0.45
 """Seconds of compute lost per second of an NCCL collective running beside it.
@@ -103,8 +103,17 @@ class StepTime:
         return cls(**data)
 
 
+def roofline_parts(cost: Cost, rates: Rates) -> dict[str, float]:
+    """Seconds of ``cost`` by kind of kernel: GEMMs (and convolutions) at their size class's rate,
+    fused attention at its length's, the other ops' bytes at the memory bandwidth (``memory``)."""
+    parts = {"gemm": 0.0, "attention": 0.0, "memory": cost.bytes / rates.memory_bandwidth}
+    for cls, flops in cost.flops.items():
+        parts["gemm" if attention_keys(cls) is None else "attention"] += flops / rates.flop_rate(cls)
+    return parts
+
+
 def roofline(cost: Cost, rates: Rates) -> float:
-    return sum(f / rates.flop_rate(cls) for cls, f in cost.flops.items()) + cost.bytes / rates.memory_bandwidth
+    return sum(roofline_parts(cost, rates).values())
 
 
 def compute_time(cost: Cost, rates: Rates, extra_ops: float = 0.0) -> float:
