@@ -4,7 +4,7 @@
         [--liger] [--hardware hw.json] [--json]
 
 One step of a preset (``benchmarks.models``: bf16, SDPA, activation checkpointing on every block,
-random weights, each gradient dropped once accumulated, as the engine does) runs under
+GPT-2's init, each gradient dropped once accumulated, as the engine does) runs under
 ``torch.profiler``. Each CUDA kernel's time is summed by class: GEMMs, fused attention, and the
 rest (norms, activations, casts, the loss, copies: memory-bound). Beside each, the seconds the
 hardware profile prices for the same class (``search.step_time.roofline_parts``: GEMM FLOPs at
@@ -27,7 +27,8 @@ from elixir_runtime.hardware import load_hardware
 from elixir_runtime.profiler import profile_model
 from elixir_runtime.search.step_time import roofline_parts
 
-from .models import build_meta, preset, restore_buffers_, vocab_size
+from .models import build_meta, materialize, preset, vocab_size
+from .profiler_accuracy import drop_grads_when_accumulated, step
 
 CLASSES = ("gemm", "attention", "memory")
 _ATTENTION = ("flash", "fmha", "sdpa", "attention", "attn", "compute_dot_do_o", "convert_dq")
@@ -55,22 +56,18 @@ def measured_split(events: list[tuple[str, float]]) -> dict[str, float]:
     return split
 
 
-def _step(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> None:
-    model(**batch).loss.backward()
-
-
 def _kernels(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[list[tuple[str, float]], float]:
     """The CUDA kernels one step ran (name, microseconds) and the step's wall seconds."""
     from torch.profiler import ProfilerActivity, profile
 
-    _step(model, batch)  # warm-up: cuBLAS heuristics, Triton compiles, the allocator's pools
+    step(model, batch)  # warm-up: cuBLAS heuristics, Triton compiles, the allocator's pools
     torch.cuda.synchronize()
     start = time.perf_counter()
-    _step(model, batch)
+    step(model, batch)
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _step(model, batch)
+        step(model, batch)
         torch.cuda.synchronize()
     kernels = [
         (e.key, e.self_device_time_total)
@@ -81,20 +78,15 @@ def _kernels(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[li
 
 
 def build(name: str, seq: int, liger: bool) -> torch.nn.Module:
-    """The preset on the GPU in bf16, random weights, each gradient dropped once accumulated."""
+    """The preset on the GPU in bf16 with GPT-2's init, each gradient dropped once accumulated."""
     model = build_meta(preset(name), seq, torch.bfloat16)
     if liger:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
         _apply_liger_kernel_to_instance(model=model)
-    model.to_empty(device="cuda")
-    restore_buffers_(model, "cuda")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02)
-            p.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
-    model.train()
-    return model
+    materialize(model, "cuda", "cuda")
+    drop_grads_when_accumulated(model)
+    return model.train()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -104,6 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ids = torch.randint(0, vocab_size(preset(args.model)), (args.batch_size, args.seq), device="cuda")
     batch = {"input_ids": ids, "labels": ids}
     profile = profile_model(model, batch, dtype=torch.bfloat16, device="cuda")
+    ops = sum(c.ops for c in profile.compute.values())
     predicted = dict.fromkeys(CLASSES, 0.0)
     for cost in profile.compute.values():
         for cls, seconds in roofline_parts(cost, rates).items():
@@ -121,8 +114,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "step_s": wall,
         "measured_s": measured,
         "predicted_s": predicted,
-        "ops": sum(c.ops for c in profile.compute.values()),
-        "op_overhead_s": sum(c.ops for c in profile.compute.values()) * rates.op_overhead,
+        "ops": ops,
+        "op_overhead_s": ops * rates.op_overhead,
         "memory_bound_at": predicted["memory"] / measured["memory"] if measured["memory"] else None,
         "kernels": sorted(kernels, key=lambda k: -k[1])[:40],
     }

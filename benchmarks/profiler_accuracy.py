@@ -45,9 +45,14 @@ def build(name: str) -> torch.nn.Module:
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     model.train()
+    drop_grads_when_accumulated(model)
+    return model
+
+
+def drop_grads_when_accumulated(model: torch.nn.Module) -> None:
+    """Each gradient is dropped once accumulated, as the engine drops it once reduced into its chunk."""
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(_drop_grad)
-    return model
 
 
 def _drop_grad(p: torch.Tensor) -> None:
