@@ -8,9 +8,10 @@ GPT-2's init, each gradient dropped once accumulated, as the engine does) runs u
 ``torch.profiler``. Each CUDA kernel's time is summed by class: GEMMs, fused attention, and the
 rest (norms, activations, casts, the loss, copies: memory-bound). Beside each, the seconds the
 hardware profile prices for the same class (``search.step_time.roofline_parts``: GEMM FLOPs at
-their size class's rate, attention at its length's, the other ops' bytes at a large copy's
-bandwidth) on the step's fake-tensor profile. ``memory-bound at`` is the share of the copy
-bandwidth the rest reached. docs/planning.md, "What it may do on an H100", says why it is asked.
+their size class's rate, attention at its length's, the other ops' bytes at the memory-bound
+ops' rate, ``elementwise``) on the step's fake-tensor profile, traced with the masks the run uses
+(``elixir_hf.patches.mask_decisions_of``). ``memory_bound_at`` is the share of that rate the rest
+reached. docs/planning.md, "The compute split", has its tables.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 
+from elixir_hf.patches import mask_decisions_of
 from elixir_runtime.hardware import load_hardware
 from elixir_runtime.profiler import profile_model
 from elixir_runtime.search.step_time import roofline_parts
@@ -95,7 +97,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = build(args.model, args.seq, args.liger)
     ids = torch.randint(0, vocab_size(preset(args.model)), (args.batch_size, args.seq), device="cuda")
     batch = {"input_ids": ids, "labels": ids}
-    profile = profile_model(model, batch, dtype=torch.bfloat16, device="cuda")
+    with mask_decisions_of(batch):
+        profile = profile_model(model, batch, dtype=torch.bfloat16, device="cuda")
     ops = sum(c.ops for c in profile.compute.values())
     predicted = dict.fromkeys(CLASSES, 0.0)
     for cost in profile.compute.values():
@@ -133,7 +136,7 @@ def render(row: dict[str, Any]) -> str:
     total_m, total_p = sum(row["measured_s"].values()), sum(row["predicted_s"].values())
     lines.append(f"{'kernels':<10} {total_m:>10.3f} {total_p:>11.3f} {total_m / total_p:>20.2f}")
     if row["memory_bound_at"] is not None:
-        lines.append(f"memory-bound kernels at {row['memory_bound_at']:.0%} of the profile's copy bandwidth")
+        lines.append(f"memory-bound kernels at {row['memory_bound_at']:.0%} of the rate the profile prices them at")
     return "\n".join(lines)
 
 

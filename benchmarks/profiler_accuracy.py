@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from elixir_hf.patches import mask_decisions_of
 from elixir_hf.presets import PRESETS, canonical_name
 from elixir_runtime.profiler import ModelProfile, profile_model
 from elixir_runtime.profiler.kernels import cuda_attention
@@ -93,10 +94,11 @@ def measure(model: torch.nn.Module, batch: dict, timing: bool) -> tuple[int, flo
 def predict(model: torch.nn.Module, batch: dict) -> tuple[ModelProfile, ModelProfile, str | None]:
     """(the prediction ``prepare`` makes here, the one ``elixir-plan`` makes without a GPU, and why the
     first fell back to the second, if it did)."""
-    with cuda_attention():
+    with mask_decisions_of(batch), cuda_attention():
         on_cpu = profile_model(model, batch, dtype=torch.bfloat16, device="cpu")
     try:
-        return profile_model(model, batch, dtype=torch.bfloat16, device="cuda"), on_cpu, None
+        with mask_decisions_of(batch):
+            return profile_model(model, batch, dtype=torch.bfloat16, device="cuda"), on_cpu, None
     except Exception as exc:  # reported in the row; prepare falls back the same way
         return on_cpu, on_cpu, f"fake-CUDA trace failed: {type(exc).__name__}: {exc}"
 

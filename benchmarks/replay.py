@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from elixir_hf.patches import mask_decisions_of
 from elixir_runtime.config import ElixirConfig
 from elixir_runtime.hardware.profile import HardwareProfile
 from elixir_runtime.planner import Target, plan_model
@@ -38,14 +39,20 @@ HEADROOM = 16
 """The replayed plan is the recorded one (it ran), so the budget only has to never refuse it."""
 
 
-def replayable(run: dict[str, Any]) -> bool:
-    plan = (run.get("info") or {}).get("plan") or {}
-    return (
+def not_replayable(run: dict[str, Any]) -> str | None:
+    """Why the run cannot be predicted again offline; ``None`` if it can."""
+    info = run.get("info") or {}
+    plan = info.get("plan") or {}
+    if not (
         run.get("system") in report.ELIXIR_SYSTEMS
         and run.get("status") == "ok"
         and bool(plan.get("hardware"))
         and "offload" in plan
-    )
+    ):
+        return "no recorded plan inputs (hardware, offloaded chunks)"
+    if info.get("liger") or info.get("compile"):
+        return "fused kernels (Liger, torch.compile): the replay traces the eager model"
+    return None
 
 
 def own_rate(run: dict[str, Any]) -> float | None:
@@ -101,15 +108,18 @@ def predict(run: dict[str, Any], observed: float | None = None) -> StepTime:
         skip_nonfinite=bool(run["info"].get("skip_nonfinite", True)),
         device_assisted_update=bool(plan.get("device_lane")),  # as recorded, not chosen again
     )
-    return plan_model(model, find_units(model, None), {"input_ids": ids, "labels": ids}, config, target).plan.predicted
+    batch = {"input_ids": ids, "labels": ids}
+    with mask_decisions_of(batch):
+        return plan_model(model, find_units(model, None), batch, config, target).plan.predicted
 
 
 def replay(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
     for run in runs:
         row = {k: run.get(k) for k in ("card", "model", "gpus", "batch", "step_s", "predicted_step_s")}
-        if not replayable(run):
-            rows.append({**row, "skipped": "no recorded plan inputs (hardware, offloaded chunks)"})
+        skipped = not_replayable(run)
+        if skipped:
+            rows.append({**row, "skipped": skipped})
             continue
         time = predict(run)
         row.update(

@@ -77,6 +77,7 @@ def _elixir(p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
     import elixir_runtime as er
     from elixir_hf.commands.plan import DEVICE_LANE_WORDS
     from elixir_hf.loss import use_lean_loss
+    from elixir_hf.patches import mask_decisions_of
     from elixir_runtime.kernels.threads import cpu_adam_threads
 
     # bf16 weights (the engine keeps fp32 masters itself), on meta on every rank: prepare draws each
@@ -102,7 +103,8 @@ def _elixir(p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
         use_lean_loss(model)
     resident = use_fused_head(model) if ctx.fused_head else []
     opt = _adamw(model.parameters(), fused=False)
-    model, opt = er.prepare(model, opt, config, example_batch=batch, resident=resident)
+    with mask_decisions_of(batch):
+        model, opt = er.prepare(model, opt, config, example_batch=batch, resident=resident)
     from elixir_runtime.planner import plan_table
 
     plan = model._elixir.plan

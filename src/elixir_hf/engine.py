@@ -18,7 +18,7 @@ from elixir_runtime import ElixirOptimizer, ElixirState
 from elixir_runtime.config import PlanMismatch
 from elixir_runtime.planner import plan_table
 
-from . import console  # noqa: F401  (this package's and the engine's loggers under transformers')
+from . import console, patches  # noqa: F401  (this package's and the engine's loggers under transformers')
 from .loss import use_lean_loss
 from .plugin import ElixirPlugin, ElixirSpecError, describe_model
 
@@ -128,9 +128,10 @@ def build_engine(
             len(resident),
         )
     try:
-        _, elixir_optimizer = elixir_runtime.prepare(
-            model, optimizer, config=config, example_batch=batch, resident=resident, plan=plugin.plan
-        )
+        with patches.mask_decisions_of(batch):  # the profile traces the attention the run will run
+            _, elixir_optimizer = elixir_runtime.prepare(
+                model, optimizer, config=config, example_batch=batch, resident=resident, plan=plugin.plan
+            )
     except PlanMismatch as exc:  # the plan file's layout is not this model's: a spec error, as the other checks
         raise ElixirSpecError(str(exc)) from None
     plan = engine_state(model).plan

@@ -40,6 +40,7 @@ __all__ = [
     "deferred_rotation",
     "from_pretrained_through",
     "hidden_from_accelerate",
+    "mask_decisions_of",
     "mark_accelerate_prepared",
     "mark_optimizer_stepped",
     "replace_get_last_checkpoint",
@@ -188,6 +189,22 @@ PATCHES: tuple[Patch, ...] = (
         ("torch 2.13.0",),
     ),
     Patch(
+        "transformers.masking_utils._ignore_causal_mask_sdpa",
+        "transformers.masking_utils.sdpa_mask (create_causal_mask and the other mask builders)",
+        "mask_decisions_of",
+        "the planner's profile, on fake tensors, prices a full attention mask and a kernel that computes both "
+        "triangles where the run passes is_causal=True: attention's FLOPs twice the run's, and the mask's memory",
+        _TRANSFORMERS,
+    ),
+    Patch(
+        "transformers.masking_utils.find_packed_sequence_indices",
+        "transformers.masking_utils._preprocess_mask_arguments (create_causal_mask and the other mask builders)",
+        "mask_decisions_of",
+        "the planner's profile, on fake tensors, takes every batch for packed sequences when the model makes its "
+        "own position ids (use_cache=False, as under gradient checkpointing): a full mask and twice the attention",
+        _TRANSFORMERS,
+    ),
+    Patch(
         "the handlers of the 'transformers' logger (and the root logger's)",
         "transformers.Trainer._save and PreTrainedModel.save_pretrained: 'Saving model checkpoint to ...', "
         "'Model weights saved in ...'",
@@ -260,6 +277,53 @@ def save_messages_name(stage: str, final: str | Any) -> Iterator[None]:
     finally:
         for handler in handlers:
             handler.removeFilter(rename)
+
+
+# ---------------------------------------------------------------------------------- the planner's profile
+@contextlib.contextmanager
+def mask_decisions_of(batch: Any) -> Iterator[None]:
+    """Inside, transformers' two mask decisions that read tensor values are answered from ``batch``
+    (one real training batch) when asked of fake ones: the batch is unpadded (SDPA's ``is_causal``
+    replaces the mask) and its sequences are not packed, as the run will answer them.
+
+    [Note: the profile's masks] The planner traces a step on fake tensors, whose values cannot be
+    read, so transformers takes the safe branch of each decision: it builds the full ``seq x seq``
+    mask and SDPA computes both triangles of the scores. The run, on real tensors, passes
+    ``is_causal=True``, no mask, and a kernel that skips the masked half. Without this the profile
+    prices twice the run's attention FLOPs (measured: 2.0x on Llama-3-8B, H200) and a mask the run
+    never allocates (``batch x seq^2`` elements). A padded or packed batch keeps transformers' own
+    answer, the mask, as the run does."""
+    from collections.abc import Mapping
+
+    if not isinstance(batch, Mapping):
+        yield
+        return
+    import torch
+    from torch._subclasses.fake_tensor import is_fake
+    from transformers import masking_utils
+
+    values = [batch.get("attention_mask"), batch.get("position_ids")]
+    if any(isinstance(t, torch.Tensor) and (t.is_meta or is_fake(t)) for t in values):
+        yield  # a batch without values decides nothing
+        return
+    mask, positions = values
+    unpadded = not isinstance(mask, torch.Tensor) or bool(mask.all())
+    packed = isinstance(positions, torch.Tensor) and masking_utils.find_packed_sequence_indices(positions) is not None
+    ignore_mask, packed_indices = masking_utils._ignore_causal_mask_sdpa, masking_utils.find_packed_sequence_indices
+
+    def ignore_causal_mask(padding_mask: Any, *args: Any, **kwargs: Any) -> bool:
+        if unpadded and padding_mask is not None and is_fake(padding_mask):
+            padding_mask = None  # all ones: transformers answers as for no mask
+        return ignore_mask(padding_mask, *args, **kwargs)
+
+    def packed_sequence_indices(position_ids: Any) -> Any:
+        return None if not packed and is_fake(position_ids) else packed_indices(position_ids)
+
+    with (
+        mock.patch.object(masking_utils, "_ignore_causal_mask_sdpa", ignore_causal_mask),
+        mock.patch.object(masking_utils, "find_packed_sequence_indices", packed_sequence_indices),
+    ):
+        yield
 
 
 # ---------------------------------------------------------------------------------- loading

@@ -1,5 +1,6 @@
 """``benchmarks.replay`` predicts a recorded plan again, offline: a run recorded by the harness
-replays to exactly the prediction its plan carried, and runs without plan inputs are skipped."""
+replays to exactly the prediction its plan carried; runs without plan inputs, or with fused kernels
+(the replay traces the eager model), are skipped, saying why."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from benchmarks import replay
 from benchmarks.harness import plan_summary
 from benchmarks.models import PRESETS, build_meta
+from elixir_hf.patches import mask_decisions_of
 from elixir_runtime.config import ElixirConfig
 from elixir_runtime.hardware.profile import CpuAdamRate, HardwareProfile, LinkRates
 from elixir_runtime.planner import Target, plan_model
@@ -46,7 +48,9 @@ def _recorded_run(batch: int = 2, gpus: int = 2) -> dict:
 
     target = Target(gpus, torch.device("cuda"), dtype, _hardware(), budget, busbw=150e9)
     config = ElixirConfig(offload=0.5, n_blocks="min", clips_grads=False)
-    plan = plan_model(model, find_units(model, None), {"input_ids": ids, "labels": ids}, config, target).plan
+    inputs = {"input_ids": ids, "labels": ids}
+    with mask_decisions_of(inputs):  # as the harness's elixir system plans
+        plan = plan_model(model, find_units(model, None), inputs, config, target).plan
     assert plan.offload, "the case must offload"
     return {
         "system": "elixir",
@@ -76,6 +80,15 @@ def test_runs_without_plan_inputs_are_skipped() -> None:
     [row] = replay.replay([run])
     assert "skipped" in row and "replayed_step_s" not in row
     assert "skipped" in replay.render([row])
+
+
+def test_runs_with_fused_kernels_are_skipped_saying_why() -> None:
+    """The replay traces the eager model: a Liger or compiled run's step is not what it would predict."""
+    for kind in ("liger", "compile"):
+        run = _recorded_run()
+        run["info"][kind] = True
+        [row] = replay.replay([run])
+        assert row["skipped"].startswith("fused kernels") and "replayed_step_s" not in row
 
 
 def test_a_run_that_recorded_its_cpu_update_rate_replays_at_it_too() -> None:

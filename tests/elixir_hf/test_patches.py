@@ -243,6 +243,23 @@ def _save_messages() -> None:
     assert "Model weights saved in" in inspect.getsource(transformers.PreTrainedModel.save_pretrained)
 
 
+def _mask_decision(name: str, reader: str, parameters: tuple[str, ...]) -> Callable[[], None]:
+    """``masking_utils.<name>`` takes ``parameters`` first, and ``masking_utils.<reader>`` calls it through
+    the module global with its first argument (the tensor the patch checks for fakeness) first."""
+
+    def contract() -> None:
+        from transformers import masking_utils
+
+        params = tuple(inspect.signature(getattr(masking_utils, name)).parameters)
+        assert params[: len(parameters)] == parameters, f"masking_utils.{name}{params}"
+        read = getattr(masking_utils, reader)
+        assert name in _globals(read), f"masking_utils.{reader} no longer calls {name} through the module global"
+        for call in _calls(read, name):
+            _bindable(getattr(masking_utils, name), call)
+
+    return contract
+
+
 CONTRACTS: dict[str, Callable[[], None]] = {
     "transformers.trainer.Accelerator": _trainer_accelerator,
     "transformers.trainer.rotate_checkpoints": _rotate_checkpoints,
@@ -260,6 +277,12 @@ CONTRACTS: dict[str, Callable[[], None]] = {
     "model._is_accelerate_prepared": _is_accelerate_prepared,
     "optimizer._opt_called": _opt_called,
     "the handlers of the 'transformers' logger (and the root logger's)": _save_messages,
+    "transformers.masking_utils._ignore_causal_mask_sdpa": _mask_decision(
+        "_ignore_causal_mask_sdpa", "sdpa_mask", ("padding_mask", "q_length", "kv_length", "q_offset", "kv_offset")
+    ),
+    "transformers.masking_utils.find_packed_sequence_indices": _mask_decision(
+        "find_packed_sequence_indices", "_preprocess_mask_arguments", ("position_ids",)
+    ),
 }
 
 

@@ -46,6 +46,7 @@ from elixir_runtime.planner import (
 )
 
 from ..loss import use_lean_loss
+from ..patches import mask_decisions_of
 from ..presets import PRESETS, canonical_name
 from .plan_hardware import host_memory
 
@@ -97,7 +98,8 @@ def plan_report(
         )
 
         def plan_for(cfg: ElixirConfig) -> ElixirPlan:
-            return plan_model(model, units, batch, cfg, target, exact=args.exact).plan
+            with mask_decisions_of(batch):
+                return plan_model(model, units, batch, cfg, target, exact=args.exact).plan
 
         t1 = time.perf_counter()
         try:

@@ -161,6 +161,7 @@ def derive(base: HardwareProfile, card: Card, base_card: Card | None = None) -> 
         matmul={size: rate * compute for size, rate in base.matmul.items()},
         attention={seq: rate * compute for seq, rate in base.attention.items()},
         memory_bandwidth=base.memory_bandwidth * memory,
+        elementwise=base.elementwise * memory if base.elementwise else None,
         gpu_adam=base.gpu_adam * memory,
         links={n: link(rates) for n, rates in base.links.items()},
         cpu_adam={n: dataclasses.replace(rate) for n, rate in base.cpu_adam.items()},

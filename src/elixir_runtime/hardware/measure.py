@@ -20,7 +20,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -85,6 +85,7 @@ def _measure_gpu(quick: bool, dtype: torch.dtype) -> HardwareProfile:
         matmul={str(s): _matmul_rate(s, dtype, dev) for s in sizes},
         attention=_attention_rates(dtype, dev, quick),
         memory_bandwidth=_copy_rate(dev, size * (1 if quick else 4)) * 2,
+        elementwise=_elementwise_rate(dtype, dev, quick),
         op_overhead=_op_overhead(dev),
         gpu_adam=_adam_rate(dev, 2**22 if quick else 2**26, dtype),
         links=links,
@@ -169,6 +170,60 @@ def _copy_rate(device: torch.device, size: int) -> float:
     src = torch.empty(size, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     return size / _median_time(lambda: dst.copy_(src), sync=lambda: _sync(device))
+
+
+def _elementwise_rate(dtype: torch.dtype, device: torch.device, quick: bool) -> float:
+    """Bytes/s of a decoder block's memory-bound ops as transformers runs them eagerly (RMSNorm in
+    fp32, rotary embedding's halves, SwiGLU, the residual add; forward and backward), bytes counted
+    as the profiler counts them (``profiler.costs.op_cost``: each op's inputs and outputs). A 7-8B
+    layer's shapes at 8k tokens (small ones on the CPU or ``quick``).
+
+    [Note: memory-bound ops] Such ops move their bytes slower than a copy does: casts, reductions,
+    broadcasts and strided halves. On an H200 single ops ran at 0.2-1.0 of a copy's bandwidth, and
+    Llama-3-8B's step as a whole at 0.67 (``benchmarks.compute_split``), so pricing them at a copy's
+    bandwidth predicted them 1.5x too fast (docs/planning.md)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from ..profiler.costs import op_cost
+
+    small = quick or device.type == "cpu"
+    tokens, heads, dim, ffn = (1024, 4, 64, 512) if small else (8192, 32, 128, 14336)
+    hidden = heads * dim
+
+    def new(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device).to(dtype).requires_grad_()
+
+    x, weight, gate, up = new(tokens, hidden), new(hidden), new(tokens, ffn), new(tokens, ffn)
+    cos, sin = (torch.randn(tokens, 1, dim, device=device).to(dtype) for _ in range(2))
+    grads = (torch.randn_like(x), torch.randn_like(gate))
+
+    def block() -> None:
+        h = x.float()
+        h = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+        q = h.view(tokens, heads, dim)
+        rotated = torch.cat((-q[..., dim // 2 :], q[..., : dim // 2]), -1)
+        out = x + (q * cos + rotated * sin).view(tokens, hidden)
+        act = torch.nn.functional.silu(gate) * up
+        torch.autograd.grad((out, act), (x, weight, gate, up), grads)
+
+    class Bytes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()  # type: ignore[no-untyped-call]
+            self.moved = 0
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+        ) -> Any:
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            self.moved += op_cost(func, args, kwargs, tree_leaves((args, kwargs)), tree_leaves(out))[2]
+            return out
+
+    counted = Bytes()
+    with counted:
+        block()
+    return counted.moved / _median_time(block, sync=lambda: _sync(device), target=0.1)
 
 
 def _op_overhead(device: torch.device) -> float:
@@ -375,6 +430,7 @@ def _measure_cpu(quick: bool) -> HardwareProfile:
         matmul={str(s): _matmul_rate(s, torch.float32, cpu) for s in ([128, 256] if quick else [256, 512, 1024])},
         attention=_attention_rates(torch.float32, cpu, quick),
         memory_bandwidth=copy * 2,
+        elementwise=_elementwise_rate(torch.float32, cpu, quick),
         op_overhead=_op_overhead(cpu),
         gpu_adam=adam,
         links={1: LinkRates(1, copy, copy)},

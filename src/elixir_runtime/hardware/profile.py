@@ -47,8 +47,9 @@ def attention_keys(size_class: str) -> int | None:
 UNREADABLE = (OSError, ValueError, TypeError, KeyError, AttributeError)
 """What reading a file that holds no profile raises (``HardwareProfile.load``, ``from_json``)."""
 
-PROFILE_VERSION = 6
-"""6: fused attention by sequence length, fresh gradients each call (``measure._attention_rates``,
+PROFILE_VERSION = 7
+"""7: the memory-bound ops' own rate (``elementwise``, ``measure._elementwise_rate``, [Note: memory-bound ops]).
+6: fused attention by sequence length, fresh gradients each call (``measure._attention_rates``,
 [Note: attention's shapes]). 5: the CPU Adam measured with the prefetching kernel ([Note: prefetch] in ``cpu_adam.cpp``; its
 gain: docs/kernels.md). 4: the Adam rates measured on values like a run's, not zeros (``measure._adam_update``, [Note:
 values]: zeros were faster on some CPUs). 3: CPU Adam per rank, for each number of ranks sharing
@@ -117,6 +118,10 @@ class HardwareProfile:
     GPUs by ``elixir-plan --measure-hardware``; a job whose count is missing from this machine's
     cached profile measures it with its own ranks at ``prepare`` and caches it)."""
     links: dict[int, LinkRates] = field(default_factory=dict)
+    elementwise: float | None = None
+    """Device memory, bytes/s of eager memory-bound ops (norms, rotary, activations, adds, casts;
+    forward and backward), bytes counted as the profiler counts them (each op's inputs and outputs);
+    ``None`` (profiles before version 7): ``memory_bandwidth``."""
     dtype: str = "bfloat16"
     source: str = ""
     torch: str = ""
@@ -211,6 +216,7 @@ class HardwareProfile:
             matmul={int(k): v for k, v in self.matmul.items()},
             attention={int(k): v for k, v in self.attention.items()},
             memory_bandwidth=self.memory_bandwidth,
+            elementwise=self.elementwise or self.memory_bandwidth,
             op_overhead=self.op_overhead,
             notes=notes,
         )
@@ -257,6 +263,8 @@ class Rates:
     matmul: dict[int, float]
     attention: dict[int, float]
     memory_bandwidth: float
+    elementwise: float
+    """Bytes/s of the step's memory-bound ops (``HardwareProfile.elementwise``)."""
     op_overhead: float
     cpu_adam_alone: float | None = None
     cpu_update_observed: float | None = None

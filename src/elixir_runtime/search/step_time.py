@@ -105,8 +105,8 @@ class StepTime:
 
 def roofline_parts(cost: Cost, rates: Rates) -> dict[str, float]:
     """Seconds of ``cost`` by kind of kernel: GEMMs (and convolutions) at their size class's rate,
-    fused attention at its length's, the other ops' bytes at the memory bandwidth (``memory``)."""
-    parts = {"gemm": 0.0, "attention": 0.0, "memory": cost.bytes / rates.memory_bandwidth}
+    fused attention at its length's, the other ops' bytes at the memory-bound ops' rate (``memory``)."""
+    parts = {"gemm": 0.0, "attention": 0.0, "memory": cost.bytes / rates.elementwise}
     for cls, flops in cost.flops.items():
         parts["gemm" if attention_keys(cls) is None else "attention"] += flops / rates.flop_rate(cls)
     return parts

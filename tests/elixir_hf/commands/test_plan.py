@@ -410,6 +410,7 @@ def test_cli_and_auto_make_the_same_plan_from_the_same_profile(capsys, tmp_path,
     import elixir_runtime.planner as planner
     from elixir_hf.commands.plan_report import build_meta_model, model_config
     from elixir_hf.loss import use_lean_loss
+    from elixir_hf.patches import mask_decisions_of
     from elixir_runtime.config import ElixirConfig
     from elixir_runtime.distributed.collectives import Collectives
     from elixir_runtime.search import Budget
@@ -446,9 +447,9 @@ def test_cli_and_auto_make_the_same_plan_from_the_same_profile(capsys, tmp_path,
     units = find_units(model, None)
     ids = torch.zeros(2, 128, dtype=torch.long, device="meta")
     config, cuda = ElixirConfig(dtype="bf16", device_assisted_update="auto"), torch.device("cuda")
-    plan = planner.search_job(
-        model, units, {"input_ids": ids, "labels": ids}, config, cuda, torch.bfloat16, Collectives(None)
-    ).plan
+    batch = {"input_ids": ids, "labels": ids}
+    with mask_decisions_of(batch):  # as build_engine does around prepare
+        plan = planner.search_job(model, units, batch, config, cuda, torch.bfloat16, Collectives(None)).plan
     assert cli_plan["offload"] or cli_plan["n_blocks"] < cli_plan["max_blocks"], "the case must make a choice"
     saved = plan.to_dict()
     for key in ("chunk_size", "n_chunks", "n_blocks", "offload", "device_lane", "memory", "predicted"):

@@ -47,6 +47,13 @@ def test_a_derived_card_scales_the_h100_by_its_published_figures() -> None:
     assert "compute x0.315 (312/989 bf16 TFLOPS), memory x0.609 (2.039/3.35 TB/s), host link x0.5" in a100.source
 
 
+def test_a_measured_elementwise_rate_scales_with_the_bandwidth() -> None:
+    h100 = dataclasses.replace(shipped_hardware("h100"), elementwise=2e12)
+    a100 = derive(h100, CARDS["a100-80gb"])
+    assert a100.elementwise == pytest.approx(2e12 * 2.039 / 3.35)
+    assert derive(shipped_hardware("h100"), CARDS["a100-80gb"]).elementwise is None  # the copy's, as measured
+
+
 def test_the_h200_is_the_h100s_compute_with_its_bandwidth() -> None:
     h100, h200 = shipped_hardware("h100"), shipped_hardware("h200")
     assert h200.matmul == pytest.approx(h100.matmul) and h200.attention == pytest.approx(h100.attention)

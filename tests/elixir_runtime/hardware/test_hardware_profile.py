@@ -46,6 +46,7 @@ def test_quick_measurement_is_a_valid_profile() -> None:
         v > 0
         for v in (*hw.attention.values(), hw.memory_bandwidth, hw.op_overhead, hw.gpu_adam, hw.cpu_adam[1].under_copies)
     )
+    assert 0 < hw.elementwise < hw.memory_bandwidth  # casts, reductions, strided halves: slower than a copy
     assert list(hw.cpu_adam) == [1] and hw.cpu_adam[1].threads == cpu_adam_threads(1)
     assert list(hw.attention) == ["128", "256"]  # by sequence length
     assert hw.matmul and all(v > 0 for v in hw.matmul.values())
@@ -129,6 +130,15 @@ def test_a_profile_with_one_attention_rate_prices_every_length_with_it() -> None
     assert hw.attention == {"1024": 193e12}
     assert {hw.rates(1).flop_rate(f"attention:{s}") for s in (256, 2048, 8192)} == {193e12}
     assert HardwareProfile.from_json(hw.to_json()) == hw
+
+
+def test_memory_bound_ops_are_priced_at_their_own_rate_else_at_the_copys() -> None:
+    """Versions before 7 measured only a copy: their plans price the ops' bytes at it, as they did."""
+    hw = dataclasses.replace(gpu_host(), elementwise=1.2e12)
+    assert hw.rates(1).elementwise == 1.2e12 and hw.rates(1).memory_bandwidth == hw.memory_bandwidth
+    assert HardwareProfile.from_json(hw.to_json()) == hw
+    old = {k: v for k, v in gpu_host().to_dict().items() if k != "elementwise"}
+    assert HardwareProfile.from_dict({**old, "version": 6}).rates(1).elementwise == hw.memory_bandwidth
 
 
 def test_rates_take_the_cpu_adam_measured_for_the_ranks_per_host() -> None:

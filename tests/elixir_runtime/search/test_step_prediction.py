@@ -317,13 +317,13 @@ def test_two_lanes_meet_where_their_rates_say(monkeypatch) -> None:
 
 def test_the_roofline_splits_by_kind_of_kernel() -> None:
     """GEMMs (and convolutions) at their size class's rate, attention at its length's, bytes at the
-    memory bandwidth: the parts sum to the roofline the step model prices."""
+    memory-bound ops' rate: the parts sum to the roofline the step model prices."""
     from elixir_runtime.profiler.timeline import Cost
     from tests.elixir_runtime.search.search_cases import gpu_host
 
-    hw = dataclasses.replace(gpu_host(), attention={"1024": 200e12, "4096": 400e12})
+    hw = dataclasses.replace(gpu_host(), attention={"1024": 200e12, "4096": 400e12}, elementwise=1.5e12)
     rates = hw.rates(1)
     cost = Cost(flops={"4096": 600e12, "256": 50e12, "attention:4096": 400e12, "attention:1000": 100e12}, bytes=3e12)
     parts = step_time.roofline_parts(cost, rates)
-    assert parts == pytest.approx({"gemm": 2.0, "attention": 1.5, "memory": 1.0})
+    assert parts == pytest.approx({"gemm": 2.0, "attention": 1.5, "memory": 2.0})
     assert sum(parts.values()) == pytest.approx(step_time.roofline(cost, rates))
