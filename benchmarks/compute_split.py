@@ -26,6 +26,7 @@ import torch
 
 from elixir_hf.patches import mask_decisions_of
 from elixir_runtime.hardware import load_hardware
+from elixir_runtime.hardware.load import own_profile, with_step_gemms
 from elixir_runtime.profiler import profile_model
 from elixir_runtime.search.step_time import roofline_parts
 
@@ -93,12 +94,14 @@ def build(name: str, seq: int, liger: bool) -> torch.nn.Module:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     hardware = load_hardware(args.hardware)
-    rates = hardware.rates(1)
     model = build(args.model, args.seq, args.liger)
     ids = torch.randint(0, vocab_size(preset(args.model)), (args.batch_size, args.seq), device="cuda")
     batch = {"input_ids": ids, "labels": ids}
     with mask_decisions_of(batch):
         profile = profile_model(model, batch, dtype=torch.bfloat16, device="cuda")
+    if args.hardware is None and own_profile():  # as a job here prices them: its step's GEMM shapes, timed
+        hardware = with_step_gemms(hardware, profile.flop_classes, torch.bfloat16, torch.device("cuda"))
+    rates = hardware.rates(1)
     ops = sum(c.ops for c in profile.compute.values())
     predicted = dict.fromkeys(CLASSES, 0.0)
     for cost in profile.compute.values():

@@ -27,7 +27,7 @@ from .chunk.layout import ChunkLayout, build_layout
 from .config import ElixirConfig, PlanMismatch
 from .distributed.collectives import Collectives
 from .gpu_limit import device_capacity, process_limit
-from .hardware.load import job_hardware
+from .hardware.load import job_hardware, own_profile, with_step_gemms
 from .hardware.measure import collective_busbw
 from .hardware.profile import HardwareProfile
 from .host import HostMemory, held_bytes, host_available, local_ranks
@@ -130,6 +130,9 @@ class Target:
     """Collective bus bandwidth measured on the job's process group (``measure.collective_busbw``)."""
     grads_share_activations: bool = True
     """``SearchSettings.grads_share_activations``: the allocator's expandable segments are on."""
+    times_gemms: bool = False
+    """The job runs on ``device`` with this machine's own profile: the search prices the step's GEMM
+    shapes at rates timed there (``hardware.load.with_step_gemms``)."""
 
 
 def device_lane_wanted(config: ElixirConfig, device: torch.device) -> bool:
@@ -333,7 +336,7 @@ def search_job(
     def budget(profile: ModelProfile) -> Budget:
         return device_budget(device, profile.activation_peak, profile.buffer_bytes, host)
 
-    target = Target(coll.world_size, device, dtype, hardware, budget, busbw, grads_share_activations)
+    target = Target(coll.world_size, device, dtype, hardware, budget, busbw, grads_share_activations, own_profile())
     mine: list[_Searched] = []
 
     def decide() -> tuple[list[int], list[str], SearchResult, ProfileSummary]:
@@ -388,6 +391,9 @@ def _searched(
     with progress(1, "elixir: profiling a training step") as bar:
         profile = _profile(model, units, example_batch, target.dtype, target.device, exact)
         bar.update()
+    hardware = target.hardware
+    if target.times_gemms:
+        hardware = with_step_gemms(hardware, profile.flop_classes, target.dtype, target.device)
     order = profile.unit_indices(units)
     table = _table(model, units, order, param_group, _with_outside(model, resident, profile.read_outside))
     budget = target.budget(profile)
@@ -401,9 +407,11 @@ def _searched(
         device_lane=device_lane_wanted(config, target.device),
         grads_share_activations=target.grads_share_activations,
     )
-    result = search(table, profile, target.hardware, budget, settings).noted(
-        f"hardware: {target.hardware.device}, {target.hardware.source}",
+    shapes = sum(1 for c in profile.flop_classes if c in hardware.gemms)
+    result = search(table, profile, hardware, budget, settings).noted(
+        f"hardware: {hardware.device}, {hardware.source}",
         f"profile: {profile.seconds:.2f} s; activation peak at {profile.peak_at}",
+        *([f"GEMMs: {shapes} shapes of this step at their rates timed on this GPU"] if shapes else []),
         first=True,
     )
     return _Searched(order, profile.read_outside, table, result, profile.summary())

@@ -159,6 +159,7 @@ def derive(base: HardwareProfile, card: Card, base_card: Card | None = None) -> 
         device=card.device,
         gpu_memory=card.memory_mib * MIB - reserved,
         matmul={size: rate * compute for size, rate in base.matmul.items()},
+        gemms={shape: rate * compute for shape, rate in base.gemms.items()},
         attention={seq: rate * compute for seq, rate in base.attention.items()},
         memory_bandwidth=base.memory_bandwidth * memory,
         elementwise=base.elementwise * memory if base.elementwise else None,

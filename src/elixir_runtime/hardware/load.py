@@ -14,10 +14,11 @@ ranks measure it together first ([Note: CPU Adam per rank] in ``measure.py``) an
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -28,14 +29,16 @@ from ..host import local_ranks
 from ..kernels.threads import cpu_adam_threads
 from . import measure
 from .cards import CARDS, REFERENCE, derive
-from .profile import PROFILE_VERSION, UNREADABLE, HardwareProfile
+from .profile import PROFILE_VERSION, UNREADABLE, HardwareProfile, gemm_shape
 
 __all__ = [
     "cache_path",
     "machine_key",
     "load_hardware",
     "job_hardware",
+    "own_profile",
     "record_update_rate",
+    "with_step_gemms",
     "shipped_hardware",
     "unknown_card",
     "ENV_HARDWARE",
@@ -149,8 +152,7 @@ def job_hardware(
     threads = cpu_adam_threads(ranks, cpu_threads)
 
     def load() -> tuple[HardwareProfile, bool]:
-        own = not os.environ.get(ENV_HARDWARE)
-        return load_hardware(ranks=(), quick=quick), own
+        return load_hardware(ranks=(), quick=quick), own_profile()
 
     profile, own = coll.decided_by_rank0(load, device)
     rate = profile.cpu_adam.get(ranks)
@@ -158,6 +160,29 @@ def job_hardware(
         profile.cpu_adam[ranks] = measure.job_cpu_adam(coll, device, ranks, threads, quick=quick)
         if coll.rank == 0:
             profile.save(cache_path())
+    return profile
+
+
+def own_profile() -> bool:
+    """Whether a job here plans with this machine's cached profile (no ``$ELIXIR_HARDWARE``): only that
+    one is measured further and cached; a file or a shipped card is planned with as it is."""
+    return not os.environ.get(ENV_HARDWARE)
+
+
+def with_step_gemms(
+    profile: HardwareProfile, classes: Iterable[str], dtype: torch.dtype, device: torch.device
+) -> HardwareProfile:
+    """``profile``, this machine's own, with the rates of the GEMM shapes among ``classes`` (a profiled
+    step's size classes) that it lacks, timed on ``device`` and cached ([Note: GEMMs by shape] in
+    ``profile.py``). Shapes of another dtype than the profile's are not timed."""
+    missing = {c for c in classes if gemm_shape(c) is not None and c not in profile.gemms}
+    if not missing or str(dtype).removeprefix("torch.") != profile.dtype:
+        return profile
+    profile = dataclasses.replace(profile, gemms={**profile.gemms, **measure.gemm_rates(missing, dtype, device)})
+    try:  # the profile is a cache: failing to update it must not fail the job
+        profile.save(cache_path())
+    except OSError as exc:
+        logger.warning("elixir: could not cache the GEMM rates in %s (%s)", cache_path(), exc)
     return profile
 
 

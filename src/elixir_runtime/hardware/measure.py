@@ -19,7 +19,7 @@ import datetime
 import platform
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,7 +33,7 @@ from ..kernels.kernel import AdamHyper
 from ..kernels.select import select_kernel
 from ..kernels.threads import cpu_adam_threads
 from ..progress import progress
-from .profile import PROFILE_VERSION, CpuAdamRate, HardwareProfile, LinkRates
+from .profile import PROFILE_VERSION, CpuAdamRate, HardwareProfile, LinkRates, gemm_shape
 
 if TYPE_CHECKING:
     from multiprocessing.queues import Queue
@@ -82,7 +82,7 @@ def _measure_gpu(quick: bool, dtype: torch.dtype) -> HardwareProfile:
         gpu_memory=torch.cuda.get_device_properties(dev).total_memory,
         host_memory=host_total(),
         cpu_cores=usable_cores(),
-        matmul={str(s): _matmul_rate(s, dtype, dev) for s in sizes},
+        matmul={str(s): _gemm_rate(s, s, s, dtype, dev) for s in sizes},
         attention=_attention_rates(dtype, dev, quick),
         memory_bandwidth=_copy_rate(dev, size * (1 if quick else 4)) * 2,
         elementwise=_elementwise_rate(dtype, dev, quick),
@@ -131,10 +131,30 @@ def _gpu_links(gpus: int, size: int) -> dict[int, LinkRates]:
     return links
 
 
-def _matmul_rate(n: int, dtype: torch.dtype, device: torch.device) -> float:
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    return 2 * n**3 / _median_time(lambda: a @ b, sync=lambda: _sync(device))
+def _gemm_rate(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> float:
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
+    return 2 * m * n * k / _median_time(lambda: a @ b, sync=lambda: _sync(device))
+
+
+def gemm_rates(classes: Iterable[str], dtype: torch.dtype, device: torch.device) -> dict[str, float]:
+    """FLOP/s of each GEMM shape among ``classes`` (size classes, ``"8192x1024x4096"``) on ``device``, in
+    the compute dtype; a shape whose operands and output would take over a quarter of the free
+    memory is left out (priced by ``matmul``). The tensors are given back before returning."""
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host_total()
+    elt = torch.empty((), dtype=dtype).element_size()
+    rates = {}
+    for cls in sorted(classes):
+        shape = gemm_shape(cls)
+        if shape is None:
+            continue
+        m, n, k = shape
+        if (m * k + k * n + m * n) * elt > free // 4:
+            continue
+        rates[cls] = _gemm_rate(m, n, k, dtype, device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rates
 
 
 def _attention_rates(dtype: torch.dtype, device: torch.device, quick: bool) -> dict[str, float]:
@@ -427,7 +447,7 @@ def _measure_cpu(quick: bool) -> HardwareProfile:
         gpu_memory=host,
         host_memory=host,
         cpu_cores=usable_cores(),
-        matmul={str(s): _matmul_rate(s, torch.float32, cpu) for s in ([128, 256] if quick else [256, 512, 1024])},
+        matmul={str(s): _gemm_rate(s, s, s, torch.float32, cpu) for s in ([128, 256] if quick else [256, 512, 1024])},
         attention=_attention_rates(torch.float32, cpu, quick),
         memory_bandwidth=copy * 2,
         elementwise=_elementwise_rate(torch.float32, cpu, quick),

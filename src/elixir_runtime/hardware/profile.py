@@ -32,6 +32,8 @@ __all__ = [
     "UNREADABLE",
     "ATTENTION",
     "attention_keys",
+    "gemm_class",
+    "gemm_shape",
 ]
 
 ATTENTION = "attention"
@@ -42,6 +44,20 @@ def attention_keys(size_class: str) -> int | None:
     """The keys of a fused attention's size class (``"attention:2048"``: 2048); ``None`` for any other."""
     kind, _, keys = size_class.rpartition(":")
     return int(keys) if kind == ATTENTION else None
+
+
+def gemm_class(m: int, n: int, k: int) -> str:
+    """A GEMM's size class: its shape, ``"8192x1024x4096"`` (m x n x k)."""
+    return f"{m}x{n}x{k}"
+
+
+def gemm_shape(size_class: str) -> tuple[int, int, int] | None:
+    """The (m, n, k) of a GEMM's size class; ``None`` for any other."""
+    parts = size_class.split("x")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        return None
+    m, n, k = map(int, parts)
+    return m, n, k
 
 
 UNREADABLE = (OSError, ValueError, TypeError, KeyError, AttributeError)
@@ -118,6 +134,9 @@ class HardwareProfile:
     GPUs by ``elixir-plan --measure-hardware``; a job whose count is missing from this machine's
     cached profile measures it with its own ranks at ``prepare`` and caches it)."""
     links: dict[int, LinkRates] = field(default_factory=dict)
+    gemms: dict[str, float] = field(default_factory=dict)
+    """FLOP/s of the GEMM shapes jobs on this machine ran (``"8192x1024x4096"``), each timed on its GPU
+    when a job first planned with it ([Note: GEMMs by shape]); other shapes: ``matmul``."""
     elementwise: float | None = None
     """Device memory, bytes/s of eager memory-bound ops (norms, rotary, activations, adds, casts;
     forward and backward), bytes counted as the profiler counts them (each op's inputs and outputs);
@@ -214,6 +233,7 @@ class HardwareProfile:
             cpu_update_observed=cpu.observed,
             cpu_threads=cpu.threads,
             matmul={int(k): v for k, v in self.matmul.items()},
+            gemms=dict(self.gemms),
             attention={int(k): v for k, v in self.attention.items()},
             memory_bandwidth=self.memory_bandwidth,
             elementwise=self.elementwise or self.memory_bandwidth,
@@ -261,6 +281,7 @@ class Rates:
     gpu_adam: float
     cpu_adam: float
     matmul: dict[int, float]
+    gemms: dict[str, float]
     attention: dict[int, float]
     memory_bandwidth: float
     elementwise: float
@@ -274,16 +295,26 @@ class Rates:
     notes: list[str] = field(default_factory=list)
 
     def flop_rate(self, size_class: str) -> float:
-        """The measured rate of the nearest measured size (in log space): GEMMs by size class
-        (``"4096"``), fused attention by sequence length (``"attention:2048"``); convolutions use the
-        largest GEMM rate."""
+        """A GEMM's shape (``"8192x1024x4096"``) at its own timed rate, else at the measured square
+        size nearest (in log space) its dimensions' geometric mean; fused attention by sequence length
+        (``"attention:2048"``), the nearest measured; convolutions at the largest GEMM rate.
+
+        [Note: GEMMs by shape] cuBLAS's rate depends on the shape, not only on its FLOPs: on an H200
+        Llama-3-8B's GEMMs at 8192 tokens ran 1.10x their price by squares, at 16384 tokens 0.96x
+        (``benchmarks.compute_split``). A job on a GPU times its step's shapes there before the search
+        (``planner``), and this machine's profile keeps them."""
         keys = attention_keys(size_class)
         if keys is not None:
             return _nearest(self.attention, keys)
+        if size_class in self.gemms:
+            return self.gemms[size_class]
+        shape = gemm_shape(size_class)
+        if shape is not None:
+            return _nearest(self.matmul, math.prod(shape) ** (1 / 3))
         if not size_class.isdigit():
             return max(self.matmul.values())
         return _nearest(self.matmul, int(size_class))
 
 
-def _nearest(rates: dict[int, float], size: int) -> float:
+def _nearest(rates: dict[int, float], size: float) -> float:
     return rates[min(rates, key=lambda s: abs(math.log2(s) - math.log2(size)))]

