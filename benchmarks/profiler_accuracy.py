@@ -94,13 +94,13 @@ def measure(model: torch.nn.Module, batch: dict, timing: bool) -> tuple[int, flo
 def predict(model: torch.nn.Module, batch: dict) -> tuple[ModelProfile, ModelProfile, str | None]:
     """(the prediction ``prepare`` makes here, the one ``elixir-plan`` makes without a GPU, and why the
     first fell back to the second, if it did)."""
-    with mask_decisions_of(batch), cuda_attention():
-        on_cpu = profile_model(model, batch, dtype=torch.bfloat16, device="cpu")
-    try:
-        with mask_decisions_of(batch):
+    with mask_decisions_of(batch):  # as build_engine traces
+        with cuda_attention():
+            on_cpu = profile_model(model, batch, dtype=torch.bfloat16, device="cpu")
+        try:
             return profile_model(model, batch, dtype=torch.bfloat16, device="cuda"), on_cpu, None
-    except Exception as exc:  # reported in the row; prepare falls back the same way
-        return on_cpu, on_cpu, f"fake-CUDA trace failed: {type(exc).__name__}: {exc}"
+        except Exception as exc:  # reported in the row; prepare falls back the same way
+            return on_cpu, on_cpu, f"fake-CUDA trace failed: {type(exc).__name__}: {exc}"
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:

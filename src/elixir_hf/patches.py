@@ -27,7 +27,7 @@ import functools
 import inspect
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 from unittest import mock
@@ -290,11 +290,9 @@ def mask_decisions_of(batch: Any) -> Iterator[None]:
     read, so transformers takes the safe branch of each decision: it builds the full ``seq x seq``
     mask and SDPA computes both triangles of the scores. The run, on real tensors, passes
     ``is_causal=True``, no mask, and a kernel that skips the masked half. Without this the profile
-    prices twice the run's attention FLOPs (measured: 2.0x on Llama-3-8B, H200) and a mask the run
-    never allocates (``batch x seq^2`` elements). A padded or packed batch keeps transformers' own
-    answer, the mask, as the run does."""
-    from collections.abc import Mapping
-
+    prices twice the run's attention FLOPs and a mask the run never allocates (``batch x seq^2``
+    elements; docs/planning.md, "The masks the run uses"). A padded or packed batch keeps
+    transformers' own answer, the mask, as the run does."""
     if not isinstance(batch, Mapping):
         yield
         return

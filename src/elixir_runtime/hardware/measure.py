@@ -199,9 +199,8 @@ def _elementwise_rate(dtype: torch.dtype, device: torch.device, quick: bool) -> 
     layer's shapes at 8k tokens (small ones on the CPU or ``quick``).
 
     [Note: memory-bound ops] Such ops move their bytes slower than a copy does: casts, reductions,
-    broadcasts and strided halves. On an H200 single ops ran at 0.2-1.0 of a copy's bandwidth, and
-    Llama-3-8B's step as a whole at 0.67 (``benchmarks.compute_split``), so pricing them at a copy's
-    bandwidth predicted them 1.5x too fast (docs/planning.md)."""
+    broadcasts and strided halves. Priced at a copy's bandwidth, an eager step's were predicted well
+    short of what ``benchmarks.compute_split`` measures (docs/planning.md, "The compute split")."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 

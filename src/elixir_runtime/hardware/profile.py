@@ -299,10 +299,11 @@ class Rates:
         size nearest (in log space) its dimensions' geometric mean; fused attention by sequence length
         (``"attention:2048"``), the nearest measured; convolutions at the largest GEMM rate.
 
-        [Note: GEMMs by shape] cuBLAS's rate depends on the shape, not only on its FLOPs: on an H200
-        Llama-3-8B's GEMMs at 8192 tokens ran 1.10x their price by squares, at 16384 tokens 0.96x
-        (``benchmarks.compute_split``). A job on a GPU times its step's shapes there before the search
-        (``planner``), and this machine's profile keeps them."""
+        [Note: GEMMs by shape] cuBLAS's rate depends on the shape, not only on its FLOPs: a tall,
+        thin GEMM (a GQA projection's) runs below the square of its geometric mean, which
+        ``benchmarks.compute_split`` shows (docs/planning.md, "The compute split"). A job on a GPU
+        times its step's shapes there before the search (``planner``), and this machine's profile
+        keeps them."""
         keys = attention_keys(size_class)
         if keys is not None:
             return _nearest(self.attention, keys)
