@@ -40,6 +40,7 @@ from elixir_hf import ElixirTrainer, ElixirTrainingArguments
 from elixir_hf.commands.plan import DEVICE_LANE_WORDS
 from elixir_runtime.planner import plan_table
 
+from .gpu_marks import GpuMarks
 from .harness import (
     LR,
     MAX_GRAD_NORM,
@@ -135,7 +136,7 @@ def hf_trainer(
             logged = [e for e in trainer.state.log_history if "loss" in e]
             info["trainer_log"] = logged[-1] if logged else {}  # one entry: the loop's means (elixir/*: step phases)
             if anatomy:
-                info["anatomy"] = {"stamps": clock.stamps, "trace": clock.trace}
+                info["anatomy"] = {"stamps": clock.stamps, "trace": clock.trace, "marks": clock.marks}
             if elixir:
                 plan, live = trainer.model._elixir.plan, trainer.model._elixir.live
                 print(plan_table(plan), flush=True)
@@ -199,6 +200,10 @@ class _Clock(TrainerCallback):
         self.trace: list | None = None
         self.updates: Any = None
         """The engine's ``HostUpdates`` whose trace this fills (set when training begins)."""
+        self.runtime: Any = None
+        """The engine's ``ChunkRuntime`` (set when training begins): its counters at each step's end."""
+        self.marks: Any = None
+        """``step_anatomy.GpuMarks`` on those updates (set when training begins)."""
         self.hook: Any = None
 
     def now(self) -> float:
@@ -208,14 +213,20 @@ class _Clock(TrainerCallback):
 
     def on_train_begin(self, *a: Any, model: torch.nn.Module | None = None, **k: Any) -> None:
         if self.anatomy and model is not None:
-            self.updates = model._elixir.runtime.host_updates
+            self.runtime = model._elixir.runtime
+            self.updates = self.runtime.host_updates
             self.updates.trace = self.trace = []
-            self.hook = model.register_forward_hook(lambda *_: self._stamp("loss"))
+            self.marks = GpuMarks(self.updates, self.device)
+            self.hook = model.register_forward_hook(lambda *_: self._loss())
 
     def on_train_end(self, *a: Any, **k: Any) -> None:
         if self.anatomy and self.trace is not None:
             self.updates.trace = None
             self.hook.remove()
+
+    def _loss(self) -> None:
+        self.marks.mark("loss")
+        self._stamp("loss")
 
     def _stamp(self, key: str) -> None:
         if self.anatomy and self.stamps:
@@ -226,6 +237,8 @@ class _Clock(TrainerCallback):
             self.first_begin = self.last = self.now()
         if self.anatomy:
             self.stamps.append({"start": self.now()})
+            if self.marks is not None:
+                self.marks.mark("start")
 
     def on_pre_optimizer_step(self, *a: Any, **k: Any) -> None:
         self._stamp("synced")
@@ -238,3 +251,5 @@ class _Clock(TrainerCallback):
         self.times.append(now - self.last)
         self.last = now
         self._stamp("end")
+        if self.anatomy and self.stamps and self.runtime is not None:
+            self.stamps[-1]["stalls"] = self.runtime.stats["update_stall_s"]

@@ -1,7 +1,7 @@
 """Where an Elixir step's time goes: the forward, the backward, and the updates of offloaded chunks.
 
-    python -m benchmarks.step_anatomy --model llama2-13b [--system elixir_trainer] [--batch-size 4] [--steps 3]
-        [--clip 1] [--json out.json]
+    python -m benchmarks.step_anatomy --model llama2-13b [--system elixir_trainer [--liger]] [--batch-size 4]
+        [--steps 3] [--clip 1] [--json out.json]
 
 Builds the harness's Elixir engine (``systems.build``, the plan its own), runs ``--warmup`` and
 ``--steps`` steps of the harness's loop (with ``--system elixir_trainer``: ``ElixirTrainer.train()``,
@@ -15,6 +15,10 @@ step, in seconds:
   offloaded chunk's update before gathering it); ``waits``: the part of it spent in those waits;
 * ``backward``: from there to the clip's host sync, the end of backward on the GPU (without
   ``--clip`` the loop's own return: the GPU may still be in backward);
+* ``GPU fwd``: the GPU's own forward (CUDA events, ``GpuMarks``; each wait's host times and the
+  GPU's position then in the JSON's ``waits``, the CPU's slices in ``slices``), and ``stalls``: the
+  part of the forward the GPU stood idle for those updates and their uploads (the engine's
+  ``update_stall_s``, ``runtime/stalls.py``; on the CPU the waits);
 * the CPU lane's busy time and rate (elements per busy second) for the update the step waits for,
   the one the step before submitted, from the engine's update trace (``HostUpdates.trace``); the
   device lane's elements if it is on.
@@ -42,6 +46,7 @@ import torch
 
 from . import harness, systems
 from ._worker import env_info
+from .gpu_marks import GpuMarks
 from .models import param_count, preset, vocab_size
 
 
@@ -56,9 +61,10 @@ def _lane(trace: list, lane: str, start: float, end: float) -> tuple[float, int]
     return sum(r[3] - r[2] for r in rows), sum(r[4] for r in rows)
 
 
-def step_record(trace: list, t: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+def step_record(trace: list, t: dict[str, float], before: dict[str, float]) -> dict[str, Any]:
     """One step's phases from its time stamps ``t`` (start, loss, synced, stepped, end), the previous
-    step's ``before`` and the trace: the update submitted after ``before``'s sync ran until ``t``'s."""
+    step's ``before`` and the trace: the update submitted after ``before``'s sync ran until ``t``'s
+    (its slices in ``slices``: chunk, start and end in seconds since ``t``'s start)."""
     waits = sum(r[3] - r[2] for r in trace if r[0] == "wait" and t["start"] <= r[2] < t["loss"])
     busy, elements = _lane(trace, "cpu", before["synced"], t["synced"])
     first = min(
@@ -77,6 +83,11 @@ def step_record(trace: list, t: dict[str, float], before: dict[str, float]) -> d
         "first_updated": None if first is None else first[1],
         "loss": t.get("loss_value"),
         "device_lane_elements": device_elements,
+        "slices": [
+            (r[1], r[2] - t["start"], r[3] - t["start"])
+            for r in trace
+            if r[0] == "cpu" and before["synced"] <= r[2] < t["synced"]
+        ],
     }
 
 
@@ -99,6 +110,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         offload=args.offload,
         device_lane=args.device_lane,
         fused_head=args.fused_head,
+        liger=args.liger,
     )
     gen = torch.Generator(device=device).manual_seed(0)
     ids = torch.randint(0, vocab_size(p), (args.batch_size, seq), device=device, generator=gen)
@@ -110,18 +122,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.update_order == "chunk":
             runtime.update_order = list(runtime.trainable)
         order = {"root_chunks": list(runtime.root_chunks), "update_order": args.update_order}
-        stamps, trace, (busy, elements) = _harness_steps(trainer, ctx, ids, args.warmup + args.steps)
+        stamps, trace, marks, (busy, elements) = _harness_steps(trainer, ctx, ids, args.warmup + args.steps)
     else:
         from .hf_systems import hf_trainer  # transformers' Trainer: imported only where it runs
 
         trainer = hf_trainer(p, ctx, elixir=True, anatomy=True)
         build_s = time.perf_counter() - start
         trainer.timed(ids, args.warmup, args.steps)
-        stamps, trace = trainer.info["anatomy"]["stamps"], trainer.info["anatomy"]["trace"]
+        anatomy = trainer.info.pop("anatomy")
+        stamps, trace, marks = anatomy["stamps"], anatomy["trace"], anatomy["marks"]
         busy, elements = 0.0, 0  # no update alone: the Trainer's engine is gone with its loop
         order = {}
     steps = [
-        dict(step_record(trace, t, before), loop_s=t["start"] - before["end"])
+        dict(
+            step_record(trace, t, before),
+            loop_s=t["start"] - before["end"],
+            gpu_stalls_s=t["stalls"] - before["stalls"],
+            **marks.forward(t),
+        )
         for before, t in zip(stamps[args.warmup - 1 :], stamps[args.warmup :])
     ]
     median = statistics.median(s["step_s"] + s["loop_s"] for s in steps)
@@ -148,15 +166,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _harness_steps(trainer: harness.Trainer, ctx: harness.Context, ids: torch.Tensor, n: int) -> tuple:
     """``n`` steps of the harness's loop, stamped; then the same update alone (a backward, then the
-    update with the GPU idle and nothing beside it): (stamps, trace, (busy s, elements) alone)."""
+    update with the GPU idle and nothing beside it): (stamps, trace, GPU marks, (busy s, elements) alone)."""
     model, opt = trainer.handles["model"], trainer.handles["optimizer"]
     updates = opt.runtime.host_updates
     updates.trace = trace = []
+    marks = GpuMarks(updates, ctx.device)
 
     def step() -> dict[str, float]:
         _sync(ctx.device)
         t = {"start": time.perf_counter()}
+        marks.mark("start")
         loss = model(input_ids=ids, labels=ids).loss
+        marks.mark("loss")
         t["loss"] = time.perf_counter()
         opt.backward(loss)
         if ctx.clip:
@@ -167,6 +188,7 @@ def _harness_steps(trainer: harness.Trainer, ctx: harness.Context, ids: torch.Te
         opt.zero_grad()
         _sync(ctx.device)
         t["end"] = time.perf_counter()
+        t["stalls"] = opt.runtime.stats["update_stall_s"]
         t["loss_value"] = float(loss.detach())  # after the stamps: its host sync is not timed
         return t
 
@@ -184,7 +206,7 @@ def _harness_steps(trainer: harness.Trainer, ctx: harness.Context, ids: torch.Te
     alone = _lane(trace, "cpu", start, end)
     opt.zero_grad()
     updates.trace = None
-    return stamps, trace, alone
+    return stamps, trace, marks, alone
 
 
 def table(rec: dict[str, Any]) -> str:
@@ -201,13 +223,14 @@ def table(rec: dict[str, Any]) -> str:
             f"; the root's chunks {rec['root_chunks']}, updated {rec['update_order']}" if rec.get("root_chunks") else ""
         ),
         f"{'step':>4} {'loop':>6} {'step s':>7} {'forward':>8} {'waits':>6} {'backward':>9} {'optimizer':>9} "
-        f"{'CPU busy':>9} {'CPU G/s':>8} {'first':>6}",
+        f"{'CPU busy':>9} {'CPU G/s':>8} {'first':>6} {'GPU fwd':>8} {'stalls':>7}",
     ]
     for i, s in enumerate(rec["steps"]):
         lines.append(
             f"{i:>4} {s['loop_s']:>6.3f} {s['step_s']:>7.3f} {s['forward_s']:>8.3f} {s['waits_s']:>6.3f} "
             f"{s['backward_s']:>9.3f} {s['optimizer_s']:>9.3f} {s['cpu_busy_s']:>9.3f} {num(s['cpu_Gps'], 2):>8} "
-            f"{'-' if s['first_updated'] is None else s['first_updated']:>6}"
+            f"{'-' if s['first_updated'] is None else s['first_updated']:>6} {num(s['gpu_forward_s']):>8} "
+            f"{num(s['gpu_stalls_s']):>7}"
         )
     lines.append(
         f"median step {rec['median_step_s']:.3f} s with its loop ({rec['tflops']:.1f} TFLOPS), "
@@ -249,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
         default="root_first",
         help="the CPU lane's order: the engine's (the root's chunks first) or plain chunk order, for an A/B",
     )
+    ap.add_argument("--liger", action="store_true", help="the Trainer's use_liger_kernel (liger-kernel installed)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (the CPU Adam keeps one for the loop)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", default=None, help="also write the record to this file")
@@ -257,6 +281,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--warmup must be >= 1: a timed step waits for the update of the step before it")
     if args.system != "elixir" and (args.fused_head or args.update_order != "root_first"):
         ap.error("--fused-head and --update-order take the harness's loop: pass --system elixir")
+    if args.liger and args.system != "elixir_trainer":
+        ap.error("--liger is the Trainer's use_liger_kernel: pass --system elixir_trainer")
     rec = run(args)
     print(table(rec), flush=True)
     line = json.dumps(rec)

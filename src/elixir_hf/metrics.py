@@ -49,7 +49,7 @@ COMPARED = (
     Compared("step time", "s", "elixir/step_s", "elixir/plan_step_s"),
     Compared("optimizer step", "s", "elixir/optimizer_s", "elixir/plan_optimizer_s"),
     Compared("CPU update of offloaded chunks", "s", "elixir/cpu_update_s_per_step", "elixir/plan_cpu_update_s"),
-    Compared("forward waiting for it", "s", "elixir/update_wait_s_per_step", "elixir/plan_update_wait_s"),
+    Compared("forward waiting for it (GPU idle)", "s", "elixir/update_stall_s_per_step", "elixir/plan_update_wait_s"),
     Compared("GPU peak", "GiB", "elixir/gpu_peak_gib", "elixir/plan_gpu_peak_gib", peak=True),
     Compared("host RSS / pinned shards", "GiB", "elixir/host_rss_gib", "elixir/plan_host_gib", peak=True),
 )

@@ -114,6 +114,7 @@ def test_engine_metrics_reach_log_history_and_reporters_not_the_console(tmp_path
         "elixir/reduces_per_step",
         "elixir/cpu_update_s_per_step",
         "elixir/update_wait_s_per_step",
+        "elixir/update_stall_s_per_step",
     ):
         assert key in last, key
     # the offloaded chunks' CPU update, its seconds and rate per step, in the logs whose window it

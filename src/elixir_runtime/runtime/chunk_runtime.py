@@ -100,7 +100,8 @@ class ChunkRuntime:
 
     @property
     def stats(self) -> EngineStats:
-        """The counters now (``runtime/stats.py``)."""
+        """The counters now (``runtime/stats.py``), the GPU stalls whose events have run counted."""
+        self.gathers.stalls.settle()
         return self.ctx.stats.now
 
     def invalidate_trainable(self) -> None:

@@ -4,6 +4,7 @@
 
 * ``acquire`` makes chunks gathered for the compute stream (gathering those that are not,
   evicting the Belady victim for a buffer) and pins them while a unit runs; ``release`` unpins;
+  where it waits for a CPU update, ``stalls`` times the GPU's idle (``StallClock``);
 * ``prefetch`` gathers the next chunks of the recorded trace early on the fetch stream
   (``RELEASED -> GATHERING``), never waiting for a buffer or a CPU update to do so;
 * ``drop`` releases a chunk (after its reduction, on eviction, when a step or a load makes its
@@ -27,6 +28,7 @@ from ..chunk.rcache import Buffer, RCache
 from ..chunk.schedule import AccessSchedule
 from .context import EngineContext
 from .host_updates import HostUpdates
+from .stalls import StallClock
 from .state import ChunkState, ParamState
 
 __all__ = ["ChunkGathers", "RCacheExhausted", "on_stream"]
@@ -62,6 +64,7 @@ class ChunkGathers:
         self.ctx, self.layout, self.chunks, self.rcache = ctx, layout, chunks, rcache
         self.prefetch_depth, self.host_updates = prefetch, host_updates
         self.fetch_stream = torch.cuda.Stream(ctx.device) if ctx.cuda else None
+        self.stalls = StallClock(ctx.stats, ctx.cuda)
         self.schedule = AccessSchedule()
         self._gathered: dict[int, ChunkState] = {}
         """Public chunks holding an rCache buffer (``GATHERING`` or ``GATHERED``)."""
@@ -77,6 +80,8 @@ class ChunkGathers:
         """Makes chunks ``ids`` gathered for the current stream; pins them if ``pin``."""
         for i in ids:
             self.schedule.access(i)
+        waits = any(not self.chunks[i].valid and self.host_updates.pending(i) for i in ids)
+        mark = self.stalls.start() if waits else None  # [Note: GPU stalls] in stalls.py
         for i in ids:
             c = self.chunks[i]
             c.pins += 1  # protects it while the others are gathered
@@ -88,6 +93,8 @@ class ChunkGathers:
                 c.pins -= 1
             if c.param_state is ParamState.GATHERING:
                 self._use(c)
+        if mark is not None:
+            self.stalls.stop(mark)
         self.prefetch()
 
     def release(self, ids: tuple[int, ...]) -> None:

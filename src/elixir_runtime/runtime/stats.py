@@ -35,6 +35,8 @@ class EngineStats(Mapping[str, float]):
     """Seconds the CPU lane spent updating them."""
     update_wait_s: float = 0.0
     """Seconds the loop's thread waited for them."""
+    update_stall_s: float = 0.0
+    """Seconds the GPU stood idle at the forward's gathers that waited for them (``runtime/stalls.py``)."""
 
     def __getitem__(self, key: str) -> float:
         if key not in _NAMES:
