@@ -252,4 +252,5 @@ class _Clock(TrainerCallback):
         self.last = now
         self._stamp("end")
         if self.anatomy and self.stamps and self.runtime is not None:
-            self.stamps[-1]["stalls"] = self.runtime.stats["update_stall_s"]
+            stats = self.runtime.stats
+            self.stamps[-1].update(stalls=stats["update_stall_s"], gather_stalls=stats["gather_stall_s"])

@@ -18,7 +18,8 @@ step, in seconds:
 * ``GPU fwd``: the GPU's own forward (CUDA events, ``GpuMarks``; each wait's host times and the
   GPU's position then in the JSON's ``waits``, the CPU's slices in ``slices``), and ``stalls``: the
   part of the forward the GPU stood idle for those updates and their uploads (the engine's
-  ``update_stall_s``, ``runtime/stalls.py``; on the CPU the waits);
+  ``update_stall_s``, ``runtime/stalls.py``; on the CPU the waits); ``gathers``: the GPU's idle at
+  the step's other acquires, forward and backward, for gathers not hidden (``gather_stall_s``);
 * the CPU lane's busy time and rate (elements per busy second) for the update the step waits for,
   the one the step before submitted, from the engine's update trace (``HostUpdates.trace``); the
   device lane's elements if it is on.
@@ -138,6 +139,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             step_record(trace, t, before),
             loop_s=t["start"] - before["end"],
             gpu_stalls_s=t["stalls"] - before["stalls"],
+            gather_stalls_s=t["gather_stalls"] - before["gather_stalls"],
             **marks.forward(t),
         )
         for before, t in zip(stamps[args.warmup - 1 :], stamps[args.warmup :])
@@ -188,7 +190,8 @@ def _harness_steps(trainer: harness.Trainer, ctx: harness.Context, ids: torch.Te
         opt.zero_grad()
         _sync(ctx.device)
         t["end"] = time.perf_counter()
-        t["stalls"] = opt.runtime.stats["update_stall_s"]
+        stats = opt.runtime.stats
+        t["stalls"], t["gather_stalls"] = stats["update_stall_s"], stats["gather_stall_s"]
         t["loss_value"] = float(loss.detach())  # after the stamps: its host sync is not timed
         return t
 
@@ -223,14 +226,14 @@ def table(rec: dict[str, Any]) -> str:
             f"; the root's chunks {rec['root_chunks']}, updated {rec['update_order']}" if rec.get("root_chunks") else ""
         ),
         f"{'step':>4} {'loop':>6} {'step s':>7} {'forward':>8} {'waits':>6} {'backward':>9} {'optimizer':>9} "
-        f"{'CPU busy':>9} {'CPU G/s':>8} {'first':>6} {'GPU fwd':>8} {'stalls':>7}",
+        f"{'CPU busy':>9} {'CPU G/s':>8} {'first':>6} {'GPU fwd':>8} {'stalls':>7} {'gathers':>8}",
     ]
     for i, s in enumerate(rec["steps"]):
         lines.append(
             f"{i:>4} {s['loop_s']:>6.3f} {s['step_s']:>7.3f} {s['forward_s']:>8.3f} {s['waits_s']:>6.3f} "
             f"{s['backward_s']:>9.3f} {s['optimizer_s']:>9.3f} {s['cpu_busy_s']:>9.3f} {num(s['cpu_Gps'], 2):>8} "
             f"{'-' if s['first_updated'] is None else s['first_updated']:>6} {num(s['gpu_forward_s']):>8} "
-            f"{num(s['gpu_stalls_s']):>7}"
+            f"{num(s['gpu_stalls_s']):>7} {num(s['gather_stalls_s']):>8}"
         )
     lines.append(
         f"median step {rec['median_step_s']:.3f} s with its loop ({rec['tflops']:.1f} TFLOPS), "

@@ -4,7 +4,8 @@
 
 * ``acquire`` makes chunks gathered for the compute stream (gathering those that are not,
   evicting the Belady victim for a buffer) and pins them while a unit runs; ``release`` unpins;
-  where it waits for a CPU update, ``stalls`` times the GPU's idle (``StallClock``);
+  where the compute stream waits for a gather (and for a CPU update before it), ``stalls`` times
+  the GPU's idle (``StallClock``);
 * ``prefetch`` gathers the next chunks of the recorded trace early on the fetch stream
   (``RELEASED -> GATHERING``), never waiting for a buffer or a CPU update to do so;
 * ``drop`` releases a chunk (after its reduction, on eviction, when a step or a load makes its
@@ -12,8 +13,10 @@
 
 Contracts: a gather is a collective, so every rank gathers the same chunks in the same order
 (prefetch decisions depend only on the trace and on state that is the same on every rank). A
-buffer is reused only after its last user's event (``Buffer.free_event``). The compute stream
-waits for a chunk's gather (``ready``) before its first use: the ``GATHERING -> GATHERED`` step.
+buffer is reused only after its last user's event (``Buffer.free_event``). A gather of a shard on
+the GPU follows the compute stream's work so far; one of an offloaded shard only the buffer's
+last user ([Note: uploads ahead of compute]). The compute stream waits for a chunk's gather
+(``ready``) before its first use: the ``GATHERING -> GATHERED`` step.
 """
 
 from __future__ import annotations
@@ -39,12 +42,16 @@ class RCacheExhausted(RuntimeError):
 
 
 @contextlib.contextmanager
-def on_stream(stream: torch.cuda.Stream | None, buffer: Buffer | None, device: torch.device) -> Iterator[None]:
-    """Runs on ``stream`` after the current stream's work and the buffer's last user (inline on CPU)."""
+def on_stream(
+    stream: torch.cuda.Stream | None, buffer: Buffer | None, device: torch.device, after_compute: bool = True
+) -> Iterator[None]:
+    """Runs on ``stream`` after the buffer's last user and, if ``after_compute``, after the current
+    stream's work so far (inline on CPU)."""
     if stream is None:
         yield
         return
-    stream.wait_stream(torch.cuda.current_stream(device))
+    if after_compute:
+        stream.wait_stream(torch.cuda.current_stream(device))
     if buffer is not None and buffer.free_event is not None:
         stream.wait_event(buffer.free_event)
     with torch.cuda.stream(stream):
@@ -80,7 +87,8 @@ class ChunkGathers:
         """Makes chunks ``ids`` gathered for the current stream; pins them if ``pin``."""
         for i in ids:
             self.schedule.access(i)
-        waits = any(not self.chunks[i].valid and self.host_updates.pending(i) for i in ids)
+        update = any(not self.chunks[i].valid and self.host_updates.pending(i) for i in ids)
+        waits = update or any(self.chunks[i].param_state is not ParamState.GATHERED for i in ids)
         mark = self.stalls.start() if waits else None  # [Note: GPU stalls] in stalls.py
         for i in ids:
             c = self.chunks[i]
@@ -94,7 +102,7 @@ class ChunkGathers:
             if c.param_state is ParamState.GATHERING:
                 self._use(c)
         if mark is not None:
-            self.stalls.stop(mark)
+            self.stalls.stop(mark, "update_stall_s" if update else "gather_stall_s")
         self.prefetch()
 
     def release(self, ids: tuple[int, ...]) -> None:
@@ -179,7 +187,14 @@ class ChunkGathers:
             self._gathered[c.index] = c
         full = c.buffer.data[: c.spec.numel]
         self.ctx.stats.add(gathers=1)
-        with on_stream(self.fetch_stream, c.buffer, self.ctx.device):
+        # [Note: uploads ahead of compute] A shard on the GPU is written by the compute stream (the
+        # optimizer step, a load), so its gather follows that stream's work so far. An offloaded
+        # shard is written only on the host (the CPU lane, the device lane's copy back, a load),
+        # each waited for by the host before this gather is issued (``fill``), and the buffer's last
+        # user is its ``free_event``: its upload need not wait for the compute queued before it.
+        # The loop's thread runs ahead of the GPU, so the upload then overlaps the compute instead
+        # of starting when the GPU reaches the point where it was issued.
+        with on_stream(self.fetch_stream, c.buffer, self.ctx.device, after_compute=c.shards.placement != "host"):
             self.fill(c, full)
             if self.ctx.cuda:
                 c.ready = torch.cuda.Event()

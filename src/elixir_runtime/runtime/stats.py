@@ -37,6 +37,8 @@ class EngineStats(Mapping[str, float]):
     """Seconds the loop's thread waited for them."""
     update_stall_s: float = 0.0
     """Seconds the GPU stood idle at the forward's gathers that waited for them (``runtime/stalls.py``)."""
+    gather_stall_s: float = 0.0
+    """Seconds the GPU stood idle at acquires for other gathers: transfers not hidden (``runtime/stalls.py``)."""
 
     def __getitem__(self, key: str) -> float:
         if key not in _NAMES:

@@ -1,5 +1,5 @@
-"""The GPU's idle at the forward's gathers of offloaded chunks (``runtime/stalls.py``): the marks a forward
-makes, and how recorded event pairs are counted."""
+"""The GPU's idle at acquires that wait for a gather (``runtime/stalls.py``): the marks a forward makes,
+which counter each goes to, and how recorded event pairs are counted."""
 
 from __future__ import annotations
 
@@ -47,19 +47,23 @@ def test_pairs_are_counted_oldest_first_once_their_end_has_run(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", gpu.event_class())
     stats = StatsCounter()
     clock = StallClock(stats, cuda=True)
-    for start, end in ((1.0, 1.25), (2.0, 2.5), (3.0, 3.125)):
+    for start, end, counter in (
+        (1.0, 1.25, "update_stall_s"),
+        (2.0, 2.5, "gather_stall_s"),
+        (3.0, 3.125, "update_stall_s"),
+    ):
         gpu.now = start
         mark = clock.start()
         gpu.now = end
-        clock.stop(mark)
+        clock.stop(mark, counter)
     gpu.ran_until = 2.0  # the first pair has run, the second's end has not
     clock.settle()
-    assert stats.now.update_stall_s == pytest.approx(0.25)
+    assert (stats.now.update_stall_s, stats.now.gather_stall_s) == (pytest.approx(0.25), 0.0)
     gpu.ran_until = 3.125
     clock.settle()
-    assert stats.now.update_stall_s == pytest.approx(0.25 + 0.5 + 0.125)
+    assert (stats.now.update_stall_s, stats.now.gather_stall_s) == (pytest.approx(0.375), pytest.approx(0.5))
     clock.settle()  # nothing is counted twice
-    assert stats.now.update_stall_s == pytest.approx(0.875)
+    assert (stats.now.update_stall_s, stats.now.gather_stall_s) == (pytest.approx(0.375), pytest.approx(0.5))
 
 
 def test_settle_does_not_query_past_a_pair_that_has_not_run(monkeypatch):
@@ -68,7 +72,7 @@ def test_settle_does_not_query_past_a_pair_that_has_not_run(monkeypatch):
     clock = StallClock(StatsCounter(), cuda=True)
     for t in (1.0, 2.0):
         gpu.now = t
-        clock.stop(clock.start())
+        clock.stop(clock.start(), "gather_stall_s")
     gpu.log.clear()
     clock.settle()
     assert gpu.log == ["query 1.0"]  # the oldest pair's end: not run, so the newer one is not read
@@ -79,15 +83,15 @@ def test_off_cuda_the_stall_is_the_loops_own_time():
     clock = StallClock(stats, cuda=False)
     mark = clock.start()
     assert isinstance(mark, float)
-    clock.stop(mark)
-    assert stats.now.update_stall_s >= 0.0
+    clock.stop(mark, "gather_stall_s")
+    assert stats.now.gather_stall_s >= 0.0 and stats.now.update_stall_s == 0.0
 
 
-def _marks_of_one_forward(offload: float, monkeypatch) -> tuple[int, int, float, float]:
+def _marks_of_one_forward(offload: float, monkeypatch) -> tuple[int, dict[str, int], float, float]:
     """Trains one step (its CPU updates of offloaded chunks queued), then runs one forward with
     every update looking busy (no prefetch gathers one: each is a demand gather, whatever the CPU
-    lane's speed): the chunks pending before it, the acquires the stall clock marked, and the
-    stall and wait seconds that forward counted."""
+    lane's speed): the chunks pending before it, the acquires the stall clock marked by counter,
+    and the update stall and wait seconds that forward counted."""
     recipe = Recipe(steps=2)
     model, opt = build(recipe)
     cfg = er.ElixirConfig(mode="static", n_blocks="min", offload=offload, prefetch=2)
@@ -96,9 +100,14 @@ def _marks_of_one_forward(offload: float, monkeypatch) -> tuple[int, int, float,
     opt.backward(model(**batch_for(recipe, 0, 0, 0)).loss)
     opt.step()
     opt.zero_grad()
-    marked = []
+    marked = {"update_stall_s": 0, "gather_stall_s": 0}
     stop = runtime.gathers.stalls.stop
-    monkeypatch.setattr(runtime.gathers.stalls, "stop", lambda mark: (marked.append(mark), stop(mark)))
+
+    def counted(mark, counter):
+        marked[counter] += 1
+        stop(mark, counter)
+
+    monkeypatch.setattr(runtime.gathers.stalls, "stop", counted)
     monkeypatch.setattr(runtime.host_updates, "busy", lambda chunk: True)
     pending = [i for i in range(len(runtime.chunks)) if runtime.host_updates.pending(i)]
     before = runtime.stats
@@ -109,7 +118,7 @@ def _marks_of_one_forward(offload: float, monkeypatch) -> tuple[int, int, float,
     assert not any(runtime.host_updates.pending(i) for i in pending)  # each waited for in the forward
     return (
         len(pending),
-        len(marked),
+        marked,
         after.update_stall_s - before.update_stall_s,
         after.update_wait_s - before.update_wait_s,
     )
@@ -121,11 +130,13 @@ def test_a_forward_marks_each_gather_that_waits_for_an_update(monkeypatch):
     is marked once. On the CPU each mark spans the loop's wait and the gather; on a GPU the upload
     of a demand gather runs in line, so the GPU idles for it at least."""
     pending, marks, stall, wait = _marks_of_one_forward(1.0, monkeypatch)
-    assert 0 < marks <= pending
+    assert 0 < marks["update_stall_s"] <= pending
     assert stall > 0.0 and wait >= 0.0
     if not ON_CUDA:
         assert stall >= wait
 
 
-def test_a_forward_with_nothing_offloaded_marks_nothing(monkeypatch):
-    assert _marks_of_one_forward(0.0, monkeypatch) == (0, 0, 0.0, 0.0)
+def test_with_nothing_offloaded_a_forwards_demand_gathers_are_gather_stalls(monkeypatch):
+    pending, marks, stall, wait = _marks_of_one_forward(0.0, monkeypatch)
+    assert (pending, marks["update_stall_s"], stall, wait) == (0, 0, 0.0, 0.0)
+    assert marks["gather_stall_s"] > 0  # the rCache at its minimum: the forward gathers on demand
