@@ -23,6 +23,11 @@ def test_tiny_model_with_offloaded_chunks(tmp_path, capsys):
         assert s["cpu_elements"] == rec["alone_elements"] > 0 and s["device_lane_elements"] == 0
         assert 0 <= s["waits_s"] <= s["forward_s"] and s["forward_s"] + s["backward_s"] <= s["step_s"]
         assert s["cpu_Gps"] > 0
+        # the engine's stall counters per step (on the CPU the loop's own time at acquires that wait):
+        # each step's first forward acquire gathers, the step having dropped every gathered copy
+        assert s["gpu_stalls_s"] >= 0 and s["gather_stalls_s"] >= 0 and s["gpu_stalls_s"] + s["gather_stalls_s"] > 0
+        assert s["gpu_forward_s"] is None and s["waits"] == []  # CUDA events: none on the CPU
+        assert sorted(c for c, _, _ in s["slices"]) == sorted(rec["plan"]["offload"])  # each updated once
     assert rec["cpu_Gps_alone"] > 0 and rec["median_step_s"] > 0 and rec["card"] == "cpu"
 
 
