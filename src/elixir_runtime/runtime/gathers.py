@@ -14,8 +14,8 @@
 Contracts: a gather is a collective, so every rank gathers the same chunks in the same order
 (prefetch decisions depend only on the trace and on state that is the same on every rank). A
 buffer is reused only after its last user's event (``Buffer.free_event``). A gather of a shard on
-the GPU follows the compute stream's work so far; one of an offloaded shard only the buffer's
-last user ([Note: uploads ahead of compute]). The compute stream waits for a chunk's gather
+the GPU follows the compute stream's work so far; one of an offloaded shard on one rank only the
+buffer's last user ([Note: uploads ahead of compute]). The compute stream waits for a chunk's gather
 (``ready``) before its first use: the ``GATHERING -> GATHERED`` step.
 """
 
@@ -193,8 +193,11 @@ class ChunkGathers:
         # each waited for by the host before this gather is issued (``fill``), and the buffer's last
         # user is its ``free_event``: its upload need not wait for the compute queued before it.
         # The loop's thread runs ahead of the GPU, so the upload then overlaps the compute instead
-        # of starting when the GPU reaches the point where it was issued.
-        with on_stream(self.fetch_stream, c.buffer, self.ctx.device, after_compute=c.shards.placement != "host"):
+        # of starting when the GPU reaches the point where it was issued. With several ranks the
+        # gather is also an all-gather beside the reductions on one communicator: those keep the
+        # old order until a multi-GPU run has checked the new one (docs/architecture.md, "Streams").
+        ahead = c.shards.placement == "host" and self.ctx.coll.world_size == 1
+        with on_stream(self.fetch_stream, c.buffer, self.ctx.device, after_compute=not ahead):
             self.fill(c, full)
             if self.ctx.cuda:
                 c.ready = torch.cuda.Event()

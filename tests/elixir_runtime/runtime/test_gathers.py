@@ -10,6 +10,7 @@ import torch
 import elixir_runtime as er
 import elixir_runtime.runtime.gathers as gathers
 from elixir_runtime.chunk.rcache import Buffer
+from helpers.dist import run_distributed
 from helpers.training import Recipe, batch_for, build
 
 
@@ -43,12 +44,13 @@ def test_an_upload_waits_only_for_the_buffers_last_user(monkeypatch):
     assert _waits(monkeypatch, False, None) == ["gather"]  # a buffer never used: nothing to wait for
 
 
-def test_only_offloaded_shards_gather_ahead_of_the_compute_stream(monkeypatch):
+def _after_compute_by_chunk(rank: int = 0, world_size: int = 1) -> tuple[set[int], dict[int, set[bool]]]:
+    """One step with half the chunks offloaded (every rank on the same batch): the offloaded chunks,
+    and each gathered chunk's ``after_compute`` values."""
     recipe = Recipe(steps=2)
     model, opt = build(recipe)
     cfg = er.ElixirConfig(mode="static", n_blocks="min", offload=0.5, prefetch=2)
     model, opt = er.prepare(model, opt, cfg, example_batch=batch_for(recipe, 0, 0, 0))
-    offloaded = set(model._elixir.plan.offload)
     seen: dict[int, set[bool]] = {}
     on_stream = gathers.on_stream
 
@@ -56,8 +58,22 @@ def test_only_offloaded_shards_gather_ahead_of_the_compute_stream(monkeypatch):
         seen.setdefault(buffer.chunk, set()).add(after_compute)
         return on_stream(stream, buffer, device, after_compute)
 
-    monkeypatch.setattr(gathers, "on_stream", recorded)
-    opt.backward(model(**batch_for(recipe, 0, 0, 0)).loss)
-    opt.step()
+    gathers.on_stream = recorded
+    try:
+        opt.backward(model(**batch_for(recipe, 0, 0, 0)).loss)
+        opt.step()
+    finally:
+        gathers.on_stream = on_stream
+    return set(model._elixir.plan.offload), seen
+
+
+def test_only_offloaded_shards_gather_ahead_of_the_compute_stream():
+    offloaded, seen = _after_compute_by_chunk()
     assert offloaded and set(seen) > offloaded  # both kinds were gathered
     assert seen == {i: {i not in offloaded} for i in seen}
+
+
+def test_with_several_ranks_every_gather_follows_the_compute_stream():
+    for offloaded, seen in run_distributed(_after_compute_by_chunk, 2, timeout=120):
+        assert offloaded and set(seen) > offloaded
+        assert seen == {i: {True} for i in seen}
