@@ -15,12 +15,13 @@ class GpuMarks:
     and loss, and just before and after each wait for an offloaded chunk's update (``HostUpdates.wait``,
     wrapped). The host runs ahead of the GPU: read after the step, the events give the GPU's own
     forward and where it was when the host waited for each chunk (its idle time is the engine's
-    ``update_stall_s``). Off the GPU (``device`` not CUDA) nothing is recorded."""
+    ``update_stall_s``); ``close`` unwraps it. Off the GPU (``device`` not CUDA) nothing is recorded."""
 
     def __init__(self, updates: Any, device: torch.device) -> None:
         self.on = device.type == "cuda"
         self.marks: list[tuple[str, int, float, Any]] = []
         """``(kind, chunk, host perf_counter, event)``: kinds ``start``, ``loss``, ``before``, ``after``."""
+        self._updates = updates
         if self.on:
             wait = updates.wait
 
@@ -30,6 +31,11 @@ class GpuMarks:
                 self.mark("after", chunk)
 
             updates.wait = marked
+
+    def close(self) -> None:
+        """Gives the updates their own ``wait`` back (the marks recorded stay readable)."""
+        if self.on:
+            del self._updates.wait
 
     def mark(self, kind: str, chunk: int = -1) -> None:
         if self.on:

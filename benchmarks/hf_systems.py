@@ -198,12 +198,11 @@ class _Clock(TrainerCallback):
         self.first_begin = self.last = 0.0
         self.stamps: list[dict[str, float]] = []
         self.trace: list | None = None
-        self.updates: Any = None
-        """The engine's ``HostUpdates`` whose trace this fills (set when training begins)."""
         self.runtime: Any = None
-        """The engine's ``ChunkRuntime`` (set when training begins): its counters at each step's end."""
-        self.marks: Any = None
-        """``step_anatomy.GpuMarks`` on those updates (set when training begins)."""
+        """The engine's ``ChunkRuntime`` (set when training begins): the trace of its ``host_updates``,
+        its counters at each step's end."""
+        self.marks: GpuMarks | None = None
+        """``gpu_marks.GpuMarks`` on those updates (set when training begins)."""
         self.hook: Any = None
 
     def now(self) -> float:
@@ -214,18 +213,19 @@ class _Clock(TrainerCallback):
     def on_train_begin(self, *a: Any, model: torch.nn.Module | None = None, **k: Any) -> None:
         if self.anatomy and model is not None:
             self.runtime = model._elixir.runtime
-            self.updates = self.runtime.host_updates
-            self.updates.trace = self.trace = []
-            self.marks = GpuMarks(self.updates, self.device)
+            self.runtime.host_updates.trace = self.trace = []
+            self.marks = GpuMarks(self.runtime.host_updates, self.device)
             self.hook = model.register_forward_hook(lambda *_: self._loss())
 
     def on_train_end(self, *a: Any, **k: Any) -> None:
         if self.anatomy and self.trace is not None:
-            self.updates.trace = None
+            self.runtime.host_updates.trace = None
+            self.marks.close()
             self.hook.remove()
 
     def _loss(self) -> None:
-        self.marks.mark("loss")
+        if self.marks is not None:
+            self.marks.mark("loss")
         self._stamp("loss")
 
     def _stamp(self, key: str) -> None:

@@ -209,6 +209,7 @@ def _harness_steps(trainer: harness.Trainer, ctx: harness.Context, ids: torch.Te
     alone = _lane(trace, "cpu", start, end)
     opt.zero_grad()
     updates.trace = None
+    marks.close()
     return stamps, trace, marks, alone
 
 
