@@ -1,7 +1,8 @@
 """The one interface every Adam kernel implements, and the torch reference behind it.
 
 The chunk optimizer keeps each placement's shards (on-device or offloaded) in flat arenas:
-fp32 master, exp_avg, exp_avg_sq, a low-precision (or fp32) grad and the compute-dtype param copy.
+the optimizer state of ``adam_state.py`` (fp32 master and the moments, exact or 8-bit), a
+low-precision (or fp32) grad and the compute-dtype param copy.
 A static list of :class:`GroupRange` s says which arena range belongs to which param group, so a
 kernel updates a whole placement in one call with no per-parameter Python work.
 """
@@ -14,7 +15,9 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from ..adam_state import AdamTensors
 from ..chunk.layout import GroupRange
+from . import quant8
 
 __all__ = ["AdamHyper", "AdamKernel", "TorchAdamKernel", "segment_extent", "check_arenas", "bounded_put"]
 
@@ -59,60 +62,60 @@ def bounded_put(cache: dict[_K, _V], key: _K, value: _V) -> _V:
     return value
 
 
-_FP32 = (torch.float32,)
 _GRAD = (torch.float32, torch.bfloat16, torch.float16)
 _OUT = (torch.bfloat16, torch.float16)
 
 
 def check_arenas(
-    master: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
+    state: AdamTensors,
     grad: torch.Tensor,
     param_out: torch.Tensor | None,
+    segments: Sequence[GroupRange],
     end: int,
     groups: int,
     n_hypers: int,
 ) -> None:
     """What the fused kernels assume of their arenas (they take raw pointers / flat offsets):
-    contiguous, element-aligned, all of ``master``'s size and device, fp32 state, a fp32/bf16/fp16
-    grad, a bf16/fp16 ``param_out`` (or none), and segments (``end``, ``groups`` from
-    ``segment_extent``) that fit the arena and the hyperparameters."""
+    contiguous, element-aligned, on ``master``'s device, each state tensor of its kind's dtype and
+    size (``adam_state.py``), a fp32/bf16/fp16 grad and a bf16/fp16 ``param_out`` (or none) of
+    ``master``'s size, and segments (``end``, ``groups`` from ``segment_extent``) that fit the arena
+    and the hyperparameters; with quantized moments every segment starts a block
+    ([Note: 8-bit moments]: a block is then updated by one segment, the rest of it zero padding)."""
+    master = state.master
     n, dev = master.numel(), master.device
-    arenas = [
-        ("master", master, _FP32),
-        ("exp_avg", exp_avg, _FP32),
-        ("exp_avg_sq", exp_avg_sq, _FP32),
-        ("grad", grad, _GRAD),
-    ] + ([("param_out", param_out, _OUT)] if param_out is not None else [])
-    for name, t, dtypes in arenas:
+    arenas = [(t.kind, x, (t.dtype,), t.entries(n)) for t, x in state.items()]
+    arenas += [("grad", grad, _GRAD, n)] + ([("param_out", param_out, _OUT, n)] if param_out is not None else [])
+    for name, t, dtypes, size in arenas:
         if (
             t.dtype not in dtypes
             or t.device != dev
             or not t.is_contiguous()
-            or t.numel() != n
+            or t.numel() != size
             or (t.data_ptr() % t.element_size())
         ):
             kinds = "/".join(str(d).removeprefix("torch.") for d in dtypes)
-            raise ValueError(f"{name} must be a contiguous, element-aligned {kinds} tensor of {n} elements on {dev}")
+            raise ValueError(f"{name} must be a contiguous, element-aligned {kinds} tensor of {size} elements on {dev}")
     if end > n or groups > n_hypers:
         raise ValueError(f"segments need {end} elements and {groups} groups; got {n} and {n_hypers}")
+    block = state.spec.alignment
+    if block > 1 and any(s.offset % block for s in segments):
+        raise ValueError(f"with {state.spec.moments} moments every segment must start at a multiple of {block}")
 
 
 class AdamKernel(Protocol):
-    """Updates master/exp_avg/exp_avg_sq in place and writes the new params into ``param_out``.
+    """Updates ``state`` (master and moments, ``adam_state.AdamTensors``) in place and writes the
+    new params into ``param_out``.
 
     ``grad`` is divided by ``div_scale`` first (loss-scale unscaling and clipping fused);
     ``step`` is the 1-based step number used for bias correction. ``param_out`` is ``None``
     where there is no compute-dtype copy to keep: the master *is* the param (fp32), or gathers cast
-    the master (on-device shards in mixed precision, ``chunk/store.py``).
+    the master (on-device shards in mixed precision, ``chunk/store.py``). Quantized moments are read
+    back, updated in fp32 with the same math as exact ones, and stored with each block's new scale.
     """
 
     def step(
         self,
-        master: torch.Tensor,
-        exp_avg: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
+        state: AdamTensors,
         grad: torch.Tensor,
         param_out: torch.Tensor | None,
         segments: Sequence[GroupRange],
@@ -126,13 +129,12 @@ class TorchAdamKernel:
     """Plain torch ops, the same math and order as ``torch.optim.AdamW``'s single-tensor path.
 
     The reference and the fallback: correct on any device, slow (one pass per op per segment).
+    Quantized moments go through ``quant8``'s ``dequantize``/``quantize``, a segment at a time.
     """
 
     def step(
         self,
-        master: torch.Tensor,
-        exp_avg: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
+        state: AdamTensors,
         grad: torch.Tensor,
         param_out: torch.Tensor | None,
         segments: Sequence[GroupRange],
@@ -140,11 +142,18 @@ class TorchAdamKernel:
         step: int,
         div_scale: float,
     ) -> None:
+        quantized = state.spec.quantized
         for seg in segments:
             h = hypers[seg.group]
-            sl = slice(seg.offset, seg.offset + seg.length)
-            p, m, v = master[sl], exp_avg[sl], exp_avg_sq[sl]
-            g = grad[sl].to(torch.float32)
+            lo, hi = seg.offset, seg.offset + seg.length
+            part = state.range(lo, hi)
+            p = part.master[: seg.length]
+            if quantized:
+                m = quant8.dequantize("exp_avg", part["exp_avg"][: seg.length], part["exp_avg.absmax"])
+                v = quant8.dequantize("exp_avg_sq", part["exp_avg_sq"][: seg.length], part["exp_avg_sq.absmax"])
+            else:
+                m, v = part["exp_avg"], part["exp_avg_sq"]
+            g = grad[lo:hi].to(torch.float32)
             if div_scale != 1.0:
                 g = g / div_scale
             if h.weight_decay != 0.0:
@@ -158,5 +167,10 @@ class TorchAdamKernel:
             bias_correction2_sqrt = (1.0 - h.beta2**step) ** 0.5
             denom = (v.sqrt() / bias_correction2_sqrt).add_(h.eps)
             p.addcdiv_(m, denom, value=-h.lr / bias_correction1)
+            if quantized:
+                for kind, value in (("exp_avg", m), ("exp_avg_sq", v)):
+                    codes, scales = quant8.quantize(kind, value)
+                    part[kind][: seg.length].copy_(codes)
+                    part[f"{kind}.absmax"].copy_(scales)
             if param_out is not None:
-                param_out[sl].copy_(p)
+                param_out[lo:hi].copy_(p)

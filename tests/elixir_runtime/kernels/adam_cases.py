@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from elixir_runtime.chunk.layout import GroupRange
+from elixir_runtime.adam_state import ADAM_STATE, QUANT_BLOCK, AdamTensors
+from elixir_runtime.chunk.layout import GroupRange, round_up
 from elixir_runtime.kernels.kernel import AdamHyper
 
 GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -62,6 +63,10 @@ class Arena:
         c = lambda t: None if t is None else t.clone()  # noqa: E731
         return Arena(c(self.master), c(self.exp_avg), c(self.exp_avg_sq), [g.clone() for g in self.grads], c(self.out))
 
+    def state(self) -> AdamTensors:
+        """The arena's exact (fp32) optimizer state, as the kernels take it."""
+        return AdamTensors(ADAM_STATE["fp32"], {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq})
+
     def to(self, device: str) -> Arena:
         t = lambda x: None if x is None else x.to(device)  # noqa: E731
         return Arena(t(self.master), t(self.exp_avg), t(self.exp_avg_sq), [t(g) for g in self.grads], t(self.out))
@@ -78,8 +83,7 @@ def make_arena(numel: int, grad_dtype: torch.dtype, out_dtype: torch.dtype | Non
 def run_kernel(kernel, arena: Arena, segments: tuple[GroupRange, ...]) -> None:
     """All steps of the case through ``kernel`` (an AdamKernel), in place."""
     for step, (grad, div) in enumerate(zip(arena.grads, DIV_SCALES), start=1):
-        a = arena
-        kernel.step(a.master, a.exp_avg, a.exp_avg_sq, grad, a.out, segments, hypers_at(step), step, div)
+        kernel.step(arena.state(), grad, arena.out, segments, hypers_at(step), step, div)
 
 
 def run_torch_adam(
@@ -142,3 +146,58 @@ def check_against_reference(result: Arena, start: Arena, segments: tuple[GroupRa
         expected, rtol = got.master[covered].to(got.out.dtype), out_ulps * torch.finfo(got.out.dtype).eps
         torch.testing.assert_close(got.out[covered].float(), expected.float(), rtol=rtol, atol=0)
         assert torch.equal(got.out[~covered], start.out[~covered])
+
+
+# ---------------------------------------------------------------- 8-bit moments
+def make_segments8(lengths: list[int]) -> tuple[tuple[GroupRange, ...], int]:
+    """Segments of ``lengths`` cycling through the groups, each starting a quantization block (as the
+    layout places parameters), zero padding to the next block, and a whole untouched block after
+    some of them; returns them and the arena size."""
+    segs, offset = [], 0
+    for i, n in enumerate(lengths):
+        segs.append(GroupRange(offset, n, i % len(_BASE)))
+        offset = round_up(offset + n, QUANT_BLOCK) + (QUANT_BLOCK if i % 3 == 2 else 0)
+    return tuple(segs), offset + QUANT_BLOCK
+
+
+@dataclass
+class Arena8:
+    state: AdamTensors
+    grads: list[torch.Tensor]
+    out: torch.Tensor | None
+
+    def clone(self) -> Arena8:
+        return Arena8(
+            AdamTensors(self.state.spec, {k: t.clone() for k, t in self.state.tensors.items()}),
+            [g.clone() for g in self.grads],
+            None if self.out is None else self.out.clone(),
+        )
+
+    def to(self, device: str) -> Arena8:
+        return Arena8(
+            AdamTensors(self.state.spec, {k: t.to(device) for k, t in self.state.tensors.items()}),
+            [g.to(device) for g in self.grads],
+            None if self.out is None else self.out.to(device),
+        )
+
+
+def make_arena8(
+    numel: int, segments: tuple[GroupRange, ...], grad_dtype: torch.dtype, out_dtype: torch.dtype | None, seed: int = 0
+) -> Arena8:
+    """An 8-bit state at step 0 (zero moments) whose padding (outside ``segments``) is zero, as the engine's."""
+    gen = torch.Generator().manual_seed(seed)
+    covered = covered_mask(segments, numel)
+    master = torch.randn(numel, generator=gen) * covered
+    grads = [((torch.randn(numel, generator=gen) * s) * covered).to(grad_dtype) for s in DIV_SCALES]
+    out = None if out_dtype is None else torch.full((numel,), 7.0, dtype=out_dtype)
+    spec = ADAM_STATE["8bit"]
+    tensors = {
+        t.kind: torch.zeros(t.entries(numel), dtype=t.dtype) for t in spec.tensors if t.kind != "master"
+    }
+    return Arena8(AdamTensors(spec, {"master": master, **tensors}), grads, out)
+
+
+def run_kernel8(kernel, arena: Arena8, segments: tuple[GroupRange, ...]) -> None:
+    """All steps of the case through ``kernel`` on the 8-bit state, in place."""
+    for step, (grad, div) in enumerate(zip(arena.grads, DIV_SCALES), start=1):
+        kernel.step(arena.state, grad, arena.out, segments, hypers_at(step), step, div)
