@@ -7,6 +7,8 @@ optimizer.clip_grad_norm(1.0)
 optimizer.step(); optimizer.zero_grad()
 with elixir_runtime.full_params(model):   # every rank; then forwards on any rank (sampling, eval)
     ...
+elixir_runtime.park(model)                # model.parameters() read the trained values until the next step
+elixir_runtime.release(model)             # the engine off, its memory freed; prepare may take the model again
 elixir_runtime.compile_blocks(model)      # torch.compile each decoder layer, the chunk hooks outside
 
 Besides training, the names below cover a model's weights kept in their files until ``prepare``
@@ -17,7 +19,7 @@ memory, cores and Adam kernels) and ``progress`` (the bars' protocol); ``elixir_
 engine through these alone (tests/test_layers.py).
 """
 
-from .api import ElixirState, prepare
+from .api import ElixirState, prepare, release
 from .compile import CompileStats, check_compile_options, compile_blocks, compile_stats
 from .config import ElixirConfig, LossScaleConfig, PlanError
 from .distributed.heartbeat import armed
@@ -27,6 +29,7 @@ from .optim.optimizer import ElixirOptimizer
 from .plan import ElixirPlan
 from .runtime.full_params import full_params
 from .runtime.hooks import PlaceholderReadError
+from .runtime.parking import Parked, park
 from .state_dict import load_safetensors, rank0_state_dict
 from .weights.attached import attached_weights, detach_weights
 from .weights.init import InitError, init_weights
@@ -35,6 +38,9 @@ from .weights.stream import INDEX_FILE, SINGLE_FILE, CheckpointFiles, WeightsErr
 __all__ = [
     "armed",
     "prepare",
+    "release",
+    "park",
+    "Parked",
     "ElixirConfig",
     "LossScaleConfig",
     "ElixirOptimizer",

@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
+from .chunk.host_memory import unpin_host
 from .config import ElixirConfig
 from .distributed.collectives import Collectives
 from .distributed.lockstep import Lockstep
@@ -31,14 +33,14 @@ from .planner import plan_job
 from .runtime.chunk_runtime import ChunkRuntime
 from .runtime.context import EngineContext
 from .runtime.device_lane import DeviceLane
-from .runtime.hooks import install_hooks
+from .runtime.hooks import EngineHooks, install_hooks
 from .runtime.update_rate import UpdateRateProbe
 from .state_dict import ModelStateHooks
 from .units import Unit, find_units
 from .weights.attached import detach_weights
 from .weights.source import WeightSource, unmeta_parameters, weight_source
 
-__all__ = ["prepare", "ElixirState"]
+__all__ = ["prepare", "release", "ElixirState"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,10 @@ class ElixirState:
     optimizer: ElixirOptimizer
     model_state: ModelStateHooks
     """The consolidated ``state_dict``/``load_state_dict`` hooks (``checkpoint.rank0_state_dict`` sets them)."""
+    hooks: EngineHooks
+    """The module and gradient hooks (``runtime/hooks.py``); the units' are off while parked (``park``)."""
+    state_hooks: list[RemovableHandle]
+    """The ``model_state`` hooks' handles."""
 
 
 def prepare(
@@ -135,9 +141,9 @@ def prepare(
             root_chunks=live.root_chunks,
         )
     detach_weights(model)
-    install_hooks(model, units, live.unit_chunks, runtime, plan.batch_shape)
+    hooks = install_hooks(model, units, live.unit_chunks, runtime, plan.batch_shape)
     model_state = ModelStateHooks(runtime, orig_dtypes)
-    model_state.install(model)
+    state_hooks = model_state.install(model)
     threads = cpu_adam_threads(local_ranks(), config.cpu_threads)
     elixir_optimizer = ElixirOptimizer(
         optimizer,
@@ -149,9 +155,65 @@ def prepare(
         max_consecutive_skips=config.max_consecutive_skips,
         rate_probe=_rate_probe(plan, ctx, threads) if config.record_update_rate else None,
     )
-    state = ElixirState(runtime, plan, live, units, elixir_optimizer, model_state)
+    state = ElixirState(runtime, plan, live, units, elixir_optimizer, model_state, hooks, state_hooks)
     model._elixir = state  # type: ignore[assignment]  # Module.__setattr__ takes any value (typed: tensors, modules)
     return model, elixir_optimizer
+
+
+@torch.no_grad()
+def release(model: nn.Module) -> None:
+    """Takes the engine off ``model``, which ``prepare`` may then take again (with another optimizer,
+    batch or config): each parameter gets its trained value in a storage of its own (host memory, its
+    original dtype, as a model is before ``prepare``), every hook of the engine comes off, and the
+    engine's memory is freed (its arenas, pinned host memory included, and rCache), even where an old
+    optimizer or Trainer still refers to it: that optimizer can no longer step. A collective (the
+    weights are gathered): call it on every rank, between steps.
+
+    [Note: releasing an engine]
+    Between the gather and the free the host holds the model in its dtypes beside the arenas: a
+    big model's release peaks at that. The arenas are freed by shrinking their storages to nothing
+    (FSDP's way with its flat parameters): views of them (the optimizer's kernels', a chunk's
+    gradient shard) keep no memory alive, and any later use of one fails at once instead of reading
+    stale values. Pinned host arenas are unregistered from CUDA first (``host_memory.unpin_host``).
+    """
+    elixir = getattr(model, "_elixir", None)
+    if elixir is None:
+        raise ValueError("release needs a model prepared by elixir_runtime.prepare")
+    rt = elixir.runtime
+    rt.unpark()
+    values = elixir.model_state.full_params()
+    elixir.hooks.remove()
+    for h in elixir.state_hooks:
+        h.remove()
+    for p, v in zip(rt.layout.params, values, strict=True):
+        assert v is not None, "every rank keeps the weights outside rank0_state_dict"
+        p.data = v
+    _free(rt)
+    del model._elixir
+
+
+def _free(rt: ChunkRuntime) -> None:
+    """Every tensor of the engine's memory shrunk to nothing ([Note: releasing an engine])."""
+    rt.host_updates.close()
+    tensors = [t for a in rt.arenas.values() for t in _tensors_of(a)]
+    tensors += [b.data for b in rt.rcache.buffers] + [c.buffer.data for c in rt.chunks if c.buffer is not None]
+    for c in rt.chunks:
+        c.grad = None
+    for t in tensors:
+        unpin_host(t)
+        t.untyped_storage().resize_(0)
+
+
+def _tensors_of(arenas: object) -> list[torch.Tensor]:
+    """The arenas' tensors (``chunk/store.ShardArenas``): its tensor fields and those of a field
+    holding them by name (``.tensors``)."""
+    out = []
+    for value in vars(arenas).values():
+        held = getattr(value, "tensors", None)
+        for t in [value, *(held.values() if isinstance(held, dict) else ())]:
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    return out
 
 
 def _rate_probe(plan: ElixirPlan, ctx: EngineContext, threads: int) -> UpdateRateProbe | None:
@@ -167,7 +229,9 @@ def _check_model(model: nn.Module) -> None:
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
     if hasattr(model, "_elixir"):
-        raise ValueError("this model is already prepared by Elixir; call prepare once per model")
+        raise ValueError(
+            "this model is already prepared by Elixir: call elixir_runtime.release(model) first to prepare it again"
+        )
     if isinstance(model, (DistributedDataParallel, DataParallel)):
         raise TypeError(
             f"model is wrapped in {type(model).__name__}; pass the bare module (model.module): Elixir shards and "

@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-__all__ = ["empty_arena", "empty_host", "pin_host"]
+__all__ = ["empty_arena", "empty_host", "pin_host", "unpin_host"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,4 +79,16 @@ def _register(t: torch.Tensor) -> None:
     err = cudart.cudaHostRegister(ptr, nbytes, 0)
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB failed with CUDA error {int(err)}")
-    weakref.finalize(t, cudart.cudaHostUnregister, ptr)  # the engine keeps the arena tensor alive
+    _REGISTERED[ptr] = weakref.finalize(t, cudart.cudaHostUnregister, ptr)  # the engine keeps the arena tensor alive
+
+
+_REGISTERED: dict[int, weakref.finalize] = {}  # type: ignore[type-arg]  # finalize's type parameters vary by typeshed
+"""The page-locked arenas by address, each with its unregistering finalizer."""
+
+
+def unpin_host(t: torch.Tensor) -> None:
+    """Unregisters ``t``'s memory from CUDA now if ``pin_host`` registered it (before freeing it
+    while the tensor lives: ``elixir_runtime.release``); nothing otherwise."""
+    done = _REGISTERED.pop(t.data_ptr(), None)
+    if done is not None:
+        done()

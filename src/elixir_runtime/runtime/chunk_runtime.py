@@ -15,6 +15,8 @@ data lives in those two modules; the module hooks only say *when*.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..chunk.layout import ChunkLayout
@@ -80,6 +82,8 @@ class ChunkRuntime:
         by_index = {c.index: c for c in self.trainable}
         self.update_order = [by_index[i] for i in update_order(list(by_index), root_chunks)]
         """The trainable chunks in the order the next forward needs them (``host_updates.update_order``)."""
+        self.parked: Callable[[], None] | None = None
+        """While the parameters are parked (``parking.py``): what gives them back to the engine."""
 
     # the context's, for the engine's users (the optimizer, the state-dict hooks, elixir_hf)
     @property
@@ -104,13 +108,21 @@ class ChunkRuntime:
         self.gathers.stalls.settle()
         return self.ctx.stats.now
 
+    def unpark(self) -> None:
+        """The parked parameters (``parking.py``) back to the engine: placeholders, hooks on."""
+        if self.parked is not None:
+            restore, self.parked = self.parked, None
+            restore()
+
     def invalidate_trainable(self) -> None:
         """After an update the gathered copies of trainable chunks are stale."""
+        self.unpark()
         self.gathers.drop_all(self.trainable, "optimizer step")
 
     @torch.no_grad()
     def reload_shards(self) -> None:
         """After master/frozen shards were overwritten (checkpoint load): recast and drop stale buffers."""
+        self.unpark()
         self.grads.wait_for_grads()
         for a in self.arenas.values():
             if a.param_copy is not None:

@@ -54,6 +54,7 @@ def full_params(model: nn.Module, *, rank0_only: bool = False) -> Iterator[nn.Mo
             "full_params cannot be entered during a forward or backward of the model; enter it between steps"
         )
     rt.ctx.lockstep.check_in(Op.FULL_PARAMS)
+    rt.unpark()
     keep = not rank0_only or rt.ctx.coll.rank == 0
     pinned, copied = _gather_all(rt, keep)
     phase.to(Phase.FULL if keep else Phase.FULL_ELSEWHERE)

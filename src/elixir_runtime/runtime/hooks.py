@@ -59,7 +59,7 @@ from .batch_guard import BatchGuard
 from .chunk_runtime import ChunkRuntime
 from .phase import Phase
 
-__all__ = ["PlaceholderReadError", "install_hooks"]
+__all__ = ["EngineHooks", "PlaceholderReadError", "install_hooks"]
 
 
 class _PostBackward(torch.autograd.Function):
@@ -206,6 +206,7 @@ class _RootHooks:
             return
         grad = torch.is_grad_enabled()
         if self.depth == 0:  # every rank must be starting this forward too (distributed/lockstep.py)
+            self.runtime.unpark()  # the parameters parked since the last step go back to the engine (parking.py)
             self.runtime.ctx.lockstep.check_in(Op.TRAINING_FORWARD if grad else Op.NO_GRAD_FORWARD)
             if grad and self.model.training:
                 self.guard.check(args, kwargs)
@@ -263,33 +264,71 @@ class _RootHooks:
         return chunk.buffer.data.as_strided(packed.size, packed.stride, packed.offset)
 
 
+class EngineHooks:
+    """Every hook ``install_hooks`` put on a model: the units' module hooks (taken off while the
+    parameters are parked, ``parking.py``, and put back at the next forward), the root's, and the
+    parameters' gradient hooks. ``remove`` takes all of them off (``elixir_runtime.release``)."""
+
+    def __init__(self, model: nn.Module, units: list[tuple[nn.Module, _UnitHooks]], root: _RootHooks) -> None:
+        self.model, self.units, self.root = model, units, root
+        self._unit_handles: list[RemovableHandle] = []
+        self._grad_handles: list[RemovableHandle] = []
+        self._root_handles = [
+            model.register_forward_pre_hook(root.pre_forward, prepend=True, with_kwargs=True),
+            model.register_forward_hook(root.post_forward, always_call=True),
+        ]
+        self.attach_units()
+
+    @property
+    def units_attached(self) -> bool:
+        return bool(self._unit_handles)
+
+    def attach_units(self) -> None:
+        """The units' module hooks and the parameters' gradient hooks, if they are off."""
+        if self.units_attached:
+            return
+        for module, h in self.units:
+            self._unit_handles.append(module.register_forward_pre_hook(h.pre_forward, with_kwargs=True))
+            self._unit_handles.append(module.register_forward_hook(h.post_forward, with_kwargs=True, always_call=True))
+        runtime = self.root.runtime
+        # A tensor's grad hooks live in its C++ autograd meta, out of the garbage collector's sight: a
+        # hook holding the runtime (which holds the params) would keep the engine, its pinned arenas
+        # and its GPU memory alive after the model and optimizer are gone.
+        weak = weakref.proxy(runtime)
+        for i, p in enumerate(runtime.layout.params):
+            if runtime.layout.groups[i] >= 0:
+                self._grad_handles.append(p.register_post_accumulate_grad_hook(lambda p, i=i: weak.grads.on_grad(i, p)))
+
+    def detach_units(self) -> None:
+        """Takes the units' and the parameters' hooks off; the root's stay, to put them back."""
+        for h in self._unit_handles + self._grad_handles:
+            h.remove()
+        self._unit_handles, self._grad_handles = [], []
+
+    def remove(self) -> None:
+        self.detach_units()
+        for h in self._root_handles:
+            h.remove()
+        self._root_handles = []
+
+
 def install_hooks(
     model: nn.Module,
     units: list[Unit],
     unit_chunks: Sequence[tuple[int, ...]],
     runtime: ChunkRuntime,
     batch_shape: tuple[int, int] | None = None,
-) -> list[RemovableHandle]:
+) -> EngineHooks:
     """Installs every hook (``unit_chunks[i]``: the chunks unit ``i`` acquires; ``runtime.root_chunks``:
     the private ones every forward of ``model`` acquires first; ``batch_shape``: the plan's, which a
-    larger training batch is warned about); returns the handles (removing them detaches the engine)."""
+    larger training batch is warned about)."""
     root_chunks = runtime.root_chunks
-    handles: list[RemovableHandle] = []
+    hooked: list[tuple[nn.Module, _UnitHooks]] = []
     for unit, chunks in zip(units, unit_chunks, strict=True):
         h = _UnitHooks(runtime, chunks)
-        handles.append(unit.module.register_forward_pre_hook(h.pre_forward, with_kwargs=True))
-        handles.append(unit.module.register_forward_hook(h.post_forward, with_kwargs=True, always_call=True))
+        hooked.append((unit.module, h))
         runtime.grads.on_finish_backward.append(h.post_backward)
     assert all(runtime.chunks[i].spec.private for i in root_chunks), "the root acquires private chunks only"
     root = _RootHooks(runtime, model, root_chunks, BatchGuard(batch_shape))
     runtime.grads.on_finish_backward.append(root.end_eager)
-    handles.append(model.register_forward_pre_hook(root.pre_forward, prepend=True, with_kwargs=True))
-    handles.append(model.register_forward_hook(root.post_forward, always_call=True))
-    # A tensor's grad hooks live in its C++ autograd meta, out of the garbage collector's sight: a
-    # hook holding the runtime (which holds the params) would keep the engine, its pinned arenas
-    # and its GPU memory alive after the model and optimizer are gone.
-    weak = weakref.proxy(runtime)
-    for i, p in enumerate(runtime.layout.params):
-        if runtime.layout.groups[i] >= 0:
-            handles.append(p.register_post_accumulate_grad_hook(lambda p, i=i: weak.grads.on_grad(i, p)))
-    return handles
+    return EngineHooks(model, hooked, root)

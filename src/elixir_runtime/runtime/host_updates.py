@@ -203,6 +203,11 @@ class HostUpdates:
         for chunk in list(self._pending):
             self.wait(chunk)
 
+    def close(self) -> None:
+        """Waits for every update, then ends the worker threads (the engine is released)."""
+        self.wait_all()
+        self._pool.shutdown(wait=True)
+
 
 def _take(queue: deque[SliceUpdate], pop: Callable[[], SliceUpdate]) -> SliceUpdate | None:
     """The next job from one end of the shared queue, ``None`` once it is empty (deque pops are atomic)."""
