@@ -39,7 +39,6 @@ later, and a step with no forward (none in the Trainer) could not carry it.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -49,7 +48,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .checkpoint.format import MARKER_NAME, _gather, newest_complete, verify
+from .checkpoint.format import CheckpointError, _gather, newest_complete, read_marker, verify
 
 __all__ = ["EXIT_PREEMPTED", "SIGNALS", "VERIFY_RATE", "WRITE_RATE", "Preemption"]
 
@@ -200,11 +199,11 @@ def _say(state: Any, message: str) -> None:
 
 
 def _checkpoint_bytes(folder: str) -> int | None:
-    path = os.path.join(folder, MARKER_NAME)
-    if not os.path.isfile(path):
+    try:
+        marker = read_marker(folder)
+    except (CheckpointError, OSError):  # verify() names it
         return None
-    with open(path) as f:
-        return sum(entry["bytes"] for entry in json.load(f)["files"].values())
+    return sum(entry["bytes"] for entry in marker["files"].values()) if marker is not None else None
 
 
 def _estimated_bytes(model: Any) -> int:

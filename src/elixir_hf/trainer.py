@@ -59,7 +59,7 @@ from .arguments import as_elixir_args
 from .batch_plan import planned_batch
 from .callback import SHORT_CONSOLE, RunRecorder
 from .checkpoint.convert import torch_adam_state
-from .checkpoint.folder_lock import FolderInUse, job_lock
+from .checkpoint.folder_lock import FolderLockError, hold
 from .checkpoint.format import (
     PLAN_NAME,
     CheckpointError,
@@ -202,20 +202,20 @@ class ElixirTrainer(Trainer):
 
     @contextlib.contextmanager
     def _one_job_per_folder(self) -> Iterator[None]:
-        """``output_dir``'s lock (``checkpoint/folder_lock.py``), held by the saving process for the whole run; every
-        rank fails, naming the folder and the job holding it, if another live job does."""
+        """``output_dir``'s lock (``checkpoint/folder_lock.py``), taken by the saving process and held for as long as
+        this trainer lives (its final ``save_model`` included); every rank fails, naming the folder and the job
+        holding it, if another live job does (or naming the error, if it cannot be taken)."""
         if self.elixir_plugin is None:  # --elixir off: the stock Trainer's run
             yield
             return
-        with contextlib.ExitStack() as held:
-            error = None
-            if self.args.should_save:
-                try:
-                    held.enter_context(job_lock(self._output_dir))
-                except FolderInUse as e:
-                    error = str(e)
-            all_ranks_agree(error, f"taking output_dir {self.args.output_dir}")
-            yield
+        error = None
+        if self.args.should_save:
+            try:
+                hold(self._output_dir, self)
+            except (FolderLockError, OSError) as e:
+                error = str(e)
+        all_ranks_agree(error, f"taking output_dir {self.args.output_dir}")
+        yield
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         """The stock save, then the marker, then the rotation of older checkpoints (deferred: until

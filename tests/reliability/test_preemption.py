@@ -7,6 +7,7 @@ a known point. Before: SIGTERM killed the run where it stood, the newest checkpo
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -66,9 +67,11 @@ def test_a_signal_mid_step_saves_that_step_and_the_resume_continues(straight, tm
     assert history(trainer, "loss") == straight[:3]  # step 3 completed, step 4 never began
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
     verify(tmp_path / "checkpoint-3", 0, True)
-    assert not (tmp_path / LOCK_NAME).exists()  # train() ended cleanly: the folder's lock released
     assert signal.getsignal(signum) is before  # the handler is train()'s only
     assert _resumed(tmp_path)[3:] == straight[3:]  # bit for bit
+    del trainer
+    gc.collect()
+    assert not (tmp_path / LOCK_NAME).exists()  # the trainers ended cleanly: the folder's lock released
 
 
 def test_a_save_that_does_not_fit_leaves_the_newest_complete_checkpoint(straight, tmp_path, caplog) -> None:

@@ -57,11 +57,14 @@ def test_a_torn_newest_checkpoint_is_skipped_by_an_unmodified_restart(tmp_path) 
     assert (torn / MARKER_NAME).is_file()  # written again, whole
 
 
+SEALED = json.dumps({"format": "elixir-checkpoint/1", "step": 1, "optimizer": False, "world_size": None, "files": {}})
+
+
 def _folders(root: Path, **files: tuple[str, ...]) -> Path:
     for name, names in files.items():
         (root / name).mkdir(parents=True)
         for f in names:
-            (root / name / f).write_text("{}")
+            (root / name / f).write_text(SEALED if f == MARKER_NAME else "{}")
     return root
 
 

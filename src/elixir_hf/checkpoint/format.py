@@ -18,9 +18,11 @@ Layout of a checkpoint folder (on top of what the Trainer writes):
 * ``elixir_checkpoint.json``, the marker, written last: the step, the number of ranks and the size
   and CRC-32 of every other file. A folder without it is torn (a save was interrupted).
 
-Every file this package writes goes to a temporary name in the same folder, is fsynced, renamed
-into place and the folder fsynced; on any error the temporary file is removed and the error
-names the path and the OS error. Files other code writes (the Trainer's ``trainer_state.json``
+Every file this package writes goes to a temporary name in the same folder (``.NAME.tmp<pid>``,
+created with ``O_EXCL | O_NOFOLLOW``: never written through a link planted there), is fsynced,
+renamed into place and the folder fsynced; on any error the temporary file is removed and the error
+names the path and the OS error; what a kill leaves is swept by the next job
+(``folder_lock.sweep``). Files other code writes (the Trainer's ``trainer_state.json``
 and RNG states, Accelerate's) are fsynced and summed when the marker is written. CRC-32 (zlib),
 not SHA-256: faster (docs/hf.md, "Checkpoints"), and the marker guards against torn, truncated
 and swapped files, not against an adversary.
@@ -57,6 +59,8 @@ __all__ = [
     "atomic_torch_save",
     "atomic_write_text",
     "staged_dir",
+    "confined",
+    "read_marker",
     "unmark",
     "seal",
     "verify",
@@ -121,6 +125,7 @@ def _replace(path: str | os.PathLike, produce: Callable[[Path], dict[str, int]])
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
+        tmp.unlink(missing_ok=True)  # this pid's leftover, or a planted link: removed, never written through
         digest = produce(tmp)
         os.replace(tmp, path)
         _fsync_dir(path.parent)
@@ -141,7 +146,7 @@ def _write_file(path: str | os.PathLike, write: Callable[[_Summing], object]) ->
     """``write(f)`` into ``path`` atomically and durably; returns its size and CRC-32."""
 
     def produce(tmp: Path) -> dict[str, int]:
-        with open(tmp, "wb") as f, progress(None, f"elixir: writing {Path(path).name}", unit="B") as bar:
+        with _create(tmp) as f, progress(None, f"elixir: writing {Path(path).name}", unit="B") as bar:
             out = _Summing(f, bar)
             try:
                 write(out)
@@ -154,6 +159,12 @@ def _write_file(path: str | os.PathLike, write: Callable[[_Summing], object]) ->
         return {"bytes": out.bytes, "crc32": out.crc}
 
     return _replace(path, produce)
+
+
+def _create(path: Path) -> BinaryIO:
+    """A new file at ``path``: never one that exists, nor through a symbolic link."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return os.fdopen(os.open(path, flags, 0o644), "wb")
 
 
 def atomic_safetensors_save(
@@ -211,7 +222,7 @@ def staged_dir(output_dir: str | os.PathLike) -> Iterator[str]:
     """
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=".elixir-save-", dir=out))
+    stage = Path(tempfile.mkdtemp(prefix=f".elixir-save-{os.getpid()}-", dir=out))  # the pid: folder_lock.sweep
     try:
         yield str(stage)
         new = {p.name for p in stage.iterdir()}
@@ -306,8 +317,50 @@ def seal(
 
 
 def read_marker(folder: str | os.PathLike) -> dict[str, Any] | None:
+    """``folder``'s marker; ``None`` without one; ``CheckpointError`` naming it when it is not a
+    marker (empty, not JSON, a field missing: an interrupted copy leaves it so) or names a file
+    outside ``folder``."""
     path = Path(folder) / MARKER_NAME
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        marker = json.loads(path.read_bytes())
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{path} is corrupt ({path.stat().st_size} bytes, not JSON: {e})") from None
+    problem = _marker_problem(marker)
+    if problem is not None:
+        raise CheckpointError(f"{path} is corrupt: {problem}")
+    for name in marker["files"]:
+        confined(folder, name, path)
+    return cast(dict[str, Any], marker)
+
+
+def _marker_problem(marker: Any) -> str | None:
+    """What makes ``marker`` not one ``seal`` writes: ``None`` if nothing."""
+    if not isinstance(marker, dict) or not marker:
+        return f"it holds {json.dumps(marker)[:40]}, not the checkpoint's step and files"
+    if marker.get("format") != _MARKER_FORMAT:
+        return f"its format is {marker.get('format')!r}, not {_MARKER_FORMAT!r}"
+    files = marker.get("files")
+    if not isinstance(files, dict) or not all(
+        isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get("crc32"), int)
+        for e in files.values()
+    ):
+        return "its 'files' is not a table of each file's bytes and crc32"
+    if not (marker.get("step") is None or isinstance(marker.get("step"), int)):
+        return f"its 'step' is {marker.get('step')!r}, not a step number"
+    return None
+
+
+def confined(folder: str | os.PathLike, name: str, source: str | os.PathLike) -> Path:
+    """``folder / name`` for a file name read from ``source`` (a marker, an index): a relative path
+    inside ``folder``, or ``CheckpointError`` naming both."""
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts or "\\" in name:
+        raise CheckpointError(
+            f"{source} names the file {name!r}, which is not inside the checkpoint folder {folder}: a checkpoint's "
+            "files are read from its own folder only. Resume from another checkpoint"
+        )
+    return Path(folder, name)
 
 
 def verify(folder: str | os.PathLike, rank: int, is_main: bool) -> dict[str, Any]:
@@ -374,27 +427,32 @@ def checkpoint_folders(output_dir: str | os.PathLike) -> list[Path]:
 
 
 def newest_complete(output_dir: str | os.PathLike, required: bool = True) -> str | None:
-    """``resume_from_checkpoint=True``: the newest ``checkpoint-N`` with its marker; warns about
-    each newer torn one (a save interrupted by a crash) it passes over. None complete: an error, or
-    ``None`` (and the warning) when not ``required``."""
-    torn = []
+    """``resume_from_checkpoint=True``: the newest ``checkpoint-N`` with a well-formed marker; warns
+    about each newer one it passes over: torn (no marker: a save interrupted by a crash) or with its
+    marker corrupt (an interrupted copy), naming why. None complete: an error, or ``None`` (and the
+    warning) when not ``required``."""
+    torn, corrupt = [], []
     for p in checkpoint_folders(output_dir):
-        if (p / MARKER_NAME).is_file():
-            break
-        torn.append(p)
+        try:
+            if read_marker(p) is not None:
+                break
+            torn.append(str(p))
+        except (CheckpointError, OSError) as e:
+            corrupt.append(f"{p} ({e})")
     else:
         p = None
-    if torn and (p is not None or not required):
+    skipped = [f"torn checkpoint(s) {', '.join(torn)} (no {MARKER_NAME}: a save was interrupted)"] if torn else []
+    skipped += [f"checkpoint(s) with a corrupt marker: {'; '.join(corrupt)}"] if corrupt else []
+    if skipped and (p is not None or not required):
         logger.warning(
-            "skipping torn checkpoint(s) %s (no %s: a save was interrupted); %s",
-            ", ".join(map(str, torn)),
-            MARKER_NAME,
+            "skipping %s; %s",
+            "; and ".join(skipped),
             f"resuming from {p}" if p is not None else "no complete checkpoint is left to resume from",
         )
     if p is None and required:
         raise CheckpointError(
             f"no complete checkpoint in {output_dir} to resume from"
-            + (f" (torn, without {MARKER_NAME}: {', '.join(map(str, torn))})" if torn else "")
+            + (f" (skipped {'; and '.join(skipped)})" if skipped else "")
             + ": start without resume_from_checkpoint, or pass a checkpoint folder"
         )
     return str(p) if p is not None else None
@@ -470,6 +528,8 @@ def _checkpoint_shapes(ckpt: Path) -> dict[str, list[int]] | None:
     index = ckpt / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        for f in files:
+            confined(ckpt, f, index)
     elif (ckpt / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:

@@ -27,6 +27,7 @@ from .format import (
     all_ranks_agree,
     atomic_safetensors_save,
     atomic_write_text,
+    confined,
     optimizer_format,
 )
 from .note import write_note
@@ -103,6 +104,11 @@ def read_optimizer_index(checkpoint: str | os.PathLike, global_step: int | None 
             f"{path} is stale: it holds step {index.get('global_step')} and the checkpoint step {global_step}"
         )
     for name, entry in index["params"].items():
+        for file, _, _ in entry.get("pieces", []):
+            if Path(confined(checkpoint, file, path)).parent != Path(checkpoint):
+                raise CheckpointError(
+                    f"{path} names the file {file!r} for {name!r}: optimizer files lie in {checkpoint}"
+                )
         numel, at = math.prod(entry["shape"]), 0
         for _, start, end in sorted(entry.get("pieces", []), key=lambda p: p[1]):
             if start != at:
@@ -132,7 +138,9 @@ def load_optimizer(
     fmt = optimizer_format(ckpt)
     if fmt == "plain":
         path = next(ckpt / n for n in PLAIN_OPTIMIZER_NAMES if (ckpt / n).is_file())
-        meta, read = plain_to_named(opt, torch.load(path, map_location="cpu", weights_only=True), str(path))
+        plain = torch.load(path, map_location="cpu", weights_only=True)
+        _check_plain(plain, path)
+        meta, read = plain_to_named(opt, plain, str(path))
         if meta["missing"] and not allow_missing:
             raise CheckpointError(_missing_state(path, meta["missing"]))
         return _load_named(opt, meta, read, path)
@@ -166,6 +174,24 @@ def load_optimizer(
             return out
 
         _load_named(opt, index, read, ckpt / OPTIM_INDEX)
+
+
+_ADAM_FIELDS = ("step", "exp_avg", "exp_avg_sq")
+
+
+def _check_plain(plain: Any, path: Path) -> None:
+    """Each parameter's entry of a plain Adam state holds every field, or none (a parameter without
+    state: ``_missing_state``); a partial one is refused, as torch's Adam refuses it at its next step,
+    rather than loaded with zeros for what is missing."""
+    state = plain.get("state") if isinstance(plain, dict) else None
+    for key, entry in (state or {}).items():
+        lacks = [f for f in _ADAM_FIELDS if f not in entry] if isinstance(entry, dict) and entry else []
+        if lacks:
+            raise CheckpointError(
+                f"{path}: the Adam state of parameter number {key} lacks {', '.join(map(repr, lacks))} (it holds "
+                f"{sorted(entry)}): an Adam state is step, exp_avg and exp_avg_sq together. Resume from the "
+                "checkpoint it was made from, or convert it again"
+            )
 
 
 def _missing_state(path: Path, names: list[str]) -> str:
