@@ -19,12 +19,14 @@ memory, cores and Adam kernels) and ``progress`` (the bars' protocol); ``elixir_
 engine through these alone (tests/test_layers.py).
 """
 
+from .adam_state import ADAM_STATE, MOMENTS, AdamState, StateTensor, adam_state
 from .api import ElixirState, prepare, release
 from .compile import CompileStats, check_compile_options, compile_blocks, compile_stats
 from .config import ElixirConfig, LossScaleConfig, PlanError
 from .distributed.heartbeat import armed
 from .distributed.lockstep import LockstepError
-from .optim.named_state import load_named, named_meta, named_state, plain_to_named
+from .kernels.quant8 import decode_state
+from .optim.named_state import load_named, named_meta, named_state, plain_to_named, saved_state
 from .optim.optimizer import ElixirOptimizer
 from .plan import ElixirPlan
 from .runtime.full_params import full_params
@@ -69,4 +71,11 @@ __all__ = [
     "named_meta",
     "load_named",
     "plain_to_named",
+    "saved_state",
+    "decode_state",
+    "ADAM_STATE",
+    "MOMENTS",
+    "AdamState",
+    "StateTensor",
+    "adam_state",
 ]

@@ -59,7 +59,9 @@ class StateTensor:
     def span(self, start: int, end: int) -> slice:
         """The entries holding elements ``[start, end)`` (``start`` block-aligned where ``per`` > 1)."""
         if start % self.per:
-            raise ValueError(f"{self.kind} is stored per {self.per} elements: a range must start at a multiple, not {start}")
+            raise ValueError(
+                f"{self.kind} is stored per {self.per} elements: a range must start at a multiple, not {start}"
+            )
         return slice(start // self.per, self.entries(end))
 
     @property
@@ -94,6 +96,11 @@ class AdamState:
         """Bytes of state per trainable element (``master=False``: the moments only, as where the
         fp32 master is the parameter itself)."""
         return sum(t.itemsize / t.per for t in self.tensors if master or t.moment)
+
+    def traffic(self, grad_bytes: int) -> float:
+        """Bytes an update moves per element: the state read and written, a gradient of
+        ``grad_bytes`` read and a param of as many written (what bounds the Adam kernels)."""
+        return 2 * self.bytes_per_element() + 2 * grad_bytes
 
     def nbytes(self, numel: int, *, master: bool = True) -> int:
         """Exact bytes of state for an arena of ``numel`` elements."""

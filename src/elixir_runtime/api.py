@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .adam_state import adam_state
 from .chunk.host_memory import unpin_host
 from .config import ElixirConfig
 from .distributed.collectives import Collectives
@@ -126,8 +127,9 @@ def prepare(
     orig_dtypes = [p.dtype for p in params]
     _move_buffers(model, device, source)
     unmeta_parameters(params)
-    ctx = EngineContext(coll, device, dtype, Lockstep(coll, config.lockstep_timeout_s))
-    lane = DeviceLane(plan.device_lane, device, dtype) if plan.device_lane else None
+    adam = adam_state(plan.moments)
+    ctx = EngineContext(coll, device, dtype, Lockstep(coll, config.lockstep_timeout_s), adam)
+    lane = DeviceLane(plan.device_lane, device, dtype, adam) if plan.device_lane else None
     with source.reading(device):  # streamed weights: a failed read fails prepare on every rank
         runtime = ChunkRuntime(
             ctx,
@@ -222,7 +224,9 @@ def _rate_probe(plan: ElixirPlan, ctx: EngineContext, threads: int) -> UpdateRat
     if not ctx.cuda or not plan.offload or plan.device_lane:
         return None
     ranks = local_ranks()
-    return UpdateRateProbe(ctx.stats, lambda rate: record_update_rate(ctx.coll, ctx.device, ranks, threads, rate))
+    return UpdateRateProbe(
+        ctx.stats, lambda rate: record_update_rate(ctx.coll, ctx.device, ranks, threads, rate, ctx.state)
+    )
 
 
 def _check_model(model: nn.Module) -> None:

@@ -15,6 +15,8 @@ from typing import Literal, TypeGuard, cast
 import torch
 import torch.distributed as dist
 
+from .adam_state import MOMENTS, AdamState, Moments, adam_state
+
 __all__ = ["ConfigError", "ElixirConfig", "LossScaleConfig", "PlanError", "PlanMismatch", "parse_size", "resolve_dtype"]
 
 BlockCount = int | Literal["min", "max"]
@@ -155,6 +157,9 @@ class ElixirConfig:
     dtype: torch.dtype | str | None = None
     """Compute dtype of the gathered params and activations; ``None``: the model's own (never a silent
     change); ``"bf16"``/``"fp16"``: mixed precision with fp32 master weights."""
+    moments: Moments = "fp32"
+    """How Adam's moments are stored (``adam_state.py``): ``"fp32"``, exact AdamW; ``"8bit"``, block-wise
+    8-bit moments beside fp32 master weights (about half the optimizer state's bytes; the update itself in fp32)."""
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     """Dynamic loss scaling, used in fp16 only."""
     skip_nonfinite: bool = True
@@ -172,6 +177,16 @@ class ElixirConfig:
     """Backwards per optimizer step. With one, on-device chunks' gradient shards are planned into
     memory the activations free (``search/memory.py``); with more they are counted beside them. The
     HF integration sets it from ``gradient_accumulation_steps``."""
+
+    @property
+    def state(self) -> AdamState:
+        """The optimizer state each trainable element carries (``adam_state.ADAM_STATE``)."""
+        return adam_state(self.moments)
+
+    @property
+    def layout_alignment(self) -> int:
+        """Elements every parameter and shard starts at a multiple of: ``alignment`` and the state's block."""
+        return math.lcm(self.alignment, self.state.alignment)
 
     @classmethod
     def settings(cls) -> tuple[str, ...]:
@@ -223,6 +238,10 @@ class ElixirConfig:
                     "a torch.distributed.ProcessGroup or None (the default group)",
                 ),
                 "loss_scale": (isinstance(self.loss_scale, LossScaleConfig), "a LossScaleConfig(...)"),
+                "moments": (
+                    self.moments in MOMENTS,
+                    "'fp32' (exact AdamW) or '8bit' (fp32 master weights, block-wise 8-bit moments)",
+                ),
                 "alignment": (_int(self.alignment) and self.alignment >= 1, "an int >= 1 (elements)"),
                 "cpu_threads": (
                     self.cpu_threads is None or (_int(self.cpu_threads) and self.cpu_threads >= 1),

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .adam_state import AdamState, Moments
 from .chunk.layout import ChunkLayout
 from .chunk.store import Where
 from .config import ElixirConfig, PlanError
@@ -107,6 +108,8 @@ class ElixirPlan:
     dtype: str
     min_blocks: int
     max_blocks: int
+    moments: Moments = "fp32"
+    """How Adam's moments are stored (``ElixirConfig.moments``; files from before it: exact)."""
     device_lane: int = 0
     """Elements per staging buffer of the device update lane (``runtime/device_lane.py``): the GPU
     updates slices of offloaded chunks beside the CPU; 0: the CPU alone (nothing offloaded, or
@@ -149,6 +152,7 @@ class ElixirPlan:
             "offload": list(self.offload),
             "gpu_memory": self.gpu_memory,
             "device_assisted_update": self.device_lane > 0,
+            "moments": self.moments,
         }
 
     def placement(self) -> list[Where]:
@@ -260,11 +264,17 @@ class Planned:
 
 
 def _count_memory(
-    layout: ChunkLayout, offload: set[int], n_blocks: int, dtype: torch.dtype, lane: bool, window: GradWindow
+    layout: ChunkLayout,
+    offload: set[int],
+    n_blocks: int,
+    dtype: torch.dtype,
+    state: AdamState,
+    lane: bool,
+    window: GradWindow,
 ) -> tuple[PlanMemory, int]:
     """Bytes per rank by arena, with the search's formula (``search.memory.ArenaBytes``): one count;
     and the device lane's elements per staging buffer (0: no lane)."""
-    arenas = ArenaBytes(layout, dtype, lane, window)
+    arenas = ArenaBytes(layout, dtype, state, lane, window)
     on_device = np.array([c.index not in offload for c in layout.chunks], dtype=bool)
     memory = PlanMemory(
         rcache=n_blocks * arenas.buffer,
@@ -307,7 +317,7 @@ def resolve_plan(
 
     window = search.grad_window if search is not None else GradWindow()
     lane = search.device_lane if search is not None else lane
-    memory, lane_numel = _count_memory(layout, set(offload), n_blocks, dtype, lane, window)
+    memory, lane_numel = _count_memory(layout, set(offload), n_blocks, dtype, config.state, lane, window)
     if search is not None:
         memory = replace(memory, activations=int(search.budget.activations), buffers=int(search.budget.buffers))
     plan = ElixirPlan(
@@ -317,6 +327,7 @@ def resolve_plan(
         n_chunks=n,
         world_size=layout.world_size,
         dtype=str(dtype).removeprefix("torch."),
+        moments=config.moments,
         min_blocks=lo,
         max_blocks=hi,
         device_lane=lane_numel,

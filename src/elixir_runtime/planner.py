@@ -331,7 +331,7 @@ def search_job(
     """
     host = host or job_host_memory(model, example_batch, device, coll)
     busbw = collective_busbw(coll, device, dtype) if coll.world_size > 1 else None
-    hardware = job_hardware(coll, device, config.cpu_threads)
+    hardware = job_hardware(coll, device, config.cpu_threads, state=config.state)
 
     def budget(profile: ModelProfile) -> Budget:
         return device_budget(device, profile.activation_peak, profile.buffer_bytes, host)
@@ -447,7 +447,7 @@ def _layout(table: ParamTable, config: ElixirConfig, world_size: int, chunk_size
         table.private,
         world_size=world_size,
         chunk_size=chunk_size,
-        alignment=config.alignment,
+        alignment=config.layout_alignment,
     )
 
 

@@ -5,7 +5,7 @@
 safetensors weights, ``AutoModelForCausalLM.from_pretrained(OUT)`` loads it), ``optimizer.pt``: a
 ``torch.optim.AdamW`` ``state_dict()`` whose parameters are numbered in ``model.parameters()``
 order, with the run's param groups (hyperparameters, ``lr`` as the scheduler last set it) and every
-trainable parameter's step, ``exp_avg`` and ``exp_avg_sq`` (step 0 for one that never had a gradient), and the checkpoint's other files (scheduler,
+trainable parameter's step, ``exp_avg`` and ``exp_avg_sq`` in fp32 (8-bit moments dequantized; step 0 for one that never had a gradient), and the checkpoint's other files (scheduler,
 Trainer state, RNG states, tokenizer). It is what the stock Trainer writes, so it resumes there, and
 Elixir resumes from it too. Rebuild the optimizer with the saved groups::
 
@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
+
+from elixir_runtime import StateTensor, decode_state, saved_state
 
 from .format import (
     MARKER_NAME,
@@ -100,7 +102,8 @@ def torch_adam_state(
                 raise CheckpointError(
                     f"{ckpt / OPTIM_INDEX}: parameter {name!r} {entry['shape']} is not in {ckpt}'s model"
                 )
-            full = {kind: _gather(opened, name, kind, entry, param) for kind in ("master", "exp_avg", "exp_avg_sq")}
+            stored = {t.kind: _gather(opened, name, t, entry, param.numel()) for t in saved_state(index).tensors}
+            full = {k: v.view(param.shape) for k, v in decode_state(saved_state(index), stored).items()}
             with torch.no_grad():
                 param.copy_(full.pop("master"))
             # every parameter, one that never had a gradient at step 0 (torch would keep none): a loader
@@ -114,9 +117,9 @@ def torch_adam_state(
     return state, groups
 
 
-def _gather(opened: dict, name: str, kind: str, entry: dict, param: torch.Tensor) -> torch.Tensor:
-    """The whole flattened ``kind`` of ``name`` from its pieces, shaped as the parameter."""
-    flat = torch.empty(param.numel(), dtype=torch.float32)
+def _gather(opened: dict, name: str, t: StateTensor, entry: dict, numel: int) -> torch.Tensor:
+    """The whole of ``name``'s state tensor ``t`` (flat: an entry per ``t.per`` elements) from its pieces."""
+    flat = torch.empty(t.entries(numel), dtype=t.dtype)
     for file, start, end in entry["pieces"]:
-        flat[start:end] = opened[file].get_tensor(f"{name}.{kind}")
-    return flat.view(param.shape)
+        flat[t.span(start, end)] = opened[file].get_tensor(f"{name}.{t.kind}")
+    return flat

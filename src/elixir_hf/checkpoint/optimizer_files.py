@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from elixir_runtime import ElixirOptimizer, load_named, named_meta, named_state, plain_to_named
+from elixir_runtime import ElixirOptimizer, load_named, named_meta, named_state, plain_to_named, saved_state
 
 from .format import (
     OPTIM_INDEX,
@@ -159,8 +159,12 @@ def load_optimizer(
                     f"{ckpt / file} is stale: it holds step {saved} and the checkpoint step {index['global_step']}"
                 )
 
+        stored = saved_state(index)
+
         def read(name: str, kind: str, start: int, end: int) -> torch.Tensor:
-            out = torch.empty(end - start, dtype=torch.float32)
+            t = stored.tensor(kind)
+            want = t.span(start, end)
+            out = torch.empty(want.stop - want.start, dtype=t.dtype)
             for file, a, b in index["params"][name]["pieces"]:
                 lo, hi = max(a, start), min(b, end)
                 if lo < hi and file not in opened:
@@ -169,8 +173,10 @@ def load_optimizer(
                         "(save_on_each_node) each node holds its own ranks' files: resume with the same ranks on "
                         "each node, or copy every node's optimizer-*.safetensors into the checkpoint"
                     )
-                if lo < hi:
-                    out[lo - start : hi - start] = opened[file].get_slice(f"{name}.{kind}")[lo - a : hi - a]
+                if lo < hi:  # pieces and reads start at block boundaries: entries map like elements
+                    got, base = t.span(lo, hi), t.span(a, a).start
+                    value = opened[file].get_slice(f"{name}.{kind}")[got.start - base : got.stop - base]
+                    out[got.start - want.start : got.stop - want.start] = value
             return out
 
         _load_named(opt, index, read, ckpt / OPTIM_INDEX)

@@ -2,13 +2,13 @@
 
 A placement is where a chunk's shard and optimizer states live: ``"device"`` (the compute
 device, updated there) or ``"host"`` (pinned host memory, updated on the CPU). Each placement
-holds five arenas laid out chunk after chunk, trainable chunks first:
+holds its arenas laid out chunk after chunk, trainable chunks first:
 
     param      compute dtype   gathered into the rCache before use (see below for trainable chunks)
     grad       compute dtype   reduce-scattered gradients (trainable chunks only; host only, see below)
-    master     fp32            the weights the optimizer updates (aliases ``param`` in fp32 runs)
-    exp_avg    fp32            Adam m
-    exp_avg_sq fp32            Adam v
+    state      adam_state.py   the optimizer state of the trainable chunks: the fp32 master the
+                               optimizer updates (aliases ``param`` in fp32 runs) and the moments
+                               (fp32, or 8-bit codes and their blocks' scales)
 
 so one kernel call updates a placement, guided by a static list of per-group segments.
 
@@ -47,6 +47,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from ..adam_state import AdamState, AdamTensors
 from ..host import core_share, local_ranks
 from ..progress import Bar, progress
 from .host_memory import empty_arena, pin_host
@@ -99,15 +100,18 @@ class ShardArenas:
     """Compute-dtype shards: of every chunk, or of the frozen ones only where ``cast_on_gather``."""
     grad: torch.Tensor
     """Gradient shards of the trainable chunks; empty on the device (allocated per chunk on demand)."""
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    state: AdamTensors
+    """The trainable shards' optimizer state: master and moments (``adam_state.py``)."""
     trainable_numel: int
     cast_on_gather: bool = False
     """Trainable shards have no compute-dtype copy: gathers cast the master (``casts_on_gather``)."""
     segments: list[GroupRange] = field(default_factory=list)
     offsets: dict[int, int] = field(default_factory=dict)
     """Chunk index → offset of its shard in every arena of this placement (``param``: see ``param_base``)."""
+
+    @property
+    def master(self) -> torch.Tensor:
+        return self.state.master
 
     @property
     def master_is_param(self) -> bool:
@@ -141,6 +145,7 @@ def build_arenas(
     rank: int,
     compute_device: torch.device,
     dtype: torch.dtype,
+    state: AdamState,
     weights: Weights = own_part,
     release: bool = False,
 ) -> dict[Where, ShardArenas]:
@@ -171,14 +176,13 @@ def build_arenas(
         cast = casts_on_gather(where, dtype)
         param = alloc(total - trainable if cast else total, dtype)
         master = param[:trainable] if dtype == torch.float32 else alloc(trainable, torch.float32)
+        moments = {t.kind: alloc(t.entries(trainable), t.dtype) for t in state.tensors if t.moment}
         arenas = ShardArenas(
             where,
             device,
             param=param,
             grad=alloc(0 if grads_on_demand(where) else trainable, dtype),
-            master=master,
-            exp_avg=alloc(trainable, torch.float32),
-            exp_avg_sq=alloc(trainable, torch.float32),
+            state=AdamTensors(state, {"master": master, **moments}),
             trainable_numel=trainable,
             cast_on_gather=cast,
         )
@@ -215,12 +219,9 @@ def _fill(
     for c in members:
         start, n = arenas.offsets[c.index], layout.shard_numel(c)
         if c.trainable:
-            parts = [arenas.master, arenas.exp_avg, arenas.exp_avg_sq, arenas.grad] + (
-                [copy] if copy is not None else []
-            )
-            for t in parts:
-                if t.numel():
-                    t[start : start + n].zero_()
+            parts = [t for _, t in arenas.state.range(start, start + n).items()] + [arenas.grad[start : start + n]]
+            for t in parts + ([copy[start : start + n]] if copy is not None else []):
+                t.zero_()
         else:
             arenas.source(start, n, trainable=False).zero_()
         for s in c.slots:
@@ -256,10 +257,11 @@ def _cpu_threads(n: int) -> Iterator[None]:
 def _pin(arenas: ShardArenas) -> None:
     """Page-locks the filled host arenas (``pin_host``: in place, else a pinned copy, re-aliased)."""
     aliased = arenas.master_is_param
-    for name in ("param", "grad", "exp_avg", "exp_avg_sq") + (() if aliased else ("master",)):
+    for name in ("param", "grad"):
         setattr(arenas, name, pin_host(getattr(arenas, name)))
-    if aliased:
-        arenas.master = arenas.param[: arenas.trainable_numel]
+    state = arenas.state.tensors
+    for kind in state:
+        state[kind] = arenas.param[: arenas.trainable_numel] if kind == "master" and aliased else pin_host(state[kind])
 
 
 def release_param(p: nn.Parameter) -> None:

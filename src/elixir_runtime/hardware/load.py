@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..adam_state import ADAM_STATE, AdamState
 from ..distributed.collectives import Collectives
 from ..host import local_ranks
 from ..kernels.threads import cpu_adam_threads
@@ -118,9 +119,10 @@ def load_hardware(
     if profile is None or changed:
         profile = measure.measure_hardware(quick=quick, ranks=())
     for n in measure.rank_counts() if ranks is None else ranks:
-        if n not in profile.cpu_adam:
-            profile.cpu_adam[n] = measure.host_cpu_adam(n, quick=quick)
-            changed = True
+        for state in ADAM_STATE.values():
+            if n not in profile.cpu_table(state):
+                profile.cpu_table(state)[n] = measure.host_cpu_adam(n, quick=quick, state=state)
+                changed = True
     if changed:
         profile.save(cached)
     return profile
@@ -140,14 +142,20 @@ def _cached(path: Path) -> HardwareProfile | None:
 
 
 def job_hardware(
-    coll: Collectives, device: torch.device, cpu_threads: int | None = None, *, quick: bool = False
+    coll: Collectives,
+    device: torch.device,
+    cpu_threads: int | None = None,
+    *,
+    quick: bool = False,
+    state: AdamState = ADAM_STATE["fp32"],
 ) -> HardwareProfile:
     """The profile a job plans with, the same on every rank (every rank calls it): rank 0's
     ``load_hardware`` (which measures nothing of the CPU Adam: the other ranks wait meanwhile),
     then, where it is this machine's cached profile and lacks the per-rank CPU Adam of this host's
     ranks with the engine's threads (``cpu_adam_threads(local_ranks(), cpu_threads)``), that rate
     measured by all ranks at once (``measure.job_cpu_adam``) and cached by rank 0. A profile given
-    as a file or a shipped name is planned with as it is. ``quick``: small sizes, for tests."""
+    as a file or a shipped name is planned with as it is. ``quick``: small sizes, for tests;
+    ``state``: the optimizer state the job keeps, whose CPU Adam is measured."""
     ranks = local_ranks()
     threads = cpu_adam_threads(ranks, cpu_threads)
 
@@ -155,9 +163,10 @@ def job_hardware(
         return load_hardware(ranks=(), quick=quick), own_profile()
 
     profile, own = coll.decided_by_rank0(load, device)
-    rate = profile.cpu_adam.get(ranks)
+    table = profile.cpu_table(state)
+    rate = table.get(ranks)
     if own and (rate is None or rate.threads != threads):
-        profile.cpu_adam[ranks] = measure.job_cpu_adam(coll, device, ranks, threads, quick=quick)
+        table[ranks] = measure.job_cpu_adam(coll, device, ranks, threads, quick=quick, state=state)
         if coll.rank == 0:
             profile.save(cache_path())
     return profile
@@ -186,10 +195,13 @@ def with_step_gemms(
     return profile
 
 
-def record_update_rate(coll: Collectives, device: torch.device, ranks: int, threads: int, rate: float) -> float:
+def record_update_rate(
+    coll: Collectives, device: torch.device, ranks: int, threads: int, rate: float, state: AdamState
+) -> float:
     """The slowest rank's ``rate`` (a job's CPU updates of offloaded chunks after a synced backward,
     per rank: ``runtime/update_rate.py``), which rank 0 records as ``observed`` in this machine's
-    cached profile, in its entry for ``ranks`` ranks per host with ``threads`` threads; every rank
+    cached profile, in its entry for ``ranks`` ranks per host with ``threads`` threads (of the job's
+    optimizer ``state``: ``HardwareProfile.cpu_table``); every rank
     calls it. Nothing is recorded where some rank has no rate (0), where the job planned with a
     profile file (``$ELIXIR_HARDWARE``) or where the cached entry is another measurement's. On
     several hosts the job's slowest rank is recorded on rank 0's host only."""
@@ -201,7 +213,7 @@ def record_update_rate(coll: Collectives, device: torch.device, ranks: int, thre
         return rate
     try:  # the profile is a cache: failing to update it must not fail the training step
         profile = HardwareProfile.load(path)
-        entry = profile.cpu_adam.get(ranks)
+        entry = profile.cpu_table(state).get(ranks)
         if entry is None or entry.threads != threads:
             return rate
         before, entry.observed = entry.observed, rate

@@ -25,11 +25,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ..adam_state import ADAM_STATE, AdamState, AdamTensors
 from ..chunk.host_memory import empty_host
 from ..chunk.layout import GroupRange
 from ..distributed.collectives import Collectives
 from ..host import host_total, usable_cores
 from ..kernels.kernel import AdamHyper
+from ..kernels.quant8 import encode_state
 from ..kernels.select import select_kernel
 from ..kernels.threads import cpu_adam_threads
 from ..progress import progress
@@ -56,7 +58,8 @@ def measure_hardware(
         profile = _measure_gpu(quick, dtype) if torch.cuda.is_available() else _measure_cpu(quick)
         bar.update()
         for n in counts:
-            profile.cpu_adam[n] = host_cpu_adam(n, quick=quick, dtype=dtype)
+            for state in ADAM_STATE.values():
+                profile.cpu_table(state)[n] = host_cpu_adam(n, quick=quick, dtype=dtype, state=state)
             bar.update()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # give the measurement's buffers back before the plan counts free memory
@@ -88,6 +91,7 @@ def _measure_gpu(quick: bool, dtype: torch.dtype) -> HardwareProfile:
         elementwise=_elementwise_rate(dtype, dev, quick),
         op_overhead=_op_overhead(dev),
         gpu_adam=_adam_rate(dev, 2**22 if quick else 2**26, dtype),
+        gpu_adam8=_adam_rate(dev, 2**22 if quick else 2**26, dtype, state=ADAM_STATE["8bit"]),
         links=links,
         dtype=str(dtype).removeprefix("torch."),
     )
@@ -250,12 +254,23 @@ def _op_overhead(device: torch.device) -> float:
     return _median_time(lambda: x.add_(1), sync=lambda: _sync(device), target=0.01)
 
 
-def _adam_rate(device: torch.device, numel: int, dtype: torch.dtype, threads: int | None = None) -> float:
-    return numel / _median_time(_adam_update(device, numel, dtype, threads), sync=lambda: _sync(device))
+def _adam_rate(
+    device: torch.device,
+    numel: int,
+    dtype: torch.dtype,
+    threads: int | None = None,
+    state: AdamState = ADAM_STATE["fp32"],
+) -> float:
+    step = _adam_update(device, numel, dtype, threads, state)
+    return numel / _median_time(step, sync=lambda: _sync(device))
 
 
 def _adam_update(
-    device: torch.device, numel: int, dtype: torch.dtype, threads: int | None = None
+    device: torch.device,
+    numel: int,
+    dtype: torch.dtype,
+    threads: int | None = None,
+    state: AdamState = ADAM_STATE["fp32"],
 ) -> Callable[[], None]:
     """One update of ``numel`` elements on ``device`` by the engine's kernel (on the CPU with
     ``threads`` OpenMP threads), on arenas allocated (and first touched) by this process, holding
@@ -270,12 +285,17 @@ def _adam_update(
         t = torch.empty(numel, dtype=dt, device=device)
         return t.normal_(0.0, std, generator=gen) if std else t.zero_()
 
-    master, m, v = alloc(torch.float32, 0.02), alloc(torch.float32, 1e-4), alloc(torch.float32, 1e-4).square_()
+    exact = {
+        "master": alloc(torch.float32, 0.02),
+        "exp_avg": alloc(torch.float32, 1e-4),
+        "exp_avg_sq": alloc(torch.float32, 1e-4).square_(),
+    }
+    tensors = {k: v.to(device) for k, v in encode_state(state, exact).items()}
     grad, out = alloc(dtype, 1e-3), alloc(dtype, 0.0)
-    segments, steps = [GroupRange(0, numel, 0)], iter(range(1, 10**6))
+    segments, steps, held = [GroupRange(0, numel, 0)], iter(range(1, 10**6)), AdamTensors(state, tensors)
 
     def step() -> None:
-        kernel.step(master, m, v, grad, out, segments, _HYPER, next(steps), 1.0)
+        kernel.step(held, grad, out, segments, _HYPER, next(steps), 1.0)
 
     return step
 
@@ -298,6 +318,7 @@ def rank_cpu_adam(
     *,
     quick: bool = False,
     dtype: torch.dtype = torch.bfloat16,
+    state: AdamState = ADAM_STATE["fp32"],
 ) -> tuple[float, float]:
     """(under copies, alone): this rank's CPU Adam parameters/s while every rank of the host runs
     this at once (``barrier()`` returns when all have reached it; see [Note: CPU Adam per rank]).
@@ -307,7 +328,7 @@ def rank_cpu_adam(
     blocks (2**18 elements) per thread, as the engine's chunk shards (10**8 elements and more)."""
     numel = max(2**20 if quick else 2**25, threads * (2**18 if quick else 2**21))
     window = 0.05 if quick else 0.3
-    step = _adam_update(torch.device("cpu"), numel, dtype, threads)
+    step = _adam_update(torch.device("cpu"), numel, dtype, threads, state)
     one = _window(step, 0)  # first use: the segment table, the pages
     barrier()
     alone = numel / _window(step, window)
@@ -340,7 +361,12 @@ def rank_cpu_adam(
 
 
 def host_cpu_adam(
-    ranks: int, *, threads: int | None = None, quick: bool = False, dtype: torch.dtype = torch.bfloat16
+    ranks: int,
+    *,
+    threads: int | None = None,
+    quick: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+    state: AdamState = ADAM_STATE["fp32"],
 ) -> CpuAdamRate:
     """CPU Adam per rank for ``ranks`` ranks sharing this host, each with ``cpu_adam_threads(ranks,
     threads)``: this process for one rank, else ``ranks`` processes spawned at once, one per GPU
@@ -351,13 +377,15 @@ def host_cpu_adam(
     n_threads = cpu_adam_threads(ranks, threads)
     if ranks == 1:
         under, alone = rank_cpu_adam(
-            n_threads, torch.device("cuda", 0) if gpus else None, lambda: None, quick=quick, dtype=dtype
+            n_threads, torch.device("cuda", 0) if gpus else None, lambda: None, quick=quick, dtype=dtype, state=state
         )
         return CpuAdamRate(1, n_threads, under, alone)
     ctx = torch.multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(ranks), ctx.Queue()
     procs = [
-        ctx.Process(target=_spawned_rank, args=(r, n_threads, bool(gpus), quick, dtype, barrier, results))
+        ctx.Process(
+            target=_spawned_rank, args=(r, n_threads, bool(gpus), quick, dtype, state.moments, barrier, results)
+        )
         for r in range(ranks)
     ]
     for proc in procs:
@@ -384,6 +412,7 @@ def _spawned_rank(
     gpu: bool,
     quick: bool,
     dtype: torch.dtype,
+    moments: str,
     barrier: Barrier,
     results: Queue[tuple[float, float] | str],
 ) -> None:
@@ -392,7 +421,8 @@ def _spawned_rank(
         device = torch.device("cuda", rank) if gpu else None
         if device is not None:
             torch.cuda.set_device(device)
-        results.put(rank_cpu_adam(threads, device, lambda: barrier.wait(_SPAWNED_TIMEOUT_S), quick=quick, dtype=dtype))
+        wait = lambda: barrier.wait(_SPAWNED_TIMEOUT_S)  # noqa: E731
+        results.put(rank_cpu_adam(threads, device, wait, quick=quick, dtype=dtype, state=ADAM_STATE[moments]))
     except Exception as exc:  # reported by the parent, which raises
         barrier.abort()
         results.put(f"rank {rank}: {type(exc).__name__}: {exc}")
@@ -406,6 +436,7 @@ def job_cpu_adam(
     *,
     quick: bool = False,
     dtype: torch.dtype = torch.bfloat16,
+    state: AdamState = ADAM_STATE["fp32"],
 ) -> CpuAdamRate:
     """The job's CPU Adam per rank: ``rank_cpu_adam`` on every rank of ``coll`` at once (``ranks``
     of them on each host) with ``threads`` threads, the slowest rank's. Every rank must call it."""
@@ -415,7 +446,8 @@ def job_cpu_adam(
         coll.all_reduce_sum_(t)
         _sync(device)
 
-    under, alone = rank_cpu_adam(threads, device if device.type == "cuda" else None, barrier, quick=quick, dtype=dtype)
+    gpu = device if device.type == "cuda" else None
+    under, alone = rank_cpu_adam(threads, gpu, barrier, quick=quick, dtype=dtype, state=state)
     slowest = torch.tensor([-under, -alone], dtype=torch.float64, device=device)
     coll.all_reduce_max_(slowest)
     return CpuAdamRate(ranks, threads, -float(slowest[0]), -float(slowest[1]))
@@ -439,6 +471,7 @@ def _measure_cpu(quick: bool) -> HardwareProfile:
     cpu = torch.device("cpu")
     copy = _copy_rate(cpu, (16 if quick else 128) * 2**20)
     adam = _adam_rate(cpu, 2**20 if quick else 2**24, torch.bfloat16, cpu_adam_threads(1))
+    adam8 = _adam_rate(cpu, 2**20 if quick else 2**24, torch.bfloat16, cpu_adam_threads(1), ADAM_STATE["8bit"])
     host = host_total()
     return HardwareProfile(
         device="cpu",
@@ -452,6 +485,7 @@ def _measure_cpu(quick: bool) -> HardwareProfile:
         elementwise=_elementwise_rate(torch.float32, cpu, quick),
         op_overhead=_op_overhead(cpu),
         gpu_adam=adam,
+        gpu_adam8=adam8,
         links={1: LinkRates(1, copy, copy)},
         dtype="float32",
     )

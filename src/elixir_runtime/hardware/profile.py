@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..adam_state import ADAM_STATE, AdamState
 from ..kernels.threads import cpu_adam_threads
 
 __all__ = [
@@ -137,6 +138,12 @@ class HardwareProfile:
     gemms: dict[str, float] = field(default_factory=dict)
     """FLOP/s of the GEMM shapes jobs on this machine ran (``"8192x1024x4096"``), each timed on its GPU
     when a job first planned with it ([Note: GEMMs by shape]); other shapes: ``matmul``."""
+    gpu_adam8: float | None = None
+    """Parameters/s of the GPU Adam on 8-bit moments (``moments="8bit"``); ``None``: not measured,
+    priced from ``gpu_adam`` by the bytes each moves (``Rates.notes`` says so)."""
+    cpu_adam8: dict[int, CpuAdamRate] = field(default_factory=dict)
+    """Per-rank CPU Adam rates on 8-bit moments, as ``cpu_adam``; a count missing: ``cpu_adam``'s
+    priced by the bytes each moves, with a note ([Note: rates of another state])."""
     elementwise: float | None = None
     """Device memory, bytes/s of eager memory-bound ops (norms, rotary, activations, adds, casts;
     forward and backward), bytes counted as the profiler counts them (each op's inputs and outputs);
@@ -157,6 +164,7 @@ class HardwareProfile:
         d = asdict(self)
         d["links"] = {str(n): link for n, link in d["links"].items()}
         d["cpu_adam"] = {str(n): rate for n, rate in d["cpu_adam"].items()}
+        d["cpu_adam8"] = {str(n): rate for n, rate in d["cpu_adam8"].items()}
         return d
 
     def to_json(self) -> str:
@@ -174,9 +182,8 @@ class HardwareProfile:
         if isinstance(d.get("cpu_adam"), (int, float)):
             rate, alone = d.pop("cpu_adam"), d.pop("cpu_adam_alone", None)
             d["cpu_adam"] = {1: CpuAdamRate(1, cpu_adam_threads(1, cores=d["cpu_cores"]), rate, alone)}
-        d["cpu_adam"] = {
-            int(k): v if isinstance(v, CpuAdamRate) else CpuAdamRate(**v) for k, v in d.get("cpu_adam", {}).items()
-        }
+        for key in ("cpu_adam", "cpu_adam8"):
+            d[key] = {int(k): v if isinstance(v, CpuAdamRate) else CpuAdamRate(**v) for k, v in d.get(key, {}).items()}
         return cls(**d)
 
     @classmethod
@@ -203,12 +210,38 @@ class HardwareProfile:
         tmp.write_text(self.to_json())
         tmp.replace(path)
 
-    def rates(self, n: int, busbw: float | None = None, ranks_per_host: int | None = None) -> Rates:
+    def cpu_table(self, state: AdamState) -> dict[int, CpuAdamRate]:
+        """The per-rank CPU Adam rates measured for ``state`` (``cpu_adam`` or ``cpu_adam8``)."""
+        return self.cpu_adam8 if state.quantized else self.cpu_adam
+
+    def rates(
+        self,
+        n: int,
+        busbw: float | None = None,
+        ranks_per_host: int | None = None,
+        state: AdamState = ADAM_STATE["fp32"],
+    ) -> Rates:
         """Per-rank rates for ``n`` ranks, ``ranks_per_host`` of them (default all ``n``) on each host
         like this one (see [Note: more GPUs than measured]); ``busbw``: the collective bus bandwidth
-        measured on the job's own process group, which replaces the profile's peer-copy proxy."""
+        measured on the job's own process group, which replaces the profile's peer-copy proxy;
+        ``state``: the optimizer state the Adam rates are of.
+
+        [Note: rates of another state] The Adam kernels are bound by memory traffic: where the
+        profile has no rate for ``state`` (8-bit moments on a profile measured before them, or a rank
+        count only the exact state was measured for), the exact state's is scaled by the ratio of
+        the bytes an update moves in each (``AdamState.traffic``), and the notes say so."""
         notes: list[str] = []
-        cpu = self.cpu_adam_per_rank(ranks_per_host or n, notes)
+        ranks = ranks_per_host or n
+        exact = ADAM_STATE["fp32"]
+        gain = exact.traffic(2) / state.traffic(2)
+        gpu_adam = (self.gpu_adam8 or self.gpu_adam * gain) if state.quantized else self.gpu_adam
+        if state.quantized and (self.gpu_adam8 is None or ranks not in self.cpu_adam8):
+            notes.append(
+                f"{state.moments} moments' Adam rates not measured here: the exact rates x {gain:.2f}, the bytes saved"
+            )
+            cpu = _scaled(self.cpu_adam_per_rank(ranks, notes, exact), gain)
+        else:
+            cpu = self.cpu_adam_per_rank(ranks, notes, state)
         if n in self.links:
             link = self.links[n]
         else:
@@ -227,7 +260,7 @@ class HardwareProfile:
             d2h=link.g2c / n,
             duplex=(link.duplex / n) if link.duplex else None,
             busbw=busbw,
-            gpu_adam=self.gpu_adam,
+            gpu_adam=gpu_adam,
             cpu_adam=cpu.under_copies,
             cpu_adam_alone=cpu.alone,
             cpu_update_observed=cpu.observed,
@@ -241,18 +274,19 @@ class HardwareProfile:
             notes=notes,
         )
 
-    def cpu_adam_per_rank(self, ranks: int, notes: list[str]) -> CpuAdamRate:
+    def cpu_adam_per_rank(self, ranks: int, notes: list[str], state: AdamState = ADAM_STATE["fp32"]) -> CpuAdamRate:
         """The rate measured for ``ranks`` ranks sharing the host; else the nearest measured count's
         host total (the fewest above if none is below) shared among them, which ``notes`` says."""
-        if ranks in self.cpu_adam:
-            return self.cpu_adam[ranks]
-        if not self.cpu_adam:
+        table = self.cpu_table(state)
+        if ranks in table:
+            return table[ranks]
+        if not table:
             raise ValueError(
                 f"hardware profile {self.source!r} has no CPU Adam rate: measure it again with "
                 "`elixir-plan --measure-hardware PATH`"
             )
-        m = max((k for k in self.cpu_adam if k <= ranks), default=min(self.cpu_adam))
-        base = self.cpu_adam[m]
+        m = max((k for k in table if k <= ranks), default=min(table))
+        base = table[m]
         notes.append(
             f"CPU Adam for {ranks} ranks per host not measured: {m} ranks' rate shared among {ranks} "
             "(re-measure with `elixir-plan --measure-hardware`, or let a job on this machine measure it)"
@@ -266,6 +300,17 @@ class HardwareProfile:
             base.alone * share if base.alone else None,
             base.observed * share if base.observed else None,
         )
+
+
+def _scaled(rate: CpuAdamRate, gain: float) -> CpuAdamRate:
+    """``rate`` with its measured rates times ``gain`` ([Note: rates of another state])."""
+    return CpuAdamRate(
+        rate.ranks,
+        rate.threads,
+        rate.under_copies * gain,
+        rate.alone * gain if rate.alone else None,
+        rate.observed * gain if rate.observed else None,
+    )
 
 
 @dataclass

@@ -83,6 +83,7 @@ def check_arenas(
     ([Note: 8-bit moments]: a block is then updated by one segment, the rest of it zero padding)."""
     master = state.master
     n, dev = master.numel(), master.device
+    arenas: list[tuple[str, torch.Tensor, tuple[torch.dtype, ...], int]]
     arenas = [(t.kind, x, (t.dtype,), t.entries(n)) for t, x in state.items()]
     arenas += [("grad", grad, _GRAD, n)] + ([("param_out", param_out, _OUT, n)] if param_out is not None else [])
     for name, t, dtypes, size in arenas:

@@ -23,13 +23,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
+from typing import Any
 
 import numpy as np
 import torch
 
-from ..adam_state import QUANT_BLOCK
+from ..adam_state import QUANT_BLOCK, AdamState
 
-__all__ = ["QuantTables", "tables", "codebook", "quantize", "dequantize", "MOMENT_KINDS"]
+__all__ = [
+    "QuantTables",
+    "tables",
+    "codebook",
+    "quantize",
+    "dequantize",
+    "decode_state",
+    "encode_state",
+    "MOMENT_KINDS",
+]
 
 MOMENT_KINDS = ("exp_avg", "exp_avg_sq")
 """The quantized moments; ``exp_avg`` has the signed map."""
@@ -125,3 +135,26 @@ def dequantize(kind: str, codes: torch.Tensor, scales: torch.Tensor) -> torch.Te
     n = codes.numel()
     per = scales.repeat_interleave(QUANT_BLOCK)[:n]
     return t.code[codes.long()] * per
+
+
+def decode_state(state: AdamState, tensors: dict[str, Any]) -> dict[str, Any]:
+    """``tensors`` (one piece of each kind of ``state``, blocks from its first element; ``None`` for a
+    kind a reader keeps) as exact state: ``master`` as it is, the moments in fp32."""
+    if not state.quantized:
+        return dict(tensors)
+    out = {"master": tensors["master"]} if "master" in tensors else {}
+    for kind in MOMENT_KINDS:
+        out[kind] = dequantize(kind, tensors[kind], tensors[f"{kind}.absmax"])
+    return out
+
+
+def encode_state(state: AdamState, exact: dict[str, Any]) -> dict[str, Any]:
+    """Exact state (``decode_state``'s form) stored as ``state``'s kinds."""
+    if not state.quantized:
+        return exact
+    out = {"master": exact["master"]}
+    for kind in MOMENT_KINDS:
+        value = exact[kind]
+        assert value is not None, "a reader gives every moment"
+        out[kind], out[f"{kind}.absmax"] = quantize(kind, value.to(torch.float32))
+    return out

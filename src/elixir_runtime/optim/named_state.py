@@ -2,8 +2,12 @@
 each parameter, and filling this rank's shards from named flat pieces saved by any layout, rank
 count or offload placement (or by a plain ``torch.optim.AdamW``).
 
-A parameter's state is its fp32 ``master``, ``exp_avg`` and ``exp_avg_sq``, each seen as the
-flattened parameter (``numel`` elements), and its own Adam ``step``. Chunks never split a parameter
+A parameter's state is the tensors of ``adam_state.py`` (its fp32 ``master`` and the moments: fp32
+``exp_avg`` and ``exp_avg_sq``, or their 8-bit codes and ``.absmax`` block scales), each seen as the
+flattened parameter (``numel`` elements; a scale per ``QUANT_BLOCK`` of them), and its own Adam
+``step``. A state of the other kind of moments loads converted (dequantized or quantized, logged);
+one of the same kind is copied as it is, bit for bit: 8-bit blocks are counted from each
+parameter's first element in every layout ([Note: 8-bit moments]). Chunks never split a parameter
 and a rank's shard of a chunk is contiguous, so a rank holds one contiguous flat range
 ``[start, end)`` of a parameter, or none of it. Tied weights are one parameter, named by their first
 name in ``model.named_parameters()`` (the name ``save_pretrained`` keeps).
@@ -19,19 +23,22 @@ elixir-hf 0.1.0 are refused by their format's name (``load_state_dict``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from ..adam_state import AdamState, adam_state
 from ..chunk.store import shard_overlap
+from ..kernels import quant8
 from ..runtime.chunk_runtime import ChunkRuntime, ChunkState
 from .loss_scaler import LossScaler
 
 __all__ = [
-    "KINDS",
     "STATE_FORMAT",
+    "saved_state",
     "Piece",
     "owned_pieces",
     "named_state",
@@ -42,7 +49,8 @@ __all__ = [
     "load_state_dict",
 ]
 
-KINDS = ("master", "exp_avg", "exp_avg_sq")
+logger = logging.getLogger(__name__)
+
 STATE_FORMAT = "elixir-optimizer-state/1"
 """``ElixirOptimizer.state_dict()``'s format: ``named_meta`` and this rank's pieces by name."""
 SHARD_FORMAT = "elixir-optimizer-shard/1"
@@ -61,8 +69,15 @@ class OptimizerView(Protocol):
 
 
 Reader = Callable[[str, str, int, int], "torch.Tensor | None"]
-"""``read(name, kind, start, end)``: elements ``[start, end)`` of that flattened parameter's state,
-or ``None`` to keep what the shard holds (a plain optimizer has no master: the weights are it)."""
+"""``read(name, kind, start, end)``: the entries of that parameter's state ``kind`` that hold its
+flattened elements ``[start, end)`` (``StateTensor.span``: a scale per block), or ``None`` to keep
+what the shard holds (a plain optimizer has no master: the weights are it)."""
+
+
+def saved_state(meta: dict[str, Any]) -> AdamState:
+    """The state a saved meta's moments are stored as (exact where it does not say: older files,
+    plain torch optimizers)."""
+    return adam_state(meta.get("moments", "fp32"))
 
 
 @dataclass(frozen=True)
@@ -114,18 +129,24 @@ def named_meta(opt: OptimizerView) -> dict[str, Any]:
         }
         for g in opt.param_groups
     ]
-    return {"step": opt.step_count, "scaler": opt.scaler.state_dict(), "param_groups": groups, "params": params}
+    return {
+        "step": opt.step_count,
+        "scaler": opt.scaler.state_dict(),
+        "moments": opt.runtime.ctx.state.moments,
+        "param_groups": groups,
+        "params": params,
+    }
 
 
 @torch.no_grad()
 def named_state(opt: OptimizerView) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
-    """This rank's pieces as ``{"{name}.{kind}": 1-D fp32 CPU tensor}`` and ``{name: [start, end]}``.
-    Host shards are returned as views (no copy); waits for in-flight updates first."""
+    """This rank's pieces as ``{"{name}.{kind}": 1-D CPU tensor}`` (every kind of the run's state) and
+    ``{name: [start, end]}``. Host shards are returned as views (no copy); waits for in-flight updates first."""
     opt.runtime.grads.wait_for_grads()
     tensors, table = {}, {}
     for p in owned_pieces(opt):
-        for kind in KINDS:
-            tensors[f"{p.name}.{kind}"] = getattr(p.chunk.shards, kind)[p.offset : p.offset + p.end - p.start].cpu()
+        for t, value in p.chunk.shards.state.range(p.offset, p.offset + p.end - p.start).items():
+            tensors[f"{p.name}.{t.kind}"] = value.cpu()
         table[p.name] = [p.start, p.end]
     return tensors, table
 
@@ -186,12 +207,24 @@ def load_named(opt: OptimizerView, meta: dict[str, Any], read: Reader, where: st
     ``read``; every check runs before the first copy (``ValueError`` naming ``where``)."""
     rt = opt.runtime
     names = _check(opt, meta, where)
+    saved, state = saved_state(meta), rt.ctx.state
+    if saved != state:
+        logger.warning(
+            "elixir: %s holds %s moments and this run keeps %s: %s on load",
+            where,
+            saved.moments,
+            state.moments,
+            "quantized block-wise to 8 bits" if state.quantized else "dequantized to fp32",
+        )
     rt.grads.wait_for_grads()
     for p in owned_pieces(opt):
-        for kind in KINDS:
-            value = read(names[p.param], kind, p.start, p.end)
+        here = p.chunk.shards.state.range(p.offset, p.offset + p.end - p.start)
+        values = {kind: read(names[p.param], kind, p.start, p.end) for kind in saved.kinds}
+        if saved != state:
+            values = quant8.encode_state(state, {**quant8.decode_state(saved, values), "master": values["master"]})
+        for kind, value in values.items():
             if value is not None:
-                getattr(p.chunk.shards, kind)[p.offset : p.offset + p.end - p.start].copy_(value)
+                here[kind].copy_(value)
     for group, saved in zip(opt.param_groups, meta["param_groups"]):
         group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items() if k != "params"})
     for i, key in names.items():
@@ -253,7 +286,7 @@ def plain_to_named(opt: OptimizerView, state_dict: dict[str, Any], where: str) -
         if kind == "master":
             return None
         value = by_key[name].get(kind)
-        return torch.zeros(end - start) if value is None else value.reshape(-1)[start:end]
+        return torch.zeros(end - start) if value is None else value.reshape(-1)[start:end].to(torch.float32)
 
     return meta, read
 
@@ -310,9 +343,11 @@ def load_state_dict(opt: OptimizerView, saved: dict[str, Any]) -> None:
                 "everything); to change them, save a checkpoint by name (elixir_hf), which loads into any"
             )
     tensors: dict[str, torch.Tensor] = saved["tensors"]
+    stored = saved_state(saved)
 
     def read(name: str, kind: str, start: int, end: int) -> torch.Tensor:
-        first = pieces[name][0]
-        return tensors[f"{name}.{kind}"][start - first : end - first]
+        t, first = stored.tensor(kind), pieces[name][0]
+        here, base = t.span(start, end), t.span(first, first).start
+        return tensors[f"{name}.{kind}"][here.start - base : here.stop - base]
 
     load_named(opt, saved, read, where)

@@ -234,16 +234,14 @@ class ElixirOptimizer(torch.optim.Optimizer):
     ) -> None:
         """The kernel calls of ``work`` (segments in arena offsets inside ``[lo, hi)``) on that
         range of chunk ``c``'s shard: the kernels see the range as their whole arena."""
-        a, part = c.shards, slice(lo, hi)
-        param_out = None if a.param_copy is None else a.param_copy[part]
+        a = c.shards
+        param_out = None if a.param_copy is None else a.param_copy[lo:hi]
         assert c.grad is not None, "finish_backward gave every trainable chunk its gradient shard"
         grad = c.grad[lo - c.offset : hi - c.offset]
-        kernel = self.kernels[a.placement]
+        kernel, state = self.kernels[a.placement], a.state.range(lo, hi)
         for step, segments in work:
             local = [GroupRange(s.offset - lo, s.length, s.group) for s in segments]
-            kernel.step(
-                a.master[part], a.exp_avg[part], a.exp_avg_sq[part], grad, param_out, local, hypers, step, div_scale
-            )
+            kernel.step(state, grad, param_out, local, hypers, step, div_scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.runtime.grads.zero_grad()
@@ -268,7 +266,7 @@ class ElixirOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The optimizer state by parameter name: the steps, param groups and loss scale, and the pieces of
-        each parameter's master, ``exp_avg`` and ``exp_avg_sq`` this rank holds (copies); ``named_state.py``."""
+        each parameter's state this rank holds (copies; its kinds: ``adam_state.py``); ``named_state.py``."""
         return named_state.state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -56,7 +56,7 @@ class ChunkRuntime:
         self.ctx, self.layout = ctx, layout
         dtype, device = ctx.dtype, ctx.device
         # the parameters' own storages go as their chunks fill: the runtime points them at its chunks
-        self.arenas = build_arenas(layout, placement, ctx.coll.rank, device, dtype, weights, release=True)
+        self.arenas = build_arenas(layout, placement, ctx.coll.rank, device, dtype, ctx.state, weights, release=True)
         self.rcache = RCache(n_blocks, layout.block_numel, dtype, device)
         self.chunks = [
             ChunkState(

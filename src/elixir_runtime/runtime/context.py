@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..adam_state import AdamState
 from ..distributed.collectives import Collectives
 from ..distributed.lockstep import Lockstep
 from .phase import EnginePhase
@@ -26,9 +27,11 @@ class EngineContext:
     device: torch.device
     """The compute device: the rCache, the device's arenas, the device lane."""
     dtype: torch.dtype
-    """The compute dtype: gathered parameters and gradients (masters and Adam state are fp32)."""
+    """The compute dtype: gathered parameters and gradients (masters are fp32)."""
     lockstep: Lockstep
     """The ranks' check-in before each forward, ``state_dict()`` and ``full_params``."""
+    state: AdamState
+    """The optimizer state of each trainable element (the plan's ``moments``)."""
     stats: StatsCounter = field(default_factory=StatsCounter)
     phase: EnginePhase = field(default_factory=EnginePhase)
 

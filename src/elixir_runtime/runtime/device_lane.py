@@ -2,14 +2,14 @@
 
 With clipping (the Trainer default) the CPU Adam of offloaded chunks starts only after the whole
 backward, and while it runs the link and the GPU idle. This lane streams slices of an offloaded
-shard through ``depth`` staging buffers on the GPU: the fp32 master, exp_avg, exp_avg_sq and the gradient shard up (host to device),
+shard through ``depth`` staging buffers on the GPU: the optimizer state (``adam_state.py``) and the gradient shard up (host to device),
 the same kernel as on-device shards (``select.select_kernel``) with the same hyperparameters,
-step counts and ``div_scale``, and master, m, v and the compute-dtype param shard the gather
+step counts and ``div_scale``, and the state and the compute-dtype param shard the gather
 reads back down (the param only where the kernel wrote it), each buffer on its own stream, so
-one slice's upload overlaps the previous one's download (bf16: 14 bytes each way per element;
-fp32: 16 up, 12 down). ``runtime/host_updates.py`` decides which slices it takes.
+one slice's upload overlaps the previous one's download (bf16, exact moments: 14 bytes each way per
+element; fp32: 16 up, 12 down). ``runtime/host_updates.py`` decides which slices it takes.
 
-A staging buffer is ``numel`` elements of fp32 master, m and v and one compute-dtype tensor that
+A staging buffer is ``numel`` elements of optimizer state and one compute-dtype tensor that
 holds the gradient and then the new param (the kernel reads each element's gradient before it
 writes its param): ``search.memory.staging_bytes``, counted in the plan's GPU memory. On a CPU
 device (tests) the "GPU" is the CPU and the kernel the torch reference: the slicing, the
@@ -22,6 +22,7 @@ import contextlib
 
 import torch
 
+from ..adam_state import AdamState, AdamTensors
 from ..chunk.layout import GroupRange
 from ..kernels.kernel import AdamHyper, AdamKernel, TorchAdamKernel
 from ..kernels.select import select_kernel
@@ -69,22 +70,20 @@ def slice_updates(
 class DeviceLane:
     """Stages slices of offloaded shards on ``device``, updates them there, copies them back."""
 
-    def __init__(self, numel: int, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, numel: int, device: torch.device, dtype: torch.dtype, state: AdamState) -> None:
         self.numel, self.device, self.depth = numel, device, LANE_DEPTH
         self.cuda = device.type == "cuda"
         # one kernel per buffer: a fused kernel's cached tile tables are then made and used on that
         # buffer's stream only (a table uploaded on one stream and read on another could race)
         kind = type(select_kernel(device)) if self.cuda else TorchAdamKernel
         self._kernels: list[AdamKernel] = [kind() for _ in range(self.depth)]
-        self._buffers = [
-            {
-                "master": torch.zeros(numel, dtype=torch.float32, device=device),
-                "exp_avg": torch.zeros(numel, dtype=torch.float32, device=device),
-                "exp_avg_sq": torch.zeros(numel, dtype=torch.float32, device=device),
-                "grad": torch.zeros(numel, dtype=dtype, device=device),
-            }
+        self._states = [
+            AdamTensors(
+                state, {t.kind: torch.zeros(t.entries(numel), dtype=t.dtype, device=device) for t in state.tensors}
+            )
             for _ in range(self.depth)
         ]
+        self._grads = [torch.zeros(numel, dtype=dtype, device=device) for _ in range(self.depth)]
         self._streams = [torch.cuda.Stream(device) if self.cuda else None for _ in range(self.depth)]
         for stream in self._streams:
             if stream is not None:  # after the buffers' zero-fill
@@ -97,31 +96,23 @@ class DeviceLane:
         ChunkGradients.wait_host_chunk(job.chunk)  # its grads have landed, no gather reads it
         b = self._next
         self._next = (b + 1) % self.depth
-        buf, stream, a, n = self._buffers[b], self._streams[b], job.chunk.shards, job.numel
-        host = slice(job.lo, job.hi)
+        stream, a, n = self._streams[b], job.chunk.shards, job.numel
         with (
             torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext(),
             torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(),
         ):
-            staged = {k: t[:n] for k, t in buf.items()}
-            for k in ("master", "exp_avg", "exp_avg_sq", "grad"):
-                staged[k].copy_(getattr(a, k)[host], non_blocking=True)
-            out = None if a.master_is_param else buf["grad"]  # each gradient is read before its param is written
+            host = a.state.range(job.lo, job.hi).tensors.values()
+            staged = self._states[b].range(0, n)
+            grad = self._grads[b][:n]
+            for src, dst in zip(host, staged.tensors.values()):
+                dst.copy_(src, non_blocking=True)
+            grad.copy_(a.grad[job.lo : job.hi], non_blocking=True)
+            out = None if a.master_is_param else grad  # each gradient is read before its param is written
             for step, segments in job.work:
                 shifted = [GroupRange(s.offset - job.lo, s.length, s.group) for s in segments]
-                self._kernels[b].step(
-                    buf["master"],
-                    buf["exp_avg"],
-                    buf["exp_avg_sq"],
-                    buf["grad"],
-                    out,
-                    shifted,
-                    job.hypers,
-                    step,
-                    job.div_scale,
-                )
-            for k in ("master", "exp_avg", "exp_avg_sq"):
-                getattr(a, k)[host].copy_(staged[k], non_blocking=True)
+                self._kernels[b].step(staged, grad, out, shifted, job.hypers, step, job.div_scale)
+            for dst, src in zip(host, staged.tensors.values()):
+                dst.copy_(src, non_blocking=True)
             if out is not None:  # only where the kernel wrote params: elsewhere the buffer holds gradients
                 for lo, hi in _covered(job.work):
                     a.param[lo:hi].copy_(out[lo - job.lo : hi - job.lo], non_blocking=True)

@@ -124,17 +124,19 @@ def search(
     table: ParamTable, profile: ModelProfile, hardware: HardwareProfile, budget: Budget, settings: SearchSettings
 ) -> SearchResult:
     start = time.perf_counter()
-    rates = hardware.rates(settings.world_size, settings.busbw, budget.ranks_per_host)
+    rates = hardware.rates(settings.world_size, settings.busbw, budget.ranks_per_host, settings.config.state)
     if settings.config.chunk_size is not None:
         sizes = [settings.config.chunk_size]
     else:
-        unit_numels = [sum(round_up(p.numel(), settings.config.alignment) for p in u.params) for u in table.units]
+        unit_numels = [
+            sum(round_up(p.numel(), settings.config.layout_alignment) for p in u.params) for u in table.units
+        ]
         sizes = chunk_size_candidates(
             [p.numel() for p in table.params],
             table.private,
             unit_numels,
             world_size=settings.world_size,
-            alignment=settings.config.alignment,
+            alignment=settings.config.layout_alignment,
         )
     work = _unit_work(table)
     backward = profile.backward if settings.grads_share_activations else []
@@ -234,7 +236,7 @@ def _evaluate(
         table.private,
         world_size=settings.world_size,
         chunk_size=chunk_size,
-        alignment=settings.config.alignment,
+        alignment=settings.config.layout_alignment,
     )
     units, regions, root = resident_chunks(layout, table, [r.params for r in profile.ac_regions])
     lo, hi = layout.block_bounds([*units, *regions])
@@ -253,8 +255,15 @@ def _evaluate(
         micro_batches=settings.micro_batches,
         clips_grads=settings.clips_grads,
         device_lane=settings.device_lane,
+        state=settings.config.state,
     )
-    mem = ArenaBytes(layout, settings.dtype, settings.device_lane, window if window is not None else GradWindow())
+    mem = ArenaBytes(
+        layout,
+        settings.dtype,
+        settings.config.state,
+        settings.device_lane,
+        window if window is not None else GradWindow(),
+    )
     n_blocks = {"min": lo, "max": hi}.get(settings.config.n_blocks, settings.config.n_blocks)  # type: ignore[arg-type]
     if isinstance(n_blocks, int):
         n_blocks = min(n_blocks, hi)

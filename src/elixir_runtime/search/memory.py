@@ -1,8 +1,8 @@
 """Bytes per rank of a placement, counted exactly as the engine allocates them (``chunk/store.py``).
 
 Per chunk shard: the compute-dtype parameter (none for a trainable shard on the GPU in mixed
-precision: gathers cast the master), and for trainable chunks the compute-dtype gradient, fp32 m
-and v, and an fp32 master (aliased to the parameter in fp32 runs). The rCache is ``n_blocks``
+precision: gathers cast the master), and for trainable chunks the compute-dtype gradient, the
+moments and an fp32 master (aliased to the parameter in fp32 runs): ``adam_state.py``. The rCache is ``n_blocks``
 buffers of the largest public chunk; each private chunk has a buffer of its own size. Host arenas
 are pinned at their exact size. With the device lane the GPU also holds its staging
 (``LANE_DEPTH`` slices) while a trainable chunk is offloaded.
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..adam_state import AdamState
 from ..chunk.layout import ChunkLayout
 from ..chunk.store import Where, casts_on_gather, grads_on_demand
 from ..profiler.profile import BackwardSegment
@@ -31,25 +32,25 @@ __all__ = [
     "GradWindow",
     "WindowStep",
     "grad_window",
-    "trainable_bytes_per_element",
+    "trainable_bytes",
     "staging_bytes",
 ]
 
 
-def staging_bytes(numel: int, dtype: torch.dtype) -> int:
-    """GPU bytes of the lane's staging buffers for slices of ``numel`` elements: fp32 master, m, v
-    and one compute-dtype tensor (the gradient, then the new param) per buffer."""
-    return LANE_DEPTH * numel * (12 + torch.empty((), dtype=dtype).element_size())
+def staging_bytes(numel: int, dtype: torch.dtype, state: AdamState) -> int:
+    """GPU bytes of the lane's staging buffers for slices of ``numel`` elements: the optimizer state
+    (master and moments) and one compute-dtype tensor (the gradient, then the new param) per buffer."""
+    return LANE_DEPTH * (state.nbytes(numel) + numel * torch.empty((), dtype=dtype).element_size())
 
 
-def trainable_bytes_per_element(dtype: torch.dtype, placement: Where) -> int:
-    """Bytes per element of a trainable shard's arenas in ``placement``: param (none where gathers
-    cast the master), grad (host only: the device's are counted apart, ``ArenaBytes.grads``), m, v,
-    and an fp32 master unless it is the param (fp32)."""
+def trainable_bytes(numel: int, dtype: torch.dtype, placement: Where, state: AdamState) -> int:
+    """Bytes of a trainable shard of ``numel`` elements in ``placement``'s arenas: param (none where
+    gathers cast the master), grad (host only: the device's are counted apart, ``ArenaBytes.grads``),
+    the moments, and an fp32 master unless it is the param (fp32)."""
     elt = torch.empty((), dtype=dtype).element_size()
     param = 0 if casts_on_gather(placement, dtype) else elt
     grad = 0 if grads_on_demand(placement) else elt
-    return param + grad + 8 + (0 if dtype == torch.float32 else 4)
+    return numel * (param + grad) + state.nbytes(numel, master=dtype != torch.float32)
 
 
 @dataclass(frozen=True)
@@ -92,19 +93,29 @@ class ArenaBytes:
     """Per-chunk arena sizes of one layout, for fast sums over placements."""
 
     def __init__(
-        self, layout: ChunkLayout, dtype: torch.dtype, lane: bool = False, window: GradWindow = GradWindow()
+        self,
+        layout: ChunkLayout,
+        dtype: torch.dtype,
+        state: AdamState,
+        lane: bool = False,
+        window: GradWindow = GradWindow(),
     ) -> None:
-        """``lane``: the device update lane is on (its staging buffers count while a trainable
-        chunk is offloaded); ``window``: what the device's gradient shards share memory with."""
+        """``state``: the optimizer state of a trainable element; ``lane``: the device update lane is
+        on (its staging buffers count while a trainable chunk is offloaded); ``window``: what the
+        device's gradient shards share memory with."""
         elt = torch.empty((), dtype=dtype).element_size()
-        self.elt, self.dtype, self.lane = elt, dtype, lane
+        self.elt, self.dtype, self.state, self.lane = elt, dtype, state, lane
         self.buffer = layout.block_numel * elt
         """Bytes of one rCache buffer (the largest public chunk, in the compute dtype)."""
         shard = np.array([layout.shard_numel(c) for c in layout.chunks], dtype=np.int64)
         trainable = np.array([c.trainable for c in layout.chunks])
         self.trainable_shard = np.where(trainable, shard, 0)
         self.device_arena, self.host_arena = (
-            shard * np.where(trainable, trainable_bytes_per_element(dtype, where), elt) for where in ("device", "host")
+            np.array(
+                [trainable_bytes(int(n), dtype, where, state) if t else int(n) * elt for n, t in zip(shard, trainable)],
+                dtype=np.int64,
+            )
+            for where in ("device", "host")
         )
         """Bytes of each chunk's arenas when it is on the device / offloaded."""
         self.grad = self.trainable_shard * elt
@@ -124,7 +135,7 @@ class ArenaBytes:
 
     def staging(self, on_device: np.ndarray) -> int:
         """Bytes of the device lane's staging buffers for this placement."""
-        return staging_bytes(self.lane_numel(on_device), self.dtype)
+        return staging_bytes(self.lane_numel(on_device), self.dtype, self.state)
 
     def grads(self, on_device: np.ndarray) -> int:
         """The device's gradient shards beyond the activations freed under them: at each step of

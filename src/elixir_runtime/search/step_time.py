@@ -39,6 +39,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from ..adam_state import ADAM_STATE, AdamState
 from ..chunk.layout import ChunkLayout
 from ..hardware.profile import Rates, attention_keys
 from ..profiler.timeline import Cost
@@ -137,7 +138,9 @@ class StepModel:
         micro_batches: int = 1,
         clips_grads: bool = True,
         device_lane: bool = False,
+        state: AdamState = ADAM_STATE["fp32"],
     ) -> None:
+        """``state``: the optimizer state of a trainable element (``rates`` are its kernels')."""
         self.layout, self.rates = layout, rates
         self.min_blocks, self.prefetch, self.micro = min_blocks, prefetch, micro_batches
         self.clips_grads = clips_grads
@@ -147,7 +150,7 @@ class StepModel:
         self.lane_rate = 0.0
         """Elements per second the device lane updates (0: no lane): ``min(duplex / lane_bytes, gpu_adam)``."""
         if device_lane:
-            up, down = lane_bytes(dtype)
+            up, down = lane_bytes(dtype, state)
             link_up, link_down = rates.duplex or rates.h2d, rates.duplex or rates.d2h
             self.lane_rate = 1.0 / max(up / link_up, down / link_down, 1.0 / rates.gpu_adam)
         alone = rates.cpu_adam_alone if clips_grads and not device_lane else None
@@ -421,11 +424,12 @@ def fetch_drag(rates: Rates) -> float:
     return min(1.0, rates.h2d / both_ways) * (1.0 - under / alone)
 
 
-def lane_bytes(dtype: torch.dtype) -> tuple[int, int]:
-    """Bytes per element the device lane moves up (fp32 master, m, v, the gradient) and down
-    (master, m, v and, unless the master is the param (fp32), the compute-dtype param)."""
+def lane_bytes(dtype: torch.dtype, state: AdamState) -> tuple[float, float]:
+    """Bytes per element the device lane moves up (the optimizer state, the gradient) and down (the
+    state and, unless the master is the param (fp32), the compute-dtype param)."""
     elt = torch.empty((), dtype=dtype).element_size()
-    return 12 + elt, 12 + (0 if dtype == torch.float32 else elt)
+    held = state.bytes_per_element()
+    return held + elt, held + (0 if dtype == torch.float32 else elt)
 
 
 _MAX_SLICES = 256

@@ -15,6 +15,7 @@ from torch import nn
 
 from elixir_runtime.chunk.host_memory import empty_arena
 from elixir_runtime.chunk.layout import build_layout
+from elixir_runtime.adam_state import ADAM_STATE, MOMENTS
 from elixir_runtime.chunk.store import build_arenas
 from elixir_runtime.search.memory import ArenaBytes
 
@@ -22,7 +23,7 @@ SIZES = [100, 37, 64, 210, 5, 90]
 GROUPS = [0, -1, 0, 1, -1, 0]  # -1: frozen
 
 
-def _case(world_size: int):
+def _case(world_size: int, alignment: int = 8):
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(n) / 3) for n in SIZES]
     layout = build_layout(
@@ -31,8 +32,8 @@ def _case(world_size: int):
         GROUPS,
         [False] * len(SIZES),
         world_size=world_size,
-        chunk_size=128,
-        alignment=8,
+        chunk_size=16 * alignment,
+        alignment=alignment,
     )
     return layout, params
 
@@ -41,15 +42,17 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+@pytest.mark.parametrize("moments", MOMENTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_arena_bytes_match_the_allocation_per_placement(dtype: torch.dtype, world_size: int) -> None:
-    layout, _ = _case(world_size)
+def test_arena_bytes_match_the_allocation_per_placement(dtype: torch.dtype, world_size: int, moments: str) -> None:
+    state = ADAM_STATE[moments]
+    layout, _ = _case(world_size, state.alignment)
     n = len(layout.chunks)
     placement = ["device" if c % 2 else "host" for c in range(n)]
-    arenas = build_arenas(layout, placement, 0, torch.device("cpu"), dtype)
+    arenas = build_arenas(layout, placement, 0, torch.device("cpu"), dtype, state)
     on_device = np.array([p == "device" for p in placement])
-    mem = ArenaBytes(layout, dtype)
+    mem = ArenaBytes(layout, dtype, state)
     # without a window every gradient shard of the device counts; they are allocated per chunk later
     grads = mem.grads(on_device)
     assert grads == sum(
@@ -59,7 +62,7 @@ def test_arena_bytes_match_the_allocation_per_placement(dtype: torch.dtype, worl
     )
     for where, counted in (("device", mem.device(0, on_device) - mem.private - grads), ("host", mem.host(on_device))):
         a = arenas[where]
-        tensors = [a.param, a.grad, a.exp_avg, a.exp_avg_sq] + ([] if a.master_is_param else [a.master])
+        tensors = [a.param, a.grad] + [t for s, t in a.state.items() if s.moment or not a.master_is_param]
         assert sum(_bytes(t) for t in tensors) == counted, where
     device = arenas["device"]
     assert device.grad.numel() == 0
@@ -79,7 +82,7 @@ def test_gathers_read_bf16_of_the_master_or_the_frozen_copy(world_size: int) -> 
     n = len(layout.chunks)
     for placement in (["device"] * n, ["host"] * n, ["device" if c % 2 else "host" for c in range(n)]):
         for rank in range(world_size):
-            arenas = build_arenas(layout, placement, rank, torch.device("cpu"), torch.bfloat16)
+            arenas = build_arenas(layout, placement, rank, torch.device("cpu"), torch.bfloat16, ADAM_STATE["fp32"])
             for c in layout.chunks:
                 a = arenas[placement[c.index]]
                 size = layout.shard_numel(c)
@@ -108,7 +111,9 @@ def test_the_fill_runs_on_the_ranks_share_of_the_cores_whatever_torchrun_set(mon
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        arenas = build_arenas(layout, ["host"] * len(layout.chunks), 0, torch.device("cpu"), torch.bfloat16, weights)
+        arenas = build_arenas(
+            layout, ["host"] * len(layout.chunks), 0, torch.device("cpu"), torch.bfloat16, ADAM_STATE["fp32"], weights
+        )
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)

@@ -8,9 +8,12 @@ import os
 import torch
 import torch.distributed as dist
 
+from elixir_runtime.adam_state import ADAM_STATE
 from elixir_runtime.distributed.collectives import Collectives
 from elixir_runtime.hardware import measure
 from elixir_runtime.hardware.load import ENV_HARDWARE, job_hardware
+
+FP32 = ADAM_STATE["fp32"]
 
 
 def job_measures_cpu_adam(rank: int, world: int, cache: str) -> tuple:
@@ -43,4 +46,4 @@ def job_records_update_rate(rank: int, world: int, cache: str) -> float:
 
     os.environ.update(ELIXIR_CACHE_DIR=cache, LOCAL_WORLD_SIZE=str(world))
     os.environ.pop(ENV_HARDWARE, None)
-    return record_update_rate(Collectives(dist.group.WORLD), torch.device("cpu"), 2, 7, 1e9 * (rank + 2))
+    return record_update_rate(Collectives(dist.group.WORLD), torch.device("cpu"), 2, 7, 1e9 * (rank + 2), FP32)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import elixir_runtime.hardware.measure as measure
+from elixir_runtime.adam_state import ADAM_STATE
 from elixir_runtime.distributed.collectives import Collectives
 from elixir_runtime.hardware import HardwareProfile, load_hardware
 from elixir_runtime.hardware.load import ENV_HARDWARE, cache_path, record_update_rate, with_step_gemms
@@ -21,6 +22,8 @@ from helpers.dist import run_distributed
 from helpers.logs import recorded_bars
 from tests.elixir_runtime.hardware.job_ranks import job_measures_cpu_adam, job_records_update_rate
 from tests.elixir_runtime.search.search_cases import gpu_host
+
+FP32 = ADAM_STATE["fp32"]
 
 
 @pytest.mark.perf
@@ -245,8 +248,8 @@ def test_adam_is_timed_on_values_like_a_runs(monkeypatch) -> None:
     seen = []
 
     class Recorder:
-        def step(self, master, m, v, grad, out, *args, **kwargs):
-            seen.append((master.clone(), m.clone(), v.clone(), grad.float()))
+        def step(self, state, grad, out, *args, **kwargs):
+            seen.append((state.master.clone(), state["exp_avg"].clone(), state["exp_avg_sq"].clone(), grad.float()))
 
     monkeypatch.setattr(measure, "select_kernel", lambda device, threads=None: Recorder())
     measure._adam_update(torch.device("cpu"), 4096, torch.bfloat16, 1)()
@@ -266,17 +269,17 @@ def test_a_jobs_update_rate_is_recorded_in_this_machines_profile(tmp_path, monke
     assert HardwareProfile.load(cache_path()).cpu_adam[2] == CpuAdamRate(2, 7, 2e9, 4e9, observed=2e9)
     one = Collectives(None)
     for kept in (
-        lambda: record_update_rate(one, torch.device("cpu"), 2, 15, 5e9),  # another measurement's threads
-        lambda: record_update_rate(one, torch.device("cpu"), 4, 7, 5e9),  # no entry for 4 ranks
-        lambda: record_update_rate(one, torch.device("cpu"), 2, 7, 0.0),  # no rate
+        lambda: record_update_rate(one, torch.device("cpu"), 2, 15, 5e9, FP32),  # another measurement's threads
+        lambda: record_update_rate(one, torch.device("cpu"), 4, 7, 5e9, FP32),  # no entry for 4 ranks
+        lambda: record_update_rate(one, torch.device("cpu"), 2, 7, 0.0, FP32),  # no rate
     ):
         kept()
         assert HardwareProfile.load(cache_path()).cpu_adam[2].observed == 2e9
     monkeypatch.setenv(ENV_HARDWARE, str(tmp_path / "given.json"))  # the job planned with a file
-    record_update_rate(one, torch.device("cpu"), 2, 7, 5e9)
+    record_update_rate(one, torch.device("cpu"), 2, 7, 5e9, FP32)
     assert HardwareProfile.load(cache_path()).cpu_adam[2].observed == 2e9
     monkeypatch.delenv(ENV_HARDWARE)
-    assert record_update_rate(one, torch.device("cpu"), 2, 7, 5e9) == 5e9
+    assert record_update_rate(one, torch.device("cpu"), 2, 7, 5e9, FP32) == 5e9
     assert HardwareProfile.load(cache_path()).cpu_adam[2].observed == 5e9
 
 
@@ -292,5 +295,5 @@ def test_an_unreadable_cached_profile_does_not_fail_the_step(tmp_path, monkeypat
     monkeypatch.delenv(ENV_HARDWARE, raising=False)
     monkeypatch.setenv("ELIXIR_CACHE_DIR", str(tmp_path))
     cache_path().write_text("{ not json")
-    assert record_update_rate(Collectives(None), torch.device("cpu"), 1, 15, 5e9) == 5e9
+    assert record_update_rate(Collectives(None), torch.device("cpu"), 1, 15, 5e9, FP32) == 5e9
     assert "could not record" in caplog.text and cache_path().read_text() == "{ not json"

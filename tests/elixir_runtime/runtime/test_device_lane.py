@@ -89,7 +89,8 @@ def test_plan_counts_the_staging_it_allocates(small_slices):
     recipe = Recipe(model="llama")
     on, _ = er.prepare(*build(recipe), config=er.ElixirConfig(mode="static", offload=0.5, device_assisted_update=True))
     plan, lane = on._elixir.plan, on._elixir.runtime.host_updates.lane
-    allocated = sum(t.numel() * t.element_size() for b in lane._buffers for t in b.values())
+    buffers = [*lane._grads, *(t for s in lane._states for t in s.tensors.values())]
+    allocated = sum(t.numel() * t.element_size() for t in buffers)
     assert plan.device_lane == lane.numel == SLICE and plan.memory.lane_staging == allocated > 0
     assert plan.device_bytes == (
         plan.memory.rcache + plan.memory.private + plan.memory.device_shards + plan.memory.device_grads + allocated
@@ -121,6 +122,7 @@ def test_lane_slices_match_the_cpu_kernel(device, dtype):
 
     from elixir_runtime.chunk.host_memory import empty_host
     from elixir_runtime.chunk.layout import GroupRange
+    from elixir_runtime.adam_state import ADAM_STATE, AdamTensors
     from elixir_runtime.chunk.store import ShardArenas
     from elixir_runtime.kernels.cpu_adam import CpuAdamKernel
     from elixir_runtime.kernels.kernel import AdamHyper
@@ -137,16 +139,9 @@ def test_lane_slices_match_the_cpu_kernel(device, dtype):
     def arenas():
         master = arena(torch.float32)
         param = master if dtype == torch.float32 else arena(dtype).copy_(master)  # as build_arenas fills it
-        return ShardArenas(
-            "host",
-            torch.device("cpu"),
-            param,
-            arena(dtype, 0.1),
-            master,
-            arena(torch.float32, 0.01),
-            arena(torch.float32, 1e-4).abs_(),
-            n,
-        )
+        moments = {"exp_avg": arena(torch.float32, 0.01), "exp_avg_sq": arena(torch.float32, 1e-4).abs_()}
+        state = AdamTensors(ADAM_STATE["fp32"], {"master": master, **moments})
+        return ShardArenas("host", torch.device("cpu"), param, arena(dtype, 0.1), state, n)
 
     ours = arenas()
     g.manual_seed(0)
@@ -154,7 +149,7 @@ def test_lane_slices_match_the_cpu_kernel(device, dtype):
     segments = [GroupRange(0, SLICE + 100, 0), GroupRange(SLICE + 164, 2 * SLICE - 200, 1)]  # the rest: unused
     hypers = [AdamHyper(1e-2, 0.9, 0.999, 1e-6, 0.1, True), AdamHyper(3e-3, 0.8, 0.99, 1e-8, 0.0, False)]
     chunk = SimpleNamespace(index=0, offset=0, shard_numel=n, shards=ours, reduced_event=None, gathered=None)
-    lane = DeviceLane(SLICE, torch.device(device), dtype)
+    lane = DeviceLane(SLICE, torch.device(device), dtype, ADAM_STATE["fp32"])
     jobs = slice_updates(chunk, [(3, segments)], hypers, 2.5, lane.numel)
     assert [(j.lo, j.hi) for j in jobs] == [(0, SLICE), (SLICE, 2 * SLICE), (2 * SLICE, 3 * SLICE)]  # the tail: nothing
     tokens = [lane.issue(j) for j in jobs[:2]]  # two in flight, as the scheduler runs it
@@ -162,19 +157,9 @@ def test_lane_slices_match_the_cpu_kernel(device, dtype):
     tokens.append(lane.issue(jobs[2]))
     for t in tokens[1:]:
         lane.finish(t)
-    CpuAdamKernel().step(
-        want.master,
-        want.exp_avg,
-        want.exp_avg_sq,
-        want.grad,
-        None if want.master_is_param else want.param,
-        segments,
-        hypers,
-        3,
-        2.5,
-    )
+    CpuAdamKernel().step(want.state, want.grad, None if want.master_is_param else want.param, segments, hypers, 3, 2.5)
     for k in ("master", "exp_avg", "exp_avg_sq"):
-        torch.testing.assert_close(getattr(ours, k), getattr(want, k), rtol=1e-6, atol=1e-7, msg=k)
+        torch.testing.assert_close(ours.state[k], want.state[k], rtol=1e-6, atol=1e-7, msg=k)
     assert torch.equal(ours.param, ours.master.to(dtype))  # also in the gap and the tail, left alone
 
 

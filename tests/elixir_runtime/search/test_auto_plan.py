@@ -13,6 +13,7 @@ from search_cases import GIB, gpu_host, model_state_bytes
 
 import elixir_runtime as er
 import elixir_runtime.planner as planner
+from elixir_runtime.adam_state import ADAM_STATE
 from elixir_runtime.distributed.collectives import Collectives
 from elixir_runtime.gpu_limit import limit_gpu_memory
 from elixir_runtime.search import Budget
@@ -32,7 +33,7 @@ def _fake_machine(monkeypatch, model, share: float) -> None:
         )
 
     monkeypatch.setattr(planner, "device_budget", budget)
-    monkeypatch.setattr(planner, "job_hardware", lambda coll, device, cpu_threads=None: gpu_host())
+    monkeypatch.setattr(planner, "job_hardware", lambda coll, device, cpu_threads=None, state=None: gpu_host())
 
 
 def _model():
@@ -59,7 +60,9 @@ def test_auto_plan_runs_in_the_engine(monkeypatch) -> None:
     plan = model._elixir.plan
     assert (plan.n_chunks, plan.chunk_size, plan.offload) == (searched.n_chunks, searched.chunk_size, searched.offload)
     # a static plan has no profile, so no gradient window: every GPU gradient shard counts
-    windowed = ArenaBytes(model._elixir.runtime.layout, torch.float32, window=planned.live.grad_window)
+    windowed = ArenaBytes(
+        model._elixir.runtime.layout, torch.float32, ADAM_STATE["fp32"], window=planned.live.grad_window
+    )
     on_device = np.array([s == "device" for s in plan.placement()])
     assert plan.host_bytes == searched.host_bytes
     assert plan.device_bytes - plan.memory.device_grads == searched.device_bytes - windowed.grads(on_device)
@@ -116,7 +119,7 @@ def _plan_on_two_ranks(rank: int, world: int) -> tuple:
     planner.device_budget = lambda device, act, buffers, host: Budget(
         int(1.25 * act) + buffers + int(0.3 * states), act, buffers, 64 * GIB, host.ranks
     )
-    planner.job_hardware = lambda coll, device, cpu_threads=None: gpu_host(gpus=2)
+    planner.job_hardware = lambda coll, device, cpu_threads=None, state=None: gpu_host(gpus=2)
     seen, real = [], planner.search
 
     def spy(table, profile, hardware, budget, settings):
@@ -156,7 +159,7 @@ def test_the_gpu_limit_shrinks_the_plan(monkeypatch) -> None:
     budget reads it back; a cap and the same fraction set by the user give the same plan. Without
     an example batch (a structural profile: fast), activations take a fixed share of the capacity."""
     model = _model()
-    monkeypatch.setattr(planner, "job_hardware", lambda coll, device, cpu_threads=None: gpu_host())
+    monkeypatch.setattr(planner, "job_hardware", lambda coll, device, cpu_threads=None, state=None: gpu_host())
     gpu = FakeGPU(total=64 * GIB).install(monkeypatch)
     coll = Collectives(None)
 

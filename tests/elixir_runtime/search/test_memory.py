@@ -11,6 +11,7 @@ from torch import nn
 
 from elixir_runtime.chunk.layout import build_layout
 from elixir_runtime.profiler.profile import BackwardSegment
+from elixir_runtime.adam_state import ADAM_STATE
 from elixir_runtime.search.memory import ArenaBytes, GradWindow, WindowStep, grad_window
 
 BF16 = torch.bfloat16
@@ -37,7 +38,7 @@ def _four_chunks(window: GradWindow) -> ArenaBytes:
     params = [nn.Parameter(torch.empty(128)) for _ in range(4)]
     names = [["a"], ["b"], ["c"], ["head.weight"]]
     layout = build_layout(params, names, [0] * 4, [False] * 4, world_size=1, chunk_size=128, alignment=8)
-    return ArenaBytes(layout, BF16, window=window)
+    return ArenaBytes(layout, BF16, ADAM_STATE["fp32"], window=window)
 
 
 GRAD = 128 * 2
@@ -115,7 +116,7 @@ def test_each_window_step_holds_every_gradient_shard_the_engine_has_allocated_by
     config = er.ElixirConfig(mode="static", offload=0, chunk_size=chunk_size)
     model, opt = er.prepare(model, torch.optim.AdamW(model.parameters()), config=config, example_batch=batch)
     runtime = model._elixir.runtime
-    step = ArenaBytes(runtime.layout, torch.float32, window=window).step
+    step = ArenaBytes(runtime.layout, torch.float32, ADAM_STATE["fp32"], window=window).step
     layers = model.model.layers
     held: dict[int, list[int]] = {}
 

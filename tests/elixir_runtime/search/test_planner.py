@@ -74,7 +74,7 @@ def test_a_searched_plan_carries_the_layout_the_search_built(monkeypatch) -> Non
             int(1.25 * act) + buffers + int(0.3 * states), act, buffers, 64 * GIB, host.ranks
         ),
     )
-    monkeypatch.setattr(planner, "job_hardware", lambda coll, device, cpu_threads=None: gpu_host())
+    monkeypatch.setattr(planner, "job_hardware", lambda coll, device, cpu_threads=None, state=None: gpu_host())
     results = []
     real = planner.search
 
@@ -114,7 +114,9 @@ def test_a_job_prices_its_gemms_at_their_shapes_timed_on_its_device(monkeypatch,
         lambda device, act, buffers, host: Budget(64 * GIB, act, buffers, 64 * GIB, host.ranks),
     )
     monkeypatch.setattr(
-        planner, "job_hardware", lambda coll, device, cpu_threads=None: dataclasses.replace(gpu_host(), dtype="float32")
+        planner,
+        "job_hardware",
+        lambda coll, device, cpu_threads=None, state=None: dataclasses.replace(gpu_host(), dtype="float32"),
     )
     profiles = []
     real = planner.search
@@ -140,7 +142,7 @@ def test_the_search_plans_the_resident_chunk(monkeypatch, named: bool) -> None:
     monkeypatch.setattr(
         planner, "device_budget", lambda device, act, buffers, host: Budget(GIB, act, buffers, GIB, host.ranks)
     )
-    monkeypatch.setattr(planner, "job_hardware", lambda coll, device, cpu_threads=None: gpu_host())
+    monkeypatch.setattr(planner, "job_hardware", lambda coll, device, cpu_threads=None, state=None: gpu_host())
     model = tiny_llama()
     head = read_head_outside(model)
     planned = planner.search_job(

@@ -141,28 +141,39 @@ def test_little_memory_offloads_plenty_keeps_everything(gpt2) -> None:
     assert all(tight.placement.time.total <= a.time.total + 1e-12 for a in tight.alternatives if a.fits)
 
 
+@pytest.mark.parametrize("moments", ["fp32", "8bit"])
 @pytest.mark.parametrize("lane", [False, True], ids=["cpu-alone", "device-lane"])
-def test_plan_memory_is_what_the_engine_allocates(gpt2, lane) -> None:
+def test_plan_memory_is_what_the_engine_allocates(gpt2, lane, moments) -> None:
     model, table, profile = gpt2
+    config = ElixirConfig(device_assisted_update=lane, moments=moments)
     budget = _budget(profile, _capacities(model, profile)[3])
     r = search(
         table,
         profile,
         gpu_host(),
         budget,
-        dataclasses.replace(_settings(device_assisted_update=lane), device_lane=lane),
+        dataclasses.replace(_settings(device_assisted_update=lane, moments=moments), device_lane=lane),
     )
     assert r.placement.offload and r.device_lane == lane
     layout = build_layout(
-        table.params, table.names, table.groups, table.private, world_size=1, chunk_size=r.chunk_size, alignment=64
+        table.params,
+        table.names,
+        table.groups,
+        table.private,
+        world_size=1,
+        chunk_size=r.chunk_size,
+        alignment=config.layout_alignment,
     )
-    mem, lane_numel = _count_memory(layout, set(r.placement.offload), r.placement.n_blocks, BF16, lane, r.grad_window)
+    offload, blocks = set(r.placement.offload), r.placement.n_blocks
+    mem, lane_numel = _count_memory(layout, offload, blocks, BF16, config.state, lane, r.grad_window)
     assert mem.rcache + mem.private + mem.device_shards + mem.device_grads + mem.lane_staging == (
         r.placement.device_bytes
     )
     assert mem.host_shards == r.placement.host_bytes
-    assert (lane_numel > 0) == lane and mem.lane_staging == 2 * lane_numel * (12 + 2)  # fp32 m, v, master + bf16
-    plan = resolve_plan(ElixirConfig(), table, r.layout, BF16, search=r).plan
+    held = {"fp32": 12, "8bit": 4 + 2 + 8 / 256}[moments]  # master and moments (8-bit: and their scales)
+    assert (lane_numel > 0) == lane and mem.lane_staging == 2 * lane_numel * (held + 2)  # + the bf16 grad
+    plan = resolve_plan(config, table, r.layout, BF16, search=r).plan
+    assert plan.moments == moments
     assert (plan.n_blocks, list(plan.offload), plan.device_lane) == (
         r.placement.n_blocks,
         r.placement.offload,
@@ -323,7 +334,7 @@ def test_plan_memory_is_what_the_runtime_allocates_with_oversize_chunks(dtype) -
 
     def arenas(where: str) -> int:
         a = rt.arenas[where]
-        return nbytes(a.param, a.grad, a.master, a.exp_avg, a.exp_avg_sq)
+        return nbytes(a.param, a.grad, *a.state.tensors.values())
 
     assert plan.memory.rcache == nbytes(*(b.data for b in rt.rcache.buffers))
     assert plan.memory.private == nbytes(*(c.buffer.data for c in rt.chunks if c.spec.private))
