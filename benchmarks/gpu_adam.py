@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from elixir_runtime.adam_state import ADAM_STATE, AdamTensors
 from elixir_runtime.chunk.layout import GroupRange
 from elixir_runtime.kernels.kernel import AdamHyper
 from elixir_runtime.kernels.triton_adam import TritonAdamKernel
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
     src = dst = None
 
     p, m, v = torch.randn(n, device=dev), torch.zeros(n, device=dev), torch.zeros(n, device=dev)
+    state = AdamTensors(ADAM_STATE["fp32"], {"master": p, "exp_avg": m, "exp_avg_sq": v})
     g = torch.randn(n, device=dev).to(torch.bfloat16)
     out = torch.empty(n, dtype=torch.bfloat16, device=dev)
     segs = _segments(n)
@@ -69,10 +71,10 @@ def main(argv: list[str] | None = None) -> dict:
     for block, warps in CONFIGS:
         kernel = TritonAdamKernel(block=block, num_warps=warps)
         ours_ms[(block, warps)] = _median_ms(
-            lambda kernel=kernel: kernel.step(p, m, v, g, out, segs, hypers, 1, 1.0), args.iters
+            lambda kernel=kernel: kernel.step(state, g, out, segs, hypers, 1, 1.0), args.iters
         )
     best = min(ours_ms, key=ours_ms.get)
-    p = m = v = g = None
+    p = m = v = g = state = None
 
     param = torch.nn.Parameter(torch.randn(n, device=dev))
     param.grad = torch.randn(n, device=dev)
