@@ -20,7 +20,13 @@ PACKAGES = {"elixir_runtime": SRC, "elixir_hf": SRC, "benchmarks": ROOT}
 LAYERS: list[tuple[str, ...]] = [
     # what the user asks for, and facts of this host (its memory, the GPU memory this process may use);
     # the progress bars' protocol (no bars unless a caller installs a factory)
-    ("elixir_runtime.config", "elixir_runtime.host", "elixir_runtime.gpu_limit", "elixir_runtime.progress"),
+    (
+        "elixir_runtime.config",
+        "elixir_runtime.adam_state",
+        "elixir_runtime.host",
+        "elixir_runtime.gpu_limit",
+        "elixir_runtime.progress",
+    ),
     # the model as the planner and the engine see it: fetch units, parameter table
     ("elixir_runtime.units",),
     # the plumbing between ranks: chunk collectives, check-ins, a rank's failure, heartbeats

@@ -38,6 +38,8 @@ MOMENTS: tuple[str, ...] = get_args(Moments)
 
 QUANT_BLOCK = 256
 """Elements of a moment that share one fp32 scale in the ``"8bit"`` state."""
+SIGNED_ZERO = 127
+"""The code of 0.0 in ``exp_avg``'s signed map (127 negative entries below it: ``kernels/quant8.py``)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ class StateTensor:
     """Elements one entry covers: 1, or ``QUANT_BLOCK`` for a block's scale."""
     moment: bool = True
     """A moment (zero at step 0), not the master weights."""
+    zero: int = 0
+    """The entry that stands for 0.0: what an arena of it starts as (the signed map's code of 0 is not 0)."""
 
     def entries(self, numel: int) -> int:
         """Entries of this tensor for ``numel`` elements."""
@@ -117,7 +121,7 @@ ADAM_STATE: dict[str, AdamState] = {
         "8bit",
         (
             _MASTER,
-            StateTensor("exp_avg", torch.uint8),
+            StateTensor("exp_avg", torch.uint8, zero=SIGNED_ZERO),
             StateTensor("exp_avg_sq", torch.uint8),
             StateTensor("exp_avg.absmax", torch.float32, per=QUANT_BLOCK),
             StateTensor("exp_avg_sq.absmax", torch.float32, per=QUANT_BLOCK),

@@ -219,8 +219,9 @@ def _fill(
     for c in members:
         start, n = arenas.offsets[c.index], layout.shard_numel(c)
         if c.trainable:
-            parts = [t for _, t in arenas.state.range(start, start + n).items()] + [arenas.grad[start : start + n]]
-            for t in parts + ([copy[start : start + n]] if copy is not None else []):
+            for spec, t in arenas.state.range(start, start + n).items():
+                t.fill_(spec.zero)  # a moment at step 0 (its padding stays so: no piece of a checkpoint holds it)
+            for t in [arenas.grad[start : start + n]] + ([copy[start : start + n]] if copy is not None else []):
                 t.zero_()
         else:
             arenas.source(start, n, trainable=False).zero_()

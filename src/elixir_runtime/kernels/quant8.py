@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..adam_state import QUANT_BLOCK, AdamState
+from ..adam_state import ADAM_STATE, QUANT_BLOCK, AdamState
 
 __all__ = [
     "QuantTables",
@@ -90,6 +90,7 @@ def _host_tables(kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if kind not in MOMENT_KINDS:
         raise ValueError(f"no 8-bit map for {kind!r}: the quantized moments are {MOMENT_KINDS}")
     code = codebook(signed=kind == "exp_avg")
+    assert code[ADAM_STATE["8bit"].tensor(kind).zero] == 0.0, "adam_state's zero code is the map's"
     return (code, *_buckets(code))
 
 
