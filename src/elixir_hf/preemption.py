@@ -21,6 +21,9 @@ save) and, if any was signalled, the run stops there, that checkpoint verified a
 SIGKILL once its grace is over) leaves the previous complete checkpoint: every save is atomic
 (``checkpoint.py``). Outside ``train()`` the signals keep their own handlers.
 
+The children the run forks meanwhile (the DataLoader's workers) are shielded from the two signals
+([Note: the children live on]): the step and its save still need them.
+
 The predicted save time: writing, the longest save of this run so far on this rank (timed from the
 step's end, or the evaluation's, to ``on_save``), else the checkpoint's bytes at ``WRITE_RATE``; and
 verifying, its bytes at ``VERIFY_RATE``. Its bytes: the last checkpoint's files (its marker), else
@@ -35,6 +38,19 @@ and on a GPU a stall of the host that runs ahead of it. The lockstep check-in at
 such a collective already (24 bytes on the host, gloo, no GPU synchronization); its third number
 carries the flag. The cost: a signal that comes after a step's last forward stops the run one step
 later, and a step with no forward (none in the Trainer) could not carry it.
+
+[Note: the children live on]
+SLURM's preemption, ``scancel`` and a kill of the process group signal every process, the
+DataLoader's workers too. torch's worker handler exits on a SIGTERM its parent did not send, and
+the parent's SIGCHLD handler then raises ``DataLoader worker ... killed by signal`` wherever the
+main thread is (the step, the save): no checkpoint, exit status 1. So while ``train()`` holds the
+handlers, a process it forks (``os.register_at_fork``) blocks SIGTERM and SIGUSR1 in every thread
+and takes them from a thread of its own (``sigwaitinfo``, which says who sent each): a SIGTERM from
+its parent (the DataLoader ending a worker that did not stop when asked) ends it with status 0, as
+torch's handler does; any other is dropped, and the worker serves until the run, stopping at the
+step's end, shuts it down. A child that ``exec``s keeps the blocked mask: a program started by
+``os.fork`` and ``exec`` inside ``train()`` ignores SIGTERM (``subprocess`` runs no fork hooks, so
+its children are unaffected), and children started by ``spawn`` or ``forkserver`` are not shielded.
 """
 
 from __future__ import annotations
@@ -50,7 +66,7 @@ from transformers import TrainerCallback
 
 from .checkpoint.format import CheckpointError, _gather, newest_complete, read_marker, verify
 
-__all__ = ["EXIT_PREEMPTED", "SIGNALS", "VERIFY_RATE", "WRITE_RATE", "Preemption"]
+__all__ = ["EXIT_PREEMPTED", "SIGNALS", "VERIFY_RATE", "WRITE_RATE", "Preemption", "shielding_children"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +79,32 @@ WRITE_RATE = 200e6
 pace, well under a local NVMe's; later saves are predicted from this run's own."""
 VERIFY_RATE = 1e9
 """Bytes per second of CRC-32 over files just written (the page cache): 1.3 GB/s on the 2-core test host."""
+
+
+_shielding = 0
+"""``train()`` calls holding the handlers: while any does, forked children are shielded."""
+
+
+def shielding_children() -> bool:
+    return _shielding > 0
+
+
+def _after_fork_in_child() -> None:
+    if _shielding:
+        parent = os.getppid()
+        signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)  # this thread and every thread it starts
+        threading.Thread(target=_take_signals, args=(parent,), name="elixir-preemption-shield", daemon=True).start()
+
+
+def _take_signals(parent: int) -> None:
+    """A shielded child's signals ([Note: the children live on])."""
+    while True:
+        got = signal.sigwaitinfo(SIGNALS)
+        if got.si_signo == signal.SIGTERM and got.si_pid == parent:
+            os._exit(0)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Preemption(TrainerCallback):
@@ -98,8 +140,17 @@ class Preemption(TrainerCallback):
             logger.warning("elixir: train() runs outside the main thread: no preemption save on SIGTERM/SIGUSR1")
             return
         self._previous = {s: signal.signal(s, self._signalled) for s in SIGNALS}
+        global _shielding
+        _shielding += 1
 
     def on_train_end(self, args, state, control, **kwargs):
+        self.release()
+
+    def release(self) -> None:
+        """The signals' own handlers back, children no longer shielded: at ``train()``'s end, also a failed one."""
+        global _shielding
+        if self._previous:
+            _shielding -= 1
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}

@@ -192,10 +192,14 @@ class ElixirTrainer(Trainer):
 
     # ------------------------------------------------------------------ checkpoints
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        with self._explained("train"), self._one_job_per_folder():
-            if self.elixir_plugin is not None and resume_from_checkpoint is True:
-                resume_from_checkpoint = newest_complete(self._output_dir)
-            output = super().train(resume_from_checkpoint, *args, **kwargs)
+        try:
+            with self._explained("train"), self._one_job_per_folder():
+                if self.elixir_plugin is not None and resume_from_checkpoint is True:
+                    resume_from_checkpoint = newest_complete(self._output_dir)
+                output = super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            if self._preemption is not None:
+                self._preemption.release()  # on_train_end's, when train() raised before it
         if self._preemption is not None:
             self._preemption.exit_if_preempted()  # SIGTERM/SIGUSR1: after the lock is released (preemption.py)
         return output

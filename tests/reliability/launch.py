@@ -18,17 +18,27 @@ LONG = os.environ.get("ELIXIR_LONG_TESTS") == "1"
 """The long fault-injection loops (run once before merging); CI runs short ones."""
 
 
-def run_script(script: str, *args: str, ranks: int | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_script(
+    script: str, *args: str, ranks: int | None = None, timeout: float = 300, new_group: bool = False
+) -> subprocess.CompletedProcess:
     """``python script args`` next to this file, on the CPU; under ``torchrun`` with ``ranks``."""
     launch = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)] if ranks else []
-    return run_python(*launch, str(Path(__file__).with_name(script)), *args, timeout=timeout)
+    return run_python(*launch, str(Path(__file__).with_name(script)), *args, timeout=timeout, new_group=new_group)
 
 
-def run_python(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``python args`` on the CPU, with this process's import path and without ``ELIXIR_CONFIG``."""
+def run_python(*args: str, timeout: float = 300, new_group: bool = False) -> subprocess.CompletedProcess:
+    """``python args`` on the CPU, with this process's import path and without ``ELIXIR_CONFIG``; in a
+    process group of its own with ``new_group`` (a signal to its group reaches it and its children only)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(sys.path)}
     env.pop("ELIXIR_CONFIG", None)
-    return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        process_group=0 if new_group else None,
+    )
 
 
 def assert_clean_exits(runs: list[subprocess.CompletedProcess]) -> None:
@@ -62,7 +72,13 @@ class RankEnd:
 
 
 def run_ranks(
-    script: str, *args: str, ranks: int = 2, cuda: bool = False, store: str = "launcher", timeout: float = 300
+    script: str,
+    *args: str,
+    ranks: int = 2,
+    cuda: bool = False,
+    store: str = "launcher",
+    timeout: float = 300,
+    new_group: bool = False,
 ) -> list[RankEnd]:
     """``python script args`` next to this file as ``ranks`` processes with ``torchrun``'s environment
     (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, ...), on the CPU (gloo)
@@ -70,7 +86,8 @@ def run_ranks(
     rank ends on its own, so its exit status, stderr and end time are its own. ``store="launcher"``: the
     job's store is hosted here, as ``torchrun``'s launcher hosts it; ``"rank0"``: rank 0 hosts it
     (``init_method="env://"`` without ``torchrun``). A rank left stopped (SIGSTOP) once every other rank
-    has ended is killed, as ``torchrun`` kills it after its shutdown timeout."""
+    has ended is killed, as ``torchrun`` kills it after its shutdown timeout. ``new_group``: the ranks
+    in one process group of their own (rank 0's), as a SLURM step's tasks are for ``scancel``."""
     host = "127.0.0.1"
     server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if store == "launcher" else None
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -96,6 +113,7 @@ def run_ranks(
                     env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                     stdout=subprocess.DEVNULL,
                     stderr=files[-1],
+                    process_group=(procs[0].pid if procs else 0) if new_group else None,
                 )
             )
         ended: dict[int, float] = {}

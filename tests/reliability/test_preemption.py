@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_cases import OFFLOAD_PLAN, history, make_trainer, training_args
-from launch import run_script
+from launch import run_ranks, run_script
 from preempt_worker import SignalAt
 from safetensors.torch import load_file
 
@@ -118,3 +118,27 @@ def test_a_signal_on_one_rank_stops_every_rank_with_the_same_checkpoint(tmp_path
     for name in ("model.safetensors", "optimizer-00000-of-00002.safetensors", "optimizer-00001-of-00002.safetensors"):
         a, b = load_file(str(got / name)), load_file(str(want / name))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGUSR1"])
+def test_a_signal_to_the_process_group_saves_with_dataloader_workers(tmp_path, signum: str) -> None:
+    """SLURM's preemption, ``scancel`` or a kill of the group signal the DataLoader's workers too; they
+    live on until the run stops (``preemption.py``, [Note: the children live on]). Before: SIGTERM killed
+    them and torch raised ``DataLoader worker ... killed by signal: Terminated`` inside the save: no
+    checkpoint, exit status 1."""
+    proc = run_script("group_signal_worker.py", str(tmp_path), signum, "0", new_group=True)
+    assert proc.returncode == EXIT_PREEMPTED, proc.stderr[-3000:]
+    assert "killed by signal" not in proc.stderr and "exited unexpectedly" not in proc.stderr
+    assert json.loads((tmp_path / "rank0.json").read_text()) == {"exit": EXIT_PREEMPTED, "step": 3}
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-3"]
+    verify(tmp_path / "run" / "checkpoint-3", 0, True)
+
+
+def test_a_signal_to_the_process_group_of_two_ranks_saves_with_dataloader_workers(tmp_path) -> None:
+    """Both ranks and their 4 workers in one group, SIGTERM to it from rank 1 as step 3 begins."""
+    ends = run_ranks("group_signal_worker.py", str(tmp_path), "SIGTERM", "1", new_group=True, timeout=300)
+    for rank, end in enumerate(ends):
+        assert end.returncode == EXIT_PREEMPTED, (rank, end.stderr[-3000:])
+        assert "killed by signal" not in end.stderr and "exited unexpectedly" not in end.stderr, rank
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"exit": EXIT_PREEMPTED, "step": 3}
+    verify(tmp_path / "run" / "checkpoint-3", 0, True)
