@@ -110,12 +110,6 @@ class ElixirTrainingArguments(TrainingArguments):
                 check_compile_options(self.torch_compile_backend or "inductor", self.torch_compile_mode)
             except ValueError as exc:
                 raise ElixirSpecError(f"--torch_compile_mode/--torch_compile_backend: {exc}") from None
-        if getattr(self, "enable_jit_checkpoint", False):  # transformers >= 5.x
-            raise ElixirSpecError(
-                "--enable_jit_checkpoint saves on the rank a SIGTERM reaches, alone, and an Elixir save is a collective "
-                "of every rank: drop the flag. Elixir saves on SIGTERM/SIGUSR1 itself, every rank agreeing, when the "
-                "save fits the grace period (--elixir key preempt_grace_s, ELIXIR_PREEMPT_GRACE_S)"
-            )
         if self.fp16_full_eval or self.bf16_full_eval:
             raise ElixirSpecError(
                 "--fp16_full_eval/--bf16_full_eval cast the whole model, which Elixir shards: drop the flag; "

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 import torch
@@ -114,6 +116,12 @@ class EngineMetrics:
         if delta.get("cpu_update_s"):
             out["elixir/cpu_update_Gps"] = delta["updated_cpu"] / delta["cpu_update_s"] / 1e9
         return out
+
+
+def once_only(logs: Mapping[str, Any]) -> set[str]:
+    """The keys of ``logs`` a run logs in its first log only: the plan's shape (``elixir/plan_*``
+    but its predictions, which every log carries). A resumed run logs none of them again."""
+    return {k for k in logs if k.startswith("elixir/plan_") and k not in _PREDICTIONS}
 
 
 def _plan_metrics(plan: ElixirPlan) -> dict[str, float]:

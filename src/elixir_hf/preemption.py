@@ -110,8 +110,10 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 class Preemption(TrainerCallback):
     """``ElixirTrainer``'s preemption: ``trainer`` runs on the engine; see the module docstring."""
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: Any, always_save: bool = False) -> None:
         self.trainer = trainer
+        self.always_save = always_save
+        """``--enable_jit_checkpoint``: save whatever the prediction says (the user asked for a save on SIGTERM)."""
         self.grace_s = trainer.elixir_plugin.preempt_grace_s
         self._previous: dict[int, Any] = {}
         self._start()
@@ -173,7 +175,7 @@ class Preemption(TrainerCallback):
         self.signals = who = _who(name for name, _, _ in everyone)
         left, predicted = min(e[1] for e in everyone), max(e[2] for e in everyone)
         self.decided = (predicted, left)
-        control.should_save = predicted <= left
+        control.should_save = predicted <= left or self.always_save
         if control.should_save:
             _say(
                 state,

@@ -42,6 +42,7 @@ import functools
 import json
 import logging
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ import torch
 from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from elixir_runtime import armed, attached_weights, rank0_state_dict
+from elixir_runtime import armed, attached_weights, park, rank0_state_dict, release
 
 from . import patches
 from .accelerator import ElixirAccelerator
@@ -77,6 +78,7 @@ from .checkpoint.optimizer_files import load_optimizer, save_optimizer
 from .console import follow_trainer
 from .engine import build_engine, engine_state, has_engine
 from .loading.stream import restream
+from .metrics import once_only
 from .mixin import mixed_class
 from .plugin import ENV_VAR, ElixirPlugin, describe_model
 from .preemption import Preemption
@@ -93,8 +95,12 @@ class ElixirTrainer(Trainer):
         args = as_elixir_args(args)
         args._elixir_trainer = True  # the Trainer reads args.place_model_on_device, which checks this
         super().__init__(model, args, *rest, **kwargs)
-        self._preemption = Preemption(self) if self.elixir_plugin is not None else None
+        self._jit = bool(getattr(self.args, "enable_jit_checkpoint", False)) and self.elixir_plugin is not None
+        self._preemption = Preemption(self, always_save=self._jit) if self.elixir_plugin is not None else None
+        self._calls = 0
+        """``train``/``evaluate``/``predict`` calls running (an evaluation inside training: 2)."""
         if self._preemption is not None:
+            _drop_jit_checkpoint(self.callback_handler.callbacks)
             self.add_callback(self._preemption)
             follow_trainer(self.args)
             callbacks = self.callback_handler.callbacks
@@ -129,11 +135,19 @@ class ElixirTrainer(Trainer):
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         """The stock AdamW (HF's decay groups and hyperparameters), then the engine built from it."""
-        if self.elixir_plugin is None or self.optimizer is not None:
-            return super().create_optimizer(model)
-        optimizer = super().create_optimizer(model)
         target = model if model is not None else self.model
         assert target is not None, "the Trainer holds its model (given, or built by model_init)"
+        if self.elixir_plugin is None or self._owns_engine(target):
+            return super().create_optimizer(model)
+        self.optimizer = None  # an optimizer of an engine released since (another Trainer took the model)
+        if has_engine(target):
+            logger.info(
+                "elixir: the model runs on another Trainer's engine: it is released, and one built for this one"
+            )
+            release(
+                target
+            )  # its weights back in the model (host memory), its memory freed: [Note: a model trained again]
+        optimizer = super().create_optimizer(model)
         batch = (
             planned_batch(self.train_dataset, self.data_collator, self._train_batch_size, args=self.args, model=target)
             if self.train_dataset is not None
@@ -151,6 +165,22 @@ class ElixirTrainer(Trainer):
         )
         return self.optimizer
 
+    def _owns_engine(self, model: torch.nn.Module) -> bool:
+        """Whether this Trainer's optimizer is the one of the engine ``model`` runs on.
+
+        [Note: a model trained again]
+        The stock Trainer accepts a model another Trainer trained (continuing with other arguments, an
+        auto-batch-size retry, a resume in the same process) and builds a new AdamW for it. Here the model
+        carries that Trainer's engine, planned for its batch and arguments: ``create_optimizer`` releases
+        it (``elixir_runtime.release``: the trained weights back in the model's own parameters, the
+        engine's memory freed) and builds one for this Trainer's, from a fresh AdamW as the stock Trainer
+        does. The same Trainer training again keeps its engine and its Adam state, as the stock Trainer
+        keeps its optimizer; a Trainer whose engine another one released builds a new one.
+        """
+        if self.optimizer is None or not has_engine(model):
+            return False
+        return getattr(self.optimizer, "elixir_optimizer", self.optimizer) is engine_state(model).optimizer
+
     def _ensure_engine(self) -> None:
         """Evaluation before training must run on the engine too (the model never went to the GPU)."""
         if self.elixir_plugin is not None and not has_engine(self.model):
@@ -158,13 +188,29 @@ class ElixirTrainer(Trainer):
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         self._ensure_engine()
-        with self._explained("evaluate"):
+        with self._explained("evaluate"), self._readable_after():
             return super().evaluate(*args, **kwargs)
 
     def predict(self, *args: Any, **kwargs: Any) -> Any:
         self._ensure_engine()
-        with self._explained("predict"):
+        with self._explained("predict"), self._readable_after():
             return super().predict(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _readable_after(self) -> Iterator[None]:
+        """When the outermost ``train``/``evaluate``/``predict`` returns, ``model.parameters()`` read the
+        trained values, as the stock Trainer's do (``elixir_runtime.park``; the engine takes them back
+        at the next forward). Not after an evaluation inside training, nor when the call raised."""
+        self._calls += 1
+        try:
+            yield
+        finally:
+            self._calls -= 1
+        if self._calls == 0 and self.model is not None and has_engine(self.model):
+            parked = park(self.model)
+            logger.info(
+                "elixir: model.parameters() read the trained weights (%s) until the next step", _WHERE[parked.where]
+            )
 
     @contextlib.contextmanager
     def _explained(self, where: str) -> Iterator[None]:
@@ -187,20 +233,23 @@ class ElixirTrainer(Trainer):
         """A training log (it has ``loss``) gets this rank's engine numbers before the Trainer
         records it in ``log_history`` and hands it to every callback and reporter."""
         if "loss" in logs and has_engine(self.model) and isinstance(self.accelerator, ElixirAccelerator):
-            logs.update(self.accelerator.elixir_metrics())
+            metrics = self.accelerator.elixir_metrics()
+            if any(once_only(h) for h in self.state.log_history):  # a resumed run: its checkpoint's history has them
+                metrics = {k: v for k, v in metrics.items() if k not in once_only(metrics)}
+            logs.update(metrics)
         super().log(logs, *args, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         try:
-            with self._explained("train"), self._one_job_per_folder():
+            with self._explained("train"), self._one_job_per_folder(), self._readable_after():
                 if self.elixir_plugin is not None and resume_from_checkpoint is True:
                     resume_from_checkpoint = newest_complete(self._output_dir)
                 output = super().train(resume_from_checkpoint, *args, **kwargs)
         finally:
             if self._preemption is not None:
                 self._preemption.release()  # on_train_end's, when train() raised before it
-        if self._preemption is not None:
+        if self._preemption is not None and not self._jit:  # --enable_jit_checkpoint: train() returns, as stock
             self._preemption.exit_if_preempted()  # SIGTERM/SIGUSR1: after the lock is released (preemption.py)
         return output
 
@@ -388,6 +437,26 @@ class ElixirTrainer(Trainer):
             error = f"{type(e).__name__}: {e}"
         all_ranks_agree(error, f"loading the Elixir optimizer state of {checkpoint} into the stock optimizer")
         logger.info("elixir: --elixir off resumes %s with its Adam state, schedule and fp32 weights", checkpoint)
+
+
+_WHERE = {
+    "shards": "views of the engine's shards: no copy",
+    "device": "a copy on the GPU",
+    "host": "a copy in host memory",
+    None: "no: neither the GPU nor the host has room for a copy; read them with model.state_dict()",
+}
+"""``elixir_runtime.Parked.where`` in words."""
+
+
+def _drop_jit_checkpoint(callbacks: list[Any]) -> None:
+    """``--enable_jit_checkpoint``: transformers' callback out, its SIGTERM handler undone. It saves on the
+    rank the signal reaches, alone, and an Elixir save is a collective of every rank; the engine's
+    preemption save (``preemption.py``, every rank agreeing) saves instead, whatever the grace."""
+    for callback in [c for c in callbacks if type(c).__name__ == "JITCheckpointCallback"]:
+        manager = callback.jit_manager
+        if manager is not None and manager._original_sigterm_handler is not None:
+            signal.signal(signal.SIGTERM, manager._original_sigterm_handler)
+        callbacks.remove(callback)
 
 
 @functools.cache

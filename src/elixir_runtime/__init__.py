@@ -29,9 +29,8 @@ from .kernels.quant8 import decode_state
 from .optim.named_state import load_named, named_meta, named_state, plain_to_named, saved_state
 from .optim.optimizer import ElixirOptimizer
 from .plan import ElixirPlan
-from .runtime.full_params import full_params
+from .runtime.full_params import Parked, full_params, park
 from .runtime.hooks import PlaceholderReadError
-from .runtime.parking import Parked, park
 from .state_dict import load_safetensors, rank0_state_dict
 from .weights.attached import attached_weights, detach_weights
 from .weights.init import InitError, init_weights

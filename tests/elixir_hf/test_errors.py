@@ -134,7 +134,6 @@ def test_bad_elixir_values(tmp_path, spec: str, message: str) -> None:
         ({"torch_compile_mode": "reduce-overhead"}, "--torch_compile_mode.*uses CUDA graphs"),
         ({"torch_compile_backend": "cudagraphs"}, "backend='cudagraphs' cannot work with Elixir"),
         ({"bf16_full_eval": True}, "bf16_full_eval"),
-        ({"enable_jit_checkpoint": True}, "--enable_jit_checkpoint saves on the rank a SIGTERM reaches, alone"),
     ],
 )
 def test_incompatible_training_arguments(tmp_path, kwargs: dict, message: str) -> None:

@@ -451,7 +451,7 @@ def newest_complete(output_dir: str | os.PathLike, required: bool = True) -> str
         )
     if p is None and required:
         raise CheckpointError(
-            f"no complete checkpoint in {output_dir} to resume from"
+            f"No valid checkpoint found in output directory ({output_dir}): no complete checkpoint to resume from"
             + (f" (skipped {'; and '.join(skipped)})" if skipped else "")
             + ": start without resume_from_checkpoint, or pass a checkpoint folder"
         )

@@ -83,7 +83,7 @@ class ChunkRuntime:
         self.update_order = [by_index[i] for i in update_order(list(by_index), root_chunks)]
         """The trainable chunks in the order the next forward needs them (``host_updates.update_order``)."""
         self.parked: Callable[[], None] | None = None
-        """While the parameters are parked (``parking.py``): what gives them back to the engine."""
+        """While the parameters are parked (``full_params.park``): what gives them back to the engine."""
 
     # the context's, for the engine's users (the optimizer, the state-dict hooks, elixir_hf)
     @property
@@ -109,7 +109,7 @@ class ChunkRuntime:
         return self.ctx.stats.now
 
     def unpark(self) -> None:
-        """The parked parameters (``parking.py``) back to the engine: placeholders, hooks on."""
+        """The parked parameters (``full_params.park``) back to the engine: placeholders, hooks on."""
         if self.parked is not None:
             restore, self.parked = self.parked, None
             restore()

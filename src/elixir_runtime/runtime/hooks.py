@@ -206,7 +206,7 @@ class _RootHooks:
             return
         grad = torch.is_grad_enabled()
         if self.depth == 0:  # every rank must be starting this forward too (distributed/lockstep.py)
-            self.runtime.unpark()  # the parameters parked since the last step go back to the engine (parking.py)
+            self.runtime.unpark()  # the parameters parked since the last step go back to the engine (full_params.park)
             self.runtime.ctx.lockstep.check_in(Op.TRAINING_FORWARD if grad else Op.NO_GRAD_FORWARD)
             if grad and self.model.training:
                 self.guard.check(args, kwargs)
@@ -266,7 +266,7 @@ class _RootHooks:
 
 class EngineHooks:
     """Every hook ``install_hooks`` put on a model: the units' module hooks (taken off while the
-    parameters are parked, ``parking.py``, and put back at the next forward), the root's, and the
+    parameters are parked, ``full_params.park``, and put back at the next forward), the root's, and the
     parameters' gradient hooks. ``remove`` takes all of them off (``elixir_runtime.release``)."""
 
     def __init__(self, model: nn.Module, units: list[tuple[nn.Module, _UnitHooks]], root: _RootHooks) -> None:
