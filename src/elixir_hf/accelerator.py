@@ -13,7 +13,21 @@ becomes the engine's dtype and Accelerate itself runs with ``"no"``); ``backward
 for fp16 and reduces gradients into shards; ``clip_grad_norm_`` returns the engine's global norm
 and folds clipping into the next step; checkpoints keep the optimizer state by parameter name,
 one file per rank, loadable into any number of ranks and plan (``checkpoint/optimizer_files.py``);
-``accelerator.log`` carries the engine's ``elixir/*`` numbers (``elixir_metrics``) to the trackers.
+``accelerator.log`` carries the engine's ``elixir/*`` numbers (``elixir_metrics``) to the trackers;
+the loop's own collectives between the engine's steps (``gather``, ``gather_for_metrics``, ``reduce``,
+``pad_across_processes``, ``wait_for_everyone``) are under the lockstep timeout ([Note: collectives
+between the steps]).
+
+[Note: collectives between the steps]
+The engine needs the other ranks from a step's first check-in to its ``zero_grad``
+(``elixir_runtime/distributed/heartbeat.py``); a loop that then calls ``accelerator.gather(loss)``
+waits in a collective of its own, where a rank stopped between the steps left it until the
+process group's timeout (30 minutes). So each of these methods arms the heartbeat: a rank silent for
+``lockstep_timeout_s`` ends every rank naming it (exit status 69), and a collective failed because
+another rank gave up raises that rank's error. Not covered: collectives the loop calls outside the
+Accelerator's methods (``torch.distributed.*``, ``accelerate.utils.broadcast``, ``gather_object``,
+``PartialState.wait_for_everyone`` and ``main_process_first``): they wait until ``--ddp_timeout`` /
+``InitProcessGroupKwargs(timeout=...)``; wrap them in ``elixir_runtime.armed()`` to cover them.
 """
 
 from __future__ import annotations
@@ -24,6 +38,7 @@ import functools
 import logging
 import math
 import os
+from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
@@ -186,6 +201,43 @@ class ElixirAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
         opt = self.elixir_optimizer
         return super().no_sync(model) if opt is None else opt.elixir_optimizer.no_sync()
+
+    # ------------------------------------------------------------------ collectives between the steps
+    def gather(self, tensor: Any) -> Any:
+        with self._collective("gather"):
+            return super().gather(tensor)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        with self._collective("gather_for_metrics"):
+            return super().gather_for_metrics(input_data, use_gather_object)
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        with self._collective("reduce"):
+            return super().reduce(tensor, reduction, scale)
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        with self._collective("pad_across_processes"):
+            return super().pad_across_processes(tensor, dim, pad_index, pad_first)
+
+    def wait_for_everyone(self) -> None:
+        with self._collective("wait_for_everyone"):
+            super().wait_for_everyone()
+
+    @contextlib.contextmanager
+    def _collective(self, name: str) -> Iterator[None]:
+        """A collective of the loop's, under the lockstep timeout ([Note: collectives between the steps])."""
+        model = next((m for m in self._models if has_engine(m)), None)
+        if model is None:
+            yield
+            return
+        try:
+            with armed():
+                yield
+        except RuntimeError as exc:
+            board = engine_state(model).runtime.lockstep.board
+            if board is not None:
+                board.raise_posted(exc, f"accelerator.{name}")
+            raise
 
     # ------------------------------------------------------------------ metrics
     def elixir_metrics(self) -> dict[str, float]:

@@ -187,3 +187,14 @@ def test_every_rank_of_three_exits_alike_when_one_stops(tmp_path) -> None:
         assert "(rank 1 (pid " in _verdict(ends[rank], rank)
     assert ends[1].returncode == -9
     _timed("stop rank 1 of 3", False, float((tmp_path / "fault").read_text()), ends, 3)
+
+
+def test_a_rank_stopped_between_steps_is_named_in_an_accelerate_loops_gather(tmp_path) -> None:
+    """An Accelerate loop's own collective after the engine's step (``accelerator.gather(loss)``) is
+    under the lockstep timeout: rank 0, waiting there for rank 1 stopped after its ``zero_grad``, ends
+    naming it. Before: nothing until the process group's timeout (30 minutes)."""
+    ends = run_ranks("accelerate_stall_worker.py", str(tmp_path), timeout=300)
+    verdict = _verdict(ends[0], 0)
+    assert re.search(r"\(rank 1 \(pid \d+ on [^)]+\) for \d+\.\d s; ElixirConfig.lockstep_timeout_s=2\)", verdict)
+    assert ends[1].returncode == -9  # stopped, and killed once rank 0 had ended
+    _timed("stop rank 1 between steps, Accelerate gather", False, float((tmp_path / "fault").read_text()), ends, 2)
