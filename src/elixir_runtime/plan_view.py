@@ -17,11 +17,13 @@ from .plan import ElixirPlan
 from .profiler.profile import ProfileSummary
 from .runtime.device_lane import LANE_DEPTH
 from .search.budget import Budget
+from .search.report import MomentsOption
 from .search.step_time import StepTime
 
 __all__ = [
     "MEMORY_PARTS",
     "alternatives_table",
+    "moments_hint",
     "budget_text",
     "candidates_table",
     "chunk_layers",
@@ -113,12 +115,26 @@ def plan_table(plan: ElixirPlan, verbose: bool = False) -> str:
                 + (f" ({rates.cpu_threads} threads)" if rates.cpu_threads else ""),
             )
         )
+    for option in plan.search.moments if plan.search is not None else ():
+        rows.append((f"moments {option.moments}", moments_hint(option, plan.predicted_step_s)))
     if verbose and plan.search is not None:
         i, j = ("-" if v is None else f"{v * 1e3:.2f}" for v in (plan.search.i_per_gib, plan.search.j_per_gib))
         rows.append(
             ("I(n) / J(n)", f"{i} / {j} ms per GiB saved by one more rCache block / by the next upload (- : none left)")
         )
     return _rows(rows)
+
+
+def moments_hint(option: MomentsOption, step_s: float | None) -> str:
+    """What a plan with ``option``'s moments would be, against a plan's ``step_s`` (``None``: none fits):
+    ``moments 8bit: nothing offloaded, predicted 1.71 s (1.33x), ...``."""
+    off = "nothing offloaded" if not option.offloaded else f"{option.offloaded} of {option.n_chunks} chunks offloaded"
+    speed = f" ({step_s / option.step_s:.2f}x this plan's step)" if step_s else ""
+    return (
+        f"{off}, {_gib(option.device_bytes)} GiB GPU, {_gib(option.host_bytes)} GiB host, predicted "
+        f"{option.step_s:.3f} s a step{speed}: fp32 master weights with block-wise 8-bit Adam moments, "
+        f"""not exact AdamW (--elixir '{{"moments": "{option.moments}"}}', docs/planning.md)"""
+    )
 
 
 def _gib(n: int) -> str:

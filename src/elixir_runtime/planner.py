@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from .chunk.layout import ChunkLayout, build_layout
-from .config import ElixirConfig, PlanMismatch
+from .adam_state import Moments
+from .config import ElixirConfig, PlanError, PlanMismatch
 from .distributed.collectives import Collectives
 from .gpu_limit import device_capacity, process_limit
 from .hardware.load import job_hardware, own_profile, with_step_gemms
@@ -42,6 +43,7 @@ from .plan_view import (
     format_step_time,
     host_line,
     memory_lines,
+    moments_hint,
     offload_text,
     plan_metrics,
     plan_table,
@@ -58,7 +60,7 @@ from .progress import progress
 from .runtime.batch_guard import token_shape
 from .search.budget import F_FRAG, Budget
 from .search.loop import SearchResult, SearchSettings, search
-from .search.report import Alternative, Candidate, SearchReport
+from .search.report import Alternative, Candidate, MomentsOption, SearchReport
 from .search.step_time import StepTime
 from .units import ParamTable, Unit, find_units, param_table
 
@@ -88,6 +90,7 @@ __all__ = [
     "format_step_time",
     "host_line",
     "memory_lines",
+    "moments_hint",
     "offload_text",
     "plan_metrics",
     "plan_table",
@@ -408,13 +411,58 @@ def _searched(
         grads_share_activations=target.grads_share_activations,
     )
     shapes = sum(1 for c in profile.flop_classes if c in hardware.gemms)
-    result = search(table, profile, hardware, budget, settings).noted(
+    result = _search_with_moments(table, profile, hardware, budget, settings).noted(
         f"hardware: {hardware.device}, {hardware.source}",
         f"profile: {profile.seconds:.2f} s; activation peak at {profile.peak_at}",
         *([f"GEMMs: {shapes} shapes of this step at their rates timed on this GPU"] if shapes else []),
         first=True,
     )
     return _Searched(order, profile.read_outside, table, result, profile.summary())
+
+
+COMPACT: Moments = "8bit"
+"""The moments an exact plan that offloads, or does not fit, is searched with beside it."""
+
+
+def _search_with_moments(
+    table: ParamTable, profile: ModelProfile, hardware: HardwareProfile, budget: Budget, settings: SearchSettings
+) -> SearchResult:
+    """``search``; where the config keeps exact moments and the plan offloads (host-bound updates) or
+    does not fit, the same job searched with 8-bit moments too, shown on the report (``MomentsOption``)
+    or in the error: what switching would buy, never switched to."""
+    config = settings.config
+    compact = replace(settings, config=replace(config, moments=COMPACT))
+    if config.moments == COMPACT:
+        return search(table, profile, hardware, budget, settings)
+    try:
+        result = search(table, profile, hardware, budget, settings)
+    except PlanError as err:
+        other = _searched_or_none(table, profile, hardware, budget, compact)
+        if other is None:
+            raise
+        raise PlanError(f"{err}\n{moments_hint(_option(other), None)}") from None
+    if not result.placement.offload:
+        return result
+    other = _searched_or_none(table, profile, hardware, budget, compact)
+    if other is None:
+        return result
+    return replace(result, report=replace(result.report, moments=(_option(other),)))
+
+
+def _searched_or_none(
+    table: ParamTable, profile: ModelProfile, hardware: HardwareProfile, budget: Budget, settings: SearchSettings
+) -> SearchResult | None:
+    try:
+        return search(table, profile, hardware, budget, settings)
+    except PlanError:
+        return None
+
+
+def _option(result: SearchResult) -> MomentsOption:
+    p = result.placement
+    assert result.layout is not None, "a search in this process keeps its layout"
+    n = len(result.layout.chunks)
+    return MomentsOption(COMPACT, len(p.offload), n, p.device_bytes, p.host_bytes, float(p.time.total))
 
 
 def _table(

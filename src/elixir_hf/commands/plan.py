@@ -32,6 +32,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from elixir_runtime import MOMENTS
 from elixir_runtime.config import ConfigError, ElixirConfig, PlanError, resolve_dtype
 from elixir_runtime.config import parse_size as config_parse_size
 from elixir_runtime.hardware import REFERENCE, SHIPPED
@@ -157,6 +158,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", type=_dtype, help="compute dtype: bf16 (default), fp16 or fp32 (the dtype key)")
     p.add_argument("--no-ac", dest="ac", action="store_false", help="without activation checkpointing")
     p.add_argument(
+        "--moments",
+        choices=MOMENTS,
+        help="how Adam's moments are stored (the moments key): fp32 (default, exact AdamW) or 8bit (fp32 master "
+        "weights with block-wise 8-bit moments; an exact plan that offloads shows what 8bit would buy)",
+    )
+    p.add_argument(
         "--device-lane",
         choices=tuple(DEVICE_LANE_WORDS),
         help="the device update lane (ElixirConfig.device_assisted_update): off (default), on, or auto "
@@ -259,6 +266,7 @@ _SHORTHANDS: dict[str, tuple[str, str, Callable[[Any], object]]] = {
     "--gpu-memory": ("gpu_memory", "gpu_memory", int),
     "--device-lane": ("device_lane", "device_assisted_update", DEVICE_LANE_WORDS.__getitem__),
     "--stock-loss": ("lean_loss", "lean_loss", bool),
+    "--moments": ("moments", "moments", str),
 }
 """The flags that are shorthands for an ``--elixir`` key."""
 

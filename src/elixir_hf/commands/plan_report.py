@@ -36,6 +36,7 @@ from elixir_runtime.planner import (
     find_units,
     host_line,
     memory_lines,
+    moments_hint,
     offload_text,
     plan_model,
     plan_table,
@@ -212,7 +213,12 @@ def _text(
         [
             _header(args, plan, hardware, hw_note, card, host_source),
             "\n".join([*memory_lines(plan), host_line(plan), "offloaded: " + offload_text(plan)]),
-            step_text(plan, args.grad_accum) + ("\n" + _accumulated_text(plan, accumulated) if accumulated else ""),
+            step_text(plan, args.grad_accum)
+            + ("\n" + _accumulated_text(plan, accumulated) if accumulated else "")
+            + "".join(
+                f"\n  moments {o.moments}: {moments_hint(o, plan.predicted_step_s)}"
+                for o in (plan.search.moments if plan.search else ())
+            ),
         ]
     )
 

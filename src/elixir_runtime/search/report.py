@@ -13,7 +13,7 @@ from typing import Any
 from ..hardware.profile import HardwareProfile, Rates
 from .step_time import StepTime
 
-__all__ = ["Alternative", "Candidate", "RateSummary", "SearchReport"]
+__all__ = ["Alternative", "Candidate", "MomentsOption", "RateSummary", "SearchReport"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,20 @@ class Alternative:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Alternative:
         return cls(**{**data, "time": StepTime.from_dict(data["time"])})
+
+
+@dataclass(frozen=True)
+class MomentsOption:
+    """The same job searched with another way of storing Adam's moments (``ElixirConfig.moments``):
+    what switching would buy, shown beside the plan and never switched to by itself."""
+
+    moments: str
+    offloaded: int
+    n_chunks: int
+    device_bytes: int
+    host_bytes: int
+    step_s: float
+    """Its predicted seconds per optimizer step."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +130,8 @@ class SearchReport:
     rates: RateSummary | None = None
     hardware: HardwareProfile | None = None
     """A copy of the profile searched with: read it, never change it."""
+    moments: tuple[MomentsOption, ...] = ()
+    """The job searched with the other moments where this plan offloads (``planner``); empty otherwise."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -126,6 +142,7 @@ class SearchReport:
             "seconds": self.seconds,
             "rates": None if self.rates is None else self.rates.to_dict(),
             "hardware": None if self.hardware is None else self.hardware.to_dict(),
+            "moments": [asdict(m) for m in self.moments],
         }
 
     @classmethod
@@ -139,4 +156,5 @@ class SearchReport:
             seconds=data.get("seconds", 0.0),
             rates=RateSummary(**rates) if rates else None,
             hardware=HardwareProfile.from_dict(hardware) if hardware else None,
+            moments=tuple(MomentsOption(**m) for m in data.get("moments", ())),
         )

@@ -631,3 +631,27 @@ def test_an_elixir_key_reaches_the_plan(capsys, tmp_path) -> None:
     assert plan["offload"] == list(range(plan["n_chunks"])) and json.loads(out)["settings"]["elixir"] == {
         "offload": 1.0
     }
+
+
+def test_an_exact_plan_that_offloads_shows_what_8bit_moments_would_buy(capsys, tmp_path) -> None:
+    """Never switched to: the plan stays exact and a line prices 8-bit moments; where exact does not fit
+    at all, the error says the 8-bit plan that would."""
+    base = ["--model", _tiny_config(tmp_path), "--seq-len", "128", "--batch-size", "2", "--hardware", "h100"]
+    code, out, _ = _run(capsys, *base, "--gpu-mem", "9MiB", "--host-mem", "64GiB", "--json")
+    plan = json.loads(out)["plan"]
+    assert code == 0 and plan["moments"] == "fp32" and plan["offload"]
+    (option,) = plan["search"]["moments"]
+    assert (
+        option["moments"] == "8bit"
+        and option["offloaded"] / option["n_chunks"] < len(plan["offload"]) / plan["n_chunks"]
+    )
+    code, text, _ = _run(capsys, *base, "--gpu-mem", "9MiB", "--host-mem", "64GiB")
+    assert re.search(
+        r"moments 8bit: \d+ of \d+ chunks offloaded, .* not exact AdamW \(--elixir '\{\"moments\": \"8bit\"\}'", text
+    )
+    code, _, err = _run(capsys, *base, "--gpu-mem", "6MiB", "--host-mem", "10MiB")
+    assert code == 2 and "no plan fits" in err and "8-bit Adam moments" in err
+    code, out, _ = _run(capsys, *base, "--gpu-mem", "6MiB", "--host-mem", "10MiB", "--moments", "8bit", "--json")
+    assert (
+        code == 0 and json.loads(out)["plan"]["moments"] == "8bit" and not json.loads(out)["plan"]["search"]["moments"]
+    )
