@@ -19,6 +19,7 @@ and a killed one made them raise gloo's "Connection reset by peer" (on NCCL: wai
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -106,15 +107,25 @@ def test_a_forward_or_save_on_one_rank_ends_every_rank_with_the_lockstep_error(t
 # --------------------------------------------------------------------------- a rank stops answering
 
 
+JOBS_AT_ONCE = 2
+"""Independent jobs run side by side: two 2-rank jobs keep a 2-core host's cores busy (each rank idles in
+its imports' I/O and its gathers) without starving a rank's beat thread for the 3 s timeout."""
+
+
 @pytest.fixture(scope="module", params=BACKENDS)
 def stalled(request, tmp_path_factory) -> tuple[bool, Path, dict[tuple[str, str], list[RankEnd]]]:
     """Each of ``STALLS`` on its own job (rank 1 stopped or killed inside step 3 or the save of
-    ``checkpoint-4``), in ``<out>/<fault>-<where>``."""
+    ``checkpoint-4``), in ``<out>/<fault>-<where>``; on the CPU ``JOBS_AT_ONCE`` jobs at a time (each job
+    times its ranks from its own fault), on GPUs one at a time (a job takes both)."""
     cuda, out = request.param, tmp_path_factory.mktemp("stalled")
-    ends = {}
-    for how, where in STALLS:
+
+    def job(stall: tuple[str, str]) -> list[RankEnd]:
+        how, where = stall
         (out / f"{how}-{where}").mkdir()
-        ends[how, where] = _run(cuda, "stall_worker.py", str(out / f"{how}-{where}"), how, where, "1")
+        return _run(cuda, "stall_worker.py", str(out / f"{how}-{where}"), how, where, "1")
+
+    with concurrent.futures.ThreadPoolExecutor(1 if cuda else JOBS_AT_ONCE) as pool:
+        ends = dict(zip(STALLS, pool.map(job, STALLS)))
     return cuda, out, ends
 
 
