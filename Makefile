@@ -6,6 +6,8 @@ STAMP := $(VENV)/.installed
 # torch 2.13.0 is the CPU wheel on local disk; installing it first keeps pip
 # from resolving `torch>=2.11` to a multi-GB CUDA build.
 TORCH_PIN := torch==2.13.0
+# The triton the GPU Adam's CPU tests (TRITON_INTERPRET=1) ran on; the dev extra takes a range, as a CUDA torch pins its own.
+TRITON_PIN := triton==3.6.0; sys_platform == "linux" and platform_machine == "x86_64"
 OFFLINE_ENV := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1
 
 .PHONY: venv lint test test-perf test-gpu train clean-venv
@@ -17,7 +19,7 @@ $(VENV): $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip
-	$(VPY) -m pip install '$(TORCH_PIN)'
+	$(VPY) -m pip install '$(TORCH_PIN)' '$(TRITON_PIN)'
 	$(VPY) -m pip install -e '.[dev]'
 	touch $(STAMP)
 

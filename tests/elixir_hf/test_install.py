@@ -1,8 +1,10 @@
-"""A wheel built from a clean copy of the sources and installed outside the repo builds and selects
-the C++ CPU Adam (issue 25): the C++ sources are package data, and concurrent first uses build once.
+"""The release a user installs: ``python -m build`` on a clean copy of the sources makes an sdist and,
+from it, a wheel (issue 50); both install outside the repo and run a command there; the wheel's metadata
+declares pyproject.toml's version and dependencies. An installed wheel builds and selects the C++ CPU
+Adam (issue 25): the C++ sources are package data, and concurrent first uses build once.
 
-Offline: the wheel is built with the venv's setuptools (``--no-build-isolation --no-index``) and
-installed with ``--no-deps --target``; torch and the rest come from the venv.
+Offline: built with the venv's setuptools (``--no-isolation``) and installed with ``--no-deps --no-index
+--target``; torch and the rest come from the venv.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import tomllib
 import zipfile
 from pathlib import Path
@@ -21,27 +24,91 @@ import pytest
 from elixir_runtime.kernels import cpu_adam
 
 REPO = Path(__file__).resolve().parents[2]
-VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+VERSION = PROJECT["version"]
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The wheel of a clean copy of the tree (pyproject.toml and src/ only: what a clone has)."""
-    pytest.importorskip("setuptools", reason="builds the wheel with the venv's setuptools (offline)")
-    root = tmp_path_factory.mktemp("wheel")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``python -m build`` of a clean copy of the tree (what a clone has: pyproject.toml, README.md,
+    LICENSE, src/): the sdist, and the wheel built from it."""
+    pytest.importorskip("setuptools", reason="builds with the venv's setuptools (offline)")
+    pytest.importorskip("build", reason="python -m build: the dev extra's build")
+    root = tmp_path_factory.mktemp("dist")
     clone = root / "clone"
     clone.mkdir()
-    shutil.copy2(REPO / "pyproject.toml", clone)
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy2(REPO / name, clone)
     shutil.copytree(REPO / "src", clone / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run(
-        [*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-w", str(root / "dist"), str(clone)],
-        check=True,
+    done = subprocess.run(
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(root / "dist"), str(clone)],
         capture_output=True,
+        text=True,
         timeout=300,
     )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (sdist,) = (root / "dist").glob("elixir_hf-*.tar.gz")
     (whl,) = (root / "dist").glob("elixir_hf-*.whl")
-    return whl
+    return {"sdist": sdist, "wheel": whl}
+
+
+@pytest.fixture(scope="module")
+def wheel(dist: dict[str, Path]) -> Path:
+    return dist["wheel"]
+
+
+def _install(what: Path, site: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "install", "--no-deps", "--no-index"]
+        + ["--no-build-isolation", "--target", str(site), str(what)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_release_is_named_by_its_version(dist: dict[str, Path]) -> None:
+    assert dist["sdist"].name == f"elixir_hf-{VERSION}.tar.gz"
+    assert dist["wheel"].name == f"elixir_hf-{VERSION}-py3-none-any.whl"
+    with tarfile.open(dist["sdist"]) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    assert {"pyproject.toml", "README.md", "LICENSE", "src/elixir_runtime/kernels/csrc/cpu_adam.cpp"} <= names
+
+
+def test_the_wheel_declares_pyproject_s_dependencies(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as z:
+        (meta,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        text = z.read(meta).decode()
+    assert f"\nVersion: {VERSION}\n" in text
+    requires = [line.removeprefix("Requires-Dist: ") for line in text.splitlines() if line.startswith("Requires-Dist:")]
+    core = {_key(r) for r in requires if "extra ==" not in r}
+    assert core == {_key(d) for d in PROJECT["dependencies"]}, core
+
+
+def _key(requirement: str) -> tuple[str, str]:
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    r = Requirement(requirement)
+    return canonicalize_name(r.name), str(r.specifier)
+
+
+@pytest.mark.parametrize("kind", ["sdist", "wheel"])
+def test_the_installed_release_plans_outside_the_repo(dist: dict[str, Path], kind: str, tmp_path: Path) -> None:
+    """Installed from the sdist (built again into a wheel) or the wheel, in a folder of its own: the
+    package imports from there with its version, and elixir-plan plans a preset (no GPU, no network)."""
+    site = tmp_path / "site"
+    _install(dist[kind], site)
+    env = {**os.environ, "PYTHONPATH": str(site), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    code = "import elixir_hf, sys; print(elixir_hf.__version__, elixir_hf.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    version, where = out.stdout.split()
+    assert version == VERSION and Path(where).is_relative_to(site), out.stdout + out.stderr
+    plan = [sys.executable, "-m", "elixir_hf.commands.plan", "--model", "tiny", "--seq-len", "64", "--gpu", "h100"]
+    out = subprocess.run([*plan, "--json"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout)["plan"]["n_chunks"] > 0
 
 
 def test_the_wheel_ships_the_kernel_sources_and_the_commands(wheel: Path) -> None:
@@ -67,24 +134,7 @@ def test_an_installed_wheel_selects_the_cpp_kernel(
     baton (a build killed earlier): both report ``"cpu_adam": "cpp"`` from the installed copy,
     the library was compiled once, and neither hangs on the baton."""
     site = tmp_path / "site"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "--disable-pip-version-check",
-            "-q",
-            "install",
-            "--no-deps",
-            "--no-index",
-            "--target",
-            str(site),
-            str(wheel),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    _install(wheel, site)
     ext = tmp_path / "torch_extensions"
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ext))
     monkeypatch.delenv("ELIXIR_ADAM_KERNEL", raising=False)

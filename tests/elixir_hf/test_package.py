@@ -43,3 +43,38 @@ def test_the_version_is_pyproject_s(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exit_:
         plan.main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"elixir-plan {version}"
+
+
+# Imported but not declared, with why: triton comes with a CUDA torch (its pin; the dev extra for the CPU tests),
+# pyarrow with datasets, wandb is the user's reporter (callback.RunRecorder reports to it where the run does).
+UNDECLARED = {"triton", "pyarrow", "wandb"}
+# Declared but not imported: ninja is the build tool torch.utils.cpp_extension runs for the C++ CPU Adam.
+UNIMPORTED = {"ninja"}
+
+
+def test_every_imported_package_is_declared_and_every_declared_one_imported() -> None:
+    """The third-party packages src/ imports (anywhere: lazy imports count) against pyproject.toml's
+    dependencies and extras (issue 50: filelock, huggingface_hub and tqdm were imported undeclared,
+    tokenizers declared and never imported)."""
+    import ast
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    root = Path(__file__).resolve().parents[2]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    first_party = {"elixir_hf", "elixir_runtime"}
+    imported: set[str] = set()
+    for path in (root / "src").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    third_party = {canonicalize_name(m) for m in imported - first_party - set(sys.stdlib_module_names)}
+    core = {canonicalize_name(Requirement(d).name) for d in project["dependencies"]}
+    extras = {canonicalize_name(Requirement(d).name) for ds in project["optional-dependencies"].values() for d in ds}
+    assert third_party - core - extras - UNDECLARED == set(), "imported, not declared"
+    assert core - third_party - UNIMPORTED == set(), "declared, never imported"
