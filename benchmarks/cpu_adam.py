@@ -2,6 +2,7 @@
 
 Ours reads a bf16 grad and writes the bf16 param copy in its one pass; torch needs an fp32 grad
 and a separate copy to bf16, so that copy (into a preallocated buffer) is added to torch's time.
+The "8-bit moments" row is ours on the ``"8bit"`` state (``adam_state.py``): same arena, same grads.
 ``python -m benchmarks.cpu_adam [--json] [--numel N] [--threads T] [--deepspeed]``
 """
 
@@ -16,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from elixir_runtime.adam_state import ADAM_STATE, AdamTensors
 from elixir_runtime.chunk.host_memory import empty_arena
 from elixir_runtime.chunk.layout import GroupRange
 from elixir_runtime.kernels.cpu_adam import CpuAdamKernel
@@ -24,24 +26,28 @@ from elixir_runtime.kernels.kernel import AdamHyper
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
 
-def _ours(n: int, grad_dtype: torch.dtype, threads: int, huge_pages: bool = False) -> Callable[[], None]:
+def _ours(
+    n: int, grad_dtype: torch.dtype, threads: int, huge_pages: bool = False, moments: str = "fp32"
+) -> Callable[[], None]:
     """``huge_pages``: the arenas allocated as the engine's host arenas are (``empty_arena``)."""
     kernel = CpuAdamKernel(threads=threads)
     alloc = empty_arena if huge_pages else lambda numel, dtype: torch.empty(numel, dtype=dtype)
-    p, m, v = (alloc(n, torch.float32) for _ in range(3))
+    spec = ADAM_STATE[moments]
+    state = AdamTensors(spec, {t.kind: alloc(t.entries(n), t.dtype) for t in spec.tensors})
+    for t, x in state.items():
+        x.fill_(t.zero)
+    state.master.copy_(torch.randn(n))
     g, out = alloc(n, grad_dtype), alloc(n, torch.bfloat16)
-    p.copy_(torch.randn(n))
     g.copy_(torch.randn(n))
-    for t in (m, v, out):
-        t.zero_()
-    half = n // 2  # two groups, as with decay / no-decay params
+    out.zero_()
+    half = n // 2 // 256 * 256  # two groups, as with decay / no-decay params; a block boundary
     segs = (GroupRange(0, half, 0), GroupRange(half, n - half, 1))
     hypers = [AdamHyper(LR, *BETAS, EPS, WD, True), AdamHyper(LR, *BETAS, EPS, 0.0, True)]
-    state = {"step": 0}
+    steps = {"step": 0}
 
     def run() -> None:
-        state["step"] += 1
-        kernel.step(p, m, v, g, out, segs, hypers, state["step"], 1.0)
+        steps["step"] += 1
+        kernel.step(state, g, out, segs, hypers, steps["step"], 1.0)
 
     return run
 
@@ -108,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ours (bf16 grad -> bf16 out)": _ours(n, torch.bfloat16, args.threads),
         "ours (fp32 grad -> bf16 out)": _ours(n, torch.float32, args.threads),
         "ours (bf16 grad, huge pages)": _ours(n, torch.bfloat16, args.threads, huge_pages=True),
+        "ours 8-bit moments (bf16 -> bf16)": _ours(n, torch.bfloat16, args.threads, moments="8bit"),
         "torch foreach + bf16 copy": _torch(n, True, foreach=True),
     }
     best_torch = "torch foreach + bf16 copy"
@@ -134,6 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch_kind": best_torch,
         "speedup": ours / rate[best_torch],
         "huge_pages_speedup": rate["ours (bf16 grad, huge pages)"] / ours,
+        "ours_8bit_params_per_s": rate["ours 8-bit moments (bf16 -> bf16)"],
         "threads": args.threads,
         "numel": n,
         "isa": CpuAdamKernel(threads=args.threads).isa,

@@ -14,6 +14,7 @@ from adam_cases import (
     run_kernel,
 )
 
+from elixir_runtime.adam_state import ADAM_STATE, AdamTensors
 from elixir_runtime.chunk.layout import GroupRange
 from elixir_runtime.kernels import cpu_adam
 from elixir_runtime.kernels.cpu_adam import CpuAdamKernel, CpuAdamUnavailable
@@ -28,6 +29,10 @@ BIG_LENGTHS = [300_001, 7, 262_145, 65, 129]
 
 def _kernel(isa: str, threads: int = 2) -> CpuAdamKernel:
     return CpuAdamKernel(isa=isa, threads=threads)
+
+
+def _state(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> AdamTensors:
+    return AdamTensors(ADAM_STATE["fp32"], {"master": master, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq})
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -72,7 +77,7 @@ def test_grad_decoding_is_exact_for_every_bit_pattern(isa: str, grad_dtype: torc
     n = grad.numel()
     master, exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n), torch.zeros(n)
     hyper = AdamHyper(lr=0.0, beta1=0.0, beta2=0.5, eps=1e-8, weight_decay=0.0, decoupled=True)
-    _kernel(isa).step(master, exp_avg, exp_avg_sq, grad, None, [GroupRange(0, n, 0)], [hyper], 1, 1.0)
+    _kernel(isa).step(_state(master, exp_avg, exp_avg_sq), grad, None, [GroupRange(0, n, 0)], [hyper], 1, 1.0)
     torch.testing.assert_close(exp_avg, grad.float(), rtol=0, atol=0, equal_nan=True)
 
 
@@ -91,9 +96,8 @@ def test_param_out_rounds_like_torch(isa: str, out_dtype: torch.dtype) -> None:
     expected = master.to(out_dtype)
     out = torch.empty(n, dtype=out_dtype)
     hyper = AdamHyper(lr=0.0, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True)
-    _kernel(isa).step(
-        master, torch.zeros(n), torch.zeros(n), torch.zeros(n), out, [GroupRange(0, n, 0)], [hyper], 1, 1.0
-    )
+    state = _state(master, torch.zeros(n), torch.zeros(n))
+    _kernel(isa).step(state, torch.zeros(n), out, [GroupRange(0, n, 0)], [hyper], 1, 1.0)
     nan = expected.isnan()
     assert torch.equal(out.isnan(), nan)
     assert torch.equal(out[~nan].view(torch.int16), expected[~nan].view(torch.int16))
@@ -105,17 +109,21 @@ def test_rejects_bad_inputs() -> None:
     hyper = [AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, True)]
     seg = [GroupRange(0, n, 0)]
     with pytest.raises(ValueError, match="master"):
-        kernel.step(torch.zeros(n, dtype=torch.float64), f(), f(), f(), None, seg, hyper, 1, 1.0)
+        kernel.step(_state(torch.zeros(n, dtype=torch.float64), f(), f()), f(), None, seg, hyper, 1, 1.0)
+    with pytest.raises(ValueError, match="exp_avg_sq"):
+        kernel.step(_state(f(), f(), torch.zeros(n, dtype=torch.bfloat16)), f(), None, seg, hyper, 1, 1.0)
     with pytest.raises(ValueError, match="grad"):
-        kernel.step(f(), f(), f(), torch.zeros(2 * n)[::2], None, seg, hyper, 1, 1.0)
+        kernel.step(_state(f(), f(), f()), torch.zeros(2 * n)[::2], None, seg, hyper, 1, 1.0)
     with pytest.raises(ValueError, match="param_out"):
-        kernel.step(f(), f(), f(), f(), torch.zeros(n), seg, hyper, 1, 1.0)
+        kernel.step(_state(f(), f(), f()), f(), torch.zeros(n), seg, hyper, 1, 1.0)
     with pytest.raises(ValueError, match="segments need"):
-        kernel.step(f(), f(), f(), f(), None, [GroupRange(1, n, 0)], hyper, 1, 1.0)
+        kernel.step(_state(f(), f(), f()), f(), None, [GroupRange(1, n, 0)], hyper, 1, 1.0)
     with pytest.raises(ValueError, match="segments need"):
-        kernel.step(f(), f(), f(), f(), None, [GroupRange(0, n, 1)], hyper, 1, 1.0)
+        kernel.step(_state(f(), f(), f()), f(), None, [GroupRange(0, n, 1)], hyper, 1, 1.0)
     with pytest.raises(ValueError, match="1-based"):
-        kernel.step(f(), f(), f(), f(), None, seg, hyper, 0, 1.0)
+        kernel.step(_state(f(), f(), f()), f(), None, seg, hyper, 0, 1.0)
+    with pytest.raises(ValueError, match="CPU arenas"):
+        kernel.step(_state(*(torch.zeros(n, device="meta") for _ in range(3))), f(), None, seg, hyper, 1, 1.0)
 
 
 def test_no_compiler_raises_unavailable(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:

@@ -4,7 +4,8 @@
 // -march=native for the machine it runs on, or pins an ISA for tests). bf16 uses integer ops only,
 // so it works on AVX2; float -> bf16/fp16 rounds to nearest even like torch's `.to()`.
 // The 16-bit vector stores are non-temporal (the output goes to the GPU, not back to this CPU: no
-// read-for-ownership) and need 2*kWidth-byte aligned addresses.
+// read-for-ownership) and need 2*kWidth-byte aligned addresses. The 8-bit moments' table lookups
+// (CodeTable, store_codes) give the scalar code's results exactly: permutes or gathers.
 #pragma once
 
 #include <cstdint>
@@ -98,6 +99,41 @@ inline void stream_f16(uint16_t* p, Vec v) {
   _mm256_stream_si256(reinterpret_cast<__m256i*>(p),
                       _mm512_cvtps_ph(v.x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
+// 8-bit moments ([Note: 8-bit kernel] in cpu_adam.cpp).
+// A 256-entry float table in registers: 8 two-source permutes of 32 entries, the pick by the code's
+// top three bits (faster than a gather here).
+struct CodeTable {
+  __m512 t[16];
+  explicit CodeTable(const float* code) {
+    for (int k = 0; k < 16; ++k) t[k] = _mm512_loadu_ps(code + 16 * k);
+  }
+  Vec lookup(const uint8_t* codes) const {  // code[codes[k]] for kWidth codes
+    __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+    __m512 r[8];
+    for (int k = 0; k < 8; ++k) r[k] = _mm512_permutex2var_ps(t[2 * k], i, t[2 * k + 1]);
+    __mmask16 b5 = _mm512_test_epi32_mask(i, _mm512_set1_epi32(32)), b6 = _mm512_test_epi32_mask(i, _mm512_set1_epi32(64)),
+              b7 = _mm512_test_epi32_mask(i, _mm512_set1_epi32(128));
+    for (int k = 0; k < 4; ++k) r[k] = _mm512_mask_mov_ps(r[2 * k], b5, r[2 * k + 1]);
+    for (int k = 0; k < 2; ++k) r[k] = _mm512_mask_mov_ps(r[2 * k], b6, r[2 * k + 1]);
+    return {_mm512_mask_mov_ps(r[0], b7, r[1])};
+  }
+};
+// Lane-wise unsigned max of `acc` and |x|'s bit pattern (a float's magnitude orders as its bits;
+// NaN above inf): exact in any order.
+inline Vec max_abs_bits(Vec acc, Vec x) {
+  __m512i a = _mm512_and_si512(_mm512_castps_si512(x.x), _mm512_set1_epi32(0x7fffffff));
+  return {_mm512_castsi512_ps(_mm512_max_epu32(_mm512_castps_si512(acc.x), a))};
+}
+inline uint32_t hmax_bits(Vec acc) { return _mm512_reduce_max_epu32(_mm512_castps_si512(acc.x)); }
+// The codes of kWidth values x (encode() in cpu_adam.cpp): one gather of the key table.
+inline void store_codes(uint8_t* dst, Vec x, const uint32_t* key) {
+  __m512i b = _mm512_castps_si512(x.x);
+  __m512i e = _mm512_i32gather_epi32(_mm512_srli_epi32(b, 16), key, 4);
+  __m512i low = _mm512_and_si512(_mm512_xor_si512(b, _mm512_srai_epi32(b, 31)), _mm512_set1_epi32(0xffff));
+  __mmask16 up = _mm512_cmpgt_epu32_mask(low, _mm512_and_si512(e, _mm512_set1_epi32(0xffff)));
+  __m512i c = _mm512_srli_epi32(e, 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(_mm512_mask_add_epi32(c, up, c, _mm512_set1_epi32(1))));
+}
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr const char* kIsa = "avx2";
 constexpr int kWidth = 8;
@@ -133,6 +169,34 @@ inline void stream_bf16(uint16_t* p, Vec v) {
 }
 inline void stream_f16(uint16_t* p, Vec v) {
   _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v.x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+struct CodeTable {  // a gather: AVX2 has no wide permutes
+  const float* code;
+  explicit CodeTable(const float* c) : code(c) {}
+  Vec lookup(const uint8_t* codes) const {
+    __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
+    return {_mm256_i32gather_ps(code, idx, 4)};
+  }
+};
+inline Vec max_abs_bits(Vec acc, Vec x) {
+  __m256i a = _mm256_and_si256(_mm256_castps_si256(x.x), _mm256_set1_epi32(0x7fffffff));
+  return {_mm256_castsi256_ps(_mm256_max_epu32(_mm256_castps_si256(acc.x), a))};
+}
+inline uint32_t hmax_bits(Vec acc) {
+  __m128i a = _mm_max_epu32(_mm256_castsi256_si128(_mm256_castps_si256(acc.x)),
+                            _mm256_extracti128_si256(_mm256_castps_si256(acc.x), 1));
+  a = _mm_max_epu32(a, _mm_shuffle_epi32(a, _MM_SHUFFLE(1, 0, 3, 2)));
+  a = _mm_max_epu32(a, _mm_shuffle_epi32(a, _MM_SHUFFLE(2, 3, 0, 1)));
+  return uint32_t(_mm_cvtsi128_si32(a));
+}
+inline void store_codes(uint8_t* dst, Vec x, const uint32_t* key) {
+  __m256i b = _mm256_castps_si256(x.x);
+  __m256i e = _mm256_i32gather_epi32(reinterpret_cast<const int*>(key), _mm256_srli_epi32(b, 16), 4);
+  __m256i low = _mm256_and_si256(_mm256_xor_si256(b, _mm256_srai_epi32(b, 31)), _mm256_set1_epi32(0xffff));
+  __m256i thr = _mm256_and_si256(e, _mm256_set1_epi32(0xffff));
+  __m256i code = _mm256_sub_epi32(_mm256_srli_epi32(e, 16), _mm256_cmpgt_epi32(low, thr));  // both < 2^16: signed compare
+  __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm_packus_epi16(w, w));
 }
 #else
 constexpr const char* kIsa = "scalar";
