@@ -309,6 +309,11 @@ class ElixirAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships 
             return
         if input_dir is None:
             raise ValueError("ElixirAccelerator.load_state needs the checkpoint folder (input_dir)")
+        if not os.path.isdir(input_dir):  # not "incomplete" (verify's word for a folder without its marker)
+            raise FileNotFoundError(
+                f"ElixirAccelerator.load_state: {input_dir} does not exist (or is not a folder): pass the folder "
+                "that save_state wrote"
+            )
         fmt = optimizer_format(input_dir)
         if fmt != "plain":
             verify(input_dir, self.process_index, self.is_main_process)  # fails on every rank

@@ -161,3 +161,11 @@ def test_shipped_configs_are_valid_accelerate_configs(name: str, kind: str, proc
     config = load_config_from_file(str(RECIPES / name))  # raises on unknown keys
     assert config.distributed_type == kind and config.num_processes == processes
     assert config.mixed_precision == "bf16"
+
+
+def test_load_state_of_a_missing_folder_says_it_does_not_exist(tmp_path) -> None:
+    """Before: verify's "incomplete: it has no elixir_checkpoint.json" for a folder that is not there."""
+    accelerator = ElixirAccelerator(elixir_plugin=OFFLOAD_PLAN, cpu=True)
+    _setup(accelerator)
+    with pytest.raises(FileNotFoundError, match=rf"load_state: {tmp_path / 'nowhere'} does not exist"):
+        accelerator.load_state(str(tmp_path / "nowhere"))

@@ -21,6 +21,8 @@ model is held in host memory once (as DeepSpeed's ``zero_to_fp32`` does).
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import re
 import shutil
 from collections.abc import Callable
@@ -46,6 +48,8 @@ from .optimizer_files import read_optimizer_index
 
 __all__ = ["convert", "torch_adam_state"]
 
+logger = logging.getLogger(__name__)
+
 _NOT_COPIED = re.compile(
     rf"^({re.escape(MARKER_NAME)}|{re.escape(PLAN_NAME)}|{re.escape(OPTIM_INDEX)}|{re.escape(NOTE_NAME)}|optimizer-.*\.safetensors"
     r"|model.*\.safetensors(\.index\.json)?|config\.json|generation_config\.json)$"
@@ -53,12 +57,17 @@ _NOT_COPIED = re.compile(
 """Elixir's files and what ``save_pretrained`` writes anew."""
 
 
-def convert(checkpoint: str | Path, out: str | Path, config: str | Path | None = None) -> None:
+def convert(
+    checkpoint: str | Path, out: str | Path, config: str | Path | None = None, *, overwrite: bool = False
+) -> None:
     """``config``: where the model's ``config.json`` is when the checkpoint has none (Accelerate's
-    ``save_state`` writes only the weights): a model folder or name."""
+    ``save_state`` writes only the weights): a model folder or name. ``out`` may not be the checkpoint
+    (or inside it), nor a folder with files unless ``overwrite``. A file of the checkpoint that is a
+    symbolic link is copied as the link, not its target's contents (logged)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     ckpt, out = Path(checkpoint), Path(out)
+    _check_target(ckpt, out, overwrite)
     fmt = optimizer_format(ckpt)
     if fmt != "named":
         raise CheckpointError(
@@ -76,8 +85,22 @@ def convert(checkpoint: str | Path, out: str | Path, config: str | Path | None =
     model.save_pretrained(out)
     torch.save({"state": state, "param_groups": groups}, out / "optimizer.pt")
     for f in ckpt.iterdir():
-        if f.is_file() and not _NOT_COPIED.match(f.name):
+        if f.is_symlink() and not _NOT_COPIED.match(f.name):
+            logger.warning("elixir-convert: %s is a symbolic link (to %s): copied as the link", f, os.readlink(f))
+            (out / f.name).unlink(missing_ok=True)
+            shutil.copy2(f, out / f.name, follow_symlinks=False)
+        elif f.is_file() and not _NOT_COPIED.match(f.name):
             shutil.copy2(f, out / f.name)
+
+
+def _check_target(ckpt: Path, out: Path, overwrite: bool) -> None:
+    source, target = ckpt.resolve(), out.resolve()
+    if target == source or source in target.parents:
+        raise CheckpointError(
+            f"OUT {out} is the checkpoint {ckpt} (or inside it): the plain checkpoint goes to a folder of its own"
+        )
+    if not overwrite and out.is_dir() and any(out.iterdir()):
+        raise CheckpointError(f"OUT {out} exists and holds files: give a new folder, or --overwrite to write into it")
 
 
 def torch_adam_state(

@@ -24,13 +24,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkpoint", help="an Elixir checkpoint folder (checkpoint-N, or a save_state folder)")
     parser.add_argument("out", help="the folder to write")
     parser.add_argument("--config", help="the model's config (folder or name) when the checkpoint has no config.json")
+    parser.add_argument("--overwrite", action="store_true", help="write into OUT though it holds files")
     args = parser.parse_args(argv)
     if not Path(args.checkpoint).is_dir():
         parser.error(
             f"CHECKPOINT {args.checkpoint}: no such folder (a checkpoint-N folder of an Elixir run's output_dir)"
         )
     try:
-        convert(args.checkpoint, args.out, args.config)
+        convert(args.checkpoint, args.out, args.config, overwrite=args.overwrite)
     except (CheckpointError, OSError) as e:
         sys.exit(f"elixir-convert: {e}")
     print(f"elixir-convert: wrote {args.out} (model.safetensors, config.json, optimizer.pt)")

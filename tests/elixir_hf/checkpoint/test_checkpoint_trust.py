@@ -1,7 +1,9 @@
 """What a checkpoint's own files may say, and what is trusted: a corrupt newest marker (empty or ``{}``,
 as an interrupted copy leaves it) is named and the resume, and a restart loop, fall back to the newest
 complete checkpoint with a warning; file names read from a marker or an optimizer index stay inside the
-checkpoint folder; a plain Adam state with a field missing is refused, not loaded with zeros.
+checkpoint folder; a plain Adam state with a field missing is refused, not loaded with zeros;
+``elixir-convert`` refuses its own source and a target with files (unless ``--overwrite``) and copies a
+symbolic link as the link.
 
 Before: a corrupt marker raised a bare ``JSONDecodeError``/``KeyError`` in every resume and restart; a
 marker's ``../`` name was read outside the folder; a plain ``optimizer.pt`` entry without ``step`` or a
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import zlib
 from pathlib import Path
@@ -22,6 +25,7 @@ from hf_cases import OFFLOAD_PLAN, history, make_trainer, training_args
 from elixir_hf.checkpoint.folder_lock import LOCK_NAME
 from elixir_hf.checkpoint.format import MARKER_NAME, OPTIM_INDEX, CheckpointError, newest_complete, read_marker
 from elixir_hf.checkpoint.restart import get_last_checkpoint
+from elixir_hf.commands import convert
 from helpers.logs import captured
 
 SAVE = dict(max_steps=4, save_strategy="steps", save_steps=2, eval_strategy="no")
@@ -74,7 +78,9 @@ def test_with_every_marker_corrupt_the_resume_names_each(saved_run, tmp_path) ->
     run = _copy(saved_run, tmp_path)
     for step in (2, 4):
         (run / f"checkpoint-{step}" / MARKER_NAME).write_text("")
-    with pytest.raises(CheckpointError, match=rf"no complete checkpoint in {run} to resume from \(skipped checkpoint"):
+    with pytest.raises(
+        CheckpointError, match=rf"\({run}\): no complete checkpoint to resume from \(skipped checkpoint"
+    ):
         newest_complete(run)
     assert get_last_checkpoint(run) is None  # a restart loop starts afresh
 
@@ -124,3 +130,33 @@ def test_a_plain_adam_state_without_a_field_is_refused(tmp_path, field: str) -> 
     with pytest.raises(CheckpointError, match=rf"optimizer\.pt: the Adam state of parameter number 3 lacks '{field}'"):
         trainer.train(resume_from_checkpoint=str(ckpt))
     assert not history(trainer, "loss", after_step=2), "no step may run"
+
+
+def test_convert_refuses_its_source_and_a_target_with_files(saved_run, tmp_path) -> None:
+    """Before: ``elixir-convert CK CK`` wrote into its source, then failed."""
+    ckpt = saved_run[0] / "checkpoint-2"
+    for out in (ckpt, ckpt / "plain"):
+        with pytest.raises(SystemExit, match=rf"elixir-convert: OUT {out} is the checkpoint {ckpt} \(or inside it\)"):
+            convert.main([str(ckpt), str(out)])
+    assert not (ckpt / "optimizer.pt").exists() and not (ckpt / "plain").exists()
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match=rf"OUT {used} exists and holds files: give a new folder, or --overwrite"):
+        convert.main([str(ckpt), str(used)])
+    convert.main([str(ckpt), str(used), "--overwrite"])
+    assert (used / "optimizer.pt").is_file() and (used / "notes.txt").read_text() == "mine"
+
+
+def test_convert_copies_a_symbolic_link_as_the_link(saved_run, tmp_path, caplog) -> None:
+    """Before: it copied the target's contents (a private file published with the model)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved_run[0] / "checkpoint-2", ckpt)
+    private = tmp_path / "private.txt"
+    private.write_text("secret")
+    (ckpt / "notes.txt").symlink_to(private)
+    with captured(caplog, logging.WARNING, "elixir_hf.checkpoint.convert"):
+        convert.main([str(ckpt), str(tmp_path / "plain")])
+    copied = tmp_path / "plain" / "notes.txt"
+    assert copied.is_symlink() and os.readlink(copied) == str(private)
+    assert f"{ckpt / 'notes.txt'} is a symbolic link (to {private}): copied as the link" in caplog.text
