@@ -59,6 +59,7 @@ from .metrics import EngineMetrics
 from .mixin import mixed_class
 from .optimizer import ElixirAcceleratedOptimizer
 from .plugin import ENV_VAR, ElixirPlugin, ElixirSpecError, check_exclusive
+from .reference import frozen_engine
 
 logger = logging.getLogger(__name__)
 
@@ -159,13 +160,18 @@ class ElixirAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships 
     def prepare_model(
         self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ) -> Any:
+        """A model the engine runs passes through; one only evaluated (``evaluation_mode``: TRL's reference
+        model) gets an engine of frozen chunks (``reference.frozen_engine``)."""
         if self.elixir_plugin is None:
             return super().prepare_model(model, device_placement, evaluation_mode)
         if not has_engine(model):
-            raise ValueError(
-                "ElixirAccelerator needs the model and its optimizer (torch.optim.AdamW or Adam) in the same "
-                "prepare() call: Elixir shards the optimizer states together with the parameters"
-            )
+            if not evaluation_mode:
+                raise ValueError(
+                    "ElixirAccelerator needs the model and its optimizer (torch.optim.AdamW or Adam) in the same "
+                    "prepare() call: Elixir shards the optimizer states together with the parameters; a model only "
+                    "evaluated (a frozen reference) takes prepare_model(model, evaluation_mode=True)"
+                )
+            frozen_engine(model, self.elixir_plugin, self.device)  # TRL's reference model (reference.py)
         patches.mark_accelerate_prepared(model)  # the engine places and reduces it: no .to(), DDP, autocast
         return super().prepare_model(model, device_placement, evaluation_mode)
 

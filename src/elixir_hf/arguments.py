@@ -110,6 +110,12 @@ class ElixirTrainingArguments(TrainingArguments):
                 check_compile_options(self.torch_compile_backend or "inductor", self.torch_compile_mode)
             except ValueError as exc:
                 raise ElixirSpecError(f"--torch_compile_mode/--torch_compile_backend: {exc}") from None
+        if getattr(self, "sync_ref_model", False):  # TRL's DPOConfig and kin
+            raise ElixirSpecError(
+                "--sync_ref_model true is not supported with Elixir: TRL's SyncRefModelCallback mixes the trained "
+                "weights into the reference's through .data, which the engine keeps in chunks; drop --sync_ref_model "
+                "(the reference stays the starting model), or turn Elixir off with --elixir off"
+            )
         if self.fp16_full_eval or self.bf16_full_eval:
             raise ElixirSpecError(
                 "--fp16_full_eval/--bf16_full_eval cast the whole model, which Elixir shards: drop the flag; "

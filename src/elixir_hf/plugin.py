@@ -61,7 +61,7 @@ _LOSS_SCALE_KEYS = {f.name for f in fields(LossScaleConfig)}
 _SPEC_KEYS = ElixirConfig.settings()
 """The ``ElixirConfig`` fields a spec may set: all but the run's own (device, process group, alignment,
 the loop's facts), as ``ElixirConfig`` marks them."""
-PLUGIN_KEYS = ("lean_loss", "allow_missing_adam_state", "preempt_grace_s")
+PLUGIN_KEYS = ("lean_loss", "allow_missing_adam_state", "preempt_grace_s", "reference_offload")
 """The ``ElixirPlugin`` fields a spec may set (the HF glue's, not the engine's)."""
 _MIXED_PRECISION_DTYPES = {"no": None, "fp16": "fp16", "bf16": "bf16"}
 _SHORT_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", "fp16": "fp16", "bf16": "bf16"}
@@ -96,6 +96,9 @@ class ElixirPlugin:
     """Seconds a preemption signal (SIGTERM, SIGUSR1) leaves the run to write a checkpoint, which it
     writes only if predicted to fit (``preemption.py``). ``None``: ``ELIXIR_PREEMPT_GRACE_S``, else
     ``DEFAULT_GRACE_S``; the seconds once parsed."""
+    reference_offload: float = 1.0
+    """Fraction of a reference model's chunks (TRL's ``DPOTrainer``: ``reference.frozen_engine``, frozen
+    compute-dtype weights) kept in pinned host memory and uploaded for each forward; ``0``: all on the GPU."""
 
     def __post_init__(self) -> None:
         for name in ("lean_loss", "allow_missing_adam_state"):
@@ -105,6 +108,13 @@ class ElixirPlugin:
                     f"ElixirPlugin.{name} must be true or false, got {value!r} ({type(value).__name__})"
                 )
         self.preempt_grace_s = _grace_s(self.preempt_grace_s)
+        share = self.reference_offload
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+            raise ElixirSpecError(
+                f"ElixirPlugin.reference_offload must be a fraction in [0, 1] (1: every reference chunk in host "
+                f"memory, 0: all on the GPU), got {share!r} ({type(share).__name__})"
+            )
+        self.reference_offload = float(share)
 
     # ------------------------------------------------------------------ parsing
     @classmethod

@@ -466,4 +466,21 @@ def elixir_trainer(cls: type[Trainer]) -> type[ElixirTrainer]:
 
         trainer = elixir_hf.elixir_trainer(SFTTrainer)(model=model, args=args, train_dataset=ds)
     """
-    return mixed_class(cls, ElixirTrainer)
+    namespace = {}
+    if hasattr(cls, "_precompute_ref_logps"):  # TRL's DPOTrainer (precompute_ref_log_probs)
+        namespace["_precompute_ref_logps"] = _engine_first(cls._precompute_ref_logps)
+    return mixed_class(cls, ElixirTrainer, namespace)
+
+
+def _engine_first(precompute: Any) -> Any:
+    """TRL's ``_precompute_ref_logps`` runs the trained model as the reference (no ``ref_model``: its
+    starting weights) inside ``__init__`` and ``evaluate``, before ``train()`` builds the engine: build it
+    first, as evaluation before training does (``_ensure_engine``), so the forward runs on the engine."""
+
+    @functools.wraps(precompute)
+    def run(self: ElixirTrainer, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self, "ref_model", None) is None:
+            self._ensure_engine()
+        return precompute(self, *args, **kwargs)
+
+    return run
