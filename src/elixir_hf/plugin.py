@@ -108,6 +108,7 @@ class ElixirPlugin:
                     f"ElixirPlugin.{name} must be true or false, got {value!r} ({type(value).__name__})"
                 )
         self.preempt_grace_s = _grace_s(self.preempt_grace_s)
+        _check_lockstep_timeout(self.config.lockstep_timeout_s)
         share = self.reference_offload
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
             raise ElixirSpecError(
@@ -268,6 +269,21 @@ def describe_model(model: torch.nn.Module) -> dict[str, Any]:
         "model_type": getattr(config, "model_type", None),
         "parameters": sum(p.numel() for p in model.parameters()),
     }
+
+
+LOCKSTEP_TIMEOUT_RANGE_S = (1.0, 7 * 86400.0)
+"""``lockstep_timeout_s`` that can work: below a second a rank's beat (a tenth of it, at least 0.05 s)
+misses it under an ordinary pause (a collection, a loaded host) and a live rank is called stopped; above
+a week the timers overflow, and no job waits that long for a rank."""
+
+
+def _check_lockstep_timeout(value: float) -> None:
+    low, high = LOCKSTEP_TIMEOUT_RANGE_S
+    if not low <= value <= high:
+        raise ElixirSpecError(
+            f"lockstep_timeout_s is {value!r}: it must be {low:g} to {high:g} seconds (the default, 60, suits most "
+            "jobs; a few seconds only in tests)"
+        )
 
 
 def _grace_s(value: Any) -> float:

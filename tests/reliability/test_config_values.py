@@ -177,3 +177,12 @@ def test_empty_values_are_refused_everywhere(tmp_path, monkeypatch, value: str) 
     with pytest.raises(ElixirSpecError, match="^ELIXIR_CONFIG " + accepted):
         ElixirAccelerator(cpu=True)
     assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize("seconds", [0.001, 0.5, 1e15])
+def test_a_lockstep_timeout_that_cannot_work_is_refused_at_parse_time(seconds: float) -> None:
+    """Before: 0.001 gave a false "stopped answering" verdict on a live rank, 1e15 an OverflowError."""
+    spec = json.dumps({"lockstep_timeout_s": seconds})
+    with pytest.raises(ElixirSpecError, match=rf"--elixir: lockstep_timeout_s is {seconds!r}: it must be 1 to 604800"):
+        ElixirTrainingArguments(output_dir="out", elixir=spec, use_cpu=True)
+    assert ElixirTrainingArguments(output_dir="out", elixir='{"lockstep_timeout_s": 2}', use_cpu=True).elixir_plugin
