@@ -44,7 +44,9 @@ STOCK_TRAINERS = {
 """``trainer``: fp32 weights, the Trainer's AdamW on the GPU; ``trainer_lossy``: bf16 weights and
 bitsandbytes' paged 8-bit AdamW (lossy states and updates); ``torchao_offload(_bf16)``: torchao's CPU
 offload of AdamW over fp32 (bf16) weights."""
-TRAINER_SYSTEMS = ("elixir_trainer", *STOCK_TRAINERS)
+ELIXIR_TRAINERS = {"elixir_trainer": "fp32", "elixir_trainer_8bit": "8bit"}
+"""HF ``Trainer.train()`` with ``--elixir auto``, by the moments it keeps (``ElixirConfig.moments``)."""
+TRAINER_SYSTEMS = (*ELIXIR_TRAINERS, *STOCK_TRAINERS)
 """HF ``Trainer.train()`` with ``--elixir auto`` and the stock Trainer's baselines: what ``--liger`` and ``--compile`` reach."""
 SYSTEMS = ("elixir", "plain", "fsdp2", "fsdp2_offload", "ds2_offload", "ds3_offload", *TRAINER_SYSTEMS)
 

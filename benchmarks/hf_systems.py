@@ -72,9 +72,15 @@ class _Tokens(torch.utils.data.Dataset):
 
 
 def hf_trainer(
-    p: Model, ctx: Context, elixir: bool, anatomy: bool = False, stock: StockTrainer = STOCK_TRAINERS["trainer"]
+    p: Model,
+    ctx: Context,
+    elixir: bool,
+    anatomy: bool = False,
+    stock: StockTrainer = STOCK_TRAINERS["trainer"],
+    moments: str = "fp32",
 ) -> Trainer:
-    """``ElixirTrainer`` (``elixir``: bf16 weights, the Trainer's AdamW over the engine's shards) or the
+    """``ElixirTrainer`` (``elixir``: bf16 weights, the Trainer's AdamW over the engine's shards, its
+    ``moments`` as ``ElixirConfig.moments``) or the
     stock ``Trainer`` over ``stock``'s weights and optimizer, built here and run on each timed call;
     ``anatomy``: each step's phases and the engine's update trace in ``info["anatomy"]``
     (``benchmarks.step_anatomy --system elixir_trainer``)."""
@@ -85,7 +91,9 @@ def hf_trainer(
     if elixir:  # on meta on every rank, its init drawn on each rank's shards (elixir_hf.from_config's default)
         dtype = torch.bfloat16
         model = build_initialised_in_place(p, ctx.seq, dtype)
-        info["optimizer"] = "Trainer default (AdamW) over Elixir shards"
+        info["optimizer"] = "Trainer default (AdamW) over Elixir shards" + (
+            f", {moments} moments" if moments != "fp32" else ""
+        )
     else:
         dtype = stock.weights
         if stock.package is not None:
@@ -122,6 +130,8 @@ def hf_trainer(
                 pinned = {"offload": ctx.offload} if ctx.offload is not None else {}  # --offload pins it
                 if ctx.device_lane != "off":
                     pinned["device_assisted_update"] = DEVICE_LANE_WORDS[ctx.device_lane]
+                if moments != "fp32":
+                    pinned["moments"] = moments
                 spec = json.dumps(pinned) if pinned else "auto"
                 args = ElixirTrainingArguments(elixir=spec, **fields)
                 trainer = ElixirTrainer(model=model, args=args, train_dataset=data, callbacks=[clock])

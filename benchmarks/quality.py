@@ -6,6 +6,8 @@ each ``--lrs`` and seed, and the loss on other held-out text is read at the star
 
 * ``exact``: Elixir, ``ElixirTrainer`` + ``ElixirTrainingArguments(elixir="auto", bf16=True)`` over
   the model in fp32: bf16 compute, fp32 master weights and fp32 AdamW moments (what users run).
+* ``elixir_8bit``: as ``exact`` with ``elixir='{"moments": "8bit"}'``: fp32 master weights, the
+  update in fp32, block-wise 8-bit moments (``elixir_runtime/adam_state.py``).
 * ``bf16_adamw``: bf16 weights, the Trainer's own AdamW (its moments bf16 too, as the weights).
 * ``bf16_paged_adamw_8bit``: bf16 weights, bitsandbytes' ``PagedAdamW8bit`` (8-bit moments).
 * ``bf16_stochastic_rounding``: bf16 weights, torchao's ``torchao.optim._AdamW(...,
@@ -150,7 +152,9 @@ class Arm:
     name: str
     title: str
     optimizer: Callable[[Iterable[torch.Tensor], TrainingArguments], torch.optim.Optimizer] | None = None
-    """Builds the optimizer over bf16 weights; None: the Trainer's own (Elixir's for ``exact``)."""
+    """Builds the optimizer over bf16 weights; None: the Trainer's own (Elixir's for ``elixir``)."""
+    elixir: str | None = None
+    """The arm is ``ElixirTrainer`` over fp32 weights with this ``--elixir`` value; None: the stock Trainer."""
     module: str | None = None
     """The module it imports (None: nothing beyond this package's requirements)."""
     package: str | None = None
@@ -160,7 +164,8 @@ class Arm:
 ARMS: dict[str, Arm] = {
     a.name: a
     for a in (
-        Arm("exact", "Elixir exact (fp32 master + AdamW)"),
+        Arm("exact", "Elixir exact (fp32 master + AdamW)", elixir="auto"),
+        Arm("elixir_8bit", "Elixir 8-bit moments (fp32 master + block-wise 8-bit moments)", elixir='{"moments": "8bit"}'),
         Arm("bf16_adamw", "bf16 + AdamW"),
         Arm("bf16_paged_adamw_8bit", "bf16 + paged_adamw_8bit", _paged_adamw_8bit, "bitsandbytes", "bitsandbytes"),
         Arm("bf16_stochastic_rounding", "bf16 + stochastic rounding", _stochastic_rounding, "torchao", "torchao"),
@@ -301,9 +306,9 @@ def finetune(
     """One arm's fine-tuning on B from the pretrained weights (``args``: the command line's size,
     steps, evals and device): the held-out loss on C over steps (``[step, loss]``, step 0
     included), the mean training loss, the share of weights moved, the time."""
-    exact, steps, device = arm.name == "exact", args.steps, torch.device(args.device)
+    steps, device = args.steps, torch.device(args.device)
     model = AutoModelForCausalLM.from_pretrained(
-        pretrained, dtype=torch.float32 if exact else torch.bfloat16, attn_implementation="sdpa"
+        pretrained, dtype=torch.float32 if arm.elixir else torch.bfloat16, attn_implementation="sdpa"
     )
     fields = dict(
         **_common_args(device, out, SIZES[args.size].batch),
@@ -321,8 +326,8 @@ def finetune(
     datasets_ = dict(
         train_dataset=blocks["finetune"], eval_dataset=blocks["validation"], data_collator=default_data_collator
     )
-    if exact:
-        args = ElixirTrainingArguments(elixir="auto", bf16=True, **fields)
+    if arm.elixir is not None:
+        args = ElixirTrainingArguments(elixir=arm.elixir, bf16=True, **fields)
         trainer: Trainer = ElixirTrainer(model=model, args=args, **datasets_)
     else:
         args = TrainingArguments(**fields)

@@ -21,6 +21,7 @@ from typing import Any
 SYSTEM_ORDER = (
     "elixir",
     "elixir_trainer",
+    "elixir_trainer_8bit",
     "plain",
     "trainer",
     "trainer_lossy",
@@ -31,7 +32,7 @@ SYSTEM_ORDER = (
     "ds2_offload",
     "ds3_offload",
 )
-ELIXIR_SYSTEMS = ("elixir", "elixir_trainer")
+ELIXIR_SYSTEMS = ("elixir", "elixir_trainer", "elixir_trainer_8bit")
 """Elixir through the harness's own loop and through ``Trainer.train()``: never a baseline; a row's
 Elixir figures are the first of these that ran."""
 IN_GPU_SYSTEMS = ("plain", "trainer", "fsdp2")

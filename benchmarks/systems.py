@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .harness import (
+    ELIXIR_TRAINERS,
     LR,
     MAX_GRAD_NORM,
     STOCK_TRAINERS,
@@ -63,8 +64,8 @@ def build(system: str, p: Model, ctx: Context, example_ids: torch.Tensor) -> Tra
 def _hf(p: Model, ctx: Context, system: str) -> Trainer:
     from .hf_systems import hf_trainer  # transformers' Trainer: imported only where it runs
 
-    if system == "elixir_trainer":
-        return hf_trainer(p, ctx, elixir=True)
+    if system in ELIXIR_TRAINERS:
+        return hf_trainer(p, ctx, elixir=True, moments=ELIXIR_TRAINERS[system])
     return hf_trainer(p, ctx, elixir=False, stock=STOCK_TRAINERS[system])
 
 

@@ -299,10 +299,11 @@ class TritonAdamKernel:
     """AdamKernel for GPU arenas (or CPU tensors under TRITON_INTERPRET=1): one launch a step.
 
     ``block`` elements per program (a power of two >= 128) and ``num_warps`` per program for the
-    fp32 state; ``block8`` (a power of two >= QUANT_BLOCK) and ``num_warps8`` for the 8-bit one.
+    fp32 state; ``block8`` (a power of two >= QUANT_BLOCK) and ``num_warps8`` for the 8-bit one
+    (the defaults: the fastest of ``benchmarks.adam8_rate``'s sweep on an H200, docs/kernels.md).
     """
 
-    def __init__(self, block: int = 1024, num_warps: int = 4, block8: int = 2048, num_warps8: int = 8) -> None:
+    def __init__(self, block: int = 1024, num_warps: int = 4, block8: int = 512, num_warps8: int = 4) -> None:
         if not _power_of_two(block, 128):
             raise ValueError(f"block must be a power of two >= 128, not {block}")
         if not _power_of_two(block8, QUANT_BLOCK):

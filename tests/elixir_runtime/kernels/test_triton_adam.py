@@ -191,7 +191,12 @@ def check8(
     n = int(covered.sum())
     for kind in quant8.MOMENT_KINDS:
         a, b = got.state[kind][covered].int(), ref.state[kind][covered].int()
-        assert int((a - b).abs().max()) <= 1, kind
+        # codes are indices into a map dense near zero: a flip there may move the index by several
+        # entries while the value moves by next to nothing, so compare the values each code stands for
+        scales = got.state[f"{kind}.absmax"].repeat_interleave(QUANT_BLOCK)[:numel][covered]
+        code = quant8.tables(kind).code
+        step = (code[a] - code[b]).abs() * scales
+        assert bool((step <= 0.015 * scales).all()), kind  # at most one entry of the map's top decade apart
         assert int((a != b).sum()) <= code_frac * n, (kind, int((a != b).sum()), n)
         scale = f"{kind}.absmax"
         torch.testing.assert_close(got.state[scale][touched], ref.state[scale][touched], rtol=scale_rtol, atol=0)
