@@ -36,6 +36,7 @@ __all__ = [
     "PATCHES",
     "Patch",
     "before_inject_adapter",
+    "config_key_taken",
     "construct_elixir",
     "deferred_rotation",
     "from_pretrained_through",
@@ -125,6 +126,14 @@ PATCHES: tuple[Patch, ...] = (
         "a PEFT adapter added to a streamed model is made on its base layers' device, meta: its initial "
         "values are lost",
         ("peft 0.21.2",),
+    ),
+    Patch(
+        "trl.TrlParser.set_defaults_with_config",
+        "trl.TrlParser.parse_args_and_config (a --config YAML file's keys)",
+        "config_key_taken",
+        "under elixir-run, a YAML config's elixir key (read by elixir-run) fails a strict TrlParser as an unknown "
+        "argument, or reaches arguments that know the field and beats the command line's --elixir",
+        ("trl 1.16.0",),
     ),
     Patch(
         "transformers.trainer_utils.get_last_checkpoint",
@@ -410,6 +419,26 @@ def replace_get_last_checkpoint(replacement: Callable[[Any], str | None]) -> Non
         names = getattr(module, "__dict__", {})  # not getattr(module, name): a lazy module would import
         if names.get("get_last_checkpoint") is stock:
             module.get_last_checkpoint = replacement  # type: ignore[attr-defined]
+
+
+def config_key_taken(key: str) -> None:
+    """From now on, TRL's ``TrlParser`` leaves ``key`` of a ``--config`` YAML file out of its arguments
+    (elixir-run has read it). Nothing without TRL; once per process."""
+    try:
+        from trl import TrlParser
+    except ImportError:
+        return
+    stock = TrlParser.set_defaults_with_config
+    if getattr(stock, "_elixir", False):
+        return
+
+    @functools.wraps(stock)
+    def set_defaults_with_config(self: Any, **kwargs: Any) -> list[str]:
+        kwargs.pop(key, None)
+        return stock(self, **kwargs)
+
+    set_defaults_with_config._elixir = True  # type: ignore[attr-defined]
+    TrlParser.set_defaults_with_config = set_defaults_with_config  # type: ignore[method-assign]
 
 
 def construct_elixir(stock: type, elixir_of: Callable[[type], type]) -> None:

@@ -166,6 +166,15 @@ def _inject_adapter() -> None:
     assert all(c.args or any(k.arg == "model" for k in c.keywords) for c in calls)  # the hook gets the model
 
 
+def _set_defaults_with_config() -> None:
+    pytest.importorskip("trl")
+    from trl import TrlParser
+
+    assert list(inspect.signature(inspect.unwrap(TrlParser.set_defaults_with_config)).parameters) == ["self", "kwargs"]
+    calls = [c for c in _calls(TrlParser.parse_args_and_config, "set_defaults_with_config") if _on(c, "self")]
+    assert calls and all(any(k.arg is None for k in c.keywords) for c in calls)  # the YAML mapping as **config
+
+
 def _get_last_checkpoint() -> None:
     from transformers import trainer_utils
 
@@ -268,6 +277,7 @@ CONTRACTS: dict[str, Callable[[], None]] = {
     "transformers.PreTrainedModel.from_pretrained": _from_pretrained,
     "transformers.models.auto.auto_factory._BaseAutoModelClass.from_pretrained": _auto_from_pretrained,
     "peft.tuners.tuners_utils.BaseTuner.inject_adapter": _inject_adapter,
+    "trl.TrlParser.set_defaults_with_config": _set_defaults_with_config,
     "transformers.trainer_utils.get_last_checkpoint": _get_last_checkpoint,
     "transformers.TrainingArguments.__new__": _constructed("transformers.TrainingArguments", (("trl", "SFTConfig"),)),
     "transformers.Trainer.__new__": _constructed("transformers.Trainer", (("trl", "SFTTrainer"),)),

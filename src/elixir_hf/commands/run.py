@@ -7,7 +7,7 @@
 
 ``--elixir auto|off|JSON|FILE.json`` (anywhere on the line; bare: ``auto``) is taken out of the
 script's arguments, so its own parser never sees it, and handed over as ``ELIXIR_CONFIG``
-(unset: ``ELIXIR_CONFIG`` as it is, else ``auto``). Then every ``TrainingArguments``, ``Trainer``
+(unset: the ``elixir`` key of a TRL ``--config`` YAML file, else ``ELIXIR_CONFIG`` as it is, else ``auto``). Then every ``TrainingArguments``, ``Trainer``
 and ``Accelerator`` the script builds — the stock classes and every subclass, whether defined
 before or after (TRL's ``SFTConfig``/``SFTTrainer``) — is built as its Elixir version
 (``patches.construct_elixir``), which reads ``ELIXIR_CONFIG``. The script then runs as
@@ -19,6 +19,7 @@ snapshot in the cache, downloaded once per host (``loading.model.stream_from_pre
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import runpy
@@ -36,7 +37,7 @@ from ..loading.model import STREAM_ENV, stream_from_pretrained_calls
 from ..plugin import ACCEPTED, ENV_VAR, ElixirPlugin, ElixirSpecError, spec_word
 from ..trainer import elixir_trainer
 
-__all__ = ["main", "split_elixir", "install"]
+__all__ = ["main", "split_elixir", "config_file_elixir", "chosen_spec", "install"]
 
 USAGE = "usage: elixir-run [--elixir auto|off|JSON|FILE.json] (SCRIPT.py | -m MODULE) [its arguments]"
 
@@ -77,6 +78,42 @@ def _mistyped_spec(arg: str) -> bool:
     return bool(_WORD.fullmatch(arg)) and not os.path.exists(arg)
 
 
+def config_file_elixir(argv: Sequence[str]) -> tuple[str, str] | None:
+    """``(source, spec)`` of the ``elixir`` key of the YAML file after ``--config`` (TRL's ``TrlParser``
+    convention: ``trl.scripts.sft --config sft.yaml``), if it has one: a mapping as JSON, YAML's
+    booleans (``off``/``no``/``false`` read as false) as ``auto``/``off``. It comes after ``--elixir``
+    on the command line and before ``ELIXIR_CONFIG``, as TRL ranks the command line above the file."""
+    args = list(argv)
+    if "--config" not in args[:-1]:
+        return None
+    path = args[args.index("--config") + 1]
+    try:
+        import yaml  # type: ignore[import-untyped]  # PyYAML ships no types (transformers installs it)
+    except ImportError:  # no TRL (which reads the file through it) either
+        return None
+    try:
+        with open(path) as f:
+            config = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):  # the script's parser says what is wrong with it
+        return None
+    if not isinstance(config, dict) or config.get("elixir") is None:
+        return None
+    value = config["elixir"]
+    if isinstance(value, bool):
+        value = "auto" if value else "off"
+    spec = json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+    return f"the elixir key of {path}", spec
+
+
+def chosen_spec(flag: str | None, in_config: tuple[str, str] | None) -> tuple[str, str]:
+    """``(source, spec)``: elixir-run's ``--elixir``, else the config file's key, else ``ELIXIR_CONFIG``, else auto."""
+    if flag is not None:
+        return "--elixir", flag
+    if in_config is not None:
+        return in_config
+    return ENV_VAR, os.environ.get(ENV_VAR, "auto")
+
+
 def install() -> None:
     """Every ``TrainingArguments``, ``Trainer`` and ``Accelerator`` built from now on is an Elixir one,
     and ``get_last_checkpoint`` skips torn Elixir checkpoints (``checkpoint/restart.py``)."""
@@ -104,14 +141,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     target = rest[1:2] if module else rest[:1]
     if not target or target[0].startswith("-"):
         sys.exit(f"elixir-run: name the script to run\n{USAGE}")
-    source = "--elixir" if spec is not None else ENV_VAR
-    spec = spec if spec is not None else os.environ.get(ENV_VAR, "auto")
+    in_config = config_file_elixir(rest)
+    source, spec = chosen_spec(spec, in_config)
     try:
         plugin = ElixirPlugin.from_spec(spec, source)  # a bad value fails here, before the script loads its model
     except ElixirSpecError as exc:
         sys.exit(f"elixir-run: {exc}")
     os.environ[ENV_VAR] = spec
     install()
+    if in_config is not None:
+        patches.config_key_taken("elixir")  # read here: TrlParser must not refuse it nor let it beat --elixir
     if plugin is not None and os.environ.get(STREAM_ENV, "1") != "0":
         stream_from_pretrained_calls()
     if module:
