@@ -1,7 +1,8 @@
 """TRL's ``DPOTrainer`` under Elixir: the reference model on an engine of frozen chunks
 (``elixir_hf.reference.frozen_engine``), or TRL's precomputed reference log-probs run on the trained
 model's engine. The losses, grad norms and DPO metrics of 3 steps equal the stock DPOTrainer's (fp32
-on CPU, relative 1e-5), with the reference loaded by TRL (no ``ref_model``), given, or precomputed."""
+on CPU, relative 1e-5), with the reference loaded by TRL (no ``ref_model``), given, precomputed, or
+(a LoRA adapter) the trained model with its adapters off."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 import trl.trainer.dpo_trainer as dpo_module
 from datasets import Dataset
 from hf_cases import OFFLOAD_PLAN, history, save_tiny_lm
+from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import DPOConfig, DPOTrainer
 
@@ -57,7 +59,9 @@ def _dataset(tokenizer) -> Dataset:
     )
 
 
-def _dpo(llama_dir: str, out: str, elixir: str | None, ref: bool = False, precompute: bool = False) -> DPOTrainer:
+def _dpo(
+    llama_dir: str, out: str, elixir: str | None, ref: bool = False, precompute: bool = False, lora: bool = False
+) -> DPOTrainer:
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
     settings = {
         "max_steps": STEPS,
@@ -79,8 +83,14 @@ def _dpo(llama_dir: str, out: str, elixir: str | None, ref: bool = False, precom
         cls, args = elixir_trainer(DPOTrainer), elixir_args(DPOConfig)(output_dir=out, elixir=elixir, **settings)
     model = AutoModelForCausalLM.from_pretrained(llama_dir, attn_implementation="eager")
     ref_model = AutoModelForCausalLM.from_pretrained(llama_dir, attn_implementation="eager") if ref else None
+    peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"], lora_dropout=0.0) if lora else None
     trainer = cls(
-        model=model, ref_model=ref_model, args=args, train_dataset=_dataset(tokenizer), processing_class=tokenizer
+        model=model,
+        ref_model=ref_model,
+        args=args,
+        train_dataset=_dataset(tokenizer),
+        processing_class=tokenizer,
+        peft_config=peft,
     )
     trainer.train()
     return trainer
@@ -122,6 +132,19 @@ def test_dpo_losses_are_the_stock_ones(
         assert not any(c.trainable for c in elixir.plan.chunks)  # frozen chunks: no gradient, no Adam state
         assert len(elixir.plan.offload) == len(elixir.plan.chunks)  # reference_offload 1.0: all in host memory
         assert ours.ref_model._elixir is not ours.model._elixir
+
+
+def test_dpo_with_a_lora_adapter_is_the_stock_one(llama_dir, tmp_path) -> None:
+    """No reference model: TRL runs the trained model with its adapters off, on the one engine."""
+    stock = _dpo(llama_dir, str(tmp_path / "stock"), None, lora=True)
+    ours = _dpo(llama_dir, str(tmp_path / "elixir"), OFFLOAD_PLAN, lora=True)
+    assert ours.ref_model is None
+    for key in KEYS:
+        got, want = history(ours, key), history(stock, key)
+        assert len(got) == len(want) == STEPS and all(
+            math.isclose(g, w, rel_tol=RTOL, abs_tol=1e-6) for g, w in zip(got, want)
+        ), (key, got, want)
+    assert history(ours, "rewards/margins")[-1] != 0
 
 
 def test_the_reference_holds_compute_dtype_weights_only(llama_dir) -> None:
