@@ -112,7 +112,10 @@ class _FullDisk(io.FileIO):
 
 def test_disk_full_names_the_file_and_leaves_no_temporary(tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(
-        elixir_hf.checkpoint.format, "open", lambda path, mode: _FullDisk(path, mode.replace("b", "")), raising=False
+        elixir_hf.checkpoint.format,
+        "open",
+        lambda path, mode, **kw: _FullDisk(path, mode.replace("b", ""), **kw),
+        raising=False,
     )
     trainer = make_trainer("gpt2", training_args(str(tmp_path), OFFLOAD_PLAN, **SAVE), n_train=80)
     with pytest.raises(
@@ -129,7 +132,10 @@ def test_disk_full_names_the_file_and_leaves_no_temporary(tmp_path, monkeypatch)
 def test_disk_full_in_a_torch_save_keeps_the_os_error(tmp_path, monkeypatch) -> None:
     """torch.save's own C++ writer reports ``basic_ios::clear: iostream error``; ours, errno."""
     monkeypatch.setattr(
-        elixir_hf.checkpoint.format, "open", lambda path, mode: _FullDisk(path, mode.replace("b", "")), raising=False
+        elixir_hf.checkpoint.format,
+        "open",
+        lambda path, mode, **kw: _FullDisk(path, mode.replace("b", ""), **kw),
+        raising=False,
     )
     path = tmp_path / "big.pt"
     with pytest.raises(OSError) as info:

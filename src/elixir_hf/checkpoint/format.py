@@ -162,9 +162,12 @@ def _write_file(path: str | os.PathLike, write: Callable[[_Summing], object]) ->
 
 
 def _create(path: Path) -> BinaryIO:
-    """A new file at ``path``: never one that exists, nor through a symbolic link."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    return os.fdopen(os.open(path, flags, 0o644), "wb")
+    """A new file at ``path``: never one that exists ("x": ``O_EXCL``), nor through a symbolic link."""
+    return open(path, "xb", opener=_no_follow)
+
+
+def _no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
 
 
 def atomic_safetensors_save(

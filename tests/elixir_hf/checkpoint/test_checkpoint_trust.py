@@ -23,7 +23,14 @@ import torch
 from hf_cases import OFFLOAD_PLAN, history, make_trainer, training_args
 
 from elixir_hf.checkpoint.folder_lock import LOCK_NAME
-from elixir_hf.checkpoint.format import MARKER_NAME, OPTIM_INDEX, CheckpointError, newest_complete, read_marker
+from elixir_hf.checkpoint.format import (
+    MARKER_NAME,
+    OPTIM_INDEX,
+    CheckpointError,
+    atomic_write_text,
+    newest_complete,
+    read_marker,
+)
 from elixir_hf.checkpoint.restart import get_last_checkpoint
 from elixir_hf.commands import convert
 from helpers.logs import captured
@@ -160,3 +167,12 @@ def test_convert_copies_a_symbolic_link_as_the_link(saved_run, tmp_path, caplog)
     copied = tmp_path / "plain" / "notes.txt"
     assert copied.is_symlink() and os.readlink(copied) == str(private)
     assert f"{ckpt / 'notes.txt'} is a symbolic link (to {private}): copied as the link" in caplog.text
+
+
+def test_a_link_planted_at_a_temporary_name_is_never_written_through(tmp_path) -> None:
+    target = tmp_path / "victim.txt"
+    target.write_text("do not touch")
+    (tmp_path / f".x.json.tmp{os.getpid()}").symlink_to(target)
+    atomic_write_text('{"a": 1}', tmp_path / "x.json")
+    assert target.read_text() == "do not touch" and (tmp_path / "x.json").read_text() == '{"a": 1}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["victim.txt", "x.json"]
