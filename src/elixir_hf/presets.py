@@ -13,14 +13,17 @@ larger shapes the planning table sizes boxes by: ``llama2-13b`` (13.0 B), ``code
 and ``llama2-70b`` (69.0 B). The SFT recipes' models (``recipes/sft``) too: ``llama3.1-8b``
 (Llama-3.1-8B's config.json: Llama-3-8B's shape, rope scaled to 128K positions), ``qwen2.5-14b``
 (Qwen2.5-14B's, 14.8 B) and ``mistral-7b-v0.3`` (Mistral-7B-v0.3's, 7.25 B: a 32768 vocabulary,
-no sliding window).
+no sliding window). The 24–72 B models one node fine-tunes, from their config.json: ``mistral-small-24b``
+(Mistral-Small-24B-Base-2501, 23.6 B), ``gemma2-27b`` (gemma-2-27b, 27.2 B: tied embeddings, a 256000
+vocabulary), ``qwen2.5-32b`` (32.8 B), ``llama3.1-70b`` (Llama-3.1-70B, 70.6 B) and ``qwen2.5-72b``
+(72.7 B).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PRESETS", "ALIASES", "canonical_name"]
+__all__ = ["PRESETS", "ALIASES", "canonical_name", "close_presets"]
 
 PRESETS: dict[str, tuple[str, dict[str, Any]]] = {  # name: (HF model_type, its config's shape fields)
     "tiny": ("gpt2", {"n_embd": 128, "n_layer": 4, "n_head": 4}),
@@ -181,6 +184,69 @@ PRESETS["llama3.1-8b"] = (
     },
 )
 
+PRESETS["llama3.1-70b"] = (
+    "llama",
+    {
+        **PRESETS["llama3.1-8b"][1],
+        "hidden_size": 8192,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "intermediate_size": 28672,
+    },
+)
+
+PRESETS["mistral-small-24b"] = (
+    "mistral",
+    {
+        "hidden_size": 5120,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "intermediate_size": 32768,
+        "vocab_size": 131072,
+        "max_position_embeddings": 32768,
+        "rope_theta": 100000000.0,
+        "rms_norm_eps": 1e-5,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    },
+)
+
+PRESETS["gemma2-27b"] = (
+    "gemma2",
+    {
+        "hidden_size": 4608,
+        "num_hidden_layers": 46,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 16,
+        "head_dim": 128,
+        "intermediate_size": 36864,
+        "vocab_size": 256000,
+        "max_position_embeddings": 8192,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "query_pre_attn_scalar": 144,
+        "sliding_window": 4096,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+    },
+)
+
+for _name, _shape in {
+    "qwen2.5-32b": {"num_hidden_layers": 64, "intermediate_size": 27648},
+    "qwen2.5-72b": {
+        "hidden_size": 8192,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "intermediate_size": 29568,
+    },
+}.items():
+    PRESETS[_name] = ("qwen2", {**PRESETS["qwen2.5-14b"][1], **_shape})  # 14B's vocabulary, rope, norms, 8 kv heads
+
 ALIASES: dict[str, str] = {
     "gpt2-xl": "gpt2-1.5b",  # the Hub's name; docs/planning.md's measured table
     "1.5b": "gpt2-1.5b",  # recorded runs (docs/benchmarks/results.json) and the README's commands
@@ -190,7 +256,14 @@ ALIASES: dict[str, str] = {
 
 
 def canonical_name(name: str) -> str | None:
-    """The preset ``name`` (any case, or an alias) stands for; ``None`` if it is none."""
-    key = name.lower()
+    """The preset ``name`` (any case, ``_`` for ``-``, or an alias) stands for; ``None`` if it is none."""
+    key = name.lower().replace("_", "-")
     key = ALIASES.get(key, key)
     return key if key in PRESETS else None
+
+
+def close_presets(name: str) -> list[str]:
+    """Presets ``name`` may have meant (a typo's neighbours), closest first."""
+    import difflib
+
+    return difflib.get_close_matches(name.lower(), [*PRESETS, *ALIASES], n=3, cutoff=0.6)

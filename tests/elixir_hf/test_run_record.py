@@ -151,7 +151,7 @@ def test_a_folder_without_a_run_names_the_fix(tmp_path, capsys, case: str) -> No
     if case == "not a record":
         record_dir(folder).mkdir()
         (record_dir(folder) / "rank0.json").write_text("{")
-    assert plan_main(["--run", str(folder)]) == 2
+    assert plan_main(["--run", str(folder)]) == 1  # bad input (plan.EXIT_INPUT)
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     want = {
@@ -174,14 +174,14 @@ def test_without_matplotlib_the_table_and_the_extra(tmp_path, capsys, monkeypatc
     out = capsys.readouterr().out
     assert "step time, s" in out and "the plot needs matplotlib: pip install 'elixir-hf[plot]'" in out
     assert not list(record_dir(tmp_path).glob("*.png"))
-    assert plan_main(["--run", str(tmp_path), "--plot", str(tmp_path / "run.png")]) == 2  # asked for: an error
+    assert plan_main(["--run", str(tmp_path), "--plot", str(tmp_path / "run.png")]) == 1  # an error: EXIT_INPUT
     assert "--plot" in capsys.readouterr().err
 
 
 def test_run_takes_no_planning_options(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit) as exit:
         plan_main(["--run", str(tmp_path), "--gpus", "2", "--no-ac"])
-    assert exit.value.code == 2 and "takes --plot and --json only, not --gpus, --no-ac" in capsys.readouterr().err
+    assert exit.value.code == 1 and "takes --plot and --json only, not --gpus, --no-ac" in capsys.readouterr().err
 
 
 def test_wandb_gets_the_table_and_a_chart_per_comparison(monkeypatch, tmp_path) -> None:

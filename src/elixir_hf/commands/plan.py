@@ -19,6 +19,10 @@ same keys, the same parser: ``ElixirPlugin``), of which ``--dtype``, ``--gpu-mem
 ``--device-lane`` and ``--stock-loss`` are shorthands. This module parses the command line;
 ``plan_report.py`` makes the report, ``plan_plot.py`` draws it; ``plan_run.py`` holds a run against
 its plan (``--run``).
+
+Exit status: 0 a plan (or --run's table, --measure-hardware's profile); 1 bad input (a flag's value, an
+unknown model, card or file, --gpu-memory above the card, a run folder without records); 2 no plan fits
+(PlanError: the message says what would make it fit).
 """
 
 from __future__ import annotations
@@ -28,7 +32,9 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import sys
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -42,7 +48,12 @@ from ..plugin import ElixirPlugin, ElixirSpecError
 from .plan_hardware import host_mem, plan_hardware
 from .plan_report import plan_report
 
-__all__ = ["main", "parse_size", "DEVICE_LANE_WORDS"]
+__all__ = ["main", "parse_size", "DEVICE_LANE_WORDS", "EXIT_INPUT", "EXIT_NO_FIT"]
+
+EXIT_INPUT = 1
+"""Bad input: a flag's value, an unknown model, card or file; the message names it and the fix."""
+EXIT_NO_FIT = 2
+"""No plan fits the GPUs and host memory given; the message says what would."""
 
 DESCRIPTION = """\
 The plan --elixir auto would make for a model, without a GPU and without allocating: GPU memory per
@@ -53,11 +64,15 @@ examples:
   elixir-plan --model gpt2-10b --seq-len 1024 --batch-size 8 --gpus 2 --gpu-mem 80GiB --host-mem 256GiB
   elixir-plan --model path/to/config.json --hardware h100 --gpu-memory 40GiB --plot plan.png
   elixir-plan --model llama3-8b --seq-len 2048 --gpus 2 --gpu a100-80gb   (a card you do not own)
+  elixir-plan --model llama3.1-70b --seq-len 4096 --gpus 8 --gpu h100 --host-mem 2TiB --host-cores 112   (a DGX node)
   elixir-plan --model llama3-8b --elixir '{"offload": 0.5, "cpu_threads": 6}'   (the run's --elixir keys)
   elixir-plan --measure-hardware hw.json   (on the GPU machine; then --hardware hw.json elsewhere)
   elixir-plan --run out/   (an Elixir Trainer run's --output_dir: predicted vs measured, per rank)
 
-Sizes: 80GiB, 80G (binary), 80GB (decimal), 512MiB; a bare number is GiB."""
+Sizes: 80GiB, 80G (binary), 80GB (decimal), 512MiB; a bare number is GiB.
+
+exit status: 0 a plan; 1 bad input (the message names the flag and the fix); 2 no plan fits (the
+message says what would make it fit)."""
 
 DEVICE_LANE_WORDS = {"off": False, "on": True, "auto": "auto"}
 """``ElixirConfig.device_assisted_update`` by the word a command line takes (``--device-lane off|on|auto``)."""
@@ -109,10 +124,16 @@ def _spec(text: str) -> dict[str, Any]:
     return spec
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with bad input exiting ``EXIT_INPUT`` (its own 2 is ``EXIT_NO_FIT`` here)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_INPUT, f"{self.prog}: error: {message}\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="elixir-plan", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = _Parser(prog="elixir-plan", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("--model", "--model_config", "--model-config", dest="model", help="preset, config.json or Hub id")
     p.add_argument("--seq-len", "--seq_len", type=_positive, default=1024)
@@ -133,7 +154,17 @@ def _parser() -> argparse.ArgumentParser:
         type=host_mem,
         help="host RAM available to the job before its model is loaded (what prepare counts: MemAvailable "
         "plus what the model's own weights free), or 'here': what this machine has available (default: this "
-        "machine's when planning for its own GPU; else the GPU profile's host's)",
+        "machine's when planning for its own GPU; else the GPU profile's host's, times the GPUs per GPU of it "
+        "for more GPUs than it had, said in the output)",
+    )
+    p.add_argument(
+        "--host-cores",
+        "--host_cores",
+        type=_positive,
+        metavar="N",
+        help="CPU cores of the host the GPUs share: the CPU update of offloaded chunks is priced at the profile's "
+        "rate for as many cores per GPU (default: the profile's host's, times the GPUs per GPU of it for more "
+        "GPUs than it had)",
     )
     card = p.add_mutually_exclusive_group()
     card.add_argument(
@@ -233,24 +264,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         hardware, note = plan_hardware(args)
     except ValueError as exc:  # names the value and the fix: no usage text around it
         print(f"elixir-plan: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_INPUT
     try:
         config = _elixir_config(args)
     except ElixirSpecError as exc:
         parser.error(str(exc))
     try:
         report = plan_report(args, config, hardware, note)
-    except PlanError as exc:
+    except (PlanError, ValueError) as exc:
+        code = EXIT_NO_FIT if isinstance(exc, PlanError) else EXIT_INPUT
+        message = str(exc) if args.verbose else plain_words(str(exc))
         if args.json:
-            print(json.dumps({"error": str(exc)}, indent=2))
+            print(json.dumps({"error": message, "exit": code}, indent=2))
         else:
-            print(f"elixir-plan: {exc}", file=sys.stderr)
-        return 2
+            print(f"elixir-plan: {message}", file=sys.stderr)
+        return code
     if args.json:
         print(json.dumps(report.doc, indent=2))
     else:
         more = report.details if args.verbose else "more: --verbose (the planner's workings), --plot FILE.png, --json"
         print(f"{report.text}\n\n{more}")
+    for warning in report.warnings:  # after the text, where a reader's eye ends; in --json's document too
+        print(f"elixir-plan: WARNING: {warning}", file=sys.stderr)
     if args.plot:
         from .plan_plot import plot_plan  # matplotlib only when asked for
 
@@ -258,6 +293,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         # beside the JSON document, not in it: stdout stays one document
         print(f"plot written to {os.path.abspath(args.plot)}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+_BUDGET = re.compile(r"U_allowed = (.+?) = (\S+ \S+) per rank")
+
+
+def plain_words(message: str) -> str:
+    """The planner's message without its symbols (``--verbose`` keeps them): the GPU memory budget's
+    formula as what is left for the model states."""
+    return _BUDGET.sub(
+        r"only \2 per GPU is left for them (\1: a share of the GPU less buffers and activations)", message
+    )
 
 
 _SHORTHANDS: dict[str, tuple[str, str, Callable[[Any], object]]] = {

@@ -7,16 +7,26 @@ shipped h100. The host goes with the GPU's profile: planning for this machine's 
 machine's available RAM (what ``--elixir auto`` budgets with at ``prepare``); for any other, the
 profile's host's RAM (for a derived card, the H100 box it derives from), never this machine's
 RAM beside another machine's card. ``--host-mem SIZE`` or ``--host-mem here`` (this machine's
-available RAM) plan with other RAM; the CPU Adam rates stay the profile's host's.
+available RAM) plan with other RAM.
+
+A profile's host fed ``hardware.gpus`` GPUs; a plan for more GPUs on another machine's profile (8 H100s
+from the 1-GPU h100 box) assumes a host of as many such boxes per GPU: RAM and cores scaled by the
+GPUs, said in the header. ``--host-cores N`` sets the cores: each rank's CPU Adam rate is the
+profile's at the same cores per rank (``host_hardware``). Card names are matched loosely
+(``RTX-4090``, ``rtx 4090``, ``nvidia-h100``: ``card_name``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import re
+from pathlib import Path
 
 import torch
 
+from elixir_runtime.adam_state import ADAM_STATE, AdamState
 from elixir_runtime.config import parse_size
 from elixir_runtime.hardware import (
     ENV_HARDWARE,
@@ -28,8 +38,12 @@ from elixir_runtime.hardware import (
     load_hardware,
     unknown_card,
 )
+from elixir_runtime.hardware.profile import CpuAdamRate
+from elixir_runtime.kernels.threads import cpu_adam_threads
 
-__all__ = ["HERE", "host_mem", "plan_hardware", "host_memory"]
+__all__ = ["HERE", "card_name", "host_mem", "plan_hardware", "host_memory", "host_cores", "host_hardware"]
+
+GIB = 2**30
 
 HERE = "here"
 """``--host-mem here``: this machine's available RAM, whatever card is planned for."""
@@ -47,6 +61,15 @@ def host_mem(text: str) -> int | str:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{exc}, or '{HERE}' for this machine's available RAM") from None
+
+
+def card_name(value: str) -> str:
+    """The shipped card ``value`` names in another spelling (case, ``-``, ``_``, spaces, an ``nvidia``
+    prefix: ``RTX-4090`` is ``rtx4090``); ``value`` itself if none does, or if it is a file."""
+    if Path(value).exists():
+        return value
+    key = re.sub(r"[\s_-]", "", value.lower()).removeprefix("nvidia")
+    return next((name for name in SHIPPED if name.replace("-", "") == key), value)
 
 
 def plan_hardware(args: argparse.Namespace) -> tuple[HardwareProfile, str]:
@@ -79,23 +102,75 @@ def plan_hardware(args: argparse.Namespace) -> tuple[HardwareProfile, str]:
     return hardware, f"{flag} {value}: {_MEASURED if value.lower() in MEASURED else _DERIVED}"
 
 
+def _boxes(args: argparse.Namespace, hardware: HardwareProfile) -> float:
+    """How many of the profile's hosts a plan for ``args.gpus`` GPUs of another machine assumes (1: its own)."""
+    if _given(args) is None or args.gpus <= hardware.gpus:
+        return 1.0
+    return float(args.gpus / hardware.gpus)
+
+
+def _profile_host(args: argparse.Namespace, hardware: HardwareProfile) -> str:
+    given = _given(args)
+    derived = given is not None and given[1].lower() in SHIPPED and given[1].lower() not in MEASURED
+    whose = f"the {REFERENCE} box the profile derives from" if derived else "the machine the profile was measured on"
+    gpus = f"{hardware.gpus} GPU{'s' if hardware.gpus > 1 else ''}"
+    return f"{whose}: {hardware.host_memory / GIB:.0f} GiB, {hardware.cpu_cores} cores for {gpus}"
+
+
+def host_cores(args: argparse.Namespace, hardware: HardwareProfile) -> tuple[int, str]:
+    """Host cores to price the CPU Adam with, and where they come from."""
+    if args.host_cores is not None:
+        return args.host_cores, "--host-cores"
+    boxes = _boxes(args, hardware)
+    if boxes > 1:
+        return round(hardware.cpu_cores * boxes), "assumed: the profile's host's per GPU; --host-cores N for yours"
+    return hardware.cpu_cores, "the profile's host's"
+
+
 def host_memory(args: argparse.Namespace, hardware: HardwareProfile) -> tuple[int, str]:
     """Host RAM to plan with, and where it comes from (module docstring)."""
-    rates = f", with the CPU Adam rates of the profile's host ({hardware.cpu_cores} cores)"
+    cores, cores_source = host_cores(args, hardware)
+    rates = f", CPU Adam rates for {cores} cores ({cores_source})"
     if isinstance(args.host_mem, int):
         return args.host_mem, "as given (--host-mem)" + rates
     if args.host_mem == HERE:
         return host_available(), f"available on this machine (--host-mem {HERE})" + rates
-    given = _given(args)
-    if given is None:
-        return host_available(), "available on this machine"
-    derived = given[1].lower() in SHIPPED and given[1].lower() not in MEASURED
-    whose = f"the {REFERENCE} box the profile derives from" if derived else "the machine the profile was measured on"
+    if _given(args) is None:
+        return host_available(), "available on this machine" + (rates if args.host_cores else "")
+    boxes = _boxes(args, hardware)
+    if boxes > 1:
+        return (
+            round(hardware.host_memory * boxes),
+            f"ASSUMED: {args.gpus} GPUs x the profile host's RAM and cores per GPU ({_profile_host(args, hardware)}): "
+            f"{hardware.host_memory * boxes / GIB:.0f} GiB, {cores} cores; --host-mem SIZE and --host-cores N for "
+            "your host",
+        )
     return (
         hardware.host_memory,
-        f"the profile's host's ({whose}: {hardware.cpu_cores} cores, its CPU Adam rates); --host-mem SIZE or "
-        f"{HERE} for another",
+        f"the profile's host's ({_profile_host(args, hardware)}; its CPU Adam rates"
+        + (f" for {cores} cores, --host-cores" if args.host_cores else "")
+        + f"); --host-mem SIZE or {HERE} for another",
     )
+
+
+def host_hardware(args: argparse.Namespace, hardware: HardwareProfile) -> HardwareProfile:
+    """``hardware`` on a host of ``host_cores`` cores: the per-rank CPU Adam rate of ``args.gpus`` ranks
+    is the profile's at the same cores per rank (its rate for ``gpus x its cores / cores`` ranks, at
+    least one: a rank is not priced above what one rank ran at on the profile's host)."""
+    cores, _ = host_cores(args, hardware)
+    if cores == hardware.cpu_cores:
+        return hardware
+    n = args.gpus
+    ranks = max(1, round(n * hardware.cpu_cores / cores))
+
+    def table(state: AdamState) -> dict[int, CpuAdamRate]:
+        if not hardware.cpu_table(state):
+            return {}  # not measured: rates() prices it from the exact state's
+        r = hardware.cpu_adam_per_rank(ranks, [], state)
+        return {n: dataclasses.replace(r, ranks=n, threads=cpu_adam_threads(n, cores=cores))}
+
+    exact, compact = ADAM_STATE["fp32"], ADAM_STATE["8bit"]
+    return dataclasses.replace(hardware, cpu_cores=cores, cpu_adam=table(exact), cpu_adam8=table(compact))
 
 
 def _given(args: argparse.Namespace) -> tuple[str, str] | None:
@@ -104,5 +179,5 @@ def _given(args: argparse.Namespace) -> tuple[str, str] | None:
     env = os.environ.get(ENV_HARDWARE)
     for flag, value in (("--gpu", args.gpu), ("--hardware", args.hardware), (f"${ENV_HARDWARE}", env)):
         if value:
-            return flag, value
+            return flag, card_name(value)
     return None if torch.cuda.is_available() else (_NO_GPU, REFERENCE)

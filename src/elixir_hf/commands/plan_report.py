@@ -48,8 +48,8 @@ from elixir_runtime.planner import (
 
 from ..loss import use_lean_loss
 from ..patches import mask_decisions_of
-from ..presets import PRESETS, canonical_name
-from .plan_hardware import host_memory
+from ..presets import PRESETS, canonical_name, close_presets
+from .plan_hardware import host_hardware, host_memory
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -57,6 +57,9 @@ if TYPE_CHECKING:
 __all__ = ["PlanReport", "plan_report", "model_config", "build_meta_model"]
 
 GIB = 2**30
+HOST_PINNED_WARN = 0.9
+"""Share of the host's RAM a plan may pin before ``elixir-plan`` warns: the rest is all the job's other
+memory (data loader workers, page cache, a checkpoint save) and everything else on the host has."""
 HOST_BOUND = 0.25
 """Share of the predicted step that CPU updates not hidden must reach for ``elixir-plan`` to price
 two micro-batches per step, which hide them under twice the compute (``_accumulated``)."""
@@ -74,7 +77,10 @@ class PlanReport:
     """What ``--verbose`` adds: profile, hardware and rates, the plan table, the budget formula,
     alternatives, every chunk size tried, timings and the search's notes."""
     doc: dict[str, Any]
-    """The ``--json`` document (``model``, ``settings``, ``profile``, ``hardware``, ``plan``, ``timings``)."""
+    """The ``--json`` document (``model``, ``settings``, ``profile``, ``hardware``, ``plan``, ``timings``,
+    ``warnings``)."""
+    warnings: list[str]
+    """What the user should act on before running the plan (said on stderr, and in ``doc``)."""
 
 
 def plan_report(
@@ -85,6 +91,7 @@ def plan_report(
     card = args.gpu_mem or hardware.gpu_memory
     _check_cap(args, hardware, card)
     host_bytes, host_source = host_memory(args, hardware)
+    hardware = host_hardware(args, hardware)  # its CPU Adam rates for the host's cores
     t0 = time.perf_counter()
     with quiet_transformers():  # its warnings about use_cache, token ids, ... say nothing about the plan
         model = build_meta_model(model_config(args.model, args.seq_len), args.dtype, args.ac)
@@ -128,7 +135,23 @@ def plan_report(
             "predicted_step_s": accumulated.predicted_step_s,
             "tflops": tflops(accumulated, 2),
         }
-    return PlanReport(plan, title, text, details, doc)
+    warnings = host_warnings(plan)
+    doc["warnings"] = warnings
+    return PlanReport(plan, title, text, details, doc, warnings)
+
+
+def host_warnings(plan: ElixirPlan) -> list[str]:
+    """A plan pinning more than ``HOST_PINNED_WARN`` of the host's RAM, in numbers and with the fix."""
+    assert plan.budget is not None, "a searched plan"
+    pinned, host = plan.host_bytes * plan.budget.ranks_per_host, plan.budget.host_capacity
+    if not host or pinned <= HOST_PINNED_WARN * host:
+        return []
+    return [
+        f"the plan pins {size_text(pinned)} of the host's {size_text(host)} RAM ({pinned / host:.0%}): "
+        f"{size_text(host - pinned)} is left for everything else (data loader workers, the page cache, a checkpoint "
+        "save, other processes), and the job may be killed for memory. To leave room: plan with a smaller --host-mem "
+        "and run that plan (--json's plan as the run's --elixir FILE), or use more GPUs"
+    ]
 
 
 def _accumulated(
@@ -162,7 +185,7 @@ def quiet_transformers() -> Iterator[None]:
 def _check_cap(args: argparse.Namespace, hardware: HardwareProfile, card: int) -> None:
     cap = args.gpu_memory
     if cap is not None and cap > card:
-        raise PlanError(
+        raise ValueError(
             f"--gpu-memory {cap / GIB:.2f} GiB is more than the {card / GIB:.2f} GiB of the GPU planned for "
             f"({'--gpu-mem' if args.gpu_mem else hardware.device}): give at most {card} bytes, or plan for a larger "
             "card (--gpu NAME, --gpu-mem, or --hardware with its profile)"
@@ -313,12 +336,24 @@ def model_config(name: str, seq_len: int) -> PretrainedConfig:
     if path.is_file():
         data = json.loads(path.read_text())
         return AutoConfig.for_model(data.pop("model_type"), **data)
+    presets = f"the presets: {', '.join(PRESETS)}"
+    try:  # the cache first: no network for a model already here
+        cached: PretrainedConfig = AutoConfig.from_pretrained(name, local_files_only=True)
+        return cached
+    except (OSError, ValueError) as exc:
+        if "/" not in name and not path.is_dir():  # no Hub id (owner/name): a preset mistyped, not a network call
+            close = close_presets(name)
+            meant = f"did you mean {' or '.join(close)}? " if close else ""
+            raise ValueError(
+                f"--model {name}: no preset, config.json or folder of that name ({meant}{presets}); a Hub model is "
+                f"owner/name, e.g. meta-llama/Llama-3.1-8B"
+            ) from exc
     try:
         config: PretrainedConfig = AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as exc:
-        raise SystemExit(
-            f"elixir-plan: {name!r} is not a preset ({', '.join(PRESETS)}), a config.json, or a Hub id that can be "
-            f"loaded here ({type(exc).__name__}: {exc}); without network, download its config.json and pass its path"
+        raise ValueError(
+            f"--model {name}: not a preset, a config.json, or a Hub id that can be loaded here ({type(exc).__name__}: "
+            f"{exc}); without network, download its config.json and pass its path ({presets})"
         ) from exc
     return config
 

@@ -180,12 +180,12 @@ def run_command(output_dir: str, png: str | None, as_json: bool) -> int:
     plotting = importlib.util.find_spec("matplotlib") is not None
     if png and not plotting:  # asked for: an error, as --plot alone is
         print(f"elixir-plan: --plot {png} needs matplotlib: {PLOT_EXTRA}", file=sys.stderr)
-        return 2
+        return 1  # plan.EXIT_INPUT
     try:
         table = run_table(read_run(output_dir), output_dir)
     except RunRecordError as exc:
         print(f"elixir-plan: --run {exc}", file=sys.stderr)
-        return 2
+        return 1  # plan.EXIT_INPUT
     print(json.dumps(table.to_dict(), indent=2) if as_json else table.text())
     aside = sys.stderr if as_json else sys.stdout  # stdout stays one JSON document
     if not plotting:

@@ -38,7 +38,7 @@ def test_plot_without_matplotlib_names_the_extra(monkeypatch, capsys, tmp_path) 
     )
     with pytest.raises(SystemExit) as exit:
         _main(SCRIPTS["elixir-plan"])(["--model", "gpt2", "--plot", str(tmp_path / "plan.png")])
-    assert exit.value.code == 2
+    assert exit.value.code == 1  # plan.EXIT_INPUT
     assert "--plot" in (err := capsys.readouterr().err) and "pip install 'elixir-hf[plot]'" in err
     assert not (tmp_path / "plan.png").exists()
 

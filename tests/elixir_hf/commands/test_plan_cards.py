@@ -47,7 +47,10 @@ def test_a_card_not_owned_plans_in_its_profiles_host(capsys) -> None:
         "card's published figures" in out
     )
     host_gib = shipped_hardware("h100").host_memory / GIB
-    assert f"host: {host_gib:.2f} GiB RAM, the profile's host's (the h100 box the profile derives from: 16 cores" in out
+    assert (
+        f"host: {host_gib:.2f} GiB RAM, the profile's host's (the h100 box the profile derives from: 126 GiB, 16 cores for 1 GPU"
+        in out
+    )
     assert "predicted step:" in out
 
 
@@ -58,10 +61,12 @@ def test_a_foreign_card_never_takes_this_machines_ram_unless_asked(capsys, tiny)
     for flags in ((), ("--gpu", "h100"), ("--hardware", "h100")):
         out, doc = _plan(capsys, *tiny, *flags)
         assert doc["plan"]["budget"]["host_capacity"] == doc["host"]["memory"] == profile_host, flags
-        assert "the profile's host's (the machine the profile was measured on: 16 cores" in out, flags
+        assert "the profile's host's (the machine the profile was measured on: 126 GiB, 16 cores for 1 GPU" in out, (
+            flags
+        )
     out, doc = _plan(capsys, *tiny, "--gpu", "l40s", "--host-mem", "here")
     assert doc["plan"]["budget"]["host_capacity"] == 12 * GIB
-    assert "host: 12.00 GiB RAM, available on this machine (--host-mem here), with the CPU Adam rates of" in out
+    assert "host: 12.00 GiB RAM, available on this machine (--host-mem here), CPU Adam rates for 16 cores" in out
     out, doc = _plan(capsys, *tiny, "--gpu", "l40s", "--host-mem", "64GiB")
     assert doc["plan"]["budget"]["host_capacity"] == 64 * GIB and "as given (--host-mem)" in doc["host"]["source"]
     assert doc["hardware"]["device"] == "NVIDIA L40S" and doc["plan"]["search"]["hardware"]["device"] == "NVIDIA L40S"
@@ -89,7 +94,7 @@ def test_this_machines_gpu_plans_with_this_machines_ram(tiny, tmp_path, monkeypa
 
 @pytest.mark.parametrize("flag", ["--gpu", "--hardware"])
 def test_an_unknown_card_is_one_message_naming_the_fix(capsys, tiny, flag) -> None:
-    assert main([*tiny, flag, "a200"]) == 2
+    assert main([*tiny, flag, "a200"]) == 1
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith(f"elixir-plan: {flag} a200: 'a200' is no card")
     assert ", ".join(SHIPPED) in err and "--measure-hardware hw.json" in err and "--hardware hw.json" in err
