@@ -26,20 +26,36 @@ import runpy
 import sys
 from collections.abc import Sequence
 
-from accelerate import Accelerator
-from transformers import Trainer, TrainingArguments
-
-from .. import patches
-from ..accelerator import elixir_accelerator
-from ..arguments import elixir_args
-from ..checkpoint.restart import get_last_checkpoint
-from ..loading.model import STREAM_ENV, stream_from_pretrained_calls
-from ..plugin import ACCEPTED, ENV_VAR, ElixirPlugin, ElixirSpecError, spec_word
-from ..trainer import elixir_trainer
+# Only the standard library at import: --help and --version answer before torch, transformers and the
+# engine load (seconds); the rest is imported where it is used.
 
 __all__ = ["main", "split_elixir", "config_file_elixir", "chosen_spec", "install"]
 
 USAGE = "usage: elixir-run [--elixir auto|off|JSON|FILE.json] (SCRIPT.py | -m MODULE) [its arguments]"
+ENV_VAR = "ELIXIR_CONFIG"  # plugin.ENV_VAR, named here so that --help loads nothing
+
+HELP = f"""{USAGE}
+
+Runs an unmodified Hugging Face Trainer, TRL or Accelerate script with the Elixir engine.
+
+  elixir-run train.py --model_name_or_path gpt2 --bf16 --elixir auto
+  torchrun --nproc_per_node 2 -m elixir_hf.commands.run train.py ... --elixir plan.json
+  accelerate launch --config_file recipes/elixir.yaml -m elixir_hf.commands.run train.py ...
+  elixir-run -m trl.scripts.sft ...                  (a module instead of a file)
+
+--elixir auto|off|JSON|FILE.json
+    anywhere on the line (bare: auto), taken out before the script's own parser sees it. auto plans
+    for this model, batch and machine; off runs the stock Trainer; JSON: settings of the plan, e.g.
+    '{{"offload": 0.5}}' (docs/hf.md lists them); FILE.json: settings, or a saved elixir_plan.json.
+    Without it: the elixir key of a TRL --config YAML file, else ${ENV_VAR}, else auto.
+
+Every TrainingArguments, Trainer and Accelerator the script builds (the stock classes and their
+subclasses, such as TRL's SFTTrainer) runs on Elixir; otherwise the script runs as `python SCRIPT.py`
+would. With Elixir on, from_pretrained loads the weights straight into Elixir's memory (a Hub model
+from its cached snapshot, downloaded once per host; ELIXIR_STREAM=0 leaves from_pretrained as it is).
+
+  -h, --help   this text (after the script: the script's own)
+  --version    the version of elixir-hf"""
 
 
 def split_elixir(argv: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -47,6 +63,8 @@ def split_elixir(argv: Sequence[str]) -> tuple[str | None, list[str]]:
     (``auto``). After a bare flag, the next argument is its value only if it reads as one (``auto``,
     ``off``, ``{...}``, ``*.json``, or empty, which ``ElixirPlugin.from_spec`` refuses): ``elixir-run
     --elixir train.py`` runs train.py."""
+    from ..plugin import ACCEPTED, ElixirSpecError
+
     spec, rest = None, []
     args = iter(argv)
     for arg in args:
@@ -66,6 +84,8 @@ def split_elixir(argv: Sequence[str]) -> tuple[str | None, list[str]]:
 
 
 def _is_spec(arg: str) -> bool:
+    from ..plugin import spec_word
+
     return not arg.strip() or spec_word(arg) is not None or arg.lstrip().startswith("{") or arg.endswith(".json")
 
 
@@ -102,7 +122,7 @@ def config_file_elixir(argv: Sequence[str]) -> tuple[str, str] | None:
     if isinstance(value, bool):
         value = "auto" if value else "off"
     spec = json.dumps(value) if isinstance(value, (dict, list)) else str(value)
-    return f"the elixir key of {path}", spec
+    return f"{path}'s elixir", spec
 
 
 def chosen_spec(flag: str | None, in_config: tuple[str, str] | None) -> tuple[str, str]:
@@ -117,6 +137,15 @@ def chosen_spec(flag: str | None, in_config: tuple[str, str] | None) -> tuple[st
 def install() -> None:
     """Every ``TrainingArguments``, ``Trainer`` and ``Accelerator`` built from now on is an Elixir one,
     and ``get_last_checkpoint`` skips torn Elixir checkpoints (``checkpoint/restart.py``)."""
+    from accelerate import Accelerator
+    from transformers import Trainer, TrainingArguments
+
+    from .. import patches
+    from ..accelerator import elixir_accelerator
+    from ..arguments import elixir_args
+    from ..checkpoint.restart import get_last_checkpoint
+    from ..trainer import elixir_trainer
+
     patches.construct_elixir(TrainingArguments, elixir_args)
     patches.construct_elixir(Trainer, elixir_trainer)
     patches.construct_elixir(Accelerator, elixir_accelerator)
@@ -126,13 +155,17 @@ def install() -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] in (["-h"], ["--help"]):  # elixir-run's own, before a script: the script's come after it
-        print(f"{USAGE}\n\n{__doc__.strip()}")
+        print(HELP)
         sys.exit(0)
     if argv[:1] == ["--version"]:
         from .. import __version__
 
         print(f"elixir-run (elixir-hf) {__version__}")
         sys.exit(0)
+    from .. import patches
+    from ..loading.model import STREAM_ENV, stream_from_pretrained_calls
+    from ..plugin import ElixirPlugin, ElixirSpecError
+
     try:
         spec, rest = split_elixir(argv)
     except ElixirSpecError as exc:

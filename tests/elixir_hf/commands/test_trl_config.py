@@ -59,7 +59,7 @@ def test_the_key_in_code_through_elixir_args(tmp_path) -> None:
 def test_the_key_as_elixir_run_reads_it(tmp_path, text: str, spec: str | None) -> None:
     config = _yaml(tmp_path, text)
     got = config_file_elixir(["dpo.py", "--lr", "1", "--config", config])
-    assert got == (None if spec is None else (f"the elixir key of {config}", spec))
+    assert got == (None if spec is None else (f"{config}'s elixir", spec))
 
 
 def test_no_config_file_or_an_unreadable_one_leaves_it_to_the_script(tmp_path) -> None:
@@ -84,7 +84,7 @@ def _parsed(out: str) -> dict:
 
 
 def test_elixir_runs_flag_beats_the_key_which_beats_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    in_config = ("the elixir key of x.yaml", '{"offload": 0.5}')
+    in_config = ("x.yaml's elixir", '{"offload": 0.5}')
     monkeypatch.setenv("ELIXIR_CONFIG", "off")
     assert chosen_spec("auto", in_config) == ("--elixir", "auto")
     assert chosen_spec(None, in_config) == in_config
@@ -103,5 +103,7 @@ def test_a_bad_value_in_the_file_stops_elixir_run_naming_the_file(tmp_path) -> N
     from elixir_hf.commands.run import main
 
     config = _yaml(tmp_path, "elixir:\n  ofload: 0.5\n")
-    with pytest.raises(SystemExit, match=rf"elixir-run: unknown the elixir key of {config} key 'ofload'"):
+    with pytest.raises(
+        SystemExit, match=rf"elixir-run: unknown {config}'s elixir key 'ofload' \(did you mean 'offload'\?\)"
+    ):
         main([sys.executable, "--config", config])
