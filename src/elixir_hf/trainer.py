@@ -279,8 +279,13 @@ class ElixirTrainer(Trainer):
         if self.args.should_save:
             unmark(folder)
         self._digests: dict[str, dict[str, int]] = {}
+        error = None
         with patches.deferred_rotation() as rotate:
-            super()._save_checkpoint(model, trial)
+            try:
+                super()._save_checkpoint(model, trial)
+            except OSError as e:  # the Trainer's own writes (trainer_state.json, RNG states), after its collectives
+                error = str(e)
+        all_ranks_agree(error, f"saving checkpoint {folder}")  # on every rank, named: not gloo's closed connection
         seal(
             folder,
             self._digests,

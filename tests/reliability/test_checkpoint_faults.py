@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_cases import OFFLOAD_PLAN, history, make_trainer, training_args
-from launch import run_script
+from launch import run_ranks, run_script
 from save_worker import trainer as killed_run
 
 import elixir_hf.checkpoint.format
@@ -215,3 +215,16 @@ def test_load_state_with_a_missing_shard_fails_on_every_rank(tmp_path) -> None:
         outcome = (tmp_path / f"rank{rank}.txt").read_text()
         assert outcome.startswith("CheckpointError: verifying checkpoint"), outcome
         assert f"rank 1: CheckpointError: {tmp_path}/state/optimizer-00001-of-00002.safetensors is missing" in outcome
+
+
+def test_an_error_of_the_trainers_own_write_on_rank_0_reaches_every_rank_by_name(tmp_path) -> None:
+    """Rank 0 alone finds the disk full writing ``trainer_state.json``: both ranks raise it, named.
+    Before: rank 0 raised alone and rank 1 got gloo's "Connection closed by peer"."""
+    run_ranks("rank0_error_worker.py", str(tmp_path), timeout=300)
+    for rank in range(2):
+        raised = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert raised["type"] == "CheckpointError", (rank, raised)
+        assert raised["message"].startswith(
+            f"saving checkpoint {tmp_path / 'run' / 'checkpoint-2'} failed:\n  rank 0: "
+        )
+        assert "No space left on device" in raised["message"] and "trainer_state.json" in raised["message"], raised
