@@ -306,3 +306,21 @@ def test_help_and_version_are_elixir_runs_own_before_a_script(capsys) -> None:
         main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out == f"elixir-run (elixir-hf) {__version__}\n"
     assert split_elixir(["train.py", "--help"]) == (None, ["train.py", "--help"])
+
+
+def test_help_is_fast_and_in_a_users_words() -> None:
+    """``--help`` and ``--version`` load neither torch nor transformers (they took 6-10 s), and the help
+    names no module or function of the package (issue 50, 5)."""
+    from elixir_hf import plugin
+    from elixir_hf.commands import run
+
+    code = (
+        "import sys\nfrom elixir_hf.commands.run import main\nfor flag in ('--help', '--version'):\n"
+        "    try:\n        main([flag])\n    except SystemExit:\n        pass\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules), file=sys.stderr)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stderr.strip() == "[]", out.stderr
+    assert out.stdout.startswith("usage: elixir-run") and "elixir-run (elixir-hf)" in out.stdout
+    assert "``" not in run.HELP and not re.search(r"\b(patches|loading\.model|construct_elixir)\b", run.HELP)
+    assert run.ENV_VAR == plugin.ENV_VAR
