@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import sys
@@ -138,12 +139,25 @@ def _text(env: dict[str, Any]) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+class _NoCudaRuntime(logging.Filter):
+    """Drops torch's "No CUDA runtime is found, using CUDA_HOME=..." (a CUDA wheel on a machine without a
+    GPU, when the C++ Adam's build imports cpp_extension): the report's GPUs line says it in its place."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("No CUDA runtime is found")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="elixir-env", description=__doc__.split("\n\n")[0])
     ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
-    env = environment()
+    quiet, torch_log = _NoCudaRuntime(), logging.getLogger("torch.utils.cpp_extension")
+    torch_log.addFilter(quiet)
+    try:
+        env = environment()
+    finally:
+        torch_log.removeFilter(quiet)
     print(json.dumps(env, indent=2) if args.json else _text(env))
     return 0
 

@@ -82,3 +82,23 @@ def test_the_rates_jobs_recorded_here_are_reported(monkeypatch: pytest.MonkeyPat
     )
     path.write_text('{"links": []}')  # JSON, but no profile
     assert "unreadable" in env._hardware_profile() and "measures it again" in env._hardware_profile()
+
+
+def test_torchs_no_cuda_runtime_warning_is_not_passed_on(monkeypatch, caplog) -> None:
+    """A CUDA wheel without a GPU: cpp_extension's "No CUDA runtime is found, using CUDA_HOME" (logged
+    while the C++ Adam's status is read) does not reach the report's reader (issue 50, 5)."""
+    import logging
+
+    from elixir_hf.commands import env
+
+    status = env.cpu_kernel_status
+
+    def noisy() -> tuple[str, str]:
+        logging.getLogger("torch.utils.cpp_extension").warning("No CUDA runtime is found, using CUDA_HOME='%s'", "/x")
+        logging.getLogger("torch.utils.cpp_extension").warning("another warning")
+        return status()
+
+    monkeypatch.setattr(env, "cpu_kernel_status", noisy)
+    with caplog.at_level(logging.WARNING):
+        assert env.main(["--json"]) == 0
+    assert "No CUDA runtime" not in caplog.text and "another warning" in caplog.text
