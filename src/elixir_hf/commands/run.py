@@ -89,13 +89,13 @@ def _is_spec(arg: str) -> bool:
     return not arg.strip() or spec_word(arg) is not None or arg.lstrip().startswith("{") or arg.endswith(".json")
 
 
-_WORD = re.compile(r"[A-Za-z0-9_]+")
+_WORD = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
 
 
 def _mistyped_spec(arg: str) -> bool:
-    """A bare word after a bare ``--elixir`` (``--elixir yes``, ``--elixir of``): meant as its value, not
-    as the script (a path, ``-m``) or the script's own argument (a flag)."""
-    return bool(_WORD.fullmatch(arg)) and not os.path.exists(arg)
+    """A bare word after a bare ``--elixir`` (``--elixir yes``, ``--elixir of``, ``off.``, ``0.0``): meant
+    as its value, not as the script (a path, a ``.py`` file, ``-m``) or the script's own argument (a flag)."""
+    return bool(_WORD.fullmatch(arg)) and not arg.endswith(".py") and not os.path.exists(arg)
 
 
 def config_file_elixir(argv: Sequence[str]) -> tuple[str, str] | None:

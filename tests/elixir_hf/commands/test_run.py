@@ -151,7 +151,7 @@ def test_a_word_after_a_bare_flag_is_refused_naming_it(tmp_path) -> None:
     (a path) or a flag after a bare ``--elixir`` still is what it was."""
     script = tmp_path / "never.py"
     script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
-    for word in ("yes", "enabled", "of"):
+    for word in ("yes", "enabled", "of", "off.", "0.0", "no-"):  # before: off. and 0.0 ran the script with Elixir on
         with pytest.raises(SystemExit, match=f"elixir-run: --elixir '{word}' is not understood: use 'auto', 'off'"):
             main([str(script), "--elixir", word])
     assert not (tmp_path / "ran").exists()
