@@ -109,13 +109,15 @@ def torch_adam_state(
     """A verified Elixir checkpoint's optimizer state as a ``torch.optim.AdamW`` ``state_dict``'s
     ``state`` and ``param_groups`` for ``model``, whose parameters get the fp32 master weights.
     ``numbering(params)``: the state-dict positions of a group's parameters. Refuses a parameter of
-    the checkpoint ``model`` lacks, or a shape that differs."""
+    the checkpoint ``model`` lacks, or a shape that differs; a parameter ``numbering`` leaves out (frozen
+    in this run: not in its optimizer) gets its weights and no state, logged."""
     marker = read_marker(ckpt)
     if marker is None:
         raise CheckpointError(f"{ckpt} has no {MARKER_NAME}: not a complete Elixir checkpoint")
     index = read_optimizer_index(ckpt, marker["step"])
     by_name = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
     state: dict[int, dict[str, torch.Tensor]] = {}
+    frozen = []
     files = {p[0] for e in index["params"].values() for p in e["pieces"]}
     with contextlib.ExitStack() as stack:
         opened = {f: stack.enter_context(safe_open(str(ckpt / f), framework="pt")) for f in sorted(files)}
@@ -131,12 +133,23 @@ def torch_adam_state(
                 param.copy_(full.pop("master"))
             # every parameter, one that never had a gradient at step 0 (torch would keep none): a loader
             # then tells such a parameter from lost state (optimizer_files.load_optimizer)
-            (i,) = numbering([param])
-            state[i] = {"step": torch.tensor(float(entry["step"])), **full}
+            numbers = numbering([param])
+            if not numbers:
+                frozen.append(name)
+                continue
+            state[numbers[0]] = {"step": torch.tensor(float(entry["step"])), **full}
+    if frozen:
+        logger.warning(
+            "elixir: %d parameter(s) with Adam state in %s are not trained by this run's optimizer (frozen: %s): "
+            "their weights are loaded, their Adam state left out",
+            len(frozen),
+            ckpt,
+            ", ".join(frozen[:5]) + (", ..." if len(frozen) > 5 else ""),
+        )
     groups = []
     for g in index["param_groups"]:
         hypers = {k: tuple(v) if k == "betas" else v for k, v in g.items() if k != "params"}
-        groups.append({**hypers, "params": numbering([by_name[n] for n in g["params"]])})
+        groups.append({**hypers, "params": numbering([by_name[n] for n in g["params"] if n in by_name])})
     return state, groups
 
 

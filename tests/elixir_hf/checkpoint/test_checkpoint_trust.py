@@ -3,7 +3,7 @@ as an interrupted copy leaves it) is named and the resume, and a restart loop, f
 complete checkpoint with a warning; file names read from a marker or an optimizer index stay inside the
 checkpoint folder; a plain Adam state with a field missing is refused, not loaded with zeros;
 ``elixir-convert`` refuses its own source and a target with files (unless ``--overwrite``) and copies a
-symbolic link as the link.
+symbolic link as the link; ``--elixir off`` resumes with a parameter now frozen.
 
 Before: a corrupt marker raised a bare ``JSONDecodeError``/``KeyError`` in every resume and restart; a
 marker's ``../`` name was read outside the folder; a plain ``optimizer.pt`` entry without ``step`` or a
@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_cases import OFFLOAD_PLAN, history, make_trainer, training_args
+from safetensors.torch import load_file
 
 from elixir_hf.checkpoint.folder_lock import LOCK_NAME
 from elixir_hf.checkpoint.format import (
@@ -33,6 +34,7 @@ from elixir_hf.checkpoint.format import (
 )
 from elixir_hf.checkpoint.restart import get_last_checkpoint
 from elixir_hf.commands import convert
+from elixir_hf.trainer import ElixirTrainer
 from helpers.logs import captured
 
 SAVE = dict(max_steps=4, save_strategy="steps", save_steps=2, eval_strategy="no")
@@ -176,3 +178,25 @@ def test_a_link_planted_at_a_temporary_name_is_never_written_through(tmp_path) -
     atomic_write_text('{"a": 1}', tmp_path / "x.json")
     assert target.read_text() == "do not touch" and (tmp_path / "x.json").read_text() == '{"a": 1}'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["victim.txt", "x.json"]
+
+
+def test_elixir_off_resumes_with_a_parameter_now_frozen(saved_run, tmp_path, caplog) -> None:
+    """Before: an internal ``not enough values to unpack``. Now its weights load, its Adam state is left
+    out with a warning naming it, and the others continue."""
+    data = make_trainer("gpt2", training_args(str(tmp_path / "ref"), **SAVE), n_train=32)
+    frozen = data.model.transformer.h[0].mlp.c_fc.weight
+    frozen.requires_grad_(False)
+    off = ElixirTrainer(
+        model=data.model,
+        args=training_args(str(tmp_path / "off"), "off", **SAVE),
+        train_dataset=data.train_dataset,
+        data_collator=data.data_collator,
+    )
+    with captured(caplog, logging.WARNING, "elixir_hf.checkpoint.convert"):
+        off.train(resume_from_checkpoint=str(saved_run[0] / "checkpoint-2"))
+    assert (
+        "1 parameter(s) with Adam state in" in caplog.text
+        and "(frozen: transformer.h.0.mlp.c_fc.weight)" in caplog.text
+    )
+    saved = load_file(str(saved_run[0] / "checkpoint-2" / "model.safetensors"))["transformer.h.0.mlp.c_fc.weight"]
+    assert torch.equal(frozen.detach(), saved) and len(history(off, "loss", after_step=2)) == 2
