@@ -51,6 +51,10 @@ ACCEPTED = (
 """The values a spec may take, as every refusal of one lists them."""
 
 
+_PLAN_DTYPES = ("float32", "bfloat16", "float16")
+"""The compute dtypes a plan file names (``ElixirPlan.dtype``)."""
+
+
 def spec_word(text: str) -> str | None:
     """``"off"`` for every spelling of off, ``"auto"`` for auto (any case, spaces around), else ``None``."""
     word = text.strip().lower()
@@ -197,6 +201,11 @@ class ElixirPlugin:
             plan = ElixirPlan.from_dict({k: v for k, v in data.items() if k != "model"})
         except (TypeError, ValueError) as exc:
             raise ElixirSpecError(f"{source} looks like a plan but is not one: {exc}") from exc
+        if plan.dtype not in _PLAN_DTYPES:
+            raise ElixirSpecError(
+                f"{source}: the plan's dtype is {plan.dtype!r}; a plan is made for one of {list(_PLAN_DTYPES)} (was "
+                "the file edited? plan again with elixir-plan, or pass --elixir auto)"
+            )
         return cls._built(source, **plan.settings(), plan=plan, plan_model=data.get("model"))
 
     # ------------------------------------------------------------------ resolution

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,3 +187,14 @@ def test_a_lockstep_timeout_that_cannot_work_is_refused_at_parse_time(seconds: f
     with pytest.raises(ElixirSpecError, match=rf"--elixir: lockstep_timeout_s is {seconds!r}: it must be 1 to 604800"):
         ElixirTrainingArguments(output_dir="out", elixir=spec, use_cpu=True)
     assert ElixirTrainingArguments(output_dir="out", elixir='{"lockstep_timeout_s": 2}', use_cpu=True).elixir_plugin
+
+
+def test_a_plan_file_with_a_dtype_no_plan_is_made_for_is_refused_naming_the_file(tmp_path) -> None:
+    """Before: ``"dtype": "int8"`` in a plan file passed parsing and failed later, naming no file."""
+    plan = json.loads(
+        (Path(__file__).parents[1] / "elixir_hf" / "plan_files" / "saved_by_a_run_format1.json").read_text()
+    )
+    path = tmp_path / "elixir_plan.json"
+    path.write_text(json.dumps({**plan, "dtype": "int8"}))
+    with pytest.raises(ElixirSpecError, match=rf"--elixir file {path}: the plan's dtype is 'int8'; a plan is made for"):
+        ElixirTrainingArguments(output_dir="out", elixir=str(path), use_cpu=True)
