@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -68,7 +70,8 @@ class RankEnd:
     """Its exit status; ``-signal.SIGKILL`` for a rank left stopped and killed by the launcher."""
     stderr: str
     ended: float
-    """``time.time()`` when the launcher saw it end (polled every 50 ms)."""
+    """``time.time()`` when it ended (as the forking process's wait returned; for a rank started as a
+    process of its own, as the launcher saw it, polled every 50 ms)."""
 
 
 def run_ranks(
@@ -87,7 +90,9 @@ def run_ranks(
     job's store is hosted here, as ``torchrun``'s launcher hosts it; ``"rank0"``: rank 0 hosts it
     (``init_method="env://"`` without ``torchrun``). A rank left stopped (SIGSTOP) once every other rank
     has ended is killed, as ``torchrun`` kills it after its shutdown timeout. ``new_group``: the ranks
-    in one process group of their own (rank 0's), as a SLURM step's tasks are for ``scancel``."""
+    in one process group of their own, as a SLURM step's tasks are for ``scancel``. On the CPU the ranks
+    are forked by ``rank_zygote.py`` after it has imported torch, transformers and elixir_hf once (7 s of
+    CPU a rank on the 2-core test host); on GPUs each is a process of its own."""
     host = "127.0.0.1"
     server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if store == "launcher" else None
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -103,43 +108,116 @@ def run_ranks(
     )
     if not cuda:
         env["CUDA_VISIBLE_DEVICES"] = ""
+    path = str(Path(__file__).with_name(script))
     with tempfile.TemporaryDirectory(prefix="elixir_ranks_") as logs:
-        procs, files = [], []
-        for r in range(ranks):
-            files.append(open(os.path.join(logs, f"rank{r}.err"), "w+"))  # noqa: SIM115 - closed below
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(Path(__file__).with_name(script)), *args],
-                    env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                    stdout=subprocess.DEVNULL,
-                    stderr=files[-1],
-                    process_group=(procs[0].pid if procs else 0) if new_group else None,
-                )
-            )
-        ended: dict[int, float] = {}
-        deadline = time.monotonic() + timeout
-        while len(ended) < ranks:
-            for r, p in enumerate(procs):
-                if r not in ended and p.poll() is not None:
-                    ended[r] = time.time()
-            running = [p for r, p in enumerate(procs) if r not in ended]
-            if running and all(_stopped(p.pid) for p in running):
-                for p in running:
-                    p.kill()
-            if time.monotonic() > deadline:
-                for p in running:
-                    p.kill()
-                raise TimeoutError(
-                    f"{script}: ranks {sorted(set(range(ranks)) - set(ended))} still ran after {timeout} s"
-                )
-            time.sleep(0.05)
-        out = []
-        for r, (p, f) in enumerate(zip(procs, files)):
-            f.seek(0)
-            out.append(RankEnd(p.returncode, f.read(), ended[r]))
-            f.close()
+        zygote, ranks_ = None, list[_Rank]()
+        if cuda:  # a process each: a fork after torch's import is no place to start CUDA in
+            for r in range(ranks):
+                group = (ranks_[0].pid if ranks_ else 0) if new_group else None
+                ranks_.append(_Popened(path, args, env, r, logs, group))
+        else:
+            zygote, ranks_ = _forked(path, args, env, ranks, logs, new_group)
+        try:
+            out = _wait(ranks_, script, timeout)
+        finally:
+            if zygote is not None:  # it has written every rank's end, or the ranks were killed
+                zygote.kill()
+                zygote.wait()
     del server
     return out
+
+
+class _Rank:
+    """One rank run by ``run_ranks``: its pid, and how it ended once it has (``None`` before)."""
+
+    pid: int
+
+    def ended(self) -> tuple[int, float] | None:
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+    def stderr(self) -> str:
+        raise NotImplementedError
+
+
+class _Popened(_Rank):
+    """A rank started as a process of its own (``python script``)."""
+
+    def __init__(self, path: str, args: tuple[str, ...], env: dict, r: int, logs: str, group: int | None) -> None:
+        self.err = os.path.join(logs, f"rank{r}.err")
+        with open(self.err, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, path, *args],
+                env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                process_group=group,
+            )
+        self.pid, self._end = self.proc.pid, None
+
+    def ended(self) -> tuple[int, float] | None:
+        if self._end is None and self.proc.poll() is not None:
+            self._end = (self.proc.returncode, time.time())
+        return self._end
+
+    def stderr(self) -> str:
+        return Path(self.err).read_text()
+
+
+class _Forked(_Rank):
+    """A rank forked by ``rank_zygote.py`` after the imports."""
+
+    def __init__(self, pid: int, r: int, logs: str) -> None:
+        self.pid, self.end, self.err = pid, os.path.join(logs, f"rank{r}.end"), os.path.join(logs, f"rank{r}.err")
+
+    def ended(self) -> tuple[int, float] | None:
+        if not os.path.exists(self.end):
+            return None
+        status, at = Path(self.end).read_text().split()
+        return int(status), float(at)
+
+    def stderr(self) -> str:
+        return Path(self.err).read_text() if os.path.exists(self.err) else ""
+
+
+def _forked(
+    path: str, args: tuple[str, ...], env: dict, ranks: int, logs: str, new_group: bool
+) -> tuple[subprocess.Popen, list[_Rank]]:
+    """The ranks forked by ``rank_zygote.py`` once it has imported what they import (seconds a rank)."""
+    zygote = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("rank_zygote.py")), logs, str(ranks), path, *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        process_group=0 if new_group else None,
+    )
+    pids = os.path.join(logs, "pids")
+    while not os.path.exists(pids):
+        if zygote.poll() is not None:
+            raise RuntimeError(f"rank_zygote.py ended before forking the ranks:\n{zygote.stderr.read()[-3000:]}")
+        time.sleep(0.05)
+    return zygote, [_Forked(int(pid), r, logs) for r, pid in enumerate(Path(pids).read_text().split())]
+
+
+def _wait(ranks: list[_Rank], script: str, timeout: float) -> list[RankEnd]:
+    """Each rank's end; a rank left stopped once every other one has ended is killed."""
+    deadline = time.monotonic() + timeout
+    while not all(r.ended() for r in ranks):
+        running = [r for r in ranks if not r.ended()]
+        if all(_stopped(r.pid) for r in running):
+            for r in running:
+                r.kill()
+        if time.monotonic() > deadline:
+            for r in running:
+                r.kill()
+            raise TimeoutError(f"{script}: ranks {[ranks.index(r) for r in running]} still ran after {timeout} s")
+        time.sleep(0.05)
+    ends = [r.ended() for r in ranks]
+    return [RankEnd(code, r.stderr(), at) for r, (code, at) in zip(ranks, ends)]  # type: ignore[misc]
 
 
 def _stopped(pid: int) -> bool:
