@@ -41,6 +41,7 @@ BAD_CONFIG = {
     "skip_nonfinite": "yes",
     "record_update_rate": "no",
     "max_consecutive_skips": 0,
+    "moments": "int4",
     "gpu_memory": 7.5e10,
 }
 BAD_LOSS_SCALE = {
