@@ -12,11 +12,13 @@ import types
 import pytest
 import torch
 from adam_cases import (
+    DIV_SCALES,
     GRAD_DTYPES,
     OUT_DTYPES,
     Arena8,
     check_against_reference,
     covered_mask,
+    hypers_at,
     make_arena,
     make_arena8,
     make_segments,
@@ -327,10 +329,12 @@ def test_gpu8_matches_torch_kernel(grad_dtype, out_dtype) -> None:
 
     segments, numel = make_segments8(GPU_LENGTHS8)
     start = _with_sentinels(make_arena8(numel, segments, grad_dtype, out_dtype), segments)
-    ours, ref = start.to("cuda"), start.clone()
-    run_kernel8(TritonAdamKernel(), ours, segments)
-    run_kernel8(TorchAdamKernel(), ref, segments)
-    check8(ours, ref, start, segments, **INTERP_TOL8)
+    ours, kernel = start.to("cuda"), TritonAdamKernel()
+    for step, (grad, div) in enumerate(zip(start.grads, DIV_SCALES), start=1):  # a step at a time from one state:
+        ref = ours.to("cpu")  # a code flipped at a midpoint would steer the later steps apart
+        TorchAdamKernel().step(ref.state, grad, ref.out, segments, hypers_at(step), step, div)
+        kernel.step(ours.state, ours.grads[step - 1], ours.out, segments, hypers_at(step), step, div)
+        check8(ours, ref, start, segments, **INTERP_TOL8)
     if out_dtype is not None:  # rounded to nearest on the GPU
         got, covered = ours.to("cpu"), covered_mask(segments, numel)
         assert torch.equal(got.out[covered], got.state.master[covered].to(out_dtype))
