@@ -57,6 +57,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _READ_KWARGS = (
+    "use_kernels",  # Hub kernels replace layers on the weights' device: a meta model has none
     "device_map",
     "max_memory",
     "offload_folder",
@@ -140,7 +141,9 @@ def streamed_from_pretrained(model_class: Any, name_or_path: str | os.PathLike[s
     keys: dict[str, str] = {}
     record = functools.partial(_record, keys)
     with patches.weights_recorded_not_read(record):
-        model = model_class.from_pretrained(name_or_path, **kwargs)
+        # transformers >= 5.25 kernelizes by default wherever the `kernels` package is installed, which
+        # refuses a model on meta; one asked for explicitly is not streamed (streaming_blocker)
+        model = model_class.from_pretrained(name_or_path, **{"use_kernels": False, **kwargs})
     initialised = [name for name, p in model.named_parameters() if not p.is_meta]
     if initialised:
         raise WeightsError(

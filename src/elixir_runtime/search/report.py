@@ -142,7 +142,7 @@ class SearchReport:
             "seconds": self.seconds,
             "rates": None if self.rates is None else self.rates.to_dict(),
             "hardware": None if self.hardware is None else self.hardware.to_dict(),
-            "moments": [asdict(m) for m in self.moments],
+            **({"moments": [asdict(m) for m in self.moments]} if self.moments else {}),  # files before it lack it
         }
 
     @classmethod
