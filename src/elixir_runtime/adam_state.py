@@ -101,11 +101,6 @@ class AdamState:
         fp32 master is the parameter itself)."""
         return sum(t.itemsize / t.per for t in self.tensors if master or t.moment)
 
-    def traffic(self, grad_bytes: int) -> float:
-        """Bytes an update moves per element: the state read and written, a gradient of
-        ``grad_bytes`` read and a param of as many written (what bounds the Adam kernels)."""
-        return 2 * self.bytes_per_element() + 2 * grad_bytes
-
     def nbytes(self, numel: int, *, master: bool = True) -> int:
         """Exact bytes of state for an arena of ``numel`` elements."""
         return sum(t.entries(numel) * t.itemsize for t in self.tensors if master or t.moment)

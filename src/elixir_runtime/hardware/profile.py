@@ -226,20 +226,21 @@ class HardwareProfile:
         measured on the job's own process group, which replaces the profile's peer-copy proxy;
         ``state``: the optimizer state the Adam rates are of.
 
-        [Note: rates of another state] The Adam kernels are bound by memory traffic: where the
-        profile has no rate for ``state`` (8-bit moments on a profile measured before them, or a rank
-        count only the exact state was measured for), the exact state's is scaled by the ratio of
-        the bytes an update moves in each (``AdamState.traffic``), and the notes say so."""
+        [Note: rates of another state] The 8-bit kernels move 16 bytes an element against exact's 28,
+        but their table lookups cost compute: measured, the 8-bit CPU update ran 1.17x exact's rate on
+        the H200 box's 16 Intel cores and 0.35-0.46x on 2 Zen 4 cores, the GPU one 0.92x
+        (docs/kernels.md). So no ratio carries from one machine to another: where the profile has no
+        rate for ``state`` (measured before 8-bit moments, or a rank count only the exact state was
+        measured for), the exact state's rates stand in, and the notes say so."""
         notes: list[str] = []
         ranks = ranks_per_host or n
-        exact = ADAM_STATE["fp32"]
-        gain = exact.traffic(2) / state.traffic(2)
-        gpu_adam = (self.gpu_adam8 or self.gpu_adam * gain) if state.quantized else self.gpu_adam
+        gpu_adam = (self.gpu_adam8 or self.gpu_adam) if state.quantized else self.gpu_adam
         if state.quantized and (self.gpu_adam8 is None or ranks not in self.cpu_adam8):
             notes.append(
-                f"{state.moments} moments' Adam rates not measured here: the exact rates x {gain:.2f}, the bytes saved"
+                f"{state.moments} moments' Adam rates not measured here: priced at the exact state's "
+                "(measure them with `elixir-plan --measure-hardware PATH`, or let a job here measure them)"
             )
-            cpu = _scaled(self.cpu_adam_per_rank(ranks, notes, exact), gain)
+            cpu = self.cpu_adam_per_rank(ranks, notes, ADAM_STATE["fp32"])
         else:
             cpu = self.cpu_adam_per_rank(ranks, notes, state)
         if n in self.links:
@@ -300,17 +301,6 @@ class HardwareProfile:
             base.alone * share if base.alone else None,
             base.observed * share if base.observed else None,
         )
-
-
-def _scaled(rate: CpuAdamRate, gain: float) -> CpuAdamRate:
-    """``rate`` with its measured rates times ``gain`` ([Note: rates of another state])."""
-    return CpuAdamRate(
-        rate.ranks,
-        rate.threads,
-        rate.under_copies * gain,
-        rate.alone * gain if rate.alone else None,
-        rate.observed * gain if rate.observed else None,
-    )
 
 
 @dataclass

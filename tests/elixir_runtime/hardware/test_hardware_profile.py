@@ -297,3 +297,18 @@ def test_an_unreadable_cached_profile_does_not_fail_the_step(tmp_path, monkeypat
     cache_path().write_text("{ not json")
     assert record_update_rate(Collectives(None), torch.device("cpu"), 1, 15, 5e9, FP32) == 5e9
     assert "could not record" in caplog.text and cache_path().read_text() == "{ not json"
+
+
+def test_8bit_rates_are_the_measured_ones_else_exacts_with_a_note() -> None:
+    """No ratio carries between machines ([Note: rates of another state]): unmeasured, 8-bit moments are
+    priced at the exact state's rates, said so; measured, at their own."""
+    eight = ADAM_STATE["8bit"]
+    hw = dataclasses.replace(gpu_host(), cpu_adam={1: CpuAdamRate(1, 7, 2e9, 4e9)}, cpu_adam8={}, gpu_adam8=None)
+    unmeasured = hw.rates(1, state=eight)
+    assert (unmeasured.cpu_adam, unmeasured.cpu_adam_alone, unmeasured.gpu_adam) == (2e9, 4e9, hw.gpu_adam)
+    assert any("8bit moments' Adam rates not measured" in n for n in unmeasured.notes)
+    hw = dataclasses.replace(hw, cpu_adam8={1: CpuAdamRate(1, 7, 3e9, 5e9)}, gpu_adam8=7e10)
+    measured = hw.rates(1, state=eight)
+    assert (measured.cpu_adam, measured.cpu_adam_alone, measured.gpu_adam) == (3e9, 5e9, 7e10)
+    assert not any("not measured" in n for n in measured.notes) and hw.rates(1).cpu_adam == 2e9
+    assert HardwareProfile.from_json(hw.to_json()) == hw
