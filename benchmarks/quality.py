@@ -165,7 +165,9 @@ ARMS: dict[str, Arm] = {
     a.name: a
     for a in (
         Arm("exact", "Elixir exact (fp32 master + AdamW)", elixir="auto"),
-        Arm("elixir_8bit", "Elixir 8-bit moments (fp32 master + block-wise 8-bit moments)", elixir='{"moments": "8bit"}'),
+        Arm(
+            "elixir_8bit", "Elixir 8-bit moments (fp32 master + block-wise 8-bit moments)", elixir='{"moments": "8bit"}'
+        ),
         Arm("bf16_adamw", "bf16 + AdamW"),
         Arm("bf16_paged_adamw_8bit", "bf16 + paged_adamw_8bit", _paged_adamw_8bit, "bitsandbytes", "bitsandbytes"),
         Arm("bf16_stochastic_rounding", "bf16 + stochastic rounding", _stochastic_rounding, "torchao", "torchao"),

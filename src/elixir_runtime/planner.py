@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .chunk.layout import ChunkLayout, build_layout
 from .adam_state import Moments
+from .chunk.layout import ChunkLayout, build_layout
 from .config import ElixirConfig, PlanError, PlanMismatch
 from .distributed.collectives import Collectives
 from .gpu_limit import device_capacity, process_limit

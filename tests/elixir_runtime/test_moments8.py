@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import elixir_runtime as er
-from elixir_runtime.config import ConfigError
 from elixir_runtime.adam_state import QUANT_BLOCK
+from elixir_runtime.config import ConfigError
 from elixir_runtime.kernels import quant8
 from helpers.models import make_batch, tiny_gpt2
 
@@ -61,8 +61,11 @@ def test_follows_exact_adamw(layout: str) -> None:
     torch.testing.assert_close(torch.tensor(compact), torch.tensor(exact), rtol=LOSS_RTOL, atol=0)
     # the arenas hold codes and a scale per block; every parameter starts a block
     rt = model._elixir.runtime
-    for where, a in rt.arenas.items():
-        assert a.state["exp_avg"].dtype == torch.uint8 and a.state["exp_avg.absmax"].numel() == a.trainable_numel // QUANT_BLOCK
+    for a in rt.arenas.values():
+        assert (
+            a.state["exp_avg"].dtype == torch.uint8
+            and a.state["exp_avg.absmax"].numel() == a.trainable_numel // QUANT_BLOCK
+        )
     assert all(s.offset % QUANT_BLOCK == 0 for c in rt.layout.chunks for s in c.slots)
 
 
@@ -108,7 +111,9 @@ def test_other_moments_load_converted_and_logged(saved: str, loaded: str, caplog
         assert torch.equal(got[f"{name}.master"], state["tensors"][f"{name}.master"])
         for kind in quant8.MOMENT_KINDS:
             if saved == "8bit":  # dequantized exactly
-                want = quant8.dequantize(kind, state["tensors"][f"{name}.{kind}"], state["tensors"][f"{name}.{kind}.absmax"])
+                want = quant8.dequantize(
+                    kind, state["tensors"][f"{name}.{kind}"], state["tensors"][f"{name}.{kind}.absmax"]
+                )
                 assert torch.equal(got[f"{name}.{kind}"], want)
             else:  # quantized: what quantize gives
                 codes, scales = quant8.quantize(kind, state["tensors"][f"{name}.{kind}"])

@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
+from elixir_runtime.adam_state import ADAM_STATE, MOMENTS
 from elixir_runtime.chunk.host_memory import empty_arena
 from elixir_runtime.chunk.layout import build_layout
-from elixir_runtime.adam_state import ADAM_STATE, MOMENTS
 from elixir_runtime.chunk.store import build_arenas
 from elixir_runtime.search.memory import ArenaBytes
 

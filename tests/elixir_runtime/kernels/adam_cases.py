@@ -65,7 +65,9 @@ class Arena:
 
     def state(self) -> AdamTensors:
         """The arena's exact (fp32) optimizer state, as the kernels take it."""
-        return AdamTensors(ADAM_STATE["fp32"], {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq})
+        return AdamTensors(
+            ADAM_STATE["fp32"], {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        )
 
     def to(self, device: str) -> Arena:
         t = lambda x: None if x is None else x.to(device)  # noqa: E731
@@ -191,9 +193,7 @@ def make_arena8(
     grads = [((torch.randn(numel, generator=gen) * s) * covered).to(grad_dtype) for s in DIV_SCALES]
     out = None if out_dtype is None else torch.full((numel,), 7.0, dtype=out_dtype)
     spec = ADAM_STATE["8bit"]
-    tensors = {
-        t.kind: torch.zeros(t.entries(numel), dtype=t.dtype) for t in spec.tensors if t.kind != "master"
-    }
+    tensors = {t.kind: torch.zeros(t.entries(numel), dtype=t.dtype) for t in spec.tensors if t.kind != "master"}
     return Arena8(AdamTensors(spec, {"master": master, **tensors}), grads, out)
 
 

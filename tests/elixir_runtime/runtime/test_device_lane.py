@@ -120,9 +120,9 @@ def test_lane_slices_match_the_cpu_kernel(device, dtype):
     gather reads is exactly its master's cast."""
     from types import SimpleNamespace
 
+    from elixir_runtime.adam_state import ADAM_STATE, AdamTensors
     from elixir_runtime.chunk.host_memory import empty_host
     from elixir_runtime.chunk.layout import GroupRange
-    from elixir_runtime.adam_state import ADAM_STATE, AdamTensors
     from elixir_runtime.chunk.store import ShardArenas
     from elixir_runtime.kernels.cpu_adam import CpuAdamKernel
     from elixir_runtime.kernels.kernel import AdamHyper

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
+from elixir_runtime.adam_state import ADAM_STATE
 from elixir_runtime.chunk.layout import build_layout
 from elixir_runtime.profiler.profile import BackwardSegment
-from elixir_runtime.adam_state import ADAM_STATE
 from elixir_runtime.search.memory import ArenaBytes, GradWindow, WindowStep, grad_window
 
 BF16 = torch.bfloat16
