@@ -19,14 +19,12 @@ profile's at the same cores per rank (``host_hardware``). Card names are matched
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import re
 from pathlib import Path
 
 import torch
 
-from elixir_runtime.adam_state import ADAM_STATE, AdamState
 from elixir_runtime.config import parse_size
 from elixir_runtime.hardware import (
     ENV_HARDWARE,
@@ -38,8 +36,6 @@ from elixir_runtime.hardware import (
     load_hardware,
     unknown_card,
 )
-from elixir_runtime.hardware.profile import CpuAdamRate
-from elixir_runtime.kernels.threads import cpu_adam_threads
 
 __all__ = ["HERE", "card_name", "host_mem", "plan_hardware", "host_memory", "host_cores", "host_hardware"]
 
@@ -154,23 +150,11 @@ def host_memory(args: argparse.Namespace, hardware: HardwareProfile) -> tuple[in
 
 
 def host_hardware(args: argparse.Namespace, hardware: HardwareProfile) -> HardwareProfile:
-    """``hardware`` on a host of ``host_cores`` cores: the per-rank CPU Adam rate of ``args.gpus`` ranks
-    is the profile's at the same cores per rank (its rate for ``gpus x its cores / cores`` ranks, at
-    least one: a rank is not priced above what one rank ran at on the profile's host)."""
+    """``hardware`` on a host of ``host_cores`` cores (``HardwareProfile.on_host``)."""
     cores, _ = host_cores(args, hardware)
     if cores == hardware.cpu_cores:
         return hardware
-    n = args.gpus
-    ranks = max(1, round(n * hardware.cpu_cores / cores))
-
-    def table(state: AdamState) -> dict[int, CpuAdamRate]:
-        if not hardware.cpu_table(state):
-            return {}  # not measured: rates() prices it from the exact state's
-        r = hardware.cpu_adam_per_rank(ranks, [], state)
-        return {n: dataclasses.replace(r, ranks=n, threads=cpu_adam_threads(n, cores=cores))}
-
-    exact, compact = ADAM_STATE["fp32"], ADAM_STATE["8bit"]
-    return dataclasses.replace(hardware, cpu_cores=cores, cpu_adam=table(exact), cpu_adam8=table(compact))
+    return hardware.on_host(args.gpus, cores)
 
 
 def _given(args: argparse.Namespace) -> tuple[str, str] | None:

@@ -17,7 +17,7 @@ import json
 import math
 import os
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -209,6 +209,21 @@ class HardwareProfile:
         tmp = Path(f"{path}.tmp{os.getpid()}")
         tmp.write_text(self.to_json())
         tmp.replace(path)
+
+    def on_host(self, ranks: int, cores: int) -> HardwareProfile:
+        """This profile on a host of ``cores`` cores shared by ``ranks`` ranks: each state's per-rank CPU
+        Adam rate is the profile's at the same cores per rank (its rate for ``ranks x its cores / cores``
+        ranks, at least one: a rank is not priced above what one rank ran at on the profile's host)."""
+        same = max(1, round(ranks * self.cpu_cores / cores))
+
+        def table(state: AdamState) -> dict[int, CpuAdamRate]:
+            if not self.cpu_table(state):
+                return {}  # not measured: rates() prices it from the exact state's
+            rate = self.cpu_adam_per_rank(same, [], state)
+            return {ranks: replace(rate, ranks=ranks, threads=cpu_adam_threads(ranks, cores=cores))}
+
+        exact, compact = ADAM_STATE["fp32"], ADAM_STATE["8bit"]
+        return replace(self, cpu_cores=cores, cpu_adam=table(exact), cpu_adam8=table(compact))
 
     def cpu_table(self, state: AdamState) -> dict[int, CpuAdamRate]:
         """The per-rank CPU Adam rates measured for ``state`` (``cpu_adam`` or ``cpu_adam8``)."""
