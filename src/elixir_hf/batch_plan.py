@@ -19,8 +19,8 @@ would plan every run for sequences its data never has. A run_clm-style dataset, 
 its per-token fields (``input_ids``, ``labels``, ``attention_mask``, ...) repeated to the planned
 length, ``batch`` times, through the run's own collator, so padding and labels follow its
 conventions. Anything else (no ``input_ids``, a collator that rejects it): the first batch, as
-before. Batches the plan did not foresee are warned about at run time
-(``elixir_runtime/runtime/batch_guard.py``).
+before. A batch the plan did not foresee runs where the plan's budget provably holds it, else is
+refused before its forward (``elixir_runtime/runtime/batch_guard.py``).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ forwarding its own SIGTERM) or none but the launcher; the ranks must still end t
 same way, or one waits alone in the save's collectives. Agreeing needs a collective after the
 signal: a flag all-reduced at every step's end would be one more host synchronization per step,
 and on a GPU a stall of the host that runs ahead of it. The lockstep check-in at each forward is
-such a collective already (24 bytes on the host, gloo, no GPU synchronization); its third number
+such a collective already (40 bytes on the host, gloo, no GPU synchronization); its third number
 carries the flag. The cost: a signal that comes after a step's last forward stops the run one step
 later, and a step with no forward (none in the Trainer) could not carry it.
 

@@ -143,7 +143,7 @@ def prepare(
             root_chunks=live.root_chunks,
         )
     detach_weights(model)
-    hooks = install_hooks(model, units, live.unit_chunks, runtime, plan.batch_shape)
+    hooks = install_hooks(model, units, live.unit_chunks, runtime, plan.batch_guard())
     model_state = ModelStateHooks(runtime, orig_dtypes)
     state_hooks = model_state.install(model)
     threads = cpu_adam_threads(local_ranks(), config.cpu_threads)

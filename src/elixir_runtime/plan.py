@@ -30,6 +30,7 @@ from .config import ElixirConfig, PlanError
 from .gpu_limit import device_capacity, process_limit
 from .host import HostMemory
 from .profiler.profile import ProfileSummary
+from .runtime.batch_guard import BatchGuard
 from .search.budget import Budget
 from .search.loop import SearchResult, resident_chunks
 from .search.memory import ArenaBytes, GradWindow
@@ -130,7 +131,8 @@ class ElixirPlan:
     from this plan file is held to it again."""
     batch_shape: tuple[int, int] | None = None
     """``(batch, seq)`` of the example batch the plan was made with (its activations are the ones
-    budgeted); a larger training batch warns once (``runtime/batch_guard.py``). ``None``: no batch
+    budgeted); a larger training batch runs where the budget provably holds it, else is refused
+    before its forward (``runtime/batch_guard.py``). ``None``: no batch
     (and plan files from before it was recorded)."""
     profile: ProfileSummary | None = None
     """The profiled step the search planned from; ``None`` when not searched (and format 1 files)."""
@@ -171,6 +173,24 @@ class ElixirPlan:
     def predicted_step_s(self) -> float | None:
         """Predicted seconds per optimizer step; ``None`` when the plan was not searched."""
         return None if self.predicted is None else float(self.predicted.total)
+
+    @property
+    def activation_room(self) -> int | None:
+        """The most activation bytes the budget holds beside the plan's GPU arenas: they fit
+        ``U_allowed = F_alloc·(capacity − buffers − F_frag·A)`` for ``A`` up to ``(capacity − buffers −
+        device / F_alloc) / F_frag``; ``None`` without a profiled budget (``runtime/batch_guard.py``)."""
+        b = self.budget
+        if b is None or self.profile is None:
+            return None
+        return max(0, int((b.capacity - b.buffers - self.device_bytes / b.f_alloc) / b.f_frag))
+
+    def batch_guard(self) -> BatchGuard:
+        """What a run of this plan does with a training batch larger than ``batch_shape``: runs it where
+        ``activation_room`` holds it, else refuses it; warns where there is no room to judge by."""
+        room = self.activation_room
+        if room is None or self.budget is None:
+            return BatchGuard(self.batch_shape)
+        return BatchGuard(self.batch_shape, self.budget.activations, room)
 
     @property
     def device_peak_bytes(self) -> int:

@@ -76,7 +76,8 @@ def plan_table(plan: ElixirPlan, verbose: bool = False) -> str:
     rows += [("offloaded chunks", f"{len(plan.offload)} of {plan.n_chunks}"), ("world size", str(plan.world_size))]
     if plan.batch_shape:
         b, s = plan.batch_shape
-        rows.append(("planned batch", f"{b} x {s} tokens per micro-batch (a larger training batch warns)"))
+        beyond = "runs if the budget holds it, else is refused" if plan.budget and plan.profile else "warns"
+        rows.append(("planned batch", f"{b} x {s} tokens per micro-batch (a larger training batch {beyond})"))
     rows += [
         ("GPU memory / rank", f"{_gib(plan.device_bytes)} GiB (model states + gathered-parameter cache)"),
         ("host memory / rank", f"{_gib(plan.host_bytes)} GiB (pinned)"),

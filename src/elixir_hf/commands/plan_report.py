@@ -271,7 +271,7 @@ def _header(
         [
             f"{args.model}: {plan.profile.parameters / 1e9:.3f} B parameters, batch {args.batch_size} x {args.seq_len} "
             f"tokens per GPU{accum}, {gpus}, {plan.dtype}, activation checkpointing {'on' if args.ac else 'off'}",
-            f"planned batch shape: {list(plan.batch_shape)} (batch_shape in the plan; a run's larger batches warn)",
+            f"planned batch shape: {list(plan.batch_shape)} (batch_shape in the plan; a run's larger batch runs if the budget holds it, else is refused)",
             f"GPU:  {hardware.device}, {memory}; {gpu_source}",
             f"host: {size_text(plan.budget.host_capacity)} RAM, {host_source}",
         ]

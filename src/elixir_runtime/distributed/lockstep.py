@@ -15,9 +15,11 @@ Either way the failing rank posts its message before it raises, and a rank that 
 another collective raises that message when its collective fails, not gloo's transport error, or on
 NCCL, where nothing releases it, ends with it ([Note: the rank that ran ahead],
 ``distributed/peer_failure.py``). Cost: one host
-all-gather of 24 bytes per forward, no GPU synchronization. The third number is a rank's request
+all-gather of 40 bytes per forward, no GPU synchronization. The third number is a rank's request
 to stop (``request_stop``): every rank learns it from the same check-in, without a collective of
-its own. ``full_params``
+its own. The last two are a training forward's batch shape (``runtime/batch_guard.py``): every rank
+judges every rank's batch against the plan, so a batch the plan cannot hold is refused on every
+rank at once, not on one while the others wait for it in the forward's first gather. ``full_params``
 (``runtime/full_params.py``) is the supported way to run forwards on some ranks only.
 """
 
@@ -86,12 +88,14 @@ class Lockstep:
         if self.group is None:
             self.stop_requested = True
 
-    def check_in(self, op: Op) -> None:
-        """Returns once every rank is starting ``op`` as its operation number ``self.started``."""
+    def check_in(self, op: Op, shape: tuple[int, int] | None = None) -> list[tuple[int, int] | None]:
+        """Returns once every rank is starting ``op`` as its operation number ``self.started``: every
+        rank's ``shape`` (a training forward's ``(batch, seq)``; ``None``: none given), by rank."""
         if self.group is None or self.board is None:
-            return
+            return [shape]
         heartbeat.step_started()  # this rank needs the others until its step ends (distributed/heartbeat.py)
-        mine = torch.tensor([int(op), self.started, int(self._asked)], dtype=torch.int64)
+        b, s = shape or (0, 0)
+        mine = torch.tensor([int(op), self.started, int(self._asked), b, s], dtype=torch.int64)
         self.started += 1
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
         try:
@@ -112,6 +116,7 @@ class Lockstep:
                 f"rank {r} starts {_WHAT[Op(int(t[0]))]} (operation #{t[1]})" for r, t in enumerate(everyone)
             )
             raise self.board.post(f"Elixir: the ranks are not running the same operation: {each}. {FIX}")
+        return [(int(t[3]), int(t[4])) if t[3] else None for t in everyone]
 
     def barrier(self) -> None:
         """Every rank waits for the others (up to torch's default 30 minutes): the end of ``full_params``,

@@ -33,8 +33,10 @@ checkpoints a layer's call, around the compiled forward). The eager window ends 
 with the forward if it fails or runs without grad, or at the model's next forward (a forward whose
 backward never came): a compiled run is never left eager.
 
-It also hands each training forward's inputs to the ``BatchGuard`` (``batch_guard.py``: a batch
-larger than the plan's warns once). Inside ``full_params`` every hook stands by: the parameters are
+A training forward's check-in carries its ``(batch, seq)``, and every rank's goes to the
+``BatchGuard`` (``batch_guard.py``: a batch larger than the plan's runs where the plan's budget
+provably holds it, else is refused on every rank before the forward; without a profiled budget,
+warns once). Inside ``full_params`` every hook stands by: the parameters are
 all on this rank and forwards run alone.
 """
 
@@ -52,10 +54,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import arg_tree_leaves, tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
+from ..distributed import heartbeat
 from ..distributed.lockstep import Op
 from ..units import Unit
 from . import state
-from .batch_guard import BatchGuard
+from .batch_guard import BatchGuard, BatchShapeError, token_shape
 from .chunk_runtime import ChunkRuntime
 from .phase import Phase
 
@@ -207,9 +210,14 @@ class _RootHooks:
         grad = torch.is_grad_enabled()
         if self.depth == 0:  # every rank must be starting this forward too (distributed/lockstep.py)
             self.runtime.unpark()  # the parameters parked since the last step go back to the engine (full_params.park)
-            self.runtime.ctx.lockstep.check_in(Op.TRAINING_FORWARD if grad else Op.NO_GRAD_FORWARD)
-            if grad and self.model.training:
-                self.guard.check(args, kwargs)
+            training = grad and self.model.training and self.guard.planned is not None
+            shape = token_shape(args, kwargs) if training else None
+            shapes = self.runtime.ctx.lockstep.check_in(Op.TRAINING_FORWARD if grad else Op.NO_GRAD_FORWARD, shape)
+            try:
+                self.guard.check(shapes)  # every rank's shape: every rank decides alike
+            except BatchShapeError:
+                heartbeat.step_ended()  # refused on every rank: no step, nobody waits for anybody
+                raise
         self.depth += 1
         if self.depth > 1:
             return
@@ -317,11 +325,11 @@ def install_hooks(
     units: list[Unit],
     unit_chunks: Sequence[tuple[int, ...]],
     runtime: ChunkRuntime,
-    batch_shape: tuple[int, int] | None = None,
+    guard: BatchGuard | None = None,
 ) -> EngineHooks:
     """Installs every hook (``unit_chunks[i]``: the chunks unit ``i`` acquires; ``runtime.root_chunks``:
-    the private ones every forward of ``model`` acquires first; ``batch_shape``: the plan's, which a
-    larger training batch is warned about)."""
+    the private ones every forward of ``model`` acquires first; ``guard``: ``ElixirPlan.batch_guard()``,
+    which judges training batches larger than the plan's)."""
     root_chunks = runtime.root_chunks
     hooked: list[tuple[nn.Module, _UnitHooks]] = []
     for unit, chunks in zip(units, unit_chunks, strict=True):
@@ -329,6 +337,6 @@ def install_hooks(
         hooked.append((unit.module, h))
         runtime.grads.on_finish_backward.append(h.post_backward)
     assert all(runtime.chunks[i].spec.private for i in root_chunks), "the root acquires private chunks only"
-    root = _RootHooks(runtime, model, root_chunks, BatchGuard(batch_shape))
+    root = _RootHooks(runtime, model, root_chunks, guard)
     runtime.grads.on_finish_backward.append(root.end_eager)
     return EngineHooks(model, hooked, root)
