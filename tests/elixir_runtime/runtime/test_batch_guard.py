@@ -48,7 +48,7 @@ def test_the_rule() -> None:
     assert estimated_activations(100, (2, 32), (2, 32)) == 100
     assert estimated_activations(100, (2, 32), (4, 32)) == 200  # batch: linear
     assert estimated_activations(100, (2, 32), (2, 64)) == 400  # sequence: quadratic
-    assert estimated_activations(100, (1, 64), (4, 32)) == 400 // 2 * 1  # more rows of shorter sequences: tokens
+    assert estimated_activations(100, (1, 64), (4, 32)) == 200  # more rows of shorter sequences: tokens
     assert estimated_activations(100, (2, 64), (8, 8)) == 100  # fewer tokens never under the profiled peak
 
 
