@@ -153,12 +153,12 @@ class Arm:
     title: str
     optimizer: Callable[[Iterable[torch.Tensor], TrainingArguments], torch.optim.Optimizer] | None = None
     """Builds the optimizer over bf16 weights; None: the Trainer's own (Elixir's for ``elixir``)."""
-    elixir: str | None = None
-    """The arm is ``ElixirTrainer`` over fp32 weights with this ``--elixir`` value; None: the stock Trainer."""
     module: str | None = None
     """The module it imports (None: nothing beyond this package's requirements)."""
     package: str | None = None
     """The distribution that installs ``module``."""
+    elixir: str | None = None
+    """The arm is ``ElixirTrainer`` over fp32 weights with this ``--elixir`` value; None: the stock Trainer."""
 
 
 ARMS: dict[str, Arm] = {

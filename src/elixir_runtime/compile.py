@@ -73,8 +73,33 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> int:
         if "forward" in block.__dict__:
             raise ValueError(f"{stack.prefix} blocks are compiled already (their forward is set on the instance)")
     for block in blocks:
-        block.forward = torch.compile(block.forward, **compile_kwargs)
+        block.forward = _checkpoint_side_effects_unreplayed(torch.compile(block.forward, **compile_kwargs))
     return len(blocks)
+
+
+_SKIP_REPLAY = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+
+
+def _checkpoint_side_effects_unreplayed(compiled: Any) -> Any:
+    """``compiled`` traced with dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint`` set, where
+    this torch has it.
+
+    [Note: side effects under checkpoint] transformers >= 5.25 checkpoints inside a layer's
+    ``forward``, and that forward sets a module-level collector (``output_capturing._active_collector``,
+    hidden states for ``output_hidden_states``). Dynamo will not trace a mutation of outer state inside
+    the checkpoint's higher-order op unless told the backward's recomputation may skip it: without the
+    flag the whole block falls back to eager (a graph break, no graph). Recomputing a training forward
+    needs only its tensors, not the collector, so the flag is set for the blocks' compiled code only."""
+    import torch._dynamo.config as dynamo_config
+
+    if not hasattr(dynamo_config, _SKIP_REPLAY):
+        return compiled
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with dynamo_config.patch(**{_SKIP_REPLAY: True}):
+            return compiled(*args, **kwargs)
+
+    return forward
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ CPU = torch.device("cpu")
 def test_liger_compile_and_the_new_systems_parse_and_reach_the_workers() -> None:
     argv = ["--model", "llama3-8b", "--batch-sizes", "8,4", "--systems", ",".join(TRAINER_SYSTEMS)]
     args = parse_args([*argv, "--liger", "--compile"])
-    assert args.liger and args.compile and args.systems == ["elixir_trainer", "trainer", *NEW]
+    assert args.liger and args.compile and args.systems == ["elixir_trainer", "elixir_trainer_8bit", "trainer", *NEW]
     assert args.batch_sizes == [4, 8]
     for system in args.systems:
         assert system in PER_BATCH_SYSTEMS  # a Trainer and its optimizer per worker

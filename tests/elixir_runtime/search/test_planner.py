@@ -79,8 +79,10 @@ def test_a_searched_plan_carries_the_layout_the_search_built(monkeypatch) -> Non
     real = planner.search
 
     def spy(*args):
-        results.append(real(*args))
-        return results[-1]
+        result = real(*args)
+        if args[4].config.moments == "fp32":  # not the 8-bit search the planner prices beside it
+            results.append(result)
+        return result
 
     monkeypatch.setattr(planner, "search", spy)
     planned = _search_on_cpu(model, make_batch(128))
