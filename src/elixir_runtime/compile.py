@@ -96,7 +96,7 @@ def _checkpoint_side_effects_unreplayed(compiled: Any) -> Any:
         return compiled
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        with dynamo_config.patch(**{_SKIP_REPLAY: True}):
+        with dynamo_config.patch(_SKIP_REPLAY, True):
             return compiled(*args, **kwargs)
 
     return forward
