@@ -1,4 +1,5 @@
-"""elixir_runtime: chunk-based ZeRO with an rCache and partial CPU offload (torch only).
+"""elixir_runtime: chunk-based ZeRO with an rCache and partial CPU offload (no transformers: torch, and numpy,
+safetensors and filelock for the search, weight files and the C++ kernel's build).
 
 model, optimizer = elixir_runtime.prepare(model, torch.optim.AdamW(model.parameters()), example_batch=batch)
 loss = model(**batch).loss
