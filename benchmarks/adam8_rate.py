@@ -23,6 +23,8 @@ from elixir_runtime.adam_state import ADAM_STATE, QUANT_BLOCK, AdamTensors
 from elixir_runtime.chunk.layout import GroupRange, round_up
 from elixir_runtime.kernels.kernel import AdamHyper
 
+from .gpu_adam import median_ms
+
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 HYPERS = [AdamHyper(LR, *BETAS, EPS, WD, True), AdamHyper(LR, *BETAS, EPS, 0.0, True)]
 GRAD, OUT = torch.bfloat16, torch.bfloat16
@@ -71,20 +73,6 @@ def stepper(kernel: object, state: AdamTensors, grad: torch.Tensor, out: torch.T
     return run
 
 
-def gpu_ms(fn: Callable[[], None], iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def cpu_ms(fn: Callable[[], None], iters: int, warmup: int = 1) -> float:
     for _ in range(warmup):
         fn()
@@ -100,7 +88,7 @@ def copy_gbps(n: int, iters: int) -> float:
     """A device-to-device copy moving 28 bytes per element: the bandwidth ceiling."""
     src = torch.empty(n * 14, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    return 2 * src.numel() / gpu_ms(lambda: dst.copy_(src), iters) / 1e6
+    return 2 * src.numel() / median_ms(lambda: dst.copy_(src), iters) / 1e6
 
 
 def run_gpu(n: int, iters: int) -> dict[str, object]:
@@ -113,7 +101,7 @@ def run_gpu(n: int, iters: int) -> dict[str, object]:
         times = {}
         for block, warps in configs:
             kw = dict(block8=block, num_warps8=warps) if moments == "8bit" else dict(block=block, num_warps=warps)
-            times[f"{block}x{warps}"] = gpu_ms(stepper(TritonAdamKernel(**kw), state, grad, param), iters)
+            times[f"{block}x{warps}"] = median_ms(stepper(TritonAdamKernel(**kw), state, grad, param), iters)
         best = min(times, key=times.__getitem__)
         out[moments] = {
             "ms": times[best],

@@ -26,7 +26,7 @@ BYTES_PER_PARAM = 28
 CONFIGS = ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 8), (8192, 16))
 
 
-def _median_ms(fn: Callable[[], None], iters: int, warmup: int = 3) -> float:
+def median_ms(fn: Callable[[], None], iters: int, warmup: int = 3) -> float:
     for _ in range(warmup):
         fn()
     times = []
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
     # A device-to-device copy of the same bytes: the bandwidth ceiling.
     src = torch.empty(n * BYTES_PER_PARAM // 2, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    copy_ms = _median_ms(lambda: dst.copy_(src), args.iters)
+    copy_ms = median_ms(lambda: dst.copy_(src), args.iters)
     copy_gbps = 2 * src.numel() / copy_ms / 1e6
     src = dst = None
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     ours_ms = {}
     for block, warps in CONFIGS:
         kernel = TritonAdamKernel(block=block, num_warps=warps)
-        ours_ms[(block, warps)] = _median_ms(
+        ours_ms[(block, warps)] = median_ms(
             lambda kernel=kernel: kernel.step(state, g, out, segs, hypers, 1, 1.0), args.iters
         )
     best = min(ours_ms, key=ours_ms.get)
@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> dict:
     param = torch.nn.Parameter(torch.randn(n, device=dev))
     param.grad = torch.randn(n, device=dev)
     opt = torch.optim.AdamW([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
-    fused_ms = _median_ms(opt.step, args.iters)
-    fused_copy_ms = _median_ms(lambda: (opt.step(), out.copy_(param.detach())), args.iters)
+    fused_ms = median_ms(opt.step, args.iters)
+    fused_copy_ms = median_ms(lambda: (opt.step(), out.copy_(param.detach())), args.iters)
 
     gbps = lambda ms: BYTES_PER_PARAM * n / ms / 1e6  # noqa: E731
     result = {

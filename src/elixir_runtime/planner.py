@@ -430,10 +430,9 @@ def _search_with_moments(
     """``search``; where the config keeps exact moments and the plan offloads (host-bound updates) or
     does not fit, the same job searched with 8-bit moments too, shown on the report (``MomentsOption``)
     or in the error: what switching would buy, never switched to."""
-    config = settings.config
-    compact = replace(settings, config=replace(config, moments=COMPACT))
-    if config.moments == COMPACT:
+    if settings.config.moments == COMPACT:
         return search(table, profile, hardware, budget, settings)
+    compact = replace(settings, config=replace(settings.config, moments=COMPACT))
     try:
         result = search(table, profile, hardware, budget, settings)
     except PlanError as err:

@@ -290,9 +290,12 @@ def _adam_update(
         "exp_avg": alloc(torch.float32, 1e-4),
         "exp_avg_sq": alloc(torch.float32, 1e-4).square_(),
     }
-    tensors = {k: v.to(device) for k, v in encode_state(state, exact).items()}
     grad, out = alloc(dtype, 1e-3), alloc(dtype, 0.0)
-    segments, steps, held = [GroupRange(0, numel, 0)], iter(range(1, 10**6)), AdamTensors(state, tensors)
+    segments, steps, held = (
+        [GroupRange(0, numel, 0)],
+        iter(range(1, 10**6)),
+        AdamTensors(state, encode_state(state, exact)),
+    )
 
     def step() -> None:
         kernel.step(held, grad, out, segments, _HYPER, next(steps), 1.0)

@@ -39,7 +39,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from ..adam_state import ADAM_STATE, AdamState
+from ..adam_state import AdamState
 from ..chunk.layout import ChunkLayout
 from ..hardware.profile import Rates, attention_keys
 from ..profiler.timeline import Cost
@@ -138,7 +138,7 @@ class StepModel:
         micro_batches: int = 1,
         clips_grads: bool = True,
         device_lane: bool = False,
-        state: AdamState = ADAM_STATE["fp32"],
+        state: AdamState,
     ) -> None:
         """``state``: the optimizer state of a trainable element (``rates`` are its kernels')."""
         self.layout, self.rates = layout, rates
