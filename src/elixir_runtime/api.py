@@ -34,6 +34,7 @@ from .planner import plan_job
 from .runtime.chunk_runtime import ChunkRuntime
 from .runtime.context import EngineContext
 from .runtime.device_lane import DeviceLane
+from .runtime.held_inputs import HeldInputs
 from .runtime.hooks import EngineHooks, install_hooks
 from .runtime.update_rate import UpdateRateProbe
 from .state_dict import ModelStateHooks
@@ -143,7 +144,8 @@ def prepare(
             root_chunks=live.root_chunks,
         )
     detach_weights(model)
-    hooks = install_hooks(model, units, live.unit_chunks, runtime, plan.batch_guard())
+    held = HeldInputs(device) if plan.activations == "host" else None
+    hooks = install_hooks(model, units, live.unit_chunks, runtime, plan.batch_guard(), held)
     model_state = ModelStateHooks(runtime, orig_dtypes)
     state_hooks = model_state.install(model)
     threads = cpu_adam_threads(local_ranks(), config.cpu_threads)

@@ -17,9 +17,22 @@ import torch.distributed as dist
 
 from .adam_state import MOMENTS, AdamState, Moments, adam_state
 
-__all__ = ["ConfigError", "ElixirConfig", "LossScaleConfig", "PlanError", "PlanMismatch", "parse_size", "resolve_dtype"]
+__all__ = [
+    "ConfigError",
+    "ElixirConfig",
+    "LossScaleConfig",
+    "PlanError",
+    "PlanMismatch",
+    "Where",
+    "parse_size",
+    "resolve_dtype",
+]
 
 BlockCount = int | Literal["min", "max"]
+
+Where = Literal["device", "host"]
+"""A memory tier: the compute device, or pinned host memory. What a plan places in one: each chunk's shard
+and optimizer state (``ElixirPlan.offload``), the held block inputs (``ElixirPlan.activations``)."""
 
 
 class PlanError(ValueError):
@@ -131,6 +144,11 @@ class ElixirConfig:
     """The most GPU memory this process may use, per GPU (bytes, or a size such as ``"70GiB"``, stored
     as bytes): enforced by torch's allocator, and the plan fits within it (``gpu_limit.py``); ``None``:
     the whole card, or the fraction the user set."""
+    activations: Where | Literal["auto"] = "auto"
+    """Where the held block inputs wait for their block's recompute under activation checkpointing:
+    ``"device"``; ``"host"``, pinned host memory, copied out in the forward and back ahead of the recompute
+    on a side stream (``runtime/held_inputs.py``); ``"auto"``: the planner's choice of the two on a GPU
+    (the shorter predicted step, or the one that fits), the device in a static plan."""
     device_assisted_update: bool | Literal["auto"] = False
     """Whether a GPU lane updates slices of offloaded chunks beside the CPU (``runtime/device_lane.py``;
     its staging memory is in the plan); ``"auto"``: where the planner predicts a shorter step (a GPU
@@ -251,6 +269,10 @@ class ElixirConfig:
                 "grad_accum_steps": (
                     _int(self.grad_accum_steps) and self.grad_accum_steps >= 1,
                     "an int >= 1 (micro-batches per step)",
+                ),
+                "activations": (
+                    self.activations in ("auto", "device", "host"),
+                    "'auto' (the planner decides), 'device' (the GPU) or 'host' (pinned host memory)",
                 ),
                 "device_assisted_update": (
                     isinstance(self.device_assisted_update, bool) or self.device_assisted_update == "auto",

@@ -25,8 +25,7 @@ import torch
 
 from .adam_state import AdamState, Moments
 from .chunk.layout import ChunkLayout
-from .chunk.store import Where
-from .config import ElixirConfig, PlanError
+from .config import ElixirConfig, PlanError, Where
 from .gpu_limit import device_capacity, process_limit
 from .host import HostMemory
 from .profiler.profile import ProfileSummary
@@ -71,8 +70,10 @@ class PlanMemory:
     """The GPU's gradient shards beyond the activations freed under them (``ArenaBytes.grads``)."""
     lane_staging: int = 0
     host_shards: int = 0
+    host_activations: int | None = None
+    """Pinned host memory for the held block inputs (``ElixirPlan.activations`` ``"host"``); ``None``: none."""
     activations: int | None = None
-    """The profiled activation peak; ``None``: not searched."""
+    """The profiled activation peak (with the held block inputs where the plan keeps them); ``None``: not searched."""
     buffers: int | None = None
     """The model's buffers; ``None``: not searched."""
 
@@ -111,6 +112,8 @@ class ElixirPlan:
     max_blocks: int
     moments: Moments = "fp32"
     """How Adam's moments are stored (``ElixirConfig.moments``; files from before it: exact)."""
+    activations: Where = "device"
+    """Where the held block inputs wait for their recompute (``ElixirConfig.activations``, ``runtime/held_inputs.py``)."""
     device_lane: int = 0
     """Elements per staging buffer of the device update lane (``runtime/device_lane.py``): the GPU
     updates slices of offloaded chunks beside the CPU; 0: the CPU alone (nothing offloaded, or
@@ -155,6 +158,7 @@ class ElixirPlan:
             "gpu_memory": self.gpu_memory,
             "device_assisted_update": self.device_lane > 0,
             "moments": self.moments,
+            "activations": self.activations,
         }
 
     def placement(self) -> list[Where]:
@@ -167,7 +171,7 @@ class ElixirPlan:
 
     @property
     def host_bytes(self) -> int:
-        return self.memory.host_shards
+        return self.memory.host_shards + (self.memory.host_activations or 0)
 
     @property
     def predicted_step_s(self) -> float | None:
@@ -317,13 +321,15 @@ def resolve_plan(
     lane: bool = False,
     batch_shape: tuple[int, int] | None = None,
     profile: ProfileSummary | None = None,
+    activations: Where = "device",
 ) -> Planned:
     """The plan for ``layout`` (built from ``table``), whole: the config's explicit choices, the
     search's for the rest (if it ran, it already honoured the explicit ones), else the static
     defaults (rCache max, nothing offloaded). ``lane``: whether a static plan has the device update
     lane (a searched one has the search's). The rCache holds at once every unit's chunks and, when
     the search profiled them, every checkpointed region's (``ChunkLayout.block_bounds``).
-    ``batch_shape``, ``profile``: the example batch's shape and the profile's summary, recorded."""
+    ``batch_shape``, ``profile``: the example batch's shape and the profile's summary, recorded;
+    ``activations``: the search's choice where the config leaves it to the planner."""
     unit_chunks, regions, root = resident_chunks(layout, table, search.regions if search is not None else [])
     resident = {f"unit {u.name!r}": cs for u, cs in zip(table.units, unit_chunks)}
     resident.update({f"checkpointed region {i}": cs for i, cs in enumerate(regions)})
@@ -340,6 +346,10 @@ def resolve_plan(
     memory, lane_numel = _count_memory(layout, set(offload), n_blocks, dtype, config.state, lane, window)
     if search is not None:
         memory = replace(memory, activations=int(search.budget.activations), buffers=int(search.budget.buffers))
+    if config.activations != "auto":
+        activations = config.activations
+    if activations == "host" and profile is not None:
+        memory = replace(memory, host_activations=profile.held_inputs)
     plan = ElixirPlan(
         chunk_size=layout.chunk_size,
         n_blocks=n_blocks,
@@ -348,6 +358,7 @@ def resolve_plan(
         world_size=layout.world_size,
         dtype=str(dtype).removeprefix("torch."),
         moments=config.moments,
+        activations=activations,
         min_blocks=lo,
         max_blocks=hi,
         device_lane=lane_numel,
@@ -412,5 +423,6 @@ def check_fits(plan: ElixirPlan, device: torch.device, host: HostMemory) -> None
     if plan.host_bytes * host.ranks > host.capacity:
         raise PlanError(
             f"the plan needs {plan.host_bytes / gib:.2f} GiB of host memory per rank x {host.ranks} ranks on this host "
-            f"for offloaded chunks, but the host has {host.accounting()}: offload fewer chunks or use more hosts"
+            f"for offloaded chunks and held block inputs ({(plan.memory.host_activations or 0) / gib:.2f} GiB), but the host "
+            f"has {host.accounting()}: offload fewer chunks, keep activations on the GPU, or use more hosts"
         )

@@ -42,12 +42,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 from torch import nn
 
 from ..adam_state import AdamState, AdamTensors
+from ..config import Where
 from ..host import core_share, local_ranks
 from ..progress import Bar, progress
 from .host_memory import empty_arena, pin_host
@@ -74,10 +74,6 @@ starting value (``numel`` may be 0), in the parameter's dtype (``weights/source.
 def own_part(p: torch.Tensor, start: int, numel: int) -> torch.Tensor:
     """The parameter's own current value as the starting value."""
     return p.detach().reshape(-1)[start : start + numel]
-
-
-Where = Literal["device", "host"]
-"""Where a chunk's shard and optimizer state live (the search's ``Placement`` chooses it per chunk)."""
 
 
 def casts_on_gather(placement: Where, dtype: torch.dtype) -> bool:

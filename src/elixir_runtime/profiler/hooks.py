@@ -8,7 +8,8 @@
 * Checkpointed regions: HF layers call ``self._gradient_checkpointing_func`` (set by
   ``gradient_checkpointing_enable``); plain models call ``torch.utils.checkpoint.checkpoint``.
   Both are wrapped for the duration of the trace so each call is recorded with the parameters
-  its forward touches.
+  its forward touches, and its arguments that the last unit returned as held block inputs
+  (``hold``; the engine's rule, ``runtime/held_inputs.py``).
 """
 
 from __future__ import annotations
@@ -36,8 +37,18 @@ def _grad_tensors(tree: Any) -> list[torch.Tensor]:
 class Markers:
     """Installs the hooks on construction; ``remove()`` undoes every one of them."""
 
-    def __init__(self, model: nn.Module, timeline: Timeline, units: list[Unit], stack: BlockStack | None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        timeline: Timeline,
+        units: list[Unit],
+        stack: BlockStack | None,
+        hold: Callable[[torch.Tensor], None] = lambda _t: None,
+    ) -> None:
         self.tl = timeline
+        self.hold = hold
+        self.last: list[torch.Tensor] = []
+        """What the last unit to finish a forward returned (its tensors that need grad)."""
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._restore: list[Callable[[], None]] = []
         if stack is not None:
@@ -47,6 +58,7 @@ class Markers:
         self._wrap_checkpoints(model)
 
     def remove(self) -> None:
+        self.last = []
         for h in self._handles:
             h.remove()
         for undo in reversed(self._restore):
@@ -86,6 +98,8 @@ class Markers:
         def post(_m: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
             if torch.is_grad_enabled():
                 outs = _grad_tensors(output)
+                if self.tl.phase == "fwd":
+                    self.last = outs
                 if outs:
                     handle = torch.autograd.graph.register_multi_grad_hook(
                         outs, lambda _g: self.tl.unit_event(unit.name), mode="any"
@@ -111,6 +125,10 @@ class Markers:
         @functools.wraps(checkpoint)
         def recorded(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             region = self.tl.region_begin(name or self._name_of(function))
+            if region is not None and torch.is_grad_enabled():
+                for a in args:
+                    if isinstance(a, torch.Tensor) and any(a is o for o in self.last):
+                        self.hold(a)
             try:
                 return checkpoint(function, *args, **kwargs)
             finally:

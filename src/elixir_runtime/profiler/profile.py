@@ -4,7 +4,8 @@ What the search needs and nothing is allocated for: the order parameters are fir
 fetch-unit events the engine will see, the checkpointed regions and the parameters each touches,
 tied parameters, buffer bytes, the compute of the step, and the activation peak — the most bytes
 alive at any moment besides parameters and buffers, counting saved tensors, recomputation under
-activation checkpointing, and each gradient until the engine would have copied it into its chunk.
+activation checkpointing, and each gradient until the engine would have copied it into its chunk —
+also as it is with the held block inputs in host memory (``runtime/held_inputs.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from ..runtime.held_inputs import LOOKAHEAD
 from ..units import Unit, find_units
 from .blocks import BlockStack, find_block_stack, truncated
 from .fake import fake_run, loss_of
@@ -94,6 +96,12 @@ class ModelProfile:
     """Backward from the loss and head on, a segment per block: what is live beside the gradient
     shards on-device chunks accumulate as it goes (``search/memory.py``). Empty: no head was
     found (no block stack), nothing is known to be freed."""
+    held_inputs: int = 0
+    """The most bytes of held block inputs alive at once (``runtime/held_inputs.py``): what keeping
+    them on the host takes of pinned host memory; 0: none (no activation checkpointing)."""
+    host_activation_peak: int = 0
+    """The activation peak with the held block inputs on the host: the rest of the activations at
+    their most, plus ``LOOKAHEAD + 1`` of the largest held input on the GPU (in use, and coming back)."""
 
     @property
     def late_peak(self) -> int | None:
@@ -163,6 +171,8 @@ class ModelProfile:
             peak_at=self.peak_at,
             forward_peak=self.forward_peak,
             saved_bytes=self.saved_bytes,
+            held_inputs=self.held_inputs,
+            host_activation_peak=self.host_activation_peak,
             late_peak=max(late, default=None),
             late_low=min(late, default=None),
             head_params=tuple(self.head_params),
@@ -208,6 +218,10 @@ class ProfileSummary:
     blocks: BlockPlan | None
     """Identical blocks replayed from a few traced ones; ``None``: every block traced."""
     seconds: float
+    held_inputs: int = 0
+    """``ModelProfile.held_inputs`` (plan files from before it: 0)."""
+    host_activation_peak: int = 0
+    """``ModelProfile.host_activation_peak`` (plan files from before it: 0)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON keys of ``elixir-plan --json``'s ``profile``."""
@@ -261,7 +275,7 @@ def profile_model(
         try:
             with truncated(stack, PROFILED_BLOCKS):
                 kept = {id(m) for m in model.modules()}
-                segments, outside = _trace(
+                segments, outside, held = _trace(
                     model, batch, dtype, device, [u for u in units if id(u.module) in kept], stack, emulate
                 )
         except Exception:  # a forward that needs all its blocks (e.g. indexes them by config): trace them all
@@ -269,9 +283,9 @@ def profile_model(
         if segments is None or not _replayable(segments, plan):
             segments, plan = None, None
     if segments is None:
-        segments, outside = _trace(model, batch, dtype, device, units, stack, emulate)
+        segments, outside, held = _trace(model, batch, dtype, device, units, stack, emulate)
     where = "cuda (kernels chosen as on a GPU, traced on cpu)" if emulate else str(device)
-    profile = _assemble(model, batch, segments, plan, dtype, where, time.perf_counter() - start)
+    profile = _assemble(model, batch, segments, plan, dtype, where, time.perf_counter() - start, held)
     profile.read_outside = outside
     return profile
 
@@ -314,8 +328,9 @@ def _trace(
     units: list[Unit],
     stack: BlockStack | None,
     emulate: bool,
-) -> tuple[list[Segment], list[str]]:
-    """The step's segments, and the parameters its forward read outside their units."""
+) -> tuple[list[Segment], list[str], int]:
+    """The step's segments, the parameters its forward read outside their units, and the largest held
+    block input's bytes."""
     timeline = Timeline()
     names = {id(p): n for n, p in model.named_parameters()}
     kernels = cuda_attention() if emulate else contextlib.nullcontext()
@@ -324,7 +339,7 @@ def _trace(
         recorder.preexisting(
             [*fake.params.values(), *fake.buffers, *(t for t in tree_leaves(fake.batch) if isinstance(t, torch.Tensor))]
         )
-        markers = Markers(model, timeline, units, stack)
+        markers = Markers(model, timeline, units, stack, recorder.hold)
         outside = OutsideReads(units, fake.params, names)
         try:
             with torch.enable_grad(), recorder:
@@ -339,7 +354,7 @@ def _trace(
         finally:
             recorder.close()
             markers.remove()
-    return timeline.segments, list(outside.found)
+    return timeline.segments, list(outside.found), timeline.largest_held
 
 
 def _replayable(segments: list[Segment], plan: BlockPlan) -> bool:
@@ -380,6 +395,7 @@ def _assemble(
     dtype: torch.dtype,
     device: str,
     seconds: float,
+    largest_held: int,
 ) -> ModelProfile:
     replays = replay(segments, plan)
     order = list(dict.fromkeys(r.rename(plan, n) for r in replays for n in r.segment.params))
@@ -393,7 +409,9 @@ def _assemble(
         ParamInfo(n, registered[n].numel(), registered[n].requires_grad, n in used, aliases[id(registered[n])][1:])
         for n in order
     ]
-    peak, where = max(((r.segment.peak + r.shift, _where(r.segment, r.block)) for r in replays), key=lambda x: x[0])
+    peak, where = max(((r.peak, _where(r.segment, r.block)) for r in replays), key=lambda x: x[0])
+    held = max((r.held_at_start for r in replays), default=0)
+    host_peak = min(peak, max(r.peak_unheld for r in replays) + (LOOKAHEAD + 1) * largest_held) if held else peak
     compute = {"fwd": Cost(), "bwd": Cost()}
     for r in replays:
         compute[r.segment.phase].add(r.segment.cost)
@@ -414,7 +432,7 @@ def _assemble(
         buffer_bytes=sum(b.numel() * b.element_size() for b in buffers),
         activation_peak=peak,
         peak_at=where,
-        forward_peak=max(r.segment.peak + r.shift for r in replays if r.segment.phase == "fwd"),
+        forward_peak=max(r.peak for r in replays if r.segment.phase == "fwd"),
         saved_bytes=head.segment.start + head.shift if head else 0,
         ac_regions=[
             Region(r.rename(plan, g.name), [r.rename(plan, p) for p in g.params])
@@ -431,6 +449,8 @@ def _assemble(
             )
             for r in (replays[replays.index(head) :] if head is not None else [])
         ],
+        held_inputs=held,
+        host_activation_peak=host_peak,
     )
 
 

@@ -32,6 +32,7 @@ class Recorder(TorchDispatchMode):
         self.param_names = param_names
         """``id`` of each (fake) parameter tensor → its canonical name."""
         self._storages: dict[int, int] = {}
+        self._held: set[int] = set()
         self._closed = False
 
     def preexisting(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -60,6 +61,13 @@ class Recorder(TorchDispatchMode):
         tl.add_cost(*op_cost(func, args, kwargs, inputs, outputs))
         return out
 
+    def hold(self, t: torch.Tensor) -> None:
+        """``t``'s storage is a held block input (``runtime/held_inputs.py``) from now until it dies."""
+        key = t.untyped_storage()._cdata
+        if key in self._storages and key not in self._held and self._storages[key]:
+            self._held.add(key)
+            self.timeline.hold(self._storages[key])
+
     def _track(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()
         key = storage._cdata
@@ -72,5 +80,7 @@ class Recorder(TorchDispatchMode):
 
     def _release(self, key: int) -> None:
         nbytes = self._storages.pop(key, 0)
+        held = key in self._held
+        self._held.discard(key)
         if not self._closed:
-            self.timeline.free(nbytes)
+            self.timeline.free(nbytes, held)

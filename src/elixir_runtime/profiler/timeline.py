@@ -2,7 +2,8 @@
 
 A segment is a stretch of the step between two markers (before the blocks, the forward of block
 ``i``, the head and loss, the backward of block ``i``, after the blocks). Each keeps the live
-bytes at its start and its peak, its compute, the parameters first used in it, the fetch-unit
+bytes at its start and its peak, both also without the held block inputs (``runtime/held_inputs.py``:
+what the peak is with them on the host), its compute, the parameters first used in it, the fetch-unit
 events and the checkpointed regions that began in it. Everything is recorded by name, so a
 segment traced on block ``r`` can be replayed as block ``i`` by renaming.
 
@@ -11,7 +12,8 @@ first ``k = 3``. Block 0 and the head/tail are traced exactly; block 1 stands fo
 ``1 .. L-2`` and block 2 for block ``L-1``. The only thing that differs between copies is how
 much earlier blocks left alive (saved activations or checkpoint inputs): ``delta``, the growth of
 the live bytes from the start of block 1's forward to the start of block 2's. A segment replayed
-as block ``i`` is shifted by ``(i - r) * delta``; the head and loss by ``(L - k) * delta``.
+as block ``i`` is shifted by ``(i - r) * delta``; the head and loss by ``(L - k) * delta``. The live
+bytes without the held inputs are replayed the same way, with their own ``delta``.
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ class Segment:
     phase: str
     start: int
     peak: int
+    start_unheld: int = 0
+    """``start`` less the held block inputs alive then."""
+    peak_unheld: int = 0
+    """The most live bytes less the held block inputs alive at the moment."""
     cost: Cost = field(default_factory=Cost)
     params: list[str] = field(default_factory=list)
     events: list[UnitEvent] = field(default_factory=list)
@@ -77,6 +83,9 @@ class Timeline:
 
     def __init__(self) -> None:
         self.live = 0
+        self.held = 0
+        """Of ``live``: the held block inputs (``hold``)."""
+        self.largest_held = 0
         self.phase = "fwd"
         self.segments: list[Segment] = [Segment("pre", None, "fwd", 0, 0)]
         self._since_event = Cost()
@@ -89,14 +98,23 @@ class Timeline:
 
     def alloc(self, nbytes: int) -> None:
         self.live += nbytes
-        if self.live > self.current.peak:
-            self.current.peak = self.live
+        seg = self.current
+        seg.peak = max(seg.peak, self.live)
+        seg.peak_unheld = max(seg.peak_unheld, self.live - self.held)
 
-    def free(self, nbytes: int) -> None:
+    def free(self, nbytes: int, held: bool = False) -> None:
         self.live -= nbytes
+        if held:
+            self.held -= nbytes
+
+    def hold(self, nbytes: int) -> None:
+        """Of the live bytes, ``nbytes`` are now a held block input."""
+        self.held += nbytes
+        self.largest_held = max(self.largest_held, nbytes)
 
     def mark(self, label: str, block: int | None = None) -> None:
-        self.segments.append(Segment(label, block, self.phase, self.live, self.live))
+        unheld = self.live - self.held
+        self.segments.append(Segment(label, block, self.phase, self.live, self.live, unheld, unheld))
         self._since_event = Cost()
 
     def add_cost(self, flops: int, size_class: str, moved: int) -> None:
@@ -168,6 +186,21 @@ class Replay:
     segment: Segment
     block: int | None
     shift: int
+    shift_unheld: int = 0
+    """``shift`` of the live bytes less the held block inputs."""
+
+    @property
+    def peak(self) -> int:
+        return self.segment.peak + self.shift
+
+    @property
+    def peak_unheld(self) -> int:
+        return self.segment.peak_unheld + self.shift_unheld
+
+    @property
+    def held_at_start(self) -> int:
+        """Held block inputs alive at the segment's start."""
+        return self.segment.start + self.shift - self.segment.start_unheld - self.shift_unheld
 
     def rename(self, plan: BlockPlan | None, name: str) -> str:
         return plan.rename(name, self.segment.block, self.block) if plan else name
@@ -177,18 +210,20 @@ def replay(segments: list[Segment], plan: BlockPlan | None) -> list[Replay]:
     """The full step's segments, in order (see [Note: block extrapolation])."""
     if plan is None:
         return [Replay(s, s.block, 0) for s in segments]
-    starts = {s.block: s.start for s in segments if s.label == "fwd"}
-    delta = starts[2] - starts[1]
+    fwd = {s.block: s for s in segments if s.label == "fwd"}
+    delta = fwd[2].start - fwd[1].start
+    delta_u = fwd[2].start_unheld - fwd[1].start_unheld
     total, extra = plan.total, plan.total - plan.profiled
     out: list[Replay] = []
     for s in segments:
         if s.block is None:
-            out.append(Replay(s, None, extra * delta if s.label in ("mid", "head") else 0))
+            grown = extra if s.label in ("mid", "head") else 0
+            out.append(Replay(s, None, grown * delta, grown * delta_u))
         elif s.block == 0:
             out.append(Replay(s, 0, 0))
         elif s.block == 1:
             order = range(1, total - 1) if s.phase == "fwd" else range(total - 2, 0, -1)
-            out += [Replay(s, i, (i - 1) * delta) for i in order]
+            out += [Replay(s, i, (i - 1) * delta, (i - 1) * delta_u) for i in order]
         elif s.block == plan.profiled - 1:
-            out.append(Replay(s, total - 1, extra * delta))
+            out.append(Replay(s, total - 1, extra * delta, extra * delta_u))
     return out

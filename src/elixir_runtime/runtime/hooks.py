@@ -38,6 +38,9 @@ A training forward's check-in carries its ``(batch, seq)``, and every rank's goe
 provably holds it, else is refused on every rank before the forward; without a profiled budget,
 warns once). Inside ``full_params`` every hook stands by: the parameters are
 all on this rank and forwards run alone.
+
+With the plan's activations on the host, the root's pack hook sends the held block inputs there and
+each unit's pre-backward brings them back ahead of their recompute (``held_inputs.py``).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from ..units import Unit
 from . import state
 from .batch_guard import BatchGuard, BatchShapeError, token_shape
 from .chunk_runtime import ChunkRuntime
+from .held_inputs import HeldInput, HeldInputs
 from .phase import Phase
 
 __all__ = ["EngineHooks", "PlaceholderReadError", "install_hooks"]
@@ -87,8 +91,8 @@ class _Packed:
 
 
 class _UnitHooks:
-    def __init__(self, runtime: ChunkRuntime, chunks: tuple[int, ...]) -> None:
-        self.runtime, self.chunks = runtime, chunks
+    def __init__(self, runtime: ChunkRuntime, chunks: tuple[int, ...], held: HeldInputs | None) -> None:
+        self.runtime, self.chunks, self.held = runtime, chunks, held
         self.post_backward_armed = False
         self.bwd_pinned = False
 
@@ -101,9 +105,12 @@ class _UnitHooks:
         self.post_backward_armed = False
         if not torch.is_grad_enabled():
             return args, kwargs
+        held = self.held if self.runtime.ctx.phase.now is Phase.FORWARD else None
         flat, spec = tree_flatten((args, kwargs))
         where = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not where:
+            if held is not None:
+                held.enter(())
             return args, kwargs
         self.post_backward_armed = True
         wrapped: tuple[torch.Tensor, ...] = _PostBackward.apply(  # type: ignore[no-untyped-call]  # Function.apply: unannotated
@@ -111,6 +118,8 @@ class _UnitHooks:
         )
         for i, t in zip(where, wrapped):
             flat[i] = t
+        if held is not None:
+            held.enter(wrapped)
         hooked: tuple[tuple[Any, ...], dict[str, Any]] = tree_unflatten(flat, spec)  # what was flattened
         return hooked
 
@@ -122,6 +131,8 @@ class _UnitHooks:
             return
         self.runtime.grads.note_grad_forward()
         outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if self.held is not None and self.runtime.ctx.phase.now is Phase.FORWARD:
+            self.held.leave(outs)
         if outs:
             pin = self.post_backward_armed
             torch.autograd.graph.register_multi_grad_hook(outs, lambda _g: self.pre_backward(pin), mode="any")
@@ -130,6 +141,8 @@ class _UnitHooks:
         """Pins only calls whose post-backward will fire (their inputs need grad); a call without
         one just gets its chunks gathered, and saved-tensor/grad hooks re-fetch on demand."""
         self.runtime.grads.begin_backward()
+        if self.held is not None:
+            self.held.prefetch()
         if self.bwd_pinned:
             return
         self.runtime.gathers.acquire(self.chunks, pin=pin)
@@ -185,10 +198,16 @@ class _RootHooks:
     """Iteration boundaries for the access schedule, and the saved-tensor hooks around forward."""
 
     def __init__(
-        self, runtime: ChunkRuntime, model: nn.Module, chunks: tuple[int, ...] = (), guard: BatchGuard | None = None
+        self,
+        runtime: ChunkRuntime,
+        model: nn.Module,
+        chunks: tuple[int, ...] = (),
+        guard: BatchGuard | None = None,
+        held: HeldInputs | None = None,
     ) -> None:
         self.runtime, self.model, self.chunks = runtime, model, chunks
         self.guard = guard or BatchGuard(None)
+        self.held = held
         self.depth = 0
         self.saved_hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self.watched: set[tuple[bool, bool]] = set()
@@ -234,6 +253,8 @@ class _RootHooks:
             self.watch = _PlaceholderReads(self.runtime)
             self.watch.__enter__()  # type: ignore[no-untyped-call]  # TorchDispatchMode's, unannotated
         if grad:
+            if self.held is not None:
+                self.held.begin_forward()
             self.saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             self.saved_hooks.__enter__()
 
@@ -252,19 +273,25 @@ class _RootHooks:
         if self.saved_hooks is not None:
             self.saved_hooks.__exit__(None, None, None)
             self.saved_hooks = None
+            if self.held is not None:
+                self.held.end_forward()
 
     def end_eager(self) -> None:
         if self.eager is not None:
             self.eager.__exit__(None, None, None)
             self.eager = None
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor | _Packed:
+    def pack(self, t: torch.Tensor) -> torch.Tensor | _Packed | HeldInput:
         buffer = self.runtime.gathers.buffer_of(t)
         if buffer is None or buffer.chunk is None:
-            return t
+            held = self.held.pack(t) if self.held is not None else None
+            return t if held is None else held
         return _Packed(buffer.chunk, t)
 
-    def unpack(self, packed: torch.Tensor | _Packed) -> torch.Tensor:
+    def unpack(self, packed: torch.Tensor | _Packed | HeldInput) -> torch.Tensor:
+        if isinstance(packed, HeldInput):
+            assert self.held is not None, "packed by it"
+            return self.held.unpack(packed)
         if not isinstance(packed, _Packed):
             return packed
         chunk = self.runtime.gathers.ensure_gathered(packed.chunk)
@@ -318,6 +345,8 @@ class EngineHooks:
         for h in self._root_handles:
             h.remove()
         self._root_handles = []
+        if self.root.held is not None:
+            self.root.held.release()
 
 
 def install_hooks(
@@ -326,17 +355,19 @@ def install_hooks(
     unit_chunks: Sequence[tuple[int, ...]],
     runtime: ChunkRuntime,
     guard: BatchGuard | None = None,
+    held: HeldInputs | None = None,
 ) -> EngineHooks:
     """Installs every hook (``unit_chunks[i]``: the chunks unit ``i`` acquires; ``runtime.root_chunks``:
     the private ones every forward of ``model`` acquires first; ``guard``: ``ElixirPlan.batch_guard()``,
-    which judges training batches larger than the plan's)."""
+    which judges training batches larger than the plan's; ``held``: where the plan keeps activations on the
+    host, what takes the held block inputs there)."""
     root_chunks = runtime.root_chunks
     hooked: list[tuple[nn.Module, _UnitHooks]] = []
     for unit, chunks in zip(units, unit_chunks, strict=True):
-        h = _UnitHooks(runtime, chunks)
+        h = _UnitHooks(runtime, chunks, held)
         hooked.append((unit.module, h))
         runtime.grads.on_finish_backward.append(h.post_backward)
     assert all(runtime.chunks[i].spec.private for i in root_chunks), "the root acquires private chunks only"
-    root = _RootHooks(runtime, model, root_chunks, guard)
+    root = _RootHooks(runtime, model, root_chunks, guard, held)
     runtime.grads.on_finish_backward.append(root.end_eager)
     return EngineHooks(model, hooked, root)
