@@ -81,6 +81,7 @@ def plan_table(plan: ElixirPlan, verbose: bool = False) -> str:
     rows += [
         ("GPU memory / rank", f"{_gib(plan.device_bytes)} GiB (model states + gathered-parameter cache)"),
         ("host memory / rank", f"{_gib(plan.host_bytes)} GiB (pinned)"),
+        ("held activations", activations_text(plan)),
         ("device update lane", _lane_text(plan)),
     ]
     if memory.activations is not None:
@@ -124,6 +125,30 @@ def plan_table(plan: ElixirPlan, verbose: bool = False) -> str:
             ("I(n) / J(n)", f"{i} / {j} ms per GiB saved by one more rCache block / by the next upload (- : none left)")
         )
     return _rows(rows)
+
+
+def activations_text(plan: ElixirPlan) -> str:
+    """Where the plan keeps the held block inputs, and what the other tier would give where the planner chose:
+    ``host: 12.00 GiB pinned, ...; on the GPU: 3 of 40 chunks offloaded, predicted 1.234 s (0.91x)``."""
+    held = plan.profile.held_inputs if plan.profile is not None else None
+    size = f" ({_gib(held)} GiB)" if held else ""
+    text = (
+        f"host: the held block inputs{size} in pinned host memory, out in the forward and back ahead of each recompute"
+        if plan.activations == "host"
+        else f"device: the held block inputs{size} stay on the GPU"
+    )
+    for option in plan.search.activations if plan.search is not None else ():
+        tier = "on the host" if option.where == "host" else "on the GPU"
+        if option.step_s is None:
+            text += f"; {tier}: no plan fits"
+            continue
+        off = (
+            "nothing offloaded" if not option.offloaded else f"{option.offloaded} of {option.n_chunks} chunks offloaded"
+        )
+        step = plan.predicted_step_s
+        speed = f" ({step / option.step_s:.2f}x this plan's step)" if step else ""
+        text += f"; {tier}: {off}, predicted {option.step_s:.3f} s a step{speed}"
+    return text
 
 
 def moments_hint(option: MomentsOption, step_s: float | None) -> str:
@@ -180,6 +205,7 @@ def plan_metrics(plan: ElixirPlan) -> dict[str, float]:
         "plan_offloaded_chunks": len(plan.offload),
         "plan_device_gib": plan.device_bytes / GIB,
         "plan_host_gib": plan.host_bytes / GIB,
+        "plan_activations_on_host": float(plan.activations == "host"),
     }
     if (t := plan.predicted) is not None:
         out["plan_step_s"] = t.total

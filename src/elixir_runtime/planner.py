@@ -25,12 +25,12 @@ from torch import nn
 
 from .adam_state import Moments
 from .chunk.layout import ChunkLayout, build_layout
-from .config import ElixirConfig, PlanError, PlanMismatch
+from .config import ElixirConfig, PlanError, PlanMismatch, Where
 from .distributed.collectives import Collectives
 from .gpu_limit import device_capacity, process_limit
 from .hardware.load import job_hardware, own_profile, with_step_gemms
 from .hardware.measure import collective_busbw
-from .hardware.profile import HardwareProfile
+from .hardware.profile import HardwareProfile, Rates
 from .host import HostMemory, held_bytes, host_available, local_ranks
 from .plan import DEVICE_MEMORY, ElixirPlan, LivePlan, Planned, check_fits, resolve_plan
 from .plan_view import (
@@ -60,7 +60,7 @@ from .progress import progress
 from .runtime.batch_guard import token_shape
 from .search.budget import F_FRAG, Budget
 from .search.loop import SearchResult, SearchSettings, search
-from .search.report import Alternative, Candidate, MomentsOption, SearchReport
+from .search.report import ActivationsOption, Alternative, Candidate, MomentsOption, SearchReport
 from .search.step_time import StepTime
 from .units import ParamTable, Unit, find_units, param_table
 
@@ -342,14 +342,15 @@ def search_job(
     target = Target(coll.world_size, device, dtype, hardware, budget, busbw, grads_share_activations, own_profile())
     mine: list[_Searched] = []
 
-    def decide() -> tuple[list[int], list[str], SearchResult, ProfileSummary]:
+    def decide() -> tuple[list[int], list[str], SearchResult, ProfileSummary, Where]:
         mine.append(_searched(model, units, example_batch, config, target, param_group, resident=resident))
-        return mine[0].order, mine[0].outside, replace(mine[0].result, layout=None), mine[0].profile
+        s = mine[0]
+        return s.order, s.outside, replace(s.result, layout=None), s.profile, s.activations
 
-    order, outside, result, profile = coll.decided_by_rank0(decide, device)
+    order, outside, result, profile, activations = coll.decided_by_rank0(decide, device)
     if not mine:
         table = _table(model, units, order, param_group, _with_outside(model, resident, outside, log=False))
-        mine.append(_Searched(order, outside, table, result, profile))
+        mine.append(_Searched(order, outside, table, result, profile, activations))
     return mine[0].planned(config, target, _batch_shape(example_batch))
 
 
@@ -364,6 +365,8 @@ class _Searched:
     table: ParamTable
     result: SearchResult
     profile: ProfileSummary
+    activations: Where = "device"
+    """Where the search put the held block inputs (``_search_activations``)."""
 
     def planned(self, config: ElixirConfig, target: Target, batch_shape: tuple[int, int] | None) -> Planned:
         """The plan of the winning layout (built here from the chosen chunk size where the result came
@@ -377,6 +380,7 @@ class _Searched:
             search=self.result,
             batch_shape=batch_shape,
             profile=self.profile,
+            activations=self.activations,
         )
 
 
@@ -411,13 +415,115 @@ def _searched(
         grads_share_activations=target.grads_share_activations,
     )
     shapes = sum(1 for c in profile.flop_classes if c in hardware.gemms)
-    result = _search_with_moments(table, profile, hardware, budget, settings).noted(
+    result, activations = _search_activations(table, profile, hardware, budget, settings, target.device)
+    result = result.noted(
         f"hardware: {hardware.device}, {hardware.source}",
         f"profile: {profile.seconds:.2f} s; activation peak at {profile.peak_at}",
         *([f"GEMMs: {shapes} shapes of this step at their rates timed on this GPU"] if shapes else []),
         first=True,
     )
-    return _Searched(order, profile.read_outside, table, result, profile.summary())
+    return _Searched(order, profile.read_outside, table, result, profile.summary(), activations)
+
+
+def _search_activations(
+    table: ParamTable,
+    profile: ModelProfile,
+    hardware: HardwareProfile,
+    budget: Budget,
+    settings: SearchSettings,
+    device: torch.device,
+) -> tuple[SearchResult, Where]:
+    """The search with the held block inputs where the config puts them, or, with ``"auto"`` on a GPU, in each
+    tier: the shorter predicted step wins, the device on a tie; the other is on the report.
+
+    [Note: activations as a plan choice]
+    Under activation checkpointing the held block inputs are most of what a long sequence keeps on the GPU
+    (``runtime/held_inputs.py``). On the host they free ``ModelProfile.activation_peak -
+    host_activation_peak`` of the GPU for chunks (fewer offloaded, a larger rCache) and take
+    ``held_inputs`` of pinned host memory from the arenas (``Budget.host_activations``); their copies
+    out in the forward and back in the backward share the host link with the chunks' transfers, beside
+    compute (``_with_held_copies``). The planner weighs both tiers as it weighs chunk placements: by the
+    predicted step, never by a rule of thumb on the sequence length."""
+    asked = settings.config.activations
+    held = profile.held_inputs
+    if asked == "host" and not held:
+        raise PlanError(
+            "activations 'host': the profiled step holds no block inputs for a recompute (activation checkpointing "
+            "is off): enable it (--gradient_checkpointing, model.gradient_checkpointing_enable()), or set activations "
+            "'auto' or 'device'"
+        )
+    tiers: list[Where] = (
+        [asked] if asked != "auto" else ["device", "host"] if held and device.type == "cuda" else ["device"]
+    )
+    found: dict[Where, SearchResult] = {}
+    failed: dict[Where, PlanError] = {}
+    for where in tiers:
+        try:
+            found[where] = _search_in(where, table, profile, hardware, budget, settings)
+        except PlanError as err:
+            failed[where] = err
+    if not found:
+        if len(tiers) == 1:
+            raise failed[tiers[0]]
+        raise PlanError(
+            f"{failed['device']}\nWith the held block inputs in pinned host memory ({size_text(held)}) neither: "
+            f"{failed['host']}"
+        )
+    chosen = min(found, key=lambda w: (found[w].placement.time.total, w != "device"))
+    result = found[chosen]
+    for other in (w for w in tiers if w != chosen):
+        alt = found.get(other)
+        option = ActivationsOption(
+            other,
+            held,
+            None if alt is None else len(alt.placement.offload),
+            None if alt is None or alt.layout is None else len(alt.layout.chunks),
+            None if alt is None else float(alt.placement.time.total),
+        )
+        result = replace(result, report=replace(result.report, activations=(option,)))
+    return result, chosen
+
+
+def _search_in(
+    where: Where,
+    table: ParamTable,
+    profile: ModelProfile,
+    hardware: HardwareProfile,
+    budget: Budget,
+    settings: SearchSettings,
+) -> SearchResult:
+    """The search with the held block inputs in ``where`` ([Note: activations as a plan choice])."""
+    if where == "device":
+        return _search_with_moments(table, profile, hardware, budget, settings)
+    held = profile.held_inputs
+    if held > budget.host_allowed:
+        raise PlanError(
+            f"activations 'host': the held block inputs need {size_text(held)} of pinned host memory per rank, but "
+            f"the host has {budget.host_accounting()}: keep them on the GPU (activations 'device'), train a shorter "
+            "sequence or a smaller batch, or use a host with more memory"
+        )
+    on_host = replace(budget, activations=profile.host_activation_peak, host_activations=held)
+    result = _search_with_moments(table, profile, hardware, on_host, settings)
+    rates = hardware.rates(settings.world_size, settings.busbw, budget.ranks_per_host, settings.config.state)
+    return replace(
+        result, placement=replace(result.placement, time=_with_held_copies(result.placement.time, held, rates))
+    )
+
+
+def _with_held_copies(t: StepTime, held: int, rates: Rates) -> StepTime:
+    """``t`` with the held block inputs' copies: ``held`` bytes out over D2H and back over H2D, beside compute on
+    the host link the chunks' transfers use; what the link then needs beyond the step's compute is exposed."""
+    up, down = held / rates.h2d, held / rates.d2h
+    link = t.h2d + t.d2h
+    extra = max(0.0, link + up + down - t.compute) - max(0.0, link - t.compute)
+    return replace(
+        t,
+        h2d=t.h2d + up,
+        d2h=t.d2h + down,
+        exposed_transfers=t.exposed_transfers + extra,
+        total=t.total + extra,
+        serial=t.serial + extra,
+    )
 
 
 COMPACT: Moments = "8bit"

@@ -43,6 +43,9 @@ class Budget:
     host_released: int = 0
     """Of ``host_capacity``: what the model's own weights on this host free when taken into chunks
     (``host.HostMemory.released``; 0 for a plan made for another machine)."""
+    host_activations: int = 0
+    """Pinned host bytes per rank the held block inputs take (``ElixirPlan.activations`` ``"host"``),
+    beside the arenas."""
 
     @property
     def allowed(self) -> int:
@@ -51,15 +54,17 @@ class Budget:
 
     @property
     def host_allowed(self) -> int:
-        """Bytes of pinned host arenas per rank."""
-        return int(self.f_host * self.host_capacity / self.ranks_per_host)
+        """Bytes of pinned host arenas per rank (the held block inputs' taken off)."""
+        return int(self.f_host * self.host_capacity / self.ranks_per_host) - self.host_activations
 
     def host_accounting(self) -> str:
         """How ``host_allowed`` comes about, in words (the no-fit message's)."""
         available = self.host_capacity - self.host_released
         return (
             f"{accounting(available, self.host_released)}, x {self.f_host} (the rest kept for the process) / "
-            f"{self.ranks_per_host} rank(s) = {size_text(self.host_allowed)} of pinned host memory per rank"
+            f"{self.ranks_per_host} rank(s)"
+            + (f" - {size_text(self.host_activations)} for the held block inputs" if self.host_activations else "")
+            + f" = {size_text(self.host_allowed)} of pinned host memory per rank"
         )
 
     def to_dict(self) -> dict[str, float]:

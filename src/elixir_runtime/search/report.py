@@ -13,7 +13,7 @@ from typing import Any
 from ..hardware.profile import HardwareProfile, Rates
 from .step_time import StepTime
 
-__all__ = ["Alternative", "Candidate", "MomentsOption", "RateSummary", "SearchReport"]
+__all__ = ["ActivationsOption", "Alternative", "Candidate", "MomentsOption", "RateSummary", "SearchReport"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,22 @@ class MomentsOption:
     host_bytes: int
     step_s: float
     """Its predicted seconds per optimizer step."""
+
+
+@dataclass(frozen=True)
+class ActivationsOption:
+    """The same job searched with the held block inputs in the other memory tier
+    (``ElixirConfig.activations``): the choice the planner did not make, and why."""
+
+    where: str
+    """``"device"`` or ``"host"``."""
+    held_bytes: int
+    """The held block inputs' bytes (``ModelProfile.held_inputs``)."""
+    offloaded: int | None
+    """Chunks it offloads; ``None``: no plan fits."""
+    n_chunks: int | None
+    step_s: float | None
+    """Its predicted seconds per optimizer step; ``None``: no plan fits."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +148,8 @@ class SearchReport:
     """A copy of the profile searched with: read it, never change it."""
     moments: tuple[MomentsOption, ...] = ()
     """The job searched with the other moments where this plan offloads (``planner``); empty otherwise."""
+    activations: tuple[ActivationsOption, ...] = ()
+    """The job searched with the held block inputs in the other tier, where the planner chose (``planner``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -143,6 +161,7 @@ class SearchReport:
             "rates": None if self.rates is None else self.rates.to_dict(),
             "hardware": None if self.hardware is None else self.hardware.to_dict(),
             **({"moments": [asdict(m) for m in self.moments]} if self.moments else {}),  # files before it lack it
+            **({"activations": [asdict(a) for a in self.activations]} if self.activations else {}),
         }
 
     @classmethod
@@ -157,4 +176,5 @@ class SearchReport:
             rates=RateSummary(**rates) if rates else None,
             hardware=HardwareProfile.from_dict(hardware) if hardware else None,
             moments=tuple(MomentsOption(**m) for m in data.get("moments", ())),
+            activations=tuple(ActivationsOption(**a) for a in data.get("activations", ())),
         )

@@ -107,3 +107,51 @@ def test_the_profile_counts_the_inputs_the_engine_moves() -> None:
     assert replayed.host_activation_peak == traced.host_activation_peak
     no_ac = profile_model(tiny_llama(n_layer=N_LAYER), make_batch(128), dtype=torch.float32, device="cpu")
     assert no_ac.held_inputs == 0 and no_ac.host_activation_peak == no_ac.activation_peak
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_held_inputs_leave_its_memory() -> None:
+    """A 16k-token step of an 8-block Llama: with the held inputs on the host the GPU's peak drops by what the
+    profile says it does, within 10 % of the held bytes, and the step trains as the device plan's does."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=2048,
+        intermediate_size=4096,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        max_position_embeddings=16384,
+        use_cache=False,
+    )
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 1024, (1, 16384), generator=gen).cuda()
+    batch = {"input_ids": ids, "labels": ids}
+    peaks, losses, profiles = {}, {}, {}
+    for where in ("device", "host"):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        profiles[where] = profile_model(model, batch, dtype=torch.bfloat16, device="cuda")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        cfg = er.ElixirConfig(mode="static", activations=where)  # type: ignore[arg-type]
+        model, opt = er.prepare(model, opt, config=cfg, example_batch=batch)
+        for _step in range(2):  # the second step's peak: the first's allocations are warm
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            loss = model(**batch).loss
+            opt.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            torch.cuda.synchronize()
+            peaks[where] = torch.cuda.max_memory_allocated() - base
+            losses.setdefault(where, []).append(loss.item())
+        er.release(model)
+        del model, opt
+    p = profiles["host"]
+    saved = peaks["device"] - peaks["host"]
+    planned = p.activation_peak - p.host_activation_peak
+    print(f"measured peaks {peaks}, saved {saved}; planned saving {planned}, held {p.held_inputs}")
+    assert losses["host"] == losses["device"]
+    assert abs(saved - planned) <= 0.1 * p.held_inputs
