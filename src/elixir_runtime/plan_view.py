@@ -23,6 +23,7 @@ from .search.step_time import StepTime
 __all__ = [
     "MEMORY_PARTS",
     "alternatives_table",
+    "activations_text",
     "moments_hint",
     "budget_text",
     "candidates_table",
@@ -259,11 +260,13 @@ def host_line(plan: ElixirPlan) -> str:
     if plan.budget is None:
         return f"host memory: {size_text(pinned)} pinned per GPU" if pinned else "host memory: nothing pinned"
     ranks = plan.budget.ranks_per_host
-    usable = size_text(plan.budget.host_allowed * ranks)
+    usable = size_text((plan.budget.host_allowed + plan.budget.host_activations) * ranks)
     if not pinned:
         return f"host memory: nothing pinned ({usable} usable for offloaded chunks)"
     both = f", {size_text(pinned * ranks)} for the {ranks} GPUs" if ranks > 1 else ""
-    return f"host memory: {size_text(pinned)} pinned per GPU{both}, of {usable} usable"
+    held = plan.memory.host_activations
+    parts = f" ({size_text(plan.memory.host_shards)} chunks, {size_text(held)} held block inputs)" if held else ""
+    return f"host memory: {size_text(pinned)} pinned per GPU{parts}{both}, of {usable} usable"
 
 
 def offload_text(plan: ElixirPlan) -> str:

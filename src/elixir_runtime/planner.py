@@ -35,6 +35,7 @@ from .host import HostMemory, held_bytes, host_available, local_ranks
 from .plan import DEVICE_MEMORY, ElixirPlan, LivePlan, Planned, check_fits, resolve_plan
 from .plan_view import (
     MEMORY_PARTS,
+    activations_text,
     alternatives_table,
     budget_text,
     candidates_table,
@@ -90,6 +91,7 @@ __all__ = [
     "format_step_time",
     "host_line",
     "memory_lines",
+    "activations_text",
     "moments_hint",
     "offload_text",
     "plan_metrics",

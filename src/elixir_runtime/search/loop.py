@@ -339,7 +339,7 @@ def _no_fit_message(
     pinned = _pinned_offload_message(evaluated, budget, settings)
     if pinned:
         return pinned
-    act, allowed, n = profile.activation_peak, budget.allowed, settings.world_size
+    act, allowed, n = budget.activations, budget.allowed, settings.world_size
     formula = (
         f"U_allowed = {budget.f_alloc} x ({gib(budget.capacity)} GPU - {gib(budget.buffers)} buffers - "
         f"{budget.f_frag} x {gib(act)} activations) = {gib(allowed)} per rank"

@@ -112,7 +112,7 @@ def test_the_profile_counts_the_inputs_the_engine_moves() -> None:
 @pytest.mark.gpu
 def test_on_a_gpu_the_held_inputs_leave_its_memory() -> None:
     """A 16k-token step of an 8-block Llama: with the held inputs on the host the GPU's peak drops by what the
-    profile says it does, within 10 % of the held bytes, and the step trains as the device plan's does."""
+    profile says it does, within 10 % of the held bytes, and the steps train as the device plan's do."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -152,6 +152,8 @@ def test_on_a_gpu_the_held_inputs_leave_its_memory() -> None:
     p = profiles["host"]
     saved = peaks["device"] - peaks["host"]
     planned = p.activation_peak - p.host_activation_peak
-    print(f"measured peaks {peaks}, saved {saved}; planned saving {planned}, held {p.held_inputs}")
-    assert losses["host"] == losses["device"]
+    print(f"measured peaks {peaks}, saved {saved}; planned saving {planned}, held {p.held_inputs}; losses {losses}")
     assert abs(saved - planned) <= 0.1 * p.held_inputs
+    assert losses["host"][0] == losses["device"][0]
+    # the second step's differs by CUDA's nondeterministic backward kernels (atomics) alone, bitwise on the CPU
+    assert losses["host"][1] == pytest.approx(losses["device"][1], rel=1e-3)
