@@ -65,6 +65,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from .checkpoint.format import CheckpointError, _gather, newest_complete, read_marker, verify
+from .engine import engine_state
 
 __all__ = ["EXIT_PREEMPTED", "SIGNALS", "VERIFY_RATE", "WRITE_RATE", "Preemption", "shielding_children"]
 
@@ -161,12 +162,12 @@ class Preemption(TrainerCallback):
         """Runs in the main thread between two bytecodes: records only (no logging, no I/O)."""
         if self.signal is None:
             self.signal, self.signalled_at = signal.Signals(signum).name, time.monotonic()
-            self.trainer.model._elixir.runtime.lockstep.request_stop()
+            engine_state(self.trainer.model).runtime.lockstep.request_stop()
 
     # ------------------------------------------------------------------ the step's end
     def on_step_end(self, args, state, control, **kwargs):
         self._save_from = time.monotonic()
-        if self.stopping or not self.trainer.model._elixir.runtime.lockstep.stop_requested:
+        if self.stopping or not engine_state(self.trainer.model).runtime.lockstep.stop_requested:
             return
         self.stopping = True
         control.should_training_stop = True
