@@ -88,7 +88,7 @@ class Patch:
 _TRANSFORMERS = ("transformers 5.17.0", "transformers 5.25.0")  # the GPU image's; the newest (make test's two passes)
 _ACCELERATE = ("accelerate 1.15.0", "accelerate 1.16.0")  # the GPU image's; the venv's
 _TORCH = ("torch 2.11.0", "torch 2.13.0")  # the GPU image's; the venv's (CPU)
-_PEFT = ("peft 0.21.2",)
+_PEFT = ("peft 0.21.0", "peft 0.21.2")  # the GPU image's; the venv's
 _TRL = ("trl 1.16.0",)
 _DATASETS = ("datasets 5.2.0",)
 

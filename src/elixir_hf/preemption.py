@@ -55,6 +55,7 @@ its children are unaffected), and children started by ``spawn`` or ``forkserver`
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -86,6 +87,12 @@ _shielding = 0
 """``train()`` calls holding the handlers: while any does, forked children are shielded."""
 
 
+@functools.cache
+def _shield_forks() -> None:
+    """Forked children run ``_after_fork_in_child`` (registered once, by the first ``train()``)."""
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def shielding_children() -> bool:
     return _shielding > 0
 
@@ -103,9 +110,6 @@ def _take_signals(parent: int) -> None:
         got = signal.sigwaitinfo(SIGNALS)
         if got.si_signo == signal.SIGTERM and got.si_pid == parent:
             os._exit(0)
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Preemption(TrainerCallback):
@@ -143,6 +147,7 @@ class Preemption(TrainerCallback):
             logger.warning("elixir: train() runs outside the main thread: no preemption save on SIGTERM/SIGUSR1")
             return
         self._previous = {s: signal.signal(s, self._signalled) for s in SIGNALS}
+        _shield_forks()
         global _shielding
         _shielding += 1
 

@@ -567,7 +567,8 @@ def _elixir_classes() -> list[type]:
     import elixir_hf
 
     for info in pkgutil.walk_packages(elixir_hf.__path__, "elixir_hf."):
-        importlib.import_module(info.name)
+        if not info.name.endswith(".__main__"):  # a command's, which runs it
+            importlib.import_module(info.name)
     return sorted(
         (
             obj
