@@ -48,7 +48,40 @@ LAYERS: list[tuple[str, ...]] = [
     # the plan, its one renderer, and the planner that decides it (profile, search, layout) for prepare and elixir-plan
     ("elixir_runtime.plan", "elixir_runtime.plan_view", "elixir_runtime.planner"),
     ("elixir_runtime.api", "elixir_runtime.compile", "elixir_runtime"),
+    # elixir_hf, bottom up. Its reach into the libraries (patches.py: every private name it relies on), what a
+    # run asks (the plugin) and checks at launch, the console, the loss and presets, a rank's run record
+    (
+        "elixir_hf.patches",
+        "elixir_hf.plugin",
+        "elixir_hf.launch",
+        "elixir_hf.mixin",
+        "elixir_hf.console",
+        "elixir_hf.presets",
+        "elixir_hf.loss",
+        "elixir_hf.timing",
+        "elixir_hf.run_record",
+    ),
+    # files: the checkpoint format (markers, optimizer files, locks, conversion), models loaded without a host copy
+    ("elixir_hf.checkpoint", "elixir_hf.loading"),
+    # the engine under the HF objects: built from a plugin, its optimizer's wrapper and its numbers
+    ("elixir_hf.engine", "elixir_hf.optimizer", "elixir_hf.metrics"),
+    # what the Trainer and the Accelerator are made of: the batch planned for, the arguments, the frozen
+    # reference, generation, preemption, the callbacks and the run's report against its plan
+    (
+        "elixir_hf.batch_plan",
+        "elixir_hf.arguments",
+        "elixir_hf.reference",
+        "elixir_hf.generate",
+        "elixir_hf.preemption",
+        "elixir_hf.run_report",
+        "elixir_hf.callback",
+    ),
+    # the HF objects on the engine
+    ("elixir_hf.accelerator", "elixir_hf.trainer"),
+    # the package's public face (its names imported on first use)
     ("elixir_hf",),
+    # the command lines: they parse arguments and call in; nothing of the package imports them
+    ("elixir_hf.commands",),
     # the throughput harness and the measurements over the packages
     ("benchmarks",),
 ]
@@ -83,11 +116,17 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return {d for d in deps if d in modules and d != name}
 
 
+PLACED_BY_NAME = ("elixir_runtime", "elixir_hf")
+"""Packages whose every module (or folder) is placed by name: their own entry in ``LAYERS`` is their
+``__init__`` (the public face) only, so a new module fails ``_layer`` until it is placed."""
+
+
 def _layer(name: str) -> int:
     best, depth = None, -1
     for i, prefixes in enumerate(LAYERS):
         for p in prefixes:
-            if (name == p or name.startswith(p + ".")) and p.count(".") > depth:
+            below = name.startswith(p + ".") and p not in PLACED_BY_NAME
+            if (name == p or below) and p.count(".") > depth:
                 best, depth = i, p.count(".")
     assert best is not None, f"{name} is in no layer of tests/test_layers.py: place it"
     return best
@@ -108,14 +147,14 @@ def test_every_import_points_down() -> None:
     assert not upward, "\n".join(upward)
 
 
-def test_no_import_cycles() -> None:
-    graph = _graph()
+def _cycles(graph: dict[str, set[str]]) -> list[str]:
+    """Each cycle a depth-first walk of ``graph`` closes, as ``a -> b -> a``."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     cycles = []
 
     def visit(m: str, path: list[str]) -> None:
         state[m] = 1
-        for d in sorted(graph[m]):
+        for d in sorted(graph.get(m, ())):
             if state.get(d) == 1:
                 cycles.append(" -> ".join(path[path.index(d) :] + [d]))
             elif d not in state:
@@ -125,7 +164,69 @@ def test_no_import_cycles() -> None:
     for m in sorted(graph):
         if m not in state:
             visit(m, [m])
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    cycles = _cycles(_graph())
     assert not cycles, "\n".join(cycles)
+
+
+def _folder(name: str, packages: set[str]) -> str:
+    """The folder ``name`` sits in (a package is its own folder); a module at a package's top is its own."""
+    folder = name if name in packages else name.rsplit(".", 1)[0]
+    return name if folder in PACKAGES else folder
+
+
+def _folder_graph(graph: dict[str, set[str]], packages: set[str]) -> dict[str, set[str]]:
+    folders: dict[str, set[str]] = {}
+    for m, deps in graph.items():
+        here = _folder(m, packages)
+        folders.setdefault(here, set()).update(f for d in deps if (f := _folder(d, packages)) != here)
+    return folders
+
+
+def test_no_folder_import_cycles() -> None:
+    """Folders (``hardware/``, ``profiler/``, ``commands/``...) import each other one way only: a module of
+    one importing the other's while some module of the other imports the first's is a cycle, even
+    where no module-level cycle closes."""
+    modules = _modules()
+    packages = {m for m, p in modules.items() if p.name == "__init__.py"}
+    cycles = _cycles(_folder_graph(_graph(), packages))
+    assert not cycles, "folders importing each other:\n" + "\n".join(cycles)
+
+
+def test_the_folder_check_sees_a_cycle() -> None:
+    """Two folders each with a module importing the other's (no module imports in a circle)."""
+    graph = {
+        "elixir_runtime.hardware.measure": {"elixir_runtime.profiler.costs"},
+        "elixir_runtime.profiler.costs": {"elixir_runtime.hardware.profile"},
+        "elixir_runtime.hardware.profile": set(),
+    }
+    assert not _cycles(graph)
+    packages = {"elixir_runtime", "elixir_runtime.hardware", "elixir_runtime.profiler"}
+    assert _cycles(_folder_graph(graph, packages)) == [
+        "elixir_runtime.hardware -> elixir_runtime.profiler -> elixir_runtime.hardware"
+    ]
+    assert _folder("elixir_runtime.config", packages) == "elixir_runtime.config"  # a top-level module: its own
+
+
+def test_nothing_is_imported_for_its_effect() -> None:
+    """Importing a module defines names and runs nothing else: no call at a module's top level (what
+    should happen is called where it is needed), no import kept only for what importing it does."""
+    found = []
+    for name, path in sorted(_modules().items()):
+        if path.name == "__main__.py" or name.split(".")[0] == "benchmarks":
+            continue
+        source = path.read_text()
+        tree = ast.parse(source)
+        lines = source.splitlines()
+        for node in tree.body:
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+                found.append(f"{name}:{node.lineno}: {ast.unparse(node)}")
+            elif isinstance(node, (ast.Import, ast.ImportFrom)) and "noqa: F401" in lines[node.lineno - 1]:
+                found.append(f"{name}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    assert not found, "\n".join(found)
 
 
 def test_the_checker_sees_imports() -> None:
@@ -135,6 +236,8 @@ def test_the_checker_sees_imports() -> None:
     assert "elixir_runtime.plan" in graph["elixir_runtime.api"]
     assert "elixir_runtime.chunk.layout" in graph["elixir_runtime.search.loop"]
     assert "benchmarks.hf_systems" in graph["benchmarks.systems"]  # lazy, inside a function
+    assert "elixir_hf.run_report" in graph["elixir_hf.callback"]
+    assert "elixir_hf.commands.plan.run" in graph["elixir_hf.commands.plan"]  # `from .run import`, lazy
 
 
 def test_layers_are_stated_by_folder() -> None:

@@ -183,7 +183,7 @@ class ElixirAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships 
                 "ElixirAccelerator prepares an optimizer only together with its model, in one prepare() call"
             )
         wrapped = ElixirAcceleratedOptimizer(optimizer)
-        self._optimizers.append(wrapped)
+        patches.register_optimizer(self, wrapped)  # optimizer_step_was_skipped, save_state read it
         return wrapped
 
     # ------------------------------------------------------------------ the step

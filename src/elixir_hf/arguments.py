@@ -29,6 +29,7 @@ from transformers import TrainingArguments
 
 from elixir_runtime import check_compile_options
 
+from . import patches
 from .launch import check_devices, check_launch
 from .mixin import mixed_class
 from .plugin import ENV_VAR, ElixirPlugin, ElixirSpecError, check_exclusive
@@ -70,7 +71,7 @@ class ElixirTrainingArguments(TrainingArguments):
             plugin.check_world_size(self.world_size)
             check_launch(self.world_size, "Trainer")
             self.mixed_precision = "no"
-            self._n_gpu = min(self._n_gpu, 1)
+            patches.one_device_per_process(self)
             if ours and dist.is_available() and dist.is_initialized():
                 # transformers passes --ddp_timeout to the process group on GPUs only: with --use_cpu
                 # (gloo) a collective waited torch's default 30 minutes

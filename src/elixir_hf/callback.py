@@ -11,7 +11,7 @@ host memory, skipped steps and loss scale when they matter). Only the console is
 **The run against its plan** (``RunRecorder``): each rank's ``elixir/*`` values go into
 ``OUTPUT_DIR/elixir_run`` at every training log (``run_record.py``); at the end of training every
 rank's record is gathered, and the saving process writes them all with the table and PNG of
-``elixir-plan --run`` (``commands/plan_run.py``) and logs the table (INFO). TensorBoard gets the
+``elixir-plan --run`` (``run_report.py``) and logs the table (INFO). TensorBoard gets the
 ``metrics.COMPARED`` charts as one group (its custom-scalars layout, once) and the table as text; W&B
 the table and a chart per comparison with every rank's line.
 """
@@ -28,9 +28,9 @@ from transformers.integrations import TensorBoardCallback, WandbCallback
 from transformers.integrations.integration_utils import rewrite_logs
 
 from .checkpoint.format import _gather
-from .commands.plan_run import RunTable, series, write_report
 from .metrics import COMPARED
 from .run_record import RankRecord, new_run, write_record
+from .run_report import PLOT_EXTRA, RunTable, series, write_report
 
 __all__ = ["ElixirPrinterCallback", "ElixirProgressCallback", "RunRecorder", "SHORT_CONSOLE", "console_logs"]
 
@@ -126,7 +126,7 @@ class RunRecorder(TrainerCallback):
         except OSError as exc:  # the training is done: a report that cannot be written must not fail it
             logger.warning("elixir: the run against its plan was not written: %s", exc)
             return
-        where = f"plot: {png}" if png else "plot: pip install 'elixir-hf[plot]'"
+        where = f"plot: {png}" if png else f"plot: {PLOT_EXTRA}"
         logger.info("%s\n%s", table.text(), where)
         if state.is_world_process_zero:
             self._to_reporters(table, state.global_step)

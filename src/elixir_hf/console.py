@@ -1,7 +1,8 @@
 """Elixir's log lines and progress bars, governed as transformers governs its own.
 
 **Logging.** The engine logs under the ``elixir_runtime`` logger tree (it imports only torch),
-this package under ``elixir_hf``. ``connect_logging`` (run when this module is imported) makes both
+this package under ``elixir_hf``. ``connect_logging`` (called where elixir_hf is entered: ``follow_trainer``,
+``follow_accelerator``, ``engine.build_engine``, ``loading.model``'s loads, ``elixir-run``) makes both
 trees children of transformers' library root logger, so they take, as transformers' own records do:
 
 * its level, ``transformers.utils.logging.set_verbosity``: the Trainer sets it on each process
@@ -114,6 +115,7 @@ def show_progress(on: bool) -> BarFactory | None:
 def follow_trainer(args: Any) -> None:
     """A Trainer with these ``TrainingArguments`` was built on this process: its level governs the
     trees (the Trainer set it, per process), bars where the Trainer shows its own."""
+    connect_logging()
     while _replica_levels_set:
         _replica_levels_set.pop().setLevel(logging.NOTSET)
     show_progress(args.process_index == 0 and not args.disable_tqdm)
@@ -121,6 +123,7 @@ def follow_trainer(args: Any) -> None:
 
 def follow_accelerator(is_main_process: bool) -> None:
     """An ``ElixirAccelerator`` was built on this process (for a Trainer, ``follow_trainer`` follows)."""
+    connect_logging()
     if not is_main_process:
         for name in LOGGER_TREES:
             tree = logging.getLogger(name)
@@ -128,6 +131,3 @@ def follow_accelerator(is_main_process: bool) -> None:
                 tree.setLevel(logging.WARNING)
                 _replica_levels_set.append(tree)
     show_progress(is_main_process)
-
-
-connect_logging()

@@ -18,7 +18,8 @@ from elixir_runtime import ElixirOptimizer, ElixirState
 from elixir_runtime.config import PlanMismatch
 from elixir_runtime.planner import plan_table
 
-from . import console, patches  # noqa: F401  (this package's and the engine's loggers under transformers')
+from . import patches
+from .console import connect_logging
 from .loss import use_lean_loss
 from .plugin import ElixirPlugin, ElixirSpecError, describe_model
 
@@ -112,6 +113,7 @@ def build_engine(
     ``compile_kwargs`` (``--torch_compile``'s, from the Accelerator's dynamo config): each decoder
     layer's forward is compiled with them (``elixir_runtime.compile_blocks``).
     """
+    connect_logging()  # the engine's records (the plan, its warnings) go where transformers' do
     plugin.check_model(model)
     if plugin.lean_loss:
         use_lean_loss(model)

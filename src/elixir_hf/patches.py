@@ -1,20 +1,31 @@
-"""Every place elixir_hf changes the behaviour of another library, and what each change relies on.
+"""Every place elixir_hf relies on a private surface of another library, and what each reliance assumes.
 
-A patch is an object of transformers, accelerate, PEFT or torch that elixir_hf replaces, swaps for
-the length of a call, or marks so that the library reads it differently: a module global, a
-class's method or constructor, a method on one instance, a private attribute or registry the
-library reads. Each is made by one function below, and nowhere else; the rest of elixir_hf
-subclasses (``Trainer``, ``TrainingArguments``, ``Accelerator``, ``AcceleratedOptimizer``) and
-calls public API. The callers keep what is theirs (what to load, when to rotate); these functions
-only reach in.
+Three kinds, a row of ``PATCHES`` each:
 
-``PATCHES`` lists them: the object patched, the upstream code that reads it, the function here that
-patches it, the versions it was verified against, and what goes wrong, silently, if upstream moves
-it. ``tests/elixir_hf/test_patches.py`` holds one contract test per row (the object still exists
-with the signature the patch assumes, and its reader still looks it up where it is patched),
-failing by the row's name; a function here without a row, a row without a contract, or a patch
-made outside this module fails there too. On a new transformers or accelerate: run that file,
-then add the version to ``verified``.
+* a **patch** (``kind="patch"``): an object of transformers, accelerate, PEFT, TRL or torch that
+  elixir_hf replaces, swaps for the length of a call, or marks so that the library reads it
+  differently: a module global, a class's method or constructor, a method on one instance, a
+  private attribute or registry the library reads. Each is made by one function below, and nowhere
+  else: no other module of elixir_hf writes a library's private attribute;
+* an **override** (``kind="override"``): a method or class attribute of an elixir_hf subclass
+  (``ElixirTrainer``, ``ElixirTrainingArguments``) that replaces a private one of its library base,
+  which the library calls by that name;
+* a **read** (``kind="read"``): a private attribute or function of a library that elixir_hf reads
+  or calls where it is (``by`` names each place).
+
+The rest of elixir_hf subclasses (``Trainer``, ``TrainingArguments``, ``Accelerator``,
+``AcceleratedOptimizer``) and calls public API. The callers keep what is theirs (what to load, when
+to rotate); the patch functions only reach in.
+
+A row names the object, the upstream code that reads it (calls it, or sets it), where elixir_hf does
+it, the versions it was verified against, and what goes wrong, silently, if upstream moves it.
+``tests/elixir_hf/test_patches.py`` holds one contract test per row (the object still exists with
+the signature elixir_hf assumes, and its reader still looks it up there), failing by the row's
+name; a patch function without a row, a row without a contract, a private override or read not in
+a row, a write into a library's private attribute outside this module, or an installed
+transformers, accelerate, PEFT, TRL, torch or datasets outside a row's ``verified`` fails there too.
+On a new version: run that file (under each supported transformers: ``make test`` does), then add
+the version to the constants below.
 
 The libraries are imported inside the functions, each when its patch is made: importing this module
 loads none of them (``loading/`` imports it, and must not pull in the Trainer stack or PEFT).
@@ -43,7 +54,11 @@ __all__ = [
     "hidden_from_accelerate",
     "mask_decisions_of",
     "mark_accelerate_prepared",
+    "mark_initialized",
     "mark_optimizer_stepped",
+    "one_device_per_process",
+    "register_optimizer",
+    "keep_weight_conversions",
     "replace_get_last_checkpoint",
     "save_messages_name",
     "save_pretrained_where_told",
@@ -55,18 +70,27 @@ __all__ = [
 @dataclass(frozen=True)
 class Patch:
     target: str
-    """The object patched (a dotted name; ``model.`` / ``optimizer.``: an attribute set on that instance)."""
+    """The object patched, overridden or read (a dotted name; ``model.`` / ``optimizer.`` / ``tensor.``: an
+    attribute of that instance)."""
     read_by: str
-    """The upstream code whose behaviour the patch changes: where ``target`` is looked up."""
+    """The upstream code the reliance is on: where ``target`` is looked up (a patch, an override), or set (a read)."""
     by: str
-    """The function of this module that patches it."""
+    """Where elixir_hf does it: a patch, the function of this module that makes it; an override or a read, each
+    place as ``module.qualified_name`` inside ``elixir_hf`` (comma-separated)."""
     breaks: str
     """What goes wrong, without an error, if upstream moves or renames it."""
     verified: tuple[str, ...]
+    """``"package version"``: the versions the row's contract passed on (each supported one must be here)."""
+    kind: str = "patch"
+    """``patch``, ``override`` or ``read``."""
 
 
-_TRANSFORMERS = ("transformers 5.17.0", "transformers 5.24.0")
-_ACCELERATE = ("accelerate 1.15.0",)
+_TRANSFORMERS = ("transformers 5.17.0", "transformers 5.25.0")  # the GPU image's; the newest (make test's two passes)
+_ACCELERATE = ("accelerate 1.15.0", "accelerate 1.16.0")  # the GPU image's; the venv's
+_TORCH = ("torch 2.11.0", "torch 2.13.0")  # the GPU image's; the venv's (CPU)
+_PEFT = ("peft 0.21.0", "peft 0.21.2")  # the GPU image's; the venv's
+_TRL = ("trl 1.16.0",)
+_DATASETS = ("datasets 5.2.0",)
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
@@ -97,9 +121,7 @@ PATCHES: tuple[Patch, ...] = (
         "transformers.PreTrainedModel._load_pretrained_model",
         "weights_recorded_not_read",
         "from_pretrained reads every tensor on every rank (the host holds the model once per rank) and the "
-        "streamed load then refuses the model; or, where only the stand-in's side effects drift "
-        "(_is_hf_initialized, _weight_conversions), transformers re-initialises streamed parameters or "
-        "save_pretrained stops reverting the checkpoint's key renames",
+        "streamed load then refuses the model",
         _TRANSFORMERS,
     ),
     Patch(
@@ -125,7 +147,7 @@ PATCHES: tuple[Patch, ...] = (
         "before_inject_adapter",
         "a PEFT adapter added to a streamed model is made on its base layers' device, meta: its initial "
         "values are lost",
-        ("peft 0.21.2",),
+        _PEFT,
     ),
     Patch(
         "trl.TrlParser.set_defaults_with_config",
@@ -133,7 +155,7 @@ PATCHES: tuple[Patch, ...] = (
         "config_key_taken",
         "under elixir-run, a YAML config's elixir key (read by elixir-run) fails a strict TrlParser as an unknown "
         "argument, or reaches arguments that know the field and beats the command line's --elixir",
-        ("trl 1.16.0",),
+        _TRL,
     ),
     Patch(
         "transformers.trainer_utils.get_last_checkpoint",
@@ -195,7 +217,7 @@ PATCHES: tuple[Patch, ...] = (
         "torch.optim.lr_scheduler.LRScheduler.step",
         "mark_optimizer_stepped",
         "torch warns that the scheduler steps before the optimizer, on every Accelerate run",
-        ("torch 2.13.0",),
+        _TORCH,
     ),
     Patch(
         "transformers.masking_utils._ignore_causal_mask_sdpa",
@@ -220,6 +242,192 @@ PATCHES: tuple[Patch, ...] = (
         "save_messages_name",
         "the save messages name the temporary staging folder, not the one the files end up in",
         _TRANSFORMERS,
+    ),
+    Patch(
+        "accelerate.Accelerator._optimizers",
+        "accelerate.Accelerator.optimizer_step_was_skipped (the Trainer steps its scheduler by it), save_state, "
+        "load_state, free_memory",
+        "register_optimizer",
+        "optimizer_step_was_skipped stays False: in fp16 a step the engine skips (inf/NaN gradients) still advances "
+        "the learning-rate schedule",
+        _ACCELERATE,
+    ),
+    Patch(
+        "transformers.TrainingArguments._n_gpu",
+        "transformers.TrainingArguments.n_gpu (above 1 the Trainer wraps the model in DataParallel and scales the "
+        "batch by it)",
+        "one_device_per_process",
+        "on a multi-GPU host started without a launcher, the Trainer wraps the engine's model in DataParallel "
+        "and scales the batch by the GPU count",
+        _TRANSFORMERS,
+    ),
+    Patch(
+        "tensor._is_hf_initialized",
+        "transformers.initialization (the guarded init functions) and PreTrainedModel._initialize_weights",
+        "mark_initialized",
+        "transformers re-initialises the parameters and buffers the streamed load took from the checkpoint: the "
+        "model trains from random weights",
+        _TRANSFORMERS,
+    ),
+    Patch(
+        "model._weight_conversions",
+        "transformers.core_model_loading.revert_weight_conversion (save_pretrained)",
+        "keep_weight_conversions",
+        "save_pretrained of a streamed model stops reverting the checkpoint's key renames: the saved folder's keys "
+        "differ from the ones it was loaded from",
+        _TRANSFORMERS,
+    ),
+    # ------------------------------------------------------------------ overrides of private methods
+    Patch(
+        "transformers.Trainer._save_checkpoint",
+        "transformers.Trainer._maybe_log_save_evaluate",
+        "trainer.ElixirTrainer._save_checkpoint",
+        "checkpoints get no marker and the older ones are rotated out before the new one is complete: a resume "
+        "cannot verify one, and a kill during the save can leave none to resume from",
+        _TRANSFORMERS,
+        kind="override",
+    ),
+    Patch(
+        "transformers.Trainer._save_optimizer_and_scheduler",
+        "transformers.Trainer._save_checkpoint",
+        "trainer.ElixirTrainer._save_optimizer_and_scheduler",
+        "the checkpoint holds the stock optimizer.pt of rank 0's shards only (no state by parameter name, nothing "
+        "of the other ranks): a resume restarts the other ranks' Adam state",
+        _TRANSFORMERS,
+        kind="override",
+    ),
+    Patch(
+        "transformers.Trainer._load_from_checkpoint",
+        "transformers.Trainer.train / _prepare_for_training (a resume)",
+        "trainer.ElixirTrainer._load_from_checkpoint",
+        "a resume loads the checkpoint's weights unverified, with a whole copy of the file per rank, into a model "
+        "streamed or built on meta",
+        _TRANSFORMERS,
+        kind="override",
+    ),
+    Patch(
+        "transformers.Trainer._load_optimizer_and_scheduler",
+        "transformers.Trainer._prepare_for_training (a resume)",
+        "trainer.ElixirTrainer._load_optimizer_and_scheduler",
+        "a resume finds no optimizer.pt and restarts AdamW and the learning-rate schedule from zero",
+        _TRANSFORMERS,
+        kind="override",
+    ),
+    Patch(
+        "transformers.TrainingArguments._VALID_DICT_FIELDS",
+        "transformers.TrainingArguments.__post_init__ (a JSON string of a dict field becomes the dict)",
+        "arguments.ElixirTrainingArguments, arguments.elixir_args",
+        "--elixir '{...}' stays a string in the arguments (to_dict and the reporters' copy of them); the plugin "
+        "still parses it",
+        _TRANSFORMERS,
+        kind="override",
+    ),
+    Patch(
+        "trl.DPOTrainer._precompute_ref_logps",
+        "trl.DPOTrainer.__init__ and evaluate (precompute_ref_log_probs)",
+        "trainer.elixir_trainer",
+        "the reference log-probabilities are computed before the engine is built: the model's forward runs "
+        "outside the engine, on the host or the whole model on one GPU",
+        _TRL,
+        kind="override",
+    ),
+    # ------------------------------------------------------------------ private names read
+    Patch(
+        "transformers.Trainer._get_output_dir",
+        "transformers.Trainer._save_checkpoint (the folder of checkpoint-N)",
+        "trainer.ElixirTrainer._save_checkpoint, preemption.Preemption.on_step_end, preemption.Preemption.on_save",
+        "the marker is sealed, and the preemption save looked for, in another folder than the Trainer's "
+        "checkpoint: a resume finds the checkpoint unmarked (torn)",
+        _TRANSFORMERS,
+        kind="read",
+    ),
+    Patch(
+        "transformers.Trainer._save",
+        "transformers.Trainer.save_model (the weights, the config, the tokenizer, training_args.bin)",
+        "trainer.ElixirTrainer._save_model",
+        "an Elixir save writes the stock files no longer (or another set): the output folder differs from the "
+        "stock Trainer's",
+        _TRANSFORMERS,
+        kind="read",
+    ),
+    Patch(
+        "transformers.Trainer._train_batch_size",
+        "transformers.Trainer.__init__ / get_train_dataloader (the per-device batch, auto_find_batch_size's)",
+        "trainer.ElixirTrainer.create_optimizer",
+        "the engine is planned for another batch size than the dataloader's: a plan that does not fit, or one "
+        "that leaves memory unused",
+        _TRANSFORMERS,
+        kind="read",
+    ),
+    Patch(
+        "transformers.trainer_jit_checkpoint.CheckpointManager._original_sigterm_handler",
+        "transformers.trainer_jit_checkpoint (the SIGTERM handler --enable_jit_checkpoint installs)",
+        "trainer._drop_jit_checkpoint",
+        "with --enable_jit_checkpoint, transformers' SIGTERM handler stays: a SIGTERM saves on the rank it "
+        "reaches, alone, and an Elixir save is a collective of every rank (a hang)",
+        _TRANSFORMERS,
+        kind="read",
+    ),
+    Patch(
+        "transformers.PreTrainedModel._from_config",
+        "the model classes' construction from a config (AutoModel*.from_config calls it)",
+        "loading.model.from_config",
+        "elixir_hf.from_config(ModelClass, config) fails with an AttributeError (only the Auto classes have "
+        "from_config)",
+        _TRANSFORMERS,
+        kind="read",
+    ),
+    Patch(
+        "accelerate.Accelerator._optimizers",
+        "accelerate.Accelerator.prepare_optimizer (the optimizers it wraps, in order)",
+        "accelerator.ElixirAccelerator.elixir_optimizer",
+        "the Accelerator no longer finds the engine's optimizer: backward, clipping and no_sync fall back to "
+        "Accelerate's own on the engine's model",
+        _ACCELERATE,
+        kind="read",
+    ),
+    Patch(
+        "accelerate.Accelerator._models",
+        "accelerate.Accelerator.prepare_model (the models it prepared)",
+        "accelerator.ElixirAccelerator._collective, accelerator.ElixirAccelerator.load_state",
+        "a collective between the steps that fails because another rank gave up raises gloo's error, not that "
+        "rank's; load_state finds no model the engine runs",
+        _ACCELERATE,
+        kind="read",
+    ),
+    Patch(
+        "accelerate.PartialState._shared_state",
+        "accelerate.PartialState.__init__ (the devices and process group, picked once per process)",
+        "accelerator.ElixirAccelerator.__init__",
+        "the device check runs again after the Trainer's arguments picked the devices, or never before "
+        "Accelerate picks them (a job with more ranks than GPUs reaches CUDA's error instead of the check's)",
+        _ACCELERATE,
+        kind="read",
+    ),
+    Patch(
+        "torch.distributed.distributed_c10d._set_pg_timeout",
+        "torch.distributed's default process group (the timeout of its collectives)",
+        "arguments.ElixirTrainingArguments.__post_init__",
+        "with --use_cpu (gloo) a collective waits torch's default 30 minutes instead of --ddp_timeout",
+        _TORCH,
+        kind="read",
+    ),
+    Patch(
+        "torch._log_softmax_backward_data",
+        "torch's log_softmax backward (grad_output, output, dim, input_dtype)",
+        "loss._CrossEntropySum.backward",
+        "if its arguments change order or meaning, the lean loss's gradient is wrong: the run trains on a wrong "
+        "gradient without an error",
+        _TORCH,
+        kind="read",
+    ),
+    Patch(
+        "datasets.Dataset._indices",
+        "datasets.Dataset.select / shuffle / train_test_split (the rows a selected dataset holds)",
+        "batch_plan._arrow_lengths",
+        "the planner reads the lengths of the unselected rows: it plans for a longest batch the run never sees",
+        _DATASETS,
+        kind="read",
     ),
 )
 
@@ -407,6 +615,23 @@ def before_inject_adapter(hook: Callable[[Any], None]) -> None:
     BaseTuner.inject_adapter = inject_adapter  # type: ignore[method-assign]
 
 
+def one_device_per_process(args: Any) -> None:
+    """``args.n_gpu`` at most 1: the Trainer's ``DataParallel`` (and its batch times the GPUs) is for a
+    process that drives every visible GPU; the engine's process drives one."""
+    args._n_gpu = min(args._n_gpu, 1)
+
+
+def mark_initialized(tensor: Any) -> None:
+    """transformers' mark for a tensor ``from_pretrained`` loaded: its initialisation skips it."""
+    tensor._is_hf_initialized = True
+
+
+def keep_weight_conversions(model: Any, conversions: list[Any]) -> None:
+    """The key renames and conversions the load used, where transformers keeps them: ``save_pretrained``
+    reverts them, so the saved keys are the checkpoint's."""
+    model._weight_conversions = conversions
+
+
 # ---------------------------------------------------------------------------------- elixir-run
 def replace_get_last_checkpoint(replacement: Callable[[Any], str | None]) -> None:
     """``replacement`` in place of transformers' ``get_last_checkpoint``: in
@@ -482,6 +707,12 @@ def mark_accelerate_prepared(model: Any) -> None:
     """Accelerate's guard against wrapping a model twice: ``prepare_model`` registers a model so marked
     and returns it as it is (no ``.to()``, DDP, autocast), for the engine places and reduces it."""
     model._is_accelerate_prepared = True
+
+
+def register_optimizer(accelerator: Any, optimizer: Any) -> None:
+    """``optimizer`` (the engine's, wrapped) in ``accelerator``'s registry, as ``prepare_optimizer`` puts
+    the ones it wraps: ``optimizer_step_was_skipped`` reads it, and ``save_state``/``load_state`` walk it."""
+    accelerator._optimizers.append(optimizer)
 
 
 def mark_optimizer_stepped(optimizer: Any) -> None:

@@ -55,6 +55,7 @@ its children are unaffected), and children started by ``spawn`` or ``forkserver`
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -65,6 +66,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from .checkpoint.format import CheckpointError, _gather, newest_complete, read_marker, verify
+from .engine import engine_state
 
 __all__ = ["EXIT_PREEMPTED", "SIGNALS", "VERIFY_RATE", "WRITE_RATE", "Preemption", "shielding_children"]
 
@@ -85,6 +87,12 @@ _shielding = 0
 """``train()`` calls holding the handlers: while any does, forked children are shielded."""
 
 
+@functools.cache
+def _shield_forks() -> None:
+    """Forked children run ``_after_fork_in_child`` (registered once, by the first ``train()``)."""
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def shielding_children() -> bool:
     return _shielding > 0
 
@@ -102,9 +110,6 @@ def _take_signals(parent: int) -> None:
         got = signal.sigwaitinfo(SIGNALS)
         if got.si_signo == signal.SIGTERM and got.si_pid == parent:
             os._exit(0)
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Preemption(TrainerCallback):
@@ -142,6 +147,7 @@ class Preemption(TrainerCallback):
             logger.warning("elixir: train() runs outside the main thread: no preemption save on SIGTERM/SIGUSR1")
             return
         self._previous = {s: signal.signal(s, self._signalled) for s in SIGNALS}
+        _shield_forks()
         global _shielding
         _shielding += 1
 
@@ -161,12 +167,12 @@ class Preemption(TrainerCallback):
         """Runs in the main thread between two bytecodes: records only (no logging, no I/O)."""
         if self.signal is None:
             self.signal, self.signalled_at = signal.Signals(signum).name, time.monotonic()
-            self.trainer.model._elixir.runtime.lockstep.request_stop()
+            engine_state(self.trainer.model).runtime.lockstep.request_stop()
 
     # ------------------------------------------------------------------ the step's end
     def on_step_end(self, args, state, control, **kwargs):
         self._save_from = time.monotonic()
-        if self.stopping or not self.trainer.model._elixir.runtime.lockstep.stop_requested:
+        if self.stopping or not engine_state(self.trainer.model).runtime.lockstep.stop_requested:
             return
         self.stopping = True
         control.should_training_stop = True

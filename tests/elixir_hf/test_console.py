@@ -23,6 +23,7 @@ def verbosity():
 
 
 def test_the_engines_loggers_take_transformers_level_and_handler(verbosity) -> None:
+    console.connect_logging()  # what the entry points call (follow_trainer, build_engine, ...)
     engine = logging.getLogger("elixir_runtime.planner")
     hf_logging.set_verbosity_info()
     assert engine.isEnabledFor(logging.INFO)

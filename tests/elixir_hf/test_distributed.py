@@ -22,8 +22,8 @@ import torch
 from hf_cases import VOCAB
 from transformers import AutoModelForCausalLM
 
-from elixir_hf.commands.plan_run import run_table
 from elixir_hf.run_record import read_run, record_dir
+from elixir_hf.run_report import run_table
 from helpers.models import ATTN_IMPL, make_batch
 
 WORKER = Path(__file__).with_name("dist_worker.py")

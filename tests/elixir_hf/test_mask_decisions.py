@@ -13,7 +13,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from elixir_hf.patches import mask_decisions_of
-from elixir_runtime.profiler import costs, profile_model
+from elixir_runtime.hardware import costs
+from elixir_runtime.profiler import profile_model
 from helpers.models import tiny_llama
 
 BATCH, SEQ, VOCAB = 2, 32, 128

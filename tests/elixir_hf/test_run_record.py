@@ -17,8 +17,8 @@ from transformers.integrations import TensorBoardCallback
 
 from elixir_hf.callback import TENSORBOARD_GROUP, _to_wandb
 from elixir_hf.commands.plan import main as plan_main
-from elixir_hf.commands.plan_run import run_table
 from elixir_hf.run_record import RankRecord, new_run, read_run, record_dir, write_record
+from elixir_hf.run_report import run_table
 
 
 class Writer:

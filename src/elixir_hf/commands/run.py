@@ -163,6 +163,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"elixir-run (elixir-hf) {__version__}")
         sys.exit(0)
     from .. import patches
+    from ..console import connect_logging
     from ..loading.model import STREAM_ENV, stream_from_pretrained_calls
     from ..plugin import ElixirPlugin, ElixirSpecError
 
@@ -181,6 +182,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ElixirSpecError as exc:
         sys.exit(f"elixir-run: {exc}")
     os.environ[ENV_VAR] = spec
+    connect_logging()
     install()
     if in_config is not None:
         patches.config_key_taken("elixir")  # read here: TrlParser must not refuse it nor let it beat --elixir

@@ -34,6 +34,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from elixir_runtime import init_weights
 
 from .. import patches
+from ..console import connect_logging
 from .stream import holds_weights, streamed_or_why
 
 __all__ = ["from_pretrained", "from_config", "init_in_place", "holds_weights", "stream_from_pretrained_calls"]
@@ -64,6 +65,7 @@ def from_pretrained(
     missing or truncated, shapes that do not match the config, a missing weight) raises
     ``elixir_runtime.WeightsError`` naming the file and the fix.
     """
+    connect_logging()
     if stream and rank0_only:
         model, why = streamed_or_why(model_class, name_or_path, kwargs)
         if model is not None:
@@ -108,6 +110,7 @@ def from_config(
     """
     if init not in INIT_CHOICES:
         raise ValueError(f"from_config(init={init!r}): choose one of {INIT_CHOICES}")
+    connect_logging()
     if kwargs.get("dtype") == "auto":
         kwargs["dtype"] = getattr(config, "dtype", None) or torch.float32
     build: Callable[..., PreTrainedModel] = getattr(model_class, "from_config", None) or model_class._from_config

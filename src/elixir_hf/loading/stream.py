@@ -243,8 +243,8 @@ def _record(
             loaded_buffers.add(name)
             continue
         keys[name] = original
-        model.get_parameter(name)._is_hf_initialized = True  # transformers' mark: its initialisation skips it
-    model._weight_conversions = [t for t in mapping if t.was_used()]  # what save_pretrained reverts, as transformers
+        patches.mark_initialized(model.get_parameter(name))  # its initialisation skips it
+    patches.keep_weight_conversions(model, [t for t in mapping if t.was_used()])  # what save_pretrained reverts
     info = LoadStateDictInfo(
         missing_keys={k for k in expected if k not in keys and k not in loaded_buffers},
         unexpected_keys=unexpected,
@@ -260,5 +260,6 @@ def _load_buffer(model: Any, name: str, stored: Any, like: torch.Tensor) -> None
     module_name, _, attr = name.rpartition(".")
     module = model.get_submodule(module_name)
     value = stored[...] if hasattr(stored, "get_shape") else stored
-    module._buffers[attr] = value.to(dtype=like.dtype, device="cpu")
-    module._buffers[attr]._is_hf_initialized = True
+    buffer = value.to(dtype=like.dtype, device="cpu")
+    module.register_buffer(attr, buffer)  # persistent: only those are in the state dict it is loaded from
+    patches.mark_initialized(buffer)

@@ -35,6 +35,7 @@ from ..kernels.quant8 import encode_state
 from ..kernels.select import select_kernel
 from ..kernels.threads import cpu_adam_threads
 from ..progress import progress
+from .costs import op_cost
 from .profile import PROFILE_VERSION, CpuAdamRate, HardwareProfile, LinkRates, gemm_shape
 
 if TYPE_CHECKING:
@@ -199,7 +200,7 @@ def _copy_rate(device: torch.device, size: int) -> float:
 def _elementwise_rate(dtype: torch.dtype, device: torch.device, quick: bool) -> float:
     """Bytes/s of a decoder block's memory-bound ops as transformers runs them eagerly (RMSNorm in
     fp32, rotary embedding's halves, SwiGLU, the residual add; forward and backward), bytes counted
-    as the profiler counts them (``profiler.costs.op_cost``: each op's inputs and outputs). A 7-8B
+    as the profiler counts them (``costs.op_cost``: each op's inputs and outputs). A 7-8B
     layer's shapes at 8k tokens (small ones on the CPU or ``quick``).
 
     [Note: memory-bound ops] Such ops move their bytes slower than a copy does: casts, reductions,
@@ -207,8 +208,6 @@ def _elementwise_rate(dtype: torch.dtype, device: torch.device, quick: bool) -> 
     short of what ``benchmarks.compute_split`` measures (docs/planning.md, "The compute split")."""
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
-
-    from ..profiler.costs import op_cost
 
     small = quick or device.type == "cpu"
     tokens, heads, dim, ffn = (1024, 4, 64, 512) if small else (8192, 32, 128, 14336)

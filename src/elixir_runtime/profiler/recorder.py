@@ -19,7 +19,7 @@ from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import arg_tree_leaves, tree_leaves
 
-from .costs import op_cost
+from ..hardware.costs import op_cost
 from .timeline import Timeline
 
 __all__ = ["Recorder"]

@@ -255,9 +255,9 @@ def test_the_plot_bar_holds_everything_the_plan_puts_on_the_gpu(hardware) -> Non
     included: GPT2-10b at batch 8 keeps some beyond the activations' slack), inside U_allowed; the
     host bar holds the pinned shards of both GPUs."""
     from elixir_hf.commands.plan import _elixir_config, _parser
-    from elixir_hf.commands.plan_hardware import plan_hardware
-    from elixir_hf.commands.plan_plot import host_bars, memory_bars
-    from elixir_hf.commands.plan_report import plan_report
+    from elixir_hf.commands.plan.hardware import plan_hardware
+    from elixir_hf.commands.plan.plot import host_bars, memory_bars
+    from elixir_hf.commands.plan.report import plan_report
 
     args = _parser().parse_args(
         [
@@ -413,7 +413,7 @@ def test_cli_and_auto_make_the_same_plan_from_the_same_profile(capsys, tmp_path,
     """``elixir-plan --hardware h100`` and prepare's ``--elixir auto`` decision (``planner.search_job``)
     with the same profile and memory give the same plan."""
     import elixir_runtime.planner as planner
-    from elixir_hf.commands.plan_report import build_meta_model, model_config
+    from elixir_hf.commands.plan.report import build_meta_model, model_config
     from elixir_hf.loss import use_lean_loss
     from elixir_hf.patches import mask_decisions_of
     from elixir_runtime.config import ElixirConfig

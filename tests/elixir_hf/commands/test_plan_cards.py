@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from elixir_hf.commands import plan_hardware
+from elixir_hf.commands.plan import hardware as plan_hardware
 from elixir_hf.commands.plan import main
 from elixir_runtime.hardware import load_hardware
 from elixir_runtime.hardware.load import SHIPPED, shipped_hardware
@@ -76,7 +76,7 @@ def test_this_machines_gpu_plans_with_this_machines_ram(tiny, tmp_path, monkeypa
     """Its cached profile (measured here) and the RAM available here, what prepare budgets with."""
     import elixir_runtime.hardware.load as load
     from elixir_hf.commands.plan import _parser
-    from elixir_hf.commands.plan_hardware import host_memory, plan_hardware
+    from elixir_hf.commands.plan.hardware import host_memory, plan_hardware
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # no plan is made: nothing runs on it
     monkeypatch.setenv("ELIXIR_CACHE_DIR", str(tmp_path))

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from elixir_hf.commands import plan_hardware
 from elixir_hf.commands.plan import EXIT_INPUT, main
-from elixir_hf.commands.plan_report import build_meta_model, host_warnings, model_config
+from elixir_hf.commands.plan import hardware as plan_hardware
+from elixir_hf.commands.plan.report import build_meta_model, host_warnings, model_config
 from elixir_runtime.hardware import load_hardware
 
 GIB = 2**30
@@ -127,7 +127,7 @@ def test_a_plan_pinning_over_90_percent_of_the_host_warns() -> None:
 
 
 def test_the_warning_is_on_stderr_and_in_the_json(capsys, tiny, monkeypatch) -> None:
-    from elixir_hf.commands import plan_report
+    from elixir_hf.commands.plan import report as plan_report
 
     monkeypatch.setattr(plan_report, "HOST_PINNED_WARN", -1.0)  # any plan warns
     assert main([*tiny, "--gpu", "h100"]) == 0

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from ..hardware.profile import ATTENTION, gemm_class
+from .profile import ATTENTION, gemm_class
 
 __all__ = ["OpCost", "op_cost", "size_class", "CONVOLUTION"]
 

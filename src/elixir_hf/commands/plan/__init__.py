@@ -14,11 +14,12 @@ memory, through the same decision as ``--elixir auto`` (``elixir_runtime.planner
 GPU's rates come from ``--gpu``/``--hardware`` (a shipped card, or a profile file), else from this
 machine's GPU; without a GPU, from the shipped ``h100`` profile (said in the output): a GPU plan is
 never timed with a CPU's rates. Host memory goes with the GPU's profile unless ``--host-mem`` says
-otherwise (``plan_hardware.py``). What the run asks of the engine is its ``--elixir`` JSON (the
+otherwise (``hardware.py``). What the run asks of the engine is its ``--elixir`` JSON (the
 same keys, the same parser: ``ElixirPlugin``), of which ``--dtype``, ``--gpu-memory``,
-``--device-lane`` and ``--stock-loss`` are shorthands. This module parses the command line;
-``plan_report.py`` makes the report, ``plan_plot.py`` draws it; ``plan_run.py`` holds a run against
-its plan (``--run``).
+``--device-lane`` and ``--stock-loss`` are shorthands. This module parses the command line and calls
+in: ``report.py`` makes the report, ``plot.py`` draws it, ``run.py`` shows a run against its plan
+(``--run``; the table and plot are ``run_report.py``'s). ``python -m elixir_hf.commands.plan`` runs it
+(``__main__.py``).
 
 Exit status: 0 a plan (or --run's table, --measure-hardware's profile); 1 bad input (a flag's value, an
 unknown model, card or file, --gpu-memory above the card, a run folder without records); 2 no plan fits
@@ -43,10 +44,10 @@ from elixir_runtime.config import ConfigError, ElixirConfig, PlanError, resolve_
 from elixir_runtime.config import parse_size as config_parse_size
 from elixir_runtime.hardware import REFERENCE, SHIPPED
 
-from .. import __version__
-from ..plugin import ElixirPlugin, ElixirSpecError
-from .plan_hardware import host_mem, plan_hardware
-from .plan_report import plan_report
+from ... import __version__
+from ...plugin import ElixirPlugin, ElixirSpecError
+from .hardware import host_mem, plan_hardware
+from .report import plan_report
 
 __all__ = ["main", "parse_size", "DEVICE_LANE_WORDS", "EXIT_INPUT", "EXIT_NO_FIT"]
 
@@ -253,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ]
         if extra := [flag for flag in given if flag not in ("--run", "--plot", "--json")]:
             parser.error(f"--run reads a run's records and takes --plot and --json only, not {', '.join(extra)}")
-        from .plan_run import run_command
+        from .run import run_command
 
         return run_command(args.run, png=args.plot, as_json=args.json)
     if not args.model:
@@ -287,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for warning in report.warnings:  # after the text, where a reader's eye ends; in --json's document too
         print(f"elixir-plan: WARNING: {warning}", file=sys.stderr)
     if args.plot:
-        from .plan_plot import plot_plan  # matplotlib only when asked for
+        from .plot import plot_plan  # matplotlib only when asked for
 
         plot_plan(report.plan, args.plot, title=report.title)
         # beside the JSON document, not in it: stdout stays one document
@@ -350,7 +351,3 @@ def _measure(path: str) -> int:
     print(profile.to_json())
     print(f"written to {path} ({profile.source})", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

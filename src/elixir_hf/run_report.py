@@ -1,31 +1,30 @@
-"""``elixir-plan --run OUTPUT_DIR``: a run against its plan, per rank, from its records (``run_record.py``).
+"""A run against its plan, per rank, from its records (``run_record.py``): the table and the plot.
 
 One row per ``metrics.COMPARED`` pair the run logged: step time and the phases the plan predicts
 (the GPU's update, the CPU's update of offloaded chunks, the forward's wait for it), the GPU peak,
 the host's resident memory beside the pinned shards; the plan's value, then each rank's with its
 ratio to it. Times are the median of the logs after the first (it holds the warm-up), memory the
 highest logged. The table needs nothing; the PNG needs matplotlib (``elixir-hf[plot]``). The end of
-an Elixir Trainer run writes both into ``OUTPUT_DIR/elixir_run`` (``callback.RunRecorder``).
+an Elixir Trainer run writes both into ``OUTPUT_DIR/elixir_run`` (``callback.RunRecorder``);
+``elixir-plan --run OUTPUT_DIR`` shows them (``commands/plan/run.py``).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import statistics
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..metrics import COMPARED, Compared
-from ..run_record import REPORT, RankRecord, RunRecordError, read_run, record_dir, replace_file
+from .metrics import COMPARED, Compared
+from .run_record import REPORT, RankRecord, record_dir, replace_file
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["RunRow", "RunTable", "plot_run", "run_command", "run_table", "series", "write_report"]
+__all__ = ["PLOT_EXTRA", "RunRow", "RunTable", "plot_run", "run_table", "series", "write_report"]
 
 PLOT_EXTRA = "pip install 'elixir-hf[plot]'"
 
@@ -172,26 +171,3 @@ def write_report(output_dir: str | os.PathLike[str], records: list[RankRecord]) 
     png = folder / f"{REPORT}.png"
     replace_file(png, lambda tmp: plot_run(table, tmp))
     return table, png
-
-
-def run_command(output_dir: str, png: str | None, as_json: bool) -> int:
-    """``elixir-plan --run OUTPUT_DIR [--plot PNG] [--json]``: the table on stdout, the PNG into ``PNG``
-    (default ``OUTPUT_DIR/elixir_run/run_vs_plan.png``); without matplotlib, the table and how to get it."""
-    plotting = importlib.util.find_spec("matplotlib") is not None
-    if png and not plotting:  # asked for: an error, as --plot alone is
-        print(f"elixir-plan: --plot {png} needs matplotlib: {PLOT_EXTRA}", file=sys.stderr)
-        return 1  # plan.EXIT_INPUT
-    try:
-        table = run_table(read_run(output_dir), output_dir)
-    except RunRecordError as exc:
-        print(f"elixir-plan: --run {exc}", file=sys.stderr)
-        return 1  # plan.EXIT_INPUT
-    print(json.dumps(table.to_dict(), indent=2) if as_json else table.text())
-    aside = sys.stderr if as_json else sys.stdout  # stdout stays one JSON document
-    if not plotting:
-        print(f"the plot needs matplotlib: {PLOT_EXTRA}", file=aside)
-        return 0
-    path = Path(png) if png else record_dir(output_dir) / f"{REPORT}.png"
-    plot_run(table, path)
-    print(f"plot written to {os.path.abspath(path)}", file=aside)
-    return 0

@@ -46,10 +46,10 @@ from elixir_runtime.planner import (
     tflops,
 )
 
-from ..loss import use_lean_loss
-from ..patches import mask_decisions_of
-from ..presets import PRESETS, canonical_name, close_presets
-from .plan_hardware import host_hardware, host_memory
+from ...loss import use_lean_loss
+from ...patches import mask_decisions_of
+from ...presets import PRESETS, canonical_name, close_presets
+from .hardware import host_hardware, host_memory
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
