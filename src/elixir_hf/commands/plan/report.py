@@ -30,6 +30,7 @@ from elixir_runtime.planner import (
     ElixirPlan,
     ModelProfile,
     Target,
+    activations_text,
     alternatives_table,
     budget_text,
     candidates_table,
@@ -235,7 +236,10 @@ def _text(
     return "\n\n".join(
         [
             _header(args, plan, hardware, hw_note, card, host_source),
-            "\n".join([*memory_lines(plan), host_line(plan), "offloaded: " + offload_text(plan)]),
+            "\n".join(
+                [*memory_lines(plan), host_line(plan), "held activations: " + activations_text(plan)]
+                + ["offloaded: " + offload_text(plan)]
+            ),
             step_text(plan, args.grad_accum)
             + ("\n" + _accumulated_text(plan, accumulated) if accumulated else "")
             + "".join(
