@@ -154,7 +154,8 @@ def test_on_a_gpu_the_held_inputs_leave_its_memory() -> None:
     one = profile.held_inputs // 8
     print(f"left on the GPU by the forward {held}; held inputs {profile.held_inputs} (one {one}); losses {losses}")
     assert profile.held_inputs == 8 * 16384 * 2048 * 2
-    assert (8 - LOOKAHEAD - 1) * one <= held["device"] - held["host"] <= 8 * one
+    # at most two more go than the blocks': the final norm's and the head's inputs, units that save what they were handed
+    assert (8 - LOOKAHEAD - 1) * one <= held["device"] - held["host"] <= (8 + 2) * one
     assert losses["host"][0] == losses["device"][0]
     # the second step's differs by CUDA's nondeterministic backward kernels (atomics) alone; bitwise on the CPU
     assert losses["host"][1] == pytest.approx(losses["device"][1], rel=1e-3)
