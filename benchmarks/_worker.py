@@ -24,9 +24,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elixir_runtime.hardware.cards import CARDS
+
 from .harness import MAX_GRAD_NORM, SYSTEMS, Context, Trainer, Unavailable, on_trainer_path
 from .hostmem import GIB, HostMemorySampler, host_total_bytes, rss_bytes
-from .models import param_count, preset, vocab_size
+from .models import attention_flops_per_token, param_count, preset, vocab_size
 from .systems import build
 
 PG_TIMEOUT_S = 300
@@ -167,6 +169,11 @@ def measure(
     return out
 
 
+def card_peak_tflops(device_name: str) -> float | None:
+    """The dense bf16 peak of the card ``torch.cuda.get_device_name`` names (``hardware.cards``); ``None``: unknown."""
+    return next((c.bf16_tflops for c in CARDS.values() if c.device == device_name), None)
+
+
 def combine(parts: list[dict[str, Any]], base: dict[str, Any], params: int) -> dict[str, Any]:
     """Rank 0's record: the slowest rank's step times, GPU peaks of the worst rank, host RSS and the
     caching allocator's retries summed over ranks."""
@@ -188,6 +195,12 @@ def combine(parts: list[dict[str, Any]], base: dict[str, Any], params: int) -> d
             tokens_per_s=base["gpus"] * tokens / step_s,
             loss=parts[0]["loss"],
         )
+        peak = card_peak_tflops(base.get("card", ""))
+        if (
+            peak is not None
+        ):  # model FLOPs (6 x params, attention counted, no recompute) over the card's dense bf16 peak
+            per_token = 6 * params + base["attention_flops_per_token"]
+            rec["mfu"] = per_token * tokens / step_s / 1e12 / peak
     for key in ("gpu_alloc_peak_GiB", "gpu_reserved_peak_GiB", "host_used_peak_GiB"):
         rec[key] = max(p[key] for p in parts)
     rec["host_rss_peak_GiB"] = sum(p["host_rss_peak_GiB"] for p in parts)
@@ -232,6 +245,7 @@ def run(args: argparse.Namespace) -> None:
         "params": params,
         "gpus": ctx.world,
         "seq": args.seq,
+        "attention_flops_per_token": attention_flops_per_token(model, args.seq),
         **clip_fields(ctx.clip),
         "liger": ctx.liger,
         "compile": ctx.compile,

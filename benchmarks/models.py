@@ -203,6 +203,16 @@ def param_count(p: Model, seq: int | None = None) -> int:
     return count_params(build_meta(p, seq))
 
 
+def attention_flops_per_token(p: Model, seq: int) -> int:
+    """Causal attention's FLOPs per token of a ``seq``-token sequence, forward and backward (no recompute):
+    ``6 x layers x seq x hidden`` (QK^T and AV, 2 FLOPs a multiply-add, half the pairs masked, backward twice
+    the forward), what the ``6 x params`` of MFU leaves out."""
+    config = p.config(seq)
+    layers = getattr(config, "num_hidden_layers", None) or config.n_layer
+    hidden = getattr(config, "hidden_size", None) or config.n_embd
+    return 6 * layers * seq * hidden
+
+
 def vocab_size(p: Model) -> int:
     return p.hf_config.vocab_size if isinstance(p, DecoderModel) else VOCAB
 

@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks import report
 from benchmarks._worker import combine
-from benchmarks.models import PRESETS, SEQ, VOCAB, build_meta, count_params
+from benchmarks.models import PRESETS, SEQ, VOCAB, attention_flops_per_token, build_meta, count_params, preset
 from benchmarks.throughput import failure
 
 REPO = Path(__file__).resolve().parents[2]
@@ -152,6 +152,20 @@ def test_combine_takes_slowest_rank_and_sums_host_rss() -> None:
     assert combine(parts, base, params=10**9)["cpu_update_Gps_per_rank"] == [1.7, 1.2]
     parts[1] = dict(parts[1], status="OOM", error="CUDA out of memory")
     assert combine(parts, base, params=10**9)["status"] == "OOM"
+
+
+def test_mfu_counts_attention_over_the_cards_peak() -> None:
+    """MFU: 6 x params plus causal attention's 6 x layers x seq x hidden per token, no recompute, over the card's
+    dense bf16 peak; a card the table does not know gets none."""
+    p = preset("llama3-8b")
+    attention = attention_flops_per_token(p, 2048)
+    assert attention == 6 * 32 * 2048 * 4096
+    part = {"status": "ok", "loss": 1.0, "step_times_s": [2.0], "host_rss_peak_GiB": 1.0, "host_rss_start_GiB": 1.0}
+    part.update(gpu_alloc_peak_GiB=1.0, gpu_reserved_peak_GiB=1.0, host_used_peak_GiB=1.0)
+    base = {"batch": 4, "seq": 2048, "gpus": 1, "attention_flops_per_token": attention, "card": "NVIDIA H200"}
+    rec = combine([part], base, params=8 * 10**9)
+    assert rec["mfu"] == pytest.approx((6 * 8e9 + attention) * 4 * 2048 / 2.0 / 989e12)
+    assert "mfu" not in combine([part], dict(base, card="a GPU of the future"), params=8 * 10**9)
 
 
 def test_failure_names_timeouts_and_kills() -> None:
