@@ -36,6 +36,7 @@ from .runtime.context import EngineContext
 from .runtime.device_lane import DeviceLane
 from .runtime.held_inputs import HeldInputs
 from .runtime.hooks import EngineHooks, install_hooks
+from .runtime.oom import PlannedMemory
 from .runtime.update_rate import UpdateRateProbe
 from .state_dict import ModelStateHooks
 from .units import Unit, find_units
@@ -129,7 +130,8 @@ def prepare(
     _move_buffers(model, device, source)
     unmeta_parameters(params)
     adam = adam_state(plan.moments)
-    ctx = EngineContext(coll, device, dtype, Lockstep(coll, config.lockstep_timeout_s), adam)
+    memory = PlannedMemory(plan.device_bytes, plan.memory.activations, plan.batch_shape, plan.activations)
+    ctx = EngineContext(coll, device, dtype, Lockstep(coll, config.lockstep_timeout_s), adam, memory=memory)
     lane = DeviceLane(plan.device_lane, device, dtype, adam) if plan.device_lane else None
     with source.reading(device):  # streamed weights: a failed read fails prepare on every rank
         runtime = ChunkRuntime(

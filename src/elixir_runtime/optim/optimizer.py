@@ -90,7 +90,13 @@ class ElixirOptimizer(torch.optim.Optimizer):
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` with loss scaling; grads end up reduced in this rank's shards."""
-        (loss * self.scaler.scale if self.scaler.enabled else loss).backward(**kwargs)
+        try:
+            (loss * self.scaler.scale if self.scaler.enabled else loss).backward(**kwargs)
+        except torch.OutOfMemoryError as err:
+            ctx = self.runtime.ctx
+            if ctx.memory is not None:
+                ctx.memory.annotate(err, "backward", ctx.device)
+            raise
         if self.runtime.grads.backward_pending:
             self.runtime.grads.finish_backward()
 

@@ -14,6 +14,7 @@ import torch
 from ..adam_state import AdamState
 from ..distributed.collectives import Collectives
 from ..distributed.lockstep import Lockstep
+from .oom import PlannedMemory
 from .phase import EnginePhase
 from .stats import StatsCounter
 
@@ -34,6 +35,8 @@ class EngineContext:
     """The optimizer state of each trainable element (the plan's ``moments``)."""
     stats: StatsCounter = field(default_factory=StatsCounter)
     phase: EnginePhase = field(default_factory=EnginePhase)
+    memory: PlannedMemory | None = None
+    """What the plan predicted of the GPU, which an out-of-memory error is told against (``oom.py``)."""
 
     @property
     def cuda(self) -> bool:

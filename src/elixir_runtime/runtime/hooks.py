@@ -45,6 +45,7 @@ each unit's pre-backward brings them back ahead of their recompute (``held_input
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -259,6 +260,9 @@ class _RootHooks:
             self.saved_hooks.__enter__()
 
     def post_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        ctx = self.runtime.ctx
+        if output is None and ctx.memory is not None:  # failed: always_call runs it inside the forward's except
+            ctx.memory.annotate(sys.exc_info()[1], "forward", ctx.device)
         if self.runtime.ctx.phase.full or self.depth == 0:  # depth 0: its pre-forward failed before counting it
             return
         self.depth -= 1
