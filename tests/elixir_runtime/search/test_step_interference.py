@@ -51,7 +51,11 @@ def test_a_collective_hidden_under_compute_still_slows_it(gpt2) -> None:
     t = model.step(lo + 1, every)
     gather = model._device_copy(every) + model.coll  # from the GPU's own arena, then the all-gather
     head, tail = gather[model.first], gather[model.last]
-    assert t.exposed_transfers == pytest.approx(COLLECTIVE_DRAG * t.collectives + head + tail, rel=1e-6)
+    # a group's misses beyond the one spare block gather in line ([Note: gathers in line]), undragged
+    inline = model.table.inline(lo + 1).sum(axis=0)
+    hidden = t.collectives - float(inline @ model.coll)
+    expected = COLLECTIVE_DRAG * hidden + float(inline @ gather) + head + tail
+    assert t.exposed_transfers == pytest.approx(expected, rel=1e-6)
     assert t.exposed_transfers > 0.3 * t.collectives > 0
     # one rank, the last half offloaded, the links fast enough to hide: no drag, only the ends
     model, lo = _model(gpt2, gpu_host(1, cpu_adam=1e12))
