@@ -82,13 +82,18 @@ def test_runs_without_plan_inputs_are_skipped() -> None:
     assert "skipped" in replay.render([row])
 
 
-def test_runs_with_fused_kernels_are_skipped_saying_why() -> None:
-    """The replay traces the eager model: a Liger or compiled run's step is not what it would predict."""
-    for kind in ("liger", "compile"):
-        run = _recorded_run()
-        run["info"][kind] = True
-        [row] = replay.replay([run])
-        assert row["skipped"].startswith("fused kernels") and "replayed_step_s" not in row
+def test_compiled_runs_and_liger_runs_without_liger_are_skipped_saying_why(monkeypatch) -> None:
+    """The replay traces the model uncompiled; a Liger run is traced with Liger's kernels, where
+    liger-kernel is installed."""
+    run = _recorded_run()
+    run["info"]["compile"] = True
+    [row] = replay.replay([run])
+    assert row["skipped"].startswith("torch.compile") and "replayed_step_s" not in row
+    run = _recorded_run()
+    run["info"]["liger"] = True
+    monkeypatch.setattr(replay.importlib.util, "find_spec", lambda name: None)
+    [row] = replay.replay([run])
+    assert "liger-kernel is not installed" in row["skipped"]
 
 
 def test_a_run_that_recorded_its_cpu_update_rate_replays_at_it_too() -> None:
