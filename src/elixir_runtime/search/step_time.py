@@ -350,7 +350,7 @@ class StepModel:
     ) -> tuple[float, float]:
         """Forward and backward seconds of one micro-batch with these per-chunk gather and reduce
         times: under compute when the rCache has a block to prefetch into, in line with it
-        otherwise (``inline``: the gathers that find no free block, [Note: gathers without a free
+        otherwise (``inline``: the gathers that find no free block, [Note: gathers in
         line] in belady.py); the first gather and the last reduction are always exposed."""
         fetch_f, fetch_b, reduced = float(m[FWD] @ gather_f), float(m[BWD] @ gather_b), float(reduce.sum())
         head = gather_f[self.first] if self.first is not None else 0.0

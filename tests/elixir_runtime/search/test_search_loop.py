@@ -240,9 +240,13 @@ def test_the_serial_step_overlaps_the_devices_transfers_and_not_the_hosts(gpt2) 
     inline = float(e.model.table.inline(lo + 1).sum(axis=0) @ e.model.coll)
     dragged = COLLECTIVE_DRAG * (prefetching.collectives - inline) + inline
     assert prefetching.exposed_transfers == pytest.approx(dragged, rel=0.1)
-    for t in (at_min, prefetching):
+    # blocks enough for every miss to prefetch (each block past the minimum frees one per group)
+    free = next(n for n in range(lo + 1, lo + k) if not e.model.table.inline(n).any())
+    hidden = e.model.step(free, every)
+    for t in (at_min, prefetching, hidden):
         assert t.serial == pytest.approx(t.total)  # nothing on the host: the step as predicted
-    assert prefetching.serial < at_min.serial - 0.25 * at_min.collectives
+    assert at_min.serial > prefetching.serial > hidden.serial
+    assert hidden.serial < at_min.serial - 0.25 * at_min.collectives
     # offloaded, with a CPU Adam slow enough to matter: the next forward hides most of it, the
     # serial step none of it
     slow = gpu_host(2, cpu_adam=2e7).rates(2, busbw, 2)
