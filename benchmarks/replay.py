@@ -9,15 +9,21 @@ same batch on fake tensors, and predicts the same plan on the same hardware with
 now, next to the step that was measured and the one predicted then. A change to ``search/step_time.py``
 is judged against every recorded run in seconds, before a GPU session re-measures the table.
 
-Runs whose plan predates these records (every run in results.json as of 2026-11-26) are listed as skipped.
+A run with Liger's kernels (``--liger``) is traced with them, as the Trainer patched its model
+(``liger-kernel`` installed; else the run is skipped, saying so). Compiled runs and runs whose plan
+predates these records (every run in results.json as of 2026-11-26) are listed as skipped.
 
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import importlib.util
 import json
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +41,9 @@ from elixir_runtime.units import find_units
 from . import report
 from .models import build_meta, preset
 
+PARTS = ("compute", "exposed_transfers", "gpu_adam", "exposed_cpu_adam")
+"""The terms of the predicted step the table shows (``StepTime``; they add up to ``total``)."""
+
 HEADROOM = 16
 """The replayed plan is the recorded one (it ran), so the budget only has to never refuse it."""
 
@@ -50,9 +59,36 @@ def not_replayable(run: dict[str, Any]) -> str | None:
         and "offload" in plan
     ):
         return "no recorded plan inputs (hardware, offloaded chunks)"
-    if info.get("liger") or info.get("compile"):
-        return "fused kernels (Liger, torch.compile): the replay traces the eager model"
+    if info.get("compile"):
+        return "torch.compile: the replay traces the model uncompiled"
+    if info.get("liger") and importlib.util.find_spec("liger_kernel") is None:
+        return "Liger's kernels: liger-kernel is not installed here (pip install liger-kernel)"
     return None
+
+
+@contextlib.contextmanager
+def kernels_of(run: dict[str, Any], model: torch.nn.Module) -> Iterator[None]:
+    """The model with the fused kernels the run had: Liger's, as the Trainer's ``use_liger_kernel``
+    applies them. Liger rebinds names in the model's transformers module for the process (its norm,
+    MLP and rotary embedding): put back afterwards, or the next run of that family would trace them."""
+    if not run["info"].get("liger"):
+        yield
+        return
+    from transformers.integrations.liger import apply_liger_kernel
+
+    module = sys.modules[type(model).__module__]
+    names = dict(vars(module))
+    forwards = {c: c.__dict__["forward"] for c in names.values() if isinstance(c, type) and "forward" in c.__dict__}
+    apply_liger_kernel(model, None)
+    try:
+        yield
+    finally:
+        for name in set(vars(module)) - set(names):
+            delattr(module, name)
+        for name, value in names.items():
+            setattr(module, name, value)
+        for cls, forward in forwards.items():
+            cls.forward = forward
 
 
 def own_rate(run: dict[str, Any]) -> float | None:
@@ -107,9 +143,10 @@ def predict(run: dict[str, Any], observed: float | None = None) -> StepTime:
         clips_grads=bool(run.get("clip", False)),  # runs before --clip did not clip
         skip_nonfinite=bool(run["info"].get("skip_nonfinite", True)),
         device_assisted_update=bool(plan.get("device_lane")),  # as recorded, not chosen again
+        moments=plan.get("moments", "fp32"),
     )
     batch = {"input_ids": ids, "labels": ids}
-    with mask_decisions_of(batch):
+    with kernels_of(run, model), mask_decisions_of(batch):
         return plan_model(model, find_units(model, None), batch, config, target).plan.predicted
 
 
@@ -136,17 +173,19 @@ def replay(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def render(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| card | model | GPUs | bs | measured s | predicted then | predicted now | measured / now "
+        "| now: compute / exposed transfers / GPU Adam / exposed CPU Adam "
         "| at the run's own CPU rate (G/s): measured / predicted |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         now = "skipped" if "skipped" in r else f"{r['replayed_step_s']:.3f}"
         ratio = "" if "skipped" in r else f"{r['measured_over_replayed']:.2f}"
         then = f"{r['predicted_step_s']:.3f}" if r.get("predicted_step_s") else "–"
         own = f"{r['measured_over_own']:.2f} ({r['own_rate_Gps']:.2f})" if r.get("measured_over_own") else "–"
+        parts = "" if "skipped" in r else " / ".join(f"{r['replayed'][k]:.3f}" for k in PARTS)
         lines.append(
             f"| {r['card']} | {r['model']} | {r['gpus']} | {r['batch']} | {r['step_s']:.3f} | {then} | {now} | {ratio} "
-            f"| {own} |"
+            f"| {parts} | {own} |"
         )
     done = [r["measured_over_replayed"] for r in rows if "skipped" not in r]
     if done:

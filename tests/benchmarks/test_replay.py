@@ -1,12 +1,17 @@
 """``benchmarks.replay`` predicts a recorded plan again, offline: a run recorded by the harness
-replays to exactly the prediction its plan carried; runs without plan inputs, or with fused kernels
-(the replay traces the eager model), are skipped, saying why."""
+replays to exactly the prediction its plan carried; runs without plan inputs, or compiled (the
+replay traces the model uncompiled), are skipped, saying why; the runs in
+docs/benchmarks/results.json replay within a tenth of their measured step."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
+import pytest
 import torch
 
-from benchmarks import replay
+from benchmarks import replay, report
 from benchmarks.harness import plan_summary
 from benchmarks.models import PRESETS, build_meta
 from elixir_hf.patches import mask_decisions_of
@@ -18,6 +23,7 @@ from elixir_runtime.units import find_units
 
 GIB = 2**30
 SEQ = 64
+RESULTS = Path(__file__).parents[2] / "docs" / "benchmarks" / "results.json"
 
 
 def _hardware() -> HardwareProfile:
@@ -82,13 +88,18 @@ def test_runs_without_plan_inputs_are_skipped() -> None:
     assert "skipped" in replay.render([row])
 
 
-def test_runs_with_fused_kernels_are_skipped_saying_why() -> None:
-    """The replay traces the eager model: a Liger or compiled run's step is not what it would predict."""
-    for kind in ("liger", "compile"):
-        run = _recorded_run()
-        run["info"][kind] = True
-        [row] = replay.replay([run])
-        assert row["skipped"].startswith("fused kernels") and "replayed_step_s" not in row
+def test_compiled_runs_and_liger_runs_without_liger_are_skipped_saying_why(monkeypatch) -> None:
+    """The replay traces the model uncompiled; a Liger run is traced with Liger's kernels, where
+    liger-kernel is installed."""
+    run = _recorded_run()
+    run["info"]["compile"] = True
+    [row] = replay.replay([run])
+    assert row["skipped"].startswith("torch.compile") and "replayed_step_s" not in row
+    run = _recorded_run()
+    run["info"]["liger"] = True
+    monkeypatch.setattr(replay.importlib.util, "find_spec", lambda name: None)
+    [row] = replay.replay([run])
+    assert "liger-kernel is not installed" in row["skipped"]
 
 
 def test_a_run_that_recorded_its_cpu_update_rate_replays_at_it_too() -> None:
@@ -109,3 +120,36 @@ def test_a_run_that_recorded_its_cpu_update_rate_replays_at_it_too() -> None:
     del run["info"]["runtime_stats"]
     [row] = replay.replay([run])
     assert "own_rate_Gps" not in row and replay.render([row]).splitlines()[2].endswith("| – |")
+
+
+def _recorded_elixir_runs(regime: str, liger: bool) -> list[dict]:
+    """The Elixir runs of results.json in ``regime`` (``report.regime`` of their group), with or
+    without Liger's kernels."""
+    groups: dict[tuple, dict[str, dict]] = {}
+    for r in report.load_runs(RESULTS):
+        groups.setdefault(report.run_key(r)[:-1], {})[r["system"]] = r
+    return [
+        r
+        for group in groups.values()
+        if report.regime(group) == regime
+        for r in group.values()
+        if r["system"] in report.ELIXIR_SYSTEMS and r.get("status") == "ok" and report.ligered(r) == liger
+    ]
+
+
+@pytest.mark.parametrize("liger", [False, True], ids=["eager", "liger"])
+@pytest.mark.parametrize("regime", ["offload", "in_gpu"])
+def test_the_recorded_runs_replay_within_a_tenth_of_their_measured_step(regime: str, liger: bool) -> None:
+    """The step model as it is now against every replayable run measured (docs/benchmarks.md's
+    replay section): a change to ``search/step_time.py`` that mispredicts one fails here."""
+    if liger and importlib.util.find_spec("liger_kernel") is None:
+        pytest.skip("the Liger runs replay with Liger's kernels: liger-kernel is not installed (the dev extra)")
+    rows = replay.replay(_recorded_elixir_runs(regime, liger))
+    replayed = [r for r in rows if "skipped" not in r]
+    assert replayed, f"no replayable {regime} run in {RESULTS}"
+    off = {
+        f"{r['card']} {r['model']} {r['gpus']} GPUs bs {r['batch']}": round(r["measured_over_replayed"], 3)
+        for r in replayed
+        if abs(r["step_s"] - r["replayed_step_s"]) > 0.1 * r["step_s"]
+    }
+    assert not off, f"measured / predicted beyond 10 %: {off}"

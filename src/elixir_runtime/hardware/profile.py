@@ -30,6 +30,7 @@ __all__ = [
     "HardwareProfile",
     "Rates",
     "PROFILE_VERSION",
+    "ELEMENTWISE_OF_COPY",
     "UNREADABLE",
     "ATTENTION",
     "attention_keys",
@@ -60,6 +61,16 @@ def gemm_shape(size_class: str) -> tuple[int, int, int] | None:
     m, n, k = map(int, parts)
     return m, n, k
 
+
+ELEMENTWISE_OF_COPY = 0.73
+"""The memory-bound ops' rate as a share of the copy's, for profiles that did not measure it.
+
+[Note: memory-bound ops unmeasured] Profiles before version 7 timed only a 1 GiB copy, and their
+plans priced the step's eager memory-bound ops at it, which every version-7 measurement showed too
+fast: those ops move their bytes at about this share of a copy's bandwidth on sm_90 (an H200's
+``elementwise`` over its ``memory_bandwidth``; docs/planning.md, "The compute split"). Once the
+attention FLOPs were no longer counted twice, that error was no longer hidden. A profile that
+lacks the rate is priced at this share of its own copy, the H100's included (the same chip)."""
 
 UNREADABLE = (OSError, ValueError, TypeError, KeyError, AttributeError)
 """What reading a file that holds no profile raises (``HardwareProfile.load``, ``from_json``)."""
@@ -147,7 +158,7 @@ class HardwareProfile:
     elementwise: float | None = None
     """Device memory, bytes/s of eager memory-bound ops (norms, rotary, activations, adds, casts;
     forward and backward), bytes counted as the profiler counts them (each op's inputs and outputs);
-    ``None`` (profiles before version 7): ``memory_bandwidth``."""
+    ``None`` (profiles before version 7): ``ELEMENTWISE_OF_COPY`` of ``memory_bandwidth``."""
     dtype: str = "bfloat16"
     source: str = ""
     torch: str = ""
@@ -285,7 +296,7 @@ class HardwareProfile:
             gemms=dict(self.gemms),
             attention={int(k): v for k, v in self.attention.items()},
             memory_bandwidth=self.memory_bandwidth,
-            elementwise=self.elementwise or self.memory_bandwidth,
+            elementwise=self.elementwise or ELEMENTWISE_OF_COPY * self.memory_bandwidth,
             op_overhead=self.op_overhead,
             notes=notes,
         )

@@ -80,17 +80,50 @@ class MissTable:
     def __init__(self, groups: Sequence[Sequence[int]], phases: Sequence[int], n_chunks: int) -> None:
         """``phases[i]`` is 0 (forward) or 1 (backward) for group ``i``."""
         self.n_chunks = n_chunks
+        self.groups = [tuple(g) for g in groups]
         self.chunk = np.array([c for g in groups for c in g], dtype=np.int64)
         self.phase = np.array([p for g, p in zip(groups, phases) for _ in g], dtype=np.int64)
         self.distance = stack_distances(groups)
         self._cache: dict[int, np.ndarray] = {}
+        self._inline: dict[int, np.ndarray] = {}
 
     def misses(self, n_blocks: int) -> np.ndarray:
         """``[2, n_chunks]``: gathers of each chunk in forward (row 0) and backward (row 1)."""
         hit = self._cache.get(n_blocks)
         if hit is None:
-            miss = self.distance > n_blocks
-            out = np.zeros((2, self.n_chunks), dtype=np.int64)
-            np.add.at(out, (self.phase[miss], self.chunk[miss]), 1)
-            self._cache[n_blocks] = hit = out
+            self._cache[n_blocks] = hit = self._count(self.distance > n_blocks)
         return hit
+
+    def inline(self, n_blocks: int) -> np.ndarray:
+        """``[2, n_chunks]``: the gathers of ``misses`` that no prefetch can run ahead of their
+        group, for want of a free block ([Note: gathers in line])."""
+        hit = self._inline.get(n_blocks)
+        if hit is None:
+            self._inline[n_blocks] = hit = self._count(self._in_line(n_blocks))
+        return hit
+
+    def _in_line(self, n_blocks: int) -> np.ndarray:
+        """[Note: gathers in line] A gather ahead of its group needs a block, and while the group
+        before it computes, that group's chunks hold theirs (pinned, and the buffer of one evicted
+        is free only once its last user is done), as do the group's own chunks found in the cache:
+        the group's misses beyond the blocks left, in acquire order, wait for the group before to
+        finish, in line with the compute (an rCache at its minimum gathers every miss so).
+        Re-gathers of chunks evicted earlier are ``misses``. Not modelled: the prefetch depth (the
+        engine prefetches ``ElixirConfig.prefetch`` chunks at a time; one rank's uploads of
+        offloaded chunks, issued at the acquire, wait only for their block)."""
+        miss = self.distance > n_blocks
+        out = np.zeros_like(miss)
+        pos, before = 0, frozenset[int]()
+        for g in self.groups:
+            n = len(g)
+            mine = miss[pos : pos + n]
+            held = before | {c for c, m in zip(g, mine) if not m}
+            left = max(0, n_blocks - len(held))
+            out[pos + np.flatnonzero(mine)[left:]] = True  # the first ``left`` misses are prefetched
+            pos, before = pos + n, frozenset(g)
+        return out
+
+    def _count(self, accesses: np.ndarray) -> np.ndarray:
+        out = np.zeros((2, self.n_chunks), dtype=np.int64)
+        np.add.at(out, (self.phase[accesses], self.chunk[accesses]), 1)
+        return out

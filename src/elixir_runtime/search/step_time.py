@@ -171,6 +171,10 @@ class StepModel:
         self.full = np.array([c.numel * elt for c in chunks], dtype=np.float64)
         self.trainable = np.array([c.trainable for c in chunks])
         self.private = np.array([c.private for c in chunks])
+        master = 4 if dtype != torch.float32 else elt
+        self.gather_read = np.where(self.trainable, self.shard / elt * master, self.shard)
+        """Bytes a gather of a GPU-resident shard reads: a trainable one's fp32 master, cast into the
+        rCache in mixed precision (``chunk/store.py`` ``casts_on_gather``); else the shard."""
         self.elements = np.array([layout.shard_numel(c) if c.trainable else 0 for c in chunks], dtype=np.float64)
         self.coll_known = n == 1 or rates.busbw is not None
         self.coll = self.full * (n - 1) / n / rates.busbw if n > 1 and rates.busbw else np.zeros(self.k)
@@ -233,13 +237,14 @@ class StepModel:
                     seen[c], ready[c] = True, min(end[e], self.compute_bwd)
         return ready
 
-    def _transfer(self, on_device: np.ndarray, link: float) -> np.ndarray:
-        """Seconds to move each chunk's shard between its arena and the rCache."""
-        return cast(np.ndarray, self._device_copy(on_device) + self._host_link(on_device, link))
+    def _transfer(self, on_device: np.ndarray, link: float, gather: bool = True) -> np.ndarray:
+        """Seconds to move each chunk's shard between its arena and the rCache (``gather``) or back."""
+        return cast(np.ndarray, self._device_copy(on_device, gather) + self._host_link(on_device, link))
 
-    def _device_copy(self, on_device: np.ndarray) -> np.ndarray:
-        """The device's part: a copy from a GPU-resident arena (read and write)."""
-        return np.where(on_device, 2 * self.shard / self.rates.memory_bandwidth, 0.0)
+    def _device_copy(self, on_device: np.ndarray, gather: bool = True) -> np.ndarray:
+        """The device's part: a copy from (``gather``) or to a GPU-resident arena, read and written."""
+        read = self.gather_read if gather else self.shard
+        return np.where(on_device, (read + self.shard) / self.rates.memory_bandwidth, 0.0)
 
     def _host_link(self, on_device: np.ndarray, link: float) -> np.ndarray:
         """The host's part: an offloaded shard over the link."""
@@ -255,9 +260,10 @@ class StepModel:
         ``host_only``: only the host's part (the links to offloaded chunks' arenas, the updates)."""
         m = self.misses(n_blocks)
         r = self.rates
-        device = 0.0 if host_only else self._device_copy(on_device) + self.coll
-        gather = self._host_link(on_device, r.h2d) + device
-        reduce = (self._host_link(on_device, r.d2h) + device) * self.trainable
+        up = 0.0 if host_only else self._device_copy(on_device) + self.coll
+        down = 0.0 if host_only else self._device_copy(on_device, gather=False) + self.coll
+        gather = self._host_link(on_device, r.h2d) + up
+        reduce = (self._host_link(on_device, r.d2h) + down) * self.trainable
         host = ~on_device
         adam = (self.elements[on_device].sum() / r.gpu_adam) + (
             self.elements[host].sum() / (self.cpu_rate + self.lane_rate)
@@ -277,26 +283,31 @@ class StepModel:
         down_b = r.duplex or r.d2h
         gather_f = self._transfer(on_device, r.h2d) + self.coll
         gather_b = self._transfer(on_device, up_b) + self.coll
-        reduce = (self._transfer(on_device, down_b) + self.coll) * self.trainable
+        reduce = (self._transfer(on_device, down_b, gather=False) + self.coll) * self.trainable
         overlap = self.prefetch > 0 and n_blocks > self.min_blocks
-        fwd, bwd = self._phases(m, gather_f, gather_b, reduce, compute_fwd, compute_bwd, overlap)
+        inline = self.inline(n_blocks, overlap)
+        fwd, bwd = self._phases(m, inline, gather_f, gather_b, reduce, compute_fwd, compute_bwd, overlap)
         # The device's own transfers alone (collectives, copies from GPU-resident arenas) as they
         # overlap: what ``serial`` trusts (see ``StepTime.serial``).
         on_gpu = self._device_copy(on_device) + self.coll
-        fwd_gpu, bwd_gpu = self._phases(m, on_gpu, on_gpu, on_gpu * self.trainable, compute_fwd, compute_bwd, overlap)
+        to_gpu = (self._device_copy(on_device, gather=False) + self.coll) * self.trainable
+        fwd_gpu, bwd_gpu = self._phases(m, inline, on_gpu, on_gpu, to_gpu, compute_fwd, compute_bwd, overlap)
         gpu_adam = float(self.elements[on_device].sum() / r.gpu_adam)
         submit = float(trainable_host.sum() * r.op_overhead)  # one CPU update handed to the host thread per chunk
         exposed_cpu = cpu_busy = lane_busy = 0.0
         if trainable_host.any():
-            # [Note: in-line gathers and late updates] With prefetching, a chunk's upload runs
-            # ahead of its first use, so its update must be done ``gather_f`` before the forward
-            # needs it. Without (no block to prefetch into: the rCache at its minimum, or
-            # ``prefetch=0``), the forward gathers each chunk when it reaches it, after its in-line
-            # gathers of the chunks before: it reaches chunk k that much later than its compute
-            # alone would, and k's upload is the in-line gather already counted in the forward's
-            # time. Only each chunk's first gather is counted before the chunks after it (a
-            # re-gather may come after them): the wait is never under-predicted.
-            lead = gather_f if overlap else -self._inline_before(np.minimum(m[FWD], 1) * gather_f)
+            # [Note: in-line gathers and late updates] A prefetched chunk's upload runs ahead of
+            # its first use, so its update must be done ``gather_f`` before the forward needs it.
+            # A chunk gathered in line ([Note: gathers in line] in belady.py; every chunk with
+            # the rCache at its minimum or ``prefetch=0``)
+            # is gathered when the forward reaches it, after its in-line gathers of the chunks
+            # before: it reaches chunk k that much later than its compute alone would, and k's
+            # upload is the in-line gather already counted in the forward's time. Only each
+            # chunk's first gather is counted before the chunks after it (a re-gather may come
+            # after them): the wait is never under-predicted.
+            first_inline = np.minimum(inline[FWD], 1)
+            ahead = (1 - first_inline) * gather_f if overlap else 0.0
+            lead = ahead - self._inline_before(first_inline * gather_f)
             exposed_cpu, cpu_busy, lane_busy = self._late_updates(trainable_host, reduce, lead, gpu_adam, submit)
         compute = self.micro * (compute_fwd + compute_bwd)
         total = self.micro * (fwd + bwd) + gpu_adam + exposed_cpu
@@ -318,9 +329,18 @@ class StepModel:
             serial=self.micro * (fwd_gpu + bwd_gpu) + self.linear(n_blocks, on_device, host_only=True),
         )
 
+    def inline(self, n_blocks: int, overlap: bool) -> np.ndarray:
+        """``[2, k]``: the gathers of ``misses`` run in line with the compute: those without a free
+        block to prefetch into (``MissTable.inline``, [Note: gathers in line] in belady.py), every
+        one without prefetching."""
+        if not overlap:
+            return self.misses(n_blocks)
+        return self.table.inline(n_blocks)
+
     def _phases(
         self,
         m: np.ndarray,
+        inline: np.ndarray,
         gather_f: np.ndarray,
         gather_b: np.ndarray,
         reduce: np.ndarray,
@@ -330,7 +350,8 @@ class StepModel:
     ) -> tuple[float, float]:
         """Forward and backward seconds of one micro-batch with these per-chunk gather and reduce
         times: under compute when the rCache has a block to prefetch into, in line with it
-        otherwise; the first gather and the last reduction are always exposed."""
+        otherwise (``inline``: the gathers that find no free block, [Note: gathers in
+        line] in belady.py); the first gather and the last reduction are always exposed."""
         fetch_f, fetch_b, reduced = float(m[FWD] @ gather_f), float(m[BWD] @ gather_b), float(reduce.sum())
         head = gather_f[self.first] if self.first is not None else 0.0
         tail = reduce[self.last] if self.last is not None else 0.0
@@ -339,9 +360,13 @@ class StepModel:
         reduce_coll = float((self.coll * self.trainable).sum())
         drag_b = COLLECTIVE_DRAG * reduce_coll
         if overlap:
-            drag_f = COLLECTIVE_DRAG * float(m[FWD] @ self.coll)
-            drag_b += COLLECTIVE_DRAG * float(m[BWD] @ self.coll)
-            return max(compute_fwd + drag_f, fetch_f) + head, max(compute_bwd + drag_b, fetch_b, reduced) + tail
+            drag_f = COLLECTIVE_DRAG * float((m[FWD] - inline[FWD]) @ self.coll)
+            drag_b += COLLECTIVE_DRAG * float((m[BWD] - inline[BWD]) @ self.coll)
+            inline_f, inline_b = float(inline[FWD] @ gather_f), float(inline[BWD] @ gather_b)
+            return (
+                max(compute_fwd + drag_f + inline_f, fetch_f) + head,
+                max(compute_bwd + drag_b + inline_b, fetch_b, reduced) + tail,
+            )
         return compute_fwd + fetch_f, max(compute_bwd + fetch_b + drag_b, reduced) + tail
 
     def update_start(self, trainable_host: np.ndarray, reduce: np.ndarray) -> np.ndarray:
@@ -359,8 +384,10 @@ class StepModel:
 
     def _inline_before(self, cost: np.ndarray) -> np.ndarray:
         """For each chunk, the seconds of ``cost`` (each chunk's forward gathers, run in line) the
-        forward spends on the chunks it needs before that one (by first need, then chunk order)."""
-        order = np.lexsort((np.arange(self.k), self.first_need))
+        forward spends on the chunks it needs before that one (by first need, the root's first,
+        then chunk order)."""
+        rooted = np.isin(np.arange(self.k), list(self.root_set))  # acquired before any unit
+        order = np.lexsort((np.arange(self.k), ~rooted, self.first_need))
         before = np.empty(self.k)
         before[order] = np.cumsum(cost[order]) - cost[order]
         return before

@@ -50,14 +50,23 @@ def test_a_collective_hidden_under_compute_still_slows_it(gpt2) -> None:
     every = np.ones(model.k, dtype=bool)
     t = model.step(lo + 1, every)
     gather = model._device_copy(every) + model.coll  # from the GPU's own arena, then the all-gather
-    head, tail = gather[model.first], gather[model.last]
-    assert t.exposed_transfers == pytest.approx(COLLECTIVE_DRAG * t.collectives + head + tail, rel=1e-6)
+    # a gather reads the fp32 master, the last reduction writes the shard ([Note: ...] gather_read)
+    reduce = model._device_copy(every, gather=False) + model.coll
+    head, tail = gather[model.first], reduce[model.last]
+    # a group's misses beyond the one spare block gather in line ([Note: gathers in line]), undragged
+    inline = model.table.inline(lo + 1).sum(axis=0)
+    hidden = t.collectives - float(inline @ model.coll)
+    expected = COLLECTIVE_DRAG * hidden + float(inline @ gather) + head + tail
+    assert t.exposed_transfers == pytest.approx(expected, rel=1e-6)
     assert t.exposed_transfers > 0.3 * t.collectives > 0
-    # one rank, the last half offloaded, the links fast enough to hide: no drag, only the ends
+    # one rank, the last half offloaded, the links fast enough to hide, and blocks enough to
+    # prefetch every miss (each block past the minimum frees one per group): only the ends
     model, lo = _model(gpt2, gpu_host(1, cpu_adam=1e12))
     host = np.ones(model.k, dtype=bool)
     host[model.k // 2 :] = False
-    t = model.step(lo + 1, host)
+    free = next(n for n in range(lo + 1, lo + model.k) if not model.table.inline(n).any())
+    assert model.table.inline(lo + 1).any()  # one spare block is not enough
+    t = model.step(free, host)
     assert t.collectives == 0 and t.h2d > 0
     assert t.exposed_transfers < 0.1 * (t.h2d + t.d2h)
 
@@ -185,5 +194,16 @@ def test_a_chunk_the_root_acquires_is_needed_when_the_forward_starts_and_updated
     assert others and root[0] > max(others)  # last in chunk order
     order = root + others
     done = np.cumsum(model.elements[order] / model.cpu_rate)
-    gather = model._transfer(host, model.rates.h2d)[order]
-    assert exposed(host) == pytest.approx(max(done + gather - model.first_need[order]), rel=1e-9)
+    gather = model._transfer(host, model.rates.h2d)
+    # A chunk gathered in line ([Note: gathers in line]: no free block while the group before
+    # computes) is uploaded when the forward reaches it, after the in-line gathers of the chunks
+    # needed before it (the root's first): its upload is the forward's, not a lead on its update.
+    inline = model.inline(lo + 1, overlap=True)[FWD] > 0
+    assert inline[order[-1]] and not inline[root].any()  # the last one updated is gathered in line
+
+    def key(c: int) -> tuple[float, bool, int]:
+        return float(model.first_need[c]), c not in root, c
+
+    later = [sum(gather[j] for j in np.flatnonzero(inline) if key(j) < key(c)) for c in order]
+    lead = np.where(inline[order], -np.array(later), gather[order])
+    assert exposed(host) == pytest.approx(max(done + lead - model.first_need[order]), rel=1e-9)
