@@ -30,7 +30,7 @@ from .distributed.collectives import Collectives
 from .gpu_limit import device_capacity, process_limit
 from .hardware.load import job_hardware, own_profile, with_step_gemms
 from .hardware.measure import collective_busbw
-from .hardware.profile import HardwareProfile, Rates
+from .hardware.profile import HardwareProfile
 from .host import HostMemory, held_bytes, host_available, local_ranks
 from .plan import DEVICE_MEMORY, ElixirPlan, LivePlan, Planned, check_fits, resolve_plan
 from .plan_view import (
@@ -62,7 +62,7 @@ from .runtime.batch_guard import token_shape
 from .search.budget import F_FRAG, Budget
 from .search.loop import SearchResult, SearchSettings, search
 from .search.report import ActivationsOption, Alternative, Candidate, MomentsOption, SearchReport
-from .search.step_time import StepTime
+from .search.step_time import StepTime, with_held_copies
 from .units import ParamTable, Unit, find_units, param_table
 
 __all__ = [
@@ -444,7 +444,7 @@ def _search_activations(
     host_activation_peak`` of the GPU for chunks (fewer offloaded, a larger rCache) and take
     ``held_inputs`` of pinned host memory from the arenas (``Budget.host_activations``); their copies
     out in the forward and back in the backward share the host link with the chunks' transfers, beside
-    compute (``_with_held_copies``). The planner weighs both tiers as it weighs chunk placements: by the
+    compute (``search.step_time.with_held_copies``). The planner weighs both tiers as it weighs chunk placements: by the
     predicted step, never by a rule of thumb on the sequence length."""
     asked = settings.config.activations
     held = profile.held_inputs
@@ -508,23 +508,7 @@ def _search_in(
     result = _search_with_moments(table, profile, hardware, on_host, settings)
     rates = hardware.rates(settings.world_size, settings.busbw, budget.ranks_per_host, settings.config.state)
     return replace(
-        result, placement=replace(result.placement, time=_with_held_copies(result.placement.time, held, rates))
-    )
-
-
-def _with_held_copies(t: StepTime, held: int, rates: Rates) -> StepTime:
-    """``t`` with the held block inputs' copies: ``held`` bytes out over D2H and back over H2D, beside compute on
-    the host link the chunks' transfers use; what the link then needs beyond the step's compute is exposed."""
-    up, down = held / rates.h2d, held / rates.d2h
-    link = t.h2d + t.d2h
-    extra = max(0.0, link + up + down - t.compute) - max(0.0, link - t.compute)
-    return replace(
-        t,
-        h2d=t.h2d + up,
-        d2h=t.d2h + down,
-        exposed_transfers=t.exposed_transfers + extra,
-        total=t.total + extra,
-        serial=t.serial + extra,
+        result, placement=replace(result.placement, time=with_held_copies(result.placement.time, held, rates))
     )
 
 

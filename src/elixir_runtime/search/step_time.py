@@ -33,7 +33,7 @@ updates back to back, because the host's overlaps are the ones the machine does 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, cast
 
 import numpy as np
@@ -48,7 +48,15 @@ from ..runtime.host_updates import update_order
 from .access import BWD, FWD, AccessTrace
 from .belady import MissTable
 
-__all__ = ["StepTime", "StepModel", "compute_time", "roofline_parts", "COLLECTIVE_DRAG", "ARENA_RATE"]
+__all__ = [
+    "StepTime",
+    "StepModel",
+    "compute_time",
+    "roofline_parts",
+    "with_held_copies",
+    "COLLECTIVE_DRAG",
+    "ARENA_RATE",
+]
 
 COLLECTIVE_DRAG = 0.45
 """Seconds of compute lost per second of an NCCL collective running beside it.
@@ -502,3 +510,19 @@ def _queue(ready: np.ndarray, work: np.ndarray) -> np.ndarray:
         return ready
     total = np.cumsum(work)
     return total + np.maximum.accumulate(ready - (total - work))
+
+
+def with_held_copies(t: StepTime, held: int, rates: Rates) -> StepTime:
+    """``t`` with the held block inputs' copies: ``held`` bytes out over D2H and back over H2D, beside compute on
+    the host link the chunks' transfers use; what the link then needs beyond the step's compute is exposed."""
+    up, down = held / rates.h2d, held / rates.d2h
+    link = t.h2d + t.d2h
+    extra = max(0.0, link + up + down - t.compute) - max(0.0, link - t.compute)
+    return replace(
+        t,
+        h2d=t.h2d + up,
+        d2h=t.d2h + down,
+        exposed_transfers=t.exposed_transfers + extra,
+        total=t.total + extra,
+        serial=t.serial + extra,
+    )

@@ -16,6 +16,7 @@ import elixir_runtime.planner as planner
 from elixir_runtime.config import ConfigError
 from elixir_runtime.profiler.profile import ModelProfile
 from elixir_runtime.search import Budget
+from elixir_runtime.search.step_time import with_held_copies
 from elixir_runtime.units import find_units
 from helpers.models import make_batch, tiny_llama
 
@@ -69,9 +70,9 @@ def test_the_copies_are_priced_beside_compute() -> None:
     cost no time, else what they need beyond it."""
     t = dataclasses.replace(_plan(_model()).plan.predicted, h2d=0.1, d2h=0.1, compute=1.0)
     rates = gpu_host().rates(1)
-    room = planner._with_held_copies(t, int(0.2 * rates.h2d), rates)
+    room = with_held_copies(t, int(0.2 * rates.h2d), rates)
     assert room.total == t.total and room.h2d == pytest.approx(0.3)
-    tight = planner._with_held_copies(t, int(0.5 * rates.h2d), rates)
+    tight = with_held_copies(t, int(0.5 * rates.h2d), rates)
     assert tight.total == pytest.approx(t.total + 0.2 + 0.5 + 0.5 - 1.0, rel=1e-6)
 
 
