@@ -44,7 +44,8 @@ XDIST := -n auto --dist loadfile
 
 # The lint gate, before every test run and in CI: ruff's lint and format check ([tool.ruff]; `ruff format` and
 # `ruff check --fix` repair most of it), the type check ([tool.mypy]: its files, strict where it says), and
-# spelling ([tool.codespell]). .pre-commit-config.yaml runs the same on each commit.
+# spelling ([tool.codespell]), then the lines of Python per package (a size report, not a gate).
+# .pre-commit-config.yaml runs the same on each commit.
 LINTED := src tests benchmarks recipes
 SPELLED := $(LINTED) docs README.md CHANGELOG.md
 
@@ -53,6 +54,8 @@ lint: $(STAMP)
 	$(VPY) -m ruff format --check $(LINTED)
 	$(VPY) -m mypy
 	$(VENV)/bin/codespell $(SPELLED)
+	@echo "lines of Python per package:"; for d in src/elixir_runtime src/elixir_hf tests benchmarks recipes; do \
+		printf '  %-20s %7d\n' $$d $$(find $$d -name '*.py' -print0 | xargs -0 cat | wc -l); done
 
 # Wall-clock budgets (`perf`) are not asserted by `make test`: on a loaded machine they fail without a bug.
 test: $(STAMP) $(COMPAT)/.installed lint

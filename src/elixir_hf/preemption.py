@@ -80,7 +80,7 @@ WRITE_RATE = 200e6
 """Bytes per second a first save is predicted to write at, summing included: a network file system's
 pace, well under a local NVMe's; later saves are predicted from this run's own."""
 VERIFY_RATE = 1e9
-"""Bytes per second of CRC-32 over files just written (the page cache): 1.3 GB/s on the 2-core test host."""
+"""Bytes per second of CRC-32 over files just written (the page cache), a little under a small host's (docs/hf.md)."""
 
 
 _shielding = 0

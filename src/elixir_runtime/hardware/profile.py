@@ -253,9 +253,9 @@ class HardwareProfile:
         ``state``: the optimizer state the Adam rates are of.
 
         [Note: rates of another state] The 8-bit kernels move 16 bytes an element against exact's 28,
-        but their table lookups cost compute: measured, the 8-bit CPU update ran 1.17x exact's rate on
-        the H200 box's 16 Intel cores and 0.35-0.46x on 2 Zen 4 cores, the GPU one 0.92x
-        (docs/kernels.md). So no ratio carries from one machine to another: where the profile has no
+        but their table lookups cost compute: measured, the 8-bit CPU update ran faster than exact's on
+        one host and at under half its rate on another (docs/kernels.md). So no ratio carries from one
+        machine to another: where the profile has no
         rate for ``state`` (measured before 8-bit moments, or a rank count only the exact state was
         measured for), the exact state's rates stand in, and the notes say so."""
         notes: list[str] = []
