@@ -42,6 +42,7 @@ BAD_CONFIG = {
     "record_update_rate": "no",
     "max_consecutive_skips": 0,
     "moments": "int4",
+    "activations": "cpu",
     "gpu_memory": 7.5e10,
 }
 BAD_LOSS_SCALE = {

@@ -68,7 +68,10 @@ class Budget:
         )
 
     def to_dict(self) -> dict[str, float]:
-        return {**asdict(self), "allowed": self.allowed, "host_allowed": self.host_allowed}
+        out = {**asdict(self), "allowed": self.allowed, "host_allowed": self.host_allowed}
+        if not self.host_activations:  # plans without held inputs on the host read as before it
+            del out["host_activations"]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Budget:
