@@ -38,7 +38,7 @@ from transformers import TrainerCallback, TrainingArguments
 
 from elixir_hf import ElixirTrainer, ElixirTrainingArguments
 from elixir_hf.commands.plan import DEVICE_LANE_WORDS
-from elixir_runtime.planner import plan_table
+from elixir_runtime.plan_view import plan_table
 
 from .gpu_marks import GpuMarks
 from .harness import (

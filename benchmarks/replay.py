@@ -32,7 +32,7 @@ import torch
 from elixir_hf.patches import mask_decisions_of
 from elixir_runtime.config import ElixirConfig
 from elixir_runtime.hardware.profile import HardwareProfile
-from elixir_runtime.planner import Target, plan_model
+from elixir_runtime.planner import PlanJob, Target, plan_model
 from elixir_runtime.profiler.profile import ModelProfile
 from elixir_runtime.search import Budget
 from elixir_runtime.search.step_time import StepTime
@@ -130,8 +130,6 @@ def predict(run: dict[str, Any], observed: float | None = None) -> StepTime:
     busbw = (plan.get("rates") or {}).get("busbw_GBps")
     target = Target(
         run["gpus"],
-        torch.device("cuda"),
-        dtype,
         hardware,
         budget,
         busbw=busbw * 1e9 if busbw and run["gpus"] > 1 else None,
@@ -147,7 +145,8 @@ def predict(run: dict[str, Any], observed: float | None = None) -> StepTime:
     )
     batch = {"input_ids": ids, "labels": ids}
     with kernels_of(run, model), mask_decisions_of(batch):
-        return plan_model(model, find_units(model, None), batch, config, target).plan.predicted
+        job = PlanJob(model, find_units(model, None), batch, config, torch.device("cuda"), dtype)
+        return plan_model(job, target).plan.predicted
 
 
 def replay(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:

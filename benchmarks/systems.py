@@ -106,7 +106,7 @@ def _elixir(p: Model, ctx: Context, example_ids: torch.Tensor) -> Trainer:
     opt = _adamw(model.parameters(), fused=False)
     with mask_decisions_of(batch):
         model, opt = er.prepare(model, opt, config, example_batch=batch, resident=resident)
-    from elixir_runtime.planner import plan_table
+    from elixir_runtime.plan_view import plan_table
 
     plan = model._elixir.plan
     print(plan_table(plan), flush=True)

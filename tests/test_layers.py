@@ -252,6 +252,7 @@ RUNTIME_FACES = (
     "elixir_runtime",  # the engine: prepare, the optimizer, weights left in their files, state by name
     "elixir_runtime.config",  # what a run asks of it
     "elixir_runtime.planner",  # plans, without a GPU (elixir-plan)
+    "elixir_runtime.plan_view",  # a plan's one renderer: the log table, elixir-plan's sections, the metrics
     "elixir_runtime.hardware",  # the machine: its profile, memory, cores, Adam kernels
     "elixir_runtime.progress",  # the progress bars' protocol
 )

@@ -16,7 +16,7 @@ from torch import nn
 import elixir_runtime
 from elixir_runtime import ElixirOptimizer, ElixirState
 from elixir_runtime.config import PlanMismatch
-from elixir_runtime.planner import plan_table
+from elixir_runtime.plan_view import plan_table
 
 from . import patches
 from .console import connect_logging

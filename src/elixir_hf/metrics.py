@@ -22,7 +22,7 @@ import psutil
 import torch
 
 from elixir_runtime import ElixirPlan, compile_stats
-from elixir_runtime.planner import plan_metrics
+from elixir_runtime.plan_view import plan_metrics
 
 from .optimizer import ElixirAcceleratedOptimizer
 

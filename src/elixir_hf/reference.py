@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 import elixir_runtime
-from elixir_runtime.planner import plan_table
+from elixir_runtime.plan_view import plan_table
 
 from .engine import engine_state, read_outside_modules
 from .plugin import ElixirPlugin, describe_model

@@ -30,7 +30,7 @@ from .kernels.threads import cpu_adam_threads
 from .optim.optimizer import ElixirOptimizer
 from .plan import ElixirPlan, LivePlan
 from .plan_view import plan_table
-from .planner import plan_job
+from .planner import PlanJob, plan_job
 from .runtime.chunk_runtime import ChunkRuntime
 from .runtime.context import EngineContext
 from .runtime.device_lane import DeviceLane
@@ -108,7 +108,7 @@ def prepare(
     _limit_gpu_memory(device, config.gpu_memory_bytes)
     # gradient shards come and go during each backward (chunk/store.py): page-mapped segments keep that from fragmenting
     expandable = device.type == "cuda" and expandable_segments()
-    planned = plan_job(
+    job = PlanJob(
         model,
         units,
         example_batch,
@@ -117,10 +117,11 @@ def prepare(
         dtype,
         coll,
         param_group=lambda p: group_of[id(p)],
+        resident=tuple(resident),
         grads_share_activations=expandable,
-        resident=list(resident),
         follow=plan,
     )
+    planned = plan_job(job)
     plan, live = planned.plan, planned.live
     if coll.rank == 0:  # the HF integration prints it; a debug record for runtime-only users
         logger.debug("Elixir plan:\n%s", plan_table(plan))

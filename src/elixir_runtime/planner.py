@@ -2,9 +2,11 @@
 
 Each entry returns a ``Planned``: the frozen ``ElixirPlan`` (the file's contents, built once) and
 the live layout it was decided on (``LivePlan``: table, layout, each unit's chunks), so nothing
-downstream builds them again. ``plan_model`` decides for a ``Target`` (world size, device, dtype,
-hardware profile, memory budget): profile the step → unit order → parameter table → search → the
-plan of the winning layout, which the search built. ``plan_static`` is a plan *given* (a static
+downstream builds them again. Each takes a ``PlanJob``: what a plan is decided from (the model, its
+units and example batch, the config, device, dtype, the job's ranks, param groups, the parameters
+read outside their modules, a plan to follow). ``plan_model`` decides it for a ``Target`` (world
+size, hardware profile, memory budget): profile the step → unit order → parameter table → search →
+the plan of the winning layout, which the search built. ``plan_static`` is a plan *given* (a static
 config or a plan file: its chunk size): the layout is built from it, nothing is searched.
 ``plan_job`` is ``prepare``'s entry: searched (``search_job``: the job's hardware measured, decided
 on rank 0, the plan given to every rank) or static; a plan file to follow checked against the
@@ -17,7 +19,7 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -33,26 +35,7 @@ from .hardware.measure import collective_busbw
 from .hardware.profile import HardwareProfile
 from .host import HostMemory, held_bytes, host_available, local_ranks
 from .plan import DEVICE_MEMORY, ElixirPlan, LivePlan, Planned, check_fits, resolve_plan
-from .plan_view import (
-    MEMORY_PARTS,
-    activations_text,
-    alternatives_table,
-    budget_text,
-    candidates_table,
-    chunk_layers,
-    describe_layers,
-    format_step_time,
-    host_line,
-    memory_lines,
-    moments_hint,
-    offload_text,
-    plan_metrics,
-    plan_table,
-    profile_text,
-    size_text,
-    step_text,
-    tflops,
-)
+from .plan_view import moments_hint, size_text
 from .profiler.kernels import cuda_attention
 from .profiler.outside import parameters_named
 from .profiler.profile import ModelProfile, ProfileSummary, profile_model, structural_profile
@@ -66,9 +49,10 @@ from .search.step_time import StepTime, with_held_copies
 from .units import ParamTable, Unit, find_units, param_table
 
 __all__ = [
+    "PlanJob",
     "Target",
     "plan_model",
-    # what plan_model takes and returns, as elixir-plan reads them
+    # what plan_model takes and returns, as elixir-plan reads them (the renderers: plan_view.py)
     "find_units",
     "ModelProfile",
     "Budget",
@@ -81,25 +65,6 @@ __all__ = [
     "Candidate",
     "Alternative",
     "DEVICE_MEMORY",
-    # the one renderer of a plan (plan_view.py)
-    "MEMORY_PARTS",
-    "alternatives_table",
-    "budget_text",
-    "candidates_table",
-    "chunk_layers",
-    "describe_layers",
-    "format_step_time",
-    "host_line",
-    "memory_lines",
-    "activations_text",
-    "moments_hint",
-    "offload_text",
-    "plan_metrics",
-    "plan_table",
-    "profile_text",
-    "size_text",
-    "step_text",
-    "tflops",
     "plan_static",
     "plan_job",
     "search_job",
@@ -122,21 +87,45 @@ Resident = Collection[nn.Parameter]
 
 
 @dataclass(frozen=True)
-class Target:
-    """The machine and job a plan is decided for."""
+class PlanJob:
+    """What a plan is decided from: the model and its step, the config, where and how it runs. Every
+    entry of the planner takes one; ``dataclasses.replace`` gives the same job under another config."""
 
-    world_size: int
+    model: nn.Module
+    units: list[Unit]
+    """Its fetch units (``units.find_units``)."""
+    example_batch: Any | None
+    """A batch of the run's shape (profiled on fake tensors); ``None``: planned without a profile."""
+    config: ElixirConfig
     device: torch.device
     dtype: torch.dtype
+    coll: Collectives = field(default_factory=lambda: Collectives(None))
+    """The job's ranks (default: one process, or the default group where one is up)."""
+    param_group: ParamGroup | None = None
+    resident: Resident = ()
+    grads_share_activations: bool = True
+    """``SearchSettings.grads_share_activations``: the allocator's expandable segments are on."""
+    follow: ElixirPlan | None = None
+    """The plan a plan file gives, whose layout this model's must be (``plan_job``: ``PlanMismatch``)."""
+
+    @property
+    def batch_shape(self) -> tuple[int, int] | None:
+        """The shape of the batch the plan is made with (``ElixirPlan.batch_shape``)."""
+        return token_shape(self.example_batch) if self.example_batch is not None else None
+
+
+@dataclass(frozen=True)
+class Target:
+    """The machine a searched plan is decided for (the job's device and dtype: ``PlanJob``)."""
+
+    world_size: int
     hardware: HardwareProfile
     budget: Callable[[ModelProfile], Budget]
     """The memory budget for a profiled step (``device_budget`` on the job's GPU)."""
     busbw: float | None = None
     """Collective bus bandwidth measured on the job's process group (``measure.collective_busbw``)."""
-    grads_share_activations: bool = True
-    """``SearchSettings.grads_share_activations``: the allocator's expandable segments are on."""
     times_gemms: bool = False
-    """The job runs on ``device`` with this machine's own profile: the search prices the step's GEMM
+    """The job runs on its device with this machine's own profile: the search prices the step's GEMM
     shapes at rates timed there (``hardware.load.with_step_gemms``)."""
 
 
@@ -189,102 +178,40 @@ def _released_tensors(model: nn.Module, batch: Any, device: torch.device) -> Ite
             stack.extend(item)
 
 
-def plan_model(
-    model: nn.Module,
-    units: list[Unit],
-    example_batch: Any | None,
-    config: ElixirConfig,
-    target: Target,
-    *,
-    param_group: ParamGroup | None = None,
-    exact: bool = False,
-    resident: Resident = (),
-) -> Planned:
-    """The searched plan of ``model`` trained on ``example_batch`` for ``target``; ``exact``: trace
-    every block (``profile_model``). Not checked against this machine's memory (``check_fits``)."""
-    searched = _searched(model, units, example_batch, config, target, param_group, exact, resident)
-    return searched.planned(config, target, _batch_shape(example_batch))
+def plan_model(job: PlanJob, target: Target, *, exact: bool = False) -> Planned:
+    """The searched plan of ``job`` for ``target``; ``exact``: trace every block (``profile_model``).
+    Not checked against this machine's memory (``check_fits``)."""
+    return _searched(job, target, exact).planned(job, target.world_size)
 
 
-def plan_static(
-    model: nn.Module,
-    units: list[Unit],
-    order: list[int],
-    config: ElixirConfig,
-    *,
-    world_size: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    param_group: ParamGroup | None = None,
-    resident: Resident = (),
-    batch_shape: tuple[int, int] | None = None,
-) -> Planned:
-    """The plan of ``config`` as given (its chunk size, else the default; rCache max and nothing
-    offloaded unless it says otherwise) for units called in ``order``; ``batch_shape`` recorded."""
-    table = _table(model, units, order, param_group, resident)
-    layout = _layout(table, config, world_size, config.chunk_size)
-    lane = device_lane_wanted(config, device)
-    return resolve_plan(config, table, layout, dtype, lane=lane, batch_shape=batch_shape)
+def plan_static(job: PlanJob, order: list[int], outside: list[str] | None = None) -> Planned:
+    """The plan of ``job.config`` as given (its chunk size, else the default; rCache max and nothing
+    offloaded unless it says otherwise) for units called in ``order``; ``outside``: the parameters
+    the traced forward read outside their units, beside ``job.resident``."""
+    config = job.config
+    table = _table(job, order, _with_outside(job.model, job.resident, outside or []))
+    layout = _layout(table, config, job.coll.world_size, config.chunk_size)
+    lane = device_lane_wanted(config, job.device)
+    return resolve_plan(config, table, layout, job.dtype, lane=lane, batch_shape=job.batch_shape)
 
 
-def plan_job(
-    model: nn.Module,
-    units: list[Unit],
-    example_batch: Any | None,
-    config: ElixirConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    coll: Collectives,
-    *,
-    param_group: ParamGroup | None = None,
-    grads_share_activations: bool = True,
-    resident: Resident = (),
-    follow: ElixirPlan | None = None,
-) -> Planned:
+def plan_job(job: PlanJob) -> Planned:
     """``prepare``'s plan, the same on every rank and checked against this machine's memory:
     searched with ``mode="auto"`` on a GPU (``search_job``), else as the config gives it
-    (``plan_static``) in the use order traced on rank 0. ``follow``: the plan a plan file gives,
+    (``plan_static``) in the use order traced on rank 0. ``job.follow``: the plan a plan file gives,
     whose layout this model's must be (``PlanMismatch``)."""
-    host = job_host_memory(model, example_batch, device, coll)
-    if config.mode == "auto" and device.type == "cuda":
-        planned = search_job(
-            model,
-            units,
-            example_batch,
-            config,
-            device,
-            dtype,
-            coll,
-            param_group=param_group,
-            grads_share_activations=grads_share_activations,
-            resident=resident,
-            host=host,
-        )
+    host = job_host_memory(job.model, job.example_batch, job.device, job.coll)
+    if job.config.mode == "auto" and job.device.type == "cuda":
+        planned = search_job(job, host=host)
     else:
-        order, outside = coll.decided_by_rank0(
-            lambda: trace_unit_order(model, units, example_batch, dtype, device), device
+        order, outside = job.coll.decided_by_rank0(
+            lambda: trace_unit_order(job.model, job.units, job.example_batch, job.dtype, job.device), job.device
         )
-        planned = plan_static(
-            model,
-            units,
-            order,
-            config,
-            world_size=coll.world_size,
-            device=device,
-            dtype=dtype,
-            param_group=param_group,
-            resident=_with_outside(model, resident, outside),
-            batch_shape=_batch_shape(example_batch),
-        )
-    if follow is not None:
-        _check_follows(follow, planned)
-    check_fits(planned.plan, device, host)
+        planned = plan_static(job, order, outside)
+    if job.follow is not None:
+        _check_follows(job.follow, planned)
+    check_fits(planned.plan, job.device, host)
     return planned
-
-
-def _batch_shape(example_batch: Any | None) -> tuple[int, int] | None:
-    """The shape of the batch a plan is made with (``ElixirPlan.batch_shape``)."""
-    return token_shape(example_batch) if example_batch is not None else None
 
 
 def _check_follows(given: ElixirPlan, planned: Planned) -> None:
@@ -308,20 +235,7 @@ def _check_follows(given: ElixirPlan, planned: Planned) -> None:
     )
 
 
-def search_job(
-    model: nn.Module,
-    units: list[Unit],
-    example_batch: Any | None,
-    config: ElixirConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    coll: Collectives,
-    *,
-    param_group: ParamGroup | None = None,
-    grads_share_activations: bool = True,
-    resident: Resident = (),
-    host: HostMemory | None = None,
-) -> Planned:
+def search_job(job: PlanJob, *, host: HostMemory | None = None) -> Planned:
     """The searched plan of the job ``coll`` spans, on ``device``'s free memory and ``host``'s
     (default: ``job_host_memory``), identical on every rank.
 
@@ -334,26 +248,27 @@ def search_job(
     search built holds rank 0's parameters, so it is not sent: the other ranks build theirs from
     the chosen chunk size, as from any plan given.
     """
-    host = host or job_host_memory(model, example_batch, device, coll)
+    coll, device, dtype = job.coll, job.device, job.dtype
+    host = host or job_host_memory(job.model, job.example_batch, device, coll)
     busbw = collective_busbw(coll, device, dtype) if coll.world_size > 1 else None
-    hardware = job_hardware(coll, device, config.cpu_threads, state=config.state)
+    hardware = job_hardware(coll, device, job.config.cpu_threads, state=job.config.state)
 
     def budget(profile: ModelProfile) -> Budget:
         return device_budget(device, profile.activation_peak, profile.buffer_bytes, host)
 
-    target = Target(coll.world_size, device, dtype, hardware, budget, busbw, grads_share_activations, own_profile())
+    target = Target(coll.world_size, hardware, budget, busbw, own_profile())
     mine: list[_Searched] = []
 
     def decide() -> tuple[list[int], list[str], SearchResult, ProfileSummary, Where]:
-        mine.append(_searched(model, units, example_batch, config, target, param_group, resident=resident))
+        mine.append(_searched(job, target))
         s = mine[0]
         return s.order, s.outside, replace(s.result, layout=None), s.profile, s.activations
 
     order, outside, result, profile, activations = coll.decided_by_rank0(decide, device)
     if not mine:
-        table = _table(model, units, order, param_group, _with_outside(model, resident, outside, log=False))
+        table = _table(job, order, _with_outside(job.model, job.resident, outside, log=False))
         mine.append(_Searched(order, outside, table, result, profile, activations))
-    return mine[0].planned(config, target, _batch_shape(example_batch))
+    return mine[0].planned(job, coll.world_size)
 
 
 @dataclass(frozen=True)
@@ -370,54 +285,46 @@ class _Searched:
     activations: Where = "device"
     """Where the search put the held block inputs (``_search_activations``)."""
 
-    def planned(self, config: ElixirConfig, target: Target, batch_shape: tuple[int, int] | None) -> Planned:
+    def planned(self, job: PlanJob, world_size: int) -> Planned:
         """The plan of the winning layout (built here from the chosen chunk size where the result came
         from another rank)."""
-        layout = self.result.layout or _layout(self.table, config, target.world_size, self.result.chunk_size)
+        layout = self.result.layout or _layout(self.table, job.config, world_size, self.result.chunk_size)
         return resolve_plan(
-            config,
+            job.config,
             self.table,
             layout,
-            target.dtype,
+            job.dtype,
             search=self.result,
-            batch_shape=batch_shape,
+            batch_shape=job.batch_shape,
             profile=self.profile,
             activations=self.activations,
         )
 
 
-def _searched(
-    model: nn.Module,
-    units: list[Unit],
-    example_batch: Any | None,
-    config: ElixirConfig,
-    target: Target,
-    param_group: ParamGroup | None,
-    exact: bool = False,
-    resident: Resident = (),
-) -> _Searched:
+def _searched(job: PlanJob, target: Target, exact: bool = False) -> _Searched:
     """Profile → unit order → table → budget → search."""
+    device, dtype, config = job.device, job.dtype, job.config
     with progress(1, "elixir: profiling a training step") as bar:
-        profile = _profile(model, units, example_batch, target.dtype, target.device, exact)
+        profile = _profile(job.model, job.units, job.example_batch, dtype, device, exact)
         bar.update()
     hardware = target.hardware
     if target.times_gemms:
-        hardware = with_step_gemms(hardware, profile.flop_classes, target.dtype, target.device)
-    order = profile.unit_indices(units)
-    table = _table(model, units, order, param_group, _with_outside(model, resident, profile.read_outside))
+        hardware = with_step_gemms(hardware, profile.flop_classes, dtype, device)
+    order = profile.unit_indices(job.units)
+    table = _table(job, order, _with_outside(job.model, job.resident, profile.read_outside))
     budget = target.budget(profile)
-    if example_batch is None:
+    if job.example_batch is None:
         budget = replace(budget, activations=int(UNPROFILED_ACTIVATION_SHARE * budget.capacity / F_FRAG))
     settings = SearchSettings(
         target.world_size,
-        target.dtype,
+        dtype,
         config,
         busbw=target.busbw,
-        device_lane=device_lane_wanted(config, target.device),
-        grads_share_activations=target.grads_share_activations,
+        device_lane=device_lane_wanted(config, device),
+        grads_share_activations=job.grads_share_activations,
     )
     shapes = sum(1 for c in profile.flop_classes if c in hardware.gemms)
-    result, activations = _search_activations(table, profile, hardware, budget, settings, target.device)
+    result, activations = _search_activations(table, profile, hardware, budget, settings, device)
     result = result.noted(
         f"hardware: {hardware.device}, {hardware.source}",
         f"profile: {profile.seconds:.2f} s; activation peak at {profile.peak_at}",
@@ -556,13 +463,13 @@ def _option(result: SearchResult) -> MomentsOption:
     return MomentsOption(COMPACT, len(p.offload), n, p.device_bytes, p.host_bytes, float(p.time.total))
 
 
-def _table(
-    model: nn.Module, units: list[Unit], order: list[int], param_group: ParamGroup | None, resident: Resident = ()
-) -> ParamTable:
-    table = param_table(model, units, order, resident)
-    if param_group is None:
+def _table(job: PlanJob, order: list[int], resident: Resident) -> ParamTable:
+    """The parameter table of ``job.model`` for units called in ``order``, ``resident`` (``job.resident`` and
+    what the forward read outside its units: ``_with_outside``) given chunks of their own."""
+    table = param_table(job.model, job.units, order, resident)
+    if job.param_group is None:
         return table
-    return replace(table, groups=[param_group(p) if p.requires_grad else -1 for p in table.params])
+    return replace(table, groups=[job.param_group(p) if p.requires_grad else -1 for p in table.params])
 
 
 def _with_outside(model: nn.Module, resident: Resident, outside: list[str], log: bool = True) -> list[nn.Parameter]:

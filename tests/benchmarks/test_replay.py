@@ -17,7 +17,7 @@ from benchmarks.models import PRESETS, build_meta
 from elixir_hf.patches import mask_decisions_of
 from elixir_runtime.config import ElixirConfig
 from elixir_runtime.hardware.profile import CpuAdamRate, HardwareProfile, LinkRates
-from elixir_runtime.planner import Target, plan_model
+from elixir_runtime.planner import PlanJob, Target, plan_model
 from elixir_runtime.search import Budget
 from elixir_runtime.units import find_units
 
@@ -52,11 +52,12 @@ def _recorded_run(batch: int = 2, gpus: int = 2) -> dict:
     def budget(profile):
         return Budget(80 * GIB, profile.activation_peak, profile.buffer_bytes, 256 * GIB, gpus)
 
-    target = Target(gpus, torch.device("cuda"), dtype, _hardware(), budget, busbw=150e9)
+    target = Target(gpus, _hardware(), budget, busbw=150e9)
     config = ElixirConfig(offload=0.5, n_blocks="min", clips_grads=False)
     inputs = {"input_ids": ids, "labels": ids}
     with mask_decisions_of(inputs):  # as the harness's elixir system plans
-        plan = plan_model(model, find_units(model, None), inputs, config, target).plan
+        job = PlanJob(model, find_units(model, None), inputs, config, torch.device("cuda"), dtype)
+        plan = plan_model(job, target).plan
     assert plan.offload, "the case must offload"
     return {
         "system": "elixir",

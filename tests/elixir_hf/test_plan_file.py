@@ -13,7 +13,7 @@ from elixir_hf.plugin import ElixirPlugin, ElixirSpecError
 from elixir_runtime import ElixirPlan
 from elixir_runtime.hardware import HardwareProfile
 from elixir_runtime.plan import PLAN_FORMAT
-from elixir_runtime.planner import alternatives_table, candidates_table, plan_metrics, plan_table
+from elixir_runtime.plan_view import alternatives_table, candidates_table, plan_metrics, plan_table
 
 PLAN = ElixirPlan(
     chunk_size=4096, n_blocks=3, offload=[2], n_chunks=4, world_size=1, dtype="float32", min_blocks=2, max_blocks=4

@@ -14,7 +14,8 @@ import elixir_runtime as er
 from elixir_runtime.config import ConfigError, parse_size
 from elixir_runtime.gpu_limit import device_capacity, limit_gpu_memory, process_limit
 from elixir_runtime.host import HostMemory
-from elixir_runtime.planner import device_budget, plan_table
+from elixir_runtime.plan_view import plan_table
+from elixir_runtime.planner import device_budget
 from helpers.fake_cuda import GIB, FakeGPU
 from helpers.logs import captured
 from helpers.models import make_batch, tiny_gpt2

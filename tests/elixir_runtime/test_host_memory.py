@@ -99,13 +99,16 @@ def _plan_model(model, batch, config, gpu: int, host_mem: int) -> er.ElixirPlan:
     def budget(profile):
         return planner.Budget(gpu, profile.activation_peak, profile.buffer_bytes, host_mem, 1)
 
-    target = planner.Target(1, CUDA, torch.bfloat16, load_hardware("h100"), budget)
-    return planner.plan_model(model, find_units(model, None), batch, config, target).plan
+    target = planner.Target(1, load_hardware("h100"), budget)
+    return planner.plan_model(_job(model, batch, config), target).plan
+
+
+def _job(model, batch, config) -> planner.PlanJob:
+    return planner.PlanJob(model, find_units(model, None), batch, config, CUDA, torch.bfloat16, Collectives(None))
 
 
 def _plan_job(model, batch, config) -> er.ElixirPlan:
-    units = find_units(model, None)
-    return planner.plan_job(model, units, batch, config, CUDA, torch.bfloat16, Collectives(None)).plan
+    return planner.plan_job(_job(model, batch, config)).plan
 
 
 def test_the_machine_plans_as_elixir_plan_for_its_memory_with_the_weights_deciding(monkeypatch) -> None:
@@ -155,15 +158,9 @@ def test_no_fit_states_the_host_accounting(monkeypatch) -> None:
 def test_check_fits_counts_the_weights_freed() -> None:
     """A static plan (``check_fits``) is held to the same host memory as a searched one."""
     model, batch = tiny_gpt2(n_layer=2, n_embd=64), make_batch(128)
-    plan = planner.plan_job(
-        model,
-        find_units(model, None),
-        batch,
-        er.ElixirConfig(mode="static", offload=1.0),
-        torch.device("cpu"),
-        torch.float32,
-        Collectives(None),
-    ).plan
+    config = er.ElixirConfig(mode="static", offload=1.0)
+    job = planner.PlanJob(model, find_units(model, None), batch, config, torch.device("cpu"), torch.float32)
+    plan = planner.plan_job(job).plan
     from elixir_runtime.plan import check_fits
 
     check_fits(plan, torch.device("cpu"), HostMemory(plan.host_bytes // 2, plan.host_bytes))

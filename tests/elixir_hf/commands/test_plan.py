@@ -233,7 +233,7 @@ def test_help_is_plain_text(capsys) -> None:
 
 
 def test_chunks_are_named_by_the_layers_they_hold() -> None:
-    from elixir_runtime.planner import describe_layers
+    from elixir_runtime.plan_view import describe_layers
 
     names = [
         "transformer.wte.weight",
@@ -454,7 +454,9 @@ def test_cli_and_auto_make_the_same_plan_from_the_same_profile(capsys, tmp_path,
     config, cuda = ElixirConfig(dtype="bf16", device_assisted_update="auto"), torch.device("cuda")
     batch = {"input_ids": ids, "labels": ids}
     with mask_decisions_of(batch):  # as build_engine does around prepare
-        plan = planner.search_job(model, units, batch, config, cuda, torch.bfloat16, Collectives(None)).plan
+        plan = planner.search_job(
+            planner.PlanJob(model, units, batch, config, cuda, torch.bfloat16, Collectives(None))
+        ).plan
     assert cli_plan["offload"] or cli_plan["n_blocks"] < cli_plan["max_blocks"], "the case must make a choice"
     saved = plan.to_dict()
     for key in ("chunk_size", "n_chunks", "n_blocks", "offload", "device_lane", "memory", "predicted"):

@@ -14,6 +14,7 @@ from search_cases import GIB, gpu_host, model_state_bytes
 import elixir_runtime as er
 import elixir_runtime.planner as planner
 from elixir_runtime.config import ConfigError
+from elixir_runtime.plan_view import plan_table
 from elixir_runtime.profiler.profile import ModelProfile
 from elixir_runtime.search import Budget
 from elixir_runtime.search.step_time import with_held_copies
@@ -38,9 +39,11 @@ def _plan(model: torch.nn.Module, host_gib: float = 64, **config: object) -> pla
         capacity = int(1.25 * profile.host_activation_peak + profile.buffer_bytes + 1.2 * states / 0.98)
         return Budget(capacity, profile.activation_peak, profile.buffer_bytes, int(host_gib * GIB), 1)
 
-    target = planner.Target(1, torch.device("cuda"), torch.float32, gpu_host(), budget)
+    target = planner.Target(1, gpu_host(), budget)
     batch = make_batch(128, batch=4, seq=1024, device=torch.device("cpu"))
-    return planner.plan_model(model, find_units(model, None), batch, er.ElixirConfig(**config), target)  # type: ignore[arg-type]
+    cfg = er.ElixirConfig(**config)  # type: ignore[arg-type]
+    job = planner.PlanJob(model, find_units(model, None), batch, cfg, torch.device("cuda"), torch.float32)
+    return planner.plan_model(job, target)
 
 
 def test_auto_puts_them_on_the_host_where_the_states_then_fit() -> None:
@@ -53,7 +56,7 @@ def test_auto_puts_them_on_the_host_where_the_states_then_fit() -> None:
     assert plan.memory.activations == plan.profile.host_activation_peak < plan.profile.activation_peak
     (device,) = plan.search.activations
     assert device.where == "device" and device.offloaded and device.step_s > plan.predicted.total
-    text = er.planner.plan_table(plan)
+    text = plan_table(plan)
     assert "host: the held block inputs" in text and "on the GPU: " in text
 
 

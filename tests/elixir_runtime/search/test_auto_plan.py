@@ -48,7 +48,9 @@ def test_auto_plan_runs_in_the_engine(monkeypatch) -> None:
     batch = make_batch(128)
     units = find_units(model, None)
     config = er.ElixirConfig()
-    planned = planner.search_job(model, units, batch, config, torch.device("cpu"), torch.float32, Collectives(None))
+    planned = planner.search_job(
+        planner.PlanJob(model, units, batch, config, torch.device("cpu"), torch.float32, Collectives(None))
+    )
     searched = planned.plan
     assert {id(p) for p in planned.live.param_table.params} == {id(p) for p in model.parameters()} and searched.offload
     assert any("hardware: test GPU" in n for n in searched.search.notes)
@@ -77,7 +79,7 @@ def test_without_a_batch_the_activations_get_a_fixed_share(monkeypatch) -> None:
     _fake_machine(monkeypatch, model, share=3.0)
     units = find_units(model, None)
     planned = planner.search_job(
-        model, units, None, er.ElixirConfig(), torch.device("cpu"), torch.float32, Collectives(None)
+        planner.PlanJob(model, units, None, er.ElixirConfig(), torch.device("cpu"), torch.float32, Collectives(None))
     )
     plan = planned.plan
     assert planned.live.param_table.params == param_table(model, units, [u.index for u in units]).params
@@ -108,9 +110,13 @@ def test_clips_grads_reaches_the_search(monkeypatch) -> None:
         (False, torch.float16),
     ):
         planner.search_job(
-            model, units, batch, er.ElixirConfig(clips_grads=clips, skip_nonfinite=False), cpu, dtype, coll
+            planner.PlanJob(
+                model, units, batch, er.ElixirConfig(clips_grads=clips, skip_nonfinite=False), cpu, dtype, coll
+            )
         )
-    planner.search_job(model, units, batch, er.ElixirConfig(clips_grads=False), cpu, torch.bfloat16, coll)
+    planner.search_job(
+        planner.PlanJob(model, units, batch, er.ElixirConfig(clips_grads=False), cpu, torch.bfloat16, coll)
+    )
     assert seen == [True, False, False, True, True]
 
 
@@ -132,7 +138,7 @@ def _plan_on_two_ranks(rank: int, world: int) -> tuple:
     units = find_units(model, None)
     coll = Collectives(torch.distributed.group.WORLD)
     planned = planner.search_job(
-        model, units, make_batch(128), er.ElixirConfig(), torch.device("cpu"), torch.float32, coll
+        planner.PlanJob(model, units, make_batch(128), er.ElixirConfig(), torch.device("cpu"), torch.float32, coll)
     )
     p, live = planned.plan, planned.live
     # rank 0 keeps the layout its search built, rank 1 builds it from the chunk size: the same layout
@@ -169,7 +175,7 @@ def test_the_gpu_limit_shrinks_the_plan(monkeypatch) -> None:
         config = er.ElixirConfig(gpu_memory=gpu_memory)
         limit_gpu_memory(torch.device("cuda", 0), config.gpu_memory)
         return planner.search_job(
-            model, find_units(model, None), None, config, torch.device("cpu"), torch.float32, coll
+            planner.PlanJob(model, find_units(model, None), None, config, torch.device("cpu"), torch.float32, coll)
         ).plan
 
     whole = plan()

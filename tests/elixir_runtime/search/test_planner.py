@@ -16,6 +16,7 @@ import elixir_runtime.planner as planner
 from elixir_runtime.chunk.store import ShardArenas
 from elixir_runtime.config import PlanMismatch
 from elixir_runtime.distributed.collectives import Collectives
+from elixir_runtime.profiler.trace import trace_unit_order
 from elixir_runtime.search import Budget
 from elixir_runtime.units import find_units
 from helpers.models import make_batch, read_head_outside, tiny_gpt2, tiny_llama
@@ -34,16 +35,9 @@ def test_prepare_installs_the_plan_the_planner_makes() -> None:
     twin = copy.deepcopy(model)
     opt = _optimizer(twin)
     groups = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
-    planned = planner.plan_job(
-        twin,
-        find_units(twin, None),
-        batch,
-        config,
-        torch.device("cpu"),
-        torch.float32,
-        Collectives(None),
-        param_group=lambda p: groups[id(p)],
-    )
+    cpu, units = torch.device("cpu"), find_units(twin, None)
+    job = planner.PlanJob(twin, units, batch, config, cpu, torch.float32, param_group=lambda p: groups[id(p)])
+    planned = planner.plan_job(job)
 
     model, _ = er.prepare(model, _optimizer(model), config, example_batch=batch)
     installed, live = model._elixir.plan, model._elixir.live
@@ -55,11 +49,28 @@ def test_prepare_installs_the_plan_the_planner_makes() -> None:
         installed.n_blocks = 1  # built once: a variant is dataclasses.replace of it
 
 
+def test_one_job_one_plan_by_either_entry() -> None:
+    """A ``PlanJob`` is frozen (a variant is ``dataclasses.replace`` of it), and ``plan_job`` on the CPU
+    decides what ``plan_static`` does for the use order traced there: the job, not the entry, decides."""
+    model, batch = tiny_gpt2(n_layer=3, n_embd=64), make_batch(64)
+    config = er.ElixirConfig(mode="static", n_blocks="min", offload=0.5, chunk_size=20_000)
+    cpu = torch.device("cpu")
+    job = planner.PlanJob(model, find_units(model, None), batch, config, cpu, torch.float32)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        job.config = er.ElixirConfig()  # type: ignore[misc]
+    order, outside = trace_unit_order(model, job.units, batch, torch.float32, cpu)
+    by_job, by_order = planner.plan_job(job), planner.plan_static(job, order, outside)
+    assert by_job.plan == by_order.plan and by_job.plan.offload and by_job.plan.batch_shape == (2, 16)
+    assert by_job.live.layout.fingerprint() == by_order.live.layout.fingerprint()
+    other = planner.plan_job(dataclasses.replace(job, config=dataclasses.replace(config, offload=0.0)))
+    assert not other.plan.offload and job.config.offload == 0.5
+
+
 def _search_on_cpu(model: torch.nn.Module, batch: dict) -> planner.Planned:
     """``--elixir auto``'s decision (``planner.search_job``) for one rank, the CPU standing for its GPU."""
     units = find_units(model, None)
     return planner.search_job(
-        model, units, batch, er.ElixirConfig(), torch.device("cpu"), torch.float32, Collectives(None)
+        planner.PlanJob(model, units, batch, er.ElixirConfig(), torch.device("cpu"), torch.float32, Collectives(None))
     )
 
 
@@ -147,16 +158,10 @@ def test_the_search_plans_the_resident_chunk(monkeypatch, named: bool) -> None:
     monkeypatch.setattr(planner, "job_hardware", lambda coll, device, cpu_threads=None, state=None: gpu_host())
     model = tiny_llama()
     head = read_head_outside(model)
-    planned = planner.search_job(
-        model,
-        find_units(model, None),
-        make_batch(128),
-        er.ElixirConfig(),
-        torch.device("cpu"),
-        torch.float32,
-        Collectives(None),
-        resident=[head] if named else [],
-    )
+    units, cpu = find_units(model, None), torch.device("cpu")
+    resident = (head,) if named else ()
+    job = planner.PlanJob(model, units, make_batch(128), er.ElixirConfig(), cpu, torch.float32, resident=resident)
+    planned = planner.search_job(job)
     plan, live = planned.plan, planned.live
     i = live.param_table.index[id(head)]
     assert live.param_table.resident[i] and plan.predicted is not None

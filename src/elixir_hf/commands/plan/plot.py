@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from elixir_runtime.planner import DEVICE_MEMORY, MEMORY_PARTS, ElixirPlan, chunk_layers
+from elixir_runtime.plan_view import MEMORY_PARTS, chunk_layers
+from elixir_runtime.planner import DEVICE_MEMORY, ElixirPlan
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

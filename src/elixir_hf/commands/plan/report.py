@@ -25,27 +25,22 @@ import torch
 
 from elixir_runtime.config import ElixirConfig, PlanError
 from elixir_runtime.hardware import HardwareProfile
-from elixir_runtime.planner import (
-    Budget,
-    ElixirPlan,
-    ModelProfile,
-    Target,
+from elixir_runtime.plan_view import (
     activations_text,
     alternatives_table,
     budget_text,
     candidates_table,
-    find_units,
     host_line,
     memory_lines,
     moments_hint,
     offload_text,
-    plan_model,
     plan_table,
     profile_text,
     size_text,
     step_text,
     tflops,
 )
+from elixir_runtime.planner import Budget, ElixirPlan, ModelProfile, PlanJob, Target, find_units, plan_model
 
 from ...loss import use_lean_loss
 from ...patches import mask_decisions_of
@@ -100,15 +95,13 @@ def plan_report(
             use_lean_loss(model)
         build_s = time.perf_counter() - t0
         ids = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long, device="meta")
-        units, batch, target = (
-            find_units(model, config.unit_classes),
-            {"input_ids": ids, "labels": ids},
-            _target(args, hardware, card, host_bytes),
-        )
+        batch = {"input_ids": ids, "labels": ids}
+        job = PlanJob(model, find_units(model, config.unit_classes), batch, config, torch.device("cuda"), args.dtype)
+        target = _target(args, hardware, card, host_bytes)
 
         def plan_for(cfg: ElixirConfig) -> ElixirPlan:
             with mask_decisions_of(batch):
-                return plan_model(model, units, batch, cfg, target, exact=args.exact).plan
+                return plan_model(replace(job, config=cfg), target, exact=args.exact).plan
 
         t1 = time.perf_counter()
         try:
@@ -207,7 +200,7 @@ def _target(args: argparse.Namespace, hardware: HardwareProfile, card: int, host
             limit=cap,
         )
 
-    return Target(args.gpus, torch.device("cuda"), args.dtype, hardware, budget)
+    return Target(args.gpus, hardware, budget)
 
 
 def _title(args: argparse.Namespace, card: int, budget: Budget) -> str:
