@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,28 @@ def _no_progress_bars_left_behind() -> Iterator[None]:
         yield
     finally:
         set_progress_factory(previous)
+
+
+@pytest.fixture(scope="session")
+def machine_profile() -> Path:
+    """This machine's hardware profile file (``~/.cache/elixir``'s, measured if missing, as by any test that
+    plans with it): a test that keeps Elixir's caches in a folder of its own copies it there
+    (``hardware_in``), so that its planner does not measure this machine again (13 s on 2 cores)."""
+    from elixir_runtime.hardware.load import cache_path, load_hardware
+
+    load_hardware(ranks=())  # what a job's planner measures: the rest, per rank count, the job adds
+    return cache_path()
+
+
+@pytest.fixture()
+def hardware_in(machine_profile: Path) -> Callable[[Path], None]:
+    """``hardware_in(folder)``: this machine's profile put in ``folder``, an ``ELIXIR_CACHE_DIR``."""
+
+    def put(folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(machine_profile, folder / machine_profile.name)
+
+    return put
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -15,9 +15,11 @@ from benchmarks import quality
 
 
 @pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The recipe's corpus, tokenizer and datasets caches in ``tmp_path``; Elixir only where asked."""
+def _cache(tmp_path, monkeypatch: pytest.MonkeyPatch, hardware_in) -> None:
+    """The recipe's corpus, tokenizer and datasets caches in ``tmp_path`` (with this machine's hardware
+    profile); Elixir only where asked."""
     monkeypatch.setenv("ELIXIR_CACHE_DIR", str(tmp_path / "cache"))
+    hardware_in(tmp_path / "cache")
     monkeypatch.delenv("ELIXIR_CONFIG", raising=False)
 
 

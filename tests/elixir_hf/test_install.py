@@ -27,6 +27,10 @@ REPO = Path(__file__).resolve().parents[2]
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 VERSION = PROJECT["version"]
 
+# The packaging, not transformers code: the newest transformers only (the elixir-plan it runs from the
+# installed copy, commands/test_plan.py runs on both versions)
+pytestmark = pytest.mark.once
+
 
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:

@@ -35,8 +35,9 @@ def recipe(monkeypatch: pytest.MonkeyPatch, tmp_path):
     return SimpleNamespace(data=data, train=train)
 
 
-def test_default_recipe_trains_offline(tmp_path) -> None:
+def test_default_recipe_trains_offline(tmp_path, hardware_in) -> None:
     out = tmp_path / "run"
+    hardware_in(tmp_path / "cache")
     env = {
         **os.environ,
         "ELIXIR_CACHE_DIR": str(tmp_path / "cache"),

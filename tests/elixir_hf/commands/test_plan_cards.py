@@ -83,6 +83,7 @@ def test_this_machines_gpu_plans_with_this_machines_ram(tiny, tmp_path, monkeypa
     monkeypatch.setattr(load, "machine_key", lambda: "here")
     mine = shipped_hardware("h100")
     mine.source, mine.version = "measured on this test's machine", PROFILE_VERSION  # current: not measured again
+    mine.cpu_adam8 = dict(mine.cpu_adam)  # nor its 8-bit CPU Adam, which the shipped profile lacks
     mine.save(load.cache_path())
     args = _parser().parse_args(tiny)
     hardware, note = plan_hardware(args)

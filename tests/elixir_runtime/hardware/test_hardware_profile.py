@@ -67,40 +67,50 @@ def test_json_round_trip_and_file_override(tmp_path, monkeypatch) -> None:
     assert load_hardware(path).links[2].g2g == 200e9
 
 
-def test_measured_once_then_cached(tmp_path, monkeypatch) -> None:
+@pytest.fixture()
+def measured(tmp_path, monkeypatch) -> list[str]:
+    """This machine's profile cached in ``tmp_path``, as on a one-GPU host, with both measurements stubbed
+    (``gpu_host(cpu_adam=6e9)``; the 8-bit CPU Adam it lacks at 3e9): the names of those ``load_hardware`` ran."""
     monkeypatch.delenv(ENV_HARDWARE, raising=False)
     monkeypatch.setenv("ELIXIR_CACHE_DIR", str(tmp_path))
-    calls = []
-    current = dataclasses.replace(gpu_host(), version=PROFILE_VERSION)
-    monkeypatch.setattr(measure, "rank_counts", lambda gpus=None: [1])  # as on a one-GPU host
-    monkeypatch.setattr(measure, "measure_hardware", lambda quick=False, ranks=None: calls.append(1) or current)
-    first = load_hardware()
-    assert cache_path().parent == tmp_path and cache_path().exists()
-    assert load_hardware() == first and len(calls) == 1
-
-
-def test_a_cached_profile_of_an_older_measurement_is_measured_again(tmp_path, monkeypatch) -> None:
-    """Version 2 timed the CPU Adam of the whole host in one process, shared among the ranks."""
-    monkeypatch.delenv(ENV_HARDWARE, raising=False)
-    monkeypatch.setenv("ELIXIR_CACHE_DIR", str(tmp_path))
-    dataclasses.replace(gpu_host(cpu_adam=9e9), version=2).save(cache_path())
+    calls: list[str] = []
     fresh = dataclasses.replace(gpu_host(cpu_adam=6e9), version=PROFILE_VERSION)
+
+    def hardware(quick: bool = False, ranks=None) -> HardwareProfile:
+        calls.append("hardware")
+        return dataclasses.replace(fresh, cpu_adam8={})
+
+    def cpu_adam(n: int, *, quick: bool = False, state=FP32, **_) -> CpuAdamRate:
+        calls.append(f"cpu_adam[{n}] {state.moments}")
+        return CpuAdamRate(n, 1, 3e9, 3e9)
+
     monkeypatch.setattr(measure, "rank_counts", lambda gpus=None: [1])
-    monkeypatch.setattr(measure, "measure_hardware", lambda quick=False, ranks=None: fresh)
+    monkeypatch.setattr(measure, "measure_hardware", hardware)
+    monkeypatch.setattr(measure, "host_cpu_adam", cpu_adam)
+    return calls
+
+
+def test_measured_once_then_cached(measured) -> None:
+    """The 8-bit CPU Adam the measured profile lacks is measured with it, and cached too."""
+    first = load_hardware()
+    assert cache_path().exists() and first.cpu_adam8[1].under_copies == 3e9
+    assert load_hardware() == first and measured == ["hardware", "cpu_adam[1] 8bit"]
+
+
+def test_a_cached_profile_of_an_older_measurement_is_measured_again(measured, tmp_path) -> None:
+    """Version 2 timed the CPU Adam of the whole host in one process, shared among the ranks."""
+    dataclasses.replace(gpu_host(cpu_adam=9e9), version=2).save(cache_path())
     assert (
         load_hardware().cpu_adam[1].under_copies == 6e9
         and HardwareProfile.load(cache_path()).version == PROFILE_VERSION
     )
+    assert measured[0] == "hardware" and cache_path().parent == tmp_path
 
 
-def test_an_unreadable_cached_profile_is_measured_again(tmp_path, monkeypatch, caplog) -> None:
-    monkeypatch.delenv(ENV_HARDWARE, raising=False)
-    monkeypatch.setenv("ELIXIR_CACHE_DIR", str(tmp_path))
+def test_an_unreadable_cached_profile_is_measured_again(measured, caplog) -> None:
     cache_path().write_text('{"device": "half a write')
-    fresh = dataclasses.replace(gpu_host(cpu_adam=6e9), version=PROFILE_VERSION)
-    monkeypatch.setattr(measure, "rank_counts", lambda gpus=None: [1])
-    monkeypatch.setattr(measure, "measure_hardware", lambda quick=False, ranks=None: fresh)
-    assert load_hardware() == fresh and HardwareProfile.load(cache_path()) == fresh
+    assert load_hardware() == HardwareProfile.load(cache_path()) and measured[0] == "hardware"
+    assert load_hardware().cpu_adam[1].under_copies == 6e9
     assert "cannot be read" in caplog.text
 
 
