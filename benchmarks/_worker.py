@@ -32,7 +32,7 @@ from .models import attention_flops_per_token, param_count, preset, vocab_size
 from .systems import build
 
 PG_TIMEOUT_S = 300
-_DIST_SYSTEMS = ("fsdp2", "fsdp2_offload", "ds2_offload", "ds3_offload")
+_DIST_SYSTEMS = ("fsdp2", "fsdp2_offload", "ds2_offload", "ds3_offload", "ds3_partial")
 _CPU_COLLECTIVE_SYSTEMS = ("fsdp2_offload",)
 """Systems whose clip reduces CPU tensors (FSDP2's offloaded DTensor grads): gloo beside NCCL, as torchtitan does."""
 
@@ -70,6 +70,7 @@ def setup(args: argparse.Namespace) -> Context:
         rank,
         seq=args.seq,
         ds_pin=bool(args.ds_pin),
+        ds_ratio=args.ds_ratio,
         threads=args.threads,
         clip=bool(args.clip),
         skip_nonfinite=bool(args.skip_nonfinite),
@@ -322,6 +323,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads", type=int, default=max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     )
     ap.add_argument("--ds-pin", type=int, default=1, choices=(0, 1), help="DeepSpeed pin_memory for offloaded states")
+    ap.add_argument("--ds-ratio", type=float, default=0.5, help="ds3_partial: offload_optimizer.ratio")
     ap.add_argument("--skip-nonfinite", type=int, default=1, choices=(0, 1), help="ElixirConfig.skip_nonfinite")
     ap.add_argument(
         "--device-lane", default="off", choices=("off", "on", "auto"), help="ElixirConfig.device_assisted_update"

@@ -48,7 +48,7 @@ ELIXIR_TRAINERS = {"elixir_trainer": "fp32", "elixir_trainer_8bit": "8bit"}
 """HF ``Trainer.train()`` with ``--elixir auto``, by the moments it keeps (``ElixirConfig.moments``)."""
 TRAINER_SYSTEMS = (*ELIXIR_TRAINERS, *STOCK_TRAINERS)
 """HF ``Trainer.train()`` with ``--elixir auto`` and the stock Trainer's baselines: what ``--liger`` and ``--compile`` reach."""
-SYSTEMS = ("elixir", "plain", "fsdp2", "fsdp2_offload", "ds2_offload", "ds3_offload", *TRAINER_SYSTEMS)
+SYSTEMS = ("elixir", "plain", "fsdp2", "fsdp2_offload", "ds2_offload", "ds3_offload", "ds3_partial", *TRAINER_SYSTEMS)
 
 
 class Unavailable(RuntimeError):
@@ -68,6 +68,8 @@ class Context:
     rank: int
     seq: int
     ds_pin: bool = True
+    ds_ratio: float = 0.5
+    """``ds3_partial``'s ``offload_optimizer.ratio``: the share of optimizer states DeepSpeed keeps on the CPU."""
     threads: int | None = None
     """This rank's CPU threads (``--threads``); Elixir's CPU Adam keeps one of them for the loop."""
     clip: bool = True

@@ -54,7 +54,7 @@ from .harness import (
 )
 from .models import Model, build_initialised_in_place, build_meta, materialize
 
-__all__ = ["hf_trainer", "training_fields"]
+__all__ = ["StepClock", "hf_trainer", "training_fields"]
 
 
 class _Tokens(torch.utils.data.Dataset):
@@ -122,7 +122,7 @@ def hf_trainer(
     info["weights_dtype"] = str(dtype).removeprefix("torch.")
 
     def timed(ids: torch.Tensor, warmup: int, steps: int) -> tuple[list[float], float]:
-        clock = _Clock(ctx.device, anatomy)
+        clock = StepClock(ctx.device, anatomy)
         with tempfile.TemporaryDirectory(prefix=f"bench-{'elixir-' if elixir else ''}trainer-") as out_dir:
             fields = training_fields(ctx, out_dir, len(ids), warmup + steps, None if elixir else stock.optim)
             data = _Tokens(ids, len(ids) * ctx.world * (warmup + steps))
@@ -197,7 +197,7 @@ def _require(module: str, package: str, info: dict[str, Any]) -> None:
     info[package] = importlib.metadata.version(package)
 
 
-class _Clock(TrainerCallback):
+class StepClock(TrainerCallback):
     """Times each optimizer step of the loop, end to end, synchronised on ``device``. With
     ``anatomy``, also each step's time stamps as ``benchmarks.step_anatomy`` takes them (start,
     loss: the model's forward returned, synced: after the clip, stepped, end) and the engine's

@@ -53,6 +53,7 @@ def build(system: str, p: Model, ctx: Context, example_ids: torch.Tensor) -> Tra
         "fsdp2_offload": lambda: _fsdp2(p, ctx, offload=True),
         "ds2_offload": lambda: _deepspeed(p, ctx, stage=2, micro_batch=len(example_ids)),
         "ds3_offload": lambda: _deepspeed(p, ctx, stage=3, micro_batch=len(example_ids)),
+        "ds3_partial": lambda: _deepspeed(p, ctx, stage=3, micro_batch=len(example_ids), ratio=ctx.ds_ratio),
     }
     if system in TRAINER_SYSTEMS:
         return _hf(p, ctx, system)
@@ -196,20 +197,26 @@ def _fsdp2(p: Model, ctx: Context, offload: bool) -> Trainer:
     )
 
 
-def ds_config(stage: int, pin: bool, clip: bool, micro_batch: int) -> dict[str, Any]:
+def ds_config(stage: int, pin: bool, clip: bool, micro_batch: int, ratio: float | None = None) -> dict[str, Any]:
     """ZeRO-2 (optimizer offload) / ZeRO-3 (param + optimizer offload) to the CPU, bf16, DeepSpeed's
-    CPU Adam (its ``AdamW`` with ``offload_optimizer``), ``gradient_clipping`` as ``clip`` says (0: none)."""
+    CPU Adam (its ``AdamW`` with ``offload_optimizer``), ``gradient_clipping`` as ``clip`` says (0: none).
+    ``ratio`` (ZeRO-3 only): DeepSpeed's partial offload ("ZeRO-3 Twin-Flow", ``offload_optimizer.ratio``):
+    the parameters stay on the GPU, that share of the optimizer states (and their update) on the CPU."""
+    offload: dict[str, Any] = {"device": "cpu", "pin_memory": pin}
+    if ratio is not None:
+        offload["ratio"] = ratio
     zero: dict[str, Any] = {
         "stage": stage,
-        "offload_optimizer": {"device": "cpu", "pin_memory": pin},
+        "offload_optimizer": offload,
         "contiguous_gradients": True,
         "overlap_comm": True,
         "reduce_bucket_size": 2e8,
     }
     if stage == 3:
+        if ratio is None:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
         zero.update(
             {
-                "offload_param": {"device": "cpu", "pin_memory": pin},
                 "stage3_prefetch_bucket_size": 2e8,
                 "stage3_param_persistence_threshold": 1e5,
                 "stage3_max_live_parameters": 1e9,
@@ -233,16 +240,17 @@ def ds_config(stage: int, pin: bool, clip: bool, micro_batch: int) -> dict[str, 
     }
 
 
-def _deepspeed(p: Model, ctx: Context, stage: int, micro_batch: int) -> Trainer:
+def _deepspeed(p: Model, ctx: Context, stage: int, micro_batch: int, ratio: float | None = None) -> Trainer:
     try:
         import deepspeed
     except ImportError as exc:
         raise Unavailable("deepspeed not installed") from exc
-    config = ds_config(stage, ctx.ds_pin, ctx.clip, micro_batch)
+    config = ds_config(stage, ctx.ds_pin, ctx.clip, micro_batch, ratio)
     if stage == 3:
         # Partitioned at construction; HF's init then sees empty params, so fill the partitions here.
+        remote = "cpu" if ratio is None else None  # partial offload: the parameters on the GPU
         with deepspeed.zero.Init(
-            config_dict_or_path=config, remote_device="cpu", pin_memory=ctx.ds_pin, dtype=torch.bfloat16
+            config_dict_or_path=config, remote_device=remote, pin_memory=ctx.ds_pin, dtype=torch.bfloat16
         ):
             model = causal_lm(p.config(ctx.seq))
         enable_checkpointing(model)
@@ -262,6 +270,7 @@ def _deepspeed(p: Model, ctx: Context, stage: int, micro_batch: int) -> Trainer:
     info = {
         "optimizer": type(opt).__name__,
         "pin_memory": ctx.ds_pin,
+        "offload_optimizer_ratio": ratio,
         "deepspeed": deepspeed.__version__,
         "gradient_clipping": config["gradient_clipping"],
     }

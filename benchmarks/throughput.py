@@ -95,6 +95,8 @@ def worker_command(args: argparse.Namespace, system: str, model: str, batch_size
         str(args.threads),
         "--ds-pin",
         str(args.ds_pin),
+        "--ds-ratio",
+        str(args.ds_ratio),
         "--skip-nonfinite",
         str(args.skip_nonfinite),
         "--device-lane",
@@ -257,6 +259,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="DeepSpeed pin_memory (0: pageable; pinned OOM-killed a 126 GiB host on the 6.5B)",
     )
     ap.add_argument(
+        "--ds-ratio", type=float, default=0.5, help="ds3_partial: DeepSpeed's offload_optimizer.ratio (CPU share)"
+    )
+    ap.add_argument(
         "--device-lane",
         default="off",
         choices=("off", "on", "auto"),
@@ -303,6 +308,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             preset(name).config(seq)  # a --seq beyond the model's positions fails here
     except ValueError as exc:
         ap.error(str(exc))
+    if not 0.0 <= args.ds_ratio <= 1.0:
+        ap.error(f"--ds-ratio {args.ds_ratio}: a share of the optimizer states in [0, 1]")
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown:
         ap.error(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import report
+from benchmarks import _worker, report
 from benchmarks.harness import MAX_GRAD_NORM
 from benchmarks.models import (
     DecoderModel,
@@ -154,6 +154,7 @@ def test_parse_args_seq_follows_the_model_and_clip_is_on_by_default(tmp_path: Pa
         (["--model", "llama3-8b", "--seq", "16384"], "exceeds llama3-8b's max_position_embeddings (8192)"),
         (["--model", "llama3-8b", "--systems", "elixir,ds4_offload"], "unknown systems ['ds4_offload']"),
         (["--model", "llama3-8b", "--clip", "2"], "invalid choice"),
+        (["--model", "llama3-8b", "--ds-ratio", "1.5"], "--ds-ratio 1.5: a share of the optimizer states in [0, 1]"),
     ],
 )
 def test_parse_args_rejects_bad_input_naming_it(argv: list[str], message: str, capsys) -> None:
@@ -207,6 +208,17 @@ def test_deepspeed_config(stage: int, clip: bool) -> None:
         ds_config(stage, pin=False, clip=clip, micro_batch=4)["zero_optimization"]["offload_optimizer"]["pin_memory"]
         is False
     )
+
+
+def test_deepspeed_partial_offload_keeps_the_parameters_on_the_gpu() -> None:
+    """ZeRO-3 Twin-Flow: ``offload_optimizer.ratio`` of the optimizer states on the CPU, no parameter offload;
+    the ratio reaches the worker."""
+    zero = ds_config(3, pin=True, clip=True, micro_batch=4, ratio=0.55)["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True, "ratio": 0.55}
+    assert "offload_param" not in zero
+    args = parse_args(["--model", "qwen2.5-14b", "--batch-sizes", "4", "--systems", "ds3_partial", "--ds-ratio", "0.6"])
+    cmd = worker_command(args, "ds3_partial", "qwen2.5-14b", [4])
+    assert _worker.parse_args(cmd[cmd.index("benchmarks._worker") + 1 :]).ds_ratio == 0.6
 
 
 def _clip_norms(rank: int, world: int, config_path: str) -> dict[str, list[float]]:
