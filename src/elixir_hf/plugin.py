@@ -198,8 +198,10 @@ class ElixirPlugin:
     @classmethod
     def _from_plan(cls, data: dict, source: str) -> ElixirPlugin:
         try:
-            plan = ElixirPlan.from_dict({k: v for k, v in data.items() if k != "model"})
-        except (TypeError, ValueError) as exc:
+            plan = ElixirPlan.from_dict({k: v for k, v in data.items() if k != "model"}, source)
+        except ValueError as exc:  # the reader names the source: a format it does not read, unknown keys
+            raise ElixirSpecError(str(exc)) from exc
+        except TypeError as exc:
             raise ElixirSpecError(f"{source} looks like a plan but is not one: {exc}") from exc
         if plan.dtype not in _PLAN_DTYPES:
             raise ElixirSpecError(
