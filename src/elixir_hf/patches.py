@@ -37,6 +37,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -471,7 +472,7 @@ def save_pretrained_where_told(model: Any) -> contextlib.AbstractContextManager[
 
 
 @contextlib.contextmanager
-def save_messages_name(stage: str, final: str | Any) -> Iterator[None]:
+def save_messages_name(stage: str, final: str | os.PathLike[str]) -> Iterator[None]:
     """transformers' save messages ("Saving model checkpoint to ...", "Model weights saved in
     ...") name the folder the files end up in, ``final``, not the staging folder they are written to.
 
