@@ -34,7 +34,8 @@ def _version() -> str:
     try:
         import tomllib
 
-        return tomllib.loads(pyproject.read_text())["project"]["version"]
+        version: str = tomllib.loads(pyproject.read_text())["project"]["version"]
+        return version
     except (OSError, KeyError, ValueError):
         return "0+unknown"
 

@@ -44,7 +44,7 @@ SUPPORTED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 class ElixirTrainingArguments(TrainingArguments):
     _VALID_DICT_FIELDS = [*TrainingArguments._VALID_DICT_FIELDS, "elixir"]
 
-    elixir: dict | str | None = field(
+    elixir: dict | str | None = field(  # type: ignore[type-arg]  # transformers: a dict argument is `dict | str | None`
         default=None,
         metadata={
             "help": "Train with the Elixir engine: 'auto', 'off', a JSON object of ElixirConfig fields (and "
@@ -64,7 +64,7 @@ class ElixirTrainingArguments(TrainingArguments):
             self._reject_incompatible()
             check_devices("Trainer", cpu=bool(self.use_cpu))  # before transformers and Accelerate pick devices
         ours = not (dist.is_available() and dist.is_initialized())  # the process group these arguments start
-        super().__post_init__()
+        super().__post_init__()  # type: ignore[no-untyped-call]  # transformers' own is unannotated
         self.elixir_plugin = plugin
         if plugin is not None:
             plugin.resolve_dtype(self.mixed_precision)

@@ -54,7 +54,7 @@ class _Longest:
 
 
 def planned_batch(
-    dataset: Any, collate_fn: Callable[[list], Any] | None, batch_size: int, *, args: Any = None, model: Any = None
+    dataset: Any, collate_fn: Callable[[list[Any]], Any] | None, batch_size: int, *, args: Any = None, model: Any = None
 ) -> Any | None:
     """The example batch the plan is made with (the Note above); ``args``: the training arguments
     (their stated length), ``model``: the model (its ``max_position_embeddings``)."""
@@ -118,7 +118,8 @@ def _arrow_lengths(dataset: Any) -> np.ndarray | None:
     lengths = pc.list_value_length(dataset.data.column("input_ids"))
     if dataset._indices is not None:
         lengths = pc.take(lengths, dataset._indices.column(0))
-    return lengths.to_numpy(zero_copy_only=False)
+    out: np.ndarray = lengths.to_numpy(zero_copy_only=False)  # pyarrow ships no types
+    return out
 
 
 def _length(example: Any) -> int:

@@ -23,7 +23,14 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-from transformers import PrinterCallback, ProgressCallback, TrainerCallback
+from transformers import (
+    PrinterCallback,
+    ProgressCallback,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
 from transformers.integrations import TensorBoardCallback, WandbCallback
 from transformers.integrations.integration_utils import rewrite_logs
 
@@ -41,8 +48,15 @@ logger = logging.getLogger(__name__)
 
 
 class _ShortLine(TrainerCallback):
-    def on_log(self, args, state, control, logs=None, **kwargs: Any):
-        return super().on_log(args, state, control, logs=console_logs(logs), **kwargs)
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, object] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().on_log(args, state, control, logs=console_logs(logs), **kwargs)  # ProgressCallback's: None
 
 
 class ElixirProgressCallback(_ShortLine, ProgressCallback):
@@ -56,7 +70,7 @@ class ElixirPrinterCallback(_ShortLine, PrinterCallback):
 SHORT_CONSOLE = {ProgressCallback: ElixirProgressCallback, PrinterCallback: ElixirPrinterCallback}
 
 
-def console_logs(logs: dict[str, Any] | None) -> dict[str, Any] | None:
+def console_logs(logs: dict[str, object] | None) -> dict[str, object] | None:
     """``logs`` without its ``elixir/*`` values and with their summary as ``elixir``."""
     if not logs or not any(k.startswith(PREFIX) for k in logs):
         return logs
@@ -65,7 +79,7 @@ def console_logs(logs: dict[str, Any] | None) -> dict[str, Any] | None:
     return short
 
 
-def summary(logs: dict[str, Any]) -> str:
+def summary(logs: dict[str, object]) -> str:
     """E.g. ``0.213 s/step, GPU peak 4.1 GiB, host 2.3 GiB`` (+ ``2 skipped, loss scale 1.6e+04`` in fp16)."""
     return ", ".join(fmt.format(logs[k]) for k, fmt in _SUMMARY.items() if k in logs and logs[k] != _QUIET.get(k))
 
@@ -96,14 +110,23 @@ class RunRecorder(TrainerCallback):
         self._layout_written = False
         self._unwritable = False
 
-    def on_train_begin(self, args, state, control, **kwargs: Any) -> None:
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         record = self.record = RankRecord(rank=args.process_index, world_size=args.world_size, device=str(args.device))
         self._logged_step = state.global_step
         if args.should_save:
-            new_run(args.output_dir, args.world_size)
+            new_run(_output_dir(args), args.world_size)
         self._write(args, record)
 
-    def on_log(self, args, state, control, logs=None, **kwargs: Any) -> None:
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
         values = {k: v for k, v in (logs or {}).items() if k.startswith(PREFIX)}
         if (record := self.record) is None or not values:
             return
@@ -111,7 +134,9 @@ class RunRecorder(TrainerCallback):
         if state.is_world_process_zero and not self._layout_written:
             self._tensorboard_layout(values)
 
-    def on_train_end(self, args, state, control, **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if (record := self.record) is None:
             return
         if state.global_step > self._logged_step:  # the steps since the last log
@@ -121,8 +146,8 @@ class RunRecorder(TrainerCallback):
             return
         try:
             for r in records:  # every rank's, on this node's disk too
-                write_record(args.output_dir, r)
-            table, png = write_report(args.output_dir, records)
+                write_record(_output_dir(args), r)
+            table, png = write_report(_output_dir(args), records)
         except OSError as exc:  # the training is done: a report that cannot be written must not fail it
             logger.warning("elixir: the run against its plan was not written: %s", exc)
             return
@@ -131,18 +156,18 @@ class RunRecorder(TrainerCallback):
         if state.is_world_process_zero:
             self._to_reporters(table, state.global_step)
 
-    def _add(self, args, record: RankRecord, step: int, values: dict[str, float]) -> None:
+    def _add(self, args: TrainingArguments, record: RankRecord, step: int, values: dict[str, float]) -> None:
         if values:
             record.logs.append({"step": step, **values})
             self._write(args, record)
         self._logged_step = step
 
-    def _write(self, args, record: RankRecord) -> None:
+    def _write(self, args: TrainingArguments, record: RankRecord) -> None:
         """This rank's record; one that cannot be written is said once and kept in memory (the end gathers it)."""
         if self._unwritable:
             return
         try:
-            write_record(args.output_dir, record)
+            write_record(_output_dir(args), record)
         except OSError as exc:  # a full disk must not end the training: its checkpoints say so where it matters
             self._unwritable = True
             logger.warning("elixir: rank %d's run record is not written from here on: %s", record.rank, exc)
@@ -167,6 +192,11 @@ class RunRecorder(TrainerCallback):
                 cb.tb_writer.add_text(TENSORBOARD_GROUP, text, step)
             elif isinstance(cb, WandbCallback):
                 _to_wandb(table)
+
+
+def _output_dir(args: TrainingArguments) -> str:
+    assert args.output_dir is not None, "TrainingArguments.__post_init__ sets output_dir"
+    return args.output_dir
 
 
 def _to_wandb(table: RunTable) -> None:

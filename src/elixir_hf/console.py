@@ -57,12 +57,12 @@ _replica_levels_set: list[logging.Logger] = []
 def connect_logging() -> None:
     """Hangs ``LOGGER_TREES`` under transformers' root logger (configured first: its handler, its
     level from ``TRANSFORMERS_VERBOSITY``). Idempotent."""
-    root = hf_logging.get_logger("transformers")
+    root = cast(logging.Logger, hf_logging.get_logger("transformers"))  # transformers' logger class is one
     for name in LOGGER_TREES:
         tree = logging.getLogger(name)
         if tree.parent is not root:
             # logging has no call for it; ``parent`` is what getEffectiveLevel and callHandlers walk
-            tree.parent = cast(logging.Logger, root)  # transformers' logger class is one
+            tree.parent = root
             tree.setLevel(tree.level)  # same level; clears the loggers' cached levels
 
 
@@ -99,7 +99,8 @@ class PhaseLines:
 
     def _amount(self, n: int) -> str:
         if self.unit == "B":
-            return tqdm.tqdm.format_sizeof(n, "B")  # as tqdm's bar writes bytes
+            sized: str = tqdm.tqdm.format_sizeof(n, "B")  # as tqdm's bar writes bytes
+            return sized
         return f"{n:,} {self.unit}{'s' if n != 1 and self.unit != 'it' else ''}"
 
     @staticmethod

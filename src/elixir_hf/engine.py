@@ -157,7 +157,7 @@ def clips_grads(args: Any) -> bool:
     return bool(getattr(args, "fp16", False)) or (max_norm is not None and max_norm > 0)
 
 
-def example_batch(dataset: Any, collate_fn: Callable[[list], Any] | None, batch_size: int) -> Any | None:
+def example_batch(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None, batch_size: int) -> Any | None:
     """The dataset's first ``batch_size`` examples, collated.
 
     Read by index (or, from an iterable dataset such as a streamed ``datasets`` one, by iterating

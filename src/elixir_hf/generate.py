@@ -14,16 +14,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from transformers import TrainerCallback
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from .engine import whole_model
 
 __all__ = ["GenerateCallback"]
 
 logger = logging.getLogger(__name__)
+
+
+class _Decoder(Protocol):
+    """The Trainer's ``processing_class`` as read here: a tokenizer or a processor."""
+
+    def batch_decode(self, sequences: torch.Tensor) -> list[str]: ...
 
 
 class GenerateCallback(TrainerCallback):
@@ -37,7 +43,15 @@ class GenerateCallback(TrainerCallback):
         self.samples: list[tuple[int, torch.Tensor]] = []
         """``(global_step, generated ids on the CPU)``, on the main process."""
 
-    def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs: Any) -> None:
+    def on_step_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: Any = None,
+        processing_class: _Decoder | None = None,
+        **kwargs: Any,
+    ) -> None:
         if state.global_step % self.every_n_steps:
             return
         was_training = model.training

@@ -20,6 +20,8 @@ gradient to the bit on CPU (``_CrossEntropySum``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -51,6 +53,14 @@ def _log_softmax(logits: torch.Tensor, rows: slice) -> torch.Tensor:
     return torch.log_softmax(logits[rows].float(), dim=1)
 
 
+class _Saved(Protocol):
+    """What ``_CrossEntropySum`` uses of autograd's context: the tensors forward saves for backward."""
+
+    saved_tensors: tuple[torch.Tensor, ...]
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None: ...
+
+
 class _CrossEntropySum(torch.autograd.Function):
     """Sum over the kept rows of ``-log_softmax(row)[target]``, in fp32, for logits ``(N, V)`` in any
     floating dtype; a row whose target is ``ignore_index`` adds nothing and gets a zero gradient.
@@ -64,7 +74,7 @@ class _CrossEntropySum(torch.autograd.Function):
     past its 1e-5."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    def forward(ctx: _Saved, logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
         keep = target != ignore_index
         safe = torch.where(keep, target, 0)  # any valid column: the row's weight is zero
         picked = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
@@ -77,7 +87,7 @@ class _CrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: _Saved, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         logits, safe, keep = ctx.saved_tensors
         # nll_loss's gradient at the target; where, not a product: the mean over no kept rows
         # sends an infinite grad (1 / 0), and an ignored row's zero must be +0 as nll_loss's
@@ -99,7 +109,7 @@ def lean_causal_lm_loss(
     num_items_in_batch: torch.Tensor | int | None = None,
     ignore_index: int = -100,
     shift_labels: torch.Tensor | None = None,
-    **kwargs,
+    **kwargs: object,
 ) -> torch.Tensor:
     """transformers' ``ForCausalLMLoss`` (same signature, same value) without fp32 copies of the
     logits (module docstring). ``kwargs`` are ignored, as transformers ignores them."""
@@ -108,7 +118,7 @@ def lean_causal_lm_loss(
         shift_labels = labels[..., 1:].contiguous()
     logits = logits.reshape(-1, vocab_size)
     shift_labels = shift_labels.view(-1).to(logits.device)
-    total = _CrossEntropySum.apply(logits, shift_labels, ignore_index)
+    total: torch.Tensor = _CrossEntropySum.apply(logits, shift_labels, ignore_index)  # type: ignore[no-untyped-call]  # Function.apply: unannotated
     if num_items_in_batch is None:
         return total / (shift_labels != ignore_index).sum()
     if torch.is_tensor(num_items_in_batch):
@@ -126,7 +136,7 @@ def use_lean_loss(model: nn.Module) -> list[str]:
     from transformers import PreTrainedModel
     from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
 
-    def outermost(module: nn.Module):
+    def outermost(module: nn.Module) -> Iterator[PreTrainedModel]:
         if isinstance(module, PreTrainedModel):
             yield module
         else:

@@ -11,7 +11,7 @@ unscale + clip + Adam and then clears the gradient shards, because the Trainer o
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from accelerate.optimizer import AcceleratedOptimizer
 
@@ -22,7 +22,7 @@ from .timing import StepTimer
 __all__ = ["ElixirAcceleratedOptimizer"]
 
 
-class ElixirAcceleratedOptimizer(AcceleratedOptimizer):
+class ElixirAcceleratedOptimizer(AcceleratedOptimizer):  # type: ignore[misc]  # accelerate ships no types: AcceleratedOptimizer is Any
     def __init__(self, optimizer: ElixirOptimizer) -> None:
         super().__init__(optimizer, device_placement=False, scaler=None)
         self.timer = StepTimer(optimizer.runtime.device)
@@ -32,7 +32,7 @@ class ElixirAcceleratedOptimizer(AcceleratedOptimizer):
     @property
     def elixir_optimizer(self) -> ElixirOptimizer:
         """The ``ElixirOptimizer`` it wraps: ``backward``, ``clip_grad_norm``, ``no_sync``, ``loss_scale``."""
-        return self.optimizer
+        return cast(ElixirOptimizer, self.optimizer)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         if not self.gradient_state.sync_gradients:
@@ -46,4 +46,4 @@ class ElixirAcceleratedOptimizer(AcceleratedOptimizer):
 
     @property
     def step_was_skipped(self) -> bool:
-        return self.optimizer.step_was_skipped
+        return self.elixir_optimizer.step_was_skipped

@@ -37,6 +37,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -460,7 +461,7 @@ def deferred_rotation() -> Iterator[Callable[[], None]]:
         yield rotate
 
 
-def save_pretrained_where_told(model: Any) -> contextlib.AbstractContextManager:
+def save_pretrained_where_told(model: Any) -> contextlib.AbstractContextManager[object]:
     """transformers' ``save_pretrained`` writes on global rank 0 only once torch.distributed is up
     (``should_save_on_this_rank``), whatever ``is_main_process`` says, which leaves the weights off
     every other node under ``save_on_each_node``. Inside, the caller (the Trainer's ``should_save``:
@@ -471,7 +472,7 @@ def save_pretrained_where_told(model: Any) -> contextlib.AbstractContextManager:
 
 
 @contextlib.contextmanager
-def save_messages_name(stage: str, final: str | Any) -> Iterator[None]:
+def save_messages_name(stage: str, final: str | os.PathLike[str]) -> Iterator[None]:
     """transformers' save messages ("Saving model checkpoint to ...", "Model weights saved in
     ...") name the folder the files end up in, ``final``, not the staging folder they are written to.
 
@@ -542,7 +543,7 @@ def mask_decisions_of(batch: Any) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------- loading
-def weights_recorded_not_read(record: Callable[..., Any]) -> contextlib.AbstractContextManager:
+def weights_recorded_not_read(record: Callable[..., Any]) -> contextlib.AbstractContextManager[object]:
     """Inside, ``from_pretrained`` hands each checkpoint's tensors to ``record`` (same arguments and
     result as transformers' ``convert_and_load_state_dict_in_model``) instead of reading them into the
     parameters."""
@@ -566,7 +567,7 @@ def from_pretrained_through(load: Callable[[Callable[..., Any], type, Any, dict[
     for owner in (PreTrainedModel, *_copies_of(_BaseAutoModelClass, "from_pretrained")):
         stock = owner.__dict__["from_pretrained"].__func__
         if not getattr(stock, "_elixir", False):
-            owner.from_pretrained = classmethod(_through(stock, load))  # type: ignore[method-assign, attr-defined]
+            owner.from_pretrained = classmethod(_through(stock, load))  # type: ignore[attr-defined]
 
 
 def _copies_of(base: type, name: str) -> list[type]:
@@ -694,7 +695,7 @@ def hidden_from_accelerate(accelerator: Any, optimizer: Any, model: Any = None) 
 
 
 @contextlib.contextmanager
-def _out_of(registry: list, obj: Any) -> Iterator[None]:
+def _out_of(registry: list[Any], obj: object) -> Iterator[None]:
     index = registry.index(obj)
     registry.pop(index)
     try:

@@ -17,7 +17,7 @@ import math
 import os
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -84,7 +84,7 @@ class ElixirPlugin:
     plan: ElixirPlan | None = None
     """The saved plan this run must follow (set by a plan file); checked against model and ranks, and
     by ``prepare`` against the model's layout before anything is allocated."""
-    plan_model: dict[str, Any] | None = None
+    plan_model: ModelIdentity | None = None
     """The model the plan file was saved for (``describe_model``), when the file names one."""
     lean_loss: bool = True
     """Replace transformers' causal-LM loss (``ForCausalLMLoss``, a model's default) by
@@ -123,7 +123,9 @@ class ElixirPlugin:
 
     # ------------------------------------------------------------------ parsing
     @classmethod
-    def from_spec(cls, spec: str | dict | ElixirPlugin | None, source: str = "--elixir") -> ElixirPlugin | None:
+    def from_spec(
+        cls, spec: str | dict[str, Any] | ElixirPlugin | None, source: str = "--elixir"
+    ) -> ElixirPlugin | None:
         """Parses the spec grammar; ``None`` and ``OFF_WORDS`` mean Elixir is disabled (returns ``None``).
         ``source`` (``--elixir``, ``ELIXIR_CONFIG``, ...) is named in every error."""
         if spec is None or isinstance(spec, ElixirPlugin):
@@ -153,7 +155,7 @@ class ElixirPlugin:
         raise ElixirSpecError(f"{source} {text!r} is not understood: {ACCEPTED}")
 
     @classmethod
-    def _from_mapping(cls, data: Any, source: str) -> ElixirPlugin:
+    def _from_mapping(cls, data: object, source: str) -> ElixirPlugin:
         if not isinstance(data, dict):
             raise ElixirSpecError(f"{source} must hold a JSON object, got {type(data).__name__}")
         if "n_chunks" in data and "world_size" in data:
@@ -173,7 +175,7 @@ class ElixirPlugin:
         cls,
         source: str,
         plan: ElixirPlan | None = None,
-        plan_model: dict[str, Any] | None = None,
+        plan_model: ModelIdentity | None = None,
         **kwargs: Any,
     ) -> ElixirPlugin:
         """``kwargs``: the spec keys (``_SPEC_KEYS`` and ``PLUGIN_KEYS``); ``loss_scale`` is an object of
@@ -196,10 +198,12 @@ class ElixirPlugin:
             raise ElixirSpecError(f"{source}: {exc}") from exc
 
     @classmethod
-    def _from_plan(cls, data: dict, source: str) -> ElixirPlugin:
+    def _from_plan(cls, data: dict[str, Any], source: str) -> ElixirPlugin:
         try:
-            plan = ElixirPlan.from_dict({k: v for k, v in data.items() if k != "model"})
-        except (TypeError, ValueError) as exc:
+            plan = ElixirPlan.from_dict({k: v for k, v in data.items() if k != "model"}, source)
+        except ValueError as exc:  # the reader names the source: a format it does not read, unknown keys
+            raise ElixirSpecError(str(exc)) from exc
+        except TypeError as exc:
             raise ElixirSpecError(f"{source} looks like a plan but is not one: {exc}") from exc
         if plan.dtype not in _PLAN_DTYPES:
             raise ElixirSpecError(
@@ -270,7 +274,11 @@ def check_exclusive(requested: dict[str, bool]) -> None:
             )
 
 
-def describe_model(model: torch.nn.Module) -> dict[str, Any]:
+ModelIdentity = TypedDict("ModelIdentity", {"class": str, "model_type": str | None, "parameters": int})
+"""What identifies a model for a plan (``describe_model``; a plan file's ``model``)."""
+
+
+def describe_model(model: torch.nn.Module) -> ModelIdentity:
     """What identifies a model for a plan: its class, HF model type and parameter count."""
     config = getattr(model, "config", None)
     return {
@@ -295,7 +303,7 @@ def _check_lockstep_timeout(value: float) -> None:
         )
 
 
-def _grace_s(value: Any) -> float:
+def _grace_s(value: object) -> float:
     """``preempt_grace_s``'s seconds: ``value``, else the environment's, else the default; checked."""
     source = "ElixirPlugin.preempt_grace_s"
     if value is None:

@@ -61,9 +61,11 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
-from transformers import TrainerCallback
+from torch import nn
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from .checkpoint.format import CheckpointError, _gather, newest_complete, read_marker, verify
 from .engine import engine_state
@@ -119,7 +121,7 @@ class Preemption(TrainerCallback):
         self.trainer = trainer
         self.always_save = always_save
         """``--enable_jit_checkpoint``: save whatever the prediction says (the user asked for a save on SIGTERM)."""
-        self.grace_s = trainer.elixir_plugin.preempt_grace_s
+        self.grace_s: float = trainer.elixir_plugin.preempt_grace_s
         self._previous: dict[int, Any] = {}
         self._start()
 
@@ -141,7 +143,9 @@ class Preemption(TrainerCallback):
         self._save_bytes: int | None = None
 
     # ------------------------------------------------------------------ the signals
-    def on_train_begin(self, args, state, control, **kwargs):
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._start()
         if threading.current_thread() is not threading.main_thread():
             logger.warning("elixir: train() runs outside the main thread: no preemption save on SIGTERM/SIGUSR1")
@@ -151,7 +155,9 @@ class Preemption(TrainerCallback):
         global _shielding
         _shielding += 1
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self.release()
 
     def release(self) -> None:
@@ -170,7 +176,7 @@ class Preemption(TrainerCallback):
             engine_state(self.trainer.model).runtime.lockstep.request_stop()
 
     # ------------------------------------------------------------------ the step's end
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._save_from = time.monotonic()
         if self.stopping or not engine_state(self.trainer.model).runtime.lockstep.stop_requested:
             return
@@ -200,15 +206,17 @@ class Preemption(TrainerCallback):
             f"SLURM --signal=USR1@SECONDS)",
         )
 
-    def on_evaluate(self, args, state, control, **kwargs):
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         self._save_from = time.monotonic()
 
-    def on_epoch_end(self, args, state, control, **kwargs):
+    def on_epoch_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._save_from = time.monotonic()
         if self.stopping:  # the Trainer's end-of-epoch save and evaluation: not after a preemption
             control.should_save = control.should_evaluate = False
 
-    def on_save(self, args, state, control, **kwargs):
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         folder = os.path.join(self.trainer._get_output_dir(trial=None), f"checkpoint-{state.global_step}")
         written = time.monotonic() - self._save_from if self._save_from is not None else 0.0
         if self._save_from is not None:
@@ -246,12 +254,12 @@ class Preemption(TrainerCallback):
         return (self._save_s or size / WRITE_RATE) + size / VERIFY_RATE
 
 
-def _who(signals: Any) -> str:
+def _who(signals: Iterable[str | None]) -> str:
     """``SIGTERM on rank 1``, from every rank's signal (``None``: none), in rank order."""
     return ", ".join(f"{name} on rank {r}" for r, name in enumerate(signals) if name)
 
 
-def _say(state: Any, message: str) -> None:
+def _say(state: TrainerState, message: str) -> None:
     """A warning of the main process (every rank agrees: one says it)."""
     if state.is_world_process_zero:
         logger.warning(message)
@@ -265,6 +273,6 @@ def _checkpoint_bytes(folder: str) -> int | None:
     return sum(entry["bytes"] for entry in marker["files"].values()) if marker is not None else None
 
 
-def _estimated_bytes(model: Any) -> int:
+def _estimated_bytes(model: nn.Module) -> int:
     params = list(model.parameters())
     return 4 * sum(p.numel() for p in params) + 12 * sum(p.numel() for p in params if p.requires_grad)

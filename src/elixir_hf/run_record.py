@@ -51,11 +51,11 @@ class RankRecord:
         return cls(**data)
 
 
-def record_dir(output_dir: str | os.PathLike) -> Path:
+def record_dir(output_dir: str | os.PathLike[str]) -> Path:
     return Path(output_dir) / RECORD_DIR
 
 
-def write_record(output_dir: str | os.PathLike, record: RankRecord) -> None:
+def write_record(output_dir: str | os.PathLike[str], record: RankRecord) -> None:
     """Rank ``record.rank``'s file."""
     folder = record_dir(output_dir)
     folder.mkdir(parents=True, exist_ok=True)
@@ -70,7 +70,7 @@ def replace_file(path: Path, write: Callable[[Path], Any]) -> None:
     os.replace(tmp, path)
 
 
-def new_run(output_dir: str | os.PathLike, world_size: int) -> None:
+def new_run(output_dir: str | os.PathLike[str], world_size: int) -> None:
     """What an earlier run left in the folder that this one will not replace: the records of its ranks
     past ``world_size`` and its report (by the saving process, as the ranks write their first records)."""
     folder = record_dir(output_dir)
@@ -79,7 +79,7 @@ def new_run(output_dir: str | os.PathLike, world_size: int) -> None:
         path.unlink(missing_ok=True)
 
 
-def read_run(output_dir: str | os.PathLike) -> list[RankRecord]:
+def read_run(output_dir: str | os.PathLike[str]) -> list[RankRecord]:
     """Every rank's record of the run in ``output_dir``, by rank; ``RunRecordError`` naming the fix when
     there is none, or none with a training log."""
     out = Path(output_dir)

@@ -64,6 +64,7 @@ from .checkpoint.folder_lock import FolderLockError, hold
 from .checkpoint.format import (
     PLAN_NAME,
     CheckpointError,
+    Digest,
     all_ranks_agree,
     atomic_torch_save,
     check_resume,
@@ -278,7 +279,7 @@ class ElixirTrainer(Trainer):
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save:
             unmark(folder)
-        self._digests: dict[str, dict[str, int]] = {}
+        self._digests: dict[str, Digest] = {}
         error = None
         with patches.deferred_rotation() as rotate:
             try:

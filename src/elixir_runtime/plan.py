@@ -55,8 +55,9 @@ DEVICE_MEMORY = ("rcache", "private", "device_shards", "device_grads", "lane_sta
 ``device_bytes`` sums and the budget's ``U_allowed`` bounds (activations and buffers come on top)."""
 
 PLAN_FORMAT = 2
-"""The plan file's format (its ``format`` key). 2: typed, with ``profile`` and ``chunks``; a file
-without the key is of format 1 (before it: the same keys less those two) and loads unchanged."""
+"""The plan file's format (its ``format`` key). 2 (elixir-hf 0.2.0): typed, with ``profile`` and
+``chunks``. A file without the key is of format 1 (elixir-hf 0.1.0: the same keys less those two),
+which is refused, naming elixir-hf 0.2.0 as the last release that reads it (``ElixirPlan.from_dict``)."""
 
 
 @dataclass(frozen=True)
@@ -138,9 +139,9 @@ class ElixirPlan:
     before its forward (``runtime/batch_guard.py``). ``None``: no batch
     (and plan files from before it was recorded)."""
     profile: ProfileSummary | None = None
-    """The profiled step the search planned from; ``None`` when not searched (and format 1 files)."""
+    """The profiled step the search planned from; ``None`` when not searched."""
     chunks: tuple[PlannedChunk, ...] = ()
-    """Each chunk of the layout; empty in format 1 files."""
+    """Each chunk of the layout (``resolve_plan``'s); empty in a plan built without them."""
 
     def __post_init__(self) -> None:  # JSON and callers give lists: the plan keeps tuples
         object.__setattr__(self, "offload", tuple(self.offload))
@@ -224,28 +225,35 @@ class ElixirPlan:
 
     @classmethod
     def from_json(cls, text_or_path: str | Path) -> ElixirPlan:
-        """A JSON text or the path of a file holding one (plans from before the search included)."""
-        text = str(text_or_path)
+        """A JSON text or the path of a file holding one (named in ``from_dict``'s errors)."""
+        text, source = str(text_or_path), "the plan"
         if not text.lstrip().startswith("{"):
-            text = Path(text_or_path).read_text()
-        return cls.from_dict(json.loads(text))
+            text, source = Path(text_or_path).read_text(), f"plan file {text_or_path}"
+        return cls.from_dict(json.loads(text), source)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ElixirPlan:
-        """The plan a saved ``to_json`` document describes, of any ``format`` up to ``PLAN_FORMAT``:
-        the one plan reader (``elixir_hf``'s plan files too). Unknown keys are an error naming them;
+    def from_dict(cls, data: dict[str, Any], source: str = "the plan") -> ElixirPlan:
+        """The plan a saved ``to_json`` document of format ``PLAN_FORMAT`` describes: the one plan
+        reader (``elixir_hf``'s plan files too). Another format (format 1: no ``format`` key), and
+        unknown keys, are a ``ValueError`` naming ``source``, the format or keys, and the fix;
         ``predicted_step_s`` is derived, ignored."""
         data = {k: v for k, v in data.items() if k != "predicted_step_s"}
         version = data.pop("format", 1)
-        if not isinstance(version, int) or not 1 <= version <= PLAN_FORMAT:
+        if version == 1:
             raise ValueError(
-                f"plan format {version!r} is not one this version reads (1 to {PLAN_FORMAT}): a newer elixir-hf "
-                "wrote it; upgrade elixir-hf, or re-plan with this one"
+                f'{source} is of plan format 1 (no "format" key: written by elixir-hf 0.1.x); this elixir-hf reads '
+                f"format {PLAN_FORMAT} (elixir-hf 0.2.0 reads both): plan again with this one (`elixir-plan ... --json`, "
+                "or --elixir auto, whose run saves elixir_plan.json)"
+            )
+        if version != PLAN_FORMAT:
+            raise ValueError(
+                f"{source} is of plan format {version!r}, not one this elixir-hf reads ({PLAN_FORMAT}): a newer "
+                "elixir-hf wrote it; upgrade elixir-hf, or plan again with this one"
             )
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"not an ElixirPlan: unknown keys {unknown}; a plan has {sorted(known)}")
+            raise ValueError(f"{source} is not an ElixirPlan: unknown keys {unknown}; a plan has {sorted(known)}")
         memory, predicted, budget = data.pop("memory", {}), data.pop("predicted", {}), data.pop("budget", {})
         search, alternatives = data.pop("search", {}), data.pop("alternatives", ())
         profile, chunks = data.pop("profile", None), data.pop("chunks", ())

@@ -453,8 +453,8 @@ def _ranges(indices: list[int]) -> str:
 
 
 def chunk_layers(plan: ElixirPlan) -> list[str]:
-    """What each chunk holds, in short (``describe_layers``); empty names for a plan without its
-    chunks (a plan file of format 1)."""
+    """What each chunk holds, in short (``describe_layers``); empty names for a plan built without
+    its chunks (``ElixirPlan.chunks``)."""
     if not plan.chunks:
         return [""] * plan.n_chunks
     return [describe_layers(c.params) for c in plan.chunks]

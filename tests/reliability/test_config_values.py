@@ -193,9 +193,7 @@ def test_a_lockstep_timeout_that_cannot_work_is_refused_at_parse_time(seconds: f
 
 def test_a_plan_file_with_a_dtype_no_plan_is_made_for_is_refused_naming_the_file(tmp_path) -> None:
     """Before: ``"dtype": "int8"`` in a plan file passed parsing and failed later, naming no file."""
-    plan = json.loads(
-        (Path(__file__).parents[1] / "elixir_hf" / "plan_files" / "saved_by_a_run_format1.json").read_text()
-    )
+    plan = json.loads((Path(__file__).parents[1] / "elixir_hf" / "plan_files" / "saved_by_a_run.json").read_text())
     path = tmp_path / "elixir_plan.json"
     path.write_text(json.dumps({**plan, "dtype": "int8"}))
     with pytest.raises(ElixirSpecError, match=rf"--elixir file {path}: the plan's dtype is 'int8'; a plan is made for"):

@@ -120,7 +120,9 @@ def torch_adam_state(
     frozen = []
     files = {p[0] for e in index["params"].values() for p in e["pieces"]}
     with contextlib.ExitStack() as stack:
-        opened = {f: stack.enter_context(safe_open(str(ckpt / f), framework="pt")) for f in sorted(files)}
+        opened: dict[str, safe_open] = {
+            f: stack.enter_context(safe_open(str(ckpt / f), framework="pt")) for f in sorted(files)
+        }
         for name, entry in index["params"].items():
             param = next((by_name[n] for n in entry["names"] if n in by_name), None)
             if param is None or list(param.shape) != entry["shape"]:
@@ -153,7 +155,7 @@ def torch_adam_state(
     return state, groups
 
 
-def _gather(opened: dict, name: str, t: StateTensor, entry: dict, numel: int) -> torch.Tensor:
+def _gather(opened: dict[str, safe_open], name: str, t: StateTensor, entry: dict[str, Any], numel: int) -> torch.Tensor:
     """The whole of ``name``'s state tensor ``t`` (flat: an entry per ``t.per`` elements) from its pieces."""
     flat = torch.empty(t.entries(numel), dtype=t.dtype)
     for file, start, end in entry["pieces"]:

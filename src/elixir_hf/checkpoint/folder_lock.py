@@ -80,7 +80,7 @@ _HOLDS: dict[Path, _Hold] = {}
 _OWNED: weakref.WeakKeyDictionary[Any, set[Path]] = weakref.WeakKeyDictionary()
 
 
-def hold(folder: str | os.PathLike, owner: Any) -> None:
+def hold(folder: str | os.PathLike[str], owner: Any) -> None:
     """Holds ``folder``'s lock for as long as ``owner`` lives ([Note: held to the last write]);
     ``FolderInUse`` if another live job holds it, ``FolderLockError`` (or the ``OSError``) naming the
     file if it cannot be taken."""
@@ -155,7 +155,7 @@ def _open(path: Path) -> int:
     return fd
 
 
-def sweep(folder: str | os.PathLike) -> list[Path]:
+def sweep(folder: str | os.PathLike[str]) -> list[Path]:
     """Removes what interrupted saves left in ``folder`` and its checkpoints: save stages and temporary
     files whose writer is not running ([Note: what a kill leaves]); returns them. Call it holding the lock."""
     folder = Path(folder)

@@ -41,7 +41,7 @@ import tempfile
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import Any, BinaryIO, TypedDict, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,8 @@ __all__ = [
     "NOTE_NAME",
     "PLAN_NAME",
     "CheckpointError",
+    "Digest",
+    "Marker",
     "atomic_torch_save",
     "atomic_write_text",
     "staged_dir",
@@ -93,6 +95,27 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be written or trusted; raised on every rank."""
 
 
+class Digest(TypedDict):
+    """A written file's size and CRC-32, as the marker records it."""
+
+    bytes: int
+    crc32: int
+
+
+class Marker(TypedDict):
+    """The marker ``seal`` writes last (``MARKER_NAME``): the step and every file's ``Digest``."""
+
+    format: str
+    step: int | None
+    optimizer: bool
+    world_size: int | None
+    """The ranks that saved the optimizer state; ``None`` without one."""
+    files: dict[str, Digest]
+
+
+_T = TypeVar("_T")
+
+
 class _Summing:
     """The file object ``write`` sees: sums what passes and keeps the first OS error, which
     ``torch.save``'s C++ writer would turn into ``basic_ios::clear: iostream error``. ``bar``
@@ -118,7 +141,7 @@ class _Summing:
         self.f.flush()
 
 
-def _replace(path: str | os.PathLike, produce: Callable[[Path], dict[str, int]]) -> dict[str, int]:
+def _replace(path: str | os.PathLike[str], produce: Callable[[Path], Digest]) -> Digest:
     """``produce(tmp)`` writes and fsyncs a temporary file next to ``path`` and returns its size and
     CRC-32; it is renamed into place and the folder fsynced. On any error the temporary file is
     removed and an ``OSError`` names ``path``."""
@@ -142,10 +165,10 @@ def _replace(path: str | os.PathLike, produce: Callable[[Path], dict[str, int]])
     return digest
 
 
-def _write_file(path: str | os.PathLike, write: Callable[[_Summing], object]) -> dict[str, int]:
+def _write_file(path: str | os.PathLike[str], write: Callable[[_Summing], object]) -> Digest:
     """``write(f)`` into ``path`` atomically and durably; returns its size and CRC-32."""
 
-    def produce(tmp: Path) -> dict[str, int]:
+    def produce(tmp: Path) -> Digest:
         with _create(tmp) as f, progress(None, f"elixir: writing {Path(path).name}", unit="B") as bar:
             out = _Summing(f, bar)
             try:
@@ -171,13 +194,13 @@ def _no_follow(path: str, flags: int) -> int:
 
 
 def atomic_safetensors_save(
-    tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str]
-) -> dict[str, int]:
+    tensors: dict[str, torch.Tensor], path: str | os.PathLike[str], metadata: dict[str, str]
+) -> Digest:
     """``safetensors.torch.save_file`` atomically and durably. It writes from the tensors' memory
     (``save`` would build the whole file in memory first, twice), so the file is read back once for
     its CRC-32."""
 
-    def produce(tmp: Path) -> dict[str, int]:
+    def produce(tmp: Path) -> Digest:
         try:
             save_file(tensors, tmp, metadata=metadata)
         except SafetensorError as e:  # its writer's OS errors (a full disk) come as this: name the file
@@ -188,11 +211,11 @@ def atomic_safetensors_save(
     return _replace(path, produce)
 
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike) -> dict[str, int]:
+def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> Digest:
     return _write_file(path, lambda f: torch.save(obj, cast(BinaryIO, f)))  # a file object: write, flush
 
 
-def atomic_write_text(text: str, path: str | os.PathLike) -> dict[str, int]:
+def atomic_write_text(text: str, path: str | os.PathLike[str]) -> Digest:
     return _write_file(path, lambda f: f.write(text.encode()))
 
 
@@ -204,7 +227,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _sum_file(path: Path, bar: Bar, fsync: bool = False) -> dict[str, int]:
+def _sum_file(path: Path, bar: Bar, fsync: bool = False) -> Digest:
     crc, size = 0, 0
     with open(path, "rb") as f:
         while block := f.read(_BLOCK):
@@ -216,7 +239,7 @@ def _sum_file(path: Path, bar: Bar, fsync: bool = False) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def staged_dir(output_dir: str | os.PathLike) -> Iterator[str]:
+def staged_dir(output_dir: str | os.PathLike[str]) -> Iterator[str]:
     """Yields a fresh folder next to ``output_dir``; on success its files (fsynced) replace those
     in it and the folder is fsynced.
 
@@ -266,26 +289,26 @@ def _raise_any(errors: list[str | None], what: str) -> None:
         raise CheckpointError(f"{what} failed:\n  " + "\n  ".join(bad))
 
 
-def _error(fn: Callable[[], Any]) -> tuple[Any, str | None]:
+def _error(fn: Callable[[], _T]) -> tuple[_T | None, str | None]:
     try:
         return fn(), None
     except Exception as e:  # noqa: BLE001 - reported to every rank by all_ranks_agree
         return None, f"{type(e).__name__}: {e}"
 
 
-def unmark(folder: str | os.PathLike) -> None:
+def unmark(folder: str | os.PathLike[str]) -> None:
     """Before saving into ``folder`` again: it is torn until ``seal`` marks it (rank 0)."""
     with contextlib.suppress(FileNotFoundError):
         (Path(folder) / MARKER_NAME).unlink()
 
 
 def seal(
-    folder: str | os.PathLike, digests: dict[str, dict[str, int]], *, step: int | None, optimizer: bool, is_main: bool
+    folder: str | os.PathLike[str], digests: dict[str, Digest], *, step: int | None, optimizer: bool, is_main: bool
 ) -> None:
     """A collective, once every rank has written its files into ``folder``: the main process sums
     (and fsyncs) the files no rank summed while writing (``digests``: this rank's) and writes the
     marker last. Any rank's failure is raised on every rank."""
-    everyone: dict[str, dict[str, int]] = {}
+    everyone: dict[str, Digest] = {}
     ranks = _gather(digests)  # also the barrier: every rank's files are in place
     for d in ranks:
         everyone.update(d)
@@ -306,7 +329,7 @@ def seal(
             todo = sum(p.stat().st_size for rel, p in paths.items() if not everyone.get(rel))
             with progress(todo, "elixir: summing the checkpoint's files", unit="B") as bar:
                 files = {rel: everyone.get(rel) or _sum_file(p, bar, fsync=True) for rel, p in paths.items()}
-            marker = {
+            marker: Marker = {
                 "format": _MARKER_FORMAT,
                 "step": step,
                 "optimizer": optimizer,
@@ -319,7 +342,7 @@ def seal(
     all_ranks_agree(error, f"sealing checkpoint {folder}")
 
 
-def read_marker(folder: str | os.PathLike) -> dict[str, Any] | None:
+def read_marker(folder: str | os.PathLike[str]) -> Marker | None:
     """``folder``'s marker; ``None`` without one; ``CheckpointError`` naming it when it is not a
     marker (empty, not JSON, a field missing: an interrupted copy leaves it so) or names a file
     outside ``folder``."""
@@ -335,7 +358,7 @@ def read_marker(folder: str | os.PathLike) -> dict[str, Any] | None:
         raise CheckpointError(f"{path} is corrupt: {problem}")
     for name in marker["files"]:
         confined(folder, name, path)
-    return cast(dict[str, Any], marker)
+    return cast(Marker, marker)
 
 
 def _marker_problem(marker: Any) -> str | None:
@@ -355,7 +378,7 @@ def _marker_problem(marker: Any) -> str | None:
     return None
 
 
-def confined(folder: str | os.PathLike, name: str, source: str | os.PathLike) -> Path:
+def confined(folder: str | os.PathLike[str], name: str, source: str | os.PathLike[str]) -> Path:
     """``folder / name`` for a file name read from ``source`` (a marker, an index): a relative path
     inside ``folder``, or ``CheckpointError`` naming both."""
     if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts or "\\" in name:
@@ -366,14 +389,14 @@ def confined(folder: str | os.PathLike, name: str, source: str | os.PathLike) ->
     return Path(folder, name)
 
 
-def verify(folder: str | os.PathLike, rank: int, is_main: bool) -> dict[str, Any]:
+def verify(folder: str | os.PathLike[str], rank: int, is_main: bool) -> Marker:
     """A collective before anything is loaded: ``folder`` has its marker and every file matches the
     size and CRC-32 recorded at save (optimizer file ``k`` is read by rank ``k`` modulo the ranks,
     the main process reads the rest).
     Returns the marker; raises ``CheckpointError`` on every rank naming each bad file."""
     folder = Path(folder)
 
-    def check() -> dict[str, Any]:
+    def check() -> Marker:
         marker = read_marker(folder)
         if marker is None:
             raise CheckpointError(
@@ -393,6 +416,7 @@ def verify(folder: str | os.PathLike, rank: int, is_main: bool) -> dict[str, Any
 
     marker, error = _error(check)
     all_ranks_agree(error, f"verifying checkpoint {folder}")
+    assert marker is not None  # else error, raised on every rank
     seen = _gather((str(folder), marker["step"]))  # node-local disks: each rank reads its node's folder
     if len({step for _, step in seen}) > 1:
         raise CheckpointError(
@@ -411,7 +435,7 @@ def _verifier(name: str, world_size: int, rank: int, is_main: bool) -> bool:
     return int(m.group(1)) % world_size == rank if m else is_main
 
 
-def _check_file(path: Path, want: dict[str, int], bar: Bar) -> list[str]:
+def _check_file(path: Path, want: Digest, bar: Bar) -> list[str]:
     """What is wrong with ``path`` against its marker entry ``want``: nothing, or one message."""
     if not path.is_file():
         return [f"{path} is missing"]
@@ -423,13 +447,13 @@ def _check_file(path: Path, want: dict[str, int], bar: Bar) -> list[str]:
     return []
 
 
-def checkpoint_folders(output_dir: str | os.PathLike) -> list[Path]:
+def checkpoint_folders(output_dir: str | os.PathLike[str]) -> list[Path]:
     """The ``checkpoint-N`` folders of ``output_dir`` (the Trainer's names), newest first."""
     folders = [p for p in Path(output_dir).glob("checkpoint-*") if p.is_dir() and p.name[11:].isdigit()]
     return sorted(folders, key=lambda p: int(p.name[11:]), reverse=True)
 
 
-def newest_complete(output_dir: str | os.PathLike, required: bool = True) -> str | None:
+def newest_complete(output_dir: str | os.PathLike[str], required: bool = True) -> str | None:
     """``resume_from_checkpoint=True``: the newest ``checkpoint-N`` with a well-formed marker; warns
     about each newer one it passes over: torn (no marker: a save interrupted by a crash) or with its
     marker corrupt (an interrupted copy), naming why. None complete: an error, or ``None`` (and the
@@ -461,7 +485,7 @@ def newest_complete(output_dir: str | os.PathLike, required: bool = True) -> str
     return str(p) if p is not None else None
 
 
-def optimizer_format(checkpoint: str | os.PathLike) -> str | None:
+def optimizer_format(checkpoint: str | os.PathLike[str]) -> str | None:
     """How ``checkpoint`` holds the optimizer state: ``"named"`` (by parameter name, any layout),
     ``"plain"`` (a torch optimizer's ``state_dict()`` in a folder without Elixir files: the stock
     Trainer's or Accelerate's), ``None``. The per-rank chunk shards that versions before 0.1.0 wrote
@@ -485,8 +509,8 @@ def optimizer_format(checkpoint: str | os.PathLike) -> str | None:
 
 
 def check_resume(
-    checkpoint: str | os.PathLike, model: nn.Module, world_size: int, rank: int, is_main: bool
-) -> dict[str, Any] | None:
+    checkpoint: str | os.PathLike[str], model: nn.Module, world_size: int, rank: int, is_main: bool
+) -> Marker | None:
     """Fails before any weight is loaded, on every rank, when the checkpoint cannot continue this
     run (a bad file, another model, an optimizer format no longer read); returns its marker
     (``None``: a plain PyTorch checkpoint, which has none)."""

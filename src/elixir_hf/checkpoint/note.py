@@ -38,7 +38,7 @@ elixir-hf wrote this checkpoint. Its optimizer state (AdamW's fp32 master weight
 """
 
 
-def write_note(folder: str | os.PathLike) -> None:
+def write_note(folder: str | os.PathLike[str]) -> None:
     """``folder``'s note (an ``OSError`` names the file, as every checkpoint write does)."""
     folder = Path(folder)
     atomic_write_text(_NOTE.format(index=OPTIM_INDEX, name=folder.name), folder / NOTE_NAME)

@@ -10,7 +10,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
@@ -21,6 +21,7 @@ from .format import (
     OPTIM_INDEX,
     PLAIN_OPTIMIZER_NAMES,
     CheckpointError,
+    Digest,
     _error,
     _gather,
     _raise_any,
@@ -43,21 +44,27 @@ def optim_file_name(rank: int, world_size: int) -> str:
     return f"optimizer-{rank:05d}-of-{world_size:05d}.safetensors"
 
 
-def _elixir(optimizer: Any) -> ElixirOptimizer:
+def _elixir(optimizer: object) -> ElixirOptimizer:
     """The ``ElixirOptimizer`` under Accelerate's wrapper (the Trainer's ``self.optimizer``)."""
-    return getattr(optimizer, "elixir_optimizer", optimizer)
+    return cast(ElixirOptimizer, getattr(optimizer, "elixir_optimizer", optimizer))
 
 
 def save_optimizer(
-    folder: str | os.PathLike, optimizer: Any, *, rank: int, world_size: int, is_main: bool, global_step: int | None
-) -> dict[str, dict[str, int]]:
+    folder: str | os.PathLike[str],
+    optimizer: object,
+    *,
+    rank: int,
+    world_size: int,
+    is_main: bool,
+    global_step: int | None,
+) -> dict[str, Digest]:
     """A collective: each rank writes the optimizer state it holds, by parameter name, into its own
     file, then the main process writes the index from every rank's piece table and the note for a
     reader without Elixir (``checkpoint/note.py``). Returns this
     rank's digests (for ``seal``); a failure on any rank is raised on every rank."""
     opt, folder = _elixir(optimizer), Path(folder)
     name = optim_file_name(rank, world_size)
-    digests: dict[str, dict[str, int]] = {}
+    digests: dict[str, Digest] = {}
 
     def write() -> dict[str, list[int]]:
         tensors, table = named_state(opt)
@@ -87,11 +94,11 @@ def save_optimizer(
     return digests
 
 
-def read_optimizer_index(checkpoint: str | os.PathLike, global_step: int | None = None) -> dict[str, Any]:
+def read_optimizer_index(checkpoint: str | os.PathLike[str], global_step: int | None = None) -> dict[str, Any]:
     """The index of a named optimizer state, checked: a format this code reads, the checkpoint's
     step, and every parameter's pieces covering it whole (``CheckpointError`` naming the file)."""
     path = Path(checkpoint) / OPTIM_INDEX
-    index = json.loads(path.read_text())
+    index: dict[str, Any] = json.loads(path.read_text())
     if index.get("format") != _OPTIM_FORMAT:
         raise CheckpointError(f"{path} is not an Elixir optimizer index (format {index.get('format')!r})")
     if int(index.get("version", 0)) > _OPTIM_VERSION:
@@ -123,8 +130,8 @@ def read_optimizer_index(checkpoint: str | os.PathLike, global_step: int | None 
 
 
 def load_optimizer(
-    checkpoint: str | os.PathLike,
-    optimizer: Any,
+    checkpoint: str | os.PathLike[str],
+    optimizer: object,
     global_step: int | None = None,
     *,
     allow_missing: bool = False,

@@ -21,6 +21,7 @@ transformers' answer unchanged: those checkpoints carry no completion mark to go
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from transformers import trainer_utils
 
@@ -28,10 +29,11 @@ from .format import MARKER_NAME, PLAN_NAME, checkpoint_folders, newest_complete
 
 __all__ = ["get_last_checkpoint"]
 
-_STOCK = trainer_utils.get_last_checkpoint
+_STOCK: Callable[[str | os.PathLike[str]], str | None] = trainer_utils.get_last_checkpoint
+"""transformers' own, kept before ``patches.replace_get_last_checkpoint`` puts this module's in its place."""
 
 
-def get_last_checkpoint(folder: str | os.PathLike) -> str | None:
+def get_last_checkpoint(folder: str | os.PathLike[str]) -> str | None:
     """``transformers.trainer_utils.get_last_checkpoint`` that skips torn Elixir checkpoints (warning)."""
     elixir = any((p / MARKER_NAME).is_file() or (p / PLAN_NAME).is_file() for p in checkpoint_folders(folder))
     return newest_complete(folder, required=False) if elixir else _STOCK(folder)

@@ -104,8 +104,9 @@ def load_hardware(
     path: str | Path | None = None, *, refresh: bool = False, quick: bool = False, ranks: Sequence[int] | None = None
 ) -> HardwareProfile:
     """A shipped profile's name or a file (``path`` or ``$ELIXIR_HARDWARE``) if given, else this
-    machine's cached profile, measured (and cached) on first use, with the per-rank CPU Adam of
-    ``ranks`` ranks per host (default ``measure.rank_counts()``) measured where missing."""
+    machine's cached profile, measured (and cached) on first use and again where it is of an older
+    ``PROFILE_VERSION`` (``_cached``), with the per-rank CPU Adam of ``ranks`` ranks per host (default
+    ``measure.rank_counts()``) measured where missing."""
     path = path or os.environ.get(ENV_HARDWARE)
     if path and str(path).lower() in SHIPPED:
         return shipped_hardware(str(path))
@@ -129,11 +130,13 @@ def load_hardware(
 
 
 def _cached(path: Path) -> HardwareProfile | None:
-    """The cached profile, or ``None`` (measure it again) where there is none or it cannot be read."""
+    """The cached profile, or ``None`` (measure it again) where there is none or it cannot be read,
+    a version this release no longer reads (``OLDEST_VERSION``) included: that one is a cache, so it is
+    measured again with a warning rather than refused."""
     if not path.exists():
         return None
     try:
-        return HardwareProfile.from_json(path.read_text())
+        return HardwareProfile.from_json(path.read_text(), str(path))
     except UNREADABLE as exc:
         logger.warning(
             "elixir: the cached hardware profile %s cannot be read (%s): measuring this machine again", path, exc

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ __all__ = [
     "HardwareProfile",
     "Rates",
     "PROFILE_VERSION",
+    "OLDEST_VERSION",
     "ELEMENTWISE_OF_COPY",
     "UNREADABLE",
     "ATTENTION",
@@ -83,8 +83,12 @@ gain: docs/kernels.md). 4: the Adam rates measured on values like a run's, not z
 values]: zeros were faster on some CPUs). 3: CPU Adam per rank, for each number of ranks sharing
 the host, every rank updating (and copying to its GPU) at once with the engine's threads per rank.
 2: one process with every core but one, under every GPU's copies, divided among the ranks (too
-slow: docs/planning.md, "Why per rank"). 1: alone, all cores. Files of version 1 and 2 still
-load: their single rate is the one-rank entry, shared among ranks as before (``Rates`` notes it)."""
+slow: docs/planning.md, "Why per rank"). 1: alone, all cores. Files of version 1 and 2 (one CPU Adam
+rate) are refused, naming elixir-hf 0.2.0 as the last release that reads them (``from_dict``); this
+machine's cached one is measured again (``load.load_hardware``)."""
+
+OLDEST_VERSION = 3
+"""The oldest version this release reads: the first with per-rank CPU Adam rates (``cpu_adam`` by ranks)."""
 
 
 @dataclass
@@ -182,37 +186,36 @@ class HardwareProfile:
         return json.dumps(self.to_dict(), indent=2)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> HardwareProfile:
-        """Also reads versions 1 and 2, whose single ``cpu_adam`` (one process, every core but one)
-        becomes the one-rank entry, and versions before 6, whose one ``attention`` rate (a seq-1024
-        shape) serves every length: plans and replays of old records predict what they did."""
+    def from_dict(cls, d: dict[str, Any], source: str = "") -> HardwareProfile:
+        """Reads versions ``OLDEST_VERSION`` to ``PROFILE_VERSION``; those before 6, whose one
+        ``attention`` rate (a seq-1024 shape) serves every length, so that plans and replays of the
+        recorded runs (``docs/benchmarks/results.json``) and the shipped ``h100.json`` predict what they
+        did. Versions 1 and 2 (a single ``cpu_adam`` rate) raise ``ValueError`` naming ``source`` (the
+        file), the version and the fix."""
         d = dict(d)
+        if isinstance(d.get("cpu_adam"), (int, float)):
+            raise ValueError(
+                f"hardware profile {source or '(no file)'} is version {d.get('version', 1)}, measured before "
+                f"per-rank CPU Adam rates; this elixir-hf reads versions {OLDEST_VERSION} to {PROFILE_VERSION} "
+                "(elixir-hf 0.2.0 reads it): measure it again on that machine with "
+                "`elixir-plan --measure-hardware PATH`"
+            )
         if isinstance(d.get("attention"), (int, float)):
             d["attention"] = {"1024": d["attention"]}
         d["links"] = {int(k): LinkRates(**v) for k, v in d.get("links", {}).items()}
-        if isinstance(d.get("cpu_adam"), (int, float)):
-            rate, alone = d.pop("cpu_adam"), d.pop("cpu_adam_alone", None)
-            d["cpu_adam"] = {1: CpuAdamRate(1, cpu_adam_threads(1, cores=d["cpu_cores"]), rate, alone)}
         for key in ("cpu_adam", "cpu_adam8"):
             d[key] = {int(k): v if isinstance(v, CpuAdamRate) else CpuAdamRate(**v) for k, v in d.get(key, {}).items()}
         return cls(**d)
 
     @classmethod
-    def from_json(cls, text: str) -> HardwareProfile:
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str, source: str = "") -> HardwareProfile:
+        return cls.from_dict(json.loads(text), source)
 
     @classmethod
     def load(cls, path: str | Path) -> HardwareProfile:
-        raw = json.loads(Path(path).read_text())
-        profile = cls.from_dict(raw)
+        """The profile in file ``path``; its ``source`` is the path where the file names none."""
+        profile = cls.from_json(Path(path).read_text(), str(path))
         profile.source = profile.source or str(path)
-        if not isinstance(raw.get("cpu_adam"), dict):
-            warnings.warn(
-                f"hardware profile {path} is version {profile.version}, measured before per-rank CPU Adam rates "
-                "(version 3): on a host of several GPUs its one rate is shared among the ranks, which "
-                "mispredicts offloaded plans; measure it again on that machine with `elixir-plan --measure-hardware PATH`",
-                stacklevel=2,
-            )
         return profile
 
     def save(self, path: str | Path) -> None:

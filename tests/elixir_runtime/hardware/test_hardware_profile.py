@@ -24,6 +24,8 @@ from tests.elixir_runtime.hardware.job_ranks import job_measures_cpu_adam, job_r
 from tests.elixir_runtime.search.search_cases import gpu_host
 
 FP32 = ADAM_STATE["fp32"]
+VERSION_2 = {**gpu_host().to_dict(), "version": 2, "cpu_adam": 3.2e9, "cpu_adam_alone": 5.6e9}
+"""A profile as version 2 wrote it: one CPU Adam rate for the host."""
 
 
 @pytest.mark.perf
@@ -98,13 +100,21 @@ def test_measured_once_then_cached(measured) -> None:
 
 
 def test_a_cached_profile_of_an_older_measurement_is_measured_again(measured, tmp_path) -> None:
-    """Version 2 timed the CPU Adam of the whole host in one process, shared among the ranks."""
-    dataclasses.replace(gpu_host(cpu_adam=9e9), version=2).save(cache_path())
+    """Version 6 did not time the memory-bound ops."""
+    dataclasses.replace(gpu_host(cpu_adam=9e9), version=6).save(cache_path())
     assert (
         load_hardware().cpu_adam[1].under_copies == 6e9
         and HardwareProfile.load(cache_path()).version == PROFILE_VERSION
     )
     assert measured[0] == "hardware" and cache_path().parent == tmp_path
+
+
+def test_a_cached_profile_of_a_version_no_longer_read_is_measured_again_with_a_warning(measured, caplog) -> None:
+    """The cache is this machine's own: measured again, not refused (a file given by the user is refused)."""
+    cache_path().write_text(json.dumps(VERSION_2))
+    assert load_hardware().version == PROFILE_VERSION and measured[0] == "hardware"
+    assert HardwareProfile.load(cache_path()).cpu_adam[1].under_copies == 6e9  # the old file replaced
+    assert f"{cache_path()} is version 2" in caplog.text and "measuring this machine again" in caplog.text
 
 
 def test_an_unreadable_cached_profile_is_measured_again(measured, caplog) -> None:
@@ -202,19 +212,18 @@ def test_rates_take_the_cpu_adam_measured_for_the_ranks_per_host() -> None:
     assert hw.rates(8, ranks_per_host=4).cpu_adam == 2.5e9
 
 
-def test_a_version_2_profile_loads_as_the_one_rank_rate_and_warns(tmp_path) -> None:
-    """Its one rate (the whole host, one process) is the one-rank entry, shared among ranks as
-    before: a recorded plan replays as it was predicted, and the file's user is told to re-measure."""
-    old = {**gpu_host().to_dict(), "version": 2, "cpu_adam": 3.2e9, "cpu_adam_alone": 5.6e9}  # as version 2 wrote it
+def test_a_profile_of_version_1_or_2_is_refused_naming_the_file_and_the_fix(tmp_path) -> None:
+    """Their one CPU Adam rate (the whole host, one process) mispredicts any host of several GPUs;
+    elixir-hf 0.2.0 is the last release that reads them."""
     path = tmp_path / "old.json"
-    path.write_text(json.dumps(old))
-    with pytest.warns(UserWarning, match="version 2.*elixir-plan --measure-hardware"):
-        hw = HardwareProfile.load(path)
-    assert hw.cpu_adam == {1: CpuAdamRate(1, 15, old["cpu_adam"], old["cpu_adam_alone"])}
-    two = hw.rates(2)
-    assert two.cpu_adam == pytest.approx(old["cpu_adam"] / 2) and any("not measured" in n for n in two.notes)
-    assert HardwareProfile.from_json(hw.to_json()) == hw  # written back as version 3's layout
-    shipped = load_hardware("h100")  # measured on one GPU: its rate is one rank's
+    path.write_text(json.dumps(VERSION_2))
+    with pytest.raises(
+        ValueError, match=rf"{path} is version 2.*reads versions 3 to {PROFILE_VERSION} \(elixir-hf 0.2.0"
+    ):
+        HardwareProfile.load(path)
+    with pytest.raises(ValueError, match="elixir-plan --measure-hardware PATH"):
+        load_hardware(path)
+    shipped = load_hardware("h100")  # version 3, measured on one GPU: its rate is one rank's
     assert shipped.cpu_adam[1].ranks == 1 and shipped.rates(1).cpu_adam == shipped.cpu_adam[1].under_copies > 1e9
 
 
