@@ -61,6 +61,8 @@ LAYERS: list[tuple[str, ...]] = [
         "elixir_hf.timing",
         "elixir_hf.run_record",
     ),
+    # what a user's files say: the JSON Schema of --elixir, the elixir key of a YAML config
+    ("elixir_hf.schema", "elixir_hf.config_file"),
     # files: the checkpoint format (markers, optimizer files, locks, conversion), models loaded without a host copy
     ("elixir_hf.checkpoint", "elixir_hf.loading"),
     # the engine under the HF objects: built from a plugin, its optimizer's wrapper and its numbers
