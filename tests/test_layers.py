@@ -82,6 +82,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("elixir_hf.accelerator", "elixir_hf.trainer"),
     # the package's public face (its names imported on first use)
     ("elixir_hf",),
+    # plugins for training frontends (Axolotl's): the Trainer and its arguments under their hooks
+    ("elixir_hf.integrations",),
     # the command lines: they parse arguments and call in; nothing of the package imports them
     ("elixir_hf.commands",),
     # the throughput harness and the measurements over the packages
