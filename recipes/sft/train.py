@@ -49,7 +49,9 @@ RECIPES = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
 class SFTArguments:
     recipe: str | None = field(
         default=None,
-        metadata={"help": f"A model's settings: one of {RECIPES}, or a YAML file of these arguments (= --config FILE)."},
+        metadata={
+            "help": f"A model's settings: one of {RECIPES}, or a YAML file of these arguments (= --config FILE)."
+        },
     )
     model_name_or_path: str | None = field(default=None, metadata={"help": "A Hub id or a local model folder."})
     tokenizer_name: str | None = field(

@@ -123,9 +123,7 @@ class ElixirPlugin:
 
     # ------------------------------------------------------------------ parsing
     @classmethod
-    def from_spec(
-        cls, spec: str | dict | bool | ElixirPlugin | None, source: str = "--elixir"
-    ) -> ElixirPlugin | None:
+    def from_spec(cls, spec: str | dict | bool | ElixirPlugin | None, source: str = "--elixir") -> ElixirPlugin | None:
         """Parses the spec grammar; ``None`` and ``OFF_WORDS`` mean Elixir is disabled (returns ``None``);
         a bool (a YAML config's ``elixir: true``/``off``) is ``auto`` or off. ``source`` (``--elixir``,
         ``ELIXIR_CONFIG``, a file's key, ...) is named in every error."""

@@ -66,8 +66,9 @@ def _field(cls: type, name: str) -> dict[str, Any]:
         sub = {f.name: _field(hint, f.name) for f in fields(hint)}
         schema = _object(sub, f"{hint.__name__} fields")
     else:
-        schema = _type(hint)
-        assert schema is not None, f"{cls.__name__}.{name}: no JSON type for {hint}"
+        typed = _type(hint)
+        assert typed is not None, f"{cls.__name__}.{name}: no JSON type for {hint}"
+        schema = typed
     default = next(f.default for f in fields(cls) if f.name == name)
     if isinstance(default, (bool, int, float, str, type(None))):  # not MISSING nor a factory's
         schema["default"] = default

@@ -132,5 +132,7 @@ def test_an_accelerate_config_with_the_key_is_refused_by_accelerate_naming_key_a
 
     path = tmp_path / "accelerate.yaml"
     path.write_text((Path(__file__).parents[3] / "recipes" / "elixir.yaml").read_text() + "elixir: auto\n")
-    with pytest.raises(ValueError, match=rf"The config file at {re.escape(str(path))} had unknown keys \(\['elixir'\]\)"):
+    with pytest.raises(
+        ValueError, match=rf"The config file at {re.escape(str(path))} had unknown keys \(\['elixir'\]\)"
+    ):
         load_config_from_file(str(path))
