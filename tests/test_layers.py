@@ -61,6 +61,8 @@ LAYERS: list[tuple[str, ...]] = [
         "elixir_hf.timing",
         "elixir_hf.run_record",
     ),
+    # what a user's files say: the JSON Schema of --elixir, the elixir key of a YAML config
+    ("elixir_hf.schema", "elixir_hf.config_file"),
     # files: the checkpoint format (markers, optimizer files, locks, conversion), models loaded without a host copy
     ("elixir_hf.checkpoint", "elixir_hf.loading"),
     # the engine under the HF objects: built from a plugin, its optimizer's wrapper and its numbers
@@ -80,6 +82,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("elixir_hf.accelerator", "elixir_hf.trainer"),
     # the package's public face (its names imported on first use)
     ("elixir_hf",),
+    # plugins for training frontends (Axolotl's): the Trainer and its arguments under their hooks
+    ("elixir_hf.integrations",),
     # the command lines: they parse arguments and call in; nothing of the package imports them
     ("elixir_hf.commands",),
     # the throughput harness and the measurements over the packages

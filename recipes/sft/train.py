@@ -13,7 +13,10 @@ weights go to each rank's chunk shards, no rank holds a copy of the model. The d
 the loss on the answer tokens only. ``--elixir auto`` (the default) plans the run for the GPU, its
 host memory and the longest example; ``--elixir off`` is the stock Trainer (which an 8B full
 fine-tune does not fit on one 80 GB GPU). Every ``TrainingArguments`` field is an argument too;
-the command line wins over the recipe's YAML, which wins over ``training_defaults``.
+the arguments are parsed by TRL's ``TrlParser`` (``--recipe NAME`` is its ``--config configs/NAME.yaml``):
+the command line wins over the recipe's YAML, which wins over ``training_defaults``. The YAML's
+``elixir`` key is ``--elixir``'s value (a mapping of its JSON keys, ``auto``, ``off``); a bad one stops
+the script naming the key and the file.
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import torch
-import yaml
 from chat_data import IGNORE, load_source, sft_dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, HfArgumentParser, set_seed
+from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, set_seed
+from trl import TrlParser
 
 import elixir_hf
 from elixir_hf import ElixirTrainer, ElixirTrainingArguments
+from elixir_hf.config_file import elixir_key
+from elixir_hf.plugin import ElixirPlugin, ElixirSpecError
 
 logger = logging.getLogger("sft-recipe")
 ON_GPU = torch.cuda.is_available()
@@ -43,7 +48,10 @@ RECIPES = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
 @dataclass
 class SFTArguments:
     recipe: str | None = field(
-        default=None, metadata={"help": f"A model's settings: one of {RECIPES}, or a YAML file of these arguments."}
+        default=None,
+        metadata={
+            "help": f"A model's settings: one of {RECIPES}, or a YAML file of these arguments (= --config FILE)."
+        },
     )
     model_name_or_path: str | None = field(default=None, metadata={"help": "A Hub id or a local model folder."})
     tokenizer_name: str | None = field(
@@ -86,27 +94,44 @@ def training_defaults(recipe: str | None) -> dict:
     )
 
 
-def recipe_settings(recipe: str) -> dict:
-    """The YAML of ``--recipe``: a name in ``configs/`` or a file; every key an argument of this script."""
+def recipe_file(recipe: str) -> Path:
+    """The YAML of ``--recipe``: a name in ``configs/`` or a file."""
     path = Path(recipe) if recipe.endswith((".yaml", ".yml")) else CONFIGS / f"{recipe}.yaml"
     if not path.is_file():
         raise SystemExit(f"--recipe {recipe}: no such file ({path}); pass one of {RECIPES} or a YAML file")
-    settings = yaml.safe_load(path.read_text()) or {}
-    known = {f.name for f in fields(SFTArguments)} | {f.name for f in fields(ElixirTrainingArguments)}
-    unknown = sorted(set(settings) - known)
-    if unknown:
-        raise SystemExit(f"{path}: {unknown} are not arguments of recipes/sft/train.py (see its --help)")
-    return settings
+    return path
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[SFTArguments, ElixirTrainingArguments]:
+    """TRL's ``TrlParser``: ``--recipe NAME`` is its ``--config configs/NAME.yaml`` (every key an argument of
+    this script, an unknown one refused; an ``env:`` mapping sets environment variables), the command
+    line over the file over ``training_defaults``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    recipe = argparse.ArgumentParser(add_help=False)
-    recipe.add_argument("--recipe")
-    name = recipe.parse_known_args(argv)[0].recipe
-    parser = HfArgumentParser((SFTArguments, ElixirTrainingArguments))
-    parser.set_defaults(**{**training_defaults(name), **(recipe_settings(name) if name else {})})
-    sft_args, training_args = parser.parse_args_into_dataclasses(argv)
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("--recipe")
+    first.add_argument("--config")
+    given = first.parse_known_args(argv)[0]
+    if given.recipe and given.config:
+        raise SystemExit("pass --recipe (a name or a YAML file) or --config (a YAML file), not both")
+    path = recipe_file(given.recipe) if given.recipe else given.config
+    parser = TrlParser((SFTArguments, ElixirTrainingArguments))
+    parser.set_defaults(**training_defaults(given.recipe or given.config))
+    if path is not None:
+        found = elixir_key(str(path))
+        if found is not None:  # a bad value named with its key and file, before the arguments read it as --elixir's
+            source, spec = found
+            try:
+                ElixirPlugin.from_spec(spec, source)
+            except ElixirSpecError as exc:
+                raise SystemExit(str(exc)) from None
+        if given.recipe:
+            argv += ["--config", str(path)]
+    try:
+        sft_args, training_args = parser.parse_args_and_config(argv)
+    except ValueError as exc:
+        if "from config file" not in str(exc):
+            raise
+        raise SystemExit(f"{path}: {exc} (see recipes/sft/train.py --help)") from None
     if sft_args.model_name_or_path is None:
         raise SystemExit(f"no model: pass --recipe (one of {RECIPES}) or --model_name_or_path")
     return sft_args, training_args

@@ -124,12 +124,15 @@ class ElixirPlugin:
     # ------------------------------------------------------------------ parsing
     @classmethod
     def from_spec(
-        cls, spec: str | dict[str, Any] | ElixirPlugin | None, source: str = "--elixir"
+        cls, spec: str | dict[str, Any] | bool | ElixirPlugin | None, source: str = "--elixir"
     ) -> ElixirPlugin | None:
-        """Parses the spec grammar; ``None`` and ``OFF_WORDS`` mean Elixir is disabled (returns ``None``).
-        ``source`` (``--elixir``, ``ELIXIR_CONFIG``, ...) is named in every error."""
+        """Parses the spec grammar; ``None`` and ``OFF_WORDS`` mean Elixir is disabled (returns ``None``);
+        a bool (a YAML config's ``elixir: true``/``off``) is ``auto`` or off. ``source`` (``--elixir``,
+        ``ELIXIR_CONFIG``, a file's key, ...) is named in every error."""
         if spec is None or isinstance(spec, ElixirPlugin):
             return spec
+        if isinstance(spec, bool):
+            return cls() if spec else None
         if isinstance(spec, dict):
             return cls._from_mapping(dict(spec), source=source)
         text = str(spec).strip()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -196,10 +198,48 @@ def test_a_template_that_moves_turns_is_refused(tokenizer) -> None:
 def test_recipe_yaml_keys_are_checked(sft, tmp_path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("model_name_or_path: x\nper_device_batch_size: 8\n")
-    with pytest.raises(SystemExit, match=r"\['per_device_batch_size'\] are not arguments"):
+    with pytest.raises(SystemExit, match=r"bad.yaml: Unknown arguments from config file: .*per_device_batch_size"):
         sft.parse_args(["--recipe", str(bad)])
     with pytest.raises(SystemExit, match="no such file"):
         sft.parse_args(["--recipe", "llama-9b"])
     args, training = sft.parse_args(["--recipe", "qwen2.5-14b", "--learning_rate", "3e-5", "--output_dir", "x"])
     assert args.model_name_or_path == "Qwen/Qwen2.5-14B-Instruct" and training.per_device_train_batch_size == 8
     assert training.learning_rate == 3e-5  # the command line over the YAML (1e-5)
+
+
+def test_the_recipe_is_parsed_by_trls_parser(sft, tmp_path) -> None:
+    """``--recipe NAME`` is TrlParser's ``--config``: the YAML over the defaults, the command line over the YAML,
+    the ``elixir`` key (a mapping, YAML's booleans) honoured, ``env:`` set."""
+    assert sft.TrlParser.__module__.startswith("trl")
+    args, training = sft.parse_args(["--recipe", "qwen2.5-14b", "--output_dir", str(tmp_path), "--use_cpu", "true"])
+    assert args.model_name_or_path == "Qwen/Qwen2.5-14B-Instruct" and training.learning_rate == 1e-5
+    assert training.num_train_epochs == 1 and training.elixir_plugin is not None  # training_defaults
+    own = tmp_path / "own.yaml"
+    own.write_text(
+        f"model_name_or_path: m\noutput_dir: {tmp_path}\nuse_cpu: true\nlearning_rate: 3.0e-5\n"
+        "elixir: {mode: static, offload: 0.5}\nenv: {SFT_RECIPE_TEST: 'yes'}\n"
+    )
+    _, training = sft.parse_args(["--config", str(own), "--learning_rate", "4e-5"])
+    assert training.learning_rate == 4e-5 and training.elixir_plugin.config.offload == 0.5
+    assert os.environ.pop("SFT_RECIPE_TEST") == "yes"
+    for word, on in (("off", False), ("true", True)):
+        own.write_text(f"model_name_or_path: m\noutput_dir: {tmp_path}\nuse_cpu: true\nelixir: {word}\n")
+        assert (sft.parse_args(["--recipe", str(own)])[1].elixir_plugin is not None) is on
+    with pytest.raises(SystemExit, match="not both"):
+        sft.parse_args(["--recipe", "qwen2.5-7b", "--config", str(own)])
+
+
+@pytest.mark.parametrize(
+    ("value", "refusal"),
+    [
+        ("{ofload: 0.5}", "unknown {}'s elixir key 'ofload' \\(did you mean 'offload'\\?\\)"),
+        ("'{\"offload\": 0.5'", "{}'s elixir is not valid JSON"),
+        ("[0.5]", "{}'s elixir '\\[0.5\\]' is not understood"),
+        ("{offload: 2}", "{}'s elixir: ElixirConfig.offload must be a fraction"),
+    ],
+)
+def test_a_bad_elixir_value_in_the_yaml_is_refused_naming_key_and_file(sft, tmp_path, value, refusal) -> None:
+    own = tmp_path / "own.yaml"
+    own.write_text(f"model_name_or_path: m\nelixir: {value}\n")
+    with pytest.raises(SystemExit, match=refusal.format(re.escape(str(own)))):
+        sft.parse_args(["--recipe", str(own)])

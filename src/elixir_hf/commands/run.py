@@ -19,7 +19,6 @@ snapshot in the cache, downloaded once per host (``loading.model.stream_from_pre
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import runpy
@@ -100,29 +99,15 @@ def _mistyped_spec(arg: str) -> bool:
 
 def config_file_elixir(argv: Sequence[str]) -> tuple[str, str] | None:
     """``(source, spec)`` of the ``elixir`` key of the YAML file after ``--config`` (TRL's ``TrlParser``
-    convention: ``trl.scripts.sft --config sft.yaml``), if it has one: a mapping as JSON, YAML's
-    booleans (``off``/``no``/``false`` read as false) as ``auto``/``off``. It comes after ``--elixir``
-    on the command line and before ``ELIXIR_CONFIG``, as TRL ranks the command line above the file."""
+    convention: ``trl.scripts.sft --config sft.yaml``), if it has one (``config_file.elixir_key``). It comes
+    after ``--elixir`` on the command line and before ``ELIXIR_CONFIG``, as TRL ranks the command line
+    above the file."""
+    from ..config_file import elixir_key
+
     args = list(argv)
     if "--config" not in args[:-1]:
         return None
-    path = args[args.index("--config") + 1]
-    try:
-        import yaml  # type: ignore[import-untyped]  # PyYAML ships no types (transformers installs it)
-    except ImportError:  # no TRL (which reads the file through it) either
-        return None
-    try:
-        with open(path) as f:
-            config = yaml.safe_load(f)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):  # the script's parser says what is wrong with it
-        return None
-    if not isinstance(config, dict) or config.get("elixir") is None:
-        return None
-    value = config["elixir"]
-    if isinstance(value, bool):
-        value = "auto" if value else "off"
-    spec = json.dumps(value) if isinstance(value, (dict, list)) else str(value)
-    return f"{path}'s elixir", spec
+    return elixir_key(args[args.index("--config") + 1])
 
 
 def chosen_spec(flag: str | None, in_config: tuple[str, str] | None) -> tuple[str, str]:

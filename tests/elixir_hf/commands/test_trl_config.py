@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -99,11 +100,39 @@ def test_elixir_run_honours_the_key_under_a_strict_parser(tmp_path) -> None:
     assert got == {"class": "ElixirDPOConfig", "elixir": True, "offload": 0.5, "beta": 0.25}
 
 
-def test_a_bad_value_in_the_file_stops_elixir_run_naming_the_file(tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("text", "refusal"),
+    [
+        ("elixir:\n  ofload: 0.5\n", "unknown {}'s elixir key 'ofload' \\(did you mean 'offload'\\?\\)"),
+        ("elixir: '{\"offload\": 0.5'\n", "{}'s elixir is not valid JSON"),
+        ("elixir: [0.5]\n", "{}'s elixir '\\[0.5\\]' is not understood"),
+        ("elixir: 0.5\n", "{}'s elixir '0.5' is not understood"),
+        ("elixir: {offload: half}\n", "{}'s elixir: ElixirConfig.offload must be"),
+    ],
+)
+def test_a_bad_value_in_the_file_stops_elixir_run_naming_the_file(tmp_path, text: str, refusal: str) -> None:
     from elixir_hf.commands.run import main
 
-    config = _yaml(tmp_path, "elixir:\n  ofload: 0.5\n")
-    with pytest.raises(
-        SystemExit, match=rf"elixir-run: unknown {config}'s elixir key 'ofload' \(did you mean 'offload'\?\)"
-    ):
+    config = _yaml(tmp_path, text)
+    with pytest.raises(SystemExit, match="elixir-run: " + refusal.format(re.escape(config))):
         main([sys.executable, "--config", config])
+
+
+def test_in_code_the_keys_yaml_booleans_are_auto_and_off(tmp_path) -> None:
+    parser = TrlParser((ScriptArguments, elixir_args(DPOConfig), ModelConfig))
+    for word, on in (("true", True), ("yes", True), ("off", False), ("no", False)):
+        _, args, _ = parser.parse_args_and_config(["--config", _yaml(tmp_path, f"elixir: {word}\n")])
+        assert (args.elixir_plugin is not None) is on, word
+
+
+def test_an_accelerate_config_with_the_key_is_refused_by_accelerate_naming_key_and_file(tmp_path) -> None:
+    """Accelerate reads its config before any script (elixir-run included) runs, and refuses a key it does not
+    know: Elixir's settings go on the script's command line or in ELIXIR_CONFIG (recipes/elixir.yaml says so)."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    path = tmp_path / "accelerate.yaml"
+    path.write_text((Path(__file__).parents[3] / "recipes" / "elixir.yaml").read_text() + "elixir: auto\n")
+    with pytest.raises(
+        ValueError, match=rf"The config file at {re.escape(str(path))} had unknown keys \(\['elixir'\]\)"
+    ):
+        load_config_from_file(str(path))
