@@ -126,6 +126,7 @@ def test_prepare_on_a_gpu_holds_the_allocator_to_the_cap() -> None:
     """The real thing: ``prepare`` lowers the fraction, the plan is made within the cap, and an
     allocation past it fails with torch's out-of-memory error naming the allowed bytes."""
     device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.empty_cache()  # a block cached by an earlier test would serve the allocation below, unchecked
     before, total = torch.cuda.get_per_process_memory_fraction(device), torch.cuda.mem_get_info(device)[1]
     cap = 4 * GIB
     try:

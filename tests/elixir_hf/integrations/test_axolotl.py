@@ -12,8 +12,11 @@ import importlib
 from dataclasses import dataclass, fields
 
 import pytest
-from hf_cases import OFFLOAD_PLAN, history, training_args
-from pydantic import ValidationError
+
+pytest.importorskip("pydantic", reason="the axolotl extra (Axolotl brings it): pip install 'elixir-hf[axolotl]'")
+
+from hf_cases import OFFLOAD_PLAN, history, training_args  # noqa: E402
+from pydantic import ValidationError  # noqa: E402
 from transformers import Trainer, TrainingArguments, default_data_collator
 
 from elixir_hf import ElixirTrainer
