@@ -47,6 +47,7 @@ from elixir_runtime.hardware import REFERENCE, SHIPPED
 from ... import __version__
 from ...plugin import ElixirPlugin, ElixirSpecError
 from .hardware import host_mem, plan_hardware
+from .lora import LORA_RANK, LORA_TARGETS, PEFT_EXTRA, lora_of
 from .report import plan_report
 
 __all__ = ["main", "parse_size", "DEVICE_LANE_WORDS", "EXIT_INPUT", "EXIT_NO_FIT"]
@@ -67,6 +68,7 @@ examples:
   elixir-plan --model llama3-8b --seq-len 2048 --gpus 2 --gpu a100-80gb   (a card you do not own)
   elixir-plan --model llama3.1-70b --seq-len 4096 --gpus 8 --gpu h100 --host-mem 2TiB --host-cores 112   (a DGX node)
   elixir-plan --model llama3-8b --elixir '{"offload": 0.5, "cpu_threads": 6}'   (the run's --elixir keys)
+  elixir-plan --model qwen2.5-14b --gpu h100 --lora --lora-rank 16   (a LoRA fine-tune: PEFT's adapters)
   elixir-plan --measure-hardware hw.json   (on the GPU machine; then --hardware hw.json elsewhere)
   elixir-plan --run out/   (an Elixir Trainer run's --output_dir: predicted vs measured, per rank)
 
@@ -210,6 +212,26 @@ def _parser() -> argparse.ArgumentParser:
         help="plan for transformers' own causal-LM loss (--elixir '{\"lean_loss\": false}'); default: the "
         "lean loss an Elixir run installs (elixir_hf/loss.py), without fp32 copies of the logits",
     )
+    p.add_argument(
+        "--lora",
+        action="store_true",
+        help=f"plan a LoRA fine-tune: the model wrapped by PEFT (needs peft: {PEFT_EXTRA}), its base frozen (its "
+        "weights only: no gradients, no Adam state) and its adapters trained",
+    )
+    p.add_argument(
+        "--lora-rank",
+        "--lora_rank",
+        type=_positive,
+        metavar="R",
+        help=f"the adapters' rank (default {LORA_RANK}; implies --lora)",
+    )
+    p.add_argument(
+        "--lora-targets",
+        "--lora_targets",
+        metavar="NAMES",
+        help=f"the modules the adapters wrap, comma-separated, e.g. q_proj,v_proj (default {LORA_TARGETS}: every "
+        "linear layer but the head; implies --lora)",
+    )
     p.add_argument("--exact", action="store_true", help="trace every block instead of replaying identical ones")
     p.add_argument(
         "-v",
@@ -261,6 +283,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--model is required (or --measure-hardware, or --run)")
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # before the seconds of planning
         parser.error(f"--plot {args.plot} needs matplotlib: pip install 'elixir-hf[plot]'")
+    if lora_of(args) and importlib.util.find_spec("peft") is None:
+        parser.error(f"--lora needs peft: {PEFT_EXTRA}")
     try:
         hardware, note = plan_hardware(args)
     except ValueError as exc:  # names the value and the fix: no usage text around it
