@@ -37,18 +37,19 @@ import re
 import sys
 import typing
 from collections.abc import Callable, Sequence
-from typing import Any
-
-from elixir_runtime import MOMENTS
-from elixir_runtime.config import ConfigError, ElixirConfig, PlanError, resolve_dtype
-from elixir_runtime.config import parse_size as config_parse_size
-from elixir_runtime.hardware import REFERENCE, SHIPPED
+from typing import TYPE_CHECKING, Any
 
 from ... import __version__
-from ...plugin import ElixirPlugin, ElixirSpecError
-from .hardware import host_mem, plan_hardware
 from .lora import LORA_RANK, LORA_TARGETS, PEFT_EXTRA, lora_of
-from .report import plan_report
+from .names import CARDS, MOMENTS, REFERENCE
+
+if TYPE_CHECKING:
+    from elixir_runtime.config import ElixirConfig
+
+# [Note: --help and --version before torch]
+# Only the standard library and the package's own stdlib-only modules at import (names.py, lora.py):
+# --help and --version answer in a fraction of a second (torch alone takes seconds to import); the
+# engine, transformers and the planner load where they are used, after the command line parsed.
 
 __all__ = ["main", "parse_size", "DEVICE_LANE_WORDS", "EXIT_INPUT", "EXIT_NO_FIT"]
 
@@ -84,6 +85,8 @@ DEVICE_LANE_WORDS = {"off": False, "on": True, "auto": "auto"}
 def parse_size(text: str) -> int:
     """``80GiB``, ``80G`` (binary), ``80GB`` (decimal), ``512MiB``; a bare number is GiB
     (``elixir_runtime.config.parse_size``, the rule of ``ElixirConfig.gpu_memory`` too)."""
+    from elixir_runtime.config import parse_size as config_parse_size
+
     try:
         return config_parse_size(text)
     except ValueError as exc:
@@ -101,6 +104,8 @@ def _positive(text: str) -> int:
 
 
 def _dtype(text: str) -> str:
+    from elixir_runtime.config import resolve_dtype
+
     try:
         resolve_dtype(text)
     except ValueError as exc:
@@ -109,12 +114,20 @@ def _dtype(text: str) -> str:
 
 
 def _gpu_memory(text: str) -> int:
+    from elixir_runtime.config import ConfigError, ElixirConfig
+
     try:
         size = ElixirConfig(gpu_memory=text).gpu_memory_bytes
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     assert size is not None, "a size was given"
     return size
+
+
+def _host_mem(text: str) -> int | str:
+    from .hardware import host_mem
+
+    return host_mem(text)
 
 
 def _spec(text: str) -> dict[str, Any]:
@@ -154,7 +167,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--host-mem",
         "--host_mem",
-        type=host_mem,
+        type=_host_mem,
         help="host RAM available to the job before its model is loaded (what prepare counts: MemAvailable "
         "plus what the model's own weights free), or 'here': what this machine has available (default: this "
         "machine's when planning for its own GPU; else the GPU profile's host's, times the GPUs per GPU of it "
@@ -173,7 +186,7 @@ def _parser() -> argparse.ArgumentParser:
     card.add_argument(
         "--gpu",
         metavar="NAME",
-        help=f"plan for this card without owning it: {', '.join(SHIPPED)} ({REFERENCE}: measured; the others derived "
+        help=f"plan for this card without owning it: {', '.join(CARDS)} ({REFERENCE}: measured; the others derived "
         f"from it and their published figures), in the {REFERENCE} box (its host RAM and CPU) unless --host-mem",
     )
     card.add_argument(
@@ -285,6 +298,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--plot {args.plot} needs matplotlib: pip install 'elixir-hf[plot]'")
     if lora_of(args) and importlib.util.find_spec("peft") is None:
         parser.error(f"--lora needs peft: {PEFT_EXTRA}")
+    from elixir_runtime.config import PlanError
+
+    from ...plugin import ElixirSpecError
+    from .hardware import plan_hardware
+    from .report import plan_report
+
     try:
         hardware, note = plan_hardware(args)
     except ValueError as exc:  # names the value and the fix: no usage text around it
@@ -347,6 +366,8 @@ def _elixir_config(args: argparse.Namespace) -> ElixirConfig:
     the keys ``ElixirConfig.settings()`` marks, and the plugin's): ``--elixir`` with the shorthand
     flags' keys added (one given both ways with two values is an error); ``args``' ``dtype``,
     ``gpu_memory`` and ``lean_loss`` become what it resolves to, which the report reads."""
+    from ...plugin import ElixirPlugin, ElixirSpecError
+
     spec = dict(args.elixir or {})
     for flag, (attr, key, value) in _SHORTHANDS.items():
         given = getattr(args, attr)

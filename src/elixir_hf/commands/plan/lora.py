@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # torch at use, not import: elixir-plan --help answers without it (__init__.py)
+    from torch import nn
 
 __all__ = ["LORA_RANK", "LORA_TARGETS", "PEFT_EXTRA", "Lora", "lora_of", "lora_model"]
 
