@@ -10,7 +10,7 @@ TORCH_PIN := torch==2.13.0
 TRITON_PIN := triton==3.6.0; sys_platform == "linux" and platform_machine == "x86_64"
 OFFLINE_ENV := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1
 
-.PHONY: venv lint test test-perf test-gpu train clean-venv
+.PHONY: venv lint test test-perf test-gpu train smoke clean-venv
 
 venv: $(STAMP)
 
@@ -79,6 +79,15 @@ test-perf: $(STAMP)
 
 train: $(STAMP)
 	$(VPY) recipes/gpt2/train.py --elixir auto
+
+# A newcomer's check, under 2 minutes on a CPU: the packages import, the GPT-2 recipe trains its tiny
+# model for a few steps offline (a falling loss, a model saved), and elixir-plan plans it for an H100.
+SMOKE_OUT := runs/smoke
+smoke: $(STAMP)
+	$(OFFLINE_ENV) $(VPY) -c "import elixir_hf, elixir_runtime; print('elixir-hf', elixir_hf.__version__, 'imports')"
+	$(OFFLINE_ENV) HF_DATASETS_OFFLINE=1 $(VPY) recipes/gpt2/train.py --elixir auto --output_dir $(SMOKE_OUT) \
+		--max_steps 8 --logging_steps 4 --eval_steps 8 --max_eval_samples 16 --corpus_mb 0.5 --disable_tqdm true
+	$(OFFLINE_ENV) $(VPY) -m elixir_hf.commands.plan --model tiny --seq-len 256 --batch-size 8 --gpu h100
 
 clean-venv:
 	rm -rf $(VENV)

@@ -23,7 +23,12 @@ import torch  # noqa: E402 - after the GPUs are hidden (torch reads CUDA_VISIBLE
 from elixir_runtime.progress import set_progress_factory
 from helpers import dist as dist_harness
 from helpers.device import ON_CUDA
+from helpers.lifetime import die_with_parent
 from helpers.transformers_use import uses_transformers
+
+# An xdist worker dies with the pytest that started it (an interrupted `make test` leaves none running on).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    die_with_parent()
 
 # What every rank of a multi-rank test imports, done once by the forkserver the ranks fork from (the
 # modeling files load lazily otherwise); here, not in helpers/dist.py, so that an engine-only test of

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -137,3 +138,55 @@ def test_on_cuda_the_cpu_tests_skip_saying_so() -> None:
     summary = run.stdout.strip().splitlines()[-1]
     assert run.returncode == 0 and "skipped" in summary and "passed" not in summary, run.stdout[-2000:]
     assert "computes on the CPU by design: `make test` runs it" in run.stdout
+
+
+# --- no process outlives the one that started it (helpers/lifetime.py) ----------------------
+
+_REAPER = """
+import ctypes, os, signal, subprocess, sys, time
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: the orphaned grandchild becomes ours to wait on
+parent = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
+child = int(parent.stdout.readline())
+os.kill(parent.pid, signal.SIGKILL)
+parent.wait()
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    pid, status = os.waitpid(child, os.WNOHANG)
+    if pid:
+        print(os.WTERMSIG(status) if os.WIFSIGNALED(status) else -1)
+        break
+    time.sleep(0.01)  # a bounded poll of the pid, not a wait for something to happen in time
+else:
+    os.kill(child, signal.SIGKILL)
+    print("alive")
+"""
+
+_PARENT = """
+import signal, subprocess, sys
+from helpers.lifetime import die_with_parent
+# Popen returns once the child has exec'd, so its preexec_fn (the prctl) has run: the pid is printed after it
+child = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"], preexec_fn=die_with_parent)
+print(child.pid, flush=True)
+signal.pause()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
+def test_a_child_dies_with_its_parent() -> None:
+    """A process that called ``die_with_parent`` is killed when its parent is (SIGKILL: no handler of the
+    parent's runs): what keeps a rank or a worker from outliving an interrupted ``make test``."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", _REAPER, _PARENT], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == str(int(signal.SIGKILL)), out.stdout + out.stderr
+
+
+def _death_signal(rank: int, world_size: int) -> int:
+    from helpers.lifetime import parent_death_signal
+
+    return parent_death_signal()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
+def test_ranks_die_with_their_parent() -> None:
+    """Each rank ``helpers.dist`` forks dies with the forkserver (which exits with the test process)."""
+    assert run_distributed(_death_signal, 2, timeout=120) == [signal.SIGKILL] * 2

@@ -37,7 +37,7 @@ from transformers.integrations.integration_utils import rewrite_logs
 from .checkpoint.format import _gather
 from .metrics import COMPARED
 from .run_record import RankRecord, new_run, write_record
-from .run_report import PLOT_EXTRA, RunTable, series, write_report
+from .run_report import NOT_DRAWN, PLOT_EXTRA, RunTable, drawable, series, write_report
 
 __all__ = ["ElixirPrinterCallback", "ElixirProgressCallback", "RunRecorder", "SHORT_CONSOLE", "console_logs"]
 
@@ -151,7 +151,7 @@ class RunRecorder(TrainerCallback):
         except OSError as exc:  # the training is done: a report that cannot be written must not fail it
             logger.warning("elixir: the run against its plan was not written: %s", exc)
             return
-        where = f"plot: {png}" if png else f"plot: {PLOT_EXTRA}"
+        where = f"plot: {png}" if png else NOT_DRAWN if not drawable(table) else f"plot: {PLOT_EXTRA}"
         logger.info("%s\n%s", table.text(), where)
         if state.is_world_process_zero:
             self._to_reporters(table, state.global_step)

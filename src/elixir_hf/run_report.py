@@ -24,9 +24,23 @@ from .run_record import REPORT, RankRecord, record_dir, replace_file
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-__all__ = ["PLOT_EXTRA", "RunRow", "RunTable", "plot_run", "run_table", "series", "write_report"]
+__all__ = [
+    "NOT_DRAWN",
+    "PLOT_EXTRA",
+    "RunRow",
+    "RunTable",
+    "drawable",
+    "plot_run",
+    "run_table",
+    "series",
+    "write_report",
+]
 
 PLOT_EXTRA = "pip install 'elixir-hf[plot]'"
+NOT_DRAWN = (
+    "no plot: the plan predicts nothing the run measured (a static plan, as on the CPU: no step time, no GPU peak, "
+    "nothing pinned); a run on a plan --elixir auto searched on a GPU gets one"
+)
 
 
 @dataclass
@@ -114,6 +128,12 @@ def _ratio(v: float | None, plan: float | None) -> str:
     return f" ({v / plan:.2f}x)" if v / plan < 100 else f" ({v / plan:,.0f}x)"
 
 
+def drawable(table: RunTable) -> bool:
+    """Whether a plot would compare anything: a row with a prediction (not 0) and a rank's measurement.
+    Else (a CPU run: nothing predicted but the 0 GiB pinned) its panels would be empty, and none is drawn."""
+    return any(row.plan and any(v is not None for v in row.ranks) for row in table.rows)
+
+
 def plot_run(table: RunTable, path: str | os.PathLike[str]) -> None:
     """Three panels: each rank's step time by log beside the plan's, the times by phase and the memory,
     the plan's bar then each rank's. A ``Figure`` of its own: the process's pyplot backend is left alone
@@ -161,13 +181,14 @@ def _bars(ax: Axes, rows: list[RunRow], records: list[RankRecord], ylabel: str) 
 
 
 def write_report(output_dir: str | os.PathLike[str], records: list[RankRecord]) -> tuple[RunTable, Path | None]:
-    """``run_vs_plan.txt`` and, with matplotlib, ``run_vs_plan.png`` into ``OUTPUT_DIR/elixir_run``; the
-    table and the PNG's path (``None``: no matplotlib)."""
+    """``run_vs_plan.txt`` and, with matplotlib and where it is ``drawable``, ``run_vs_plan.png`` into
+    ``OUTPUT_DIR/elixir_run``; the table and the PNG's path (``None``: no matplotlib, or nothing to draw)."""
     folder = record_dir(output_dir)
     table = run_table(records, output_dir)
     replace_file(folder / f"{REPORT}.txt", lambda tmp: tmp.write_text(table.text() + "\n"))
-    if importlib.util.find_spec("matplotlib") is None:
-        return table, None
     png = folder / f"{REPORT}.png"
+    if importlib.util.find_spec("matplotlib") is None or not drawable(table):
+        png.unlink(missing_ok=True)  # an earlier run's
+        return table, None
     replace_file(png, lambda tmp: plot_run(table, tmp))
     return table, png

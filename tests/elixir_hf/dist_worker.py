@@ -30,7 +30,10 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.
 from hf_cases import OFFLOAD_PLAN, VOCAB, TokenDataset, history, make_trainer, training_args  # noqa: E402
 
 import elixir_hf  # noqa: E402
+from helpers.lifetime import die_with_parent  # noqa: E402
 from helpers.models import ATTN_IMPL, MODEL_BUILDERS  # noqa: E402
+
+die_with_parent()  # torchrun: a rank never outlives it
 
 STEPS = 8
 PROMPT = torch.tensor([[5, 17, 3, 9], [8, 8, 40, 2]])

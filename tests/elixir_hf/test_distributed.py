@@ -7,6 +7,7 @@ number of ranks: tests/reliability/test_resume_change.py)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -24,6 +25,7 @@ from transformers import AutoModelForCausalLM
 
 from elixir_hf.run_record import read_run, record_dir
 from elixir_hf.run_report import run_table
+from helpers.lifetime import die_with_parent
 from helpers.models import ATTN_IMPL, make_batch
 
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -37,7 +39,15 @@ def two_rank_run(tmp_path_factory) -> tuple[Path, dict]:
     env.pop("ELIXIR_CONFIG", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(WORKER)]
     cmd.append(str(out))
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # torchrun ends its ranks on SIGTERM, which it gets when this test process exits (and they on its exit)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=functools.partial(die_with_parent, signal.SIGTERM),
+    )
     try:
         stdout, stderr = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:

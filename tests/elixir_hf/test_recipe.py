@@ -6,6 +6,7 @@ and local Llama / Qwen2 folders through ``--model_name_or_path`` are run in-proc
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -80,6 +81,7 @@ def test_default_recipe_trains_offline(tmp_path, hardware_in) -> None:
     evals = [h["eval_loss"] for h in history if "eval_loss" in h]
     assert len(evals) == 2 and evals[1] < evals[0], evals  # at steps 8 and 16
     assert json.loads((out / "eval_results.json").read_text())["eval_perplexity"] < 2048  # uniform guess: 2048
+    _matches_the_pin(tmp_path / "cache", losses, evals)
     assert (out / "checkpoint-16" / "elixir_plan.json").is_file()
     plan = json.loads((out / "elixir_plan.json").read_text())  # beside the final weights too
     assert plan["model"]["class"] == "GPT2LMHeadModel"
@@ -89,6 +91,19 @@ def test_default_recipe_trains_offline(tmp_path, hardware_in) -> None:
     ids = tokenizer("def read(self, size=-1):\n    return self._buffer[:size]", return_tensors="pt")["input_ids"]
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+def _matches_the_pin(cache: Path, losses: list[float], evals: list[float]) -> None:
+    """On the corpus ``expected_losses.json`` pins (this Python's standard library made into the same
+    0.5 MB), the run's losses are the pinned ones: a change to the corpus, the tokenizer, the recipe's
+    defaults or the training shows here, and in the losses recipes/README.md quotes."""
+    expected = json.loads((RECIPE / "expected_losses.json").read_text())
+    (corpus,) = (cache / "corpus").glob("stdlib-*-0.5mb.jsonl")
+    digest = hashlib.sha256(corpus.read_bytes()).hexdigest()
+    if digest != expected["corpus_sha256"]["0.5"]:
+        pytest.skip(f"the losses are pinned for another corpus ({corpus.name}, sha256 {digest[:12]}: another stdlib)")
+    pinned = expected["short_run"]
+    assert losses == pytest.approx(pinned["loss"], abs=2e-3) and evals == pytest.approx(pinned["eval_loss"], abs=2e-3)
 
 
 def _data_args(**overrides) -> SimpleNamespace:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .device import ON_CUDA, rank_device
+from .lifetime import die_with_parent
 
 if __name__ != "helpers.dist" and __name__.endswith("helpers.dist"):
     # A second copy of this module (``tests.helpers.dist``) has its own PRELOAD, without what
@@ -81,6 +82,7 @@ def _worker(
     environ: dict[str, str],
 ) -> None:
     """Child entry: join the group, run ``fn``, report a pickled result or traceback."""
+    die_with_parent()  # the forkserver, which exits with the test process: no rank outlives an interrupted run
     os.environ.clear()  # the test process's environment now, not the forkserver's at its start
     os.environ.update(environ, OMP_NUM_THREADS="1")
     torch.set_num_threads(1)

@@ -8,8 +8,6 @@ import sys
 from pathlib import Path
 
 from .. import __version__
-from ..checkpoint.convert import convert
-from ..checkpoint.format import CheckpointError
 
 __all__ = ["main"]
 
@@ -30,6 +28,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(
             f"CHECKPOINT {args.checkpoint}: no such folder (a checkpoint-N folder of an Elixir run's output_dir)"
         )
+    from ..checkpoint.convert import convert  # torch: after the command line, so --help answers without it
+    from ..checkpoint.format import CheckpointError
+
     try:
         convert(args.checkpoint, args.out, args.config, overwrite=args.overwrite)
     except (CheckpointError, OSError) as e:

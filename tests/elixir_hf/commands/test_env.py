@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from elixir_hf.commands import env
+from elixir_hf.commands.env import main as env_main
+from elixir_hf.commands.env import report as env
 from elixir_runtime.kernels import cpu_adam
 
 VERSION = tomllib.loads((Path(__file__).resolve().parents[3] / "pyproject.toml").read_text())["project"]["version"]
@@ -25,7 +26,7 @@ def fresh_kernel():
 
 def test_json_report(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ELIXIR_ADAM_KERNEL", raising=False)
-    assert env.main(["--json"]) == 0
+    assert env_main(["--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["version"] == VERSION
     assert report["cpu_adam"] == "cpp", report["cpu_adam_detail"]
@@ -36,7 +37,7 @@ def test_json_report(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPa
 
 def test_text_report(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ELIXIR_HARDWARE", "h100")
-    assert env.main([]) == 0
+    assert env_main([]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"elixir-hf         {VERSION} (")
     assert "CPU Adam" in out and "the shipped profile 'h100' (ELIXIR_HARDWARE)" in out
@@ -89,8 +90,6 @@ def test_torchs_no_cuda_runtime_warning_is_not_passed_on(monkeypatch, caplog) ->
     while the C++ Adam's status is read) does not reach the report's reader (issue 50, 5)."""
     import logging
 
-    from elixir_hf.commands import env
-
     status = env.cpu_kernel_status
 
     def noisy() -> tuple[str, str]:
@@ -100,5 +99,5 @@ def test_torchs_no_cuda_runtime_warning_is_not_passed_on(monkeypatch, caplog) ->
 
     monkeypatch.setattr(env, "cpu_kernel_status", noisy)
     with caplog.at_level(logging.WARNING):
-        assert env.main(["--json"]) == 0
+        assert env_main(["--json"]) == 0
     assert "No CUDA runtime" not in caplog.text and "another warning" in caplog.text

@@ -37,17 +37,19 @@ import re
 import sys
 import typing
 from collections.abc import Callable, Sequence
-from typing import Any
-
-from elixir_runtime import MOMENTS
-from elixir_runtime.config import ConfigError, ElixirConfig, PlanError, resolve_dtype
-from elixir_runtime.config import parse_size as config_parse_size
-from elixir_runtime.hardware import REFERENCE, SHIPPED
+from typing import TYPE_CHECKING, Any
 
 from ... import __version__
-from ...plugin import ElixirPlugin, ElixirSpecError
-from .hardware import host_mem, plan_hardware
-from .report import plan_report
+from .lora import LORA_RANK, LORA_TARGETS, PEFT_EXTRA, lora_of
+from .names import CARDS, MOMENTS, REFERENCE
+
+if TYPE_CHECKING:
+    from elixir_runtime.config import ElixirConfig
+
+# [Note: --help and --version before torch]
+# Only the standard library and the package's own stdlib-only modules at import (names.py, lora.py):
+# --help and --version answer in a fraction of a second (torch alone takes seconds to import); the
+# engine, transformers and the planner load where they are used, after the command line parsed.
 
 __all__ = ["main", "parse_size", "DEVICE_LANE_WORDS", "EXIT_INPUT", "EXIT_NO_FIT"]
 
@@ -67,6 +69,7 @@ examples:
   elixir-plan --model llama3-8b --seq-len 2048 --gpus 2 --gpu a100-80gb   (a card you do not own)
   elixir-plan --model llama3.1-70b --seq-len 4096 --gpus 8 --gpu h100 --host-mem 2TiB --host-cores 112   (a DGX node)
   elixir-plan --model llama3-8b --elixir '{"offload": 0.5, "cpu_threads": 6}'   (the run's --elixir keys)
+  elixir-plan --model qwen2.5-14b --gpu h100 --lora --lora-rank 16   (a LoRA fine-tune: PEFT's adapters)
   elixir-plan --measure-hardware hw.json   (on the GPU machine; then --hardware hw.json elsewhere)
   elixir-plan --run out/   (an Elixir Trainer run's --output_dir: predicted vs measured, per rank)
 
@@ -82,6 +85,8 @@ DEVICE_LANE_WORDS = {"off": False, "on": True, "auto": "auto"}
 def parse_size(text: str) -> int:
     """``80GiB``, ``80G`` (binary), ``80GB`` (decimal), ``512MiB``; a bare number is GiB
     (``elixir_runtime.config.parse_size``, the rule of ``ElixirConfig.gpu_memory`` too)."""
+    from elixir_runtime.config import parse_size as config_parse_size
+
     try:
         return config_parse_size(text)
     except ValueError as exc:
@@ -99,6 +104,8 @@ def _positive(text: str) -> int:
 
 
 def _dtype(text: str) -> str:
+    from elixir_runtime.config import resolve_dtype
+
     try:
         resolve_dtype(text)
     except ValueError as exc:
@@ -107,12 +114,20 @@ def _dtype(text: str) -> str:
 
 
 def _gpu_memory(text: str) -> int:
+    from elixir_runtime.config import ConfigError, ElixirConfig
+
     try:
         size = ElixirConfig(gpu_memory=text).gpu_memory_bytes
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     assert size is not None, "a size was given"
     return size
+
+
+def _host_mem(text: str) -> int | str:
+    from .hardware import host_mem
+
+    return host_mem(text)
 
 
 def _spec(text: str) -> dict[str, Any]:
@@ -152,7 +167,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--host-mem",
         "--host_mem",
-        type=host_mem,
+        type=_host_mem,
         help="host RAM available to the job before its model is loaded (what prepare counts: MemAvailable "
         "plus what the model's own weights free), or 'here': what this machine has available (default: this "
         "machine's when planning for its own GPU; else the GPU profile's host's, times the GPUs per GPU of it "
@@ -171,7 +186,7 @@ def _parser() -> argparse.ArgumentParser:
     card.add_argument(
         "--gpu",
         metavar="NAME",
-        help=f"plan for this card without owning it: {', '.join(SHIPPED)} ({REFERENCE}: measured; the others derived "
+        help=f"plan for this card without owning it: {', '.join(CARDS)} ({REFERENCE}: measured; the others derived "
         f"from it and their published figures), in the {REFERENCE} box (its host RAM and CPU) unless --host-mem",
     )
     card.add_argument(
@@ -209,6 +224,26 @@ def _parser() -> argparse.ArgumentParser:
         const=False,
         help="plan for transformers' own causal-LM loss (--elixir '{\"lean_loss\": false}'); default: the "
         "lean loss an Elixir run installs (elixir_hf/loss.py), without fp32 copies of the logits",
+    )
+    p.add_argument(
+        "--lora",
+        action="store_true",
+        help=f"plan a LoRA fine-tune: the model wrapped by PEFT (needs peft: {PEFT_EXTRA}), its base frozen (its "
+        "weights only: no gradients, no Adam state) and its adapters trained",
+    )
+    p.add_argument(
+        "--lora-rank",
+        "--lora_rank",
+        type=_positive,
+        metavar="R",
+        help=f"the adapters' rank (default {LORA_RANK}; implies --lora)",
+    )
+    p.add_argument(
+        "--lora-targets",
+        "--lora_targets",
+        metavar="NAMES",
+        help=f"the modules the adapters wrap, comma-separated, e.g. q_proj,v_proj (default {LORA_TARGETS}: every "
+        "linear layer but the head; implies --lora)",
     )
     p.add_argument("--exact", action="store_true", help="trace every block instead of replaying identical ones")
     p.add_argument(
@@ -261,6 +296,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--model is required (or --measure-hardware, or --run)")
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # before the seconds of planning
         parser.error(f"--plot {args.plot} needs matplotlib: pip install 'elixir-hf[plot]'")
+    if lora_of(args) and importlib.util.find_spec("peft") is None:
+        parser.error(f"--lora needs peft: {PEFT_EXTRA}")
+    from elixir_runtime.config import PlanError
+
+    from ...plugin import ElixirSpecError
+    from .hardware import plan_hardware
+    from .report import plan_report
+
     try:
         hardware, note = plan_hardware(args)
     except ValueError as exc:  # names the value and the fix: no usage text around it
@@ -323,6 +366,8 @@ def _elixir_config(args: argparse.Namespace) -> ElixirConfig:
     the keys ``ElixirConfig.settings()`` marks, and the plugin's): ``--elixir`` with the shorthand
     flags' keys added (one given both ways with two values is an error); ``args``' ``dtype``,
     ``gpu_memory`` and ``lean_loss`` become what it resolves to, which the report reads."""
+    from ...plugin import ElixirPlugin, ElixirSpecError
+
     spec = dict(args.elixir or {})
     for flag, (attr, key, value) in _SHORTHANDS.items():
         given = getattr(args, attr)

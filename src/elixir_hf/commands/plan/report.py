@@ -46,6 +46,7 @@ from ...loss import use_lean_loss
 from ...patches import mask_decisions_of
 from ...presets import PRESETS, canonical_name, close_presets
 from .hardware import host_hardware, host_memory
+from .lora import Lora, lora_model, lora_of
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -56,6 +57,10 @@ GIB = 2**30
 HOST_PINNED_WARN = 0.9
 """Share of the host's RAM a plan may pin before ``elixir-plan`` warns: the rest is all the job's other
 memory (data loader workers, page cache, a checkpoint save) and everything else on the host has."""
+LORA_HINT = (
+    "\nOr a LoRA fine-tune instead of a full one (--lora plans it): its base frozen, 2 bytes per parameter "
+    "in bf16 and no gradients or Adam state, only the adapters trained"
+)
 HOST_BOUND = 0.25
 """Share of the predicted step that CPU updates not hidden must reach for ``elixir-plan`` to price
 two micro-batches per step, which hide them under twice the compute (``_accumulated``)."""
@@ -91,9 +96,13 @@ def plan_report(
     t0 = time.perf_counter()
     with quiet_transformers():  # its warnings about use_cache, token ids, ... say nothing about the plan
         model = build_meta_model(model_config(args.model, args.seq_len), args.dtype, args.ac)
+        lora = lora_of(args)
+        if lora is not None:
+            model = lora_model(model, lora)
         if args.lean_loss:  # as build_engine does
             use_lean_loss(model)
         build_s = time.perf_counter() - t0
+        trained = "" if lora is None else _lora_text(lora, model)
         ids = torch.zeros(args.batch_size, args.seq_len, dtype=torch.long, device="meta")
         batch = {"input_ids": ids, "labels": ids}
         job = PlanJob(model, find_units(model, config.unit_classes), batch, config, torch.device("cuda"), args.dtype)
@@ -107,11 +116,12 @@ def plan_report(
         try:
             plan = plan_for(config)
         except PlanError as exc:
-            if isinstance(args.host_mem, int):
-                raise
-            raise PlanError(
-                f"{exc}\n(host memory: {size_text(host_bytes)}, {host_source}; --host-mem to plan for another host)"
-            ) from exc
+            host = (
+                ""
+                if isinstance(args.host_mem, int)
+                else f"\n(host memory: {size_text(host_bytes)}, {host_source}; --host-mem to plan for another host)"
+            )
+            raise PlanError(f"{exc}{host}{'' if lora else LORA_HINT}") from exc
         assert plan.profile is not None and plan.budget is not None, "plan_model's plan is searched"
         timings = {
             "build_s": build_s,
@@ -120,9 +130,11 @@ def plan_report(
         }
         accumulated = _accumulated(args, config, plan, plan_for)
     title = _title(args, card, plan.budget)
-    text = _text(args, plan, hardware, hw_note, card, host_source, accumulated)
+    text = _text(args, plan, hardware, hw_note, card, host_source, accumulated, trained)
     details = _details(plan, hardware, hw_note, timings)
     doc = _doc(args, plan, hardware, hw_note, host_source, timings)
+    if lora is not None:
+        doc["lora"] = {"rank": lora.rank, "targets": lora.targets, "trainable": _trainable(model)}
     if accumulated is not None:
         doc["accumulated"] = {
             "grad_accum": 2,
@@ -132,6 +144,19 @@ def plan_report(
     warnings = host_warnings(plan)
     doc["warnings"] = warnings
     return PlanReport(plan, title, text, details, doc, warnings)
+
+
+def _trainable(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _lora_text(lora: Lora, model: torch.nn.Module) -> str:
+    total = sum(p.numel() for p in model.parameters())
+    trainable = _trainable(model)
+    return (
+        f"{lora.text()}: {trainable / 1e6:.1f} M parameters trained ({trainable / total:.2%}), the base's "
+        f"{(total - trainable) / 1e9:.3f} B frozen (its weights only: no gradients, no Adam state)"
+    )
 
 
 def host_warnings(plan: ElixirPlan) -> list[str]:
@@ -223,12 +248,13 @@ def _text(
     card: int,
     host_source: str,
     accumulated: ElixirPlan | None = None,
+    trained: str = "",
 ) -> str:
-    """The default output: what was planned for, memory per GPU and host, what is offloaded, the step
-    (and, where it is host-bound, the step of two micro-batches)."""
+    """The default output: what was planned for (``trained``: a LoRA's adapters), memory per GPU and host,
+    what is offloaded, the step (and, where it is host-bound, the step of two micro-batches)."""
     return "\n\n".join(
         [
-            _header(args, plan, hardware, hw_note, card, host_source),
+            _header(args, plan, hardware, hw_note, card, host_source) + (f"\n{trained}" if trained else ""),
             "\n".join(
                 [*memory_lines(plan), host_line(plan), "held activations: " + activations_text(plan)]
                 + ["offloaded: " + offload_text(plan)]
