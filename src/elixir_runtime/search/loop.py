@@ -358,11 +358,18 @@ def _no_fit_message(
     fixed = e.blocks * e.mem.buffer + e.mem.private  # rCache and private blocks: do not shrink with N
     chosen = e.blocks > e.min_blocks  # ElixirConfig.n_blocks holds the rCache above its minimum
     states = int(e.mem.host_arena.sum()) * n  # every rank's arenas together, offloaded
-    lines = [
-        f"no plan fits: the smallest one (chunks of {e.layout.chunk_size:,} elements, rCache of {e.blocks} "
-        f"blocks{' (ElixirConfig.n_blocks)' if chosen else ''}, as much offloaded as the host takes) needs {gib(device_need)} of GPU memory per rank for model "
-        f"states and rCache, but {formula}."
-    ]
+    if allowed <= 0:  # the batch alone fills the GPU: no formula with a negative result
+        lines = [
+            f"no plan fits: this batch's activations ({gib(act)}, {budget.f_frag} x for fragmentation) and "
+            f"buffers ({gib(budget.buffers)}) take more than the GPU's {gib(budget.capacity)} per rank, before any "
+            "model state."
+        ]
+    else:
+        lines = [
+            f"no plan fits: the smallest one (chunks of {e.layout.chunk_size:,} elements, rCache of {e.blocks} "
+            f"blocks{' (ElixirConfig.n_blocks)' if chosen else ''}, as much offloaded as the host takes) needs "
+            f"{gib(device_need)} of GPU memory per rank for model states and rCache, but {formula}."
+        ]
     if budget.limit is not None:
         lines.append(
             f"The GPU capacity is capped at {gib(budget.limit)} per process (ElixirConfig.gpu_memory or "

@@ -101,6 +101,13 @@ def test_an_unknown_card_is_one_message_naming_the_fix(capsys, tiny, flag) -> No
     assert ", ".join(SHIPPED) in err and "--measure-hardware hw.json" in err and "--hardware hw.json" in err
 
 
+def test_a_gpu_memory_beyond_the_named_card_is_refused(capsys, tiny) -> None:
+    assert main([*tiny, "--gpu", "h100", "--gpu-mem", "500GiB"]) == 1
+    err = capsys.readouterr().err
+    assert "--gpu-mem 500.00 GiB is more than the 79.18 GiB of --gpu h100: drop --gpu-mem" in err
+    assert main([*tiny, "--gpu", "h100", "--gpu-mem", "40GiB", "--json"]) == 0  # a smaller share of it plans
+
+
 def test_help_lists_the_cards(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--help"])

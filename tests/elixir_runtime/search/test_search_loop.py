@@ -260,6 +260,17 @@ def test_the_serial_step_overlaps_the_devices_transfers_and_not_the_hosts(gpt2) 
     assert t.serial == pytest.approx(resident.total - resident.gpu_adam + host_part, rel=0.01)
 
 
+def test_a_batch_that_alone_fills_the_gpu_is_said_so_without_a_negative_budget(gpt2) -> None:
+    model, table, profile = gpt2
+    budget = _budget(profile, profile.activation_peak, host=1024)  # 1.25 x the activations: more than the GPU
+    with pytest.raises(PlanError) as info:
+        search(table, profile, gpu_host(), budget, _settings())
+    text = str(info.value)
+    assert "this batch's activations" in text and "before any model state" in text and "U_allowed" not in text
+    assert "To make it fit" in text
+    assert " -" not in text.split("To make it fit")[0]  # no negative GiB
+
+
 def test_nothing_fits_says_why_and_what_would_fit(gpt2) -> None:
     model, table, profile = gpt2
     budget = _budget(profile, int(1.25 * profile.activation_peak) + 1024, host=1024)
