@@ -58,6 +58,7 @@ PLANS: dict[str, tuple[str, ...]] = {
     "qwen14-4gpu": _plan_args("qwen2.5-14b", gpus=4),
     **{f"qwen14-192GiB-b{b}": (*_plan_args("qwen2.5-14b", b), "--host-mem", "192GiB") for b in (4, 8)},
     "qwen14-h200-b4": (*_plan_args("qwen2.5-14b", 4), "--gpu", "h200"),
+    "readme": (*_plan_args("llama3-8b", 4), "--gpu-mem", "80GiB", "--host-mem", "256GiB"),
 }
 """The quoted plans by name: ``elixir-plan``'s arguments."""
 

@@ -4,7 +4,7 @@
 one block's recompute, the loss; the buffers), never below ``max_memory_allocated`` and within 10 % of it at
 16k and 64k. At 128k the plan is 13 % above the run (one H200, torch 2.11): the forward's peak and what it
 leaves for the backward are exact, the last block's recompute-and-backward is priced ~30 KB a token above
-what the GPU allocates (docs/planning.md, "The planned peak at long context")."""
+what the GPU allocates (docs/benchmarks.md, "The planned GPU peak at long context")."""
 
 from __future__ import annotations
 
