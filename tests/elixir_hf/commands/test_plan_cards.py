@@ -105,7 +105,8 @@ def test_a_gpu_memory_beyond_the_named_card_is_refused(capsys, tiny) -> None:
     assert main([*tiny, "--gpu", "h100", "--gpu-mem", "500GiB"]) == 1
     err = capsys.readouterr().err
     assert "--gpu-mem 500.00 GiB is more than the 79.18 GiB of --gpu h100: drop --gpu-mem" in err
-    assert main([*tiny, "--gpu", "h100", "--gpu-mem", "40GiB", "--json"]) == 0  # a smaller share of it plans
+    assert "give at most 80 GiB" in err
+    assert main([*tiny, "--gpu", "h100", "--gpu-mem", "80GiB", "--json"]) == 0  # the card's size as it is said
 
 
 def test_help_lists_the_cards(capsys) -> None:

@@ -202,11 +202,12 @@ def quiet_transformers() -> Iterator[None]:
 
 
 def _check_cap(args: argparse.Namespace, hardware: HardwareProfile, card: int) -> None:
-    if args.gpu is not None and args.gpu_mem is not None and args.gpu_mem > hardware.gpu_memory:
+    named = -(-hardware.gpu_memory // GIB) * GIB  # the card as sizes are said: an H100's 79.18 GiB is "80GiB"
+    if args.gpu is not None and args.gpu_mem is not None and args.gpu_mem > named:
         raise ValueError(
             f"--gpu-mem {args.gpu_mem / GIB:.2f} GiB is more than the {hardware.gpu_memory / GIB:.2f} GiB of "
-            f"--gpu {args.gpu}: drop --gpu-mem to plan for that card, give at most {hardware.gpu_memory} bytes, or "
-            "name a larger card"
+            f"--gpu {args.gpu}: drop --gpu-mem to plan for that card, give at most {named // GIB} GiB, or name a "
+            "larger card"
         )
     cap = args.gpu_memory
     if cap is not None and cap > card:
