@@ -10,7 +10,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import torch
 from safetensors import safe_open
@@ -202,7 +202,7 @@ def load_optimizer(
 _ADAM_FIELDS = ("step", "exp_avg", "exp_avg_sq")
 
 
-def _check_plain(plain: Any, path: Path) -> None:
+def _check_plain(plain: object, path: Path) -> None:
     """Each parameter's entry of a plain Adam state holds every field, or none (a parameter without
     state: ``_missing_state``); a partial one is refused, as torch's Adam refuses it at its next step,
     rather than loaded with zeros for what is missing."""
