@@ -47,20 +47,15 @@ SAMPLE = 512
 
 @dataclass(frozen=True)
 class _Longest:
-    example: Mapping[str, object]
+    example: Mapping[str, Any]
     length: int
     complete: bool
     """Every example's length was seen."""
 
 
 def planned_batch(
-    dataset: Any,
-    collate_fn: Callable[[list[Any]], Any] | None,
-    batch_size: int,
-    *,
-    args: object = None,
-    model: object = None,
-) -> object:
+    dataset: Any, collate_fn: Callable[[list[Any]], Any] | None, batch_size: int, *, args: Any = None, model: Any = None
+) -> Any | None:
     """The example batch the plan is made with (the Note above); ``args``: the training arguments
     (their stated length), ``model``: the model (its ``max_position_embeddings``)."""
     try:
@@ -127,19 +122,19 @@ def _arrow_lengths(dataset: Any) -> np.ndarray | None:
     return out
 
 
-def _length(example: object) -> int:
+def _length(example: Any) -> int:
     if not isinstance(example, Mapping) or "input_ids" not in example:
         raise TypeError(f"examples without input_ids ({type(example).__name__})")
     return len(example["input_ids"])
 
 
-def _stretched(example: Mapping[str, object], seq: int) -> dict[str, object]:
+def _stretched(example: Mapping[str, Any], seq: int) -> dict[str, Any]:
     """``example`` with its per-token fields (those as long as ``input_ids``) repeated or cut to ``seq``."""
     n = _length(example)
     if n == 0:
         raise ValueError("the longest example is empty")
     reps = math.ceil(seq / n)
-    out: dict[str, object] = {}
+    out: dict[str, Any] = {}
     for key, value in example.items():
         if isinstance(value, torch.Tensor) and value.dim() == 1 and len(value) == n:
             out[key] = value.repeat(reps)[:seq]
@@ -150,7 +145,7 @@ def _stretched(example: Mapping[str, object], seq: int) -> dict[str, object]:
     return out
 
 
-def _stated_length(args: object) -> int | None:
+def _stated_length(args: Any) -> int | None:
     for name in ("max_length", "max_seq_length"):
         value = getattr(args, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
@@ -158,6 +153,6 @@ def _stated_length(args: object) -> int | None:
     return None
 
 
-def _max_positions(model: object) -> int | None:
+def _max_positions(model: Any) -> int | None:
     value = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     return value if isinstance(value, int) and value > 0 else None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import asdict
+from typing import Any
 
 from transformers import (
     PrinterCallback,
@@ -53,7 +54,7 @@ class _ShortLine(TrainerCallback):
         state: TrainerState,
         control: TrainerControl,
         logs: dict[str, object] | None = None,
-        **kwargs: object,
+        **kwargs: Any,
     ) -> None:
         super().on_log(args, state, control, logs=console_logs(logs), **kwargs)  # ProgressCallback's: None
 
@@ -110,7 +111,7 @@ class RunRecorder(TrainerCallback):
         self._unwritable = False
 
     def on_train_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         record = self.record = RankRecord(rank=args.process_index, world_size=args.world_size, device=str(args.device))
         self._logged_step = state.global_step
@@ -124,7 +125,7 @@ class RunRecorder(TrainerCallback):
         state: TrainerState,
         control: TrainerControl,
         logs: dict[str, float] | None = None,
-        **kwargs: object,
+        **kwargs: Any,
     ) -> None:
         values = {k: v for k, v in (logs or {}).items() if k.startswith(PREFIX)}
         if (record := self.record) is None or not values:
@@ -134,7 +135,7 @@ class RunRecorder(TrainerCallback):
             self._tensorboard_layout(values)
 
     def on_train_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         if (record := self.record) is None:
             return

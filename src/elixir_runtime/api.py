@@ -12,6 +12,7 @@ import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -69,7 +70,7 @@ def prepare(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     config: ElixirConfig | None = None,
-    example_batch: object | None = None,
+    example_batch: Any | None = None,
     *,
     resident: Iterable[nn.Parameter] = (),
     plan: ElixirPlan | None = None,

@@ -20,9 +20,8 @@ the plan's fake trace (``profiler/fake.py``): both force eager mode.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,8 +30,6 @@ from .config import ConfigError
 from .profiler.blocks import find_block_stack
 
 __all__ = ["CompileStats", "compile_blocks", "compile_stats", "check_compile_options"]
-
-_R = TypeVar("_R")
 
 _CUDA_GRAPHS = "CUDA graphs replay the parameter addresses they recorded, and the engine re-points them at each gather"
 
@@ -83,7 +80,7 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> int:
 _SKIP_REPLAY = "skip_fwd_side_effects_in_bwd_under_checkpoint"
 
 
-def _checkpoint_side_effects_unreplayed(compiled: Callable[..., _R]) -> Callable[..., _R]:
+def _checkpoint_side_effects_unreplayed(compiled: Any) -> Any:
     """``compiled`` traced with dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint`` set, where
     this torch has it.
 
@@ -98,7 +95,7 @@ def _checkpoint_side_effects_unreplayed(compiled: Callable[..., _R]) -> Callable
     if not hasattr(dynamo_config, _SKIP_REPLAY):
         return compiled
 
-    def forward(*args: object, **kwargs: object) -> _R:
+    def forward(*args: Any, **kwargs: Any) -> Any:
         with dynamo_config.patch(_SKIP_REPLAY, True):
             return compiled(*args, **kwargs)
 

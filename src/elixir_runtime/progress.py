@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 __all__ = ["Bar", "BarFactory", "progress", "set_progress_factory", "track"]
 
@@ -20,9 +20,9 @@ T = TypeVar("T")
 
 
 class Bar(Protocol):
-    def update(self, n: int = 1) -> object: ...
+    def update(self, n: int = 1) -> Any: ...
 
-    def close(self) -> object: ...
+    def close(self) -> Any: ...
 
 
 BarFactory = Callable[..., Bar]

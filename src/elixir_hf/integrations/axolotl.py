@@ -26,9 +26,8 @@ the plugin) and ``object`` elsewhere.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, field_validator
 
@@ -58,11 +57,11 @@ CONFLICTS = {
 class ElixirArgs(BaseModel):
     """The key this plugin adds to Axolotl's config (merged into ``AxolotlInputConfig``)."""
 
-    elixir: str | bool | dict[str, object] | None = None
+    elixir: str | bool | dict[str, Any] | None = None
 
     @field_validator("elixir")
     @classmethod
-    def _parses(cls, value: str | bool | dict[str, object] | None) -> str | bool | dict[str, object] | None:
+    def _parses(cls, value: Any) -> Any:
         ElixirPlugin.from_spec(value, "the Axolotl config's elixir")  # register has named the file already
         return value
 
@@ -74,18 +73,18 @@ class ElixirTrainingMixin:
     elixir: str | None = field(default=None, metadata={"help": "--elixir's value (the Axolotl config's elixir key)"})
 
 
-def _spec(cfg: Mapping[str, object]) -> str:
+def _spec(cfg: Any) -> str:
     """The config's ``elixir`` key as a spec; ``auto`` without it (listing the plugin asks for Elixir)."""
     value = cfg.get("elixir")
     return "auto" if value is None else spec_of(value)
 
 
-def _source(cfg: Mapping[str, object]) -> str:
+def _source(cfg: Any) -> str:
     path = cfg.get("axolotl_config_path")
     return f"{path}'s elixir" if path else "the Axolotl config's elixir"
 
 
-def _on(cfg: Mapping[str, object]) -> bool:
+def _on(cfg: Any) -> bool:
     return ElixirPlugin.from_spec(_spec(cfg), _source(cfg)) is not None
 
 
@@ -106,7 +105,7 @@ else:
 class ElixirAxolotlPlugin(_Base):
     """``plugins: [elixir_hf.integrations.axolotl.ElixirAxolotlPlugin]``: the Axolotl config's ``elixir`` key."""
 
-    def register(self, cfg: Mapping[str, object]) -> None:
+    def register(self, cfg: Any) -> None:
         """The config as read from its file (``cfg.axolotl_config_path``), before Axolotl validates it."""
         if not _on(cfg):
             return
@@ -127,15 +126,15 @@ class ElixirAxolotlPlugin(_Base):
     def get_training_args_mixin(self) -> str:
         return f"{__name__}.ElixirTrainingMixin"
 
-    def get_training_args(self, cfg: Mapping[str, object]) -> dict[str, str]:
+    def get_training_args(self, cfg: Any) -> dict[str, Any]:
         return {"elixir": _spec(cfg)}
 
-    def get_trainer_cls(self, cfg: Mapping[str, object]) -> type[ElixirTrainer] | None:
+    def get_trainer_cls(self, cfg: Any) -> type[ElixirTrainer] | None:
         if not _on(cfg):
             return None
         name = cfg.get("trainer_cls")
         if name:
-            module, _, attr = str(name).rpartition(".")  # a dotted name (Axolotl's schema)
+            module, _, attr = name.rpartition(".")
             base = getattr(importlib.import_module(module), attr)
         else:
             from axolotl.core.trainers.base import AxolotlTrainer  # type: ignore[import-not-found]

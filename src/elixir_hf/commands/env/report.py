@@ -7,7 +7,7 @@ import os
 import platform
 from importlib import metadata
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 import torch
 
@@ -37,16 +37,10 @@ def _installed(dist: str) -> str | None:
         return None
 
 
-class _Gpu(TypedDict):
-    name: str
-    memory_gib: float
-    capability: str
-
-
-def _gpus() -> list[_Gpu]:
+def _gpus() -> list[dict[str, Any]]:
     if not torch.cuda.is_available():
         return []
-    out: list[_Gpu] = []
+    out = []
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
         out.append(
