@@ -202,7 +202,7 @@ def quiet_transformers() -> Iterator[None]:
 
 
 def _check_cap(args: argparse.Namespace, hardware: HardwareProfile, card: int) -> None:
-    named = -(-hardware.gpu_memory // GIB) * GIB  # the card as sizes are said: an H100's 79.18 GiB is "80GiB"
+    named = -(-hardware.gpu_memory // GIB) * GIB  # the card's size rounded up to whole GiB, as sizes are said
     if args.gpu is not None and args.gpu_mem is not None and args.gpu_mem > named:
         raise ValueError(
             f"--gpu-mem {args.gpu_mem / GIB:.2f} GiB is more than the {hardware.gpu_memory / GIB:.2f} GiB of "
