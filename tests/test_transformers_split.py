@@ -35,7 +35,7 @@ def _uses(folder: Path, source: str, **others: str) -> bool:
         ("from cases import make\n", {"cases.py": "from datasets import Dataset\n"}),  # a module of the test's folder
         ("run_script('worker.py')\n", {"worker.py": "from transformers import Trainer\n"}),  # a script it launches
         ("SCRIPTS = Path(__file__).with_name('scripts')\n", {"scripts/sft.py": "import trl\n"}),  # a folder of scripts
-        # a script that finds a module of another tests/ folder through a sys.path edit (reliability/exit_worker.py)
+        # a script that finds a module of another tests/ folder through a sys.path edit (reliability/nodes_worker.py)
         ("run_script('worker.py')\n", {"worker.py": "sys.path.insert(0, HERE)\nfrom hf_cases import make_trainer\n"}),
     ],
 )

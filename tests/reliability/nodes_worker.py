@@ -2,7 +2,8 @@
 ``test_multinode.py`` under ``torchrun`` as 2 nodes x 1 rank or 1 node x 2 ranks on one machine:
 ``argv[1]`` this node's output folder, ``argv[2]`` a checkpoint to resume from (``-``: none,
 ``last``: ``resume_from_checkpoint=True``),
-``argv[3]`` ``node-local`` (``save_on_each_node``) or ``shared``."""
+``argv[3]`` ``node-local`` (``save_on_each_node``) or ``shared``; ``argv[4]`` ``final``: then the model is
+saved to ``final/`` and ``main`` returns, as ``run_clm.py`` ends (``test_multinode.py``'s clean exit)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ sys.path[:0] = [
 from hf_cases import OFFLOAD_PLAN, make_trainer, training_args  # noqa: E402
 
 
-def main(out: str, resume: str, disks: str) -> None:
+def main(out: str, resume: str, disks: str, *final: str) -> None:
     args = training_args(
         out,
         OFFLOAD_PLAN,
@@ -31,7 +32,9 @@ def main(out: str, resume: str, disks: str) -> None:
     )
     trainer = make_trainer("gpt2", args, n_train=64)
     trainer.train(resume_from_checkpoint={"-": None, "last": True}.get(resume, resume))
+    if final:
+        trainer.save_model(f"{out}/final")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:])

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from launch import LONG, assert_clean_exits
 
 from elixir_hf.checkpoint.format import MARKER_NAME, NOTE_NAME, OPTIM_INDEX, PLAN_NAME
 from elixir_hf.checkpoint.optimizer_files import optim_file_name
@@ -63,20 +64,27 @@ def _losses(folder: Path) -> list[float]:
     return [h["loss"] for h in state["log_history"] if "loss" in h]
 
 
-@pytest.fixture(scope="module")
-def one_node(tmp_path_factory) -> Path:
-    """The reference: the same job on 1 node x 2 ranks, one output folder."""
-    out = tmp_path_factory.mktemp("one-node")
-    proc = subprocess.run(
+def _one_node(out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-        + [str(WORKER), str(out), "-", "shared"],
+        + [str(WORKER), str(out), "-", "shared", "final"],
         env=_env(),
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert len(_losses(out / "checkpoint-6")) == 6
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory) -> Path:
+    """The reference: the same job on 1 node x 2 ranks, one output folder. A ``run_clm.py``-style job
+    (train, save the model, return from ``main``: no ``destroy_process_group``, no ``os._exit``), it
+    also ends with exit code 0 and no ``terminate called`` (``test_clean_exit.py``; 50 such jobs with
+    ``ELIXIR_LONG_TESTS=1``, as was done once before merging)."""
+    out = tmp_path_factory.mktemp("one-node")
+    more = [_one_node(tmp_path_factory.mktemp("exit")) for _ in range(49 if LONG else 0)]
+    assert_clean_exits([_one_node(out), *more])
+    assert len(_losses(out / "checkpoint-6")) == 6 and (out / "final" / "model.safetensors").is_file()
     return out
 
 

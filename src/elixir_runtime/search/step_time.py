@@ -183,14 +183,24 @@ class StepModel:
         self.gather_read = np.where(self.trainable, self.shard / elt * master, self.shard)
         """Bytes a gather of a GPU-resident shard reads: a trainable one's fp32 master, cast into the
         rCache in mixed precision (``chunk/store.py`` ``casts_on_gather``); else the shard."""
+        self.copy_seconds = {
+            gather: (read + self.shard) / rates.memory_bandwidth
+            for gather, read in ((True, self.gather_read), (False, self.shard))
+        }
+        """Seconds of each chunk's copy from (``True``: a gather) or to a GPU-resident arena, read and written."""
+        self._over_link: dict[float, np.ndarray] = {}
+        """Seconds of each chunk's shard over a link, by the link's bytes/s (``_host_link``)."""
         self.elements = np.array([layout.shard_numel(c) if c.trainable else 0 for c in chunks], dtype=np.float64)
         self.coll_known = n == 1 or rates.busbw is not None
         self.coll = self.full * (n - 1) / n / rates.busbw if n > 1 and rates.busbw else np.zeros(self.k)
         self.table = MissTable(trace.groups, trace.phases, self.k)
         self.private_gathers = (self.private & self.trainable).astype(np.float64)
         self.compute = compute
-        self.compute_fwd = compute_time(compute["fwd"], rates)
-        self.compute_bwd = compute_time(compute["bwd"], rates)
+        self.roofline = {phase: roofline(cost, rates) for phase, cost in compute.items()}
+        """Each phase's roofline seconds: what ``compute_time`` takes the larger of with its ops' overhead,
+        the same for every placement, so ``step`` does not price the GEMMs again."""
+        self.compute_fwd = self._compute_time("fwd")
+        self.compute_bwd = self._compute_time("bwd")
         self.unit_start, self.first_need, self.first, self.last = self._forward(trace)
         self.root_set = frozenset(root)
         """Chunks the root's pre-forward acquires before any unit: needed first, updated first."""
@@ -198,6 +208,10 @@ class StepModel:
         self.grad_ready = self._backward(trace)
         order = np.argsort(self.grad_ready, kind="stable")
         self._reduce_order = order[self.trainable[order]]  # the reduce stream's order in backward
+
+    def _compute_time(self, phase: str, extra_ops: float = 0.0) -> float:
+        """``compute_time(self.compute[phase], self.rates, extra_ops)``, its roofline computed once."""
+        return max(self.roofline[phase], (self.compute[phase].ops + extra_ops) * self.rates.op_overhead)
 
     def _starts(self, trace: AccessTrace, phase: int, total: float) -> tuple[list[int], np.ndarray]:
         """The events of ``phase`` and when each starts, in compute seconds since the phase began:
@@ -251,12 +265,14 @@ class StepModel:
 
     def _device_copy(self, on_device: np.ndarray, gather: bool = True) -> np.ndarray:
         """The device's part: a copy from (``gather``) or to a GPU-resident arena, read and written."""
-        read = self.gather_read if gather else self.shard
-        return np.where(on_device, (read + self.shard) / self.rates.memory_bandwidth, 0.0)
+        return np.where(on_device, self.copy_seconds[gather], 0.0)
 
     def _host_link(self, on_device: np.ndarray, link: float) -> np.ndarray:
         """The host's part: an offloaded shard over the link."""
-        return np.where(on_device, 0.0, self.shard / link)
+        over = self._over_link.get(link)
+        if over is None:
+            over = self._over_link[link] = self.shard / link
+        return np.where(on_device, 0.0, over)
 
     def misses(self, n_blocks: int) -> np.ndarray:
         m = self.table.misses(n_blocks).astype(np.float64)
@@ -283,10 +299,8 @@ class StepModel:
         m = self.misses(n_blocks)
         host = ~on_device
         trainable_host = host & self.trainable
-        compute_fwd = compute_time(self.compute["fwd"], r, 2 * m[FWD].sum())
-        compute_bwd = compute_time(
-            self.compute["bwd"], r, 2 * m[BWD].sum() + 2 * self.trainable.sum() + trainable_host.sum()
-        )
+        compute_fwd = self._compute_time("fwd", 2 * m[FWD].sum())
+        compute_bwd = self._compute_time("bwd", 2 * m[BWD].sum() + 2 * self.trainable.sum() + trainable_host.sum())
         up_b = r.duplex or r.h2d
         down_b = r.duplex or r.d2h
         gather_f = self._transfer(on_device, r.h2d) + self.coll

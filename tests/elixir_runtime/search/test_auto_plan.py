@@ -24,6 +24,12 @@ from helpers.fake_cuda import FakeGPU
 from helpers.models import make_batch, tiny_gpt2
 
 
+@pytest.fixture(autouse=True)
+def _cache_in(tmp_path, monkeypatch) -> None:
+    """Elixir's caches in the test's folder, not the user's ``~/.cache/elixir`` (the ranks inherit it)."""
+    monkeypatch.setenv("ELIXIR_CACHE_DIR", str(tmp_path))
+
+
 def _fake_machine(monkeypatch, model, share: float) -> None:
     states = model_state_bytes(model)
 
