@@ -38,8 +38,8 @@ import functools
 import logging
 import math
 import os
-from collections.abc import Iterator
-from typing import Any, cast
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar, cast
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -63,12 +63,14 @@ from .reference import frozen_engine
 
 logger = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
+
 __all__ = ["ElixirAccelerator", "elixir_accelerator"]
 
 
 class ElixirAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships no types: Accelerator is Any
     def __init__(
-        self, *args: Any, elixir_plugin: ElixirPlugin | str | dict[str, Any] | None = None, **kwargs: Any
+        self, *args: object, elixir_plugin: ElixirPlugin | str | dict[str, object] | None = None, **kwargs: object
     ) -> None:
         """``elixir_plugin``: an ``ElixirPlugin`` or a spec (``auto``, ``off``, JSON, file); ``None``
         reads ``ELIXIR_CONFIG`` and falls back to ``auto``."""
@@ -159,11 +161,13 @@ class ElixirAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships 
 
     def prepare_model(
         self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
-    ) -> Any:
+    ) -> nn.Module:
         """A model the engine runs passes through; one only evaluated (``evaluation_mode``: TRL's reference
         model) gets an engine of frozen chunks (``reference.frozen_engine``)."""
+        prepared: nn.Module
         if self.elixir_plugin is None:
-            return super().prepare_model(model, device_placement, evaluation_mode)
+            prepared = super().prepare_model(model, device_placement, evaluation_mode)
+            return prepared
         if not has_engine(model):
             if not evaluation_mode:
                 raise ValueError(
@@ -173,11 +177,15 @@ class ElixirAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships 
                 )
             frozen_engine(model, self.elixir_plugin, self.device)  # TRL's reference model (reference.py)
         patches.mark_accelerate_prepared(model)  # the engine places and reduces it: no .to(), DDP, autocast
-        return super().prepare_model(model, device_placement, evaluation_mode)
+        prepared = super().prepare_model(model, device_placement, evaluation_mode)
+        return prepared
 
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None) -> Any:
+    def prepare_optimizer(
+        self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
+    ) -> torch.optim.Optimizer:
         if self.elixir_plugin is None or getattr(optimizer, "_is_accelerate_prepared", False):
-            return super().prepare_optimizer(optimizer, device_placement)
+            prepared: torch.optim.Optimizer = super().prepare_optimizer(optimizer, device_placement)
+            return prepared
         if not isinstance(optimizer, ElixirOptimizer):
             raise ValueError(
                 "ElixirAccelerator prepares an optimizer only together with its model, in one prepare() call"
@@ -187,7 +195,7 @@ class ElixirAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships 
         return wrapped
 
     # ------------------------------------------------------------------ the step
-    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+    def backward(self, loss: torch.Tensor, **kwargs: object) -> None:
         opt = self.elixir_optimizer
         if opt is None:
             super().backward(loss, **kwargs)
@@ -195,7 +203,9 @@ class ElixirAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships 
         with opt.timer("backward"):
             opt.elixir_optimizer.backward(loss / self.gradient_accumulation_steps, **kwargs)
 
-    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2
+    ) -> torch.Tensor:
         """The engine's global grad norm (all chunks, all ranks); clipping is fused into ``step``."""
         opt = self.elixir_optimizer
         if opt is None:
@@ -209,21 +219,26 @@ class ElixirAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships 
         return super().no_sync(model) if opt is None else opt.elixir_optimizer.no_sync()
 
     # ------------------------------------------------------------------ collectives between the steps
-    def gather(self, tensor: Any) -> Any:
+    # Each returns what it is given, in the same structure (a tensor, or nested lists, tuples, dicts of them).
+    def gather(self, tensor: _T) -> _T:
         with self._collective("gather"):
-            return super().gather(tensor)
+            gathered: _T = super().gather(tensor)
+        return gathered
 
-    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+    def gather_for_metrics(self, input_data: _T, use_gather_object: bool = False) -> _T:
         with self._collective("gather_for_metrics"):
-            return super().gather_for_metrics(input_data, use_gather_object)
+            gathered: _T = super().gather_for_metrics(input_data, use_gather_object)
+        return gathered
 
-    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+    def reduce(self, tensor: _T, reduction: str = "sum", scale: float = 1.0) -> _T:
         with self._collective("reduce"):
-            return super().reduce(tensor, reduction, scale)
+            reduced: _T = super().reduce(tensor, reduction, scale)
+        return reduced
 
-    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+    def pad_across_processes(self, tensor: _T, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> _T:
         with self._collective("pad_across_processes"):
-            return super().pad_across_processes(tensor, dim, pad_index, pad_first)
+            padded: _T = super().pad_across_processes(tensor, dim, pad_index, pad_first)
+        return padded
 
     def wait_for_everyone(self) -> None:
         with self._collective("wait_for_everyone"):
@@ -251,7 +266,9 @@ class ElixirAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships 
         ``prepare`` or with Elixir off); see ``EngineMetrics``."""
         return self._engine_metrics.collect() if self._engine_metrics is not None else {}
 
-    def log(self, values: dict[str, Any], step: int | None = None, log_kwargs: dict[str, Any] | None = None) -> None:
+    def log(
+        self, values: dict[str, object], step: int | None = None, log_kwargs: dict[str, object] | None = None
+    ) -> None:
         """Accelerate's ``log`` (to every tracker, on the main process), with ``elixir_metrics()``
         merged into ``values``."""
         super().log({**self.elixir_metrics(), **values}, step=step, log_kwargs=log_kwargs)
@@ -272,17 +289,18 @@ class ElixirAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships 
         return whole_model(model, rank0_only)
 
     # ------------------------------------------------------------------ checkpoints
-    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, Any]:
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """The consolidated weights on the main process; the other ranks get no parameters, as with
         FSDP (one host copy of the model). A collective: call it on every rank. ``save_state`` and
         ``save_model`` go through here."""
         if not has_engine(model):
-            return cast(dict[str, Any], super().get_state_dict(model, unwrap))
+            state: dict[str, torch.Tensor] = super().get_state_dict(model, unwrap)
+            return state
         with rank0_state_dict(model):
             return model.state_dict()
 
     @armed()  # a rank that stops answering meanwhile is named (elixir_runtime/distributed/heartbeat.py)
-    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: object) -> str:
         """Accelerate's state plus the optimizer state by parameter name, each rank writing its part
         (Accelerate would save rank 0's only), then the marker (sizes and CRC-32s of every file),
         written last."""
@@ -305,7 +323,7 @@ class ElixirAccelerator(Accelerator):  # type: ignore[misc]  # accelerate ships 
         return location
 
     @armed()
-    def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
+    def load_state(self, input_dir: str | None = None, **kwargs: object) -> None:
         """Accelerate's state, the weights through the engine's own ``load_state_dict`` (any layout,
         tied weights stored once) and the optimizer state, saved by any number of ranks and plan; a
         plain Accelerate folder's ``optimizer.bin`` loads too (moments mapped by optimizer order)."""

@@ -47,15 +47,20 @@ SAMPLE = 512
 
 @dataclass(frozen=True)
 class _Longest:
-    example: Mapping[str, Any]
+    example: Mapping[str, object]
     length: int
     complete: bool
     """Every example's length was seen."""
 
 
 def planned_batch(
-    dataset: Any, collate_fn: Callable[[list[Any]], Any] | None, batch_size: int, *, args: Any = None, model: Any = None
-) -> Any | None:
+    dataset: Any,
+    collate_fn: Callable[[list[Any]], Any] | None,
+    batch_size: int,
+    *,
+    args: object = None,
+    model: object = None,
+) -> object:
     """The example batch the plan is made with (the Note above); ``args``: the training arguments
     (their stated length), ``model``: the model (its ``max_position_embeddings``)."""
     try:
@@ -122,19 +127,19 @@ def _arrow_lengths(dataset: Any) -> np.ndarray | None:
     return out
 
 
-def _length(example: Any) -> int:
+def _length(example: object) -> int:
     if not isinstance(example, Mapping) or "input_ids" not in example:
         raise TypeError(f"examples without input_ids ({type(example).__name__})")
     return len(example["input_ids"])
 
 
-def _stretched(example: Mapping[str, Any], seq: int) -> dict[str, Any]:
+def _stretched(example: Mapping[str, object], seq: int) -> dict[str, object]:
     """``example`` with its per-token fields (those as long as ``input_ids``) repeated or cut to ``seq``."""
     n = _length(example)
     if n == 0:
         raise ValueError("the longest example is empty")
     reps = math.ceil(seq / n)
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for key, value in example.items():
         if isinstance(value, torch.Tensor) and value.dim() == 1 and len(value) == n:
             out[key] = value.repeat(reps)[:seq]
@@ -145,7 +150,7 @@ def _stretched(example: Mapping[str, Any], seq: int) -> dict[str, Any]:
     return out
 
 
-def _stated_length(args: Any) -> int | None:
+def _stated_length(args: object) -> int | None:
     for name in ("max_length", "max_seq_length"):
         value = getattr(args, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
@@ -153,6 +158,6 @@ def _stated_length(args: Any) -> int | None:
     return None
 
 
-def _max_positions(model: Any) -> int | None:
+def _max_positions(model: object) -> int | None:
     value = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     return value if isinstance(value, int) and value > 0 else None

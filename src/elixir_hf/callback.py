@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
 
 from transformers import (
     PrinterCallback,
@@ -54,7 +53,7 @@ class _ShortLine(TrainerCallback):
         state: TrainerState,
         control: TrainerControl,
         logs: dict[str, object] | None = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> None:
         super().on_log(args, state, control, logs=console_logs(logs), **kwargs)  # ProgressCallback's: None
 
@@ -111,7 +110,7 @@ class RunRecorder(TrainerCallback):
         self._unwritable = False
 
     def on_train_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
     ) -> None:
         record = self.record = RankRecord(rank=args.process_index, world_size=args.world_size, device=str(args.device))
         self._logged_step = state.global_step
@@ -125,7 +124,7 @@ class RunRecorder(TrainerCallback):
         state: TrainerState,
         control: TrainerControl,
         logs: dict[str, float] | None = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> None:
         values = {k: v for k, v in (logs or {}).items() if k.startswith(PREFIX)}
         if (record := self.record) is None or not values:
@@ -135,7 +134,7 @@ class RunRecorder(TrainerCallback):
             self._tensorboard_layout(values)
 
     def on_train_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
     ) -> None:
         if (record := self.record) is None:
             return

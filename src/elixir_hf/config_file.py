@@ -6,12 +6,11 @@ Only the standard library at import (``elixir-run --help`` loads nothing); PyYAM
 from __future__ import annotations
 
 import json
-from typing import Any
 
 __all__ = ["elixir_key", "spec_of"]
 
 
-def spec_of(value: Any) -> str:
+def spec_of(value: object) -> str:
     """A YAML value as the spec string ``ElixirPlugin.from_spec`` reads: a mapping (or a list, which it
     refuses) as JSON, YAML's booleans (``off``/``no``/``false`` read as false) as ``auto``/``off``."""
     if isinstance(value, bool):

@@ -31,12 +31,15 @@ import logging
 import os
 import sys
 import time
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import tqdm
 from transformers.utils import logging as hf_logging
 
 from elixir_runtime.progress import BarFactory, set_progress_factory
+
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
 
 __all__ = [
     "LOGGER_TREES",
@@ -113,7 +116,7 @@ def show_progress(on: bool) -> BarFactory | None:
     return set_progress_factory(tqdm_bar if on else None)
 
 
-def follow_trainer(args: Any) -> None:
+def follow_trainer(args: TrainingArguments) -> None:
     """A Trainer with these ``TrainingArguments`` was built on this process: its level governs the
     trees (the Trainer set it, per process), bars where the Trainer shows its own."""
     connect_logging()

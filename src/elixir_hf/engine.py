@@ -36,7 +36,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-def has_engine(model: Any) -> bool:
+def has_engine(model: object) -> bool:
     return hasattr(model, "_elixir")
 
 
@@ -81,7 +81,7 @@ def read_outside_modules(model: nn.Module) -> list[nn.Parameter]:
     return list(found.values())
 
 
-def _takes_fused_lm_head(forward: Any) -> bool:
+def _takes_fused_lm_head(forward: Callable[..., object]) -> bool:
     try:
         return "fused_lm_head" in inspect.signature(forward, follow_wrapped=False).parameters
     except (TypeError, ValueError):  # not introspectable: not TRL's
@@ -93,9 +93,9 @@ def build_engine(
     optimizer: torch.optim.Optimizer,
     plugin: ElixirPlugin,
     device: torch.device,
-    batch: Any | None = None,
+    batch: object | None = None,
     *,
-    args: Any | None = None,
+    args: object = None,
     grad_accum_steps: int | None = None,
     compile_kwargs: dict[str, Any] | None = None,
 ) -> ElixirOptimizer:
@@ -148,7 +148,7 @@ def build_engine(
     return elixir_optimizer
 
 
-def clips_grads(args: Any) -> bool:
+def clips_grads(args: object) -> bool:
     """Whether a Trainer with these ``TrainingArguments`` syncs the host before each update: it
     clips gradients (``max_grad_norm > 0``, as the Trainer decides) or trains in fp16 (the
     overflow check reads the gradient norm). ``ElixirConfig.clips_grads``: the planner then
@@ -157,7 +157,7 @@ def clips_grads(args: Any) -> bool:
     return bool(getattr(args, "fp16", False)) or (max_norm is not None and max_norm > 0)
 
 
-def example_batch(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None, batch_size: int) -> Any | None:
+def example_batch(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None, batch_size: int) -> object:
     """The dataset's first ``batch_size`` examples, collated.
 
     Read by index (or, from an iterable dataset such as a streamed ``datasets`` one, by iterating

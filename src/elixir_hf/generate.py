@@ -33,7 +33,9 @@ class _Decoder(Protocol):
 
 
 class GenerateCallback(TrainerCallback):
-    def __init__(self, inputs: Mapping[str, torch.Tensor] | torch.Tensor, every_n_steps: int, **generate_kwargs: Any):
+    def __init__(
+        self, inputs: Mapping[str, torch.Tensor] | torch.Tensor, every_n_steps: int, **generate_kwargs: object
+    ):
         """``inputs``: what ``model.generate`` takes (a tokenizer's output, or ``input_ids``);
         ``generate_kwargs``: the rest of its arguments (``max_new_tokens``, ``do_sample``...)."""
         if every_n_steps < 1:
@@ -50,7 +52,7 @@ class GenerateCallback(TrainerCallback):
         control: TrainerControl,
         model: Any = None,
         processing_class: _Decoder | None = None,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> None:
         if state.global_step % self.every_n_steps:
             return

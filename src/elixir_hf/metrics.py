@@ -16,7 +16,6 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import psutil
 import torch
@@ -118,7 +117,7 @@ class EngineMetrics:
         return out
 
 
-def once_only(logs: Mapping[str, Any]) -> set[str]:
+def once_only(logs: Mapping[str, object]) -> set[str]:
     """The keys of ``logs`` a run logs in its first log only: the plan's shape (``elixir/plan_*``
     but its predictions, which every log carries). A resumed run logs none of them again."""
     return {k for k in logs if k.startswith("elixir/plan_") and k not in _PREDICTIONS}

@@ -11,14 +11,15 @@ from the last class in the reversed MRO that declares it.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar, cast
+from collections.abc import Mapping
+from typing import TypeVar, cast
 
 __all__ = ["mixed_class"]
 
 _E = TypeVar("_E")
 
 
-def mixed_class(cls: type, elixir: type[_E], namespace: dict[str, Any] | None = None) -> type[_E]:
+def mixed_class(cls: type, elixir: type[_E], namespace: Mapping[str, object] | None = None) -> type[_E]:
     """``class Elixir<cls>(cls, elixir)``; ``cls`` itself if it already is Elixir, ``elixir`` if
     ``cls`` is the stock class ``elixir`` extends."""
     if issubclass(cls, elixir):

@@ -11,7 +11,7 @@ unscale + clip + Adam and then clears the gradient shards, because the Trainer o
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
 from accelerate.optimizer import AcceleratedOptimizer
 
@@ -34,11 +34,11 @@ class ElixirAcceleratedOptimizer(AcceleratedOptimizer):  # type: ignore[misc]  #
         """The ``ElixirOptimizer`` it wraps: ``backward``, ``clip_grad_norm``, ``no_sync``, ``loss_scale``."""
         return cast(ElixirOptimizer, self.optimizer)
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         if not self.gradient_state.sync_gradients:
             return None
         with self.timer("optimizer"):
-            loss = self.optimizer.step(closure)
+            loss: float | None = self.optimizer.step(closure)
             self.optimizer.zero_grad()
         self.steps += 1
         self.skipped_steps += int(self.optimizer.step_was_skipped)

@@ -41,8 +41,12 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 from unittest import mock
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
 
 __all__ = [
     "PATCHES",
@@ -66,6 +70,33 @@ __all__ = [
     "trainer_accelerator",
     "weights_recorded_not_read",
 ]
+
+# The private attributes this module writes on library objects, each named by the Protocol of the objects that carry it.
+
+
+class _GpuCount(Protocol):
+    _n_gpu: int  # transformers' TrainingArguments
+
+
+class _HfInitialized(Protocol):
+    _is_hf_initialized: bool  # a tensor transformers' from_pretrained loaded
+
+
+class _WeightConversions(Protocol):
+    _weight_conversions: list[object]  # a PreTrainedModel
+
+
+class _Registries(Protocol):
+    _optimizers: list[object]  # an accelerate Accelerator's
+    _models: list[object]
+
+
+class _OptCalled(Protocol):
+    _opt_called: bool  # a torch optimizer a scheduler is built on
+
+
+_FromPretrained = Callable[..., "PreTrainedModel"]
+"""transformers' own ``from_pretrained`` of a model class or an Auto class."""
 
 
 @dataclass(frozen=True)
@@ -435,7 +466,7 @@ PATCHES: tuple[Patch, ...] = (
 
 # ---------------------------------------------------------------------------------- the Trainer
 @contextlib.contextmanager
-def trainer_accelerator(factory: Callable[..., Any]) -> Iterator[None]:
+def trainer_accelerator(factory: Callable[..., object]) -> Iterator[None]:
     """Inside, the Trainer's ``Accelerator(**args)`` (a global of ``transformers.trainer``, hard-coded in
     ``create_accelerator_and_postprocess``) is ``factory(**args)``."""
     import transformers.trainer
@@ -451,17 +482,20 @@ def deferred_rotation() -> Iterator[Callable[[], None]]:
     complete (until then the older ones are what a resume falls back to)."""
     import transformers.trainer
 
-    rotations: list[dict[str, Any]] = []
+    stock = transformers.trainer.rotate_checkpoints
+    rotations: list[Callable[[], None]] = []
 
     def rotate() -> None:
-        for kwargs in rotations:
-            transformers.trainer.rotate_checkpoints(**kwargs)
+        for rotation in rotations:
+            rotation()
 
-    with mock.patch.object(transformers.trainer, "rotate_checkpoints", lambda **kw: rotations.append(kw)):
+    with mock.patch.object(
+        transformers.trainer, "rotate_checkpoints", lambda **kw: rotations.append(functools.partial(stock, **kw))
+    ):
         yield rotate
 
 
-def save_pretrained_where_told(model: Any) -> contextlib.AbstractContextManager[object]:
+def save_pretrained_where_told(model: object) -> contextlib.AbstractContextManager[object]:
     """transformers' ``save_pretrained`` writes on global rank 0 only once torch.distributed is up
     (``should_save_on_this_rank``), whatever ``is_main_process`` says, which leaves the weights off
     every other node under ``save_on_each_node``. Inside, the caller (the Trainer's ``should_save``:
@@ -499,7 +533,7 @@ def save_messages_name(stage: str, final: str | os.PathLike[str]) -> Iterator[No
 
 # ---------------------------------------------------------------------------------- the planner's profile
 @contextlib.contextmanager
-def mask_decisions_of(batch: Any) -> Iterator[None]:
+def mask_decisions_of(batch: object) -> Iterator[None]:
     """Inside, transformers' two mask decisions that read tensor values are answered from ``batch``
     (one real training batch) when asked of fake ones: the batch is unpadded (SDPA's ``is_causal``
     replaces the mask) and its sequences are not packed, as the run will answer them.
@@ -525,14 +559,15 @@ def mask_decisions_of(batch: Any) -> Iterator[None]:
     mask, positions = values
     unpadded = not isinstance(mask, torch.Tensor) or bool(mask.all())
     packed = isinstance(positions, torch.Tensor) and masking_utils.find_packed_sequence_indices(positions) is not None
-    ignore_mask, packed_indices = masking_utils._ignore_causal_mask_sdpa, masking_utils.find_packed_sequence_indices
+    ignore_mask: Callable[..., bool] = masking_utils._ignore_causal_mask_sdpa  # its arguments differ by version
+    packed_indices = masking_utils.find_packed_sequence_indices
 
-    def ignore_causal_mask(padding_mask: Any, *args: Any, **kwargs: Any) -> bool:
+    def ignore_causal_mask(padding_mask: torch.Tensor | None, *args: object, **kwargs: object) -> bool:
         if unpadded and padding_mask is not None and is_fake(padding_mask):
             padding_mask = None  # all ones: transformers answers as for no mask
         return ignore_mask(padding_mask, *args, **kwargs)
 
-    def packed_sequence_indices(position_ids: Any) -> Any:
+    def packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
         return None if not packed and is_fake(position_ids) else packed_indices(position_ids)
 
     with (
@@ -543,7 +578,7 @@ def mask_decisions_of(batch: Any) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------- loading
-def weights_recorded_not_read(record: Callable[..., Any]) -> contextlib.AbstractContextManager[object]:
+def weights_recorded_not_read(record: Callable[..., object]) -> contextlib.AbstractContextManager[object]:
     """Inside, ``from_pretrained`` hands each checkpoint's tensors to ``record`` (same arguments and
     result as transformers' ``convert_and_load_state_dict_in_model``) instead of reading them into the
     parameters."""
@@ -552,7 +587,9 @@ def weights_recorded_not_read(record: Callable[..., Any]) -> contextlib.Abstract
     return mock.patch.object(transformers.modeling_utils, "convert_and_load_state_dict_in_model", record)
 
 
-def from_pretrained_through(load: Callable[[Callable[..., Any], type, Any, dict[str, Any]], Any]) -> None:
+def from_pretrained_through(
+    load: Callable[[_FromPretrained, type, str | os.PathLike[str], dict[str, object]], PreTrainedModel],
+) -> None:
     """From now on, ``SomeModel.from_pretrained(name_or_path, **kwargs)`` of every model class and of
     every Auto class is ``load(stock, SomeModel, name_or_path, kwargs)``, where ``stock(name_or_path,
     **kwargs)`` is transformers' own; calls with extra positional arguments or no name go to
@@ -585,9 +622,14 @@ def _copies_of(base: type, name: str) -> list[type]:
     return found
 
 
-def _through(stock: Callable[..., Any], load: Callable[..., Any]) -> Callable[..., Any]:
+def _through(
+    stock: _FromPretrained,
+    load: Callable[[_FromPretrained, type, str | os.PathLike[str], dict[str, object]], PreTrainedModel],
+) -> _FromPretrained:
     @functools.wraps(stock)
-    def from_pretrained(cls: Any, name_or_path: Any, *args: Any, **kwargs: Any) -> Any:
+    def from_pretrained(
+        cls: type, name_or_path: str | os.PathLike[str] | None, *args: object, **kwargs: object
+    ) -> PreTrainedModel:
         if args or name_or_path is None:
             return stock(cls, name_or_path, *args, **kwargs)
         return load(functools.partial(stock, cls), cls, name_or_path, kwargs)
@@ -596,19 +638,19 @@ def _through(stock: Callable[..., Any], load: Callable[..., Any]) -> Callable[..
     return from_pretrained
 
 
-def before_inject_adapter(hook: Callable[[Any], None]) -> None:
+def before_inject_adapter(hook: Callable[[torch.nn.Module], None]) -> None:
     """From now on, PEFT's ``BaseTuner.inject_adapter(model, ...)`` (which ``get_peft_model`` and TRL's
     ``peft_config`` reach) runs ``hook(model)`` first. Nothing without PEFT; once per process."""
     try:
         from peft.tuners.tuners_utils import BaseTuner
     except ImportError:
         return
-    stock = BaseTuner.inject_adapter
+    stock: Callable[..., None] = BaseTuner.inject_adapter  # the caller's arguments, passed on as they are
     if getattr(stock, "_elixir", False):
         return
 
     @functools.wraps(stock)
-    def inject_adapter(self: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+    def inject_adapter(self: BaseTuner, model: torch.nn.Module, *args: object, **kwargs: object) -> None:
         hook(model)
         return stock(self, model, *args, **kwargs)
 
@@ -616,25 +658,25 @@ def before_inject_adapter(hook: Callable[[Any], None]) -> None:
     BaseTuner.inject_adapter = inject_adapter  # type: ignore[method-assign]
 
 
-def one_device_per_process(args: Any) -> None:
+def one_device_per_process(args: _GpuCount) -> None:
     """``args.n_gpu`` at most 1: the Trainer's ``DataParallel`` (and its batch times the GPUs) is for a
     process that drives every visible GPU; the engine's process drives one."""
     args._n_gpu = min(args._n_gpu, 1)
 
 
-def mark_initialized(tensor: Any) -> None:
+def mark_initialized(tensor: _HfInitialized) -> None:
     """transformers' mark for a tensor ``from_pretrained`` loaded: its initialisation skips it."""
     tensor._is_hf_initialized = True
 
 
-def keep_weight_conversions(model: Any, conversions: list[Any]) -> None:
+def keep_weight_conversions(model: _WeightConversions, conversions: list[object]) -> None:
     """The key renames and conversions the load used, where transformers keeps them: ``save_pretrained``
     reverts them, so the saved keys are the checkpoint's."""
     model._weight_conversions = conversions
 
 
 # ---------------------------------------------------------------------------------- elixir-run
-def replace_get_last_checkpoint(replacement: Callable[[Any], str | None]) -> None:
+def replace_get_last_checkpoint(replacement: Callable[[str], str | None]) -> None:
     """``replacement`` in place of transformers' ``get_last_checkpoint``: in
     ``transformers.trainer_utils``, which scripts import it from, and in every module already loaded
     that imported it by name (the Trainer's own module)."""
@@ -659,7 +701,7 @@ def config_key_taken(key: str) -> None:
         return
 
     @functools.wraps(stock)
-    def set_defaults_with_config(self: Any, **kwargs: Any) -> list[str]:
+    def set_defaults_with_config(self: TrlParser, **kwargs: object) -> list[str]:
         kwargs.pop(key, None)
         return stock(self, **kwargs)
 
@@ -674,7 +716,7 @@ def construct_elixir(stock: type, elixir_of: Callable[[type], type]) -> None:
     if getattr(stock.__new__, "_elixir", False):
         return
 
-    def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:
+    def __new__(cls: type, *args: object, **kwargs: object) -> object:
         return object.__new__(elixir_of(cls))
 
     __new__._elixir = True  # type: ignore[attr-defined]
@@ -683,7 +725,7 @@ def construct_elixir(stock: type, elixir_of: Callable[[type], type]) -> None:
 
 # ---------------------------------------------------------------------------------- Accelerate
 @contextlib.contextmanager
-def hidden_from_accelerate(accelerator: Any, optimizer: Any, model: Any = None) -> Iterator[None]:
+def hidden_from_accelerate(accelerator: _Registries, optimizer: object, model: object = None) -> Iterator[None]:
     """Inside, ``optimizer`` (and ``model``) are out of ``accelerator``'s registries, which its own
     ``save_state``/``load_state`` walk (rank-0 optimizer state, plain-PyTorch weight loading): the
     engine saves and loads them itself. Each is back at its place after."""
@@ -695,7 +737,7 @@ def hidden_from_accelerate(accelerator: Any, optimizer: Any, model: Any = None) 
 
 
 @contextlib.contextmanager
-def _out_of(registry: list[Any], obj: object) -> Iterator[None]:
+def _out_of(registry: list[object], obj: object) -> Iterator[None]:
     index = registry.index(obj)
     registry.pop(index)
     try:
@@ -704,19 +746,19 @@ def _out_of(registry: list[Any], obj: object) -> Iterator[None]:
         registry.insert(index, obj)
 
 
-def mark_accelerate_prepared(model: Any) -> None:
+def mark_accelerate_prepared(model: torch.nn.Module) -> None:
     """Accelerate's guard against wrapping a model twice: ``prepare_model`` registers a model so marked
     and returns it as it is (no ``.to()``, DDP, autocast), for the engine places and reduces it."""
-    model._is_accelerate_prepared = True
+    vars(model)["_is_accelerate_prepared"] = True  # a plain attribute (what nn.Module.__setattr__ does with a bool)
 
 
-def register_optimizer(accelerator: Any, optimizer: Any) -> None:
+def register_optimizer(accelerator: _Registries, optimizer: object) -> None:
     """``optimizer`` (the engine's, wrapped) in ``accelerator``'s registry, as ``prepare_optimizer`` puts
     the ones it wraps: ``optimizer_step_was_skipped`` reads it, and ``save_state``/``load_state`` walk it."""
     accelerator._optimizers.append(optimizer)
 
 
-def mark_optimizer_stepped(optimizer: Any) -> None:
+def mark_optimizer_stepped(optimizer: _OptCalled) -> None:
     """A scheduler built on ``optimizer`` sees its steps run by the engine (same param_groups): tell
     torch it has stepped, or its "scheduler before optimizer" warning fires."""
     optimizer._opt_called = True

@@ -61,7 +61,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from types import FrameType
 from typing import Any
 
 from torch import nn
@@ -122,7 +123,7 @@ class Preemption(TrainerCallback):
         self.always_save = always_save
         """``--enable_jit_checkpoint``: save whatever the prediction says (the user asked for a save on SIGTERM)."""
         self.grace_s: float = trainer.elixir_plugin.preempt_grace_s
-        self._previous: dict[int, Any] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], object] | int | None] = {}
         self._start()
 
     def _start(self) -> None:
@@ -144,7 +145,7 @@ class Preemption(TrainerCallback):
 
     # ------------------------------------------------------------------ the signals
     def on_train_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
     ) -> None:
         self._start()
         if threading.current_thread() is not threading.main_thread():
@@ -156,7 +157,7 @@ class Preemption(TrainerCallback):
         _shielding += 1
 
     def on_train_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
     ) -> None:
         self.release()
 
@@ -169,14 +170,16 @@ class Preemption(TrainerCallback):
             signal.signal(s, handler)
         self._previous = {}
 
-    def _signalled(self, signum: int, frame: Any) -> None:
+    def _signalled(self, signum: int, frame: FrameType | None) -> None:
         """Runs in the main thread between two bytecodes: records only (no logging, no I/O)."""
         if self.signal is None:
             self.signal, self.signalled_at = signal.Signals(signum).name, time.monotonic()
             engine_state(self.trainer.model).runtime.lockstep.request_stop()
 
     # ------------------------------------------------------------------ the step's end
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
+    ) -> None:
         self._save_from = time.monotonic()
         if self.stopping or not engine_state(self.trainer.model).runtime.lockstep.stop_requested:
             return
@@ -206,17 +209,19 @@ class Preemption(TrainerCallback):
             f"SLURM --signal=USR1@SECONDS)",
         )
 
-    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
+    ) -> None:
         self._save_from = time.monotonic()
 
     def on_epoch_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
     ) -> None:
         self._save_from = time.monotonic()
         if self.stopping:  # the Trainer's end-of-epoch save and evaluation: not after a preemption
             control.should_save = control.should_evaluate = False
 
-    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object) -> None:
         folder = os.path.join(self.trainer._get_output_dir(trial=None), f"checkpoint-{state.global_step}")
         written = time.monotonic() - self._save_from if self._save_from is not None else 0.0
         if self._save_from is not None:

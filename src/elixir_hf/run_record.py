@@ -62,7 +62,7 @@ def write_record(output_dir: str | os.PathLike[str], record: RankRecord) -> None
     replace_file(folder / f"rank{record.rank}.json", lambda tmp: tmp.write_text(json.dumps(asdict(record), indent=1)))
 
 
-def replace_file(path: Path, write: Callable[[Path], Any]) -> None:
+def replace_file(path: Path, write: Callable[[Path], object]) -> None:
     """``path`` replaced whole by what ``write`` puts in a file beside it (of the same suffix): a reader never
     sees half of one, and processes writing the same file (nodes sharing a folder) never mix theirs."""
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")

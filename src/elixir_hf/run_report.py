@@ -16,7 +16,7 @@ import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .metrics import COMPARED, Compared
 from .run_record import REPORT, RankRecord, record_dir, replace_file
@@ -78,7 +78,7 @@ class RunTable:
             )
         return "\n".join([self.title, *(line.rstrip() for line in body), *notes])
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "title": self.title,
             "ranks": [{"rank": r.rank, "host": r.host, "device": r.device, "logs": len(r.logs)} for r in self.records],

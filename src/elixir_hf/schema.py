@@ -19,9 +19,9 @@ import json
 import sys
 import textwrap
 import types
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import fields, is_dataclass
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Literal, Union, get_args, get_origin, get_type_hints
 
 from elixir_runtime.config import ElixirConfig
 
@@ -29,7 +29,7 @@ from .plugin import ACCEPTED, PLUGIN_KEYS, ElixirPlugin
 
 __all__ = ["elixir_schema", "main"]
 
-_SCALARS: dict[Any, dict[str, Any]] = {
+_SCALARS: dict[object, dict[str, object]] = {
     bool: {"type": "boolean"},
     int: {"type": "integer"},
     float: {"type": "number"},
@@ -38,7 +38,7 @@ _SCALARS: dict[Any, dict[str, Any]] = {
 }
 
 
-def elixir_schema() -> dict[str, Any]:
+def elixir_schema() -> dict[str, object]:
     """The schema (draft 2020-12) of what ``ElixirPlugin.from_spec`` accepts."""
     keys = {name: _field(ElixirConfig, name) for name in ElixirConfig.settings()}
     keys.update({name: _field(ElixirPlugin, name) for name in PLUGIN_KEYS})
@@ -55,11 +55,11 @@ def elixir_schema() -> dict[str, Any]:
     }
 
 
-def _object(properties: dict[str, Any], description: str) -> dict[str, Any]:
+def _object(properties: Mapping[str, object], description: str) -> dict[str, object]:
     return {"type": "object", "description": description, "properties": properties, "additionalProperties": False}
 
 
-def _field(cls: type, name: str) -> dict[str, Any]:
+def _field(cls: type, name: str) -> dict[str, object]:
     hint = get_type_hints(cls)[name]
     if is_dataclass(hint):
         assert isinstance(hint, type)
@@ -78,7 +78,7 @@ def _field(cls: type, name: str) -> dict[str, Any]:
     return schema
 
 
-def _type(hint: Any) -> dict[str, Any] | None:
+def _type(hint: object) -> dict[str, object] | None:
     """``hint`` as a JSON Schema; ``None`` for what JSON cannot hold (a ``torch.dtype``, a class)."""
     if hint in _SCALARS:
         return dict(_SCALARS[hint])

@@ -43,14 +43,14 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from unittest import mock
 
 import torch
 from transformers import Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, PredictionOutput, TrainOutput
 
 from elixir_runtime import armed, attached_weights, park, rank0_state_dict, release
 
@@ -90,6 +90,8 @@ SCHEDULER_NAME = "scheduler.pt"
 
 logger = logging.getLogger(__name__)
 
+_R = TypeVar("_R")
+
 
 class ElixirTrainer(Trainer):
     def __init__(self, model: Any = None, args: Any = None, *rest: Any, **kwargs: Any) -> None:
@@ -128,7 +130,7 @@ class ElixirTrainer(Trainer):
             with mock.patch.dict(os.environ, {ENV_VAR: "off"}):
                 return super().create_accelerator_and_postprocess()
 
-        def accelerator(**kwargs: Any) -> ElixirAccelerator:
+        def accelerator(**kwargs: object) -> ElixirAccelerator:
             return ElixirAccelerator(elixir_plugin=self.elixir_plugin, **kwargs)
 
         with patches.trainer_accelerator(accelerator):
@@ -192,7 +194,7 @@ class ElixirTrainer(Trainer):
         with self._explained("evaluate"), self._readable_after():
             return super().evaluate(*args, **kwargs)
 
-    def predict(self, *args: Any, **kwargs: Any) -> Any:
+    def predict(self, *args: Any, **kwargs: Any) -> PredictionOutput:
         self._ensure_engine()
         with self._explained("predict"), self._readable_after():
             return super().predict(*args, **kwargs)
@@ -241,7 +243,7 @@ class ElixirTrainer(Trainer):
         super().log(logs, *args, **kwargs)
 
     # ------------------------------------------------------------------ checkpoints
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> TrainOutput:
         try:
             with self._explained("train"), self._one_job_per_folder(), self._readable_after():
                 if self.elixir_plugin is not None and resume_from_checkpoint is True:
@@ -478,13 +480,13 @@ def elixir_trainer(cls: type[Trainer]) -> type[ElixirTrainer]:
     return mixed_class(cls, ElixirTrainer, namespace)
 
 
-def _engine_first(precompute: Any) -> Any:
+def _engine_first(precompute: Callable[..., _R]) -> Callable[..., _R]:
     """TRL's ``_precompute_ref_logps`` runs the trained model as the reference (no ``ref_model``: its
     starting weights) inside ``__init__`` and ``evaluate``, before ``train()`` builds the engine: build it
     first, as evaluation before training does (``_ensure_engine``), so the forward runs on the engine."""
 
     @functools.wraps(precompute)
-    def run(self: ElixirTrainer, *args: Any, **kwargs: Any) -> Any:
+    def run(self: ElixirTrainer, *args: object, **kwargs: object) -> _R:
         if getattr(self, "ref_model", None) is None:
             self._ensure_engine()
         return precompute(self, *args, **kwargs)

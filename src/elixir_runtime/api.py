@@ -12,7 +12,6 @@ import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 from torch import nn
@@ -70,7 +69,7 @@ def prepare(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     config: ElixirConfig | None = None,
-    example_batch: Any | None = None,
+    example_batch: object | None = None,
     *,
     resident: Iterable[nn.Parameter] = (),
     plan: ElixirPlan | None = None,

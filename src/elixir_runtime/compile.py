@@ -20,8 +20,9 @@ the plan's fake trace (``profiler/fake.py``): both force eager mode.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -30,6 +31,8 @@ from .config import ConfigError
 from .profiler.blocks import find_block_stack
 
 __all__ = ["CompileStats", "compile_blocks", "compile_stats", "check_compile_options"]
+
+_R = TypeVar("_R")
 
 _CUDA_GRAPHS = "CUDA graphs replay the parameter addresses they recorded, and the engine re-points them at each gather"
 
@@ -80,7 +83,7 @@ def compile_blocks(model: nn.Module, **compile_kwargs: Any) -> int:
 _SKIP_REPLAY = "skip_fwd_side_effects_in_bwd_under_checkpoint"
 
 
-def _checkpoint_side_effects_unreplayed(compiled: Any) -> Any:
+def _checkpoint_side_effects_unreplayed(compiled: Callable[..., _R]) -> Callable[..., _R]:
     """``compiled`` traced with dynamo's ``skip_fwd_side_effects_in_bwd_under_checkpoint`` set, where
     this torch has it.
 
@@ -95,7 +98,7 @@ def _checkpoint_side_effects_unreplayed(compiled: Any) -> Any:
     if not hasattr(dynamo_config, _SKIP_REPLAY):
         return compiled
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def forward(*args: object, **kwargs: object) -> _R:
         with dynamo_config.patch(_SKIP_REPLAY, True):
             return compiled(*args, **kwargs)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypedDict
 
 import numpy as np
 import torch
@@ -97,6 +97,19 @@ class PlannedChunk:
     params: tuple[str, ...]
 
 
+class PlanSettings(TypedDict):
+    """``ElixirPlan.settings()``: the ``ElixirConfig`` fields a plan fixes."""
+
+    mode: Literal["static"]
+    chunk_size: int
+    n_blocks: int
+    offload: list[int]
+    gpu_memory: int | None
+    device_assisted_update: bool
+    moments: Moments
+    activations: Where
+
+
 @dataclass(frozen=True)
 class ElixirPlan:
     """What the engine runs: the decided values, exactly the JSON file's (``to_json``/``from_json``).
@@ -148,7 +161,7 @@ class ElixirPlan:
         if self.batch_shape is not None:
             object.__setattr__(self, "batch_shape", tuple(self.batch_shape))
 
-    def settings(self) -> dict[str, Any]:
+    def settings(self) -> PlanSettings:
         """The ``ElixirConfig`` fields that make the planner decide this plan again for its model:
         static, its chunk size, rCache, offloaded chunks, GPU cap and update lane (a plan file's)."""
         return {
@@ -202,7 +215,7 @@ class ElixirPlan:
         """Model states and rCache plus the profiled activation peak and buffers."""
         return self.device_bytes + (self.memory.activations or 0) + (self.memory.buffers or 0)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The file's keys; ``predicted``/``budget``/``search`` are ``{}`` and ``profile`` ``None``
         when not searched."""
         return {

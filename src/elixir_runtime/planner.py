@@ -20,7 +20,6 @@ import logging
 import socket
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import torch
 from torch import nn
@@ -94,7 +93,7 @@ class PlanJob:
     model: nn.Module
     units: list[Unit]
     """Its fetch units (``units.find_units``)."""
-    example_batch: Any | None
+    example_batch: object | None
     """A batch of the run's shape (profiled on fake tensors); ``None``: planned without a profile."""
     config: ElixirConfig
     device: torch.device
@@ -151,7 +150,9 @@ def device_budget(device: torch.device, activations: int, buffers: int, host: Ho
     )
 
 
-def job_host_memory(model: nn.Module, example_batch: Any | None, device: torch.device, coll: Collectives) -> HostMemory:
+def job_host_memory(
+    model: nn.Module, example_batch: object | None, device: torch.device, coll: Collectives
+) -> HostMemory:
     """This host's memory as the run will have it ([Note: host memory as the run will have it],
     ``host.py``): ``MemAvailable`` now plus what every rank on this host frees when ``prepare``
     takes its weights into chunks (its parameters; its buffers, moved to ``device``; the example
@@ -163,7 +164,7 @@ def job_host_memory(model: nn.Module, example_batch: Any | None, device: torch.d
     return HostMemory(host_available(), released, local_ranks())
 
 
-def _released_tensors(model: nn.Module, batch: Any, device: torch.device) -> Iterator[torch.Tensor]:
+def _released_tensors(model: nn.Module, batch: object, device: torch.device) -> Iterator[torch.Tensor]:
     yield from model.parameters()
     if device.type != "cpu":
         yield from model.buffers()
@@ -500,7 +501,7 @@ def _layout(table: ParamTable, config: ElixirConfig, world_size: int, chunk_size
 def _profile(
     model: nn.Module,
     units: list[Unit],
-    batch: Any | None,
+    batch: object | None,
     dtype: torch.dtype,
     device: torch.device,
     exact: bool = False,

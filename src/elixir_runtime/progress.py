@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 __all__ = ["Bar", "BarFactory", "progress", "set_progress_factory", "track"]
 
@@ -20,9 +20,9 @@ T = TypeVar("T")
 
 
 class Bar(Protocol):
-    def update(self, n: int = 1) -> Any: ...
+    def update(self, n: int = 1) -> object: ...
 
-    def close(self) -> Any: ...
+    def close(self) -> object: ...
 
 
 BarFactory = Callable[..., Bar]

@@ -84,7 +84,7 @@ class ModelStateHooks:
                 out[s.param] = host[s.offset : s.offset + s.numel].view(shape).to(self.orig_dtypes[s.param]).clone()
         return out
 
-    def _state_dict_post(self, _module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
+    def _state_dict_post(self, _module: nn.Module, state_dict: dict[str, object], prefix: str, _meta: object) -> None:
         for i, tensor in enumerate(self.full_params()):
             for name in self.runtime.layout.names[i]:
                 if prefix + name not in state_dict:
@@ -100,7 +100,7 @@ class ModelStateHooks:
         _m: nn.Module,
         state_dict: dict[str, Any],
         prefix: str,
-        _meta: Any,
+        _meta: object,
         _strict: bool,
         _missing: list[str],
         _unexpected: list[str],

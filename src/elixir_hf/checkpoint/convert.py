@@ -33,6 +33,7 @@ import torch
 from safetensors import safe_open
 
 from elixir_runtime import StateTensor, decode_state, saved_state
+from elixir_runtime.optim.named_state import ParamEntry
 
 from .format import (
     MARKER_NAME,
@@ -155,7 +156,7 @@ def torch_adam_state(
     return state, groups
 
 
-def _gather(opened: dict[str, safe_open], name: str, t: StateTensor, entry: dict[str, Any], numel: int) -> torch.Tensor:
+def _gather(opened: dict[str, safe_open], name: str, t: StateTensor, entry: ParamEntry, numel: int) -> torch.Tensor:
     """The whole of ``name``'s state tensor ``t`` (flat: an entry per ``t.per`` elements) from its pieces."""
     flat = torch.empty(t.entries(numel), dtype=t.dtype)
     for file, start, end in entry["pieces"]:

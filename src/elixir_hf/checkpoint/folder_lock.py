@@ -46,7 +46,6 @@ import stat
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 __all__ = ["LOCK_NAME", "FolderInUse", "FolderLockError", "hold", "sweep"]
 
@@ -77,10 +76,10 @@ class _Hold:
 
 
 _HOLDS: dict[Path, _Hold] = {}
-_OWNED: weakref.WeakKeyDictionary[Any, set[Path]] = weakref.WeakKeyDictionary()
+_OWNED: weakref.WeakKeyDictionary[object, set[Path]] = weakref.WeakKeyDictionary()
 
 
-def hold(folder: str | os.PathLike[str], owner: Any) -> None:
+def hold(folder: str | os.PathLike[str], owner: object) -> None:
     """Holds ``folder``'s lock for as long as ``owner`` lives ([Note: held to the last write]);
     ``FolderInUse`` if another live job holds it, ``FolderLockError`` (or the ``OSError``) naming the
     file if it cannot be taken."""
@@ -185,18 +184,18 @@ def _running(pid: int) -> bool:
     return True
 
 
-def _me() -> dict[str, Any]:
+def _me() -> dict[str, object]:
     job = next((f"{v}={os.environ[v]}" for v in _JOB_ID_VARS if os.environ.get(v)), None)
     started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     return {"host": socket.gethostname(), "pid": os.getpid(), "job": job, "started": started}
 
 
-def _describe(holder: dict[str, Any]) -> str:
+def _describe(holder: dict[str, object]) -> str:
     job = f", {holder['job']}" if holder.get("job") else ""
     return f"pid {holder.get('pid')} on {holder.get('host')}{job}, started {holder.get('started')}"
 
 
-def _read(fd: int) -> dict[str, Any] | None:
+def _read(fd: int) -> dict[str, object] | None:
     os.lseek(fd, 0, os.SEEK_SET)
     text = os.read(fd, 1 << 16).decode(errors="replace").strip()
     try:
@@ -208,7 +207,7 @@ def _read(fd: int) -> dict[str, Any] | None:
     return holder
 
 
-def _write(fd: int, holder: dict[str, Any]) -> None:
+def _write(fd: int, holder: dict[str, object]) -> None:
     os.ftruncate(fd, 0)
     os.lseek(fd, 0, os.SEEK_SET)
     os.write(fd, json.dumps(holder).encode())

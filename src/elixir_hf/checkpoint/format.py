@@ -41,7 +41,7 @@ import tempfile
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO, TypedDict, TypeVar, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, TypedDict, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from elixir_runtime.progress import Bar, progress
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 __all__ = [
     "MARKER_NAME",
@@ -125,7 +128,7 @@ class _Summing:
         self.f, self.crc, self.bytes, self.bar = f, 0, 0, bar
         self.error: OSError | None = None
 
-    def write(self, data: Any) -> int:
+    def write(self, data: Buffer) -> int:
         try:
             n = self.f.write(data)
         except OSError as e:
@@ -211,7 +214,7 @@ def atomic_safetensors_save(
     return _replace(path, produce)
 
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> Digest:
+def atomic_torch_save(obj: object, path: str | os.PathLike[str]) -> Digest:
     return _write_file(path, lambda f: torch.save(obj, cast(BinaryIO, f)))  # a file object: write, flush
 
 
@@ -361,7 +364,7 @@ def read_marker(folder: str | os.PathLike[str]) -> Marker | None:
     return cast(Marker, marker)
 
 
-def _marker_problem(marker: Any) -> str | None:
+def _marker_problem(marker: object) -> str | None:
     """What makes ``marker`` not one ``seal`` writes: ``None`` if nothing."""
     if not isinstance(marker, dict) or not marker:
         return f"it holds {json.dumps(marker)[:40]}, not the checkpoint's step and files"

@@ -10,12 +10,13 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import torch
 from safetensors import safe_open
 
 from elixir_runtime import ElixirOptimizer, load_named, named_meta, named_state, plain_to_named, saved_state
+from elixir_runtime.optim.named_state import NamedMeta, Reader
 
 from .format import (
     OPTIM_INDEX,
@@ -76,7 +77,7 @@ def save_optimizer(
     _raise_any([e for _, e in tables], f"saving the optimizer state to {folder}")
 
     def index() -> None:
-        doc = {
+        doc: OptimizerIndex = {
             "format": _OPTIM_FORMAT,
             "version": _OPTIM_VERSION,
             "world_size": world_size,
@@ -85,7 +86,7 @@ def save_optimizer(
         }
         for r, (pieces, _) in enumerate(tables):
             for param, (start, end) in pieces.items():
-                doc["params"][param].setdefault("pieces", []).append([optim_file_name(r, world_size), start, end])
+                doc["params"][param].setdefault("pieces", []).append((optim_file_name(r, world_size), start, end))
         digests[OPTIM_INDEX] = atomic_write_text(json.dumps(doc, indent=1), folder / OPTIM_INDEX)
         write_note(folder)
 
@@ -94,11 +95,20 @@ def save_optimizer(
     return digests
 
 
-def read_optimizer_index(checkpoint: str | os.PathLike[str], global_step: int | None = None) -> dict[str, Any]:
+class OptimizerIndex(NamedMeta):
+    """``OPTIM_INDEX``: ``named_meta`` with each parameter's pieces (``ParamEntry.pieces``), the format and the step."""
+
+    format: str
+    version: int
+    world_size: int
+    global_step: int | None
+
+
+def read_optimizer_index(checkpoint: str | os.PathLike[str], global_step: int | None = None) -> OptimizerIndex:
     """The index of a named optimizer state, checked: a format this code reads, the checkpoint's
     step, and every parameter's pieces covering it whole (``CheckpointError`` naming the file)."""
     path = Path(checkpoint) / OPTIM_INDEX
-    index: dict[str, Any] = json.loads(path.read_text())
+    index: OptimizerIndex = json.loads(path.read_text())
     if index.get("format") != _OPTIM_FORMAT:
         raise CheckpointError(f"{path} is not an Elixir optimizer index (format {index.get('format')!r})")
     if int(index.get("version", 0)) > _OPTIM_VERSION:
@@ -192,7 +202,7 @@ def load_optimizer(
 _ADAM_FIELDS = ("step", "exp_avg", "exp_avg_sq")
 
 
-def _check_plain(plain: Any, path: Path) -> None:
+def _check_plain(plain: object, path: Path) -> None:
     """Each parameter's entry of a plain Adam state holds every field, or none (a parameter without
     state: ``_missing_state``); a partial one is refused, as torch's Adam refuses it at its next step,
     rather than loaded with zeros for what is missing."""
@@ -218,7 +228,7 @@ def _missing_state(path: Path, names: list[str]) -> str:
     )
 
 
-def _load_named(opt: ElixirOptimizer, meta: dict[str, Any], read: Any, path: Path) -> None:
+def _load_named(opt: ElixirOptimizer, meta: NamedMeta, read: Reader, path: Path) -> None:
     try:
         load_named(opt, meta, read, str(path))
     except ValueError as e:

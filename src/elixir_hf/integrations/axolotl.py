@@ -26,8 +26,9 @@ the plugin) and ``object`` elsewhere.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, field_validator
 
@@ -57,11 +58,11 @@ CONFLICTS = {
 class ElixirArgs(BaseModel):
     """The key this plugin adds to Axolotl's config (merged into ``AxolotlInputConfig``)."""
 
-    elixir: str | bool | dict[str, Any] | None = None
+    elixir: str | bool | dict[str, object] | None = None
 
     @field_validator("elixir")
     @classmethod
-    def _parses(cls, value: Any) -> Any:
+    def _parses(cls, value: str | bool | dict[str, object] | None) -> str | bool | dict[str, object] | None:
         ElixirPlugin.from_spec(value, "the Axolotl config's elixir")  # register has named the file already
         return value
 
@@ -73,18 +74,18 @@ class ElixirTrainingMixin:
     elixir: str | None = field(default=None, metadata={"help": "--elixir's value (the Axolotl config's elixir key)"})
 
 
-def _spec(cfg: Any) -> str:
+def _spec(cfg: Mapping[str, object]) -> str:
     """The config's ``elixir`` key as a spec; ``auto`` without it (listing the plugin asks for Elixir)."""
     value = cfg.get("elixir")
     return "auto" if value is None else spec_of(value)
 
 
-def _source(cfg: Any) -> str:
+def _source(cfg: Mapping[str, object]) -> str:
     path = cfg.get("axolotl_config_path")
     return f"{path}'s elixir" if path else "the Axolotl config's elixir"
 
 
-def _on(cfg: Any) -> bool:
+def _on(cfg: Mapping[str, object]) -> bool:
     return ElixirPlugin.from_spec(_spec(cfg), _source(cfg)) is not None
 
 
@@ -105,7 +106,7 @@ else:
 class ElixirAxolotlPlugin(_Base):
     """``plugins: [elixir_hf.integrations.axolotl.ElixirAxolotlPlugin]``: the Axolotl config's ``elixir`` key."""
 
-    def register(self, cfg: Any) -> None:
+    def register(self, cfg: Mapping[str, object]) -> None:
         """The config as read from its file (``cfg.axolotl_config_path``), before Axolotl validates it."""
         if not _on(cfg):
             return
@@ -126,15 +127,15 @@ class ElixirAxolotlPlugin(_Base):
     def get_training_args_mixin(self) -> str:
         return f"{__name__}.ElixirTrainingMixin"
 
-    def get_training_args(self, cfg: Any) -> dict[str, Any]:
+    def get_training_args(self, cfg: Mapping[str, object]) -> dict[str, str]:
         return {"elixir": _spec(cfg)}
 
-    def get_trainer_cls(self, cfg: Any) -> type[ElixirTrainer] | None:
+    def get_trainer_cls(self, cfg: Mapping[str, object]) -> type[ElixirTrainer] | None:
         if not _on(cfg):
             return None
         name = cfg.get("trainer_cls")
         if name:
-            module, _, attr = name.rpartition(".")
+            module, _, attr = str(name).rpartition(".")  # a dotted name (Axolotl's schema)
             base = getattr(importlib.import_module(module), attr)
         else:
             from axolotl.core.trainers.base import AxolotlTrainer  # type: ignore[import-not-found]

@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -147,7 +147,7 @@ def _message(repo_id: str, failure: BaseException) -> str:
     return f"elixir-hf: {repo_id} could not be downloaded: {type(failure).__name__}: {failure}"
 
 
-def _waiter(call: int) -> Any:
+def _waiter(call: int) -> Callable[[str | None, bool], list[str | None]] | None:
     """``wait(my failure or None, downloader) -> every downloader's`` once they are done, or None where
     ranks cannot wait for each other (one process, or a launcher without a store)."""
     if dist.is_available() and dist.is_initialized():

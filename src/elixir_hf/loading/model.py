@@ -161,7 +161,9 @@ def stream_from_pretrained_calls() -> None:
     patches.from_pretrained_through(_streamed_else_stock)
 
 
-def _streamed_else_stock(stock: Callable[..., Any], cls: Any, name_or_path: Any, kwargs: dict[str, Any]) -> Any:
+def _streamed_else_stock(
+    stock: Callable[..., PreTrainedModel], cls: type, name_or_path: str | os.PathLike[str], kwargs: dict[str, object]
+) -> PreTrainedModel:
     if getattr(_inside, "active", False):  # decided already: an Auto class's model class, the streamed load
         return stock(name_or_path, **kwargs)
     _inside.active = True

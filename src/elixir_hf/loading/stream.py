@@ -27,8 +27,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from transformers import PreTrainedModel
 from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+from transformers.modeling_utils import LoadStateDictConfig
 from transformers.utils.loading_report import LoadStateDictInfo
 
 from elixir_runtime import (
@@ -131,7 +133,7 @@ def streamed_or_why(
     return model, ""
 
 
-def streamed_from_pretrained(model_class: Any, name_or_path: str | os.PathLike[str], **kwargs: Any) -> Any:
+def streamed_from_pretrained(model_class: Any, name_or_path: str | os.PathLike[str], **kwargs: Any) -> PreTrainedModel:
     """``model_class.from_pretrained(name_or_path, **kwargs)`` with every parameter left on meta
     and marked as read from the folder's files. Raises ``WeightsError`` for a bad checkpoint
     (a file missing or truncated, a shape or key wrong) and ``CannotStream`` where the full
@@ -143,7 +145,7 @@ def streamed_from_pretrained(model_class: Any, name_or_path: str | os.PathLike[s
     with patches.weights_recorded_not_read(record):
         # transformers >= 5.25 kernelizes by default wherever the `kernels` package is installed, which
         # refuses a model on meta; one asked for explicitly is not streamed (streaming_blocker)
-        model = model_class.from_pretrained(name_or_path, **{"use_kernels": False, **kwargs})
+        model: PreTrainedModel = model_class.from_pretrained(name_or_path, **{"use_kernels": False, **kwargs})
     initialised = [name for name, p in model.named_parameters() if not p.is_meta]
     if initialised:
         raise WeightsError(
@@ -169,7 +171,7 @@ def holds_weights(rank0_only: bool = True) -> bool:
     return rank == 0
 
 
-def unstream(model: Any) -> None:
+def unstream(model: nn.Module) -> None:
     """Today's path for a streamed model: rank 0 reads its whole weights into the parameters (in
     place: the same objects), the others keep them on meta and get rank 0's values in ``prepare``."""
     source = attached_weights(model)
@@ -182,7 +184,7 @@ def unstream(model: Any) -> None:
     detach_weights(model)
 
 
-def _unstream_for_adapters(model: Any) -> None:
+def _unstream_for_adapters(model: nn.Module) -> None:
     """[Note: PEFT on a streamed model] PEFT puts a new adapter on the device of the layer it adapts
     (``BaseTuner._replace_module``, ``BaseTunerLayer._move_adapter_to_device_of_base_layer``), which
     for a streamed model is ``meta``: the adapter's initial values would be lost. So before PEFT
@@ -199,7 +201,7 @@ def _unstream_for_adapters(model: Any) -> None:
         unstream(model)
 
 
-def restream(model: Any, folder: str | os.PathLike[str]) -> None:
+def restream(model: nn.Module, folder: str | os.PathLike[str]) -> None:
     """A streamed model's weights to come from ``folder`` (a Trainer checkpoint) instead: keys are
     parameter names, as the stock Trainer's resume loads them. Checked before the old source is dropped."""
     files = CheckpointFiles.open(folder)
@@ -211,9 +213,9 @@ def _record(
     keys: dict[str, str],
     model: Any,
     state_dict: dict[str, Any],
-    load_config: Any,
-    disk_offload_index: dict[str, Any] | None = None,
-) -> tuple[LoadStateDictInfo, dict[str, Any] | None]:
+    load_config: LoadStateDictConfig,
+    disk_offload_index: dict[str, object] | None = None,
+) -> tuple[LoadStateDictInfo, dict[str, object] | None]:
     """Stands in for transformers' ``convert_and_load_state_dict_in_model``: the same renaming of
     each checkpoint key, then ``keys[parameter name] = checkpoint key`` instead of a read. Buffers
     the checkpoint holds (small) are loaded."""

@@ -97,7 +97,7 @@ class Collectives:
         if self.world_size > 1:
             self._run(functools.partial(dist.all_reduce, op=dist.ReduceOp.MAX), t)
 
-    def _run(self, collective: Callable[..., Any], *tensors: torch.Tensor) -> None:
+    def _run(self, collective: Callable[..., object], *tensors: torch.Tensor) -> None:
         """``collective(*tensors)`` to completion; on gloo through ``HeldWork`` ([Note: gloo at exit]),
         its failure explained by a rank that gave up ([Note: the rank that ran ahead]). Not on NCCL:
         holding its handles would keep temporary chunk buffers alive on the GPU."""

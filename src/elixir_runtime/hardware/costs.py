@@ -36,25 +36,25 @@ def size_class(m: int, n: int, k: int) -> str:
     return str(2 ** round(math.log2(mean)))
 
 
-def _mm(args: tuple[Any, ...]) -> tuple[int, str]:
+def _mm(args: tuple[torch.Tensor, ...]) -> tuple[int, str]:
     (m, k), n = args[0].shape, args[1].shape[1]
     return 2 * m * k * n, gemm_class(m, n, k)
 
 
-def _addmm(args: tuple[Any, ...]) -> tuple[int, str]:
+def _addmm(args: tuple[torch.Tensor, ...]) -> tuple[int, str]:
     return _mm(args[1:])
 
 
-def _bmm(args: tuple[Any, ...]) -> tuple[int, str]:
+def _bmm(args: tuple[torch.Tensor, ...]) -> tuple[int, str]:
     (b, m, k), n = args[0].shape, args[1].shape[2]
     return 2 * b * m * k * n, size_class(m, n, k)
 
 
-def _baddbmm(args: tuple[Any, ...]) -> tuple[int, str]:
+def _baddbmm(args: tuple[torch.Tensor, ...]) -> tuple[int, str]:
     return _bmm(args[1:])
 
 
-_MATMUL: dict[Any, Callable[[tuple[Any, ...]], tuple[int, str]]] = {
+_MATMUL: dict[object, Callable[[tuple[torch.Tensor, ...]], tuple[int, str]]] = {  # of the op's tensors
     aten.mm: _mm,
     aten.addmm: _addmm,
     aten.bmm: _bmm,
@@ -63,7 +63,7 @@ _MATMUL: dict[Any, Callable[[tuple[Any, ...]], tuple[int, str]]] = {
 
 
 def _attention_flops(
-    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+    func: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dict[str, object]
 ) -> tuple[int, str] | None:
     """Fused attention (SDPA kernels of every backend): 4·B·H·Sq·Sk·D forward, 2.5× that
     backward (five GEMMs of that size instead of two), halved when causal (the kernels skip the
@@ -73,7 +73,7 @@ def _attention_flops(
         return None
     backward = "backward" in name
     q, k = (args[1], args[2]) if backward else (args[0], args[1])
-    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor) or q.dim() != 4:
         return None
     batch, heads, sq, dim = q.shape
     sk: int = k.shape[-2]
@@ -85,7 +85,7 @@ def _attention_flops(
     return flops, f"{ATTENTION}:{sk}"
 
 
-def _argument(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+def _argument(func: torch._ops.OpOverload, args: tuple[object, ...], kwargs: dict[str, object], name: str) -> object:
     for i, arg in enumerate(func._schema.arguments):
         if arg.name == name:
             if name in kwargs:
@@ -111,7 +111,11 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def op_cost(
-    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: list[Any], outputs: list[Any]
+    func: torch._ops.OpOverload,
+    args: tuple[Any, ...],  # as the dispatcher passes them: a matmul's are its tensors
+    kwargs: dict[str, object],
+    inputs: list[object],
+    outputs: list[object],
 ) -> OpCost:
     """``inputs``/``outputs`` are the flattened args and results (tensors among other leaves)."""
     if func.is_view:

@@ -173,7 +173,7 @@ class HardwareProfile:
     def cpu_only(self) -> bool:
         return self.device == "cpu"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """JSON-native (``links`` and ``cpu_adam`` keyed by strings), so a plan holding it survives a
         JSON round trip."""
         d = asdict(self)

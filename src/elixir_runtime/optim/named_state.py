@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NotRequired, Protocol, TypedDict, TypeGuard
 
 import torch
 
@@ -38,6 +38,8 @@ from .loss_scaler import LossScaler
 
 __all__ = [
     "STATE_FORMAT",
+    "NamedMeta",
+    "ParamEntry",
     "saved_state",
     "Piece",
     "owned_pieces",
@@ -57,6 +59,44 @@ SHARD_FORMAT = "elixir-optimizer-shard/1"
 """The per-rank chunk shard ``state_dict()`` returned up to elixir-hf 0.1.0: refused by name."""
 
 
+class ParamEntry(TypedDict):
+    """A trainable parameter's entry of ``NamedMeta.params`` (keyed by its first name)."""
+
+    names: list[str]
+    """Every name of the parameter (tied weights have several)."""
+    shape: list[int]
+    group: int
+    """Its param group's position."""
+    step: int
+    pieces: NotRequired[list[tuple[str, int, int]]]
+    """The optimizer index's (``elixir_hf``'s checkpoints): ``(file, start, end)``, each rank's piece of it."""
+
+
+class NamedMeta(TypedDict):
+    """The rank-independent part of a named optimizer state (``named_meta``, ``plain_to_named``)."""
+
+    step: int
+    scaler: dict[str, float] | None
+    moments: NotRequired[str]
+    """How the moments are stored (``AdamState.moments``); absent: exact (older files, plain torch optimizers)."""
+    param_groups: list[dict[str, Any]]
+    """Each group's hyperparameters (JSON values: a loader reads them as it knows them) and ``params``, its
+    members' names."""
+    params: dict[str, ParamEntry]
+    missing: NotRequired[list[str]]
+    """``plain_to_named``'s: the trainable parameters the plain state has no entry for."""
+
+
+class _NamedState(NamedMeta):
+    """``state_dict()``: ``named_meta`` and this rank's pieces."""
+
+    format: str
+    rank: int
+    world_size: int
+    pieces: dict[str, list[int]]
+    tensors: dict[str, torch.Tensor]
+
+
 class OptimizerView(Protocol):
     """What this module reads and sets of an ``ElixirOptimizer`` (``optimizer.py``, which imports it)."""
 
@@ -74,7 +114,7 @@ flattened elements ``[start, end)`` (``StateTensor.span``: a scale per block), o
 what the shard holds (a plain optimizer has no master: the weights are it)."""
 
 
-def saved_state(meta: dict[str, Any]) -> AdamState:
+def saved_state(meta: NamedMeta) -> AdamState:
     """The state a saved meta's moments are stored as (exact where it does not say: older files,
     plain torch optimizers)."""
     return adam_state(meta.get("moments", "fp32"))
@@ -107,12 +147,12 @@ def owned_pieces(opt: OptimizerView) -> list[Piece]:
     return out
 
 
-def named_meta(opt: OptimizerView) -> dict[str, Any]:
+def named_meta(opt: OptimizerView) -> NamedMeta:
     """The rank-independent part: every trainable parameter's names, shape, group and step; the
     param groups' hyperparameters and members (by name, in the optimizer's order: a plain torch
     optimizer numbers its state in that order); the optimizer's step count and loss scale."""
     layout = opt.runtime.layout
-    params = {
+    params: dict[str, ParamEntry] = {
         layout.names[i][0]: {
             "names": layout.names[i],
             "shape": list(layout.params[i].shape),
@@ -151,7 +191,7 @@ def named_state(opt: OptimizerView) -> tuple[dict[str, torch.Tensor], dict[str, 
     return tensors, table
 
 
-def _jsonable(v: Any) -> Any:
+def _jsonable(v: object) -> object:
     if isinstance(v, tuple):
         return list(v)
     if isinstance(v, torch.Tensor):
@@ -159,7 +199,7 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-def _check(opt: OptimizerView, meta: dict[str, Any], where: str) -> dict[int, str]:
+def _check(opt: OptimizerView, meta: NamedMeta, where: str) -> dict[int, str]:
     """``{param: saved name}`` for every trainable parameter; raises ``ValueError`` naming the first
     mismatches (``where``: the source, in the message) when ``meta`` is not a state of this model."""
     layout = opt.runtime.layout
@@ -202,7 +242,7 @@ def _check(opt: OptimizerView, meta: dict[str, Any], where: str) -> dict[int, st
 
 
 @torch.no_grad()
-def load_named(opt: OptimizerView, meta: dict[str, Any], read: Reader, where: str) -> None:
+def load_named(opt: OptimizerView, meta: NamedMeta, read: Reader, where: str) -> None:
     """Fills this rank's shards, step counts, hyperparameters and loss scale from ``meta`` and
     ``read``; every check runs before the first copy (``ValueError`` naming ``where``)."""
     rt = opt.runtime
@@ -225,18 +265,19 @@ def load_named(opt: OptimizerView, meta: dict[str, Any], read: Reader, where: st
         for kind, value in values.items():
             if value is not None:
                 here[kind].copy_(value)
-    for group, saved in zip(opt.param_groups, meta["param_groups"]):
-        group.update({k: tuple(v) if k == "betas" else v for k, v in saved.items() if k != "params"})
+    for group, hypers in zip(opt.param_groups, meta["param_groups"]):
+        group.update({k: tuple(v) if k == "betas" else v for k, v in hypers.items() if k != "params"})
     for i, key in names.items():
         opt.param_steps[i] = int(meta["params"][key]["step"])
     opt.step_count = int(meta["step"])
     opt.consecutive_skips = 0
-    if meta.get("scaler") is not None:
-        opt.scaler.load_state_dict(meta["scaler"])
+    scaler = meta.get("scaler")
+    if scaler is not None:
+        opt.scaler.load_state_dict(scaler)
     rt.reload_shards()
 
 
-def plain_to_named(opt: OptimizerView, state_dict: dict[str, Any], where: str) -> tuple[dict[str, Any], Reader]:
+def plain_to_named(opt: OptimizerView, state_dict: dict[str, Any], where: str) -> tuple[NamedMeta, Reader]:
     """A plain ``torch.optim.Adam/AdamW`` ``state_dict()`` as ``(meta, read)`` for ``load_named``.
 
     Its parameters are numbered in its param groups' order, which this run's optimizer (built from
@@ -256,8 +297,8 @@ def plain_to_named(opt: OptimizerView, state_dict: dict[str, Any], where: str) -
             "built with other groups"
         )
     index = {id(p): i for i, p in enumerate(layout.params)}
-    params: dict[str, dict[str, Any]] = {}
-    by_key: dict[str, dict[str, Any]] = {}
+    params: dict[str, ParamEntry] = {}
+    by_key: dict[str, dict[str, torch.Tensor]] = {}
     missing: list[str] = []
     for gi, (saved, mine) in enumerate(zip(saved_groups, opt.param_groups)):
         for key, p in zip(saved["params"], mine["params"]):
@@ -276,11 +317,17 @@ def plain_to_named(opt: OptimizerView, state_dict: dict[str, Any], where: str) -
                         f"{list(state[kind].shape)}, the parameter here {shape}"
                     )
             step = state.get("step", 0)
-            params[name] = {"names": layout.names[i], "shape": shape, "group": gi, "step": int(_jsonable(step))}
+            params[name] = {"names": layout.names[i], "shape": shape, "group": gi, "step": int(step)}
             by_key[name] = state
     groups = [{k: _jsonable(v) for k, v in g.items() if k != "params"} for g in saved_groups]
     steps = [e["step"] for e in params.values()]
-    meta = {"step": max(steps, default=0), "scaler": None, "param_groups": groups, "params": params, "missing": missing}
+    meta: NamedMeta = {
+        "step": max(steps, default=0),
+        "scaler": None,
+        "param_groups": groups,
+        "params": params,
+        "missing": missing,
+    }
 
     def read(name: str, kind: str, start: int, end: int) -> torch.Tensor | None:
         if kind == "master":
@@ -305,6 +352,11 @@ def state_dict(opt: OptimizerView) -> dict[str, Any]:
     }
 
 
+def _is_named_state(saved: dict[str, Any]) -> TypeGuard[_NamedState]:
+    """Whether ``saved`` says it is a ``state_dict()`` of this format."""
+    return saved.get("format") == STATE_FORMAT
+
+
 def load_state_dict(opt: OptimizerView, saved: dict[str, Any]) -> None:
     """``ElixirOptimizer.load_state_dict()``: a ``state_dict()`` of any layout, placement or rank count
     whose pieces hold what this rank holds (a one-rank state holds it all; each rank's own, on the
@@ -319,7 +371,7 @@ def load_state_dict(opt: OptimizerView, saved: dict[str, Any]) -> None:
             "again by parameter name: a checkpoint of ElixirTrainer or ElixirAccelerator.save_state, which this "
             "version resumes on any number of ranks"
         )
-    if fmt != STATE_FORMAT:
+    if not _is_named_state(saved):
         plain = "state" in saved and "param_groups" in saved
         raise ValueError(
             f"{where} is not an ElixirOptimizer state_dict (format {fmt!r}, expected {STATE_FORMAT!r})"

@@ -36,13 +36,13 @@ class FakeRun:
     """``{id(real parameter): its fake}``; tied parameters share one."""
     buffers: list[torch.Tensor]
     """The fake buffers, one per buffer object."""
-    batch: Any
+    batch: object
     """The batch's structure with every tensor a fake on the compute device."""
 
 
 @contextlib.contextmanager
 def fake_run(
-    model: nn.Module, batch: Any, dtype: torch.dtype | None, device: torch.device, on_launch: Launch | None = None
+    model: nn.Module, batch: object, dtype: torch.dtype | None, device: torch.device, on_launch: Launch | None = None
 ) -> Iterator[FakeRun]:
     """``model`` in training mode on fake parameters and buffers, inside a fake tensor mode in which
     0-dim ``torch.rand`` draws are constant, ``item()`` answers 1 and Triton launches on fakes are
@@ -110,7 +110,7 @@ def _drop_grad(t: torch.Tensor) -> None:
     t.grad = None
 
 
-def _fake_batch(batch: Any, device: torch.device) -> Any:
+def _fake_batch(batch: object, device: torch.device) -> object:
     """The batch's structure with every tensor replaced by a fake one on ``device``; a mapping that is
     not a dict (a collator's ``BatchEncoding``: pytree does not open it) becomes a dict."""
     if isinstance(batch, Mapping) and not isinstance(batch, dict):
@@ -120,7 +120,7 @@ def _fake_batch(batch: Any, device: torch.device) -> Any:
     )
 
 
-def loss_of(output: Any) -> torch.Tensor:
+def loss_of(output: object) -> torch.Tensor:
     """The scalar a training loop calls ``backward`` on: ``output.loss`` (HF, or any object with a
     ``loss``), ``output["loss"]``, or else the sum of every grad-requiring output."""
     loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)

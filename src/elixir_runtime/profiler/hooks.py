@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, cast
+from typing import TypeVar, cast
 
 import torch
 import torch.utils.checkpoint
@@ -30,7 +30,10 @@ from .timeline import Timeline
 __all__ = ["Markers"]
 
 
-def _grad_tensors(tree: Any) -> list[torch.Tensor]:
+_R = TypeVar("_R")
+
+
+def _grad_tensors(tree: object) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
@@ -71,7 +74,7 @@ class Markers:
         last = len(blocks) - 1
         for i, block in enumerate(blocks):
 
-            def pre(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], i: int = i) -> None:
+            def pre(_m: nn.Module, args: tuple[object, ...], kwargs: dict[str, object], i: int = i) -> None:
                 if self.tl.phase != "fwd":
                     return
                 self.tl.mark("fwd", i)
@@ -79,7 +82,9 @@ class Markers:
                     for t in _grad_tensors((args, kwargs))[:1]:
                         t.register_hook(lambda _g: self.tl.mark("post"))
 
-            def post(_m: nn.Module, _args: tuple[Any, ...], _kwargs: dict[str, Any], output: Any, i: int = i) -> None:
+            def post(
+                _m: nn.Module, _args: tuple[object, ...], _kwargs: dict[str, object], output: object, i: int = i
+            ) -> None:
                 if self.tl.phase != "fwd":
                     return
                 for t in _grad_tensors(output)[:1]:
@@ -92,10 +97,10 @@ class Markers:
 
     # ------------------------------------------------------------------ units
     def _mark_unit(self, unit: Unit) -> None:
-        def pre(_m: nn.Module, _args: tuple[Any, ...]) -> None:
+        def pre(_m: nn.Module, _args: tuple[object, ...]) -> None:
             self.tl.unit_event(unit.name)
 
-        def post(_m: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
+        def post(_m: nn.Module, _args: tuple[object, ...], output: object) -> None:
             if torch.is_grad_enabled():
                 outs = _grad_tensors(output)
                 if self.tl.phase == "fwd":
@@ -121,9 +126,9 @@ class Markers:
         torch.utils.checkpoint.checkpoint = self._region(original, None)
         self._restore.append(functools.partial(setattr, torch.utils.checkpoint, "checkpoint", original))
 
-    def _region(self, checkpoint: Callable[..., Any], name: str | None) -> Callable[..., Any]:
+    def _region(self, checkpoint: Callable[..., _R], name: str | None) -> Callable[..., _R]:
         @functools.wraps(checkpoint)
-        def recorded(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        def recorded(function: Callable[..., object], *args: object, **kwargs: object) -> _R:
             region = self.tl.region_begin(name or self._name_of(function))
             if region is not None and torch.is_grad_enabled():
                 for a in args:
@@ -136,7 +141,7 @@ class Markers:
 
         return recorded
 
-    def _name_of(self, function: Callable[..., Any]) -> str:
+    def _name_of(self, function: Callable[..., object]) -> str:
         owner = function if isinstance(function, nn.Module) else getattr(function, "__self__", None)
         if owner is None and isinstance(function, functools.partial):
             owner = function.args[0] if function.args else None

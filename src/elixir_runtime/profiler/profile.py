@@ -223,7 +223,7 @@ class ProfileSummary:
     host_activation_peak: int = 0
     """``ModelProfile.host_activation_peak`` (plan files from before it: 0)."""
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """The JSON keys of ``elixir-plan --json``'s ``profile``."""
         out = asdict(self)
         out["inputs"] = [list(s) for s in self.inputs]
@@ -245,7 +245,7 @@ class ProfileSummary:
 
 def profile_model(
     model: nn.Module,
-    batch: Any,
+    batch: object,
     *,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
@@ -322,7 +322,7 @@ def structural_profile(model: nn.Module, units: list[Unit], dtype: torch.dtype) 
 
 def _trace(
     model: nn.Module,
-    batch: Any,
+    batch: object,
     dtype: torch.dtype,
     device: torch.device,
     units: list[Unit],
@@ -389,7 +389,7 @@ def _replayable(segments: list[Segment], plan: BlockPlan) -> bool:
 
 def _assemble(
     model: nn.Module,
-    batch: Any,
+    batch: object,
     segments: list[Segment],
     plan: BlockPlan | None,
     dtype: torch.dtype,

@@ -24,7 +24,7 @@ __all__ = ["UnitTrace", "trace_unit_order", "call_model"]
 logger = logging.getLogger(__name__)
 
 
-def call_model(model: nn.Module, batch: Any) -> Any:
+def call_model(model: nn.Module, batch: object) -> Any:  # what the model returns
     """Calls ``model`` the way a training loop would with ``batch`` (dict → kwargs, tuple → args)."""
     if isinstance(batch, dict):
         return model(**batch)
@@ -41,7 +41,7 @@ class UnitTrace(NamedTuple):
 
 
 def trace_unit_order(
-    model: nn.Module, units: list[Unit], example_batch: Any | None, dtype: torch.dtype, device: torch.device
+    model: nn.Module, units: list[Unit], example_batch: object | None, dtype: torch.dtype, device: torch.device
 ) -> UnitTrace:
     """A forward of ``example_batch`` on fake tensors (``dtype`` and ``device``: the run's compute
     dtype and device, as the profiler traces the step); without a batch, or if the model cannot run
@@ -56,7 +56,7 @@ def trace_unit_order(
 
 
 def _fake_forward(
-    model: nn.Module, units: list[Unit], batch: Any, dtype: torch.dtype, device: torch.device
+    model: nn.Module, units: list[Unit], batch: object, dtype: torch.dtype, device: torch.device
 ) -> tuple[list[int], list[str]] | None:
     calls: list[int] = []
     handles = [u.module.register_forward_pre_hook(lambda _m, _a, i=u.index: calls.append(i)) for u in units]

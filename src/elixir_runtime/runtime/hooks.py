@@ -49,7 +49,7 @@ import sys
 import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -70,16 +70,20 @@ from .phase import Phase
 __all__ = ["EngineHooks", "PlaceholderReadError", "install_hooks"]
 
 
+class _CallbackCtx(Protocol):
+    callback: Callable[[], None]
+
+
 class _PostBackward(torch.autograd.Function):
     """Identity on a unit's inputs whose backward runs once the unit's backward is done."""
 
     @staticmethod
-    def forward(ctx: Any, callback: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: _CallbackCtx, callback: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.callback = callback
         return inputs
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: _CallbackCtx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         ctx.callback()
         return (None, *grads)
 
@@ -98,8 +102,8 @@ class _UnitHooks:
         self.bwd_pinned = False
 
     def pre_forward(
-        self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        self, _module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
         if self.runtime.ctx.phase.full:
             return args, kwargs  # the parameters are all here
         self.runtime.gathers.acquire(self.chunks, pin=True)
@@ -121,10 +125,10 @@ class _UnitHooks:
             flat[i] = t
         if held is not None:
             held.enter(wrapped)
-        hooked: tuple[tuple[Any, ...], dict[str, Any]] = tree_unflatten(flat, spec)  # what was flattened
+        hooked: tuple[tuple[object, ...], dict[str, object]] = tree_unflatten(flat, spec)  # what was flattened
         return hooked
 
-    def post_forward(self, _module: nn.Module, _args: Any, _kwargs: Any, output: Any) -> None:
+    def post_forward(self, _module: nn.Module, _args: object, _kwargs: object, output: object) -> None:
         if self.runtime.ctx.phase.full:
             return
         self.runtime.gathers.release(self.chunks)
@@ -218,7 +222,7 @@ class _RootHooks:
         """``torch.compiler.set_stance("force_eager")``, entered for a watched forward and left after it, or
         after its backward: a checkpointed block recomputed there must run as its forward ran."""
 
-    def pre_forward(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def pre_forward(self, _module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         phase = self.runtime.ctx.phase
         if phase.now is Phase.FULL_ELSEWHERE:
             raise RuntimeError(
@@ -259,7 +263,7 @@ class _RootHooks:
             self.saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             self.saved_hooks.__enter__()
 
-    def post_forward(self, _module: nn.Module, _args: Any, output: Any) -> None:
+    def post_forward(self, _module: nn.Module, _args: object, output: object) -> None:
         ctx = self.runtime.ctx
         if output is None and ctx.memory is not None:  # failed: always_call runs it inside the forward's except
             ctx.memory.annotate(sys.exc_info()[1], "forward", ctx.device)

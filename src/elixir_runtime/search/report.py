@@ -48,7 +48,7 @@ class Alternative:
     fits: bool
     time: StepTime
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {**{f.name: getattr(self, f.name) for f in fields(self)}, "time": self.time.to_dict()}
 
     @classmethod
@@ -122,7 +122,7 @@ class RateSummary:
             cpu_update_Gps=round(cpu_update / 1e9, 3),
         )
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -151,7 +151,7 @@ class SearchReport:
     activations: tuple[ActivationsOption, ...] = ()
     """The job searched with the held block inputs in the other tier, where the planner chose (``planner``)."""
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "i_per_gib": self.i_per_gib,
             "j_per_gib": self.j_per_gib,

@@ -7,7 +7,7 @@ import os
 import platform
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -37,10 +37,16 @@ def _installed(dist: str) -> str | None:
         return None
 
 
-def _gpus() -> list[dict[str, Any]]:
+class _Gpu(TypedDict):
+    name: str
+    memory_gib: float
+    capability: str
+
+
+def _gpus() -> list[_Gpu]:
     if not torch.cuda.is_available():
         return []
-    out = []
+    out: list[_Gpu] = []
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
         out.append(
