@@ -27,7 +27,16 @@ from .config import ElixirConfig, LossScaleConfig, PlanError
 from .distributed.heartbeat import armed
 from .distributed.lockstep import LockstepError
 from .kernels.quant8 import decode_state
-from .optim.named_state import load_named, named_meta, named_state, plain_to_named, saved_state
+from .optim.named_state import (
+    NamedMeta,
+    ParamEntry,
+    Reader,
+    load_named,
+    named_meta,
+    named_state,
+    plain_to_named,
+    saved_state,
+)
 from .optim.optimizer import ElixirOptimizer
 from .plan import ElixirPlan
 from .runtime.full_params import Parked, full_params, park
@@ -68,6 +77,9 @@ __all__ = [
     "compile_stats",
     "CompileStats",
     "named_state",
+    "NamedMeta",
+    "ParamEntry",
+    "Reader",
     "named_meta",
     "load_named",
     "plain_to_named",

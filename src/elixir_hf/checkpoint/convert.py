@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 
 from elixir_runtime import StateTensor, decode_state, saved_state
-from elixir_runtime.optim.named_state import ParamEntry
+from elixir_runtime import ParamEntry
 
 from .format import (
     MARKER_NAME,

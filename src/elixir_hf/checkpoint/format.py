@@ -41,7 +41,7 @@ import tempfile
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, TypedDict, TypeVar, cast
+from typing import Any, BinaryIO, TypedDict, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -50,9 +50,6 @@ from safetensors.torch import save_file
 from torch import nn
 
 from elixir_runtime.progress import Bar, progress
-
-if TYPE_CHECKING:
-    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 __all__ = [
     "MARKER_NAME",
@@ -128,7 +125,7 @@ class _Summing:
         self.f, self.crc, self.bytes, self.bar = f, 0, 0, bar
         self.error: OSError | None = None
 
-    def write(self, data: Buffer) -> int:
+    def write(self, data: bytes | bytearray | memoryview) -> int:
         try:
             n = self.f.write(data)
         except OSError as e:

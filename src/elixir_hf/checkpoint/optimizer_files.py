@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 
 from elixir_runtime import ElixirOptimizer, load_named, named_meta, named_state, plain_to_named, saved_state
-from elixir_runtime.optim.named_state import NamedMeta, Reader
+from elixir_runtime import NamedMeta, Reader
 
 from .format import (
     OPTIM_INDEX,
