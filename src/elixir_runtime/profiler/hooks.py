@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import TypeVar, cast
 
@@ -50,8 +51,10 @@ class Markers:
     ) -> None:
         self.tl = timeline
         self.hold = hold
-        self.last: list[torch.Tensor] = []
-        """What the last unit to finish a forward returned (its tensors that need grad)."""
+        self.last: list[weakref.ref[torch.Tensor]] = []
+        """What the last unit to finish a forward returned (its tensors that need grad), weakly: a strong
+        reference would keep the head's output (the logits) alive through the traced backward, which
+        the run frees once the loss's backward is done."""
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._restore: list[Callable[[], None]] = []
         if stack is not None:
@@ -104,7 +107,7 @@ class Markers:
             if torch.is_grad_enabled():
                 outs = _grad_tensors(output)
                 if self.tl.phase == "fwd":
-                    self.last = outs
+                    self.last = [weakref.ref(t) for t in outs]
                 if outs:
                     handle = torch.autograd.graph.register_multi_grad_hook(
                         outs, lambda _g: self.tl.unit_event(unit.name), mode="any"
@@ -132,7 +135,7 @@ class Markers:
             region = self.tl.region_begin(name or self._name_of(function))
             if region is not None and torch.is_grad_enabled():
                 for a in args:
-                    if isinstance(a, torch.Tensor) and any(a is o for o in self.last):
+                    if isinstance(a, torch.Tensor) and any(a is o() for o in self.last):
                         self.hold(a)
             try:
                 return checkpoint(function, *args, **kwargs)

@@ -7,6 +7,14 @@ fused kernel that saves only the output and a log-sum-exp. Profiling a GPU run o
 therefore routes the call, for the duration of the trace, to the fused kernel CUDA's dispatcher
 would pick (flash for fp16/bf16 without a mask and head dim ≤ 256, else memory-efficient); their
 meta kernels give the exact shapes of what they allocate and save.
+
+[Note: fused attention's workspace] A meta kernel returns the op's outputs and nothing else, but
+flash attention's backward also allocates, for the length of the call, an fp32 accumulator of the
+query gradient (batch x rows rounded up to 128 x heads x head dim rounded up to 32, or 64 above 128)
+and the rows' fp32 softmax-gradient dot products: 8 KB a token for 16 heads of 128, one transient
+beside the block's recompute. ``workspace_bytes`` prices it; the recorder allocates and frees it
+after the op's outputs, so a segment's peak holds it. The memory-efficient kernel (with a mask)
+accumulates in its outputs' own buffers and is priced by its meta kernel alone.
 """
 
 from __future__ import annotations
@@ -18,9 +26,26 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-__all__ = ["cuda_attention"]
+__all__ = ["cuda_attention", "workspace_bytes"]
 
 aten = torch.ops.aten
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def workspace_bytes(func: object, args: tuple[object, ...]) -> int:
+    """Bytes ``func`` allocates for its own use and frees before it returns (see [Note: fused
+    attention's workspace]); 0 for every op but flash attention's backward."""
+    if func is not aten._scaled_dot_product_flash_attention_backward.default:
+        return 0
+    query = args[1]
+    assert isinstance(query, torch.Tensor)  # (batch, heads, rows, head dim), SDPA's layout
+    batch, heads, rows, dim = query.shape
+    rows = _round_up(rows, 128)
+    dim = _round_up(dim, 32 if dim <= 128 else 64)
+    return 4 * batch * heads * rows * (dim + 1)
 
 
 def _as_cuda(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

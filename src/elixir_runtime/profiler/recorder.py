@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import arg_tree_leaves, tree_leaves
 
 from ..hardware.costs import op_cost
+from .kernels import workspace_bytes
 from .timeline import Timeline
 
 __all__ = ["Recorder"]
@@ -58,6 +59,9 @@ class Recorder(TorchDispatchMode):
         for t in outputs:
             if isinstance(t, torch.Tensor):
                 self._track(t)
+        scratch = workspace_bytes(func, args)
+        tl.alloc(scratch)  # beside the outputs, for the length of the call
+        tl.free(scratch)
         tl.add_cost(*op_cost(func, args, kwargs, inputs, outputs))
         return out
 

@@ -141,6 +141,30 @@ def test_gpu_attention_kernels_without_a_gpu() -> None:
     assert cuda.activation_peak < cpu.activation_peak
 
 
+def test_flash_attentions_backward_holds_its_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backward of CUDA's flash kernel allocates an fp32 query-gradient accumulator and the rows'
+    softmax-gradient dot products beside its outputs ([Note: fused attention's workspace]): the
+    profile's peak holds them, rows rounded up to 128 and the head dim to 32."""
+    from elixir_runtime.profiler import kernels
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(64, 3 * 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(x).view(2, 200, 3, 4, 16).permute(2, 0, 3, 1, 4)
+            return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).float().sum()
+
+    batch = (torch.randn(2, 200, 64, dtype=torch.bfloat16),)
+    model = Attention().to(torch.bfloat16)
+    priced = profile_model(model, batch, device="cuda").activation_peak
+    monkeypatch.setattr(kernels, "workspace_bytes", lambda *_: 0)
+    monkeypatch.setattr("elixir_runtime.profiler.recorder.workspace_bytes", lambda *_: 0)
+    bare = profile_model(model, batch, device="cuda").activation_peak
+    assert priced - bare == 4 * 2 * 4 * 256 * (32 + 1)
+
+
 def test_tied_weights_buffers_and_sizes() -> None:
     model = tiny_gpt2(n_layer=2)
     profile = profile_model(model, make_batch(VOCAB), device="cpu")
@@ -222,6 +246,8 @@ def test_late_peak_and_head_params_of_a_large_vocabulary_llama() -> None:
     profile = profile_model(model, make_batch(4096, batch=4, seq=64), device="cpu")
     assert profile.peak_at == "backward of the loss and head"
     assert profile.late_peak is not None and profile.late_peak < profile.activation_peak / 2
+    logits = 4 * 64 * 4096 * 4  # fp32: the run frees them with the loss's backward, and so must the trace
+    assert profile.late_peak < logits
     assert set(profile.head_params) == {"model.norm.weight", "lm_head.weight"}
     assert ModelProfile.from_json(profile.to_json()) == profile
 
