@@ -32,8 +32,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from elixir_runtime import StateTensor, decode_state, saved_state
-from elixir_runtime import ParamEntry
+from elixir_runtime import ParamEntry, StateTensor, decode_state, saved_state
 
 from .format import (
     MARKER_NAME,

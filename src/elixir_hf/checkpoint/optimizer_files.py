@@ -15,8 +15,16 @@ from typing import cast
 import torch
 from safetensors import safe_open
 
-from elixir_runtime import ElixirOptimizer, load_named, named_meta, named_state, plain_to_named, saved_state
-from elixir_runtime import NamedMeta, Reader
+from elixir_runtime import (
+    ElixirOptimizer,
+    NamedMeta,
+    Reader,
+    load_named,
+    named_meta,
+    named_state,
+    plain_to_named,
+    saved_state,
+)
 
 from .format import (
     OPTIM_INDEX,
