@@ -473,6 +473,10 @@ def test_cli_and_auto_make_the_same_plan_from_the_same_profile(capsys, tmp_path,
         ("--dtype", "int8", "unknown dtype 'int8'"),
         ("--gpu-memory", "0GiB", "ElixirConfig.gpu_memory must be at least 1 MiB, got 0 bytes"),
         ("--gpu-memory", "lots", "ElixirConfig.gpu_memory: not a memory size: 'lots'"),
+        # before: planned as the card's own size (0 is falsy), a host of 0 bytes as no limit, a full fine-tune
+        ("--gpu-mem", "0", "must be at least 1 MiB, got '0' (0 bytes)"),
+        ("--host-mem", "0.5MiB", "must be at least 1 MiB, got '0.5MiB' (524288 bytes), or 'here'"),
+        ("--lora-targets", " , ", "names no module: ' , '; give some, e.g. q_proj,v_proj, or leave it out"),
     ],
 )
 def test_bad_arguments_are_argparse_errors(capsys, flag, value, message) -> None:
@@ -480,6 +484,25 @@ def test_bad_arguments_are_argparse_errors(capsys, flag, value, message) -> None
         main(["--model", "gpt2", flag, value])
     err = capsys.readouterr().err
     assert exc.value.code == 1 and f"argument {flag}" in err and message in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [  # before: a traceback after the plan, or the minutes of measuring; flags beside --measure-hardware ignored
+        (["--model", "gpt2", "--plot", "{tmp}/no/plan.png"], "--plot {tmp}/no/plan.png: the folder {tmp}/no does not"),
+        (["--measure-hardware", "{tmp}/no/hw.json"], "--measure-hardware {tmp}/no/hw.json: the folder {tmp}/no does"),
+        (
+            ["--measure-hardware", "{tmp}/hw.json", "--model", "gpt2", "--gpus", "2"],
+            "--measure-hardware measures this machine and takes no other flag, not --model, --gpus",
+        ),
+        (["--run", "{tmp}", "--gpus", "2"], "--run reads a run's records and takes --plot and --json only, not --gpus"),
+    ],
+)
+def test_what_a_flag_cannot_do_is_refused_before_any_work(capsys, tmp_path, argv, message) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([a.format(tmp=tmp_path) for a in argv])
+    assert exc.value.code == 1 and f"elixir-plan: error: {message.format(tmp=tmp_path)}" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir()), "nothing measured or written"
 
 
 def test_gpu_memory_caps_the_card(capsys, tmp_path) -> None:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch at use, not import: elixir-plan --help answers without it (__init__.py)
     from torch import nn
 
-__all__ = ["LORA_RANK", "LORA_TARGETS", "PEFT_EXTRA", "Lora", "lora_of", "lora_model"]
+__all__ = ["LORA_RANK", "LORA_TARGETS", "PEFT_EXTRA", "Lora", "lora_of", "lora_model", "lora_targets"]
 
 LORA_RANK = 16
 LORA_TARGETS = "all-linear"
@@ -37,6 +37,15 @@ class Lora:
     def text(self) -> str:
         where = "every linear layer but the head" if self.targets == LORA_TARGETS else ", ".join(self.targets)
         return f"LoRA rank {self.rank} on {where}"
+
+
+def lora_targets(text: str) -> str:
+    """``--lora-targets``: comma-separated module names, at least one (an empty value planned a full fine-tune)."""
+    if not any(t.strip() for t in text.split(",")):
+        raise argparse.ArgumentTypeError(
+            f"names no module: {text!r}; give some, e.g. q_proj,v_proj, or leave it out for {LORA_TARGETS}"
+        )
+    return text
 
 
 def lora_of(args: argparse.Namespace) -> Lora | None:
