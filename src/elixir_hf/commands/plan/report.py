@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -96,7 +96,7 @@ def plan_report(
     t0 = time.perf_counter()
     with quiet_transformers():  # its warnings about use_cache, token ids, ... say nothing about the plan
         model = build_meta_model(model_config(args.model, args.seq_len), args.dtype, args.ac)
-        _check_batch(args, model, card if args.gpu_memory is None else args.gpu_memory)
+        _check_batch(args, cast("PreTrainedModel", model), card if args.gpu_memory is None else args.gpu_memory)
         lora = lora_of(args)
         if lora is not None:
             model = lora_model(model, lora)
@@ -219,7 +219,7 @@ def _check_cap(args: argparse.Namespace, hardware: HardwareProfile, card: int) -
         )
 
 
-def _check_batch(args: argparse.Namespace, model: torch.nn.Module, gpu: int) -> None:
+def _check_batch(args: argparse.Namespace, model: PreTrainedModel, gpu: int) -> None:
     """Before the profile: a ``--seq-len`` beyond the positions a model learns (GPT-2's, OPT's: an
     embedding row a position) fails its run's first forward; a batch whose hidden states alone (one layer's
     output, on the GPU in any plan) exceed the GPU's ``gpu`` bytes fits no plan, and its profile's loss loop
