@@ -372,6 +372,35 @@ def _tiny_config(tmp_path, data: dict = TINY_GPT2) -> str:
     return str(path)
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [  # before: a bare JSONDecodeError naming no file, a KeyError, TypeError or RuntimeError traceback
+        ("", "not a model's config.json (JSONDecodeError: Expecting value"),
+        ("{}", "not a model's config.json (KeyError: 'model_type')"),
+        ("[1]", "not a model's config.json (TypeError: "),
+        (json.dumps({**TINY_GPT2, "n_embd": -5}), "its config builds no model: Trying to create tensor with negative"),
+        (json.dumps({**TINY_GPT2, "n_embd": 130}), "its config builds no model: `embed_dim` must be divisible by"),
+    ],
+)
+def test_a_config_file_that_builds_no_model_is_named(capsys, tmp_path, text: str, message: str) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    assert main(["--model", str(path), "--gpu", "h100"]) == 1
+    assert capsys.readouterr().err.startswith(f"elixir-plan: --model {path}: {message}")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("{}", "is not one (HardwareProfile.__init__() missing 10 required"), ("[1]", "is not a JSON object: list")],
+)
+def test_a_hardware_file_that_is_no_profile_is_named(capsys, tmp_path, text: str, message: str) -> None:
+    """Before: a ``TypeError`` traceback."""
+    path = tmp_path / "hw.json"
+    path.write_text(text)
+    assert main(["--model", _tiny_config(tmp_path), "--hardware", str(path)]) == 1
+    assert capsys.readouterr().err.startswith(f"elixir-plan: --hardware {path}: hardware profile {path} {message}")
+
+
 def test_without_a_gpu_the_shipped_h100_is_planned_for_and_named(capsys, tmp_path, monkeypatch) -> None:
     """Never this machine's CPU timings for a GPU plan: the shipped H100 profile, said so."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -11,6 +11,7 @@ the plan counts but the profile's activations.
 from __future__ import annotations
 
 import argparse
+import typing
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -60,9 +61,15 @@ def lora_of(args: argparse.Namespace) -> Lora | None:
 
 def lora_model(model: nn.Module, lora: Lora) -> nn.Module:
     """``model`` (built on meta) wrapped by PEFT with ``lora``'s adapters; a target that names no module
-    is a ``ValueError`` naming the flag and the model's linear layers."""
+    (PEFT refuses only where none of them does) is a ``ValueError`` naming the flag and the model's linear
+    layers."""
     from peft import LoraConfig, get_peft_model
 
+    names = [n for n, _ in model.named_modules()]
+    if lora.targets != LORA_TARGETS and (
+        missing := [t for t in lora.targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    ):
+        _unknown_targets(model, lora, f"{', '.join(missing)} names no module of the model")
     try:
         with warnings.catch_warnings():  # GPT-2's Conv1D: PEFT says it sets fan_in_fan_out, as it must
             warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False")
@@ -70,8 +77,12 @@ def lora_model(model: nn.Module, lora: Lora) -> nn.Module:
                 model, LoraConfig(r=lora.rank, target_modules=lora.targets), autocast_adapter_dtype=False
             )
     except ValueError as exc:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m).__name__ in _LINEAR})
-        raise ValueError(
-            f"--lora-targets {','.join(lora.targets)}: {exc}; this model's linear layers: {', '.join(linear)} "
-            f"(or {LORA_TARGETS}, the default)"
-        ) from None
+        _unknown_targets(model, lora, str(exc))
+
+
+def _unknown_targets(model: nn.Module, lora: Lora, why: str) -> typing.NoReturn:
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m).__name__ in _LINEAR})
+    raise ValueError(
+        f"--lora-targets {','.join(lora.targets)}: {why}; this model's linear layers: {', '.join(linear)} "
+        f"(or {LORA_TARGETS}, the default)"
+    )

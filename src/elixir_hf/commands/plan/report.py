@@ -95,7 +95,11 @@ def plan_report(
     hardware = host_hardware(args, hardware)  # its CPU Adam rates for the host's cores
     t0 = time.perf_counter()
     with quiet_transformers():  # its warnings about use_cache, token ids, ... say nothing about the plan
-        model = build_meta_model(model_config(args.model, args.seq_len), args.dtype, args.ac)
+        hf_config = model_config(args.model, args.seq_len)
+        try:
+            model = build_meta_model(hf_config, args.dtype, args.ac)
+        except (ValueError, RuntimeError) as exc:  # sizes the model refuses: heads not dividing, a negative size
+            raise ValueError(f"--model {args.model}: its config builds no model: {exc}") from None
         _check_batch(args, cast("PreTrainedModel", model), card if args.gpu_memory is None else args.gpu_memory)
         lora = lora_of(args)
         if lora is not None:
@@ -392,8 +396,14 @@ def model_config(name: str, seq_len: int) -> PretrainedConfig:
         return AutoConfig.for_model(family, **kwargs)
     path = Path(name)
     if path.is_file():
-        data = json.loads(path.read_text())
-        return AutoConfig.for_model(data.pop("model_type"), **data)
+        try:
+            data = json.loads(path.read_text())
+            return AutoConfig.for_model(data.pop("model_type"), **data)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not JSON, no model_type, not an object
+            raise ValueError(
+                f"--model {name}: not a model's config.json ({type(exc).__name__}: {exc}): a JSON object with the "
+                "model's model_type and sizes, as a Hub model's config.json"
+            ) from None
     presets = f"the presets: {', '.join(PRESETS)}"
     try:  # the cache first: no network for a model already here
         cached: PretrainedConfig = AutoConfig.from_pretrained(name, local_files_only=True)
