@@ -517,7 +517,7 @@ def test_bad_arguments_are_argparse_errors(capsys, flag, value, message) -> None
 
 @pytest.mark.parametrize(
     ("argv", "message"),
-    [  # before: a traceback after the plan, or the minutes of measuring; flags beside --measure-hardware ignored
+    [  # before: a traceback after the plan or the minutes of measuring, flags ignored, --no-ac's clash after its profile
         (["--model", "gpt2", "--plot", "{tmp}/no/plan.png"], "--plot {tmp}/no/plan.png: the folder {tmp}/no does not"),
         (["--measure-hardware", "{tmp}/no/hw.json"], "--measure-hardware {tmp}/no/hw.json: the folder {tmp}/no does"),
         (
@@ -525,6 +525,13 @@ def test_bad_arguments_are_argparse_errors(capsys, flag, value, message) -> None
             "--measure-hardware measures this machine and takes no other flag, not --model, --gpus",
         ),
         (["--run", "{tmp}", "--gpus", "2"], "--run reads a run's records and takes --plot and --json only, not --gpus"),
+        (["--model", "gpt2", "--plot", "{tmp}"], "--plot {tmp} is a folder: name a file, e.g. {tmp}/plan.png"),
+        (["--model", "gpt2", "--plot", "{tmp}/plan.txt"], "--plot {tmp}/plan.txt: the plot is a PNG: name a .png file"),
+        (["--measure-hardware", "{tmp}"], "--measure-hardware {tmp} is a folder: name a file, e.g. {tmp}/hw.json"),
+        (
+            ["--model", "gpt2", "--no-ac", "--elixir", '{{"activations": "host"}}'],
+            "--no-ac with activations 'host': the host holds block inputs only for a recompute",
+        ),
     ],
 )
 def test_what_a_flag_cannot_do_is_refused_before_any_work(capsys, tmp_path, argv, message) -> None:

@@ -283,12 +283,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    for flag, path in (("--plot", args.plot), ("--measure-hardware", args.measure_hardware)):
-        folder = os.path.dirname(os.path.abspath(path)) if path else None
-        if folder is not None and not os.path.isdir(folder):  # before the seconds of planning or minutes of measuring
-            parser.error(
-                f"{flag} {path}: the folder {folder} does not exist: create it, or name a file in one that does"
-            )
+    _output_file(parser, "--plot", args.plot, "plan.png")
+    _output_file(parser, "--measure-hardware", args.measure_hardware, "hw.json")
     if args.measure_hardware:
         _alone(parser, args, "--measure-hardware", "measures this machine and takes no other flag")
         return _measure(args.measure_hardware)
@@ -344,6 +340,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _output_file(parser: argparse.ArgumentParser, flag: str, path: str | None, example: str) -> None:
+    """An error for a file ``flag`` cannot write, before the seconds of planning or minutes of measuring
+    (else a traceback after them): its folder missing, a folder named, a plot not a PNG."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        parser.error(f"{flag} {path} is a folder: name a file, e.g. {os.path.join(path, example)}")
+    if not os.path.isdir(folder):
+        parser.error(f"{flag} {path}: the folder {folder} does not exist: create it, or name a file in one that does")
+    if example.endswith(".png") and not path.lower().endswith(".png"):
+        parser.error(f"{flag} {path}: the plot is a PNG: name a .png file")
+
+
 def _alone(parser: argparse.ArgumentParser, args: argparse.Namespace, flag: str, does: str, *allowed: str) -> None:
     """An error naming the flags given beside ``flag`` but ``allowed`` (which it would ignore)."""
     default = vars(parser.parse_args([]))
@@ -397,6 +407,11 @@ def _elixir_config(args: argparse.Namespace) -> ElixirConfig:
         raise ElixirSpecError(
             "elixir-plan --elixir takes the settings of an auto plan, not a plan or mode 'static': elixir-plan makes "
             "the plan --elixir auto would"
+        )
+    if not args.ac and plugin.config.activations == "host":
+        raise ElixirSpecError(
+            "--no-ac with activations 'host': the host holds block inputs only for a recompute under activation "
+            "checkpointing; drop --no-ac, or set activations 'auto' or 'device'"
         )
     config = dataclasses.replace(plugin.config, grad_accum_steps=args.grad_accum)
     args.dtype, args.gpu_memory, args.lean_loss = config.dtype, config.gpu_memory, plugin.lean_loss
