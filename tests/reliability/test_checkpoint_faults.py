@@ -217,14 +217,24 @@ def test_load_state_with_a_missing_shard_fails_on_every_rank(tmp_path) -> None:
         assert f"rank 1: CheckpointError: {tmp_path}/state/optimizer-00001-of-00002.safetensors is missing" in outcome
 
 
-def test_an_error_of_the_trainers_own_write_on_rank_0_reaches_every_rank_by_name(tmp_path) -> None:
-    """Rank 0 alone finds the disk full writing ``trainer_state.json``: both ranks raise it, named.
-    Before: rank 0 raised alone and rank 1 got gloo's "Connection closed by peer"."""
-    run_ranks("rank0_error_worker.py", str(tmp_path), timeout=300)
+@pytest.mark.parametrize(
+    ("fault", "what", "error"),
+    [
+        (
+            "full",
+            "saving checkpoint {run}/checkpoint-2",
+            "No space left on device: '{run}/checkpoint-2/trainer_state.json'",
+        ),
+        ("read-only", "taking output_dir {run}", "Read-only file system: '{run}/.elixir-job.lock'"),
+    ],
+)
+def test_an_error_on_rank_0_alone_reaches_every_rank_by_name(tmp_path, fault: str, what: str, error: str) -> None:
+    """Rank 0 alone finds the disk full writing ``trainer_state.json``, or its output folder read-only: both
+    ranks raise it, named. Before: rank 0 raised alone and rank 1 got gloo's "Connection closed by peer"."""
+    run_ranks("rank0_error_worker.py", str(tmp_path), fault, timeout=300)
+    run = tmp_path / "run"
     for rank in range(2):
         raised = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert raised["type"] == "CheckpointError", (rank, raised)
-        assert raised["message"].startswith(
-            f"saving checkpoint {tmp_path / 'run' / 'checkpoint-2'} failed:\n  rank 0: "
-        )
-        assert "No space left on device" in raised["message"] and "trainer_state.json" in raised["message"], raised
+        assert raised["message"].startswith(f"{what.format(run=run)} failed:\n  rank 0: "), raised
+        assert error.format(run=run) in raised["message"] and "rank 1:" not in raised["message"], raised

@@ -192,6 +192,8 @@ class HardwareProfile:
         recorded runs (``docs/benchmarks/results.json``) and the shipped ``h100.json`` predict what they
         did. Versions 1 and 2 (a single ``cpu_adam`` rate) raise ``ValueError`` naming ``source`` (the
         file), the version and the fix."""
+        if not isinstance(d, dict):
+            raise ValueError(f"hardware profile {source or '(no file)'} is not a JSON object: {type(d).__name__}")
         d = dict(d)
         if isinstance(d.get("cpu_adam"), (int, float)):
             raise ValueError(
@@ -202,10 +204,18 @@ class HardwareProfile:
             )
         if isinstance(d.get("attention"), (int, float)):
             d["attention"] = {"1024": d["attention"]}
-        d["links"] = {int(k): LinkRates(**v) for k, v in d.get("links", {}).items()}
-        for key in ("cpu_adam", "cpu_adam8"):
-            d[key] = {int(k): v if isinstance(v, CpuAdamRate) else CpuAdamRate(**v) for k, v in d.get(key, {}).items()}
-        return cls(**d)
+        try:
+            d["links"] = {int(k): LinkRates(**v) for k, v in d.get("links", {}).items()}
+            for key in ("cpu_adam", "cpu_adam8"):
+                d[key] = {
+                    int(k): v if isinstance(v, CpuAdamRate) else CpuAdamRate(**v) for k, v in d.get(key, {}).items()
+                }
+            return cls(**d)
+        except (TypeError, AttributeError) as exc:  # a field missing, unknown or of another shape
+            raise ValueError(
+                f"hardware profile {source or '(no file)'} is not one ({exc}): measure it with "
+                "`elixir-plan --measure-hardware PATH`"
+            ) from None
 
     @classmethod
     def from_json(cls, text: str, source: str = "") -> HardwareProfile:

@@ -115,7 +115,7 @@ def _dead_pid() -> int:
 
 
 def test_what_interrupted_saves_left_is_swept_unless_its_writer_runs(tmp_path, caplog) -> None:
-    dead, live = _dead_pid(), subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead, live = _dead_pid(), subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])  # until killed
     try:
         ck = tmp_path / "checkpoint-4"
         ck.mkdir()

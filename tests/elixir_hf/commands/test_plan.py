@@ -372,6 +372,35 @@ def _tiny_config(tmp_path, data: dict = TINY_GPT2) -> str:
     return str(path)
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [  # before: a bare JSONDecodeError naming no file, a KeyError, TypeError or RuntimeError traceback
+        ("", "not a model's config.json (JSONDecodeError: Expecting value"),
+        ("{}", "not a model's config.json (KeyError: 'model_type')"),
+        ("[1]", "not a model's config.json (TypeError: "),
+        (json.dumps({**TINY_GPT2, "n_embd": -5}), "its config builds no model: Trying to create tensor with negative"),
+        (json.dumps({**TINY_GPT2, "n_embd": 130}), "its config builds no model: `embed_dim` must be divisible by"),
+    ],
+)
+def test_a_config_file_that_builds_no_model_is_named(capsys, tmp_path, text: str, message: str) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    assert main(["--model", str(path), "--gpu", "h100"]) == 1
+    assert capsys.readouterr().err.startswith(f"elixir-plan: --model {path}: {message}")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("{}", "is not one (HardwareProfile.__init__() missing 10 required"), ("[1]", "is not a JSON object: list")],
+)
+def test_a_hardware_file_that_is_no_profile_is_named(capsys, tmp_path, text: str, message: str) -> None:
+    """Before: a ``TypeError`` traceback."""
+    path = tmp_path / "hw.json"
+    path.write_text(text)
+    assert main(["--model", _tiny_config(tmp_path), "--hardware", str(path)]) == 1
+    assert capsys.readouterr().err.startswith(f"elixir-plan: --hardware {path}: hardware profile {path} {message}")
+
+
 def test_without_a_gpu_the_shipped_h100_is_planned_for_and_named(capsys, tmp_path, monkeypatch) -> None:
     """Never this machine's CPU timings for a GPU plan: the shipped H100 profile, said so."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -473,6 +502,10 @@ def test_cli_and_auto_make_the_same_plan_from_the_same_profile(capsys, tmp_path,
         ("--dtype", "int8", "unknown dtype 'int8'"),
         ("--gpu-memory", "0GiB", "ElixirConfig.gpu_memory must be at least 1 MiB, got 0 bytes"),
         ("--gpu-memory", "lots", "ElixirConfig.gpu_memory: not a memory size: 'lots'"),
+        # before: planned as the card's own size (0 is falsy), a host of 0 bytes as no limit, a full fine-tune
+        ("--gpu-mem", "0", "must be at least 1 MiB, got '0' (0 bytes)"),
+        ("--host-mem", "0.5MiB", "must be at least 1 MiB, got '0.5MiB' (524288 bytes), or 'here'"),
+        ("--lora-targets", " , ", "names no module: ' , '; give some, e.g. q_proj,v_proj, or leave it out"),
     ],
 )
 def test_bad_arguments_are_argparse_errors(capsys, flag, value, message) -> None:
@@ -480,6 +513,32 @@ def test_bad_arguments_are_argparse_errors(capsys, flag, value, message) -> None
         main(["--model", "gpt2", flag, value])
     err = capsys.readouterr().err
     assert exc.value.code == 1 and f"argument {flag}" in err and message in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [  # before: a traceback after the plan or the minutes of measuring, flags ignored, --no-ac's clash after its profile
+        (["--model", "gpt2", "--plot", "{tmp}/no/plan.png"], "--plot {tmp}/no/plan.png: the folder {tmp}/no does not"),
+        (["--measure-hardware", "{tmp}/no/hw.json"], "--measure-hardware {tmp}/no/hw.json: the folder {tmp}/no does"),
+        (
+            ["--measure-hardware", "{tmp}/hw.json", "--model", "gpt2", "--gpus", "2"],
+            "--measure-hardware measures this machine and takes no other flag, not --model, --gpus",
+        ),
+        (["--run", "{tmp}", "--gpus", "2"], "--run reads a run's records and takes --plot and --json only, not --gpus"),
+        (["--model", "gpt2", "--plot", "{tmp}"], "--plot {tmp} is a folder: name a file, e.g. {tmp}/plan.png"),
+        (["--model", "gpt2", "--plot", "{tmp}/plan.txt"], "--plot {tmp}/plan.txt: the plot is a PNG: name a .png file"),
+        (["--measure-hardware", "{tmp}"], "--measure-hardware {tmp} is a folder: name a file, e.g. {tmp}/hw.json"),
+        (
+            ["--model", "gpt2", "--no-ac", "--elixir", '{{"activations": "host"}}'],
+            "--no-ac with activations 'host': the host holds block inputs only for a recompute",
+        ),
+    ],
+)
+def test_what_a_flag_cannot_do_is_refused_before_any_work(capsys, tmp_path, argv, message) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([a.format(tmp=tmp_path) for a in argv])
+    assert exc.value.code == 1 and f"elixir-plan: error: {message.format(tmp=tmp_path)}" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir()), "nothing measured or written"
 
 
 def test_gpu_memory_caps_the_card(capsys, tmp_path) -> None:

@@ -109,6 +109,35 @@ def test_a_gpu_memory_beyond_the_named_card_is_refused(capsys, tiny) -> None:
     assert main([*tiny, "--gpu", "h100", "--gpu-mem", "80GiB", "--json"]) == 0  # the card's size as it is said
 
 
+def test_a_sequence_beyond_the_learned_positions_is_refused(capsys, tiny) -> None:
+    """GPT-2's positions are an embedding's rows (``n_positions`` 256 here). Before: planned in silence; the
+    run's first forward fails indexing them."""
+    assert main([*tiny, "--gpu", "h100", "--seq-len", "257"]) == 1
+    assert capsys.readouterr().err == (
+        f"elixir-plan: --seq-len 257 is more than the 256 positions --model {tiny[1]} learns (its config's "
+        "max_position_embeddings): a run's first forward fails indexing them; give --seq-len 256 or less, or a "
+        "config with more positions\n"
+    )
+    assert main([*tiny, "--gpu", "h100", "--seq-len", "256", "--json"]) == 0
+
+
+def test_a_batch_whose_hidden_states_exceed_the_gpu_is_refused_before_its_profile(capsys, tiny) -> None:
+    """Before: ``--batch-size 1000000000`` profiled for hours (the loss's row blocks, a billion tokens)."""
+    assert main([*tiny, "--gpu", "h100", "--batch-size", "1000000000"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "elixir-plan: --batch-size 1000000000 x --seq-len 128: 128000000000 tokens per GPU, whose hidden states alone "
+        "(one layer's output, 128 values a token) take 30517.58 GiB, more than the GPU's 79.18 GiB: lower"
+    )
+    capped = [*tiny, "--gpu", "h100", "--gpu-memory", "4MiB"]  # the cap, where given: 16384 tokens of 256 bytes
+    assert main([*capped, "--batch-size", "129"]) == 1
+    assert (
+        "(one layer's output, 128 values a token) take 4.03 MiB, more than the GPU's 4.00 MiB"
+        in capsys.readouterr().err
+    )
+    assert main([*capped, "--batch-size", "128"]) == 2  # profiled: no plan fits
+
+
 def test_help_lists_the_cards(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--help"])

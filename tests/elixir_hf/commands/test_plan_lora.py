@@ -58,6 +58,11 @@ def test_unknown_lora_target_names_the_flag_and_the_layers(capsys) -> None:
     assert main([*GPT2, "--lora-targets", "q_proj"]) == EXIT_INPUT
     err = capsys.readouterr().err
     assert "--lora-targets q_proj" in err and "c_attn" in err and "c_fc" in err
+    # before: planned in silence where another target named a module (PEFT refuses only where none does)
+    assert main([*GPT2, "--lora-targets", "c_attn,q_proj"]) == EXIT_INPUT
+    assert "elixir-plan: --lora-targets c_attn,q_proj: q_proj names no module of the model; this model's linear" in (
+        capsys.readouterr().err
+    )
 
 
 def test_lora_without_peft_names_the_extra(monkeypatch, capsys) -> None:

@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ... import __version__
-from .lora import LORA_RANK, LORA_TARGETS, PEFT_EXTRA, lora_of
+from .lora import LORA_RANK, LORA_TARGETS, PEFT_EXTRA, lora_of, lora_targets
 from .names import CARDS, MOMENTS, REFERENCE
 
 if TYPE_CHECKING:
@@ -84,13 +84,17 @@ DEVICE_LANE_WORDS = {"off": False, "on": True, "auto": "auto"}
 
 def parse_size(text: str) -> int:
     """``80GiB``, ``80G`` (binary), ``80GB`` (decimal), ``512MiB``; a bare number is GiB
-    (``elixir_runtime.config.parse_size``, the rule of ``ElixirConfig.gpu_memory`` too)."""
+    (``elixir_runtime.config.parse_size``, the rule of ``ElixirConfig.gpu_memory`` too); at least 1 MiB, as
+    ``ElixirConfig.gpu_memory``: ``0`` planned as the card's own size, and a host of 0 bytes as no limit."""
     from elixir_runtime.config import parse_size as config_parse_size
 
     try:
-        return config_parse_size(text)
+        size = config_parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if size < 2**20:
+        raise argparse.ArgumentTypeError(f"must be at least 1 MiB, got {text!r} ({size} bytes)")
+    return size
 
 
 def _positive(text: str) -> int:
@@ -241,6 +245,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lora-targets",
         "--lora_targets",
+        type=lora_targets,
         metavar="NAMES",
         help=f"the modules the adapters wrap, comma-separated, e.g. q_proj,v_proj (default {LORA_TARGETS}: every "
         "linear layer but the head; implies --lora)",
@@ -278,17 +283,13 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    _output_file(parser, "--plot", args.plot, "plan.png")
+    _output_file(parser, "--measure-hardware", args.measure_hardware, "hw.json")
     if args.measure_hardware:
+        _alone(parser, args, "--measure-hardware", "measures this machine and takes no other flag")
         return _measure(args.measure_hardware)
     if args.run:
-        default = vars(parser.parse_args([]))
-        given = [
-            a.option_strings[0]
-            for a in parser._actions
-            if a.dest in default and getattr(args, a.dest) != default[a.dest]
-        ]
-        if extra := [flag for flag in given if flag not in ("--run", "--plot", "--json")]:
-            parser.error(f"--run reads a run's records and takes --plot and --json only, not {', '.join(extra)}")
+        _alone(parser, args, "--run", "reads a run's records and takes --plot and --json only", "--plot", "--json")
         from .run import run_command
 
         return run_command(args.run, png=args.plot, as_json=args.json)
@@ -339,6 +340,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _output_file(parser: argparse.ArgumentParser, flag: str, path: str | None, example: str) -> None:
+    """An error for a file ``flag`` cannot write, before the seconds of planning or minutes of measuring
+    (else a traceback after them): its folder missing, a folder named, a plot not a PNG."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        parser.error(f"{flag} {path} is a folder: name a file, e.g. {os.path.join(path, example)}")
+    if not os.path.isdir(folder):
+        parser.error(f"{flag} {path}: the folder {folder} does not exist: create it, or name a file in one that does")
+    if example.endswith(".png") and not path.lower().endswith(".png"):
+        parser.error(f"{flag} {path}: the plot is a PNG: name a .png file")
+
+
+def _alone(parser: argparse.ArgumentParser, args: argparse.Namespace, flag: str, does: str, *allowed: str) -> None:
+    """An error naming the flags given beside ``flag`` but ``allowed`` (which it would ignore)."""
+    default = vars(parser.parse_args([]))
+    given = [
+        a.option_strings[0] for a in parser._actions if a.dest in default and getattr(args, a.dest) != default[a.dest]
+    ]
+    if extra := [f for f in given if f not in (flag, *allowed)]:
+        parser.error(f"{flag} {does}, not {', '.join(extra)}")
+
+
 _BUDGET = re.compile(r"U_allowed = (.+?) = (\S+ \S+) per rank")
 
 
@@ -382,6 +407,11 @@ def _elixir_config(args: argparse.Namespace) -> ElixirConfig:
         raise ElixirSpecError(
             "elixir-plan --elixir takes the settings of an auto plan, not a plan or mode 'static': elixir-plan makes "
             "the plan --elixir auto would"
+        )
+    if not args.ac and plugin.config.activations == "host":
+        raise ElixirSpecError(
+            "--no-ac with activations 'host': the host holds block inputs only for a recompute under activation "
+            "checkpointing; drop --no-ac, or set activations 'auto' or 'device'"
         )
     config = dataclasses.replace(plugin.config, grad_accum_steps=args.grad_accum)
     args.dtype, args.gpu_memory, args.lean_loss = config.dtype, config.gpu_memory, plugin.lean_loss

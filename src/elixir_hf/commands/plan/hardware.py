@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-from elixir_runtime.config import parse_size
 from elixir_runtime.hardware import (
     ENV_HARDWARE,
     MEASURED,
@@ -36,6 +35,8 @@ from elixir_runtime.hardware import (
     load_hardware,
     unknown_card,
 )
+
+from . import parse_size
 
 __all__ = ["HERE", "card_name", "host_mem", "plan_hardware", "host_memory", "host_cores", "host_hardware"]
 
@@ -55,7 +56,7 @@ def host_mem(text: str) -> int | str:
         return HERE
     try:
         return parse_size(text)
-    except ValueError as exc:
+    except argparse.ArgumentTypeError as exc:
         raise argparse.ArgumentTypeError(f"{exc}, or '{HERE}' for this machine's available RAM") from None
 
 

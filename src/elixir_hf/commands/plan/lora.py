@@ -11,6 +11,7 @@ the plan counts but the profile's activations.
 from __future__ import annotations
 
 import argparse
+import typing
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # torch at use, not import: elixir-plan --help answers without it (__init__.py)
     from torch import nn
 
-__all__ = ["LORA_RANK", "LORA_TARGETS", "PEFT_EXTRA", "Lora", "lora_of", "lora_model"]
+__all__ = ["LORA_RANK", "LORA_TARGETS", "PEFT_EXTRA", "Lora", "lora_of", "lora_model", "lora_targets"]
 
 LORA_RANK = 16
 LORA_TARGETS = "all-linear"
@@ -39,6 +40,15 @@ class Lora:
         return f"LoRA rank {self.rank} on {where}"
 
 
+def lora_targets(text: str) -> str:
+    """``--lora-targets``: comma-separated module names, at least one (an empty value planned a full fine-tune)."""
+    if not any(t.strip() for t in text.split(",")):
+        raise argparse.ArgumentTypeError(
+            f"names no module: {text!r}; give some, e.g. q_proj,v_proj, or leave it out for {LORA_TARGETS}"
+        )
+    return text
+
+
 def lora_of(args: argparse.Namespace) -> Lora | None:
     """The command line's LoRA (``--lora``, or ``--lora-rank``/``--lora-targets``, which imply it); ``None``:
     a full fine-tune."""
@@ -51,9 +61,15 @@ def lora_of(args: argparse.Namespace) -> Lora | None:
 
 def lora_model(model: nn.Module, lora: Lora) -> nn.Module:
     """``model`` (built on meta) wrapped by PEFT with ``lora``'s adapters; a target that names no module
-    is a ``ValueError`` naming the flag and the model's linear layers."""
+    (PEFT refuses only where none of them does) is a ``ValueError`` naming the flag and the model's linear
+    layers."""
     from peft import LoraConfig, get_peft_model
 
+    names = [n for n, _ in model.named_modules()]
+    if lora.targets != LORA_TARGETS and (
+        missing := [t for t in lora.targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+    ):
+        _unknown_targets(model, lora, f"{', '.join(missing)} names no module of the model")
     try:
         with warnings.catch_warnings():  # GPT-2's Conv1D: PEFT says it sets fan_in_fan_out, as it must
             warnings.filterwarnings("ignore", message="fan_in_fan_out is set to False")
@@ -61,8 +77,12 @@ def lora_model(model: nn.Module, lora: Lora) -> nn.Module:
                 model, LoraConfig(r=lora.rank, target_modules=lora.targets), autocast_adapter_dtype=False
             )
     except ValueError as exc:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m).__name__ in _LINEAR})
-        raise ValueError(
-            f"--lora-targets {','.join(lora.targets)}: {exc}; this model's linear layers: {', '.join(linear)} "
-            f"(or {LORA_TARGETS}, the default)"
-        ) from None
+        _unknown_targets(model, lora, str(exc))
+
+
+def _unknown_targets(model: nn.Module, lora: Lora, why: str) -> typing.NoReturn:
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m).__name__ in _LINEAR})
+    raise ValueError(
+        f"--lora-targets {','.join(lora.targets)}: {why}; this model's linear layers: {', '.join(linear)} "
+        f"(or {LORA_TARGETS}, the default)"
+    )

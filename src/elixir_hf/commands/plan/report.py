@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -95,7 +95,12 @@ def plan_report(
     hardware = host_hardware(args, hardware)  # its CPU Adam rates for the host's cores
     t0 = time.perf_counter()
     with quiet_transformers():  # its warnings about use_cache, token ids, ... say nothing about the plan
-        model = build_meta_model(model_config(args.model, args.seq_len), args.dtype, args.ac)
+        hf_config = model_config(args.model, args.seq_len)
+        try:
+            model = build_meta_model(hf_config, args.dtype, args.ac)
+        except (ValueError, RuntimeError) as exc:  # sizes the model refuses: heads not dividing, a negative size
+            raise ValueError(f"--model {args.model}: its config builds no model: {exc}") from None
+        _check_batch(args, cast("PreTrainedModel", model), card if args.gpu_memory is None else args.gpu_memory)
         lora = lora_of(args)
         if lora is not None:
             model = lora_model(model, lora)
@@ -215,6 +220,33 @@ def _check_cap(args: argparse.Namespace, hardware: HardwareProfile, card: int) -
             f"--gpu-memory {cap / GIB:.2f} GiB is more than the {card / GIB:.2f} GiB of the GPU planned for "
             f"({'--gpu-mem' if args.gpu_mem else hardware.device}): give at most {card} bytes, or plan for a larger "
             "card (--gpu NAME, --gpu-mem, or --hardware with its profile)"
+        )
+
+
+def _check_batch(args: argparse.Namespace, model: PreTrainedModel, gpu: int) -> None:
+    """Before the profile: a ``--seq-len`` beyond the positions a model learns (GPT-2's, OPT's: an
+    embedding row a position) fails its run's first forward; a batch whose hidden states alone (one layer's
+    output, on the GPU in any plan) exceed the GPU's ``gpu`` bytes fits no plan, and its profile's loss loop
+    would run for hours. ``ValueError`` naming the flags, the values and the fix."""
+    positions = getattr(model.config, "max_position_embeddings", None)
+    inputs = model.get_input_embeddings()
+    learned = positions is not None and any(
+        isinstance(m, torch.nn.Embedding) and m is not inputs and m.num_embeddings in (positions, positions + 2)
+        for m in model.modules()  # GPT-2's wpe; OPT's embed_positions, 2 rows of offset
+    )
+    if learned and args.seq_len > positions:
+        raise ValueError(
+            f"--seq-len {args.seq_len} is more than the {positions} positions --model {args.model} learns (its "
+            f"config's max_position_embeddings): a run's first forward fails indexing them; give --seq-len "
+            f"{positions} or less, or a config with more positions"
+        )
+    tokens = args.batch_size * args.seq_len
+    hidden = tokens * inputs.embedding_dim * args.dtype.itemsize
+    if hidden > gpu:
+        raise ValueError(
+            f"--batch-size {args.batch_size} x --seq-len {args.seq_len}: {tokens} tokens per GPU, whose hidden states "
+            f"alone (one layer's output, {inputs.embedding_dim} values a token) take {size_text(hidden)}, more than "
+            f"the GPU's {size_text(gpu)}: lower --batch-size or --seq-len (--grad-accum N keeps the tokens per step)"
         )
 
 
@@ -364,8 +396,14 @@ def model_config(name: str, seq_len: int) -> PretrainedConfig:
         return AutoConfig.for_model(family, **kwargs)
     path = Path(name)
     if path.is_file():
-        data = json.loads(path.read_text())
-        return AutoConfig.for_model(data.pop("model_type"), **data)
+        try:
+            data = json.loads(path.read_text())
+            return AutoConfig.for_model(data.pop("model_type"), **data)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not JSON, no model_type, not an object
+            raise ValueError(
+                f"--model {name}: not a model's config.json ({type(exc).__name__}: {exc}): a JSON object with the "
+                "model's model_type and sizes, as a Hub model's config.json"
+            ) from None
     presets = f"the presets: {', '.join(PRESETS)}"
     try:  # the cache first: no network for a model already here
         cached: PretrainedConfig = AutoConfig.from_pretrained(name, local_files_only=True)
