@@ -111,16 +111,17 @@ class MissTable:
         Re-gathers of chunks evicted earlier are ``misses``. Not modelled: the prefetch depth (the
         engine prefetches ``ElixirConfig.prefetch`` chunks at a time; one rank's uploads of
         offloaded chunks, issued at the acquire, wait only for their block)."""
-        miss = self.distance > n_blocks
-        out = np.zeros_like(miss)
+        miss = (self.distance > n_blocks).tolist()  # Python lists: a group holds a few chunks
+        inline: list[int] = []
         pos, before = 0, frozenset[int]()
         for g in self.groups:
-            n = len(g)
-            mine = miss[pos : pos + n]
+            mine = miss[pos : pos + len(g)]
             held = before | {c for c, m in zip(g, mine) if not m}
             left = max(0, n_blocks - len(held))
-            out[pos + np.flatnonzero(mine)[left:]] = True  # the first ``left`` misses are prefetched
-            pos, before = pos + n, frozenset(g)
+            inline += [pos + i for i, m in enumerate(mine) if m][left:]  # the first ``left`` misses are prefetched
+            pos, before = pos + len(g), frozenset(g)
+        out = np.zeros(len(miss), dtype=bool)
+        out[inline] = True
         return out
 
     def _count(self, accesses: np.ndarray) -> np.ndarray:
