@@ -44,34 +44,31 @@ def stack_distances(groups: Sequence[Sequence[int]]) -> np.ndarray:
     next_use: dict[int, float] = {}
     pinned_in: dict[int, int] = {}
     stack: list[int] = []
-    out = np.empty(len(flat), dtype=np.int64)
+    out: list[int] = []
     for t, x in enumerate(flat):
         g = group_of[t]
-
-        def keep(a: int, b: int, g: int = g) -> bool:  # does a outrank b?
-            pa, pb = pinned_in.get(a) == g, pinned_in.get(b) == g
-            if pa != pb:
-                return pa
-            return next_use[a] < next_use[b]
-
         try:
             d = stack.index(x)
-            out[t] = d + 1
+            out.append(d + 1)
         except ValueError:
             d = len(stack)
             stack.append(x)
-            out[t] = COLD
+            out.append(COLD)
         if d > 0:
+            # the carried block outranks the one here if pinned in this group and it is not, or
+            # both or neither are and it is used sooner
             carried = stack[0]
             stack[0] = x
+            c_pinned, c_next = pinned_in.get(carried) == g, next_use[carried]
             for i in range(1, d):
                 here = stack[i]
-                if keep(carried, here):
-                    stack[i], carried = carried, here
+                h_pinned, h_next = pinned_in.get(here) == g, next_use[here]
+                if c_pinned if c_pinned != h_pinned else c_next < h_next:
+                    stack[i], carried, c_pinned, c_next = carried, here, h_pinned, h_next
             stack[d] = carried
         next_use[x] = nxt[t]
         pinned_in[x] = g
-    return out
+    return np.array(out, dtype=np.int64)
 
 
 class MissTable:
