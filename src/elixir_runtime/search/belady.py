@@ -44,34 +44,31 @@ def stack_distances(groups: Sequence[Sequence[int]]) -> np.ndarray:
     next_use: dict[int, float] = {}
     pinned_in: dict[int, int] = {}
     stack: list[int] = []
-    out = np.empty(len(flat), dtype=np.int64)
+    out: list[int] = []
     for t, x in enumerate(flat):
         g = group_of[t]
-
-        def keep(a: int, b: int, g: int = g) -> bool:  # does a outrank b?
-            pa, pb = pinned_in.get(a) == g, pinned_in.get(b) == g
-            if pa != pb:
-                return pa
-            return next_use[a] < next_use[b]
-
         try:
             d = stack.index(x)
-            out[t] = d + 1
+            out.append(d + 1)
         except ValueError:
             d = len(stack)
             stack.append(x)
-            out[t] = COLD
+            out.append(COLD)
         if d > 0:
+            # the carried block outranks the one here if pinned in this group and it is not, or
+            # both or neither are and it is used sooner
             carried = stack[0]
             stack[0] = x
+            c_pinned, c_next = pinned_in.get(carried) == g, next_use[carried]
             for i in range(1, d):
                 here = stack[i]
-                if keep(carried, here):
-                    stack[i], carried = carried, here
+                h_pinned, h_next = pinned_in.get(here) == g, next_use[here]
+                if c_pinned if c_pinned != h_pinned else c_next < h_next:
+                    stack[i], carried, c_pinned, c_next = carried, here, h_pinned, h_next
             stack[d] = carried
         next_use[x] = nxt[t]
         pinned_in[x] = g
-    return out
+    return np.array(out, dtype=np.int64)
 
 
 class MissTable:
@@ -111,16 +108,17 @@ class MissTable:
         Re-gathers of chunks evicted earlier are ``misses``. Not modelled: the prefetch depth (the
         engine prefetches ``ElixirConfig.prefetch`` chunks at a time; one rank's uploads of
         offloaded chunks, issued at the acquire, wait only for their block)."""
-        miss = self.distance > n_blocks
-        out = np.zeros_like(miss)
+        miss = (self.distance > n_blocks).tolist()  # Python lists: a group holds a few chunks
+        inline: list[int] = []
         pos, before = 0, frozenset[int]()
         for g in self.groups:
-            n = len(g)
-            mine = miss[pos : pos + n]
+            mine = miss[pos : pos + len(g)]
             held = before | {c for c, m in zip(g, mine) if not m}
             left = max(0, n_blocks - len(held))
-            out[pos + np.flatnonzero(mine)[left:]] = True  # the first ``left`` misses are prefetched
-            pos, before = pos + n, frozenset(g)
+            inline += [pos + i for i, m in enumerate(mine) if m][left:]  # the first ``left`` misses are prefetched
+            pos, before = pos + len(g), frozenset(g)
+        out = np.zeros(len(miss), dtype=bool)
+        out[inline] = True
         return out
 
     def _count(self, accesses: np.ndarray) -> np.ndarray:

@@ -95,6 +95,13 @@ def greedy_path(model: StepModel, mem: ArenaBytes, min_blocks: int, max_blocks: 
     return path
 
 
+# [Note: the best point, priced once]
+# The points are ranked by (serial step, step, chunks offloaded), and no two points offload as many
+# chunks: the best is the same in any order. A point whose serial step (``StepModel.serial``, at its
+# blocks and, where the minimum may be kept, at the minimum) is longer than the best one's so far
+# cannot win, so its whole step is not priced; taken from the most uploaded end, most are such.
+
+
 def best_placement(
     model: StepModel,
     mem: ArenaBytes,
@@ -115,14 +122,19 @@ def best_placement(
         path = greedy_path(model, mem, min_blocks, max_blocks)
         options = [(_mask(model.k, u), n_blocks or b) for u, b in path.items()]
     best: Placement | None = None
-    for on_device, floor in options:
+    for on_device, floor in reversed(options):  # the most uploaded first: the fastest, as a rule (see below)
         if mem.host(on_device) > budget.host_allowed:
             continue
         blocks = n_blocks if n_blocks is not None else _fill(mem, budget, on_device, max_blocks)
         if blocks < floor or mem.device(blocks, on_device) > budget.allowed:
             continue
+        at_min_too = n_blocks is None and floor == min_blocks < blocks
+        if best is not None and best.time.serial < min(
+            model.serial(b, on_device) for b in ((blocks, min_blocks) if at_min_too else (blocks,))
+        ):
+            continue  # [Note: the best point, priced once]
         time = model.step(blocks, on_device)
-        if n_blocks is None and floor == min_blocks < blocks:
+        if at_min_too:
             # Beyond the minimum, a block more never predicts a slower step (fewer misses, the
             # same overlaps); the first one past it starts prefetching and so changes how the
             # transfers overlap: keep the minimum if it is faster (monotone in memory).

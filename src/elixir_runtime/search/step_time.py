@@ -294,13 +294,42 @@ class StepModel:
         )
         return self.micro * (float((m[FWD] + m[BWD]) @ gather) + float(reduce.sum())) + float(adam)
 
+    def _computes(self, m: np.ndarray, trainable_host: np.ndarray) -> tuple[float, float]:
+        """Forward and backward compute seconds with the ops of these misses and offloaded chunks."""
+        compute_fwd = self._compute_time("fwd", 2 * m[FWD].sum())
+        compute_bwd = self._compute_time("bwd", 2 * m[BWD].sum() + 2 * self.trainable.sum() + trainable_host.sum())
+        return compute_fwd, compute_bwd
+
+    def serial(self, n_blocks: int, on_device: np.ndarray) -> float:
+        """``step(n_blocks, on_device).serial`` alone (the same arithmetic), without the rest of the step."""
+        m = self.misses(n_blocks)
+        compute_fwd, compute_bwd = self._computes(m, ~on_device & self.trainable)
+        overlap = self.prefetch > 0 and n_blocks > self.min_blocks
+        return self._serial(n_blocks, on_device, m, self.inline(n_blocks, overlap), compute_fwd, compute_bwd, overlap)
+
+    def _serial(
+        self,
+        n_blocks: int,
+        on_device: np.ndarray,
+        m: np.ndarray,
+        inline: np.ndarray,
+        compute_fwd: float,
+        compute_bwd: float,
+        overlap: bool,
+    ) -> float:
+        """The device's own transfers alone (collectives, copies from GPU-resident arenas) as they
+        overlap, what ``serial`` trusts (see ``StepTime.serial``), then the host's part back to back."""
+        on_gpu = self._device_copy(on_device) + self.coll
+        to_gpu = (self._device_copy(on_device, gather=False) + self.coll) * self.trainable
+        fwd_gpu, bwd_gpu = self._phases(m, inline, on_gpu, on_gpu, to_gpu, compute_fwd, compute_bwd, overlap)
+        return self.micro * (fwd_gpu + bwd_gpu) + self.linear(n_blocks, on_device, host_only=True)
+
     def step(self, n_blocks: int, on_device: np.ndarray) -> StepTime:
         r = self.rates
         m = self.misses(n_blocks)
         host = ~on_device
         trainable_host = host & self.trainable
-        compute_fwd = self._compute_time("fwd", 2 * m[FWD].sum())
-        compute_bwd = self._compute_time("bwd", 2 * m[BWD].sum() + 2 * self.trainable.sum() + trainable_host.sum())
+        compute_fwd, compute_bwd = self._computes(m, trainable_host)
         up_b = r.duplex or r.h2d
         down_b = r.duplex or r.d2h
         gather_f = self._transfer(on_device, r.h2d) + self.coll
@@ -309,11 +338,6 @@ class StepModel:
         overlap = self.prefetch > 0 and n_blocks > self.min_blocks
         inline = self.inline(n_blocks, overlap)
         fwd, bwd = self._phases(m, inline, gather_f, gather_b, reduce, compute_fwd, compute_bwd, overlap)
-        # The device's own transfers alone (collectives, copies from GPU-resident arenas) as they
-        # overlap: what ``serial`` trusts (see ``StepTime.serial``).
-        on_gpu = self._device_copy(on_device) + self.coll
-        to_gpu = (self._device_copy(on_device, gather=False) + self.coll) * self.trainable
-        fwd_gpu, bwd_gpu = self._phases(m, inline, on_gpu, on_gpu, to_gpu, compute_fwd, compute_bwd, overlap)
         gpu_adam = float(self.elements[on_device].sum() / r.gpu_adam)
         submit = float(trainable_host.sum() * r.op_overhead)  # one CPU update handed to the host thread per chunk
         exposed_cpu = cpu_busy = lane_busy = 0.0
@@ -348,7 +372,7 @@ class StepModel:
             exposed_cpu_adam=exposed_cpu,
             device_lane_adam=lane_busy,
             rcache_bytes=int(self.micro * float(gathers @ self.full)),
-            serial=self.micro * (fwd_gpu + bwd_gpu) + self.linear(n_blocks, on_device, host_only=True),
+            serial=self._serial(n_blocks, on_device, m, inline, compute_fwd, compute_bwd, overlap),
         )
 
     def inline(self, n_blocks: int, overlap: bool) -> np.ndarray:
