@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from ... import __version__
 from .lora import LORA_RANK, LORA_TARGETS, PEFT_EXTRA, lora_of, lora_targets
 from .names import CARDS, MOMENTS, REFERENCE
+from .sizes import parse_size
 
 if TYPE_CHECKING:
     from elixir_runtime.config import ElixirConfig
@@ -80,21 +81,6 @@ message says what would make it fit)."""
 
 DEVICE_LANE_WORDS = {"off": False, "on": True, "auto": "auto"}
 """``ElixirConfig.device_assisted_update`` by the word a command line takes (``--device-lane off|on|auto``)."""
-
-
-def parse_size(text: str) -> int:
-    """``80GiB``, ``80G`` (binary), ``80GB`` (decimal), ``512MiB``; a bare number is GiB
-    (``elixir_runtime.config.parse_size``, the rule of ``ElixirConfig.gpu_memory`` too); at least 1 MiB, as
-    ``ElixirConfig.gpu_memory``: ``0`` planned as the card's own size, and a host of 0 bytes as no limit."""
-    from elixir_runtime.config import parse_size as config_parse_size
-
-    try:
-        size = config_parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    if size < 2**20:
-        raise argparse.ArgumentTypeError(f"must be at least 1 MiB, got {text!r} ({size} bytes)")
-    return size
 
 
 def _positive(text: str) -> int:

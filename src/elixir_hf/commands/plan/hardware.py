@@ -36,7 +36,7 @@ from elixir_runtime.hardware import (
     unknown_card,
 )
 
-from . import parse_size
+from .sizes import parse_size
 
 __all__ = ["HERE", "card_name", "host_mem", "plan_hardware", "host_memory", "host_cores", "host_hardware"]
 
