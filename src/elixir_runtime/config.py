@@ -25,6 +25,7 @@ __all__ = [
     "PlanMismatch",
     "Where",
     "parse_size",
+    "MIN_SIZE",
     "resolve_dtype",
 ]
 
@@ -320,15 +321,20 @@ class ElixirConfig:
         return cast(torch.dtype | None, self.dtype)
 
 
+MIN_SIZE = 2**20
+"""The least memory size a setting takes (``ElixirConfig.gpu_memory``, ``elixir-plan``'s sizes): below it, a
+forgotten unit."""
+
+
 def _gpu_memory(value: int | str) -> int:
-    """``ElixirConfig.gpu_memory`` in bytes: at least 1 MiB (a small int is a forgotten unit)."""
+    """``ElixirConfig.gpu_memory`` in bytes: at least ``MIN_SIZE``."""
     fix = "give a size such as '70GiB' (binary) or '70GB' (decimal), or an int of bytes"
     if isinstance(value, str):
         try:
             value = parse_size(value)
         except ValueError as exc:
             raise ConfigError(f"ElixirConfig.gpu_memory: {exc}; {fix}") from None
-    if value < 2**20:
+    if value < MIN_SIZE:
         raise ConfigError(
             f"ElixirConfig.gpu_memory must be at least 1 MiB, got {value!r} bytes; {fix}, or None for the whole GPU"
         )

@@ -59,9 +59,9 @@ class Recorder(TorchDispatchMode):
         for t in outputs:
             if isinstance(t, torch.Tensor):
                 self._track(t)
-        scratch = workspace_bytes(func, args)
-        tl.alloc(scratch)  # beside the outputs, for the length of the call
-        tl.free(scratch)
+        if scratch := workspace_bytes(func, args):
+            tl.alloc(scratch)  # beside the outputs, for the length of the call
+            tl.free(scratch)
         tl.add_cost(*op_cost(func, args, kwargs, inputs, outputs))
         return out
 
