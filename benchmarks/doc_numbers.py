@@ -30,13 +30,17 @@ from typing import Any
 from elixir_hf.commands.plan import main as elixir_plan
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "recipes/sft/README.md", "docs/which-knob.md")
+DOCS = ("README.md", "recipes/sft/README.md", "docs/which-knob.md", "docs/planning.md")
 """The files whose quotes this script keeps."""
 GIB = 2**30
 BOX = ("--gpu", "h100", "--host-mem", "128GiB", "--seq-len", "2048")
 """What every quoted plan is made for: the shipped H100 profile and a 128 GiB host, sequences of 2048 tokens."""
 
 QUOTE = re.compile(r"<!-- elixir-plan: (?P<name>[\w.:=-]+) -->(?P<quoted>.*?)<!-- /elixir-plan -->", re.S)
+
+
+CARDS = ("a100-40gb", "a100-80gb", "h100", "h200", "l40s", "rtx4090")
+"""The cards of docs/planning.md's table of derived profiles."""
 
 
 def _plan_args(model: str, batch: int = 8, accum: int = 1, gpus: int = 1, *more: str) -> tuple[str, ...]:
@@ -59,6 +63,11 @@ PLANS: dict[str, tuple[str, ...]] = {
     **{f"qwen14-192GiB-b{b}": (*_plan_args("qwen2.5-14b", b), "--host-mem", "192GiB") for b in (4, 8)},
     "qwen14-h200-b4": (*_plan_args("qwen2.5-14b", 4), "--gpu", "h200"),
     "readme": (*_plan_args("llama3-8b", 4), "--gpu-mem", "80GiB", "--host-mem", "256GiB"),
+    # each card with its profile's host (the H100 box's), as `elixir-plan --gpu NAME` plans for it
+    **{
+        f"card-{card}": ("--gpu", card, "--seq-len", "2048", "--model", "llama3-8b", "--batch-size", "4")
+        for card in CARDS
+    },
 }
 """The quoted plans by name: ``elixir-plan``'s arguments."""
 
@@ -92,6 +101,12 @@ def offloaded(doc: dict[str, Any], first: bool) -> str:
         return "none"
     n = len(p["offload"])
     return f"{n} of {p['n_chunks']} chunks ({share(doc)})" if first else f"{n} ({share(doc)})"
+
+
+def _hardware(doc: dict[str, Any]) -> dict[str, Any]:
+    """The hardware profile the plan was made with (``HardwareProfile.to_dict``)."""
+    hardware: dict[str, Any] = _plan(doc)["search"]["hardware"]
+    return hardware
 
 
 def _pinned(doc: dict[str, Any]) -> int:
@@ -153,6 +168,17 @@ COLUMNS: dict[str, Callable[[dict[str, Any]], str]] = {
     "pinned_per_gpu": lambda d: f"{_pinned(d) / GIB:.1f} GiB",
     "gpu": lambda d: f"{sum(v for k, v in _plan(d)['memory'].items() if not k.startswith('host')) / GIB:.1f} GiB",
     "params": lambda d: f"{d['profile']['parameters'] / 1e9:.2f} B",
+    "offloaded_of": lambda d: (
+        f"{len(_plan(d)['offload'])} of {_plan(d)['n_chunks']}" if _plan(d)["offload"] else "none"
+    ),
+    "step_3": lambda d: f"{_plan(d)['predicted']['total']:.3f} s",
+    # the profile the plan was made with (the card's, shipped or derived)
+    "matmul": lambda d: f"{_hardware(d)['matmul']['8192'] / 1e12:.0f}",
+    "attention": lambda d: f"{max(_hardware(d)['attention'].values()) / 1e12:.0f}",
+    "bandwidth": lambda d: f"{_hardware(d)['memory_bandwidth'] / 1e12:.2f}",
+    "gpu_adam": lambda d: f"{_hardware(d)['gpu_adam'] / 1e9:.0f}",
+    "copies_up": lambda d: f"{_hardware(d)['links']['1']['c2g'] / 1e9:.1f}",
+    "gpu_memory": lambda d: f"{_hardware(d)['gpu_memory'] / GIB:.2f}",
     "state": lambda d: f"{_no_fit(d, 'state'):.0f} GiB",
     "host_fits": lambda d: f"{_no_fit(d, 'host_fits'):.1f} GiB",
     "host_needed": lambda d: f"{_no_fit(d, 'host_needed'):.1f} GiB",
@@ -239,7 +265,22 @@ _NO_FIT_CELLS = (
 )
 
 
+def _card_row(card: str, first: bool) -> tuple[str, tuple[str, ...]]:
+    units = (" TFLOPS", "", " TB/s", " G/s", " GB/s", " GiB") if first else ("",) * 6
+    figures = ("matmul", "attention", "bandwidth", "gpu_adam", "copies_up", "gpu_memory")
+    cells = (f"`{card}`", *(f"{{{f}}}{u}" for f, u in zip(figures, units, strict=True)), "{offloaded_of}, {step_3}")
+    return f"card-{card}", cells
+
+
 TABLES: dict[str, Table] = {
+    "cards": Table(
+        (
+            "| `--gpu` | matmul 8192 | attention | memory bandwidth | GPU Adam | copies up (1 GPU) | GPU memory | "
+            "Llama-3-8B: offloaded chunks, predicted step |",
+            "|---|---|---|---|---|---|---|---|",
+        ),
+        tuple(_card_row(card, first=i == 0) for i, card in enumerate(CARDS)),
+    ),
     "which-knob-batch": Table(
         (
             "| batch × accumulation | tokens / step | offloaded | activations | CPU Adam not hidden | predicted step | "
