@@ -2,7 +2,8 @@
 Accelerate, elixir_hf's Trainer; 7 s of CPU per process on the 2-core test host) once, then forks each
 rank, which runs the worker script as ``__main__`` and ends as a process of its own would (its atexit
 handlers, its exit status). The ranks' pids go to ``LOGS/pids``; each rank's stderr to
-``LOGS/rank<r>.err``, its exit status and end time (``time.time()``) to ``LOGS/rank<r>.end`` as it ends.
+``LOGS/rank<r>.err``, its exit status and end time (``time.time()``) to ``LOGS/rank<r>.end`` as it ends (each file
+written whole, then renamed into place: the launcher reads it as soon as it exists).
 
 ``rank_zygote.py LOGS RANKS SCRIPT ARGS...``."""
 
@@ -59,8 +60,10 @@ def main(logs: str, ranks: int, script: str, args: list[str]) -> None:
     while pids:
         pid, status = os.waitpid(-1, 0)
         ended = time.time()
-        with open(os.path.join(logs, f"rank{pids.pop(pid)}.end"), "w") as f:
+        end = os.path.join(logs, f"rank{pids.pop(pid)}.end")
+        with open(end + ".tmp", "w") as f:
             f.write(f"{os.waitstatus_to_exitcode(status)} {ended}")
+        os.replace(end + ".tmp", end)  # whole or absent: the launcher polls for it
 
 
 if __name__ == "__main__":
