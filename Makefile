@@ -38,9 +38,11 @@ $(COMPAT)/.installed: $(STAMP)
 	$(VPY) -m pip install -q --no-deps --target $(COMPAT) $(COMPAT_PINS)
 	touch $@
 
-# Both passes on every core (pytest-xdist), a module per worker at a time (its fixtures built once). A worker
-# more than cores made the first pass slower on 2 cores (11.5 minutes against 9.7).
-XDIST := -n auto --dist loadfile
+# Both passes on every core (pytest-xdist), a module per worker at a time (its fixtures built once), in the
+# order tests/conftest.py gives (the modules that launch processes first), not xdist's (most tests first,
+# which left the long few-test modules to the end and one worker waiting on them). A worker more than cores
+# made the first pass slower on 2 cores (11.5 minutes against 9.7).
+XDIST := -n auto --dist loadfile --no-loadscope-reorder
 
 # The lint gate, before every test run and in CI: ruff's lint and format check ([tool.ruff]; `ruff format` and
 # `ruff check --fix` repair most of it), the type check ([tool.mypy]: its files, strict where it says), and

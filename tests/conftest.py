@@ -99,7 +99,7 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"elixir: torch {torch.__version__}, transformers {transformers.__version__}"
 
 
-_LAUNCHES = ("run_distributed(", "run_script(", "subprocess.")
+_LAUNCHES = ("run_distributed(", "run_ranks(", "run_script(", "subprocess.")
 RUN_ONCE = tuple(Path(__file__).parent / name for name in ("elixir_runtime", "reliability", "benchmarks"))
 """Tests of this repository's own code, marked ``once``: the engine (transformers' tiny GPT-2, OPT and
 Llama only its subjects), the fault handling of ranks, checkpoints and signals, the benchmark harness.

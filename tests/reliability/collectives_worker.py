@@ -1,4 +1,4 @@
-"""Run by ``torchrun`` in ``test_clean_exit.py``: the engine's collectives on tensors made in
+"""Run on 2 ranks by ``test_clean_exit.py``: the engine's collectives on tensors made in
 Python, then a plain return, the rank's last act a collective (as rank 1's after a final save's
 gather). Before the fix, 6 in 30 such runs of bare torch collectives aborted at exit."""
 

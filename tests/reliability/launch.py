@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -43,8 +44,8 @@ def run_python(*args: str, timeout: float = 300, new_group: bool = False) -> sub
     )
 
 
-def assert_clean_exits(runs: list[subprocess.CompletedProcess]) -> None:
-    """Every run ended with exit code 0 and without gloo's ``terminate called`` abort."""
+def assert_clean_exits(runs: list[subprocess.CompletedProcess] | list[RankEnd]) -> None:
+    """Every run (or rank) ended with exit code 0 and without gloo's ``terminate called`` abort."""
     bad = [(i, r) for i, r in enumerate(runs) if r.returncode != 0 or "terminate called" in r.stderr]
     assert not bad, f"{len(bad)} of {len(runs)} runs did not exit cleanly; first:\n{bad[0][1].stderr[-3000:]}"
 
@@ -91,8 +92,8 @@ def run_ranks(
     (``init_method="env://"`` without ``torchrun``). A rank left stopped (SIGSTOP) once every other rank
     has ended is killed, as ``torchrun`` kills it after its shutdown timeout. ``new_group``: the ranks
     in one process group of their own, as a SLURM step's tasks are for ``scancel``. On the CPU the ranks
-    are forked by ``rank_zygote.py`` after it has imported torch, transformers and elixir_hf once (7 s of
-    CPU a rank on the 2-core test host); on GPUs each is a process of its own."""
+    are forked by ``rank_zygote.py``, which imports torch, transformers and elixir_hf once per test
+    process (7 s of CPU on the 2-core test host); on GPUs each is a process of its own."""
     host = "127.0.0.1"
     server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if store == "launcher" else None
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -110,19 +111,22 @@ def run_ranks(
         env["CUDA_VISIBLE_DEVICES"] = ""
     path = str(Path(__file__).with_name(script))
     with tempfile.TemporaryDirectory(prefix="elixir_ranks_") as logs:
-        zygote, ranks_ = None, list[_Rank]()
+        child, ranks_ = None, list[_Rank]()
         if cuda:  # a process each: a fork after torch's import is no place to start CUDA in
             for r in range(ranks):
                 group = (ranks_[0].pid if ranks_ else 0) if new_group else None
                 ranks_.append(_Popened(path, args, env, r, logs, group))
         else:
-            zygote, ranks_ = _forked(path, args, env, ranks, logs, new_group)
+            child, ranks_ = _forked(path, args, env, ranks, logs, new_group)
         try:
             out = _wait(ranks_, script, timeout)
-        finally:
-            if zygote is not None:  # it has written every rank's end, or the ranks were killed
-                zygote.kill()
-                zygote.wait()
+        finally:  # nothing of the call outlives it, whatever ended it
+            for r in ranks_:
+                if not r.ended():
+                    r.kill()
+            if child is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child, signal.SIGKILL)
     del server
     return out
 
@@ -183,24 +187,44 @@ class _Forked(_Rank):
         return Path(self.err).read_text() if os.path.exists(self.err) else ""
 
 
+_ZYGOTE: subprocess.Popen | None = None
+"""``rank_zygote.py`` serving this process's ``run_ranks`` calls on the CPU; it ends as this process does
+(its stdin closes)."""
+
+
+def _zygote(env: dict) -> subprocess.Popen:
+    global _ZYGOTE
+    if _ZYGOTE is None or _ZYGOTE.poll() is not None:
+        _ZYGOTE = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("rank_zygote.py"))],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=tempfile.TemporaryFile("w+"),
+            text=True,
+        )
+    return _ZYGOTE
+
+
 def _forked(
     path: str, args: tuple[str, ...], env: dict, ranks: int, logs: str, new_group: bool
-) -> tuple[subprocess.Popen, list[_Rank]]:
-    """The ranks forked by ``rank_zygote.py`` once it has imported what they import (seconds a rank)."""
-    zygote = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("rank_zygote.py")), logs, str(ranks), path, *args],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        process_group=0 if new_group else None,
-    )
-    pids = os.path.join(logs, "pids")
+) -> tuple[int, list[_Rank]]:
+    """The ranks forked by ``rank_zygote.py``, which has imported what they import (seconds a rank) once;
+    the first is the call's own child there, which writes the ranks' ends."""
+    zygote = _zygote(env)
+    call = dict(logs=logs, ranks=ranks, script=path, args=args, env=env, new_group=new_group)
+    zygote.stdin.write(json.dumps(call) + "\n")  # type: ignore[union-attr]
+    zygote.stdin.flush()  # type: ignore[union-attr]
+    pids, failed = os.path.join(logs, "pids"), os.path.join(logs, "failed")
     while not os.path.exists(pids):
+        if os.path.exists(failed):
+            raise RuntimeError(f"rank_zygote.py could not fork the ranks:\n{Path(failed).read_text()[-3000:]}")
         if zygote.poll() is not None:
-            raise RuntimeError(f"rank_zygote.py ended before forking the ranks:\n{zygote.stderr.read()[-3000:]}")
+            zygote.stderr.seek(0)  # type: ignore[union-attr]
+            raise RuntimeError(f"rank_zygote.py ended:\n{zygote.stderr.read()[-3000:]}")  # type: ignore[union-attr]
         time.sleep(0.05)
-    return zygote, [_Forked(int(pid), r, logs) for r, pid in enumerate(Path(pids).read_text().split())]
+    child, *forked = Path(pids).read_text().split()
+    return int(child), [_Forked(int(pid), r, logs) for r, pid in enumerate(forked)]
 
 
 def _wait(ranks: list[_Rank], script: str, timeout: float) -> list[RankEnd]:
