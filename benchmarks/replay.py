@@ -23,7 +23,7 @@ import dataclasses
 import importlib.util
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ import torch
 from elixir_hf.patches import mask_decisions_of
 from elixir_runtime.config import ElixirConfig
 from elixir_runtime.hardware.profile import HardwareProfile
-from elixir_runtime.planner import PlanJob, Target, plan_model
+from elixir_runtime.planner import PlanJob, Target, plan_model, profile_job
 from elixir_runtime.profiler.profile import ModelProfile
 from elixir_runtime.search import Budget
 from elixir_runtime.search.step_time import StepTime
@@ -105,35 +105,33 @@ def own_rate(run: dict[str, Any]) -> float | None:
     return stats["updated_cpu"] / stats["cpu_update_s"] if stats.get("cpu_update_s") else None
 
 
-def predict(run: dict[str, Any], observed: float | None = None) -> StepTime:
-    """The step the current model predicts for the run's recorded plan, batch and hardware;
-    ``observed``: with that CPU update rate in the hardware profile, where a job on that machine
-    records its own (``CpuAdamRate.observed``)."""
+def predict(run: dict[str, Any], observed: Sequence[float | None] = (None,)) -> list[StepTime]:
+    """The steps the current model predicts for the run's recorded plan, batch and hardware, one per rate
+    of ``observed``: ``None``, the hardware profile's CPU update rates; a rate, that one as the rate a job
+    on that machine records for itself (``CpuAdamRate.observed``). The step is profiled once."""
     plan = run["info"]["plan"]
     dtype = getattr(torch, plan["dtype"])
     model = build_meta(preset(run["model"]), run["seq"], dtype)
     ids = torch.zeros(run["batch"], run["seq"], dtype=torch.long, device="meta")
-    hardware = HardwareProfile.from_dict(plan["hardware"])
-    if observed is not None:
-        own = hardware.cpu_adam_per_rank(run["gpus"], [])
-        hardware.cpu_adam[run["gpus"]] = dataclasses.replace(own, observed=observed)
+    recorded = HardwareProfile.from_dict(plan["hardware"])
 
     def budget(profile: ModelProfile) -> Budget:
         return Budget(
-            capacity=HEADROOM * hardware.gpu_memory,
+            capacity=HEADROOM * recorded.gpu_memory,
             activations=profile.activation_peak,
             buffers=profile.buffer_bytes,
-            host_capacity=HEADROOM * hardware.host_memory,
+            host_capacity=HEADROOM * recorded.host_memory,
             ranks_per_host=run["gpus"],
         )
 
-    busbw = (plan.get("rates") or {}).get("busbw_GBps")
-    target = Target(
-        run["gpus"],
-        hardware,
-        budget,
-        busbw=busbw * 1e9 if busbw and run["gpus"] > 1 else None,
-    )
+    def target(rate: float | None) -> Target:
+        hardware = HardwareProfile.from_dict(plan["hardware"])
+        if rate is not None:
+            own = hardware.cpu_adam_per_rank(run["gpus"], [])
+            hardware.cpu_adam[run["gpus"]] = dataclasses.replace(own, observed=rate)
+        busbw = (plan.get("rates") or {}).get("busbw_GBps")
+        return Target(run["gpus"], hardware, budget, busbw=busbw * 1e9 if busbw and run["gpus"] > 1 else None)
+
     config = ElixirConfig(
         chunk_size=plan["chunk_size"],
         n_blocks=plan["n_blocks"],
@@ -146,7 +144,8 @@ def predict(run: dict[str, Any], observed: float | None = None) -> StepTime:
     batch = {"input_ids": ids, "labels": ids}
     with kernels_of(run, model), mask_decisions_of(batch):
         job = PlanJob(model, find_units(model, None), batch, config, torch.device("cuda"), dtype)
-        return plan_model(job, target).plan.predicted
+        profile = profile_job(job)
+        return [plan_model(job, target(rate), profile=profile).plan.predicted for rate in observed]
 
 
 def replay(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -157,13 +156,13 @@ def replay(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if skipped:
             rows.append({**row, "skipped": skipped})
             continue
-        time = predict(run)
+        rate = own_rate(run)
+        time, *own_time = predict(run, (None, rate) if rate else (None,))
         row.update(
             replayed_step_s=time.total, measured_over_replayed=run["step_s"] / time.total, replayed=time.to_dict()
         )
-        rate = own_rate(run)
         if rate:
-            own = predict(run, observed=rate).total
+            own = own_time[0].total
             row.update(own_rate_Gps=rate / 1e9, replayed_own_step_s=own, measured_over_own=run["step_s"] / own)
         rows.append(row)
     return rows

@@ -51,6 +51,7 @@ __all__ = [
     "PlanJob",
     "Target",
     "plan_model",
+    "profile_job",
     # what plan_model takes and returns, as elixir-plan reads them (the renderers: plan_view.py)
     "find_units",
     "ModelProfile",
@@ -179,10 +180,19 @@ def _released_tensors(model: nn.Module, batch: object, device: torch.device) -> 
             stack.extend(item)
 
 
-def plan_model(job: PlanJob, target: Target, *, exact: bool = False) -> Planned:
-    """The searched plan of ``job`` for ``target``; ``exact``: trace every block (``profile_model``).
-    Not checked against this machine's memory (``check_fits``)."""
-    return _searched(job, target, exact).planned(job, target.world_size)
+def plan_model(job: PlanJob, target: Target, *, exact: bool = False, profile: ModelProfile | None = None) -> Planned:
+    """The searched plan of ``job`` for ``target``; ``exact``: trace every block (``profile_model``);
+    ``profile``: ``profile_job(job)``'s, taken once where one job is planned several times (other configs,
+    other targets). Not checked against this machine's memory (``check_fits``)."""
+    return _searched(job, target, profile or profile_job(job, exact=exact)).planned(job, target.world_size)
+
+
+def profile_job(job: PlanJob, *, exact: bool = False) -> ModelProfile:
+    """A training step of ``job.model`` on ``job.example_batch``, profiled as the plan's search needs it."""
+    with progress(1, "elixir: profiling a training step") as bar:
+        profile = _profile(job.model, job.units, job.example_batch, job.dtype, job.device, exact)
+        bar.update()
+    return profile
 
 
 def plan_static(job: PlanJob, order: list[int], outside: list[str] | None = None) -> Planned:
@@ -261,7 +271,7 @@ def search_job(job: PlanJob, *, host: HostMemory | None = None) -> Planned:
     mine: list[_Searched] = []
 
     def decide() -> tuple[list[int], list[str], SearchResult, ProfileSummary, Where]:
-        mine.append(_searched(job, target))
+        mine.append(_searched(job, target, profile_job(job)))
         s = mine[0]
         return s.order, s.outside, replace(s.result, layout=None), s.profile, s.activations
 
@@ -302,12 +312,9 @@ class _Searched:
         )
 
 
-def _searched(job: PlanJob, target: Target, exact: bool = False) -> _Searched:
+def _searched(job: PlanJob, target: Target, profile: ModelProfile) -> _Searched:
     """Profile → unit order → table → budget → search."""
     device, dtype, config = job.device, job.dtype, job.config
-    with progress(1, "elixir: profiling a training step") as bar:
-        profile = _profile(job.model, job.units, job.example_batch, dtype, device, exact)
-        bar.update()
     hardware = target.hardware
     if target.times_gemms:
         hardware = with_step_gemms(hardware, profile.flop_classes, dtype, device)

@@ -13,6 +13,7 @@ from elixir_hf.plugin import ElixirSpecError
 from elixir_runtime.config import ElixirConfig
 from elixir_runtime.hardware import HardwareProfile, LinkRates
 from elixir_runtime.hardware.profile import CpuAdamRate
+from elixir_runtime.profiler import profile_model
 from helpers.spec_keys import documented_keys, documented_value
 
 
@@ -625,10 +626,15 @@ def test_a_rate_a_job_recorded_here_is_planned_with_and_shown(capsys, tmp_path) 
     assert step[1] > 2 * step[0]  # every chunk offloaded, updated at 1 M elements/s
 
 
-def test_a_host_bound_step_is_priced_with_two_micro_batches(capsys, tmp_path) -> None:
+def test_a_host_bound_step_is_priced_with_two_micro_batches(capsys, tmp_path, monkeypatch) -> None:
     """Where CPU updates not hidden are a quarter of the step or more, ``elixir-plan`` plans two
-    micro-batches per step too (the update is once per optimizer step): text and JSON."""
+    micro-batches per step too (the update is once per optimizer step): text and JSON. The step is
+    profiled once for both plans."""
+    from elixir_runtime import planner
     from elixir_runtime.hardware.load import shipped_hardware
+
+    profiled = []
+    monkeypatch.setattr(planner, "profile_model", lambda *a, **k: profiled.append(1) or profile_model(*a, **k))
 
     def run(cpu_rate: float, *extra: str) -> tuple[str, dict]:
         hw = shipped_hardware("h100")
@@ -644,6 +650,7 @@ def test_a_host_bound_step_is_priced_with_two_micro_batches(capsys, tmp_path) ->
 
     out, doc = run(1e6)  # every chunk offloaded, updated at 1 M elements/s: host-bound
     assert "host-bound:" in out and "with 2 micro-batches per step (--grad-accum 2" in out
+    assert len(profiled) == 2  # the text's run and the JSON's, each planning twice
     one, two = doc["plan"]["predicted"]["total"], doc["accumulated"]["predicted_step_s"]
     assert doc["accumulated"]["grad_accum"] == 2 and one < two < 2 * one  # twice the tokens in less than twice the time
     out, doc = run(1e12)  # the update hides under the step

@@ -40,7 +40,16 @@ from elixir_runtime.plan_view import (
     step_text,
     tflops,
 )
-from elixir_runtime.planner import Budget, ElixirPlan, ModelProfile, PlanJob, Target, find_units, plan_model
+from elixir_runtime.planner import (
+    Budget,
+    ElixirPlan,
+    ModelProfile,
+    PlanJob,
+    Target,
+    find_units,
+    plan_model,
+    profile_job,
+)
 
 from ...loss import use_lean_loss
 from ...patches import mask_decisions_of
@@ -113,11 +122,14 @@ def plan_report(
         job = PlanJob(model, find_units(model, config.unit_classes), batch, config, torch.device("cuda"), args.dtype)
         target = _target(args, hardware, card, host_bytes)
 
+        t1 = time.perf_counter()
+        with mask_decisions_of(batch):
+            profile = profile_job(job, exact=args.exact)  # one step's: the same for every config planned below
+
         def plan_for(cfg: ElixirConfig) -> ElixirPlan:
             with mask_decisions_of(batch):
-                return plan_model(replace(job, config=cfg), target, exact=args.exact).plan
+                return plan_model(replace(job, config=cfg), target, profile=profile).plan
 
-        t1 = time.perf_counter()
         try:
             plan = plan_for(config)
         except PlanError as exc:
