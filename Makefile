@@ -9,6 +9,12 @@ TORCH_PIN := torch==2.13.0
 # The triton the GPU Adam's CPU tests (TRITON_INTERPRET=1) ran on; the dev extra takes a range, as a CUDA torch pins its own.
 TRITON_PIN := triton==3.6.0; sys_platform == "linux" and platform_machine == "x86_64"
 OFFLINE_ENV := HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 OMP_NUM_THREADS=1
+# pip compiles no module (--no-compile: 14k files of torch, transformers and the rest, half of the venv's
+# minute and a half); each is compiled on its first import and the bytecode written beside it, which a shell's
+# PYTHONDONTWRITEBYTECODE would forbid: then every process of `make test` (over a hundred) would compile
+# again what it imports, the package's own modules included.
+PIP_INSTALL := -m pip install --no-compile
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: venv lint test test-perf test-gpu train smoke clean-venv
 
@@ -18,9 +24,9 @@ $(VENV): $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install --upgrade pip
-	$(VPY) -m pip install '$(TORCH_PIN)' '$(TRITON_PIN)'
-	$(VPY) -m pip install -e '.[dev]'
+	$(VPY) $(PIP_INSTALL) --upgrade pip
+	$(VPY) $(PIP_INSTALL) '$(TORCH_PIN)' '$(TRITON_PIN)'
+	$(VPY) $(PIP_INSTALL) -e '.[dev]'
 	touch $(STAMP)
 
 # transformers 5.17 (the GPU image's) as well as the newest: both are supported and each has
@@ -35,7 +41,7 @@ COMPAT_PINS := transformers==5.17.0 huggingface_hub==1.33.0 httpx==0.28.1 httpco
 
 $(COMPAT)/.installed: $(STAMP)
 	rm -rf $(COMPAT)
-	$(VPY) -m pip install -q --no-deps --target $(COMPAT) $(COMPAT_PINS)
+	$(VPY) $(PIP_INSTALL) -q --no-deps --target $(COMPAT) $(COMPAT_PINS)
 	touch $@
 
 # Both passes on every core (pytest-xdist), a module per worker at a time (its fixtures built once), in the
