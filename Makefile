@@ -35,7 +35,9 @@ $(STAMP): pyproject.toml
 # transformers code; tests/helpers/transformers_use.py gives the rule): the others run the same code twice.
 # Nor does it run the tests of this repository's own code (`once`: tests/elixir_runtime, tests/reliability,
 # tests/benchmarks), whose transformers code (tiny GPT-2/OPT/Llama, the Trainer) the HF layer's tests run
-# on 5.17 too: they run once, in the first pass.
+# on 5.17 too: they run once, in the first pass. Nor the HF layer's tests marked `once` one by one: those whose
+# subject runs in processes they launch (elixir-run's scripts, the recipe, the README's quickstarts, a
+# subprocess's imports), each a few seconds of imports, whose transformers code in-process tests run on 5.17.
 COMPAT := $(VENV)/compat-transformers-5.17
 COMPAT_PINS := transformers==5.17.0 huggingface_hub==1.33.0 httpx==0.28.1 httpcore==1.0.9 certifi==2026.7.22
 

@@ -53,6 +53,7 @@ def test_every_hf_glue_test_is_marked() -> None:
     assert modules and all(uses_transformers(m) for m in modules), [m.name for m in modules if not uses_transformers(m)]
 
 
+@pytest.mark.once  # launched processes: their transformers code runs in-process on 5.17 too (Makefile)
 def test_unmarked_modules_import_no_hf_package() -> None:
     """What Python itself imports for every unmarked test module holds none of HF_PACKAGES (a check of
     the static rule by the import machinery, the way pytest imports them)."""

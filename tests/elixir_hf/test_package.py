@@ -23,6 +23,7 @@ def test_an_unknown_name_is_an_attribute_error() -> None:
         elixir_hf.ElixirTrainerr  # noqa: B018
 
 
+@pytest.mark.once  # launched processes: their transformers code runs in-process on 5.17 too (Makefile)
 def test_the_planner_cli_and_the_loss_do_not_import_the_trainer_stack() -> None:
     code = (
         "import sys, elixir_hf.commands.plan, elixir_hf.loss, elixir_hf.presets; "

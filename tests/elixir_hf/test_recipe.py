@@ -36,6 +36,7 @@ def recipe(monkeypatch: pytest.MonkeyPatch, tmp_path):
     return SimpleNamespace(data=data, train=train)
 
 
+@pytest.mark.once  # launched processes: their transformers code runs in-process on 5.17 too (Makefile)
 def test_default_recipe_trains_offline(tmp_path, hardware_in) -> None:
     out = tmp_path / "run"
     hardware_in(tmp_path / "cache")

@@ -171,7 +171,8 @@ def test_bad_launch_fails_before_the_script_runs(tmp_path) -> None:
 
 
 # 2 ranks run the 1-rank case's transformers code again: on the newest transformers only (``once``)
-@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.once)])
+@pytest.mark.once  # launched processes: their transformers code runs in-process on 5.17 too (Makefile)
+@pytest.mark.parametrize("ranks", [1, 2])
 def test_trainer_script_and_accelerate_loop(model_dir, tmp_path, monkeypatch, ranks: int) -> None:
     """One launch trains both scripts (``scripts/sequence.py``), once stock and once through
     elixir-run (at 2 ranks under ``accelerate launch``, which starts torchrun's launcher with
@@ -221,6 +222,7 @@ def test_trainer_script_and_accelerate_loop(model_dir, tmp_path, monkeypatch, ra
     assert not (tmp_path / "stock" / "loop" / "state" / optim_file_name(0, 1)).exists()
 
 
+@pytest.mark.once  # launched processes: their transformers code runs in-process on 5.17 too (Makefile)
 def test_a_hub_id_in_the_script_streams_from_the_cache(model_dir, tmp_path) -> None:
     """The script's ``AutoModelForCausalLM.from_pretrained("org/tiny-gpt2")``, offline, the model in
     ``HF_HUB_CACHE``: the engine fills its shards from the snapshot folder, nothing loads it whole."""
@@ -239,6 +241,7 @@ def test_a_hub_id_in_the_script_streams_from_the_cache(model_dir, tmp_path) -> N
     assert len(_history(tmp_path / "out", "loss")) == 2
 
 
+@pytest.mark.once  # launched processes: their transformers code runs in-process on 5.17 too (Makefile)
 def test_a_hub_id_offline_and_not_cached_stops_naming_the_download(tmp_path) -> None:
     """One message, no traceback: the id, the command that downloads it, the variable that keeps it offline."""
     cmd = [sys.executable, "-m", "elixir_hf.commands.run", str(SCRIPTS / "hf_trainer.py"), "--model_name_or_path"]
@@ -260,6 +263,7 @@ SFT_ARGS = [  # gradient_checkpointing and the other SFTConfig defaults left as 
 ]
 
 
+@pytest.mark.once  # launched processes: their transformers code runs in-process on 5.17 too (Makefile)
 def test_trl_sft_with_a_lora_adapter(model_dir, tmp_path, monkeypatch) -> None:
     """TRL's SFTTrainer with a PEFT LoRA adapter (frozen base, trainable adapters) through elixir-run:
     the stock losses and grad norms, the stock adapter files, and the stock SFTConfig field by field."""

@@ -94,6 +94,7 @@ def test_elixir_runs_flag_beats_the_key_which_beats_the_environment(monkeypatch:
     assert chosen_spec(None, None) == ("ELIXIR_CONFIG", "auto")
 
 
+@pytest.mark.once  # launched processes: their transformers code runs in-process on 5.17 too (Makefile)
 def test_elixir_run_honours_the_key_under_a_strict_parser(tmp_path) -> None:
     config = _yaml(tmp_path, "elixir:\n  mode: static\n  offload: 0.5\n")
     got = _elixir_run("--config", config)  # fail_with_unknown_args=True: the key is not left to it
