@@ -188,8 +188,8 @@ class _Forked(_Rank):
 
 
 _ZYGOTE: subprocess.Popen | None = None
-"""``rank_zygote.py`` serving this process's ``run_ranks`` calls on the CPU; it ends as this process does
-(its stdin closes)."""
+"""``rank_zygote.py`` serving this process's ``run_ranks`` calls on the CPU, started with the first call's
+environment (each call's child takes its own); it ends as this process does (its stdin closes)."""
 
 
 def _zygote(env: dict) -> subprocess.Popen:

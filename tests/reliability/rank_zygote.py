@@ -80,7 +80,7 @@ def call(logs: str, ranks: int, script: str, args: list[str]) -> None:
 def serve() -> None:
     die_with_parent()  # the test process, as its stdin's end would tell
     for line in sys.stdin:
-        with_call = json.loads(line)
+        request = json.loads(line)
         while True:  # reap the children of calls that have ended
             try:
                 if os.waitpid(-1, os.WNOHANG)[0] == 0:
@@ -88,16 +88,16 @@ def serve() -> None:
             except ChildProcessError:
                 break
         if os.fork() == 0:
-            logs, child = with_call["logs"], os.getpid()
+            logs, child = request["logs"], os.getpid()
             try:
                 die_with_parent()
                 os.dup2(os.open(os.devnull, os.O_RDWR), 0)
                 os.dup2(0, 1)
                 os.environ.clear()
-                os.environ.update(with_call["env"])
-                if with_call["new_group"]:
+                os.environ.update(request["env"])
+                if request["new_group"]:
                     os.setpgid(0, 0)
-                call(logs, with_call["ranks"], with_call["script"], with_call["args"])
+                call(logs, request["ranks"], request["script"], request["args"])
             except BaseException:
                 if os.getpid() != child:  # a rank's own end (``sys.exit``, its error): the interpreter's
                     raise
