@@ -6,9 +6,10 @@
 A quote sits between ``<!-- elixir-plan: NAME -->`` and ``<!-- /elixir-plan -->`` in a file of ``DOCS``:
 a figure inline (``NAME`` is ``PLAN:COLUMN``: ``COLUMNS[COLUMN]`` of the plan ``PLANS[PLAN]``), or a
 table on the lines between (``NAME`` a key of ``TABLES``: its header, and per row the plan and the
-cells, with ``{COLUMN}`` where a figure goes and the measured cells written by hand). Every plan is
-made offline for the shipped H100 profile with ``--host-mem`` given (``BOX``): nothing of this
-machine enters. tests/benchmarks/test_doc_numbers.py compares every quote with ``elixir-plan``'s
+cells, with ``{COLUMN}`` where a figure goes and the measured cells written by hand; or the biggest
+model per box, ``benchmarks.biggest_model``'s). Every plan is made offline for the shipped H100 profile
+with ``--host-mem`` given (``BOX``): nothing of this machine enters; plans of one model and batch
+profile its step once (``PROFILES``). tests/benchmarks/test_doc_numbers.py compares every quote with ``elixir-plan``'s
 output, in-process.
 """
 
@@ -27,7 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks import biggest_model
 from elixir_hf.commands.plan import main as elixir_plan
+from elixir_hf.commands.plan.report import Profiles
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "recipes/sft/README.md", "docs/which-knob.md", "docs/planning.md")
@@ -72,12 +75,16 @@ PLANS: dict[str, tuple[str, ...]] = {
 """The quoted plans by name: ``elixir-plan``'s arguments."""
 
 
+PROFILES: Profiles = {}
+"""The steps profiled so far: the plans of one model and batch for other boxes profile it once."""
+
+
 @functools.cache
 def plan_doc(argv: tuple[str, ...]) -> dict[str, Any]:
     """``elixir-plan ARGV --json``'s document, in this process (``{"error": ...}`` where no plan fits)."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
-        elixir_plan([*argv, "--json"])
+        elixir_plan([*argv, "--json"], profiles=PROFILES)
     doc: dict[str, Any] = json.loads(out.getvalue())
     return doc
 
@@ -221,6 +228,23 @@ class Table:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Biggest:
+    """A quoted table of the biggest model per box (``benchmarks.biggest_model.table``)."""
+
+    boxes: tuple[tuple[int, int], ...]
+    """(H100s, host RAM in GiB) per row."""
+    brief: bool = False
+
+    def text(self) -> str:
+        return "\n".join(biggest_model.table([_biggest(*box) for box in self.boxes], self.brief))
+
+
+@functools.cache
+def _biggest(gpus: int, host_gib: int) -> dict[str, Any]:
+    return biggest_model.biggest(gpus, host_gib, PROFILES)
+
+
 class _Figures(dict[str, str]):
     """``COLUMNS`` of one plan, computed where a cell names them (``str.format_map``)."""
 
@@ -272,7 +296,9 @@ def _card_row(card: str, first: bool) -> tuple[str, tuple[str, ...]]:
     return f"card-{card}", cells
 
 
-TABLES: dict[str, Table] = {
+TABLES: dict[str, Table | Biggest] = {
+    "biggest": Biggest(biggest_model.BOXES),
+    "biggest-brief": Biggest(((1, 128), (1, 512), (4, 256)), brief=True),
     "cards": Table(
         (
             "| `--gpu` | matmul 8192 | attention | memory bandwidth | GPU Adam | copies up (1 GPU) | GPU memory | "

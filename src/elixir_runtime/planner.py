@@ -42,7 +42,7 @@ from .profiler.trace import trace_unit_order
 from .progress import progress
 from .runtime.batch_guard import token_shape
 from .search.budget import F_FRAG, Budget
-from .search.loop import SearchResult, SearchSettings, search
+from .search.loop import Layouts, SearchResult, SearchSettings, search
 from .search.report import ActivationsOption, Alternative, Candidate, MomentsOption, SearchReport
 from .search.step_time import StepTime, with_held_copies
 from .units import ParamTable, Unit, find_units, param_table
@@ -332,7 +332,8 @@ def _searched(job: PlanJob, target: Target, profile: ModelProfile) -> _Searched:
         grads_share_activations=job.grads_share_activations,
     )
     shapes = sum(1 for c in profile.flop_classes if c in hardware.gemms)
-    result, activations = _search_activations(table, profile, hardware, budget, settings, device)
+    layouts = Layouts(table, profile)  # built once for every search below
+    result, activations = _search_activations(layouts, hardware, budget, settings, device)
     result = result.noted(
         f"hardware: {hardware.device}, {hardware.source}",
         f"profile: {profile.seconds:.2f} s; activation peak at {profile.peak_at}",
@@ -343,12 +344,7 @@ def _searched(job: PlanJob, target: Target, profile: ModelProfile) -> _Searched:
 
 
 def _search_activations(
-    table: ParamTable,
-    profile: ModelProfile,
-    hardware: HardwareProfile,
-    budget: Budget,
-    settings: SearchSettings,
-    device: torch.device,
+    layouts: Layouts, hardware: HardwareProfile, budget: Budget, settings: SearchSettings, device: torch.device
 ) -> tuple[SearchResult, Where]:
     """The search with the held block inputs where the config puts them, or, with ``"auto"`` on a GPU, in each
     tier: the shorter predicted step wins, the device on a tie; the other is on the report.
@@ -361,8 +357,7 @@ def _search_activations(
     out in the forward and back in the backward share the host link with the chunks' transfers, beside
     compute (``search.step_time.with_held_copies``). The planner weighs both tiers as it weighs chunk placements: by the
     predicted step, never by a rule of thumb on the sequence length."""
-    asked = settings.config.activations
-    held = profile.held_inputs
+    asked, held = settings.config.activations, layouts.profile.held_inputs
     if asked == "host" and not held:
         raise PlanError(
             "activations 'host': the profiled step holds no block inputs for a recompute (activation checkpointing "
@@ -376,7 +371,7 @@ def _search_activations(
     failed: dict[Where, PlanError] = {}
     for where in tiers:
         try:
-            found[where] = _search_in(where, table, profile, hardware, budget, settings)
+            found[where] = _search_in(where, layouts, hardware, budget, settings)
         except PlanError as err:
             failed[where] = err
     if not found:
@@ -402,16 +397,12 @@ def _search_activations(
 
 
 def _search_in(
-    where: Where,
-    table: ParamTable,
-    profile: ModelProfile,
-    hardware: HardwareProfile,
-    budget: Budget,
-    settings: SearchSettings,
+    where: Where, layouts: Layouts, hardware: HardwareProfile, budget: Budget, settings: SearchSettings
 ) -> SearchResult:
     """The search with the held block inputs in ``where`` ([Note: activations as a plan choice])."""
     if where == "device":
-        return _search_with_moments(table, profile, hardware, budget, settings)
+        return _search_with_moments(layouts, hardware, budget, settings)
+    profile = layouts.profile
     held = profile.held_inputs
     if held > budget.host_allowed:
         raise PlanError(
@@ -420,7 +411,7 @@ def _search_in(
             "sequence or a smaller batch, or use a host with more memory"
         )
     on_host = replace(budget, activations=profile.host_activation_peak, host_activations=held)
-    result = _search_with_moments(table, profile, hardware, on_host, settings)
+    result = _search_with_moments(layouts, hardware, on_host, settings)
     rates = hardware.rates(settings.world_size, settings.busbw, budget.ranks_per_host, settings.config.state)
     return replace(
         result, placement=replace(result.placement, time=with_held_copies(result.placement.time, held, rates))
@@ -432,34 +423,38 @@ COMPACT: Moments = "8bit"
 
 
 def _search_with_moments(
-    table: ParamTable, profile: ModelProfile, hardware: HardwareProfile, budget: Budget, settings: SearchSettings
+    layouts: Layouts, hardware: HardwareProfile, budget: Budget, settings: SearchSettings
 ) -> SearchResult:
     """``search``; where the config keeps exact moments and the plan offloads (host-bound updates) or
     does not fit, the same job searched with 8-bit moments too, shown on the report (``MomentsOption``)
     or in the error: what switching would buy, never switched to."""
     if settings.config.moments == COMPACT:
-        return search(table, profile, hardware, budget, settings)
+        return _search(layouts, hardware, budget, settings)
     compact = replace(settings, config=replace(settings.config, moments=COMPACT))
     try:
-        result = search(table, profile, hardware, budget, settings)
+        result = _search(layouts, hardware, budget, settings)
     except PlanError as err:
-        other = _searched_or_none(table, profile, hardware, budget, compact)
+        other = _searched_or_none(layouts, hardware, budget, compact)
         if other is None:
             raise
         raise PlanError(f"{err}\n{moments_hint(_option(other), None)}") from None
     if not result.placement.offload:
         return result
-    other = _searched_or_none(table, profile, hardware, budget, compact)
+    other = _searched_or_none(layouts, hardware, budget, compact)
     if other is None:
         return result
     return replace(result, report=replace(result.report, moments=(_option(other),)))
 
 
+def _search(layouts: Layouts, hardware: HardwareProfile, budget: Budget, settings: SearchSettings) -> SearchResult:
+    return search(layouts.table, layouts.profile, hardware, budget, settings, layouts=layouts)
+
+
 def _searched_or_none(
-    table: ParamTable, profile: ModelProfile, hardware: HardwareProfile, budget: Budget, settings: SearchSettings
+    layouts: Layouts, hardware: HardwareProfile, budget: Budget, settings: SearchSettings
 ) -> SearchResult | None:
     try:
-        return search(table, profile, hardware, budget, settings)
+        return _search(layouts, hardware, budget, settings)
     except PlanError:
         return None
 

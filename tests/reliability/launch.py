@@ -79,6 +79,7 @@ def run_ranks(
     script: str,
     *args: str,
     ranks: int = 2,
+    nodes: int = 1,
     cuda: bool = False,
     store: str = "launcher",
     timeout: float = 300,
@@ -98,10 +99,13 @@ def run_ranks(
     server = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False) if store == "launcher" else None
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     env.pop("ELIXIR_CONFIG", None)
+    per_node, rest = divmod(ranks, nodes)
+    assert per_node and not rest, f"{ranks} ranks do not make {nodes} nodes of as many ranks each"
     env.update(
         WORLD_SIZE=str(ranks),
-        LOCAL_WORLD_SIZE=str(ranks),
-        GROUP_RANK="0",
+        ROLE_WORLD_SIZE=str(ranks),
+        LOCAL_WORLD_SIZE=str(per_node),
+        GROUP_WORLD_SIZE=str(nodes),
         MASTER_ADDR=host,
         MASTER_PORT=str(server.port if server is not None else _free_port(host)),
         TORCHELASTIC_USE_AGENT_STORE=str(server is not None),
@@ -110,14 +114,15 @@ def run_ranks(
     if not cuda:
         env["CUDA_VISIBLE_DEVICES"] = ""
     path = str(Path(__file__).with_name(script))
+    each = [_rank_env(r, per_node) for r in range(ranks)]
     with tempfile.TemporaryDirectory(prefix="elixir_ranks_") as logs:
         child, ranks_ = None, list[_Rank]()
         if cuda:  # a process each: a fork after torch's import is no place to start CUDA in
-            for r in range(ranks):
+            for r, own in enumerate(each):
                 group = (ranks_[0].pid if ranks_ else 0) if new_group else None
-                ranks_.append(_Popened(path, args, env, r, logs, group))
+                ranks_.append(_Popened(path, args, {**env, **own}, r, logs, group))
         else:
-            child, ranks_ = _forked(path, args, env, ranks, logs, new_group)
+            child, ranks_ = _forked(path, args, env, each, logs, new_group)
         try:
             out = _wait(ranks_, script, timeout)
         finally:  # nothing of the call outlives it, whatever ended it
@@ -129,6 +134,11 @@ def run_ranks(
                     os.kill(child, signal.SIGKILL)
     del server
     return out
+
+
+def _rank_env(r: int, per_node: int) -> dict[str, str]:
+    """What ``torchrun`` sets apart for global rank ``r`` of nodes of ``per_node`` ranks."""
+    return dict(RANK=str(r), ROLE_RANK=str(r), LOCAL_RANK=str(r % per_node), GROUP_RANK=str(r // per_node))
 
 
 class _Rank:
@@ -155,7 +165,7 @@ class _Popened(_Rank):
         with open(self.err, "w") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, path, *args],
-                env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=err,
                 process_group=group,
@@ -207,12 +217,12 @@ def _zygote(env: dict) -> subprocess.Popen:
 
 
 def _forked(
-    path: str, args: tuple[str, ...], env: dict, ranks: int, logs: str, new_group: bool
+    path: str, args: tuple[str, ...], env: dict, each: list[dict[str, str]], logs: str, new_group: bool
 ) -> tuple[int, list[_Rank]]:
     """The ranks forked by ``rank_zygote.py``, which has imported what they import (seconds a rank) once;
     the first is the call's own child there, which writes the ranks' ends."""
     zygote = _zygote(env)
-    call = dict(logs=logs, ranks=ranks, script=path, args=args, env=env, new_group=new_group)
+    call = dict(logs=logs, ranks=each, script=path, args=args, env=env, new_group=new_group)
     zygote.stdin.write(json.dumps(call) + "\n")  # type: ignore[union-attr]
     zygote.stdin.flush()  # type: ignore[union-attr]
     pids, failed = os.path.join(logs, "pids"), os.path.join(logs, "failed")

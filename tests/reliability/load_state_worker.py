@@ -1,4 +1,4 @@
-"""Run by ``torchrun`` in ``test_checkpoint_faults.py``: an ElixirAccelerator loop on 2 gloo
+"""Run as ranks of a job (``launch.run_ranks``) by ``test_checkpoint_faults.py``: an ElixirAccelerator loop on 2 gloo
 ranks saves its state, rank 0 deletes rank 1's optimizer file, and both ranks load the state.
 Each rank writes what ``load_state`` raised to ``<out>/rank{r}.txt``."""
 

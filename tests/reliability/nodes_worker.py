@@ -1,9 +1,9 @@
 """One rank of a 2-rank ElixirTrainer job (6 steps, a checkpoint every 2), run by
-``test_multinode.py`` under ``torchrun`` as 2 nodes x 1 rank or 1 node x 2 ranks on one machine:
-``argv[1]`` this node's output folder, ``argv[2]`` a checkpoint to resume from (``-``: none,
-``last``: ``resume_from_checkpoint=True``),
-``argv[3]`` ``node-local`` (``save_on_each_node``) or ``shared``; ``argv[4]`` ``final``: then the model is
-saved to ``final/`` and ``main`` returns, as ``run_clm.py`` ends (``test_multinode.py``'s clean exit)."""
+``test_multinode.py`` as 1 node x 2 ranks (under ``torchrun``) or 2 nodes x 1 rank on one machine:
+``argv[1]`` ``node-local`` (``save_on_each_node``) or ``shared``; ``argv[2]`` ``final``: then the model is
+saved to ``final/`` and ``main`` returns, as ``run_clm.py`` ends (``test_multinode.py``'s clean exit),
+``-``: not; then per node (``GROUP_RANK``) its output folder and a checkpoint to resume from (``-``:
+none, ``last``: ``resume_from_checkpoint=True``)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ sys.path[:0] = [
 from hf_cases import OFFLOAD_PLAN, make_trainer, training_args  # noqa: E402
 
 
-def main(out: str, resume: str, disks: str, *final: str) -> None:
+def main(disks: str, final: str, *nodes: str) -> None:
+    node = int(os.environ["GROUP_RANK"])
+    out, resume = nodes[2 * node : 2 * node + 2]
     args = training_args(
         out,
         OFFLOAD_PLAN,
@@ -32,7 +34,7 @@ def main(out: str, resume: str, disks: str, *final: str) -> None:
     )
     trainer = make_trainer("gpt2", args, n_train=64)
     trainer.train(resume_from_checkpoint={"-": None, "last": True}.get(resume, resume))
-    if final:
+    if final == "final":
         trainer.save_model(f"{out}/final")
 
 

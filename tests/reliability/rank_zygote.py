@@ -1,7 +1,8 @@
 """Started once per test process by ``launch.run_ranks`` on the CPU: imports what the workers import
 (torch, transformers, Accelerate, elixir_hf's Trainer; 7 s of CPU per process on the 2-core test host)
 once, then serves the calls it reads on stdin until that closes (the test process has ended). Each call
-is a JSON line ``{"logs", "ranks", "script", "args", "env", "new_group"}``: a child forked for it takes
+is a JSON line ``{"logs", "ranks", "script", "args", "env", "new_group"}`` (``ranks``: each rank's own
+variables, ``RANK``, ``LOCAL_RANK``, ...): a child forked for it takes
 the call's environment (and, with ``new_group``, a process group of its own) and forks each rank, which
 runs the worker script as ``__main__`` and ends as a process of its own would (its atexit handlers, its
 exit status). Each of these processes dies with the one that started it (``helpers.lifetime``).
@@ -45,12 +46,13 @@ def _write(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def rank(r: int, logs: str, script: str, args: list[str]) -> None:
-    """In the forked child: rank ``r``'s environment and stderr, then the script as ``__main__``."""
+def rank(r: int, own: dict[str, str], logs: str, script: str, args: list[str]) -> None:
+    """In the forked child: rank ``r``'s environment (``own`` over the call's) and stderr, then the script
+    as ``__main__``."""
     die_with_parent()  # the call's child, which outlives its ranks unless the run is interrupted
     for s in SIGNALS:
         signal.signal(s, signal.SIG_DFL)
-    os.environ.update(RANK=str(r), LOCAL_RANK=str(r))
+    os.environ.update(own)
     err = os.open(os.path.join(logs, f"rank{r}.err"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(err, 2)
     sys.argv = [script, *args]
@@ -58,17 +60,17 @@ def rank(r: int, logs: str, script: str, args: list[str]) -> None:
     sys.exit(0)  # the interpreter's own end: atexit handlers, as a process started for the script runs them
 
 
-def call(logs: str, ranks: int, script: str, args: list[str]) -> None:
+def call(logs: str, ranks: list[dict[str, str]], script: str, args: list[str]) -> None:
     """In a call's child: fork the ranks, then write each one's end as it ends."""
     for s in SIGNALS:
         signal.signal(s, signal.SIG_IGN)
     pids = {}
-    for r in range(ranks):
+    for r, own in enumerate(ranks):
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            rank(r, logs, script, args)  # never returns
+            rank(r, own, logs, script, args)  # never returns
         pids[pid] = r
     _write(os.path.join(logs, "pids"), "\n".join(str(p) for p in [os.getpid(), *pids]))
     while pids:

@@ -1,4 +1,4 @@
-"""Run by ``torchrun`` in ``test_resume_change.py``: the multi-rank halves of the
+"""Run as ranks of a job (``launch.run_ranks``) by ``test_resume_change.py``: the multi-rank halves of the
 resume-across-change runs, on gloo. ``argv[1]``: the output folder; ``argv[2]``: a checkpoint to
 resume (``RUN`` steps, saved at ``SAVE_AT``), of a 1-rank run on 2 ranks, of a 2-rank run on 4.
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_cases import OFFLOAD_PLAN, history, make_trainer, training_args
-from launch import run_ranks, run_script
+from launch import assert_clean_exits, run_ranks, run_script
 from save_worker import trainer as killed_run
 
 import elixir_hf.checkpoint.format
@@ -209,8 +209,7 @@ def test_save_only_model_resumes_weights_only_as_the_stock_trainer(tmp_path) -> 
 # ------------------------------------------------------------------ ElixirAccelerator, 2 ranks
 def test_load_state_with_a_missing_shard_fails_on_every_rank(tmp_path) -> None:
     """Measured before: rank 1 went on silently with a fresh Adam state, and the losses diverged."""
-    proc = run_script("load_state_worker.py", str(tmp_path), ranks=2)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_clean_exits(run_ranks("load_state_worker.py", str(tmp_path)))
     for rank in (0, 1):
         outcome = (tmp_path / f"rank{rank}.txt").read_text()
         assert outcome.startswith("CheckpointError: verifying checkpoint"), outcome

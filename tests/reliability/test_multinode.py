@@ -1,62 +1,33 @@
-"""Checkpoints of a job on 2 nodes, simulated on one machine (``torchrun --nnodes 2`` twice, one
-rank per node, gloo): with a disk per node (``save_on_each_node``) every node's checkpoint holds
+"""Checkpoints of a job on 2 nodes, simulated on one machine (one rank per node, gloo, with the
+environment ``torchrun --nnodes 2`` gives each: ``launch.run_ranks``): with a disk per node (``save_on_each_node``) every node's checkpoint holds
 what its ranks need to resume (weights, config, plan, its ranks' optimizer shards, scheduler,
 trainer state, RNG) and a marker of its own; on a shared disk, one marker by the main process.
-Both resume, and every run logs the losses of the same job on 1 node x 2 ranks, bit for bit."""
+Both resume, and every run logs the losses of the same job on 1 node x 2 ranks (under ``torchrun``),
+bit for bit."""
 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from launch import LONG, assert_clean_exits
+from launch import LONG, assert_clean_exits, run_ranks, run_script
 
 from elixir_hf.checkpoint.format import MARKER_NAME, NOTE_NAME, OPTIM_INDEX, PLAN_NAME
 from elixir_hf.checkpoint.optimizer_files import optim_file_name
 
-WORKER = Path(__file__).with_name("nodes_worker.py")
-
-
-def _env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join(sys.path)}
-    env.pop("ELIXIR_CONFIG", None)
-    return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+WORKER = "nodes_worker.py"
 
 
 def _two_nodes(folders: list[Path], resume: list[str], disks: str, ok: bool = True) -> list[str]:
     """Node ``i`` (one rank, global rank ``i``) writes to ``folders[i]`` and resumes from ``resume[i]``;
-    each node's output."""
-    port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                *("-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1"),
-                *("--master_addr", "127.0.0.1", "--master_port", str(port)),
-                *(str(WORKER), str(folders[node]), resume[node], disks),
-            ],
-            env=_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for node in range(2)
-    ]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    for node, (p, out) in enumerate(zip(procs, outs)):
-        assert (p.returncode == 0) == ok, f"node {node}:\n{out[-4000:]}"
-    return outs
+    each node's stderr."""
+    nodes = [str(a) for pair in zip(folders, resume) for a in pair]
+    ends = run_ranks(WORKER, disks, "-", *nodes, ranks=2, nodes=2)
+    for node, end in enumerate(ends):
+        assert (end.returncode == 0) == ok, f"node {node}:\n{end.stderr[-4000:]}"
+    return [end.stderr for end in ends]
 
 
 def _losses(folder: Path) -> list[float]:
@@ -65,14 +36,7 @@ def _losses(folder: Path) -> list[float]:
 
 
 def _one_node(out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-        + [str(WORKER), str(out), "-", "shared", "final"],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_script(WORKER, "shared", "final", str(out), "-", ranks=2)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_cases import OFFLOAD_PLAN
-from launch import run_script
+from launch import assert_clean_exits, run_ranks
 from resume_worker import OTHER_PLAN, RUN, SAVE_AT, trainer
 from safetensors.torch import load_file
 
@@ -44,8 +44,7 @@ def runs(tmp_path_factory) -> Path:
     """The straight 1-rank run (here) and the 2-rank runs (``resume_worker.py``)."""
     out = tmp_path_factory.mktemp("resume")
     trainer(str(out / "one"), OFFLOAD_PLAN, 1).train()
-    proc = run_script("resume_worker.py", str(out), str(out / "one" / f"checkpoint-{SAVE_AT}"), ranks=2)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert_clean_exits(run_ranks("resume_worker.py", str(out), str(out / "one" / f"checkpoint-{SAVE_AT}")))
     return out
 
 
@@ -67,8 +66,7 @@ def test_one_rank_to_two_with_another_plan(runs) -> None:
 def test_two_ranks_to_four_with_another_plan(runs) -> None:
     """2 → 4 ranks (1 sample per rank × 2 micro-batches: the same global batches)."""
     ckpt = runs / "two" / f"checkpoint-{SAVE_AT}"
-    proc = run_script("resume_worker.py", str(runs), str(ckpt), ranks=4)
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert_clean_exits(run_ranks("resume_worker.py", str(runs), str(ckpt), ranks=4))
     assert drift(runs / "two_to_four", runs / "two") < TOLERANCE
 
 

@@ -29,7 +29,8 @@ from ..host import size_text as gib
 from ..profiler.profile import ModelProfile
 from ..progress import track
 from ..units import ParamTable
-from .access import access_trace, unit_work
+from .access import AccessTrace, access_trace, unit_work
+from .belady import MissTable
 from .budget import Budget
 from .candidates import chunk_size_candidates
 from .memory import ArenaBytes, GradWindow, grad_window
@@ -37,7 +38,7 @@ from .placement import Placement, best_placement, offloaded_chunks
 from .report import Alternative, Candidate, RateSummary, SearchReport
 from .step_time import StepModel
 
-__all__ = ["SearchSettings", "SearchResult", "search", "resident_chunks"]
+__all__ = ["Layouts", "SearchSettings", "SearchResult", "search", "resident_chunks"]
 
 
 SERIAL_TIE = 0.01
@@ -121,34 +122,31 @@ class _Evaluated:
 
 
 def search(
-    table: ParamTable, profile: ModelProfile, hardware: HardwareProfile, budget: Budget, settings: SearchSettings
+    table: ParamTable,
+    profile: ModelProfile,
+    hardware: HardwareProfile,
+    budget: Budget,
+    settings: SearchSettings,
+    *,
+    layouts: Layouts | None = None,
 ) -> SearchResult:
+    """``layouts``: the layouts of ``table`` for ``profile`` already built by another search of them (a plan's
+    searches share them: ``Layouts``)."""
     start = time.perf_counter()
     rates = hardware.rates(settings.world_size, settings.busbw, budget.ranks_per_host, settings.config.state)
-    if settings.config.chunk_size is not None:
-        sizes = [settings.config.chunk_size]
-    else:
-        unit_numels = [
-            sum(round_up(p.numel(), settings.config.layout_alignment) for p in u.params) for u in table.units
-        ]
-        sizes = chunk_size_candidates(
-            [p.numel() for p in table.params],
-            table.private,
-            unit_numels,
-            world_size=settings.world_size,
-            alignment=settings.config.layout_alignment,
-        )
-    work = _unit_work(table)
+    layouts = layouts or Layouts(table, profile)
+    assert layouts.table is table and layouts.profile is profile, "layouts of this table and profile"
+    sizes = [settings.config.chunk_size] if settings.config.chunk_size is not None else layouts.sizes(settings)
     backward = profile.backward if settings.grads_share_activations else []
     window = grad_window(budget.activations, backward, budget.f_alloc, budget.f_frag, settings.micro_batches)
     evaluated = [
-        _evaluate(c, table, profile, rates, budget, settings, window, work)
+        _evaluate(c, table, profile, rates, budget, settings, window, layouts)
         for c in track(sizes, "elixir: searching chunk sizes", unit="size")
     ]
     fitting = [(e, e.placement) for e in evaluated if e.placement is not None]
     if not fitting and settings.device_lane and settings.config.device_assisted_update == "auto":
         # the lane's staging buffers may be what does not fit: without it, the CPU alone
-        result = search(table, profile, hardware, budget, replace(settings, device_lane=False))
+        result = search(table, profile, hardware, budget, replace(settings, device_lane=False), layouts=layouts)
         return result.noted("device update lane off: with its staging buffers no plan fits the GPU")
     if not fitting:
         fewest = min(e.min_blocks for e in evaluated)
@@ -169,7 +167,7 @@ def search(
     if settings.device_lane and settings.config.device_assisted_update == "auto":
         # The lane takes link bandwidth the CPU update needs (its rate under copies, not alone)
         # and staging memory: it is kept only where the predicted step says it pays.
-        alone = search(table, profile, hardware, budget, replace(settings, device_lane=False))
+        alone = search(table, profile, hardware, budget, replace(settings, device_lane=False), layouts=layouts)
         if alone.placement.time.total <= p.time.total:
             return alone.noted(
                 f"device update lane off: predicted step {alone.placement.time.total:.3f} s without it, "
@@ -213,10 +211,63 @@ def resident_chunks(
     return units, held, layout.chunks_of([i for i, r in enumerate(table.resident) if r])
 
 
-def _unit_work(table: ParamTable) -> dict[str, float]:
-    """Parameter elements each unit computes with (``access.unit_work``): its share of the forward
-    compute the profile does not place between events."""
-    return {u.name: float(unit_work(u.module, u.params)) for u in table.units}
+@dataclass(frozen=True)
+class _Shaped:
+    """A layout of the table and what of it depends on nothing but the profiled step."""
+
+    layout: ChunkLayout
+    min_blocks: int
+    max_blocks: int
+    root: tuple[int, ...]
+    """The chunks the root's pre-forward acquires (``resident_chunks``)."""
+    trace: AccessTrace
+    misses: MissTable
+
+
+class Layouts:
+    """The layouts of one table, with their rCache bounds, access traces and Belady misses, for one profiled
+    step, by world size, alignment and chunk size: built once and shared by every search of them (a plan's
+    activation tiers, moments, with and without the update lane), which differ in what they price only."""
+
+    def __init__(self, table: ParamTable, profile: ModelProfile) -> None:
+        self.table, self.profile = table, profile
+        self._work: dict[str, float] | None = None
+        self._shaped: dict[tuple[int, int, int], _Shaped] = {}
+
+    def sizes(self, settings: SearchSettings) -> list[int]:
+        """The candidate chunk sizes (``chunk_size_candidates``) for ``settings``' world size and alignment."""
+        table, alignment = self.table, settings.config.layout_alignment
+        unit_numels = [sum(round_up(p.numel(), alignment) for p in u.params) for u in table.units]
+        params = [p.numel() for p in table.params]
+        return chunk_size_candidates(
+            params, table.private, unit_numels, world_size=settings.world_size, alignment=alignment
+        )
+
+    def of(self, chunk_size: int, world_size: int, alignment: int) -> _Shaped:
+        key = (chunk_size, world_size, alignment)
+        if key not in self._shaped:
+            self._shaped[key] = self._shape(chunk_size, world_size, alignment)
+        return self._shaped[key]
+
+    def _shape(self, chunk_size: int, world_size: int, alignment: int) -> _Shaped:
+        table, profile = self.table, self.profile
+        layout = build_layout(
+            table.params,
+            table.names,
+            table.groups,
+            table.private,
+            world_size=world_size,
+            chunk_size=chunk_size,
+            alignment=alignment,
+        )
+        units, regions, root = resident_chunks(layout, table, [r.params for r in profile.ac_regions])
+        lo, hi = layout.block_bounds([*units, *regions])
+        private = {c.index for c in layout.chunks if c.private}
+        if self._work is None:  # parameter elements each unit computes with (``access.unit_work``)
+            self._work = {u.name: float(unit_work(u.module, u.params)) for u in table.units}
+        unit_chunks = {u.name: cs for u, cs in zip(table.units, units)}
+        trace = access_trace(profile.unit_events, unit_chunks, private, self._work)
+        return _Shaped(layout, lo, hi, root, trace, MissTable(trace.groups, trace.phases, len(layout.chunks)))
 
 
 def _evaluate(
@@ -227,35 +278,24 @@ def _evaluate(
     budget: Budget,
     settings: SearchSettings,
     window: GradWindow | None = None,
-    work: dict[str, float] | None = None,
+    layouts: Layouts | None = None,
 ) -> _Evaluated:
-    layout = build_layout(
-        table.params,
-        table.names,
-        table.groups,
-        table.private,
-        world_size=settings.world_size,
-        chunk_size=chunk_size,
-        alignment=settings.config.layout_alignment,
-    )
-    units, regions, root = resident_chunks(layout, table, [r.params for r in profile.ac_regions])
-    lo, hi = layout.block_bounds([*units, *regions])
-    private = {c.index for c in layout.chunks if c.private}
-    unit_chunks = {u.name: cs for u, cs in zip(table.units, units)}
-    trace = access_trace(profile.unit_events, unit_chunks, private, work if work is not None else _unit_work(table))
+    shaped = (layouts or Layouts(table, profile)).of(chunk_size, settings.world_size, settings.config.layout_alignment)
+    layout, lo, hi = shaped.layout, shaped.min_blocks, shaped.max_blocks
     model = StepModel(
         layout,
-        trace,
+        shaped.trace,
         profile.compute,
         rates,
         settings.dtype,
         min_blocks=lo,
-        root=root,
+        root=shaped.root,
         prefetch=settings.config.prefetch,
         micro_batches=settings.micro_batches,
         clips_grads=settings.clips_grads,
         device_lane=settings.device_lane,
         state=settings.config.state,
+        misses=shaped.misses,
     )
     mem = ArenaBytes(
         layout,

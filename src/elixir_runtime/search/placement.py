@@ -59,21 +59,21 @@ def _savings(
     blocks: int,
     uploaded: int,
     max_blocks: int,
-    seen: dict[tuple[int, int], float] | None = None,
+    seen: dict[int, np.ndarray] | None = None,
 ) -> tuple[float, float]:
-    """I(n) and J(n) at ``blocks`` and ``uploaded``; ``seen``: ``model.linear`` by (blocks, uploaded), kept
+    """I(n) and J(n) at ``blocks`` and ``uploaded``; ``seen``: ``model.linear_uploaded`` by blocks, kept
     across the calls of one path (each step's point was a neighbour of the one before)."""
     seen = {} if seen is None else seen
 
-    def linear(b: int, u: int) -> float:
-        if (b, u) not in seen:
-            seen[b, u] = model.linear(b, _mask(model.k, u))
-        return seen[b, u]
+    def linear(b: int) -> np.ndarray:
+        if b not in seen:
+            seen[b] = model.linear_uploaded(b)
+        return seen[b]
 
-    here = linear(blocks, uploaded)
-    i = (here - linear(blocks + 1, uploaded)) / mem.buffer if blocks < max_blocks else -np.inf
+    here = linear(blocks)[uploaded]
+    i = (here - linear(blocks + 1)[uploaded]) / mem.buffer if blocks < max_blocks else -np.inf
     j = (
-        (here - linear(blocks, uploaded + 1)) / max(1, int(mem.device_arena[uploaded]))
+        (here - linear(blocks)[uploaded + 1]) / max(1, int(mem.device_arena[uploaded]))
         if uploaded < model.k
         else -np.inf
     )
@@ -84,7 +84,7 @@ def greedy_path(model: StepModel, mem: ArenaBytes, min_blocks: int, max_blocks: 
     """``{chunks uploaded: rCache blocks when that many were}`` along the I/J greedy path."""
     blocks, uploaded = min_blocks, 0
     path = {0: blocks}
-    seen: dict[tuple[int, int], float] = {}
+    seen: dict[int, np.ndarray] = {}
     while blocks < max_blocks or uploaded < model.k:
         i, j = _savings(model, mem, blocks, uploaded, max_blocks, seen)
         if j >= i:

@@ -147,8 +147,10 @@ class StepModel:
         clips_grads: bool = True,
         device_lane: bool = False,
         state: AdamState,
+        misses: MissTable | None = None,
     ) -> None:
-        """``state``: the optimizer state of a trainable element (``rates`` are its kernels')."""
+        """``state``: the optimizer state of a trainable element (``rates`` are its kernels'); ``misses``:
+        ``trace``'s, where another model of the layout has them (``MissTable(trace.groups, trace.phases, k)``)."""
         self.layout, self.rates = layout, rates
         self.min_blocks, self.prefetch, self.micro = min_blocks, prefetch, micro_batches
         self.clips_grads = clips_grads
@@ -193,7 +195,7 @@ class StepModel:
         self.elements = np.array([layout.shard_numel(c) if c.trainable else 0 for c in chunks], dtype=np.float64)
         self.coll_known = n == 1 or rates.busbw is not None
         self.coll = self.full * (n - 1) / n / rates.busbw if n > 1 and rates.busbw else np.zeros(self.k)
-        self.table = MissTable(trace.groups, trace.phases, self.k)
+        self.table = misses or MissTable(trace.groups, trace.phases, self.k)
         self.private_gathers = (self.private & self.trainable).astype(np.float64)
         self.compute = compute
         self.roofline = {phase: roofline(cost, rates) for phase, cost in compute.items()}
@@ -279,20 +281,30 @@ class StepModel:
         m[FWD] += self.private_gathers
         return m
 
+    def _linear_parts(self, n_blocks: int, host_only: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Each chunk's share of ``linear`` on the device and offloaded."""
+        m = self.misses(n_blocks)
+        r, gathers = self.rates, m[FWD] + m[BWD]
+        over = self.shard * (gathers / r.h2d + self.trainable / r.d2h)  # its uploads and gradient offload
+        offloaded = self.micro * over + self.elements / (self.cpu_rate + self.lane_rate)
+        on_device = self.elements / r.gpu_adam
+        if not host_only:
+            up, down = self.copy_seconds[True] + self.coll, (self.copy_seconds[False] + self.coll) * self.trainable
+            offloaded = offloaded + self.micro * (gathers * self.coll + self.coll * self.trainable)
+            on_device = on_device + self.micro * (gathers * up + down)
+        return on_device, offloaded
+
     def linear(self, n_blocks: int, on_device: np.ndarray, host_only: bool = False) -> float:
         """Every transfer and update back to back: the total the I(n)/J(n) comparison reduces.
         ``host_only``: only the host's part (the links to offloaded chunks' arenas, the updates)."""
-        m = self.misses(n_blocks)
-        r = self.rates
-        up = 0.0 if host_only else self._device_copy(on_device) + self.coll
-        down = 0.0 if host_only else self._device_copy(on_device, gather=False) + self.coll
-        gather = self._host_link(on_device, r.h2d) + up
-        reduce = (self._host_link(on_device, r.d2h) + down) * self.trainable
-        host = ~on_device
-        adam = (self.elements[on_device].sum() / r.gpu_adam) + (
-            self.elements[host].sum() / (self.cpu_rate + self.lane_rate)
-        )
-        return self.micro * (float((m[FWD] + m[BWD]) @ gather) + float(reduce.sum())) + float(adam)
+        on, off = self._linear_parts(n_blocks, host_only)
+        return float(np.where(on_device, on, off).sum())
+
+    def linear_uploaded(self, n_blocks: int) -> np.ndarray:
+        """``[k + 1]``: ``linear`` with the first ``u`` chunks on the device, for every ``u`` (the greedy
+        path's points: ``placement.greedy_path``)."""
+        on, off = self._linear_parts(n_blocks, host_only=False)
+        return np.concatenate(([0.0], np.cumsum(on))) + np.concatenate((np.cumsum(off[::-1])[::-1], [0.0]))
 
     def _computes(self, m: np.ndarray, trainable_host: np.ndarray) -> tuple[float, float]:
         """Forward and backward compute seconds with the ops of these misses and offloaded chunks."""

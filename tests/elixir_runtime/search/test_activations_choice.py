@@ -13,6 +13,7 @@ from search_cases import GIB, gpu_host, model_state_bytes
 
 import elixir_runtime as er
 import elixir_runtime.planner as planner
+import elixir_runtime.search.loop as loop
 from elixir_runtime.config import ConfigError
 from elixir_runtime.plan_view import plan_table
 from elixir_runtime.profiler.profile import ModelProfile
@@ -86,3 +87,18 @@ def test_bad_tiers_are_refused_at_planning() -> None:
         _plan(_model(ac=False), activations="host")
     with pytest.raises(ConfigError, match="activations"):
         er.ElixirConfig(activations="cpu")  # type: ignore[arg-type]
+
+
+def test_a_plan_s_searches_lay_out_each_chunk_size_once(monkeypatch) -> None:
+    """Both tiers (and the moments priced beside them) are searched on the same layouts (``loop.Layouts``):
+    each chunk size (of an alignment: 8-bit moments align to their blocks) is laid out, traced and simulated
+    once per plan."""
+    built, searched = [], []
+    build, search = loop.build_layout, planner.search
+    monkeypatch.setattr(
+        loop, "build_layout", lambda *a, **kw: built.append((kw["chunk_size"], kw["alignment"])) or build(*a, **kw)
+    )
+    monkeypatch.setattr(planner, "search", lambda *a, **kw: searched.append(a[3]) or search(*a, **kw))
+    plan = _plan(_model()).plan
+    assert len(searched) >= 2 and {b.host_activations for b in searched} == {0, plan.profile.held_inputs}
+    assert built and sorted(built) == sorted(set(built))

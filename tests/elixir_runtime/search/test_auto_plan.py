@@ -100,10 +100,10 @@ def test_clips_grads_reaches_the_search(monkeypatch) -> None:
     seen = []
     real = planner.search
 
-    def spy(table, profile, hardware, budget, settings):
+    def spy(table, profile, hardware, budget, settings, **kwargs):
         if settings.config.moments == "fp32":  # not the 8-bit search the planner prices beside it
             seen.append(settings.clips_grads)
-        return real(table, profile, hardware, budget, settings)
+        return real(table, profile, hardware, budget, settings, **kwargs)
 
     monkeypatch.setattr(planner, "search", spy)
     units = find_units(model, None)
@@ -135,10 +135,10 @@ def _plan_on_two_ranks(rank: int, world: int) -> tuple:
     planner.job_hardware = lambda coll, device, cpu_threads=None, state=None: gpu_host(gpus=2)
     seen, real = [], planner.search
 
-    def spy(table, profile, hardware, budget, settings):
+    def spy(table, profile, hardware, budget, settings, **kwargs):
         if settings.config.moments == "fp32":  # not the 8-bit search the planner prices beside it
             seen.append(settings.busbw)
-        return real(table, profile, hardware, budget, settings)
+        return real(table, profile, hardware, budget, settings, **kwargs)
 
     planner.search = spy
     units = find_units(model, None)

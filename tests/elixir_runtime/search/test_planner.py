@@ -89,8 +89,8 @@ def test_a_searched_plan_carries_the_layout_the_search_built(monkeypatch) -> Non
     results = []
     real = planner.search
 
-    def spy(*args):
-        result = real(*args)
+    def spy(*args, **kwargs):
+        result = real(*args, **kwargs)
         if args[4].config.moments == "fp32":  # not the 8-bit search the planner prices beside it
             results.append(result)
         return result
@@ -134,7 +134,7 @@ def test_a_job_prices_its_gemms_at_their_shapes_timed_on_its_device(monkeypatch,
     profiles = []
     real = planner.search
     monkeypatch.setattr(
-        planner, "search", lambda table, profile, *a: profiles.append(profile) or real(table, profile, *a)
+        planner, "search", lambda table, profile, *a, **kw: profiles.append(profile) or real(table, profile, *a, **kw)
     )
     plan = _search_on_cpu(tiny_llama(n_layer=2, n_embd=64), make_batch(128)).plan
     shapes = {c for c in profiles[0].flop_classes if gemm_shape(c)}

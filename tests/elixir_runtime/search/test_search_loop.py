@@ -393,3 +393,23 @@ def test_impossible_explicit_choices_fail_with_the_fix(gpt2) -> None:
         search(table, profile, gpu_host(), budget, _settings(n_blocks=1))
     with pytest.raises(PlanError, match="offload names chunks"):
         search(table, profile, gpu_host(), budget, _settings(offload=[0, 10_000]))
+
+
+def test_the_greedy_path_prices_its_points_as_linear_does(gpt2) -> None:
+    """``StepModel.linear_uploaded`` (every point of the path at once, by prefix sums) is ``linear`` at each
+    point, and ``linear`` is its transfers and updates back to back: all on the device, all offloaded."""
+    model, table, profile = gpt2
+    budget, settings = _budget(profile, _capacities(model, profile)[-1], ranks=2), _settings(world_size=2)
+    m = _evaluate(16384, table, profile, gpu_host(2).rates(2, 5e8, 2), budget, settings).model
+    assert m.coll.any()  # the collectives enter too
+    for b in (m.min_blocks, m.min_blocks + 1, m.k):
+        points = m.linear_uploaded(b)
+        for u in range(m.k + 1):
+            on_device = np.arange(m.k) < u
+            assert points[u] == pytest.approx(m.linear(b, on_device), rel=1e-12), (b, u)
+        misses = m.misses(b).sum(axis=0)
+        r, tr = m.rates, m.trainable
+        device = misses @ (m.copy_seconds[True] + m.coll) + ((m.copy_seconds[False] + m.coll) * tr).sum()
+        host = misses @ (m.shard / r.h2d + m.coll) + ((m.shard / r.d2h + m.coll) * tr).sum()
+        assert points[-1] == pytest.approx(m.micro * device + m.elements.sum() / r.gpu_adam, rel=1e-12)
+        assert points[0] == pytest.approx(m.micro * host + m.elements.sum() / (m.cpu_rate + m.lane_rate), rel=1e-12)

@@ -47,6 +47,8 @@ from .sizes import parse_size
 if TYPE_CHECKING:
     from elixir_runtime.config import ElixirConfig
 
+    from .report import Profiles
+
 # [Note: --help and --version before torch]
 # Only the standard library and the package's own stdlib-only modules at import (names.py, lora.py):
 # --help and --version answer in a fraction of a second (torch alone takes seconds to import); the
@@ -266,7 +268,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, profiles: Profiles | None = None) -> int:
+    """``elixir-plan ARGV``; its exit code. ``profiles``: steps profiled by earlier calls in this process
+    (``report.plan_report``), for a script that plans one model for many boxes."""
     parser = _parser()
     args = parser.parse_args(argv)
     _output_file(parser, "--plot", args.plot, "plan.png")
@@ -301,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ElixirSpecError as exc:
         parser.error(str(exc))
     try:
-        report = plan_report(args, config, hardware, note)
+        report = plan_report(args, config, hardware, note, profiles)
     except (PlanError, ValueError) as exc:
         code = EXIT_NO_FIT if isinstance(exc, PlanError) else EXIT_INPUT
         message = str(exc) if args.verbose else plain_words(str(exc))

@@ -93,11 +93,21 @@ class PlanReport:
     """What the user should act on before running the plan (said on stderr, and in ``doc``)."""
 
 
+Profiles = dict[tuple[object, ...], ModelProfile]
+"""Profiled steps by what they depend on (``_step_key``): kept across the plans of one process."""
+
+
 def plan_report(
-    args: argparse.Namespace, config: ElixirConfig, hardware: HardwareProfile, hw_note: str = ""
+    args: argparse.Namespace,
+    config: ElixirConfig,
+    hardware: HardwareProfile,
+    hw_note: str = "",
+    profiles: Profiles | None = None,
 ) -> PlanReport:
     """The plan for ``args`` (the parsed command line) and ``config`` (what it asks of the engine) on
-    ``hardware``; ``hw_note``: where the hardware profile comes from when it is not this machine's."""
+    ``hardware``; ``hw_note``: where the hardware profile comes from when it is not this machine's;
+    ``profiles``: the steps already profiled in this process, taken where this plan's is one of them and
+    added to otherwise (plans of one model for many boxes: ``benchmarks.doc_numbers``)."""
     card = args.gpu_mem or hardware.gpu_memory
     _check_cap(args, hardware, card)
     host_bytes, host_source = host_memory(args, hardware)
@@ -123,8 +133,14 @@ def plan_report(
         target = _target(args, hardware, card, host_bytes)
 
         t1 = time.perf_counter()
-        with mask_decisions_of(batch):
-            profile = profile_job(job, exact=args.exact)  # one step's: the same for every config planned below
+        key = _step_key(args, hf_config, config)
+        profile = None if profiles is None else profiles.get(key)
+        if profile is None:
+            with mask_decisions_of(batch):
+                profile = profile_job(job, exact=args.exact)  # one step's: the same for every config planned below
+            if profiles is not None:
+                profiles[key] = profile
+        t2 = time.perf_counter()
 
         def plan_for(cfg: ElixirConfig) -> ElixirPlan:
             with mask_decisions_of(batch):
@@ -140,11 +156,7 @@ def plan_report(
             )
             raise PlanError(f"{exc}{host}{'' if lora else LORA_HINT}") from exc
         assert plan.profile is not None and plan.budget is not None, "plan_model's plan is searched"
-        timings = {
-            "build_s": build_s,
-            "profile_s": plan.profile.seconds,
-            "search_s": time.perf_counter() - t1 - plan.profile.seconds,
-        }
+        timings = {"build_s": build_s, "profile_s": t2 - t1, "search_s": time.perf_counter() - t2}
         accumulated = _accumulated(args, config, plan, plan_for)
     title = _title(args, card, plan.budget)
     text = _text(args, plan, hardware, hw_note, card, host_source, accumulated, trained)
@@ -161,6 +173,13 @@ def plan_report(
     warnings = host_warnings(plan)
     doc["warnings"] = warnings
     return PlanReport(plan, title, text, details, doc, warnings)
+
+
+def _step_key(args: argparse.Namespace, hf_config: PretrainedConfig, config: ElixirConfig) -> tuple[object, ...]:
+    """What a profiled step depends on: the model, its batch and dtype, checkpointing, LoRA, the loss, the
+    units, the tracing; not the card, the host or the number of GPUs."""
+    shape = (args.batch_size, args.seq_len, str(args.dtype), args.ac, repr(lora_of(args)), args.lean_loss)
+    return (hf_config.to_json_string(), *shape, args.exact, repr(config.unit_classes))
 
 
 def _trainable(model: torch.nn.Module) -> int:
