@@ -55,6 +55,21 @@ class Unavailable(RuntimeError):
     """The system cannot be built on this machine at all (e.g. DeepSpeed is not installed)."""
 
 
+def packages(stock: StockTrainer | None, liger: bool) -> list[tuple[str, str]]:
+    """(module, pip name) of each package a Trainer-path system imports beyond the package's own requirements:
+    Liger's kernels (``liger``: ``use_liger_kernel``), its optimizer's (``stock``'s; ``None``: Elixir's own)."""
+    needed = [("liger_kernel", "liger-kernel")] if liger else []
+    return needed + ([(stock.package, stock.package)] if stock is not None and stock.package is not None else [])
+
+
+def not_installed(package: str, why: object) -> str:
+    """An ``unavailable`` row's error: ``package`` missing (``why``), and the fix."""
+    return (
+        f"{package} not installed ({why}): pip install {package}, or on an offline GPU machine the wheels of "
+        "benchmarks/make_fused_wheels.sh"
+    )
+
+
 def on_trainer_path(system: str, flag: bool) -> bool:
     """Whether a ``TrainingArguments`` switch (``--liger``: ``use_liger_kernel``, ``--compile``:
     ``torch_compile``) reaches ``system``: only the Trainer-path systems have those arguments."""

@@ -50,6 +50,8 @@ from .harness import (
     StockTrainer,
     Trainer,
     Unavailable,
+    not_installed,
+    packages,
     plan_summary,
 )
 from .models import Model, build_initialised_in_place, build_meta, materialize
@@ -85,8 +87,8 @@ def hf_trainer(
     ``anatomy``: each step's phases and the engine's update trace in ``info["anatomy"]``
     (``benchmarks.step_anatomy --system elixir_trainer``)."""
     info: dict[str, Any] = {"liger": ctx.liger, "compile": ctx.compile}
-    if ctx.liger:
-        _require("liger_kernel", "liger-kernel", info)
+    for module, package in packages(None if elixir else stock, ctx.liger):
+        _require(module, package, info)
     optimizers: tuple[torch.optim.Optimizer | None, None] = (None, None)
     if elixir:  # on meta on every rank, its init drawn on each rank's shards (elixir_hf.from_config's default)
         dtype = torch.bfloat16
@@ -96,8 +98,6 @@ def hf_trainer(
         )
     else:
         dtype = stock.weights
-        if stock.package is not None:
-            _require(stock.package, stock.package, info)
         # CPUOffloadOptimizer copies the parameters where they train, before the Trainer sees them
         model = materialize(build_meta(p, ctx.seq, dtype), ctx.device if stock.cpu_offload else "cpu", ctx.device)
         info["optimizer"] = f"optim={stock.optim}" if stock.optim else "Trainer default (AdamW)"
@@ -190,10 +190,7 @@ def _require(module: str, package: str, info: dict[str, Any]) -> None:
     try:
         importlib.import_module(module)
     except ImportError as exc:
-        raise Unavailable(
-            f"{package} not installed ({exc}): pip install {package}, or on an offline GPU machine the wheels of "
-            "benchmarks/make_fused_wheels.sh"
-        ) from exc
+        raise Unavailable(not_installed(package, exc)) from exc
     info[package] = importlib.metadata.version(package)
 
 

@@ -22,7 +22,8 @@ sets ``torch_compile=True`` in the same systems (``compile``; Elixir's ``elixir/
 
 Each system runs in its own worker process (torchrun for several GPUs), so an OOM, a hang or a
 host OOM-kill of one cannot take down the others; a worker past ``--worker-timeout`` is killed
-and reported as such. Elixir gets one worker per batch size, because its auto plan is made for
+and reported as such; a system whose package is not installed (``harness.packages``) is an n/a row
+without one. Elixir gets one worker per batch size, because its auto plan is made for
 the batch it is prepared with. Results are merged into ``--out`` after every worker, so a call
 cut short keeps what finished; the markdown table and chart are written at the end.
 """
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import importlib.util
 import os
 import shlex
 import signal
@@ -45,7 +47,15 @@ from elixir_hf.presets import canonical_name
 
 from . import report
 from ._worker import clip_fields
-from .harness import MAX_GRAD_NORM, SYSTEMS, TRAINER_SYSTEMS, on_trainer_path
+from .harness import (
+    MAX_GRAD_NORM,
+    STOCK_TRAINERS,
+    SYSTEMS,
+    TRAINER_SYSTEMS,
+    not_installed,
+    on_trainer_path,
+    packages,
+)
 from .models import DECODER_PRESETS, PRESETS, param_count, preset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -176,17 +186,29 @@ def failure(rc: int | None, tail: list[str], timeout_s: float) -> tuple[str, str
     return "crashed", f"worker exit {rc}{hint}: {last}"[:400]
 
 
+def _absent(system: str, liger: bool) -> str | None:
+    """Why ``system`` cannot run for a package not installed (found before a worker is started for it)."""
+    needed = packages(STOCK_TRAINERS.get(system), on_trainer_path(system, liger))
+    gone = [package for module, package in needed if importlib.util.find_spec(module) is None]
+    return not_installed(gone[0], "not found") if gone else None
+
+
 def run_system(
     args: argparse.Namespace, system: str, model: str, gpu: dict[str, Any], env: dict[str, str]
 ) -> list[dict]:
     """Records of one system on one model for every batch size, failures included."""
     groups = [[b] for b in args.batch_sizes] if system in PER_BATCH_SYSTEMS else [args.batch_sizes]
+    absent = _absent(system, args.liger)
     records: list[dict] = []
     for group in groups:
-        rc, got, tail = run_worker(worker_command(args, system, model, group), env, args.worker_timeout)
+        rc, got, tail = (
+            (None, [], [])
+            if absent
+            else run_worker(worker_command(args, system, model, group), env, args.worker_timeout)
+        )
         missing = [b for b in group if b not in {r["batch"] for r in got}]
         if missing:
-            status, error = failure(rc, tail, args.worker_timeout)
+            status, error = ("unavailable", absent) if absent else failure(rc, tail, args.worker_timeout)
             seq = args.seqs[model]
             params = param_count(preset(model), seq)
             got += [

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import report
+from benchmarks import report, throughput
 from benchmarks._worker import combine
 from benchmarks.models import PRESETS, SEQ, VOCAB, attention_flops_per_token, build_meta, count_params, preset
 from benchmarks.throughput import failure
@@ -273,3 +273,17 @@ def test_cpu_run_reports_a_missing_package_as_its_row(tmp_path: Path) -> None:
     for system, package in (("trainer_lossy", "bitsandbytes"), ("torchao_offload", "torchao")):
         assert runs[system]["status"] == "unavailable" and f"pip install {package}" in runs[system]["error"], runs
     assert "make_fused_wheels.sh" in (tmp_path / "benchmarks.md").read_text()
+
+
+def test_a_system_whose_package_is_missing_starts_no_worker(monkeypatch) -> None:
+    """Its rows are n/a at once, naming the fix; a system with its packages gets a worker per batch size."""
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    started: list[list[str]] = []
+    monkeypatch.setattr(throughput, "run_worker", lambda cmd, env, timeout: started.append(cmd) or (0, [], []))
+    args = throughput.parse_args(["--model", "tiny", "--batch-sizes", "2,4", "--device", "cpu"])
+    cpu = {"card": "cpu", "driver": None, "gpu_total_GiB": 0.0}
+    rows = throughput.run_system(args, "torchao_offload", "tiny", cpu, {})
+    assert not started and [r["batch"] for r in rows] == [2, 4]
+    assert all(r["status"] == "unavailable" and "pip install torchao" in r["error"] for r in rows), rows
+    throughput.run_system(args, "trainer", "tiny", cpu, {})
+    assert [cmd[cmd.index("--batch-sizes") + 1] for cmd in started] == ["2", "4"]
