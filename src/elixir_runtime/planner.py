@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from .adam_state import Moments
-from .chunk.layout import ChunkLayout, build_layout
 from .config import ElixirConfig, PlanError, PlanMismatch, Where
 from .distributed.collectives import Collectives
 from .gpu_limit import device_capacity, process_limit
@@ -42,7 +41,7 @@ from .profiler.trace import trace_unit_order
 from .progress import progress
 from .runtime.batch_guard import token_shape
 from .search.budget import F_FRAG, Budget
-from .search.loop import Layouts, SearchResult, SearchSettings, search
+from .search.loop import Layouts, SearchResult, SearchSettings, search, table_layout
 from .search.report import ActivationsOption, Alternative, Candidate, MomentsOption, SearchReport
 from .search.step_time import StepTime, with_held_copies
 from .units import ParamTable, Unit, find_units, param_table
@@ -201,7 +200,7 @@ def plan_static(job: PlanJob, order: list[int], outside: list[str] | None = None
     the traced forward read outside their units, beside ``job.resident``."""
     config = job.config
     table = _table(job, order, _with_outside(job.model, job.resident, outside or []))
-    layout = _layout(table, config, job.coll.world_size, config.chunk_size)
+    layout = table_layout(table, job.coll.world_size, config.chunk_size, config.layout_alignment)
     lane = device_lane_wanted(config, job.device)
     return resolve_plan(config, table, layout, job.dtype, lane=lane, batch_shape=job.batch_shape)
 
@@ -299,7 +298,9 @@ class _Searched:
     def planned(self, job: PlanJob, world_size: int) -> Planned:
         """The plan of the winning layout (built here from the chosen chunk size where the result came
         from another rank)."""
-        layout = self.result.layout or _layout(self.table, job.config, world_size, self.result.chunk_size)
+        layout = self.result.layout or table_layout(
+            self.table, world_size, self.result.chunk_size, job.config.layout_alignment
+        )
         return resolve_plan(
             job.config,
             self.table,
@@ -486,18 +487,6 @@ def _with_outside(model: nn.Module, resident: Resident, outside: list[str], log:
             ", ".join(outside),
         )
     return [*resident, *found]
-
-
-def _layout(table: ParamTable, config: ElixirConfig, world_size: int, chunk_size: int | None) -> ChunkLayout:
-    return build_layout(
-        table.params,
-        table.names,
-        table.groups,
-        table.private,
-        world_size=world_size,
-        chunk_size=chunk_size,
-        alignment=config.layout_alignment,
-    )
 
 
 def _profile(

@@ -38,7 +38,7 @@ from .placement import Placement, best_placement, offloaded_chunks
 from .report import Alternative, Candidate, RateSummary, SearchReport
 from .step_time import StepModel
 
-__all__ = ["Layouts", "SearchSettings", "SearchResult", "search", "resident_chunks"]
+__all__ = ["Layouts", "SearchSettings", "SearchResult", "search", "resident_chunks", "table_layout"]
 
 
 SERIAL_TIE = 0.01
@@ -211,6 +211,19 @@ def resident_chunks(
     return units, held, layout.chunks_of([i for i, r in enumerate(table.resident) if r])
 
 
+def table_layout(table: ParamTable, world_size: int, chunk_size: int | None, alignment: int) -> ChunkLayout:
+    """``table``'s parameters in chunks as the engine lays them out (``build_layout``)."""
+    return build_layout(
+        table.params,
+        table.names,
+        table.groups,
+        table.private,
+        world_size=world_size,
+        chunk_size=chunk_size,
+        alignment=alignment,
+    )
+
+
 @dataclass(frozen=True)
 class _Shaped:
     """A layout of the table and what of it depends on nothing but the profiled step."""
@@ -251,15 +264,7 @@ class Layouts:
 
     def _shape(self, chunk_size: int, world_size: int, alignment: int) -> _Shaped:
         table, profile = self.table, self.profile
-        layout = build_layout(
-            table.params,
-            table.names,
-            table.groups,
-            table.private,
-            world_size=world_size,
-            chunk_size=chunk_size,
-            alignment=alignment,
-        )
+        layout = table_layout(table, world_size, chunk_size, alignment)
         units, regions, root = resident_chunks(layout, table, [r.params for r in profile.ac_regions])
         lo, hi = layout.block_bounds([*units, *regions])
         private = {c.index for c in layout.chunks if c.private}
