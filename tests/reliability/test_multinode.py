@@ -1,7 +1,8 @@
 """Checkpoints of a job on 2 nodes, simulated on one machine (one rank per node, gloo, with the
-environment ``torchrun --nnodes 2`` gives each: ``launch.run_ranks``): with a disk per node (``save_on_each_node``) every node's checkpoint holds
-what its ranks need to resume (weights, config, plan, its ranks' optimizer shards, scheduler,
-trainer state, RNG) and a marker of its own; on a shared disk, one marker by the main process.
+environment ``torchrun --nnodes 2`` gives each: ``launch.run_ranks``): with a disk per node
+(``save_on_each_node``) every node's checkpoint holds what its ranks need to resume (weights, config,
+plan, its ranks' optimizer shards, scheduler, trainer state, RNG) and a marker of its own; on a
+shared disk, one marker by the main process.
 Both resume, and every run logs the losses of the same job on 1 node x 2 ranks (under ``torchrun``),
 bit for bit."""
 

@@ -659,6 +659,27 @@ def test_a_host_bound_step_is_priced_with_two_micro_batches(capsys, tmp_path, mo
     assert "host-bound" not in out and "accumulated" not in doc
 
 
+def test_plans_for_other_boxes_reuse_the_profiled_step(tmp_path, monkeypatch, capsys) -> None:
+    """``main(argv, profiles=)``: a step profiled by an earlier call in the process (another card, host or GPU
+    count) is not profiled again, and its plan is the one a fresh profile gives; another batch is profiled."""
+    from elixir_runtime import planner
+
+    profiled = []
+    monkeypatch.setattr(planner, "profile_model", lambda *a, **k: profiled.append(1) or profile_model(*a, **k))
+    base = ["--model", _tiny_config(tmp_path), "--seq-len", "128", "--gpu-mem", "6MiB", "--json"]
+    boxes = (["--gpu", "h100", "--host-mem", "64GiB"], ["--gpu", "h200", "--host-mem", "8GiB", "--gpus", "2"])
+    profiles: dict = {}
+    shared = [main([*base, "--batch-size", "2", *box], profiles=profiles) or capsys.readouterr().out for box in boxes]
+    assert len(profiled) == 1 and len(profiles) == 1
+    fresh = [_run(capsys, *base, "--batch-size", "2", *box)[1] for box in boxes]
+    decided = ("chunk_size", "n_blocks", "offload", "memory", "predicted")  # not the seconds each part took
+    assert [{k: json.loads(d)["plan"][k] for k in decided} for d in shared] == [
+        {k: json.loads(d)["plan"][k] for k in decided} for d in fresh
+    ]
+    main([*base, "--batch-size", "4", *boxes[0]], profiles=profiles)  # fits or not: its step is profiled first
+    assert len(profiled) == 1 + len(fresh) + 1 and len(profiles) == 2
+
+
 # --------------------------------------------------------------------------- --elixir: the run's keys
 
 
