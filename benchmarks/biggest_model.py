@@ -3,8 +3,7 @@
     PYTHONPATH=src python -m benchmarks.biggest_model [--gpus 1 2 4] [--host 128 256 512] [--json]
 
 For each number of H100s (the shipped profile) and host RAM, the largest of the Llama presets
-(``SHAPES``) that ``elixir-plan`` fits, with its plan's pinned host memory
-per GPU and predicted step; batch 4 x 2048 per GPU, bf16, activation checkpointing, clipping.
+(``SHAPES``) that ``elixir-plan`` fits, with its plan's pinned host memory per GPU and predicted step; batch 4 x 2048 per GPU, bf16, activation checkpointing, clipping.
 A host of N GiB is planned with N - ``OS_GIB`` available to the job (``--host-mem``: the memory
 available before the model is loaded; docs/planning.md, "Host memory"). The tables of README
 and docs/planning.md ("The biggest model") are ``table``'s, kept by ``benchmarks.doc_numbers``.
@@ -46,7 +45,7 @@ def biggest(gpus: int, host_gib: int, profiles: Profiles | None = None) -> dict:
     """The largest shape that fits, tried from the largest down (a shape fits where a larger one does);
     ``profiles``: the steps profiled for other boxes (a shape's step is the same on every box)."""
     for name in reversed(SHAPES):
-        doc = plan(name, gpus, host_gib, {} if profiles is None else profiles)
+        doc = plan(name, gpus, host_gib, profiles)
         if doc is not None:
             p = doc["plan"]
             return {

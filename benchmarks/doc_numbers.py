@@ -9,8 +9,8 @@ table on the lines between (``NAME`` a key of ``TABLES``: its header, and per ro
 cells, with ``{COLUMN}`` where a figure goes and the measured cells written by hand; or the biggest
 model per box, ``benchmarks.biggest_model``'s). Every plan is made offline for the shipped H100 profile
 with ``--host-mem`` given (``BOX``): nothing of this machine enters; plans of one model and batch
-profile its step once (``PROFILES``). tests/benchmarks/test_doc_numbers.py compares every quote with ``elixir-plan``'s
-output, in-process.
+profile its step once (``PROFILES``). tests/benchmarks/test_doc_numbers.py compares every quote with
+``elixir-plan``'s output, in-process.
 """
 
 from __future__ import annotations

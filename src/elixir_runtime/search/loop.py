@@ -244,7 +244,8 @@ class Layouts:
 
     def __init__(self, table: ParamTable, profile: ModelProfile) -> None:
         self.table, self.profile = table, profile
-        self._work: dict[str, float] | None = None
+        self._work = {u.name: float(unit_work(u.module, u.params)) for u in table.units}
+        """Parameter elements each unit computes with (``access.unit_work``)."""
         self._shaped: dict[tuple[int, int, int], _Shaped] = {}
 
     def sizes(self, settings: SearchSettings) -> list[int]:
@@ -256,10 +257,11 @@ class Layouts:
             params, table.private, unit_numels, world_size=settings.world_size, alignment=alignment
         )
 
-    def of(self, chunk_size: int, world_size: int, alignment: int) -> _Shaped:
-        key = (chunk_size, world_size, alignment)
+    def of(self, chunk_size: int, settings: SearchSettings) -> _Shaped:
+        """The layout of ``chunk_size`` for ``settings``' world size and alignment, built on first use."""
+        key = (chunk_size, settings.world_size, settings.config.layout_alignment)
         if key not in self._shaped:
-            self._shaped[key] = self._shape(chunk_size, world_size, alignment)
+            self._shaped[key] = self._shape(*key)
         return self._shaped[key]
 
     def _shape(self, chunk_size: int, world_size: int, alignment: int) -> _Shaped:
@@ -268,8 +270,6 @@ class Layouts:
         units, regions, root = resident_chunks(layout, table, [r.params for r in profile.ac_regions])
         lo, hi = layout.block_bounds([*units, *regions])
         private = {c.index for c in layout.chunks if c.private}
-        if self._work is None:  # parameter elements each unit computes with (``access.unit_work``)
-            self._work = {u.name: float(unit_work(u.module, u.params)) for u in table.units}
         unit_chunks = {u.name: cs for u, cs in zip(table.units, units)}
         trace = access_trace(profile.unit_events, unit_chunks, private, self._work)
         return _Shaped(layout, lo, hi, root, trace, MissTable(trace.groups, trace.phases, len(layout.chunks)))
@@ -285,7 +285,7 @@ def _evaluate(
     window: GradWindow | None = None,
     layouts: Layouts | None = None,
 ) -> _Evaluated:
-    shaped = (layouts or Layouts(table, profile)).of(chunk_size, settings.world_size, settings.config.layout_alignment)
+    shaped = (layouts or Layouts(table, profile)).of(chunk_size, settings)
     layout, lo, hi = shaped.layout, shaped.min_blocks, shaped.max_blocks
     model = StepModel(
         layout,

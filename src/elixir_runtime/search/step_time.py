@@ -195,7 +195,7 @@ class StepModel:
         self.elements = np.array([layout.shard_numel(c) if c.trainable else 0 for c in chunks], dtype=np.float64)
         self.coll_known = n == 1 or rates.busbw is not None
         self.coll = self.full * (n - 1) / n / rates.busbw if n > 1 and rates.busbw else np.zeros(self.k)
-        self.table = misses or MissTable(trace.groups, trace.phases, self.k)
+        self.table = misses if misses is not None else MissTable(trace.groups, trace.phases, self.k)
         self.private_gathers = (self.private & self.trainable).astype(np.float64)
         self.compute = compute
         self.roofline = {phase: roofline(cost, rates) for phase, cost in compute.items()}

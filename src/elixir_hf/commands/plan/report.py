@@ -133,7 +133,7 @@ def plan_report(
         target = _target(args, hardware, card, host_bytes)
 
         t1 = time.perf_counter()
-        key = _step_key(args, hf_config, config)
+        key = _step_key(args, hf_config, config, lora)
         profile = None if profiles is None else profiles.get(key)
         if profile is None:
             with mask_decisions_of(batch):
@@ -175,10 +175,12 @@ def plan_report(
     return PlanReport(plan, title, text, details, doc, warnings)
 
 
-def _step_key(args: argparse.Namespace, hf_config: PretrainedConfig, config: ElixirConfig) -> tuple[object, ...]:
+def _step_key(
+    args: argparse.Namespace, hf_config: PretrainedConfig, config: ElixirConfig, lora: Lora | None
+) -> tuple[object, ...]:
     """What a profiled step depends on: the model, its batch and dtype, checkpointing, LoRA, the loss, the
     units, the tracing; not the card, the host or the number of GPUs."""
-    shape = (args.batch_size, args.seq_len, str(args.dtype), args.ac, repr(lora_of(args)), args.lean_loss)
+    shape = (args.batch_size, args.seq_len, str(args.dtype), args.ac, repr(lora), args.lean_loss)
     return (hf_config.to_json_string(), *shape, args.exact, repr(config.unit_classes))
 
 
